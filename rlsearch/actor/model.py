@@ -1,0 +1,93 @@
+"""HF checkpoint <-> Megatron GPTModel through mbridge, with the layer spec chosen for the device.
+
+mbridge's registered bridges map Transformer Engine names, where the layernorms are fused into the next
+linear layer. The local spec (CPU) keeps them as separate modules, so `make_bridge` derives a subclass of the
+registered bridge with those two names added, and its own mapping dicts (mbridge's tied-embedding
+adjustment writes into the class dict, so sharing it across bridges would leak between models).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_LOCAL_SPEC_LAYERNORM_NAMES = {
+    "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
+    "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
+}
+
+
+def resolve_transformer_impl(requested: str) -> str:
+    """auto -> transformer_engine when CUDA and TE are present, else local."""
+    if requested != "auto":
+        return requested
+    if not torch.cuda.is_available():
+        return "local"
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return "local"
+    return "transformer_engine"
+
+
+def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: bool):
+    """An mbridge Bridge for the HF model at `hf_dir`, configured for our runtime (call after parallel init)."""
+    from mbridge.core.bridge import _MODEL_REGISTRY
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    if hf_config.model_type not in _MODEL_REGISTRY:
+        raise ValueError(
+            f"unsupported architecture '{hf_config.model_type}' in {hf_dir}; "
+            f"supported: {', '.join(sorted(_MODEL_REGISTRY))}"
+        )
+    base = _MODEL_REGISTRY[hf_config.model_type]
+    overrides = {"_DIRECT_MAPPING": dict(base._DIRECT_MAPPING)}
+    if transformer_impl == "local":
+        overrides.update(
+            _OTHER_MAPPING={**base._OTHER_MAPPING, "input_layernorm.weight": _LOCAL_SPEC_LAYERNORM_NAMES[
+                "input_layernorm.weight"]},
+            _MLP_MAPPING={**base._MLP_MAPPING, "pre_mlp_layernorm.weight": _LOCAL_SPEC_LAYERNORM_NAMES[
+                "pre_mlp_layernorm.weight"]},
+            _get_transformer_layer_spec=_local_layer_spec,
+        )
+    bridge_cls = type(f"{transformer_impl.title().replace('_', '')}{base.__name__}", (base,), overrides)
+    bridge = bridge_cls(hf_config, dtype=dtype)
+    runtime_args = dict(
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        batch_p2p_sync=False,
+    )
+    if transformer_impl == "local":
+        # the local spec has no fused kernels and (torch LayerNorm) no sequence parallelism
+        runtime_args.update(
+            masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+            gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+            sequence_parallel=False,
+        )
+    if on_cpu:
+        runtime_args.update(use_cpu_initialization=True)
+    bridge.set_extra_args(**runtime_args)
+    return bridge
+
+
+def _local_layer_spec(self, vp_stage=None):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm)
+
+
+def build_model_chunks(bridge, virtual_pipeline_stages: int | None = None) -> list[torch.nn.Module]:
+    """The GPTModel chunks this rank owns (one, or one per virtual pipeline stage), random-initialised."""
+    from megatron.core import parallel_state as ps
+
+    provider = bridge._model_provider([])
+    stages = [None] if not virtual_pipeline_stages else list(range(virtual_pipeline_stages))
+    chunks = []
+    for vp_stage in stages:
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        chunks.append(provider(pre, post, vp_stage) if vp_stage is not None else provider(pre, post))
+    return chunks

@@ -1,0 +1,231 @@
+"""One Megatron-core rank of the policy: logprobs, GRPO training steps, weight export, checkpoints.
+
+`ActorGroup` (group.py) runs TP x PP x DP of these as Ray actors. Every method that runs megatron code is a
+collective: the group calls it on all ranks at once. Results come back from the "output ranks" (last
+pipeline stage, tensor-parallel rank 0), one per data-parallel shard.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from ..algo import kl_estimate, ppo_clip_terms
+from ..config import ActorConfig, AlgoConfig
+from .batch import MicroBatch, TrainSample, collate, split_micro_batches
+from .cpu_compat import apply_cpu_patches, cuda_available
+from .model import build_model_chunks, make_bridge, resolve_transformer_impl
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    is_output_rank: bool  # last pipeline stage and tensor-parallel rank 0: holds losses and logprobs
+
+
+@dataclass
+class ActorWorkerSpec:
+    model_path: str
+    dtype: str
+    actor: ActorConfig
+    algo: AlgoConfig
+    temperature: float
+    total_steps: int
+    seed: int
+
+
+class MegatronActorWorker:
+    def __init__(self, spec: ActorWorkerSpec, rank: int, world_size: int) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+
+    def node_address(self) -> tuple[str, int]:
+        """An address and a free port on this rank's node, for the process-group rendezvous."""
+        host = os.environ.get("RLSEARCH_NODE_IP", "127.0.0.1")
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            return host, sock.getsockname()[1]
+
+    def initialize(self, master_addr: str, master_port: int) -> RankInfo:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        actor = self.spec.actor
+        cores = os.cpu_count() or 1
+        torch.set_num_threads(actor.num_threads or max(1, cores // self.world_size))
+        on_cpu = not cuda_available()
+        if on_cpu:
+            apply_cpu_patches()
+        else:
+            torch.cuda.set_device(0)  # Ray exposes the rank's GPU as device 0
+        backend = actor.backend if actor.backend != "auto" else ("gloo" if on_cpu else "nccl")
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+            world_size=self.world_size, timeout=timedelta(minutes=10),
+        )
+        ps.initialize_model_parallel(tensor_model_parallel_size=actor.tp, pipeline_model_parallel_size=actor.pp)
+        torch.manual_seed(self.spec.seed)
+        model_parallel_cuda_manual_seed(self.spec.seed)
+
+        self.transformer_impl = resolve_transformer_impl(actor.transformer_impl)
+        dtype = _DTYPES[self.spec.dtype]
+        self.bridge = make_bridge(self.spec.model_path, dtype, self.transformer_impl, on_cpu)
+        chunks = build_model_chunks(self.bridge)
+        self.bridge.load_weights(chunks, self.spec.model_path)
+        self.model = self._wrap_for_training(chunks)
+        self.reference = None
+        if self.spec.algo.kl_coef > 0:
+            self.reference = build_model_chunks(self.bridge)
+            self.bridge.load_weights(self.reference, self.spec.model_path)
+            for chunk in self.reference:
+                chunk.requires_grad_(False)
+        self.info = RankInfo(
+            rank=self.rank,
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(),
+            is_output_rank=ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0,
+        )
+        return self.info
+
+    def _wrap_for_training(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        actor = self.spec.actor
+        config = chunks[0].config
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        model = [
+            DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk) for chunk in chunks
+        ]
+        config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=actor.lr, min_lr=actor.min_lr, weight_decay=actor.weight_decay,
+                adam_beta1=actor.adam_beta1, adam_beta2=actor.adam_beta2, clip_grad=actor.clip_grad,
+                bf16=config.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=False,
+            ),
+            model,
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if actor.lr_warmup_steps else actor.lr, max_lr=actor.lr,
+            min_lr=actor.min_lr, lr_warmup_steps=actor.lr_warmup_steps,
+            lr_decay_steps=max(self.spec.total_steps, actor.lr_warmup_steps + 1),
+            lr_decay_style=actor.lr_decay_style, start_wd=actor.weight_decay, end_wd=actor.weight_decay,
+            wd_incr_steps=max(self.spec.total_steps, 1), wd_incr_style="constant",
+        )
+        return model
+
+    # ---- forward passes -------------------------------------------------------------------------------
+
+    def _token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """log p(label) per position from vocab-parallel logits, never gathering the full vocabulary."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        scaled = logits.float() / self.spec.temperature
+        return -vocab_parallel_cross_entropy(scaled, labels)
+
+    def _run_pipeline(self, model, samples: Sequence[TrainSample], loss_fn, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        micro_batches = [collate(mb) for mb in split_micro_batches(samples, self.spec.actor.micro_batch_size)]
+        batches = iter(micro_batches)
+
+        def forward_step(data_iterator, chunk):
+            mb: MicroBatch = next(data_iterator)
+            output = chunk(mb.tokens, mb.position_ids, None)
+            return output, partial(loss_fn, mb, len(micro_batches))
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=batches, model=model,
+            num_microbatches=len(micro_batches), seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
+            micro_batch_size=self.spec.actor.micro_batch_size, forward_only=forward_only,
+        )
+
+    def compute_logprobs(self, samples: Sequence[TrainSample], reference: bool = False) -> list[list[float]] | None:
+        """Per-sample logprobs of the response tokens (at the rollout temperature). None off the output ranks."""
+        model = self.reference if reference else self.model
+        if model is None:
+            raise RuntimeError("reference logprobs requested but algo.kl_coef is 0 (no reference model)")
+
+        def loss_fn(mb: MicroBatch, _num_micro_batches: int, logits: torch.Tensor):
+            logprobs = self._token_logprobs(logits, mb.labels).detach()
+            per_sample = [logprobs[row, start:end].tolist() for row, (start, end) in enumerate(mb.response_spans)]
+            return logprobs.new_zeros(()), {"logprobs": per_sample}
+
+        for chunk in model:
+            chunk.eval()
+        with torch.no_grad():
+            outputs = self._run_pipeline(model, samples, loss_fn, forward_only=True)
+        if not self.info.is_output_rank:
+            return None
+        return [row for out in outputs for row in out["logprobs"]]
+
+    def train_step(self, samples: Sequence[TrainSample], dp_size: int) -> dict[str, float]:
+        """One optimizer step of PPO-clip (+ KL) over `samples` (this rank's data-parallel shard)."""
+        algo = self.spec.algo
+
+        def loss_fn(mb: MicroBatch, num_micro_batches: int, logits: torch.Tensor):
+            logprobs = self._token_logprobs(logits, mb.labels)
+            terms = ppo_clip_terms(logprobs, mb.old_logprobs, mb.advantages, algo.clip_ratio_low, algo.clip_ratio_high)
+            per_token = terms.per_token_loss
+            kl = torch.zeros_like(per_token)
+            if algo.kl_coef > 0:
+                kl = kl_estimate(logprobs, mb.ref_logprobs, algo.kl_estimator)
+                per_token = per_token + algo.kl_coef * kl
+            mask = mb.loss_mask
+            loss = (per_token * mb.token_weights).sum()
+            stats = {
+                "policy_loss": (terms.per_token_loss * mb.token_weights).sum().detach(),
+                "kl_loss": (kl * mb.token_weights).sum().detach(),
+                "clip_tokens": (terms.clipped * mask).sum(),
+                "approx_kl_sum": (terms.approx_kl * mask).sum(),
+                "tokens": mask.sum(),
+            }
+            # the schedule divides by the number of micro-batches and DDP averages over DP ranks; the token
+            # weights already normalise over the whole global batch, so undo both
+            return loss * num_micro_batches * dp_size, stats
+
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run_pipeline(self.model, samples, loss_fn, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        totals = {key: float(sum(out[key] for out in outputs)) for key in outputs[0]} if outputs else {}
+        totals.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            update_ok=float(bool(update_ok)),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+        )
+        return totals
+
+    # ---- weights --------------------------------------------------------------------------------------
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors (PP gathered, TP merged). A collective: every rank must iterate it."""
+        for name, tensor in self.bridge.export_weights(self.model):
+            yield name, tensor.detach()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole HF state dict on global rank 0 (None elsewhere). A collective."""
+        state = {name: tensor.cpu().clone() for name, tensor in self.export_hf_weights()}
+        return state if self.rank == 0 else None

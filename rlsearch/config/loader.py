@@ -1,0 +1,126 @@
+"""YAML + dotted command-line overrides -> validated config dataclasses. Errors name the dotted key."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the offending key and says what is accepted."""
+
+
+def load_config(schema: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """Build `schema` from a YAML file (optional) with `key.sub=value` overrides applied on top."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_yaml(Path(path))
+    for override in overrides or []:
+        _apply_override(raw, override)
+    return from_dict(schema, raw)
+
+
+def from_dict(schema: type[T], raw: dict[str, Any], prefix: str = "") -> T:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(schema)
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    unknown = [k for k in raw if k not in fields]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), fields, n=1)
+        hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(fields)}"
+        raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+    values = {name: _coerce(hints[name], raw[name], f"{prefix}{name}") for name in fields if name in raw}
+    return schema(**values)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return data
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, text = override.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"bad override '{override}': expected section.key=value, e.g. trainer.total_steps=3")
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{override}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value if value is not None else {}, prefix=f"{key}.")
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(option, value, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0])
+    if origin is list:
+        (item_hint,) = typing.get_args(hint)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"'{key}' must be a list, got {value!r}")
+        return [_coerce(item_hint, item, f"{key}[{i}]") for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{key}' must be a mapping, got {value!r}")
+        return dict(value)
+    return _coerce_scalar(hint, value, key)
+
+
+def _coerce_scalar(hint: Any, value: Any, key: str) -> Any:
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"'{key}' must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"'{key}' must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"'{key}' must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"'{key}' must be a string, got {value!r}")
+    return value

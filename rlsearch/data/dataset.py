@@ -1,0 +1,127 @@
+"""Loading QA datasets (Search-R1 raw or processed rows) from JSONL or Parquet files."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ACCEPTED_SUFFIXES = (".jsonl", ".parquet")
+
+
+@dataclass(frozen=True)
+class QAExample:
+    id: str
+    question: str
+    golden_answers: tuple[str, ...]
+    data_source: str
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing, unreadable or has a malformed row; the message says where and what to fix."""
+
+
+def load_qa_dataset(path: str | os.PathLike, default_data_source: str = "unknown") -> list[QAExample]:
+    """Read QA examples from a ``.jsonl`` or ``.parquet`` file.
+
+    Rows are either raw Search-R1 rows (``question``, ``golden_answers``) or processed ones whose answers
+    live in ``reward_model.ground_truth.target`` and whose question may be in ``extra_info.question``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"dataset file not found: {path}")
+    if path.suffix == ".jsonl":
+        located_rows = _read_jsonl(path)
+    elif path.suffix == ".parquet":
+        located_rows = _read_parquet(path)
+    else:
+        raise DatasetError(
+            f"{path}: unsupported file type; accepted suffixes are {', '.join(ACCEPTED_SUFFIXES)}"
+        )
+
+    examples = [
+        _parse_row(row, location, f"{path.stem}-{index}", default_data_source)
+        for index, (location, row) in enumerate(located_rows)
+    ]
+    if not examples:
+        raise DatasetError(f"{path} contains no rows")
+    return examples
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open(encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            location = f"{path}:{line_number}"
+            try:
+                yield location, json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DatasetError(
+                    f"{location}: invalid JSON ({error.msg}); each line must be one JSON object"
+                ) from error
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow
+    import pyarrow.parquet
+
+    try:
+        rows = pyarrow.parquet.read_table(path).to_pylist()
+    except pyarrow.ArrowException as error:
+        raise DatasetError(f"{path}: not a readable parquet file ({error})") from error
+    for row_number, row in enumerate(rows, start=1):
+        yield f"{path}: row {row_number}", row
+
+
+def _parse_row(row: Any, location: str, fallback_id: str, default_data_source: str) -> QAExample:
+    if not isinstance(row, dict):
+        raise DatasetError(f"{location}: expected a JSON object, got {type(row).__name__}")
+    row_id = row.get("id")
+    data_source = row.get("data_source")
+    return QAExample(
+        id=fallback_id if row_id is None else str(row_id),
+        question=_parse_question(row, location),
+        golden_answers=_parse_golden_answers(row, location),
+        data_source=default_data_source if data_source is None else str(data_source),
+    )
+
+
+def _parse_question(row: dict[str, Any], location: str) -> str:
+    question = row.get("question")
+    extra_info = row.get("extra_info")
+    if question is None and isinstance(extra_info, dict):
+        question = extra_info.get("question")
+    if not isinstance(question, str) or not question.strip():
+        raise DatasetError(
+            f"{location}: missing or empty 'question' (or 'extra_info.question'); give a non-empty string"
+        )
+    return question.strip()
+
+
+def _parse_golden_answers(row: dict[str, Any], location: str) -> tuple[str, ...]:
+    answers = row.get("golden_answers")
+    if answers is None:
+        answers = _processed_target(row)
+    if answers is None:
+        raise DatasetError(
+            f"{location}: missing golden answers; give 'golden_answers' or 'reward_model.ground_truth.target'"
+        )
+    if isinstance(answers, str):
+        return (answers,)
+    if not isinstance(answers, (list, tuple)):
+        raise DatasetError(f"{location}: golden answers must be a string or a list of strings")
+    if not answers:
+        raise DatasetError(f"{location}: empty list of golden answers; give at least one answer")
+    if not all(isinstance(answer, str) for answer in answers):
+        raise DatasetError(f"{location}: golden answers must be strings, got {answers!r}")
+    return tuple(answers)
+
+
+def _processed_target(row: dict[str, Any]) -> Any:
+    reward_model = row.get("reward_model")
+    ground_truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    return ground_truth.get("target") if isinstance(ground_truth, dict) else None

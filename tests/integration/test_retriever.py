@@ -1,0 +1,198 @@
+import json
+import re
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+
+from rlsearch.tools import BM25Retriever, RetrievalClient, RetrieverProcess, ToolError
+
+UNIQUE_PASSAGES = {
+    "quokkafish": {"id": "unique-0", "contents": '"Quokkafish"\nThe quokkafish is a reef fish that smiles.'},
+    "zirconlamp": {"id": "unique-1", "contents": '"Zircon lamp"\nA zirconlamp burns with a blue flame.'},
+    "vellichor": {"id": "unique-2", "contents": '"Vellichor"\nVellichor is the mood of used bookshops.'},
+}
+FILLER_TOPICS = ["river", "mountain", "harbor", "desert", "forest", "island", "valley", "glacier", "canyon"]
+
+
+def corpus_records() -> list[dict]:
+    filler = [
+        {
+            "id": f"filler-{i}",
+            "contents": f'"Place {i}"\nThis passage describes a {FILLER_TOPICS[i % 9]} near town number {i}.',
+        }
+        for i in range(27)
+    ]
+    return filler[:10] + list(UNIQUE_PASSAGES.values()) + filler[10:]
+
+
+@pytest.fixture(scope="module")
+def corpus_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in corpus_records()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(corpus_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RetrieverProcess]:
+    with RetrieverProcess(str(corpus_path), cache_dir=str(tmp_path_factory.mktemp("cache"))) as process:
+        yield process
+
+
+def post_retrieve(server: RetrieverProcess, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/retrieve", json=body, timeout=10.0)
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_server_binds_loopback_on_a_chosen_port(server: RetrieverProcess) -> None:
+    address = urlparse(server.url)
+    assert address.hostname == "127.0.0.1"
+    assert address.port == server.port > 0
+
+
+def test_health_reports_document_count(server: RetrieverProcess) -> None:
+    response = httpx.get(f"{server.url}/health", timeout=10.0)
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok", "num_documents": 30}
+
+
+def test_unique_word_ranks_its_passage_first(server: RetrieverProcess) -> None:
+    response = post_retrieve(server, {"queries": list(UNIQUE_PASSAGES), "topk": 3})
+    assert response.status_code == 200
+    result = response.json()["result"]
+    assert [hits[0] for hits in result] == list(UNIQUE_PASSAGES.values())
+    # Only the unique passage shares a term with each query.
+    assert [len(hits) for hits in result] == [1, 1, 1]
+
+
+def test_return_scores_shape_is_best_first(server: RetrieverProcess) -> None:
+    body = {"queries": ["mountain town", "vellichor"], "topk": 5, "return_scores": True}
+    result = post_retrieve(server, body).json()["result"]
+    assert [len(hits) for hits in result] == [5, 1]
+    assert all(set(hit) == {"document", "score"} for hits in result for hit in hits)
+    mountain_hits = result[0]
+    assert all("mountain" in hit["document"]["contents"] for hit in mountain_hits[:3])
+    scores = [hit["score"] for hit in mountain_hits]
+    assert scores == sorted(scores, reverse=True)
+    assert result[1][0]["document"] == UNIQUE_PASSAGES["vellichor"]
+    assert result[1][0]["score"] > 0
+
+
+def test_topk_is_clamped_to_the_corpus_size(server: RetrieverProcess) -> None:
+    result = post_retrieve(server, {"queries": ["passage town"], "topk": 100}).json()["result"]
+    assert len(result[0]) == 27
+
+
+def test_empty_query_returns_no_documents(server: RetrieverProcess) -> None:
+    result = post_retrieve(server, {"queries": ["", "quokkafish"]}).json()["result"]
+    assert result == [[], [UNIQUE_PASSAGES["quokkafish"]]]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"queries": ["river"], "topk": 0},
+        {"queries": ["river"], "topk": 101},
+        {"queries": "river"},
+        {"queries": [1, 2]},
+        {"topk": 3},
+    ],
+)
+def test_bad_request_is_rejected(server: RetrieverProcess, body: dict) -> None:
+    response = post_retrieve(server, body)
+    assert response.status_code == 422
+    assert response.json()["detail"]
+
+
+def test_client_returns_the_same_top_documents(server: RetrieverProcess) -> None:
+    client = RetrievalClient(server.url, topk=3)
+    try:
+        contents = client.retrieve(list(UNIQUE_PASSAGES))
+    finally:
+        client.close()
+    assert contents == [[passage["contents"]] for passage in UNIQUE_PASSAGES.values()]
+    assert (client.num_requests, client.num_retries, client.num_failures) == (1, 0, 0)
+
+
+def test_client_skips_the_request_for_no_queries() -> None:
+    client = RetrievalClient(f"http://127.0.0.1:{closed_port()}")
+    assert client.retrieve([]) == []
+    assert client.num_requests == 0
+    client.close()
+
+
+def test_index_is_reloaded_from_cache(corpus_path: Path, tmp_path: Path) -> None:
+    first = BM25Retriever.from_corpus(corpus_path, cache_dir=tmp_path)
+    second = BM25Retriever.from_corpus(corpus_path, cache_dir=tmp_path)
+    assert (first.loaded_from_cache, second.loaded_from_cache) == (False, True)
+    queries = ["zirconlamp", "glacier town"]
+    assert second.search(queries, 4) == first.search(queries, 4)
+
+
+def test_changed_corpus_is_not_served_from_a_stale_cache(corpus_path: Path, tmp_path: Path) -> None:
+    BM25Retriever.from_corpus(corpus_path, cache_dir=tmp_path)
+    changed_corpus = tmp_path / "changed.jsonl"
+    changed_corpus.write_text(corpus_path.read_text() + json.dumps({"id": "new", "contents": "x"}) + "\n")
+    changed = BM25Retriever.from_corpus(changed_corpus, cache_dir=tmp_path)
+    assert changed.loaded_from_cache is False
+    assert changed.num_documents == 31
+
+
+def test_dead_server_raises_after_bounded_retries() -> None:
+    url = f"http://127.0.0.1:{closed_port()}"
+    client = RetrievalClient(url, timeout_s=1.0, max_retries=3, backoff_s=0.01)
+    started = time.monotonic()
+    expected_message = f"{url}/retrieve failed after 4 attempts; last error: ConnectError"
+    with pytest.raises(ToolError, match=re.escape(expected_message)):
+        client.retrieve(["river"])
+    assert time.monotonic() - started < 3.0
+    assert (client.num_requests, client.num_retries, client.num_failures) == (1, 3, 1)
+    client.close()
+
+
+def install_mock_server(client: RetrievalClient, statuses: list[int]) -> list[httpx.Request]:
+    """Answers the client's requests with the given statuses in turn; returns the requests received."""
+    received: list[httpx.Request] = []
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        received.append(request)
+        status = statuses[len(received) - 1]
+        body = {"result": [[{"id": "1", "contents": "doc"}]]} if status == 200 else {"detail": "boom"}
+        return httpx.Response(status, json=body)
+
+    client._http.close()
+    client._http = httpx.Client(transport=httpx.MockTransport(respond))
+    return received
+
+
+def test_client_retries_server_errors_then_succeeds() -> None:
+    client = RetrievalClient("http://retriever.test", max_retries=3, backoff_s=0.0)
+    received = install_mock_server(client, [503, 500, 200])
+    assert client.retrieve(["q"]) == [["doc"]]
+    assert len(received) == 3
+    assert json.loads(received[0].content) == {"queries": ["q"], "topk": 3, "return_scores": False}
+    assert (client.num_requests, client.num_retries, client.num_failures) == (1, 2, 0)
+
+
+def test_client_does_not_retry_a_rejected_request() -> None:
+    client = RetrievalClient("http://retriever.test", max_retries=3, backoff_s=0.0)
+    received = install_mock_server(client, [422])
+    with pytest.raises(ToolError, match=re.escape("http://retriever.test/retrieve rejected: HTTP 422")):
+        client.retrieve(["q"])
+    assert len(received) == 1
+    assert (client.num_retries, client.num_failures) == (0, 1)
+
+
+def test_process_that_dies_on_startup_reports_its_log(tmp_path: Path) -> None:
+    process = RetrieverProcess(str(tmp_path / "missing.jsonl"), cache_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 1 on startup.*FileNotFoundError"):
+        process.start()
