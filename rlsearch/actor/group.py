@@ -1,0 +1,93 @@
+"""ActorGroup: TP x PP x DP Megatron ranks as Ray actors, driven as one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import ray
+
+from .batch import TrainSample
+from .worker import ActorWorkerSpec, MegatronActorWorker, RankInfo
+
+
+class ActorGroup:
+    def __init__(self, spec: ActorWorkerSpec, num_gpus_per_rank: float = 0.0) -> None:
+        actor = spec.actor
+        self.world_size = actor.tp * actor.pp * actor.dp
+        self.dp_size = actor.dp
+        remote_cls = ray.remote(MegatronActorWorker)
+        self.workers = [
+            remote_cls.options(num_cpus=0, num_gpus=num_gpus_per_rank, name=None).remote(spec, rank, self.world_size)
+            for rank in range(self.world_size)
+        ]
+        master_addr, master_port = ray.get(self.workers[0].node_address.remote())
+        self.infos: list[RankInfo] = ray.get([w.initialize.remote(master_addr, master_port) for w in self.workers])
+
+    def _shards(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
+        """Contiguous, balanced data-parallel shards (their concatenation is the input order)."""
+        base, extra = divmod(len(samples), self.dp_size)
+        shards, start = [], 0
+        for dp_rank in range(self.dp_size):
+            end = start + base + (1 if dp_rank < extra else 0)
+            shards.append(list(samples[start:end]))
+            start = end
+        return shards
+
+    def _output_by_dp_rank(self, results: list) -> list:
+        outputs = {info.dp_rank: result for info, result in zip(self.infos, results) if info.is_output_rank}
+        return [outputs[dp_rank] for dp_rank in range(self.dp_size)]
+
+    def compute_logprobs(
+        self, samples: Sequence[TrainSample], reference: bool = False, temperature: float | None = None
+    ) -> list[list[float]]:
+        shards = self._shards(samples)
+        results = ray.get([
+            worker.compute_logprobs.remote(shards[info.dp_rank], reference, temperature)
+            for worker, info in zip(self.workers, self.infos)
+        ])
+        return [row for shard in self._output_by_dp_rank(results) for row in shard]
+
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        shards = self._shards(samples)
+        results = ray.get([
+            worker.train_step.remote(shards[info.dp_rank], self.dp_size)
+            for worker, info in zip(self.workers, self.infos)
+        ])
+        per_dp = self._output_by_dp_rank(results)
+        summed = {key: sum(r[key] for r in per_dp) for key in ("policy_loss", "kl_loss", "clip_tokens",
+                                                              "approx_kl_sum", "rollout_drift_sum", "tokens")}
+        tokens = max(summed["tokens"], 1.0)
+        return {
+            "actor/policy_loss": summed["policy_loss"],
+            "actor/kl_loss": summed["kl_loss"],
+            "actor/clip_fraction": summed["clip_tokens"] / tokens,
+            "actor/approx_kl": summed["approx_kl_sum"] / tokens,
+            "rollout/actor_logprob_diff_mean": summed["rollout_drift_sum"] / tokens,
+            "actor/grad_norm": per_dp[0]["grad_norm"],
+            "actor/lr": per_dp[0]["lr"],
+            "actor/update_ok": per_dp[0]["update_ok"],
+        }
+
+    def export_weight_buckets(self, bucket_bytes: int) -> Iterator[ray.ObjectRef]:
+        """Object refs of weight buckets as rank 0 produces them; the other ranks run their part alongside."""
+        streams = [
+            worker.export_weight_buckets.options(num_returns="streaming").remote(bucket_bytes)
+            for worker in self.workers
+        ]
+        yield from streams[0]
+        for stream in streams[1:]:
+            for _ in stream:
+                pass
+
+    def save_checkpoint(self, path: str) -> None:
+        ray.get([worker.save_checkpoint.remote(path) for worker in self.workers])
+
+    def hf_state_dict(self) -> dict:
+        return ray.get([worker.hf_state_dict.remote() for worker in self.workers])[0]
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([worker.shutdown.remote() for worker in self.workers], timeout=30)
+        finally:
+            for worker in self.workers:
+                ray.kill(worker)

@@ -1,0 +1,37 @@
+"""Move the actor's weights into the rollout engines after each step, then verify them on a probe."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import ray
+
+
+@dataclass
+class SyncStats:
+    seconds: float
+    num_buckets: int
+    num_tensors: int
+
+
+def sync_weights(actor_group, engines: Sequence, bucket_mb: int) -> SyncStats:
+    """Stream HF-named weight buckets from the actor group into every engine (one reload session each)."""
+    started = time.perf_counter()
+    ray.get([engine.begin_weight_update.remote() for engine in engines])
+    num_buckets = num_tensors = 0
+    for bucket_ref in actor_group.export_weight_buckets(bucket_mb * 1024 * 1024):
+        loaded = ray.get([engine.load_weight_bucket.remote(bucket_ref) for engine in engines])
+        num_buckets += 1
+        num_tensors += loaded[0]
+    ray.get([engine.finish_weight_update.remote() for engine in engines])
+    return SyncStats(seconds=time.perf_counter() - started, num_buckets=num_buckets, num_tensors=num_tensors)
+
+
+def logprob_mismatch(engine_logprobs: Sequence[float], actor_logprobs: Sequence[float]) -> tuple[float, float]:
+    """(max, mean) absolute difference between two per-token logprob lists of the same sequence."""
+    if len(engine_logprobs) != len(actor_logprobs) or not engine_logprobs:
+        raise ValueError(f"cannot compare {len(engine_logprobs)} engine and {len(actor_logprobs)} actor logprobs")
+    diffs = [abs(a - b) for a, b in zip(engine_logprobs, actor_logprobs)]
+    return max(diffs), sum(diffs) / len(diffs)

@@ -1,0 +1,116 @@
+"""`rlsearch` command line: one entry, a subcommand per user task."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DESCRIPTION = """\
+rlsearch trains LLM search agents with reinforcement learning (GRPO): a Megatron-core actor,
+vLLM rollout engines with multi-turn tool use, a local retrieval server, all orchestrated by Ray.
+
+Quick start (tiny model + generated corpus on CPU):
+  bash examples/run_search_grpo.sh
+"""
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_train_config
+    from .data import DatasetError
+    from .trainer import GRPOTrainer
+
+    try:
+        config = load_train_config(args.config, args.overrides)
+        trainer = GRPOTrainer(config)
+    except (ConfigError, DatasetError) as err:
+        print(f"rlsearch train: {err}", file=sys.stderr)
+        return 2
+    summary = trainer.train()
+    print(summary.render(), flush=True)
+    return 0
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from .data.tiny_model import TinyModelSpec, make_tiny_model
+
+    spec = TinyModelSpec(
+        hidden_size=args.hidden_size, num_layers=args.num_layers, num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
+        tie_word_embeddings=args.tie_word_embeddings, seed=args.seed,
+    )
+    out = make_tiny_model(args.out, spec)
+    print(f"tiny Qwen2 model written to {out}")
+    return 0
+
+
+def _make_toy_data(args: argparse.Namespace) -> int:
+    from .data import make_toy_data
+
+    paths = make_toy_data(args.out, seed=args.seed, num_entities=args.num_entities)
+    print(f"toy corpus: {paths.corpus}\ntrain: {paths.train}\ntest: {paths.test}")
+    return 0
+
+
+def _serve_retriever(args: argparse.Namespace) -> int:
+    from .tools import serve_retriever
+
+    serve_retriever(args.corpus, host=args.host, port=args.port, cache_dir=args.cache_dir)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlsearch", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser(
+        "train", help="GRPO training of a search agent",
+        description="Train with GRPO. Settings come from a YAML config; any key can be overridden on the command "
+        "line as section.key=value, e.g. trainer.total_steps=3 actor.lr=1e-5. Unknown keys are errors.",
+    )
+    train.add_argument("--config", help="YAML config (see examples/configs/search_grpo_tiny.yaml)")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    train.set_defaults(func=_train)
+
+    tiny = commands.add_parser(
+        "make-tiny-model", help="write a random-init tiny Qwen2 with the real Qwen2 tokenizer (offline)"
+    )
+    tiny.add_argument("--out", required=True, help="output HuggingFace model dir")
+    tiny.add_argument("--hidden-size", type=int, default=128)
+    tiny.add_argument("--num-layers", type=int, default=2)
+    tiny.add_argument("--num-heads", type=int, default=4, help="head size = hidden / heads must be >= 32")
+    tiny.add_argument("--num-kv-heads", type=int, default=2)
+    tiny.add_argument("--intermediate-size", type=int, default=256)
+    tiny.add_argument("--tie-word-embeddings", action="store_true")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_make_tiny_model)
+
+    toy = commands.add_parser(
+        "make-toy-data", help="generate a corpus about invented entities and a QA set over it"
+    )
+    toy.add_argument("--out", required=True, help="output dir (corpus.jsonl, train.jsonl, test.jsonl)")
+    toy.add_argument("--seed", type=int, default=0)
+    toy.add_argument("--num-entities", type=int, default=200)
+    toy.set_defaults(func=_make_toy_data)
+
+    serve = commands.add_parser(
+        "serve-retriever", help="BM25 retrieval server with Search-R1's POST /retrieve API"
+    )
+    serve.add_argument("--corpus", required=True, help='JSONL corpus, one {"id", "contents"} per line')
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--cache-dir", default=None, help="where the BM25 index is cached between starts")
+    serve.set_defaults(func=_serve_retriever)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

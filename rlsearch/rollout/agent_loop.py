@@ -1,0 +1,157 @@
+"""The multi-turn agent loop: generate until a tool call's closing tag, run the tool, append, continue.
+
+Token ids are the source of truth: the engine's sampled ids are appended as they are (loss mask 1), an
+observation is the tokenisation of the observation text alone (loss mask 0), and the next turn continues
+from the concatenated ids. Model output is never decoded and re-encoded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..config import RolloutConfig
+from ..tools import SearchR1Protocol, ToolError, TurnKind
+from .trajectory import ToolCallRecord, Trajectory, Turn
+
+SearchFn = Callable[[list[str]], list[list[str]]]
+
+
+@dataclass
+class PromptItem:
+    example_id: str
+    question: str
+    group_id: int
+    sample_index: int
+
+
+def request_seed(base_seed: int, step: int, group_id: int, sample_index: int, turn: int) -> int:
+    """A per-request sampling seed: a fixed seed gives the same trajectories regardless of batching."""
+    key = f"{base_seed}/{step}/{group_id}/{sample_index}/{turn}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") & 0x7FFFFFFF
+
+
+class AgentLoop:
+    def __init__(
+        self, engine, protocol: SearchR1Protocol, search: SearchFn, config: RolloutConfig, seed: int
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.protocol = protocol
+        self.search = search
+        self.config = config
+        self.seed = seed
+        self.logit_bias = self._tag_logit_bias() if config.tag_logit_bias else None
+
+    def prompt_ids(self, question: str) -> list[int]:
+        messages = [{"role": "user", "content": self.protocol.instruction(question)}]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text + self.config.assistant_prefix, add_special_tokens=False)
+
+    def run(self, items: Sequence[PromptItem], step: int) -> list[Trajectory]:
+        trajectories = []
+        for item in items:
+            prompt = self.prompt_ids(item.question)
+            if len(prompt) > self.config.max_prompt_tokens:
+                raise ValueError(
+                    f"prompt of example '{item.example_id}' has {len(prompt)} tokens, more than "
+                    f"rollout.max_prompt_tokens={self.config.max_prompt_tokens}; raise it or shorten the question"
+                )
+            trajectories.append(Trajectory(item.example_id, item.group_id, item.sample_index, prompt))
+        active = list(trajectories)
+        for turn_index in range(self.config.max_turns):
+            if not active:
+                break
+            outputs = self.engine.generate(
+                [t.token_ids for t in active], [self._sampling_params(t, step, turn_index) for t in active]
+            )
+            calls: list[tuple[Trajectory, Turn]] = []
+            still_active = []
+            for trajectory, output in zip(active, outputs):
+                turn = self._record_turn(trajectory, output.outputs[0])
+                if trajectory.finish_reason:
+                    continue
+                if turn_index == self.config.max_turns - 1:
+                    trajectory.finish_reason = "max_turns"
+                    continue
+                if turn.kind == TurnKind.TOOL_CALL.value:
+                    calls.append((trajectory, turn))
+                else:
+                    turn.observation = self.protocol.error_observation(turn.error or "invalid tool call")
+                still_active.append(trajectory)
+            self._run_tool_calls(calls)
+            active = [t for t in still_active if self._append_observation(t)]
+        return trajectories
+
+    def _sampling_params(self, trajectory: Trajectory, step: int, turn_index: int):
+        from vllm import SamplingParams
+
+        budget = self.config.max_response_tokens - len(trajectory.response_ids)
+        return SamplingParams(
+            max_tokens=max(1, min(self.config.max_tokens_per_turn, budget)),
+            temperature=self.config.temperature,
+            top_p=self.config.top_p,
+            stop=list(self.protocol.stop_strings),
+            include_stop_str_in_output=True,
+            logprobs=0,
+            seed=request_seed(self.seed, step, trajectory.group_id, trajectory.sample_index, turn_index),
+            logit_bias=self.logit_bias,
+        )
+
+    def _record_turn(self, trajectory: Trajectory, completion) -> Turn:
+        token_ids = list(completion.token_ids)
+        logprobs = [entry[token].logprob for token, entry in zip(token_ids, completion.logprobs)]
+        trajectory.append_model_tokens(token_ids, logprobs)
+        stopped_on_tag = completion.finish_reason == "stop" and completion.stop_reason in self.protocol.stop_strings
+        parsed = self.protocol.parse_turn(completion.text) if stopped_on_tag else None
+        kind = parsed.kind.value if parsed else TurnKind.NONE.value
+        turn = Turn(text=completion.text, num_tokens=len(token_ids), kind=kind, error=parsed.error if parsed else None)
+        if parsed and parsed.call:
+            turn.tool_call = ToolCallRecord(name=parsed.call.name, query=parsed.call.query, ok=True)
+        trajectory.turns.append(turn)
+        if parsed and parsed.kind == TurnKind.ANSWER:
+            trajectory.finish_reason = "answer"
+        elif not stopped_on_tag:
+            trajectory.finish_reason = "eos" if completion.finish_reason == "stop" else "length"
+        elif len(trajectory.response_ids) >= self.config.max_response_tokens:
+            trajectory.finish_reason = "length"
+        return turn
+
+    def _run_tool_calls(self, calls: list[tuple[Trajectory, Turn]]) -> None:
+        """All of a turn's search calls go to the retriever as one batched request."""
+        if not calls:
+            return
+        started = time.perf_counter()
+        try:
+            results = self.search([turn.tool_call.query for _, turn in calls])
+            error = None
+        except ToolError as err:
+            results, error = None, str(err)
+        latency = time.perf_counter() - started
+        for index, (_, turn) in enumerate(calls):
+            turn.tool_call.latency_s = latency
+            if error is None:
+                turn.observation = self.protocol.observation(results[index])
+            else:
+                turn.tool_call.ok = False
+                turn.tool_call.error = error
+                turn.observation = self.protocol.error_observation(f"search failed: {error}")
+
+    def _append_observation(self, trajectory: Trajectory) -> bool:
+        """Append the last turn's observation; False (finished for length) when it does not fit."""
+        observation_ids = self.tokenizer.encode(trajectory.turns[-1].observation, add_special_tokens=False)
+        if len(trajectory.response_ids) + len(observation_ids) >= self.config.max_response_tokens:
+            trajectory.finish_reason = "length"
+            return False
+        trajectory.append_observation_tokens(observation_ids)
+        return True
+
+    def _tag_logit_bias(self) -> dict[int, float]:
+        """The ids of every token of the protocol's tags, tokenised alone and after a space."""
+        ids = set()
+        for tag in self.protocol.tag_strings:
+            for text in (tag, " " + tag):
+                ids.update(self.tokenizer.encode(text, add_special_tokens=False))
+        return {token: self.config.tag_logit_bias for token in sorted(ids)}

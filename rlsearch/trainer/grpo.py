@@ -1,0 +1,261 @@
+"""The GRPO training loop (Ray driver): rollout -> reward -> advantages -> train -> weight sync -> log."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..actor import ActorGroup, ActorWorkerSpec, TrainSample
+from ..algo import grpo_advantages, loss_token_weights
+from ..bridge import logprob_mismatch, sync_weights
+from ..checkpoint import CheckpointStore
+from ..config import ConfigError, TrainConfig, to_dict
+from ..data import QAExample, load_qa_dataset
+from ..logging import RunLogger, format_step_line
+from ..reward import get_scorer
+from ..rollout import EngineSpec, PromptItem, RolloutWorker, Trajectory
+from .metrics import trajectory_metrics
+from .ray_setup import init_ray
+from .sampler import EpochSampler
+
+PROBE_CONTINUATION = "<search> who founded the town </search>"
+
+
+@dataclass
+class RunSummary:
+    output_dir: Path
+    tensorboard_dir: Path
+    trajectory_dir: Path | None
+    checkpoint: Path | None
+    steps: int
+    seconds: float
+    last_metrics: dict[str, float] = field(default_factory=dict)
+
+    def render(self) -> str:
+        metrics = self.last_metrics
+        lines = [
+            "",
+            f"rlsearch: trained {self.steps} steps in {self.seconds:.0f} s",
+            f"  final reward {metrics.get('reward/mean', 0):.3f}, EM {metrics.get('reward/em', 0):.3f}, "
+            f"turns {metrics.get('rollout/turns_mean', 0):.2f}, tool calls {metrics.get('rollout/tool_calls_mean', 0):.2f}",
+            f"  TensorBoard logs : {self.tensorboard_dir}",
+        ]
+        if self.trajectory_dir:
+            lines.append(f"  trajectories     : {self.trajectory_dir}")
+        if self.checkpoint:
+            lines.append(f"  checkpoint       : {self.checkpoint}")
+        lines.append(f"  open TensorBoard : tensorboard --logdir {self.tensorboard_dir} --host 127.0.0.1")
+        return "\n".join(lines)
+
+
+class GRPOTrainer:
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.output_dir = Path(config.trainer.output_dir)
+        self.examples = self._load_examples()
+        self.sampler = EpochSampler(self.examples, seed=config.trainer.seed, shuffle=config.data.shuffle)
+        self.step = 0
+        self.retriever = None
+        self.rollout = None
+        self.actor = None
+
+    def _load_examples(self) -> list[QAExample]:
+        config = self.config
+        if not (Path(config.model.path) / "config.json").is_file():
+            raise ConfigError(
+                f"'model.path' is not a HuggingFace model dir (no config.json): {config.model.path}; "
+                f"build the embedded default with: rlsearch make-tiny-model --out {config.model.path}"
+            )
+        examples = []
+        for path in config.data.train_files:
+            examples.extend(load_qa_dataset(path))
+        return examples
+
+    # ---- set-up ---------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        import torch
+
+        from ..tools import RetrieverProcess
+
+        config = self.config
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+        retriever_url = config.tools.retriever.url
+        if not retriever_url:
+            if not Path(config.tools.retriever.corpus).is_file():
+                raise ConfigError(f"'tools.retriever.corpus' not found: {config.tools.retriever.corpus}")
+            self.retriever = RetrieverProcess(
+                config.tools.retriever.corpus, cache_dir=config.tools.retriever.index_cache_dir
+            ).start()
+            retriever_url = self.retriever.url
+        init_ray(config.trainer.ray_address)
+        import ray
+
+        on_gpu = torch.cuda.is_available()
+        rollout_cls = ray.remote(RolloutWorker)
+        engine_spec = EngineSpec(
+            model_path=config.model.path, dtype=config.model.dtype, seed=config.trainer.seed,
+            max_model_len=config.rollout.max_prompt_tokens + config.rollout.max_response_tokens,
+            kv_cache_gib=config.rollout.kv_cache_gib, gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+            enforce_eager=config.rollout.enforce_eager,
+        )
+        self.rollout = rollout_cls.options(num_cpus=0, num_gpus=1 if on_gpu else 0).remote(
+            engine_spec, config.rollout, config.tools.retriever, retriever_url, config.trainer.seed
+        )
+        self.engines = [self.rollout]
+        self.actor = ActorGroup(
+            ActorWorkerSpec(
+                model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=config.algo,
+                temperature=config.rollout.temperature, total_steps=config.trainer.total_steps,
+                seed=config.trainer.seed,
+            ),
+            num_gpus_per_rank=1 if on_gpu else 0,
+        )
+        self.probe_ids = ray.get(self.rollout.probe_sequence.remote(self.examples[0].question, PROBE_CONTINUATION))
+        self.logger = RunLogger(self.output_dir, config.trainer.log_trajectories)
+        self.checkpoints = CheckpointStore(self.output_dir)
+
+    def close(self) -> None:
+        import ray
+
+        if self.actor is not None:
+            self.actor.shutdown()
+        if self.rollout is not None:
+            ray.kill(self.rollout)
+        if self.retriever is not None:
+            self.retriever.stop()
+        if hasattr(self, "logger"):
+            self.logger.close()
+
+    # ---- the loop -------------------------------------------------------------------------------------
+
+    def train(self) -> RunSummary:
+        started = time.perf_counter()
+        self._start()
+        try:
+            metrics = self.check_parity()
+            print(f"[rlsearch] engine vs actor logprobs before training: max |diff| "
+                  f"{metrics['bridge/logprob_mismatch_max']:.2e}", flush=True)
+            last_checkpoint = None
+            while self.step < self.config.trainer.total_steps:
+                self.step += 1
+                metrics = self.train_step()
+                print(format_step_line(self.step, self.config.trainer.total_steps, metrics), flush=True)
+                interval = self.config.trainer.save_interval
+                if self.step == self.config.trainer.total_steps or (interval and self.step % interval == 0):
+                    last_checkpoint = self.save_checkpoint()
+            return RunSummary(
+                output_dir=self.output_dir, tensorboard_dir=self.logger.tensorboard_dir,
+                trajectory_dir=self.logger.trajectory_dir if self.config.trainer.log_trajectories else None,
+                checkpoint=last_checkpoint, steps=self.step, seconds=time.perf_counter() - started,
+                last_metrics=metrics,
+            )
+        finally:
+            self.close()
+
+    def train_step(self) -> dict[str, float]:
+        import ray
+
+        config = self.config
+        step_started = time.perf_counter()
+        examples = self.sampler.next_batch(config.data.batch_size)
+        items = [
+            PromptItem(example.id, example.question, group_id=index, sample_index=sample)
+            for index, example in enumerate(examples)
+            for sample in range(config.rollout.group_size)
+        ]
+        timer = time.perf_counter()
+        trajectories: list[Trajectory] = ray.get(self.rollout.generate.remote(items, self.step))
+        rollout_s = time.perf_counter() - timer
+
+        self._score(trajectories, examples)
+        samples = self._train_samples(trajectories)
+        # one on-policy update per step: the old policy is the current one, so its logprobs come from the
+        # training forward pass itself (ratio 1) instead of a separate pass
+        timer = time.perf_counter()
+        if config.algo.kl_coef > 0:
+            for sample, logprobs in zip(samples, self.actor.compute_logprobs(samples, reference=True)):
+                sample.ref_logprobs = logprobs
+        ref_logprob_s = time.perf_counter() - timer
+        timer = time.perf_counter()
+        train_metrics = self.actor.train_step(samples)
+        train_s = time.perf_counter() - timer
+
+        sync = sync_weights(self.actor, self.engines, config.bridge.bucket_mb)
+        metrics = {
+            **trajectory_metrics(trajectories),
+            **train_metrics,
+            **self.check_parity(),
+            "rollout/tool_failures_total": float(ray.get(self.rollout.tool_stats.remote())["failures"]),
+            "time/rollout_s": rollout_s,
+            "time/ref_logprob_s": ref_logprob_s,
+            "time/train_s": train_s,
+            "time/sync_s": sync.seconds,
+            "bridge/buckets": float(sync.num_buckets),
+            "time/step_s": time.perf_counter() - step_started,
+        }
+        self.logger.log_metrics(self.step, metrics)
+        self.logger.log_trajectories(self.step, [self._trajectory_record(t, examples) for t in trajectories])
+        return metrics
+
+    def _score(self, trajectories: list[Trajectory], examples: list[QAExample]) -> None:
+        for trajectory in trajectories:
+            example = examples[trajectory.group_id]
+            result = get_scorer(example.data_source)(
+                trajectory.model_text, example.golden_answers, self.config.reward.format_score
+            )
+            trajectory.reward = result.reward
+            trajectory.scores = {"em": result.em, "f1": result.f1, "has_answer": float(result.has_answer)}
+
+    def _train_samples(self, trajectories: list[Trajectory]) -> list[TrainSample]:
+        import torch
+
+        config = self.config
+        advantages = grpo_advantages(
+            torch.tensor([t.reward for t in trajectories]), [t.group_id for t in trajectories],
+            norm_by_std=config.algo.norm_adv_by_std, eps=config.algo.adv_eps,
+        )
+        weights = loss_token_weights([t.loss_mask for t in trajectories], config.algo.loss_agg)
+        return [
+            TrainSample(
+                token_ids=t.token_ids, response_start=len(t.prompt_ids), loss_mask=t.loss_mask,
+                advantage=float(advantage), token_weights=w, rollout_logprobs=t.rollout_logprobs,
+            )
+            for t, advantage, w in zip(trajectories, advantages.tolist(), weights)
+        ]
+
+    def check_parity(self) -> dict[str, float]:
+        """Engine and actor score the probe sequence; abort when they disagree (stale or corrupt weights)."""
+        import ray
+
+        engine_logprobs = ray.get(self.rollout.score.remote(self.probe_ids))
+        probe = TrainSample(self.probe_ids, response_start=1, loss_mask=[1] * (len(self.probe_ids) - 1))
+        actor_logprobs = self.actor.compute_logprobs([probe], temperature=1.0)[0]
+        worst, mean = logprob_mismatch(engine_logprobs, actor_logprobs)
+        limit = self.config.bridge.max_logprob_mismatch
+        if limit and worst > limit:
+            raise RuntimeError(
+                f"rollout engine and actor disagree on the probe sequence after step {self.step}: max |logprob diff| "
+                f"{worst:.3e} > bridge.max_logprob_mismatch={limit:g}. The engine is running different weights than "
+                f"the actor (a broken weight sync); stopping before training on stale samples."
+            )
+        return {"bridge/logprob_mismatch_max": worst, "bridge/logprob_mismatch_mean": mean}
+
+    def _trajectory_record(self, trajectory: Trajectory, examples: list[QAExample]) -> dict:
+        record = trajectory.to_json()
+        record["step"] = self.step
+        record["question"] = examples[trajectory.group_id].question
+        record["golden_answers"] = list(examples[trajectory.group_id].golden_answers)
+        return record
+
+    def save_checkpoint(self) -> Path:
+        state = {
+            "sampler": {"epoch": self.sampler.state.epoch, "position": self.sampler.state.position},
+            "config": to_dict(self.config),
+        }
+        path = self.checkpoints.save(self.step, self.actor.save_checkpoint, state)
+        print(f"[rlsearch] checkpoint saved: {path}", flush=True)
+        return path

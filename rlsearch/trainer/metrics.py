@@ -1,0 +1,33 @@
+"""Step metrics computed from trajectories (plain data): rewards, turns, tool use, lengths."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from ..rollout import Trajectory
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(statistics.fmean(values)) if values else 0.0
+
+
+def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    rewards = [t.reward for t in trajectories]
+    tool_calls = [t.tool_calls for t in trajectories]
+    metrics = {
+        "reward/mean": _mean(rewards),
+        "reward/std": float(statistics.pstdev(rewards)) if len(rewards) > 1 else 0.0,
+        "reward/em": _mean([t.scores.get("em", 0.0) for t in trajectories]),
+        "reward/f1": _mean([t.scores.get("f1", 0.0) for t in trajectories]),
+        "reward/answer_rate": _mean([t.scores.get("has_answer", 0.0) for t in trajectories]),
+        "rollout/response_len_mean": _mean([len(t.response_ids) for t in trajectories]),
+        "rollout/model_tokens_mean": _mean([sum(t.loss_mask) for t in trajectories]),
+        "rollout/turns_mean": _mean([len(t.turns) for t in trajectories]),
+        "rollout/tool_calls_mean": _mean([len(calls) for calls in tool_calls]),
+        "rollout/tool_errors": float(sum(not call.ok for calls in tool_calls for call in calls)),
+        "rollout/invalid_calls_mean": _mean([t.num_invalid_calls for t in trajectories]),
+    }
+    for reason in ("answer", "eos", "length", "max_turns"):
+        metrics[f"rollout/finish_{reason}"] = _mean([t.finish_reason == reason for t in trajectories])
+    return metrics
