@@ -108,8 +108,11 @@ class MegatronActorWorker:
         return self.info
 
     def _wrap_for_training(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

@@ -30,7 +30,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
 
 def from_dict(schema: type[T], raw: dict[str, Any], prefix: str = "") -> T:
     if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(raw).__name__}")
+        raise ConfigError(f"'{prefix.rstrip('.') or 'config'}' must be a mapping of keys (a section), got {raw!r}")
     hints = typing.get_type_hints(schema)
     fields = {f.name: f for f in dataclasses.fields(schema)}
     unknown = [k for k in raw if k not in fields]
@@ -118,6 +118,11 @@ def _coerce_scalar(hint: Any, value: Any, key: str) -> Any:
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads exponents without a dot (2e-4) as strings
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"'{key}' must be a number, got {value!r}")
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

@@ -58,7 +58,9 @@ class RolloutConfig:
     max_prompt_tokens: int = 512  # longer prompts are an error naming the row
     max_response_tokens: int = 512  # budget for everything after the prompt: model + observation tokens
     max_tokens_per_turn: int = 128
-    tag_logit_bias: float = 0.0  # added to the logits of the protocol's tag tokens; for random-init models only
+    # text -> bias added to the logits of that text's tokens (alone and after a space); lets a random-init
+    # model reach the tool path, e.g. {"</search>": 12.0}. Leave empty for a real model.
+    logit_bias: dict[str, float] = field(default_factory=dict)
     assistant_prefix: str = ""  # text prefilled at the start of the assistant turn (part of the prompt)
     kv_cache_gib: float = 1.0  # vLLM KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.5  # vLLM KV cache share of GPU memory (GPU only)

@@ -43,7 +43,7 @@ class AgentLoop:
         self.search = search
         self.config = config
         self.seed = seed
-        self.logit_bias = self._tag_logit_bias() if config.tag_logit_bias else None
+        self.logit_bias = self._token_logit_bias(config.logit_bias) or None
 
     def prompt_ids(self, question: str) -> list[int]:
         messages = [{"role": "user", "content": self.protocol.instruction(question)}]
@@ -59,7 +59,10 @@ class AgentLoop:
                     f"prompt of example '{item.example_id}' has {len(prompt)} tokens, more than "
                     f"rollout.max_prompt_tokens={self.config.max_prompt_tokens}; raise it or shorten the question"
                 )
-            trajectories.append(Trajectory(item.example_id, item.group_id, item.sample_index, prompt))
+            trajectories.append(
+                Trajectory(item.example_id, item.group_id, item.sample_index, prompt,
+                           assistant_prefix=self.config.assistant_prefix)
+            )
         active = list(trajectories)
         for turn_index in range(self.config.max_turns):
             if not active:
@@ -70,7 +73,7 @@ class AgentLoop:
             calls: list[tuple[Trajectory, Turn]] = []
             still_active = []
             for trajectory, output in zip(active, outputs):
-                turn = self._record_turn(trajectory, output.outputs[0])
+                turn = self._record_turn(trajectory, output.outputs[0], turn_index)
                 if trajectory.finish_reason:
                     continue
                 if turn_index == self.config.max_turns - 1:
@@ -100,12 +103,14 @@ class AgentLoop:
             logit_bias=self.logit_bias,
         )
 
-    def _record_turn(self, trajectory: Trajectory, completion) -> Turn:
+    def _record_turn(self, trajectory: Trajectory, completion, turn_index: int) -> Turn:
         token_ids = list(completion.token_ids)
         logprobs = [entry[token].logprob for token, entry in zip(token_ids, completion.logprobs)]
         trajectory.append_model_tokens(token_ids, logprobs)
         stopped_on_tag = completion.finish_reason == "stop" and completion.stop_reason in self.protocol.stop_strings
-        parsed = self.protocol.parse_turn(completion.text) if stopped_on_tag else None
+        # a prefilled opening tag belongs to the first turn's call even though it sits in the prompt
+        text = (trajectory.assistant_prefix if turn_index == 0 else "") + completion.text
+        parsed = self.protocol.parse_turn(text) if stopped_on_tag else None
         kind = parsed.kind.value if parsed else TurnKind.NONE.value
         turn = Turn(text=completion.text, num_tokens=len(token_ids), kind=kind, error=parsed.error if parsed else None)
         if parsed and parsed.call:
@@ -148,10 +153,11 @@ class AgentLoop:
         trajectory.append_observation_tokens(observation_ids)
         return True
 
-    def _tag_logit_bias(self) -> dict[int, float]:
-        """The ids of every token of the protocol's tags, tokenised alone and after a space."""
-        ids = set()
-        for tag in self.protocol.tag_strings:
-            for text in (tag, " " + tag):
-                ids.update(self.tokenizer.encode(text, add_special_tokens=False))
-        return {token: self.config.tag_logit_bias for token in sorted(ids)}
+    def _token_logit_bias(self, text_bias: dict[str, float]) -> dict[int, float]:
+        """Per-token bias from per-text bias: every token of the text, tokenised alone and after a space."""
+        token_bias: dict[int, float] = {}
+        for text, bias in text_bias.items():
+            for variant in (text, " " + text):
+                for token in self.tokenizer.encode(variant, add_special_tokens=False):
+                    token_bias[token] = bias
+        return token_bias

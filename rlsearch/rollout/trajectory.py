@@ -30,6 +30,7 @@ class Trajectory:
     group_id: int  # trajectories of the same prompt share a group (GRPO)
     sample_index: int
     prompt_ids: list[int]
+    assistant_prefix: str = ""  # text prefilled at the end of the prompt (part of the first turn's call)
     response_ids: list[int] = field(default_factory=list)  # model and observation tokens after the prompt
     loss_mask: list[int] = field(default_factory=list)  # 1 exactly on tokens the policy sampled
     rollout_logprobs: list[float] = field(default_factory=list)  # engine logprob per token (0.0 on masked)
@@ -54,8 +55,8 @@ class Trajectory:
 
     @property
     def model_text(self) -> str:
-        """Only what the model wrote (no observations): rewards are computed on this."""
-        return "".join(turn.text for turn in self.turns)
+        """What the assistant turn says without observations (prefill included): rewards are computed on this."""
+        return self.assistant_prefix + "".join(turn.text for turn in self.turns)
 
     @property
     def tool_calls(self) -> list[ToolCallRecord]:

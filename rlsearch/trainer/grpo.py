@@ -39,7 +39,8 @@ class RunSummary:
             "",
             f"rlsearch: trained {self.steps} steps in {self.seconds:.0f} s",
             f"  final reward {metrics.get('reward/mean', 0):.3f}, EM {metrics.get('reward/em', 0):.3f}, "
-            f"turns {metrics.get('rollout/turns_mean', 0):.2f}, tool calls {metrics.get('rollout/tool_calls_mean', 0):.2f}",
+            f"turns {metrics.get('rollout/turns_mean', 0):.2f}, "
+            f"tool calls {metrics.get('rollout/tool_calls_mean', 0):.2f}",
             f"  TensorBoard logs : {self.tensorboard_dir}",
         ]
         if self.trajectory_dir:

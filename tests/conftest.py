@@ -1,0 +1,81 @@
+"""Shared fixtures: the embedded default assets (built once per session) and a local Ray instance."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from rlsearch.data.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("assets") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def toy_data(tmp_path_factory):
+    from rlsearch.data import make_toy_data
+
+    return make_toy_data(tmp_path_factory.mktemp("toy"), seed=0, num_entities=60)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    import ray
+
+    from rlsearch.trainer import init_ray
+
+    init_ray()
+    yield ray
+    ray.shutdown()
+
+
+TEST_ROLLOUT = {
+    "max_turns": 3, "max_response_tokens": 256, "max_tokens_per_turn": 48, "assistant_prefix": "<search>",
+    "logit_bias": {"</search>": 12.0},
+}
+
+
+@pytest.fixture(scope="session")
+def retriever(toy_data, tmp_path_factory):
+    from rlsearch.tools import RetrieverProcess
+
+    process = RetrieverProcess(str(toy_data.corpus), cache_dir=str(tmp_path_factory.mktemp("bm25"))).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def rollout_worker(ray_local, tiny_model_dir, retriever):
+    """A real vLLM engine (Ray actor) with the agent loop, talking HTTP to the real BM25 server."""
+    from rlsearch.config import RetrieverConfig, RolloutConfig
+    from rlsearch.rollout import EngineSpec, RolloutWorker
+
+    worker = ray_local.remote(RolloutWorker).options(num_cpus=0).remote(
+        EngineSpec(str(tiny_model_dir), max_model_len=768), RolloutConfig(**TEST_ROLLOUT),
+        RetrieverConfig(topk=2, max_retries=1, backoff_s=0.05, timeout_s=2.0), retriever.url, 1,
+    )
+    yield worker
+    ray_local.kill(worker)
+
+
+@pytest.fixture(scope="session")
+def actor_group(ray_local, tiny_model_dir):
+    """One Megatron rank (gloo, CPU patches) as a Ray actor, initialised from the tiny HF model."""
+    from rlsearch.actor import ActorGroup, ActorWorkerSpec
+    from rlsearch.config import ActorConfig, AlgoConfig
+
+    group = ActorGroup(ActorWorkerSpec(
+        model_path=str(tiny_model_dir), dtype="float32", actor=ActorConfig(lr=1e-4, micro_batch_size=4),
+        algo=AlgoConfig(), temperature=1.0, total_steps=10, seed=1,
+    ))
+    yield group
+    group.shutdown()

@@ -1,0 +1,73 @@
+"""The README's main command, end to end on CPU, checked through what it writes."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+STEPS = 3
+REQUIRED_SCALARS = (
+    "reward/mean", "reward/std", "reward/em", "rollout/response_len_mean", "rollout/turns_mean",
+    "rollout/tool_calls_mean", "rollout/invalid_calls_mean", "rollout/tool_errors", "actor/policy_loss",
+    "actor/clip_fraction", "actor/approx_kl", "actor/grad_norm", "time/rollout_s", "time/train_s", "time/sync_s",
+    "bridge/logprob_mismatch_max",
+)
+
+
+def _run(args, timeout):
+    return subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_run_search_grpo_script_trains_and_logs_every_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    started = time.perf_counter()
+    result = _run(["bash", "examples/run_search_grpo.sh", f"trainer.total_steps={STEPS}",
+                   f"trainer.output_dir={out}"], timeout=1200)
+    seconds = time.perf_counter() - started
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    print(f"\nrun_search_grpo.sh with {STEPS} steps took {seconds:.0f} s")
+
+    for step in range(1, STEPS + 1):
+        assert f"step {step}/{STEPS} | reward" in result.stdout
+    assert f"TensorBoard logs : {out / 'tensorboard'}" in result.stdout
+    assert f"tensorboard --logdir {out / 'tensorboard'}" in result.stdout
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    for name in REQUIRED_SCALARS:
+        assert name in scalars, f"missing TensorBoard scalar {name}"
+        assert [e.step for e in events.Scalars(name)] == list(range(1, STEPS + 1)), name
+    assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-4
+
+    for step in range(1, STEPS + 1):
+        rows = [json.loads(line) for line in (out / "trajectories" / f"step_{step:06d}.jsonl").open()]
+        assert len(rows) == 16  # batch_size 4 x group_size 4
+        assert all(len(r["response_ids"]) == len(r["loss_mask"]) for r in rows)
+    checkpoint = out / "checkpoints" / f"step_{STEPS:06d}"
+    assert (out / "checkpoints" / "latest").read_text().strip() == checkpoint.name
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == STEPS
+    assert any((checkpoint / "megatron").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["trainer.total_step=3"], "unknown config key 'trainer.total_step'; did you mean 'trainer.total_steps'?"),
+        (["data.train_files=[{bad}]"], "{bad}:2: invalid JSON"),
+    ],
+)
+def test_train_cli_rejects_bad_input_with_a_clear_message(tmp_path, tiny_model_dir, overrides, expected):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "golden_answers": ["a"]}\n{"question": oops\n')
+    overrides = [o.format(bad=bad) for o in overrides] + [f"model.path={tiny_model_dir}"]
+    result = _run([sys.executable, "-m", "rlsearch", "train", "--config",
+                   "examples/configs/search_grpo_tiny.yaml", *overrides], timeout=120)
+    assert result.returncode == 2
+    assert expected.format(bad=bad) in result.stderr

@@ -1,0 +1,59 @@
+import pytest
+
+from rlsearch.config import ConfigError, TrainConfig, load_config, load_train_config
+
+
+def test_defaults_and_dotted_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  total_steps: 7\nactor:\n  lr: 1.0e-5\n")
+    config = load_train_config(str(path), ["trainer.total_steps=3", "data.train_files=[a.jsonl, b.jsonl]",
+                                           "actor.lr=2e-4", "rollout.assistant_prefix=<search>"])
+    assert config.trainer.total_steps == 3
+    assert config.actor.lr == pytest.approx(2e-4)
+    assert config.data.train_files == ["a.jsonl", "b.jsonl"]
+    assert config.rollout.assistant_prefix == "<search>"
+    assert config.rollout.group_size == TrainConfig().rollout.group_size
+
+
+def test_unknown_key_names_the_key_and_suggests():
+    with pytest.raises(ConfigError, match=r"unknown config key 'trainer\.total_step'.*'trainer\.total_steps'"):
+        load_config(TrainConfig, None, ["trainer.total_step=3"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'nosuchsection'"):
+        load_config(TrainConfig, None, ["nosuchsection.x=1"])
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  max_turn: 3\n")
+    with pytest.raises(ConfigError, match=r"'rollout\.max_turn'.*did you mean 'rollout\.max_turns'"):
+        load_train_config(str(path))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.total_steps=abc", r"'trainer\.total_steps' must be an integer"),
+        ("trainer.total_steps=0", r"'trainer\.total_steps' must be > 0"),
+        ("data.shuffle=maybe", r"'data\.shuffle' must be true or false"),
+        ("algo.kl_estimator=k9", r"'algo\.kl_estimator' must be one of k1, k2, k3"),
+        ("rollout.group_size=1", r"'rollout\.group_size' must be >= 2"),
+        ("trainer.total_steps", r"bad override 'trainer\.total_steps'"),
+        ("trainer=3", r"'trainer' must be a mapping of keys \(a section\), got 3"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(None, [override])
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_train_config(str(tmp_path / "nope.yaml"))
+
+
+def test_example_config_loads():
+    from tests.conftest import REPO_ROOT
+
+    config = load_train_config(str(REPO_ROOT / "examples/configs/search_grpo_tiny.yaml"))
+    assert config.rollout.protocol == "search_r1"
+    assert config.bridge.max_logprob_mismatch == pytest.approx(1e-4)
