@@ -60,6 +60,11 @@ def _flat(samples: Sequence[TrainSample], name: str) -> torch.Tensor | None:
     return torch.tensor([x for v in values for x in v], dtype=torch.float)
 
 
+def _flat_or_zeros(samples: Sequence[TrainSample], name: str, length: int) -> torch.Tensor:
+    values = _flat(samples, name)
+    return values if values is not None else torch.zeros(length)
+
+
 def collate(samples: Sequence[TrainSample]) -> MicroBatch:
     seq_len = max(len(s.token_ids) for s in samples)
     batch = len(samples)
@@ -78,8 +83,7 @@ def collate(samples: Sequence[TrainSample]) -> MicroBatch:
         labels=torch.tensor(labels, dtype=torch.long),
         loss_mask=torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float),
         advantages=torch.tensor([s.advantage for s in samples for _ in range(s.response_len)], dtype=torch.float),
-        token_weights=_flat(samples, "token_weights") if samples[0].token_weights is not None else torch.zeros(
-            len(labels)),
+        token_weights=_flat_or_zeros(samples, "token_weights", len(labels)),
         old_logprobs=_flat(samples, "old_logprobs"),
         ref_logprobs=_flat(samples, "ref_logprobs"),
         rollout_logprobs=_flat(samples, "rollout_logprobs"),

@@ -17,7 +17,7 @@ class ActorGroup:
         self.dp_size = actor.dp
         remote_cls = ray.remote(MegatronActorWorker)
         self.workers = [
-            remote_cls.options(num_cpus=0, num_gpus=num_gpus_per_rank, name=None).remote(spec, rank, self.world_size)
+            remote_cls.options(num_cpus=0, num_gpus=num_gpus_per_rank).remote(spec, rank, self.world_size)
             for rank in range(self.world_size)
         ]
         master_addr, master_port = ray.get(self.workers[0].node_address.remote())

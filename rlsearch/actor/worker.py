@@ -228,7 +228,9 @@ class MegatronActorWorker:
                 per_token = per_token + algo.kl_coef * kl
             mask = mb.loss_mask
             loss = (per_token * mb.token_weights).sum()
-            drift = (logprobs.detach() - mb.rollout_logprobs).abs() if mb.rollout_logprobs is not None else kl * 0
+            drift = torch.zeros_like(kl)
+            if mb.rollout_logprobs is not None:
+                drift = (logprobs.detach() - mb.rollout_logprobs).abs()
             stats = {
                 "policy_loss": (terms.per_token_loss * mb.token_weights).sum().detach(),
                 "kl_loss": (kl * mb.token_weights).sum().detach(),
