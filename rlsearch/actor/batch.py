@@ -1,7 +1,8 @@
-"""What the actor trains on (plain data) and how it becomes micro-batch tensors.
+"""What the actor trains on (plain data) and how it becomes packed micro-batch tensors.
 
-Only response positions need logits: a micro-batch carries the padded [batch, seq] inputs plus a flat index of
-the positions whose next token is a response token. Every per-token tensor is 1-D over those positions.
+A micro-batch is one row of sequences concatenated back to back (Megatron's `thd` packed format) up to
+`max_tokens` tokens, with no padding. Only response positions need logits: a micro-batch carries the flat
+index of the positions whose next token is a response token, and every per-token tensor is 1-D over them.
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ class TrainSample:
 
 @dataclass
 class MicroBatch:
-    tokens: torch.Tensor  # [batch, seq], right-padded
-    position_ids: torch.Tensor
-    logit_index: torch.Tensor  # [n] flat indices into the [seq, batch] hidden states (megatron's layout)
+    sample_indices: list[int]  # positions of the packed samples in the caller's list, in packing order
+    tokens: torch.Tensor  # [1, total_tokens]: the samples back to back
+    position_ids: torch.Tensor  # [1, total_tokens]: restarting at 0 for every sample
+    cu_seqlens: torch.Tensor  # [num_samples + 1] int32 sequence boundaries
+    max_seqlen: int
+    logit_index: torch.Tensor  # [n] packed positions whose next token is a response token
     labels: torch.Tensor  # [n] the response token predicted at each selected position
     loss_mask: torch.Tensor
     advantages: torch.Tensor
@@ -51,6 +55,18 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None
     rollout_logprobs: torch.Tensor | None
     response_lens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+    def packed_seq_params(self):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
+        )
 
 
 def _flat(samples: Sequence[TrainSample], name: str) -> torch.Tensor | None:
@@ -65,20 +81,52 @@ def _flat_or_zeros(samples: Sequence[TrainSample], name: str, length: int) -> to
     return values if values is not None else torch.zeros(length)
 
 
-def collate(samples: Sequence[TrainSample]) -> MicroBatch:
-    seq_len = max(len(s.token_ids) for s in samples)
-    batch = len(samples)
-    tokens = torch.zeros(batch, seq_len, dtype=torch.long)
-    index, labels = [], []
-    for row, sample in enumerate(samples):
-        tokens[row, : len(sample.token_ids)] = torch.tensor(sample.token_ids, dtype=torch.long)
+def pack_indices(lengths: Sequence[int], max_tokens: int, min_bins: int = 1) -> list[list[int]]:
+    """Group sample indices into bins of at most `max_tokens` tokens (first-fit decreasing; a longer sample gets
+    a bin of its own). At least `min_bins` bins when there are that many samples, so every pipeline stage has
+    work. Each bin lists its indices in ascending order; bins are ordered by their first index."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    capacity = min(max_tokens, max(-(-sum(lengths) // max(min_bins, 1)), max(lengths, default=0)))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for index in order:
+        for b, load in enumerate(loads):
+            if load + lengths[index] <= capacity:
+                bins[b].append(index)
+                loads[b] += lengths[index]
+                break
+        else:
+            bins.append([index])
+            loads.append(lengths[index])
+    while len(bins) < min(min_bins, len(lengths)):
+        largest = max(range(len(bins)), key=lambda b: (len(bins[b]), loads[b]))
+        moved = sorted(bins[largest])[-1]
+        bins[largest].remove(moved)
+        loads[largest] -= lengths[moved]
+        bins.append([moved])
+        loads.append(lengths[moved])
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def collate(samples: Sequence[TrainSample], sample_indices: Sequence[int]) -> MicroBatch:
+    """Pack `samples` into one row (thd)."""
+    tokens, positions, index, labels, boundaries = [], [], [], [], [0]
+    for sample in samples:
+        offset = boundaries[-1]
+        tokens.extend(sample.token_ids)
+        positions.extend(range(len(sample.token_ids)))
         # position t predicts token t + 1
-        for position in range(sample.response_start - 1, len(sample.token_ids) - 1):
-            index.append(position * batch + row)
+        index.extend(range(offset + sample.response_start - 1, offset + len(sample.token_ids) - 1))
         labels.extend(sample.token_ids[sample.response_start :])
+        boundaries.append(offset + len(sample.token_ids))
     return MicroBatch(
-        tokens=tokens,
-        position_ids=torch.arange(seq_len).unsqueeze(0).expand(batch, -1).contiguous(),
+        sample_indices=list(sample_indices),
+        tokens=torch.tensor(tokens, dtype=torch.long).unsqueeze(0),
+        position_ids=torch.tensor(positions, dtype=torch.long).unsqueeze(0),
+        cu_seqlens=torch.tensor(boundaries, dtype=torch.int32),
+        max_seqlen=max(len(s.token_ids) for s in samples),
         logit_index=torch.tensor(index, dtype=torch.long),
         labels=torch.tensor(labels, dtype=torch.long),
         loss_mask=torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float),
@@ -91,5 +139,6 @@ def collate(samples: Sequence[TrainSample]) -> MicroBatch:
     )
 
 
-def split_micro_batches(samples: Sequence[TrainSample], micro_batch_size: int) -> list[list[TrainSample]]:
-    return [list(samples[i : i + micro_batch_size]) for i in range(0, len(samples), micro_batch_size)]
+def pack_micro_batches(samples: Sequence[TrainSample], max_tokens: int, min_micro_batches: int = 1) -> list[MicroBatch]:
+    bins = pack_indices([len(s.token_ids) for s in samples], max_tokens, min_micro_batches)
+    return [collate([samples[i] for i in indices], indices) for indices in bins]

@@ -9,15 +9,31 @@ import ray
 from .batch import TrainSample
 from .worker import ActorWorkerSpec, MegatronActorWorker, RankInfo
 
+# weight buckets rank 0 may have produced ahead of the engines: bounds the sender's extra memory
+_BUCKETS_IN_FLIGHT = 2
+
 
 class ActorGroup:
+    """Ranks are placed by a placement group, one bundle (a CPU, and a GPU when given) per rank, packed onto as
+    few nodes as possible so tensor-parallel peers share a node. Rank order follows Megatron's: TP fastest."""
+
     def __init__(self, spec: ActorWorkerSpec, num_gpus_per_rank: float = 0.0) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         actor = spec.actor
         self.world_size = actor.tp * actor.pp * actor.dp
         self.dp_size = actor.dp
+        bundle = {"CPU": 1.0, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
+        self.placement_group = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        ray.get(self.placement_group.ready(), timeout=600)
         remote_cls = ray.remote(MegatronActorWorker)
+        place = PlacementGroupSchedulingStrategy
         self.workers = [
-            remote_cls.options(num_cpus=0, num_gpus=num_gpus_per_rank).remote(spec, rank, self.world_size)
+            remote_cls.options(
+                num_cpus=1, num_gpus=num_gpus_per_rank,
+                scheduling_strategy=place(self.placement_group, placement_group_bundle_index=rank),
+            ).remote(spec, rank, self.world_size)
             for rank in range(self.world_size)
         ]
         master_addr, master_port = ray.get(self.workers[0].node_address.remote())
@@ -71,7 +87,9 @@ class ActorGroup:
     def export_weight_buckets(self, bucket_bytes: int) -> Iterator[ray.ObjectRef]:
         """Object refs of weight buckets as rank 0 produces them; the other ranks run their part alongside."""
         streams = [
-            worker.export_weight_buckets.options(num_returns="streaming").remote(bucket_bytes)
+            worker.export_weight_buckets.options(
+                num_returns="streaming", _generator_backpressure_num_objects=_BUCKETS_IN_FLIGHT
+            ).remote(bucket_bytes)
             for worker in self.workers
         ]
         yield from streams[0]
@@ -86,8 +104,11 @@ class ActorGroup:
         return ray.get([worker.hf_state_dict.remote() for worker in self.workers])[0]
 
     def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
         try:
             ray.get([worker.shutdown.remote() for worker in self.workers], timeout=30)
         finally:
             for worker in self.workers:
                 ray.kill(worker)
+            remove_placement_group(self.placement_group)

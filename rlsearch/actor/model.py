@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+# dense decoder-only models whose mbridge mapping is tested here (tied and untied embeddings)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
 _LOCAL_SPEC_LAYERNORM_NAMES = {
     "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
     "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
@@ -36,10 +39,10 @@ def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: 
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     _expose_rope_theta(hf_config)
-    if hf_config.model_type not in _MODEL_REGISTRY:
+    if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture '{hf_config.model_type}' in {hf_dir}; "
-            f"supported: {', '.join(sorted(_MODEL_REGISTRY))}"
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     base = _MODEL_REGISTRY[hf_config.model_type]
     overrides = {"_DIRECT_MAPPING": dict(base._DIRECT_MAPPING)}
@@ -60,6 +63,11 @@ def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: 
         hidden_dropout=0.0,
         attention_dropout=0.0,
         batch_p2p_sync=False,
+        # batched send/recv on gloo is matched out of order with interleaved stages (silently wrong losses), and
+        # mbridge's overlapped p2p for virtual stages needs it off on nccl as well
+        batch_p2p_comm=False,
+        # packed micro-batches differ in length, so pipeline stages exchange tensor shapes first
+        variable_seq_lengths=True,
         # the actor selects response positions from full-sequence hidden states before the output layer
         sequence_parallel=False,
     )
@@ -83,9 +91,15 @@ def _expose_rope_theta(hf_config) -> None:
 
 
 def _local_layer_spec(self, vp_stage=None):
+    """Megatron's local spec with core attention that accepts packed (thd) micro-batches."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm)
+    from .attention import PackedDotProductAttention
+
+    self.has_vp_stage = True  # read by mbridge's model provider; megatron 0.16 takes vp_stage in GPTModel
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm)
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec
 
 
 def build_model_chunks(bridge, virtual_pipeline_stages: int | None = None) -> list[torch.nn.Module]:

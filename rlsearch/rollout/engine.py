@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .weight_loader import tensor_checksum
+from ..bridge.bucket import WeightBucket
 
 
 @dataclass
@@ -66,9 +66,9 @@ class VLLMEngine:
     def begin_weight_update(self) -> None:
         self.llm.collective_rpc("rlsearch_begin_weight_update")
 
-    def load_weight_bucket(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        checksum = tensor_checksum(named_tensors)
-        return self.llm.collective_rpc("rlsearch_load_weight_bucket", args=(named_tensors, checksum))[0]
+    def load_weight_bucket(self, bucket: WeightBucket) -> tuple[int, int]:
+        """Load one bucket (its checksum is verified inside the engine worker); returns (tensors, bytes)."""
+        return self.llm.collective_rpc("rlsearch_load_weight_bucket", args=(bucket,))[0]
 
     def finish_weight_update(self) -> None:
         missing = self.llm.collective_rpc("rlsearch_finish_weight_update")[0]

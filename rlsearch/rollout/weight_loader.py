@@ -8,18 +8,7 @@ Methods are called with `LLM.collective_rpc`, so the same code serves in-process
 
 from __future__ import annotations
 
-import hashlib
-
-import torch
-
-
-def tensor_checksum(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
-    """A content hash of a bucket: names, shapes, dtypes and bytes."""
-    digest = hashlib.blake2b(digest_size=16)
-    for name, tensor in named_tensors:
-        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
-        digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+from ..bridge.bucket import WeightBucket, unpack_bucket
 
 
 class WeightLoaderExtension:
@@ -31,12 +20,12 @@ class WeightLoaderExtension:
         initialize_layerwise_reload(self.model_runner.get_model())
         self._rlsearch_loaded: set[str] = set()
 
-    def rlsearch_load_weight_bucket(self, named_tensors: list[tuple[str, torch.Tensor]], checksum: str) -> int:
-        if tensor_checksum(named_tensors) != checksum:
-            raise RuntimeError("weight bucket checksum mismatch: the transfer was truncated or corrupted")
+    def rlsearch_load_weight_bucket(self, bucket: WeightBucket) -> tuple[int, int]:
+        """Load one bucket; returns (tensors, bytes) received."""
+        named_tensors = unpack_bucket(bucket)
         loaded = self.model_runner.get_model().load_weights(iter(named_tensors))
         self._rlsearch_loaded.update(loaded or ())
-        return len(named_tensors)
+        return len(named_tensors), bucket.nbytes
 
     def rlsearch_finish_weight_update(self) -> list[str]:
         """Finalise the session; returns the names of model parameters that received no weights."""

@@ -12,7 +12,9 @@ WORKER_ENV = {
 }
 
 
-def init_ray(address: str = "") -> None:
+def init_ray(address: str = "", num_cpus: int = 0) -> None:
+    """Join the cluster at `address`, or start a local instance with at least `num_cpus` logical CPUs (Megatron
+    ranks reserve one each in their placement group; threads per rank are set separately)."""
     import ray
 
     if ray.is_initialized():
@@ -24,7 +26,7 @@ def init_ray(address: str = "") -> None:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return
     ray.init(
-        _node_ip_address="127.0.0.1", include_dashboard=False, runtime_env=runtime_env, log_to_driver=True,
+        _node_ip_address="127.0.0.1", num_cpus=max(num_cpus, os.cpu_count() or 1), include_dashboard=False, runtime_env=runtime_env, log_to_driver=True,
         configure_logging=True, logging_level="WARNING",
     )
 

@@ -1,24 +1,29 @@
 import pytest
 import torch
 
-from rlsearch.actor.batch import TrainSample, collate, split_micro_batches
+from rlsearch.actor.batch import TrainSample, collate, pack_indices, pack_micro_batches
 
 
-def test_collate_selects_response_positions_in_megatron_layout():
+def test_collate_packs_samples_back_to_back_without_padding():
     samples = [
         TrainSample([10, 11, 12, 13], response_start=2, loss_mask=[1, 0], advantage=0.5),
         TrainSample([20, 21, 22], response_start=1, loss_mask=[1, 1], advantage=-1.0),
     ]
-    mb = collate(samples)
-    assert mb.tokens.tolist() == [[10, 11, 12, 13], [20, 21, 22, 0]]
-    # sample 0 predicts 12, 13 from positions 1, 2; sample 1 predicts 21, 22 from positions 0, 1 (batch = 2)
-    assert mb.logit_index.tolist() == [1 * 2 + 0, 2 * 2 + 0, 0 * 2 + 1, 1 * 2 + 1]
+    mb = collate(samples, [3, 7])
+    assert mb.sample_indices == [3, 7]
+    assert mb.tokens.tolist() == [[10, 11, 12, 13, 20, 21, 22]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    assert mb.cu_seqlens.tolist() == [0, 4, 7] and mb.cu_seqlens.dtype == torch.int32
+    assert mb.max_seqlen == 4
+    # sample 0 predicts 12, 13 from packed positions 1, 2; sample 1 predicts 21, 22 from positions 4, 5
+    assert mb.logit_index.tolist() == [1, 2, 4, 5]
     assert mb.labels.tolist() == [12, 13, 21, 22]
+    assert mb.tokens[0, mb.logit_index + 1].tolist() == mb.labels.tolist()
     assert mb.loss_mask.tolist() == [1.0, 0.0, 1.0, 1.0]
     assert mb.advantages.tolist() == [0.5, 0.5, -1.0, -1.0]
     assert mb.response_lens == [2, 2]
-    hidden = torch.arange(4 * 2).view(4, 2, 1)  # [seq, batch, hidden]: value = t * batch + row
-    assert hidden.reshape(-1, 1).index_select(0, mb.logit_index).view(-1).tolist() == mb.logit_index.tolist()
+    params = mb.packed_seq_params()
+    assert params.qkv_format == "thd" and params.cu_seqlens_q is mb.cu_seqlens and params.max_seqlen_kv == 4
 
 
 def test_sample_validates_lengths():
@@ -28,5 +33,26 @@ def test_sample_validates_lengths():
         TrainSample([1, 2], response_start=0, loss_mask=[1, 1])
 
 
-def test_split_micro_batches():
-    assert [len(b) for b in split_micro_batches(list(range(10)), 4)] == [4, 4, 2]
+def test_pack_indices_fills_bins_up_to_the_token_limit():
+    lengths = [60, 30, 50, 20, 40, 100]
+    bins = pack_indices(lengths, max_tokens=100)
+    assert sorted(i for b in bins for i in b) == list(range(6))
+    assert all(sum(lengths[i] for i in b) <= 100 for b in bins)
+    assert len(bins) == 3  # 300 tokens in three full bins: first-fit decreasing wastes nothing here
+    assert all(b == sorted(b) for b in bins) and [b[0] for b in bins] == sorted(b[0] for b in bins)
+
+
+def test_pack_indices_gives_an_overlong_sample_its_own_bin_and_honours_min_bins():
+    assert pack_indices([500, 10, 10], max_tokens=100) == [[0], [1, 2]]
+    # two pipeline stages need at least two micro-batches even when everything fits in one
+    bins = pack_indices([10, 10, 10, 10], max_tokens=100, min_bins=2)
+    assert len(bins) == 2 and sorted(len(b) for b in bins) == [2, 2]
+    assert len(pack_indices([10, 10, 10], max_tokens=100, min_bins=4)) == 3  # never more bins than samples
+
+
+def test_pack_micro_batches_covers_every_sample_once():
+    samples = [TrainSample(list(range(n)), response_start=1, loss_mask=[1] * (n - 1)) for n in (5, 9, 3, 7, 4)]
+    micro_batches = pack_micro_batches(samples, max_tokens=12)
+    assert sorted(i for mb in micro_batches for i in mb.sample_indices) == list(range(5))
+    assert all(mb.num_tokens <= 12 for mb in micro_batches)
+    assert sum(mb.num_tokens for mb in micro_batches) == 28  # no padding

@@ -1,0 +1,201 @@
+"""Megatron TP x PP x DP layouts against HF transformers and each other, and the bridge from each into vLLM.
+
+Every layout starts from the same HF weights, scores the same packed batch, takes one GRPO step on it and syncs
+into the same vLLM engine. Layout runs are cached per module: each group of Ray ranks starts once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from rlsearch.actor import ActorGroup, ActorWorkerSpec, TrainSample
+from rlsearch.algo import loss_token_weights
+from rlsearch.bridge import logprob_mismatch, sync_weights
+from rlsearch.bridge.bucket import unpack_bucket
+from rlsearch.config import ActorConfig, AlgoConfig
+from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+
+# name -> (tp, pp, dp, extra actor settings)
+LAYOUTS = {
+    "tp1pp1": (1, 1, 1, {}),
+    "tp2pp1": (2, 1, 1, {}),
+    "tp1pp2": (1, 2, 1, {}),
+    "tp2pp2": (2, 2, 1, {}),
+    "dp2": (1, 1, 2, {"use_distributed_optimizer": True}),
+}
+PROBE_QUESTION = "Who is the mayor of Velmora?"
+PROBE_CONTINUATION = "<search> who founded the town </search>"
+
+
+def _hf_logprobs(model_dir, samples: list[TrainSample]) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    result = []
+    with torch.no_grad():
+        for sample in samples:
+            logits = model(torch.tensor([sample.token_ids])).logits[0]
+            logprobs = torch.log_softmax(logits.float(), -1)[sample.response_start - 1 : -1]
+            result.append(logprobs.gather(1, torch.tensor(sample.token_ids[sample.response_start :])[:, None])[:, 0])
+    return result
+
+
+def _batch(hf_logprobs_fn) -> tuple[list[TrainSample], list[torch.Tensor]]:
+    """Eight sequences of 30-79 tokens with masked observation spans, off-policy old logprobs (so ratios vary and
+    some clip) and advantages that do not cancel."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(30 + 7 * i, 6 + i) for i in range(8)]  # (length, response_start)
+    samples = []
+    for length, start in shapes:
+        ids = torch.randint(0, 151_000, (length,), generator=generator).tolist()
+        mask = [0 if 8 <= i < 14 else 1 for i in range(length - start)]
+        samples.append(TrainSample(ids, start, mask))
+    reference = hf_logprobs_fn(samples)
+    weights = loss_token_weights([s.loss_mask for s in samples], "token_mean")
+    for index, (sample, logprobs, w) in enumerate(zip(samples, reference, weights)):
+        noise = 0.3 * torch.randn(len(logprobs), generator=generator)
+        sample.old_logprobs = (logprobs + noise).tolist()
+        sample.advantage = [1.0, -0.5, 0.8, 0.3, -1.2, 0.6, 0.9, -0.2][index]
+        sample.token_weights = w
+    return samples, reference
+
+
+def _spec(model_dir, tp: int, pp: int, dp: int, extra: dict) -> ActorWorkerSpec:
+    actor = ActorConfig(tp=tp, pp=pp, dp=dp, lr=1e-5, max_tokens_per_microbatch=160, **extra)
+    return ActorWorkerSpec(
+        model_path=str(model_dir), dtype="float32", actor=actor, algo=AlgoConfig(), temperature=1.0,
+        total_steps=4, seed=1,
+    )
+
+
+def _bucket_tensors(group: ActorGroup, bucket_mb: int) -> dict[str, torch.Tensor]:
+    """What the bridge sends, received on the driver (the same object-store path the engines read)."""
+    received = [
+        (name, tensor.clone()) for ref in group.export_weight_buckets(bucket_mb * 1024 * 1024)
+        for name, tensor in unpack_bucket(ray.get(ref))
+    ]
+    tensors = dict(received)
+    assert len(tensors) == len(received), "a tensor was sent twice"
+    return tensors
+
+
+@dataclass
+class LayoutRun:
+    initial_export: dict[str, torch.Tensor]
+    logprobs: list[list[float]]
+    metrics: dict[str, float]
+    trained: dict[str, torch.Tensor]  # mbridge's export after the step
+    sent_after_step: dict[str, torch.Tensor]
+    engine_vs_actor: float  # max |logprob diff| on the probe after the sync
+    sweep_engine_logprobs: dict[int, list[float]]
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_dir):
+    return _batch(lambda samples: _hf_logprobs(tiny_model_dir, samples))
+
+
+@pytest.fixture(scope="module")
+def run_layout(ray_local, tiny_model_dir, rollout_worker, batch):
+    samples, _ = batch
+    probe = ray.get(rollout_worker.probe_sequence.remote(PROBE_QUESTION, PROBE_CONTINUATION))
+    probe_sample = TrainSample(probe, 1, [1] * (len(probe) - 1))
+    cache: dict[str, LayoutRun] = {}
+
+    def run(name: str) -> LayoutRun:
+        if name in cache:
+            return cache[name]
+        tp, pp, dp, extra = LAYOUTS[name]
+        group = ActorGroup(_spec(tiny_model_dir, tp, pp, dp, extra))
+        try:
+            initial_export = _bucket_tensors(group, 64)
+            logprobs = group.compute_logprobs(samples)
+            metrics = group.train_step(samples)
+            trained = group.hf_state_dict()
+            sent = _bucket_tensors(group, 64)
+            actor_probe = group.compute_logprobs([probe_sample], temperature=1.0)[0]
+            sweep = {}
+            for bucket_mb in ((1, 16, 512) if name == "tp2pp2" else (64,)):
+                sync_weights(group, [rollout_worker], bucket_mb)
+                sweep[bucket_mb] = ray.get(rollout_worker.score.remote(probe))
+            engine_vs_actor = max(logprob_mismatch(engine, actor_probe)[0] for engine in sweep.values())
+        finally:
+            group.shutdown()
+        cache[name] = LayoutRun(initial_export, logprobs, metrics, trained, sent, engine_vs_actor, sweep)
+        return cache[name]
+
+    return run
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_logprob_parity_with_hf(run_layout, batch, layout):
+    _, reference = batch
+    result = run_layout(layout)
+    worst = max((torch.tensor(a) - b).abs().max().item() for a, b in zip(result.logprobs, reference))
+    assert worst < 1e-5
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "tp1pp1"])
+def test_grpo_step_parity_across_layouts(run_layout, layout):
+    baseline, result = run_layout("tp1pp1"), run_layout(layout)
+    assert baseline.metrics["actor/clip_fraction"] > 0.05  # the off-policy ratios exercise the clip
+    for key in ("actor/policy_loss", "actor/clip_fraction", "actor/approx_kl", "actor/grad_norm"):
+        assert result.metrics[key] == pytest.approx(baseline.metrics[key], abs=1e-5), key
+    assert set(result.trained) == set(baseline.trained)
+    worst = max((result.trained[n] - baseline.trained[n]).abs().max().item() for n in baseline.trained)
+    assert worst < 1e-5
+    moved = max((baseline.trained[n] - baseline.initial_export[n]).abs().max().item() for n in baseline.trained)
+    assert moved > 5e-6  # the step did change the weights, so agreeing on them means something
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_bridge_sends_exactly_the_hf_weights(run_layout, tiny_model_dir, layout):
+    result = run_layout(layout)
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert set(result.initial_export) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(result.initial_export[name], tensor), name  # HF -> Megatron shards -> HF, bit-exact
+    assert set(result.sent_after_step) == set(result.trained)
+    for name, tensor in result.trained.items():
+        assert torch.equal(result.sent_after_step[name], tensor), name  # buckets == mbridge's export
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_bridge_engine_matches_actor_after_sync(run_layout, layout):
+    assert run_layout(layout).engine_vs_actor < 1e-4
+
+
+def test_bridge_bucket_size_sweep_gives_identical_engine_logprobs(run_layout):
+    sweep = run_layout("tp2pp2").sweep_engine_logprobs
+    assert set(sweep) == {1, 16, 512}
+    assert sweep[1] == sweep[16] == sweep[512]
+
+
+@pytest.mark.parametrize(
+    "architecture, tied, tp, pp",
+    [("qwen2", True, 1, 2), ("llama", False, 2, 1), ("qwen3", True, 2, 2)],
+    ids=["qwen2-tied-tp1pp2", "llama-tp2pp1", "qwen3-tied-tp2pp2"],
+)
+def test_architecture_parity_and_round_trip(ray_local, tmp_path_factory, architecture, tied, tp, pp):
+    model_dir = make_tiny_model(
+        tmp_path_factory.mktemp(architecture) / "model", TinyModelSpec(architecture=architecture,
+                                                                        tie_word_embeddings=tied),
+    )
+    samples, reference = _batch(lambda s: _hf_logprobs(model_dir, s))
+    group = ActorGroup(_spec(model_dir, tp, pp, 1, {}))
+    try:
+        sent = _bucket_tensors(group, 64)
+        logprobs = group.compute_logprobs(samples)
+        metrics = group.train_step(samples)
+    finally:
+        group.shutdown()
+    assert max((torch.tensor(a) - b).abs().max().item() for a, b in zip(logprobs, reference)) < 1e-5
+    original = load_file(str(model_dir / "model.safetensors"))
+    assert set(sent) == set(original)
+    assert all(torch.equal(sent[name], tensor) for name, tensor in original.items())
+    assert metrics["actor/update_ok"] == 1.0 and metrics["actor/grad_norm"] > 0
