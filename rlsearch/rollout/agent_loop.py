@@ -8,15 +8,13 @@ from the concatenated ids. Model output is never decoded and re-encoded.
 from __future__ import annotations
 
 import hashlib
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import RolloutConfig
-from ..tools import SearchR1Protocol, ToolError, TurnKind
+from ..tools import ErrorKind, ToolCall, ToolProtocol, ToolRegistry, ToolResult, TurnKind
+from .observation import fit_observation
 from .trajectory import ToolCallRecord, Trajectory, Turn
-
-SearchFn = Callable[[list[str]], list[list[str]]]
 
 
 @dataclass
@@ -34,19 +32,26 @@ def request_seed(base_seed: int, step: int, group_id: int, sample_index: int, tu
 
 
 class AgentLoop:
-    def __init__(
-        self, engine, protocol: SearchR1Protocol, search: SearchFn, config: RolloutConfig, seed: int
-    ) -> None:
+    """Runs prompts to finished trajectories: the protocol parses each turn, the registry runs the calls.
+
+    Limits: ``rollout.max_turns``, ``rollout.max_tool_calls`` (per trajectory) and ``rollout.max_calls_per_tool``
+    refuse further calls with an error observation; ``rollout.max_observation_tokens`` cuts long tool output
+    (keeping the closing tags). Every failure the model causes or meets is an observation, never an exception.
+    """
+
+    def __init__(self, engine, protocol: ToolProtocol, tools: ToolRegistry, config: RolloutConfig, seed: int) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.protocol = protocol
-        self.search = search
+        self.tools = tools
         self.config = config
         self.seed = seed
         self.logit_bias = self._token_logit_bias(config.logit_bias) or None
 
     def prompt_ids(self, question: str) -> list[int]:
-        messages = [{"role": "user", "content": self.protocol.instruction(question)}]
+        system = self.protocol.system_prompt()
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": self.protocol.instruction(question)})
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text + self.config.assistant_prefix, add_special_tokens=False)
 
@@ -70,7 +75,7 @@ class AgentLoop:
             outputs = self.engine.generate(
                 [t.token_ids for t in active], [self._sampling_params(t, step, turn_index) for t in active]
             )
-            calls: list[tuple[Trajectory, Turn]] = []
+            calls: list[Turn] = []
             still_active = []
             for trajectory, output in zip(active, outputs):
                 turn = self._record_turn(trajectory, output.outputs[0], turn_index)
@@ -79,10 +84,12 @@ class AgentLoop:
                 if turn_index == self.config.max_turns - 1:
                     trajectory.finish_reason = "max_turns"
                     continue
-                if turn.kind == TurnKind.TOOL_CALL.value:
-                    calls.append((trajectory, turn))
-                else:
+                if turn.kind != TurnKind.TOOL_CALL.value:
                     turn.observation = self.protocol.error_observation(turn.error or "invalid tool call")
+                elif refusal := self._over_limit(trajectory, turn.tool_call.name):
+                    self._refuse(turn, refusal)
+                else:
+                    calls.append(turn)
                 still_active.append(trajectory)
             self._run_tool_calls(calls)
             active = [t for t in still_active if self._append_observation(t)]
@@ -112,9 +119,12 @@ class AgentLoop:
         text = (trajectory.assistant_prefix if turn_index == 0 else "") + completion.text
         parsed = self.protocol.parse_turn(text) if stopped_on_tag else None
         kind = parsed.kind.value if parsed else TurnKind.NONE.value
-        turn = Turn(text=completion.text, num_tokens=len(token_ids), kind=kind, error=parsed.error if parsed else None)
+        turn = Turn(text=completion.text, num_tokens=len(token_ids), kind=kind)
+        if parsed and parsed.error_kind:
+            turn.error, turn.error_kind = parsed.error, parsed.error_kind.value
         if parsed and parsed.call:
-            turn.tool_call = ToolCallRecord(name=parsed.call.name, query=parsed.call.query, ok=True)
+            call = parsed.call
+            turn.tool_call = ToolCallRecord(name=call.name, query=call.query, ok=True, attrs=dict(call.attrs))
         trajectory.turns.append(turn)
         if parsed and parsed.kind == TurnKind.ANSWER:
             trajectory.finish_reason = "answer"
@@ -124,25 +134,50 @@ class AgentLoop:
             trajectory.finish_reason = "length"
         return turn
 
-    def _run_tool_calls(self, calls: list[tuple[Trajectory, Turn]]) -> None:
-        """All of a turn's search calls go to the retriever as one batched request."""
-        if not calls:
+    def _over_limit(self, trajectory: Trajectory, tool_name: str) -> str | None:
+        """Why this call (the last turn's) may not run, or None. Earlier refused calls do not count."""
+        earlier = [
+            turn.tool_call for turn in trajectory.turns[:-1]
+            if turn.tool_call is not None and turn.error_kind != ErrorKind.OVER_LIMIT.value
+        ]
+        limit = self.config.max_tool_calls
+        if limit and len(earlier) >= limit:
+            return f"the limit of {limit} tool calls is reached; answer with what you know"
+        tool_limit = self.config.max_calls_per_tool.get(tool_name, 0)
+        if tool_limit and sum(call.name == tool_name for call in earlier) >= tool_limit:
+            return f"the limit of {tool_limit} calls to '{tool_name}' is reached; use another tool or answer"
+        return None
+
+    def _refuse(self, turn: Turn, message: str) -> None:
+        turn.tool_call.ok = False
+        turn.tool_call.error = message
+        turn.error_kind = ErrorKind.OVER_LIMIT.value
+        turn.observation = self.protocol.error_observation(message)
+
+    def _run_tool_calls(self, turns: list[Turn]) -> None:
+        """All of a turn's calls go to the registry together: each tool gets its calls as one batch."""
+        if not turns:
             return
-        started = time.perf_counter()
-        try:
-            results = self.search([turn.tool_call.query for _, turn in calls])
-            error = None
-        except ToolError as err:
-            results, error = None, str(err)
-        latency = time.perf_counter() - started
-        for index, (_, turn) in enumerate(calls):
-            turn.tool_call.latency_s = latency
-            if error is None:
-                turn.observation = self.protocol.observation(results[index])
-            else:
-                turn.tool_call.ok = False
-                turn.tool_call.error = error
-                turn.observation = self.protocol.error_observation(f"search failed: {error}")
+        records = [turn.tool_call for turn in turns]
+        results = self.tools.run([ToolCall(record.name, record.query, record.attrs) for record in records])
+        for turn, result in zip(turns, results):
+            self._record_result(turn, result)
+
+    def _record_result(self, turn: Turn, result: ToolResult) -> None:
+        record = turn.tool_call
+        record.latency_s = result.latency_s
+        record.cached = result.cached
+        if result.ok:
+            turn.observation = fit_observation(
+                self.protocol, result.documents, self.config.max_observation_tokens, self.tokenizer
+            )
+            return
+        record.ok = False
+        record.error = result.error
+        turn.error_kind = result.error_kind.value
+        unknown = result.error_kind == ErrorKind.UNKNOWN_TOOL
+        message = result.error if unknown else f"{record.name} failed: {result.error}"
+        turn.observation = self.protocol.error_observation(message)
 
     def _append_observation(self, trajectory: Trajectory) -> bool:
         """Append the last turn's observation; False (finished for length) when it does not fit."""

@@ -9,9 +9,11 @@ from dataclasses import asdict, dataclass, field
 class ToolCallRecord:
     name: str
     query: str
-    ok: bool  # False: the tool failed (server down, timeout) and the model saw an error observation
+    ok: bool  # False: not answered (tool failed or timed out, unknown tool, over a limit); see Turn.error_kind
     error: str | None = None
     latency_s: float = 0.0
+    attrs: dict[str, str] = field(default_factory=dict)  # extra attributes of a <call_tool> tag
+    cached: bool = False  # answered from tools.cache_dir
 
 
 @dataclass
@@ -22,6 +24,9 @@ class Turn:
     tool_call: ToolCallRecord | None = None
     observation: str | None = None  # text appended after this turn (tool output or error), if any
     error: str | None = None  # why an invalid call was invalid
+    # what went wrong with this turn's call, if anything (tools.ErrorKind): unparseable | empty_query |
+    # unknown_tool | over_limit | timeout | tool_error
+    error_kind: str | None = None
 
 
 @dataclass
@@ -61,6 +66,12 @@ class Trajectory:
     @property
     def tool_calls(self) -> list[ToolCallRecord]:
         return [turn.tool_call for turn in self.turns if turn.tool_call is not None]
+
+    @property
+    def dispatched_calls(self) -> list[ToolCallRecord]:
+        """Calls that reached their tool (not refused as unknown or over a limit)."""
+        refused = ("unknown_tool", "over_limit")
+        return [turn.tool_call for turn in self.turns if turn.tool_call is not None and turn.error_kind not in refused]
 
     @property
     def num_invalid_calls(self) -> int:

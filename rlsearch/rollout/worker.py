@@ -4,38 +4,38 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
-from ..config import RetrieverConfig, RolloutConfig
-from ..tools import RetrievalClient, SearchR1Protocol
+from ..bridge.bucket import WeightBucket
+from ..config import RetrieverConfig, RolloutConfig, ToolsConfig
+from ..tools import build_registry, make_protocol
 from .agent_loop import AgentLoop, PromptItem
 from .engine import EngineSpec, VLLMEngine
 from .trajectory import Trajectory
 
-PROTOCOLS = {"search_r1": SearchR1Protocol}
-
 
 class RolloutWorker:
+    """``retriever`` and ``retriever_url`` set up the ``search`` tool's client; ``tools`` says which tools the
+    agent gets (built-in names, MCP servers with their URLs, web tools, the result cache); None: search only."""
+
     def __init__(
         self, engine_spec: EngineSpec, rollout: RolloutConfig, retriever: RetrieverConfig, retriever_url: str,
-        seed: int,
+        seed: int, tools: ToolsConfig | None = None,
     ) -> None:
-        self.engine = VLLMEngine(engine_spec)
-        self.client = RetrievalClient(
-            retriever_url, topk=retriever.topk, timeout_s=retriever.timeout_s, max_retries=retriever.max_retries,
-            backoff_s=retriever.backoff_s,
-        )
-        self.loop = AgentLoop(self.engine, PROTOCOLS[rollout.protocol](), self.client.retrieve, rollout, seed)
+        # tools first: a bad tool set-up fails in a second, before the engine spends its start-up time
+        self.tools = build_registry(tools or ToolsConfig(), retriever, retriever_url)
+        try:
+            protocol = make_protocol(rollout.protocol, self.tools.specs, rollout.prompt_file)
+            self.engine = VLLMEngine(engine_spec)
+        except BaseException:
+            self.tools.close()
+            raise
+        self.loop = AgentLoop(self.engine, protocol, self.tools, rollout, seed)
 
     def generate(self, items: Sequence[PromptItem], step: int) -> list[Trajectory]:
         return self.loop.run(items, step)
 
     def tool_stats(self) -> dict[str, int]:
-        return {
-            "requests": self.client.num_requests,
-            "retries": self.client.num_retries,
-            "failures": self.client.num_failures,
-        }
+        """Requests, retries and failures summed over the tools that count them."""
+        return self.tools.stats()
 
     def probe_sequence(self, question: str, continuation: str) -> list[int]:
         """A fixed sequence for engine-vs-actor checks: a real prompt followed by a fixed continuation."""
@@ -47,11 +47,11 @@ class RolloutWorker:
     def begin_weight_update(self) -> None:
         self.engine.begin_weight_update()
 
-    def load_weight_bucket(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        return self.engine.load_weight_bucket(named_tensors)
+    def load_weight_bucket(self, bucket: WeightBucket) -> tuple[int, int]:
+        return self.engine.load_weight_bucket(bucket)
 
     def finish_weight_update(self) -> None:
         self.engine.finish_weight_update()
 
     def shutdown(self) -> None:
-        self.client.close()
+        self.tools.close()

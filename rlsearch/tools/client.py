@@ -1,23 +1,28 @@
-"""HTTP client for the retrieval server, with retries on transient failures."""
+"""HTTP client for the retrieval server: batched requests, bounded concurrency, retries on transient failures."""
 
 from __future__ import annotations
 
-import time
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 
+from .base import Document, ErrorKind, Tool, ToolCall, ToolError, ToolResult, ToolSpec
+from .http import send_with_retries
 
-class ToolError(RuntimeError):
-    """A tool call failed for good: a rejected request, or retries exhausted."""
+SEARCH_DESCRIPTION = "search the document collection; the query is a short keyword query, results are passages"
+MAX_TOPK = 100  # the retrieval server's limit
 
 
 class RetrievalClient:
-    """Batched client for ``POST {url}/retrieve``.
+    """Client for ``POST {url}/retrieve``.
 
-    Counters: ``num_requests`` counts ``retrieve`` calls that went to the server, ``num_retries`` the
-    extra attempts after transient failures, ``num_failures`` the calls that ended in ``ToolError``.
+    The queries of one ``retrieve``/``search`` call go out in requests of at most ``batch_size`` queries, at most
+    ``max_concurrency`` of them in flight (httpx costs several ms of client CPU per request: few large requests beat
+    many small ones). Counters: ``num_requests`` counts requests sent (not retries), ``num_retries`` the extra
+    attempts after transient failures, ``num_failures`` the calls that ended in ``ToolError``.
     """
 
     def __init__(
@@ -27,61 +32,118 @@ class RetrievalClient:
         timeout_s: float = 10.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
+        batch_size: int = 64,
+        max_concurrency: int = 4,
     ) -> None:
         self.url = url.rstrip("/")
         self.topk = topk
+        self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.batch_size = batch_size
         self.num_requests = 0
         self.num_retries = 0
         self.num_failures = 0
         self._http = httpx.Client(timeout=timeout_s)
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="retrieval-client")
+        self._counter_lock = threading.Lock()
 
     def retrieve(self, queries: Sequence[str]) -> list[list[str]]:
-        """The ``contents`` of the top documents for each query, best first, in one request."""
+        """The ``contents`` of the top documents for each query, best first."""
+        return [[document["contents"] for document in documents] for documents in self.search(queries)]
+
+    def search(self, queries: Sequence[str], topk: int | None = None) -> list[list[dict]]:
+        """The top ``{"id", "contents"}`` documents for each query, best first (``topk`` defaults to the client's)."""
         if not queries:
             return []
-        self.num_requests += 1
-        endpoint = f"{self.url}/retrieve"
-        payload = {"queries": list(queries), "topk": self.topk, "return_scores": False}
+        topk = topk or self.topk
+        chunks = [list(queries[i : i + self.batch_size]) for i in range(0, len(queries), self.batch_size)]
         try:
-            body = self._post_with_retries(endpoint, payload)
-            return _contents_per_query(body, len(queries), endpoint)
+            if len(chunks) == 1:
+                return self._search_chunk(chunks[0], topk)
+            searched = self._pool.map(self._search_chunk, chunks, [topk] * len(chunks))
+            return [documents for chunk in searched for documents in chunk]
         except ToolError:
-            self.num_failures += 1
+            self._count("num_failures")
             raise
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
+    def _search_chunk(self, queries: list[str], topk: int) -> list[list[dict]]:
+        self._count("num_requests")
+        endpoint = f"{self.url}/retrieve"
+        body = self._post_with_retries(endpoint, {"queries": queries, "topk": topk, "return_scores": False})
+        return _documents_per_query(body, len(queries), endpoint)
+
+    def _count(self, counter: str) -> None:
+        with self._counter_lock:
+            setattr(self, counter, getattr(self, counter) + 1)
+
     def _post_with_retries(self, endpoint: str, payload: dict) -> Any:
-        last_error = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt > 0:
-                self.num_retries += 1
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                response = self._http.post(endpoint, json=payload)
-            except httpx.TransportError as error:
-                last_error = f"{type(error).__name__}: {error}"
-                continue
-            if response.status_code >= 500:
-                last_error = f"HTTP {response.status_code}: {response.text[:200]}"
-                continue
-            if response.status_code >= 400:
-                raise ToolError(f"{endpoint} rejected: HTTP {response.status_code} {response.text}")
-            try:
-                return response.json()
-            except ValueError as error:
-                raise ToolError(f"{endpoint} returned invalid JSON: {error}") from error
-        raise ToolError(f"{endpoint} failed after {self.max_retries + 1} attempts; last error: {last_error}")
+        response = send_with_retries(
+            lambda: self._http.post(endpoint, json=payload), endpoint, self.max_retries, self.backoff_s,
+            self.timeout_s, on_retry=lambda: self._count("num_retries"),
+        )
+        try:
+            return response.json()
+        except ValueError as error:
+            raise ToolError(f"{endpoint} returned invalid JSON: {error}") from error
 
 
-def _contents_per_query(body: Any, num_queries: int, endpoint: str) -> list[list[str]]:
+def _documents_per_query(body: Any, num_queries: int, endpoint: str) -> list[list[dict]]:
     try:
-        contents = [[document["contents"] for document in documents] for documents in body["result"]]
-    except (KeyError, TypeError) as error:
+        documents = [
+            [{"id": doc.get("id", ""), "contents": doc["contents"]} for doc in docs] for docs in body["result"]
+        ]
+    except (KeyError, TypeError, AttributeError) as error:
         raise ToolError(f"{endpoint} returned an unexpected body: {error!r}") from error
-    if len(contents) != num_queries:
-        raise ToolError(f"{endpoint} returned {len(contents)} results for {num_queries} queries")
-    return contents
+    if len(documents) != num_queries:
+        raise ToolError(f"{endpoint} returned {len(documents)} results for {num_queries} queries")
+    return documents
+
+
+class SearchTool(Tool):
+    """``search`` backed by the retrieval server: a turn's queries go out batched (one request per ``topk``).
+
+    The only attribute is ``topk`` (1 to MAX_TOPK), as for the MCP server's search.
+    """
+
+    def __init__(self, client: RetrievalClient) -> None:
+        self.spec = ToolSpec("search", SEARCH_DESCRIPTION)
+        self.client = client
+
+    def run_batch(self, calls: list[ToolCall]) -> list[ToolResult]:
+        results: list[ToolResult | None] = [None] * len(calls)
+        by_topk: dict[int, list[int]] = {}
+        for index, call in enumerate(calls):
+            try:
+                by_topk.setdefault(self._topk(call), []).append(index)
+            except ToolError as error:
+                results[index] = ToolResult.failure(ErrorKind.TOOL_ERROR, str(error))
+        for topk, indices in by_topk.items():
+            hits = self.client.search([calls[i].query for i in indices], topk)
+            for index, documents in zip(indices, hits):
+                passages = [Document.from_passage(doc["contents"], str(doc["id"])) for doc in documents]
+                results[index] = ToolResult(documents=passages)
+        return results
+
+    def _topk(self, call: ToolCall) -> int:
+        unknown = sorted(set(call.attrs) - {"topk"})
+        if unknown:
+            raise ToolError(f"tool 'search' has no parameter '{unknown[0]}'; it takes: query, topk")
+        text = call.attrs.get("topk")
+        if text is None:
+            return self.client.topk
+        if not text.isdigit() or not 1 <= int(text) <= MAX_TOPK:
+            raise ToolError(f"tool 'search': topk must be an integer from 1 to {MAX_TOPK}; got {text!r}")
+        return int(text)
+
+    def stats(self) -> dict[str, int]:
+        client = self.client
+        return {"requests": client.num_requests, "retries": client.num_retries, "failures": client.num_failures}
+
+    def close(self) -> None:
+        self.client.close()
+

@@ -1,97 +1,132 @@
-"""The Search-R1 tool-call protocol: prompt wording, turn parsing and observation rendering."""
+"""Tool-call protocols: the prompt, how a generated turn becomes an action, and how tool output is rendered.
+
+A protocol is chosen by ``rollout.protocol``:
+- ``search_r1``: ``<search>query</search>`` answered with ``<information>...</information>``; ``<answer>`` ends.
+- ``call_tool``: DR Tulu's unified format ``<call_tool name="NAME" attr="...">query</call_tool>`` answered with
+  ``<tool_output>`` wrapping ``<snippet id=...>`` / ``<webpage id=...>`` items (see call_tool.py).
+Generation stops at the protocol's ``stop_strings``; the earliest closing tag in a turn decides the action.
+Prompts come from a YAML file per protocol (rlsearch/tools/prompts/NAME.yaml, or ``rollout.prompt_file``).
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
+from pathlib import Path
 
-SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
+import yaml
+
+from .base import Document, ErrorKind, ParsedTurn, ToolCall, ToolSpec, TurnKind
+
+PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
 
 
 @dataclass(frozen=True)
-class ToolCall:
+class PromptTemplate:
+    system: str  # may be empty: no system message
+    user: str
+    tool_line: str
+
+    @classmethod
+    def load(cls, path: str | Path) -> PromptTemplate:
+        path = Path(path)
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as error:
+            raise ValueError(f"prompt file {path}: {error}") from error
+        missing = [key for key in ("system", "user", "tool_line") if not isinstance((raw or {}).get(key), str)]
+        if missing:
+            raise ValueError(f"prompt file {path}: missing string key(s) {', '.join(missing)}")
+        return cls(raw["system"], raw["user"], raw["tool_line"])
+
+
+class ToolProtocol(ABC):
+    """Turn text <-> actions for one tag format. Subclasses set ``name``, ``stop_strings`` and the parsing."""
+
     name: str
-    query: str
+    stop_strings: tuple[str, ...]
+    required_tools: tuple[str, ...] = ()  # tools the format itself names (Search-R1's <search> -> search)
+
+    def __init__(self, tools: Sequence[ToolSpec] = (), prompt_file: str | Path | None = None) -> None:
+        self.prompt = PromptTemplate.load(prompt_file or PROMPTS_DIR / f"{self.name}.yaml")
+        self.tools = list(tools)
+
+    def system_prompt(self) -> str:
+        return self._fill(self.prompt.system, question="")
+
+    def instruction(self, question: str) -> str:
+        """The user turn."""
+        return self._fill(self.prompt.user, question=question)
+
+    @abstractmethod
+    def parse_turn(self, text: str) -> ParsedTurn:
+        """Classify one generated turn (text up to and including the stop string, maybe a little spill-over)."""
+
+    def observation(self, documents: Sequence[Document]) -> str:
+        return self.wrap(self.render_documents(documents))
+
+    def error_observation(self, message: str) -> str:
+        return self.wrap(f"Error: {message}")
+
+    @abstractmethod
+    def render_documents(self, documents: Sequence[Document]) -> str:
+        """The body of an observation for these documents (without the wrapping tags)."""
+
+    @abstractmethod
+    def wrap(self, body: str) -> str:
+        """An observation: the body inside this protocol's output tags."""
+
+    def _fill(self, template: str, question: str) -> str:
+        tool_list = "\n".join(self.prompt.tool_line.format(name=t.name, description=t.description) for t in self.tools)
+        return template.format(question=question, tools=tool_list)
 
 
-class TurnKind(str, Enum):
-    TOOL_CALL = "tool_call"
-    ANSWER = "answer"
-    INVALID_CALL = "invalid_call"
-    NONE = "none"
-
-
-@dataclass(frozen=True)
-class ParsedTurn:
-    kind: TurnKind
-    call: ToolCall | None = None
-    answer: str | None = None
-    error: str | None = None
-
-
-class SearchR1Protocol:
-    """Search-R1 tags: ``<search>query</search>`` calls the retriever, ``<answer>...</answer>`` ends."""
+class SearchR1Protocol(ToolProtocol):
+    """Search-R1 tags: ``<search>query</search>`` calls the ``search`` tool, ``<answer>...</answer>`` ends."""
 
     name = "search_r1"
     stop_strings: tuple[str, ...] = (SEARCH_CLOSE, ANSWER_CLOSE)
-    tag_strings: tuple[str, ...] = (SEARCH_OPEN, SEARCH_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)
-
-    def instruction(self, question: str) -> str:
-        return (
-            "Solve the question below. Each time you receive new information, first reason about it "
-            "between <think> and </think>. If your knowledge is not enough, query a search engine by "
-            "writing <search> your query </search>; the top results will be returned to you between "
-            "<information> and </information>. You may search as often as you need. Once you can "
-            "answer, write only the final answer between <answer> and </answer>, with no explanation, "
-            "for example <answer> Paris </answer>. "
-            f"Question: {question}\n"
-        )
+    required_tools = ("search",)
 
     def parse_turn(self, text: str) -> ParsedTurn:
-        """Classify one generated turn.
-
-        The earliest closing tag decides the action because generation stops there; anything after it
-        is spill-over from the final token.
-        """
+        """The earliest closing tag decides the action (generation stops there); anything after it is spill-over."""
         answer_end = text.find(ANSWER_CLOSE)
         search_end = text.find(SEARCH_CLOSE)
         if answer_end >= 0 and (search_end < 0 or answer_end < search_end):
-            return _parse_answer(text[:answer_end])
+            return parse_answer(text[:answer_end])
         if search_end >= 0:
             return _parse_search(text[:search_end])
         return ParsedTurn(TurnKind.NONE)
 
-    def observation(self, documents: Sequence[str]) -> str:
-        lines = (_render_document(rank, contents) for rank, contents in enumerate(documents, start=1))
-        return "\n\n<information>" + "\n".join(lines) + "</information>\n\n"
+    def render_documents(self, documents: Sequence[Document]) -> str:
+        return "\n".join(f"Doc {rank}(Title: {doc.title}) {doc.text}" for rank, doc in enumerate(documents, start=1))
 
-    def error_observation(self, message: str) -> str:
-        return f"\n\n<information>Error: {message}</information>\n\n"
+    def wrap(self, body: str) -> str:
+        return f"\n\n<information>{body}</information>\n\n"
 
 
-def _parse_answer(before_close: str) -> ParsedTurn:
+def parse_answer(before_close: str) -> ParsedTurn:
+    """The answer block closed at the end of ``before_close``: the text after its last ``<answer>``."""
     start = before_close.rfind(ANSWER_OPEN)
     if start < 0:
-        return ParsedTurn(TurnKind.INVALID_CALL, error=f"missing {ANSWER_OPEN} opening tag")
+        return invalid(f"missing {ANSWER_OPEN} opening tag", ErrorKind.UNPARSEABLE)
     return ParsedTurn(TurnKind.ANSWER, answer=before_close[start + len(ANSWER_OPEN) :].strip())
+
+
+def invalid(message: str, kind: ErrorKind) -> ParsedTurn:
+    return ParsedTurn(TurnKind.INVALID_CALL, error=message, error_kind=kind)
 
 
 def _parse_search(before_close: str) -> ParsedTurn:
     start = before_close.rfind(SEARCH_OPEN)
     if start < 0:
-        return ParsedTurn(
-            TurnKind.INVALID_CALL,
-            error=f"missing {SEARCH_OPEN} opening tag; write {SEARCH_OPEN} query {SEARCH_CLOSE}",
+        return invalid(
+            f"missing {SEARCH_OPEN} opening tag; write {SEARCH_OPEN} query {SEARCH_CLOSE}", ErrorKind.UNPARSEABLE
         )
     query = before_close[start + len(SEARCH_OPEN) :].strip()
     if not query:
-        return ParsedTurn(TurnKind.INVALID_CALL, error="empty search query")
+        return invalid("empty search query", ErrorKind.EMPTY_QUERY)
     return ParsedTurn(TurnKind.TOOL_CALL, call=ToolCall("search", query))
-
-
-def _render_document(rank: int, contents: str) -> str:
-    # Search-R1 corpus passages are '"Title"\nbody'; the first line is the title.
-    title, _, body = contents.partition("\n")
-    return f"Doc {rank}(Title: {title}) {body}"

@@ -1,56 +1,105 @@
-"""BM25 retrieval over a JSONL corpus, served over HTTP with Search-R1's ``/retrieve`` API."""
+"""Retrieval over a JSONL corpus (BM25, dense, or hybrid), served over HTTP with Search-R1's ``/retrieve`` API.
+
+Concurrent requests are micro-batched: requests that arrive while a search runs are searched together in the next
+index call, so many small clients cost one large search instead of many small ones.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
 import os
 import shutil
-import socket
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import bm25s
 import fastapi
 import numpy as np
-import uvicorn
 from pydantic import BaseModel, Field, StrictBool, StrictStr
 
+from .client import MAX_TOPK
+from .server_process import BACKENDS, add_retriever_arguments
+from .serving import serve_app
+
 STOPWORDS = "en"
-MAX_TOPK = 100
+RRF_K = 60  # reciprocal rank fusion constant (Cormack et al.): score = sum over rankings of 1 / (RRF_K + rank)
+MAX_BATCH_QUERIES = 512  # queries per index call when concurrent requests are merged
+
+Hits = list[tuple[dict, float]]  # best-first ({"id", "contents"}, score) pairs of one query
+
+
+@dataclass
+class Corpus:
+    """Passages ``{"id", "contents"}`` of a JSONL file, with the SHA-256 of its bytes (the cache key)."""
+
+    ids: list
+    contents: list[str]
+    digest: str
+    _positions: dict[str, int] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def read(cls, path: str | Path) -> Corpus:
+        ids, contents, digest = _read_corpus(Path(path))
+        return cls(ids, contents, digest)
+
+    def __len__(self) -> int:
+        return len(self.contents)
+
+    def document(self, index: int) -> dict:
+        return {"id": self.ids[index], "contents": self.contents[index]}
+
+    def find(self, doc_id: str) -> dict | None:
+        """The passage with this id (compared as text), or None."""
+        if not self._positions:
+            self._positions = {str(passage_id): index for index, passage_id in enumerate(self.ids)}
+        index = self._positions.get(str(doc_id))
+        return None if index is None else self.document(index)
+
+
+class Retriever(Protocol):
+    corpus: Corpus
+
+    def search(self, queries: list[str], topk: int) -> list[Hits]: ...
 
 
 class BM25Retriever:
-    """BM25 index over passages ``{"id": ..., "contents": ...}``.
+    """BM25 index over a corpus.
 
     Only passages sharing at least one term with the query are returned, so a query made only of stopwords
     or unknown words (or an empty one) gets no results.
     """
 
-    def __init__(self, ids: list, contents: list[str], index: bm25s.BM25, loaded_from_cache: bool) -> None:
-        self._ids = ids
-        self._contents = contents
+    def __init__(self, corpus: Corpus, index: bm25s.BM25, loaded_from_cache: bool) -> None:
+        self.corpus = corpus
         self._index = index
         self.loaded_from_cache = loaded_from_cache
 
     @classmethod
     def from_corpus(cls, corpus_path: str | Path, cache_dir: str | Path | None = None) -> BM25Retriever:
-        """Read the corpus and build its index, or reload the index cached for identical corpus bytes."""
-        ids, contents, digest = _read_corpus(Path(corpus_path))
-        cached_index_dir = Path(cache_dir) / _index_dir_name(digest) if cache_dir else None
+        return cls.build(Corpus.read(corpus_path), cache_dir)
+
+    @classmethod
+    def build(cls, corpus: Corpus, cache_dir: str | Path | None = None) -> BM25Retriever:
+        """Build the index, or reload the one cached for identical corpus bytes."""
+        cached_index_dir = Path(cache_dir) / _index_dir_name(corpus.digest) if cache_dir else None
         if cached_index_dir is not None and cached_index_dir.is_dir():
             index = bm25s.BM25.load(str(cached_index_dir), show_progress=False)
-            return cls(ids, contents, index, loaded_from_cache=True)
-        index = _build_index(contents)
+            return cls(corpus, index, loaded_from_cache=True)
+        index = _build_index(corpus.contents)
         if cached_index_dir is not None:
             _save_atomically(index, cached_index_dir)
-        return cls(ids, contents, index, loaded_from_cache=False)
+        return cls(corpus, index, loaded_from_cache=False)
 
     @property
     def num_documents(self) -> int:
-        return len(self._contents)
+        return len(self.corpus)
 
-    def search(self, queries: list[str], topk: int) -> list[list[tuple[dict, float]]]:
+    def search(self, queries: list[str], topk: int) -> list[Hits]:
         """Best-first ``({"id", "contents"}, score)`` pairs per query, at most ``topk`` each."""
         topk = min(topk, self.num_documents)
         if not queries or topk < 1:
@@ -59,12 +108,52 @@ class BM25Retriever:
         indices, scores = self._index.retrieve(query_tokens, k=topk, show_progress=False)
         return [self._hits(row, row_scores) for row, row_scores in zip(indices, scores, strict=True)]
 
-    def _hits(self, indices: np.ndarray, scores: np.ndarray) -> list[tuple[dict, float]]:
+    def _hits(self, indices: np.ndarray, scores: np.ndarray) -> Hits:
         return [
-            ({"id": self._ids[i], "contents": self._contents[i]}, float(score))
+            (self.corpus.document(i), float(score))
             for i, score in zip(indices.tolist(), scores.tolist(), strict=True)
             if score > 0
         ]
+
+
+class HybridRetriever:
+    """BM25 and dense rankings fused by reciprocal rank fusion (each ranking contributes 1 / (RRF_K + rank))."""
+
+    def __init__(self, bm25: BM25Retriever, dense) -> None:
+        self.corpus = bm25.corpus
+        self._rankers = (bm25, dense)
+
+    def search(self, queries: list[str], topk: int) -> list[Hits]:
+        depth = min(len(self.corpus), max(2 * topk, 20))  # fuse deeper lists than asked so both can contribute
+        rankings = [ranker.search(queries, depth) for ranker in self._rankers]
+        return [self._fuse([ranking[q] for ranking in rankings], topk) for q in range(len(queries))]
+
+    @staticmethod
+    def _fuse(rankings: list[Hits], topk: int) -> Hits:
+        fused: dict[str, float] = {}
+        documents: dict[str, dict] = {}
+        for hits in rankings:
+            for rank, (document, _) in enumerate(hits, start=1):
+                key = str(document["id"])
+                fused[key] = fused.get(key, 0.0) + 1.0 / (RRF_K + rank)
+                documents[key] = document
+        best = sorted(fused, key=lambda key: -fused[key])[:topk]
+        return [(documents[key], fused[key]) for key in best]
+
+
+def build_retriever(
+    corpus_path: str | Path, backend: str = "bm25", cache_dir: str | Path | None = None, encoder: str = ""
+) -> Retriever:
+    """A retriever of the given backend; indexes and embeddings are cached under ``cache_dir`` when given."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown retrieval backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    corpus = Corpus.read(corpus_path)
+    if backend == "bm25":
+        return BM25Retriever.build(corpus, cache_dir)
+    from .dense import DenseRetriever
+
+    dense = DenseRetriever.build(corpus, cache_dir, encoder)
+    return dense if backend == "dense" else HybridRetriever(BM25Retriever.build(corpus, cache_dir), dense)
 
 
 def _index_dir_name(corpus_digest: str) -> str:
@@ -115,57 +204,110 @@ class RetrieveRequest(BaseModel):
     return_scores: StrictBool = False
 
 
-def create_app(retriever: BM25Retriever) -> fastapi.FastAPI:
-    app = fastapi.FastAPI(title="rlsearch BM25 retriever")
+@dataclass
+class _PendingSearch:
+    queries: list[str]
+    topk: int
+    result: asyncio.Future
+
+
+class MicroBatcher:
+    """Searches the queries of concurrent requests together.
+
+    One worker task takes the first waiting request plus every request queued behind it (up to
+    ``max_batch_queries`` queries), runs one index call off the event loop, and hands each request its slice.
+    No request waits for a timer: batches form from the requests that arrive while the previous search runs.
+    """
+
+    def __init__(self, retriever: Retriever, max_batch_queries: int = MAX_BATCH_QUERIES) -> None:
+        self.retriever = retriever
+        self.max_batch_queries = max_batch_queries
+        self.num_batches = 0
+        self._queue: asyncio.Queue[_PendingSearch] = asyncio.Queue()
+
+    async def search(self, queries: list[str], topk: int) -> list[Hits]:
+        pending = _PendingSearch(queries, topk, asyncio.get_running_loop().create_future())
+        await self._queue.put(pending)
+        return await pending.result
+
+    async def run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            num_queries = len(batch[0].queries)
+            while not self._queue.empty() and num_queries < self.max_batch_queries:
+                batch.append(self._queue.get_nowait())
+                num_queries += len(batch[-1].queries)
+            await self._search_batch(batch)
+
+    async def _search_batch(self, batch: list[_PendingSearch]) -> None:
+        queries = [query for pending in batch for query in pending.queries]
+        try:
+            results = await asyncio.to_thread(self.retriever.search, queries, max(p.topk for p in batch))
+        except Exception as error:  # every request of the batch fails with it; the worker goes on
+            for pending in batch:
+                if not pending.result.done():
+                    pending.result.set_exception(error)
+            return
+        self.num_batches += 1
+        start = 0
+        for pending in batch:
+            hits = results[start : start + len(pending.queries)]
+            start += len(pending.queries)
+            if not pending.result.done():  # done: the client went away and its request was cancelled
+                pending.result.set_result([query_hits[: pending.topk] for query_hits in hits])
+
+
+def create_app(retriever: Retriever) -> fastapi.FastAPI:
+    batcher = MicroBatcher(retriever)
+
+    @asynccontextmanager
+    async def lifespan(_: fastapi.FastAPI):
+        worker = asyncio.create_task(batcher.run())
+        yield
+        worker.cancel()
+
+    app = fastapi.FastAPI(title="rlsearch retriever", lifespan=lifespan)
 
     @app.get("/health")
     def health() -> dict:
-        return {"status": "ok", "num_documents": retriever.num_documents}
+        return {"status": "ok", "num_documents": len(retriever.corpus)}
 
-    # A plain (non-async) endpoint: FastAPI runs it in a worker thread, keeping the event loop free.
     @app.post("/retrieve")
-    def retrieve(request: RetrieveRequest) -> dict:
-        results = retriever.search(request.queries, request.topk)
+    async def retrieve(request: RetrieveRequest) -> fastapi.Response:
+        results = await batcher.search(request.queries, request.topk)
         if request.return_scores:
-            scored = [[{"document": doc, "score": score} for doc, score in hits] for hits in results]
-            return {"result": scored}
-        return {"result": [[doc for doc, _ in hits] for hits in results]}
+            body = {"result": [[{"document": doc, "score": score} for doc, score in hits] for hits in results]}
+        else:
+            body = {"result": [[doc for doc, _ in hits] for hits in results]}
+        # serialised directly: FastAPI's generic encoder walks every value and costs more than the search
+        return fastapi.Response(json.dumps(body, ensure_ascii=False), media_type="application/json")
 
     return app
 
 
-class _AnnouncingServer(uvicorn.Server):
-    """Prints the bound address once the socket listens (the real port matters when port 0 was asked)."""
-
-    def __init__(self, config: uvicorn.Config, num_documents: int) -> None:
-        super().__init__(config)
-        self._num_documents = num_documents
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.should_exit:
-            return
-        host, port = self.servers[0].sockets[0].getsockname()[:2]
-        print(f"retriever listening on http://{host}:{port} ({self._num_documents} documents)", flush=True)
-
-
 def serve_retriever(
-    corpus: str, host: str = "127.0.0.1", port: int = 8000, cache_dir: str | None = None
+    corpus: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    cache_dir: str | None = None,
+    backend: str = "bm25",
+    encoder: str = "",
 ) -> None:
     """Index ``corpus`` and serve it until interrupted. ``port=0`` picks a free port (printed)."""
-    retriever = BM25Retriever.from_corpus(corpus, cache_dir)
-    config = uvicorn.Config(create_app(retriever), host=host, port=port, log_level="warning")
-    _AnnouncingServer(config, retriever.num_documents).run()
+    retriever = build_retriever(corpus, backend, cache_dir, encoder)
+    announcement = f"retriever listening on {{url}} ({len(retriever.corpus)} documents, {backend})"
+    serve_app(create_app(retriever), host, port, announcement)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Serve BM25 retrieval over a JSONL corpus (Search-R1 API).")
-    parser.add_argument("--corpus", required=True, help='JSONL file, one {"id", "contents"} object per line')
-    parser.add_argument("--host", default="127.0.0.1")
+    parser = argparse.ArgumentParser(description="Serve retrieval over a JSONL corpus (Search-R1 API).")
+    add_retriever_arguments(parser)
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument("--cache-dir", default=None, help="where built indexes are kept for reuse")
     args = parser.parse_args()
-    serve_retriever(args.corpus, host=args.host, port=args.port, cache_dir=args.cache_dir)
+    serve_retriever(
+        args.corpus, host=args.host, port=args.port, cache_dir=args.cache_dir, backend=args.backend,
+        encoder=args.encoder,
+    )
 
 
 if __name__ == "__main__":

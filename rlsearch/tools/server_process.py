@@ -1,7 +1,8 @@
-"""Run the retrieval server (``python -m rlsearch.tools.retrieval``) as a managed subprocess."""
+"""Tool servers (the retriever, the MCP server) as managed subprocesses on 127.0.0.1."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -18,16 +19,30 @@ import rlsearch
 if TYPE_CHECKING:
     from typing import Self
 
-_ANNOUNCEMENT = re.compile(r"retriever listening on http://\S+:(\d+) ")
 _LOG_TAIL_CHARS = 4000
+BACKENDS = ("bm25", "dense", "hybrid")
 
 
-class RetrieverProcess:
-    """Starts the server, waits until ``/health`` answers, and stops it (also as a context manager).
+def add_retriever_arguments(parser: argparse.ArgumentParser) -> None:
+    """The corpus and index options of the tool servers (``serve-retriever``, ``serve-mcp``), minus ``--port``."""
+    parser.add_argument("--corpus", required=True, help='JSONL corpus, one {"id", "contents"} object per line')
+    parser.add_argument("--backend", default="bm25", choices=BACKENDS, help="hybrid: BM25 + dense by rank fusion")
+    parser.add_argument("--encoder", default="", help="sentence-transformers dir for dense/hybrid (default MiniLM)")
+    parser.add_argument("--cache-dir", default=None, help="where indexes and embeddings are kept for reuse")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
 
-    With ``port=0`` the server binds a free port itself and announces it in its log, so no other process
-    can grab the port between choosing and binding it.
+
+class CorpusServerProcess:
+    """Starts a server over a corpus (``python -m MODULE --corpus ...``), waits until ``/health`` answers, and
+    stops it (also as a context manager).
+
+    With ``port=0`` the server binds a free port itself and announces it in its log, so no other process can
+    grab the port between choosing and binding it. After ``stop()``, ``start()`` reuses the same port.
     """
+
+    kind = "server"  # names the process in messages, in its announcement and in log file names
+    module = ""
+    url_path = ""  # appended to http://host:port to form ``url``
 
     def __init__(
         self,
@@ -36,29 +51,33 @@ class RetrieverProcess:
         host: str = "127.0.0.1",
         port: int = 0,
         startup_timeout_s: float = 120.0,
+        backend: str = "bm25",
+        encoder: str = "",
     ) -> None:
         self.corpus = corpus
         self.cache_dir = cache_dir
         self.host = host
         self.port = port
         self.startup_timeout_s = startup_timeout_s
+        self.backend = backend
+        self.encoder = encoder
         self.log_path: Path | None = None
         self._process: subprocess.Popen | None = None
+        self._announcement = re.compile(rf"{self.kind} listening on http://\S+:(\d+) ")
 
     @property
     def url(self) -> str:
         if self._process is None:
-            raise RuntimeError("the retriever process is not running; call start() first")
-        return f"http://{self.host}:{self.port}"
+            raise RuntimeError(f"the {self.kind} process is not running; call start() first")
+        return f"http://{self.host}:{self.port}{self.url_path}"
 
     def start(self) -> Self:
         if self._process is not None:
-            raise RuntimeError("the retriever process is already running")
+            raise RuntimeError(f"the {self.kind} process is already running")
         self.log_path = self._new_log_path()
+        command = [sys.executable, "-m", self.module, *self._arguments(), "--host", self.host, "--port", str(self.port)]
         with self.log_path.open("wb") as log:
-            self._process = subprocess.Popen(
-                self._command(), stdout=log, stderr=subprocess.STDOUT, env=_child_env()
-            )
+            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env())
         try:
             self.port = self._wait_until_ready()
         except BaseException:
@@ -78,23 +97,31 @@ class RetrieverProcess:
                 self._process.wait()
         self._process = None
 
+    def kill(self) -> None:
+        """End the server at once (SIGKILL), as a crash would; ``start()`` brings it back on the same port."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+
     def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def _command(self) -> list[str]:
-        command = [sys.executable, "-m", "rlsearch.tools.retrieval", "--corpus", str(self.corpus)]
-        command += ["--host", self.host, "--port", str(self.port)]
+    def _arguments(self) -> list[str]:
+        arguments = ["--corpus", str(self.corpus), "--backend", self.backend]
+        if self.encoder:
+            arguments += ["--encoder", self.encoder]
         if self.cache_dir is not None:
-            command += ["--cache-dir", str(self.cache_dir)]
-        return command
+            arguments += ["--cache-dir", str(self.cache_dir)]
+        return arguments
 
     def _new_log_path(self) -> Path:
         if self.cache_dir is not None:
             Path(self.cache_dir).mkdir(parents=True, exist_ok=True)
-        fd, path = tempfile.mkstemp(prefix="retriever-", suffix=".log", dir=self.cache_dir)
+        fd, path = tempfile.mkstemp(prefix=f"{self.kind.replace(' ', '-')}-", suffix=".log", dir=self.cache_dir)
         os.close(fd)
         return Path(path)
 
@@ -103,20 +130,35 @@ class RetrieverProcess:
         while time.monotonic() < deadline:
             exit_code = self._process.poll()
             if exit_code is not None:
-                raise RuntimeError(f"retriever exited with code {exit_code} on startup\n{self._log_tail()}")
+                raise RuntimeError(f"{self.kind} exited with code {exit_code} on startup\n{self._log_tail()}")
             port = self._announced_port()
             if port is not None and _is_healthy(f"http://{self.host}:{port}"):
                 return port
             time.sleep(0.1)
-        raise RuntimeError(f"retriever not ready after {self.startup_timeout_s:.0f} s\n{self._log_tail()}")
+        raise RuntimeError(f"{self.kind} not ready after {self.startup_timeout_s:.0f} s\n{self._log_tail()}")
 
     def _announced_port(self) -> int | None:
-        match = _ANNOUNCEMENT.search(self.log_path.read_text(errors="replace"))
+        match = self._announcement.search(self.log_path.read_text(errors="replace"))
         return int(match.group(1)) if match else None
 
     def _log_tail(self) -> str:
         text = self.log_path.read_text(errors="replace")
         return f"--- last {_LOG_TAIL_CHARS} chars of {self.log_path} ---\n{text[-_LOG_TAIL_CHARS:]}"
+
+
+class RetrieverProcess(CorpusServerProcess):
+    """The retrieval server (``python -m rlsearch.tools.retrieval``); ``url`` is its base URL."""
+
+    kind = "retriever"
+    module = "rlsearch.tools.retrieval"
+
+
+class MCPServerProcess(CorpusServerProcess):
+    """``rlsearch serve-mcp`` (``python -m rlsearch.tools.mcp_server``); ``url`` is its streamable HTTP endpoint."""
+
+    kind = "mcp server"
+    module = "rlsearch.tools.mcp_server"
+    url_path = "/mcp"
 
 
 def _child_env() -> dict[str, str]:

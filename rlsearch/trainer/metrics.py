@@ -1,11 +1,13 @@
-"""Step metrics computed from trajectories (plain data): rewards, turns, tool use, lengths."""
+"""Step metrics computed from trajectories (plain data): rewards, turns, tool use, errors, lengths."""
 
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 
 from ..rollout import Trajectory
+from ..tools import ErrorKind
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -30,4 +32,11 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     }
     for reason in ("answer", "eos", "length", "max_turns"):
         metrics[f"rollout/finish_{reason}"] = _mean([t.finish_reason == reason for t in trajectories])
+    # totals over the step: calls that reached each tool, and error observations of each kind
+    per_tool = Counter(call.name for t in trajectories for call in t.dispatched_calls)
+    for name, count in sorted(per_tool.items()):
+        metrics[f"rollout/tool_calls/{name}"] = float(count)
+    per_kind = Counter(turn.error_kind for t in trajectories for turn in t.turns if turn.error_kind)
+    for kind in ErrorKind:
+        metrics[f"rollout/errors/{kind.value}"] = float(per_kind[kind.value])
     return metrics

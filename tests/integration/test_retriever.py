@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from rlsearch.tools import BM25Retriever, RetrievalClient, RetrieverProcess, ToolError
+from rlsearch.tools import BM25Retriever, ErrorKind, RetrievalClient, RetrieverProcess, SearchTool, ToolCall, ToolError
 
 UNIQUE_PASSAGES = {
     "quokkafish": {"id": "unique-0", "contents": '"Quokkafish"\nThe quokkafish is a reef fish that smiles.'},
@@ -196,3 +196,19 @@ def test_process_that_dies_on_startup_reports_its_log(tmp_path: Path) -> None:
     process = RetrieverProcess(str(tmp_path / "missing.jsonl"), cache_dir=str(tmp_path))
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 1 on startup.*FileNotFoundError"):
         process.start()
+
+
+def test_search_tool_honours_topk_and_rejects_unknown_attributes(server: RetrieverProcess) -> None:
+    tool = SearchTool(RetrievalClient(server.url, topk=2, batch_size=2))
+    calls = [
+        ToolCall("search", "mountain town"), ToolCall("search", "river town", {"topk": "5"}),
+        ToolCall("search", "quokkafish"), ToolCall("search", "x", {"topk": "0"}), ToolCall("search", "x", {"k": "1"}),
+    ]
+    results = tool.run_batch(calls)
+    assert [len(r.documents) for r in results[:3]] == [2, 5, 1]
+    assert results[2].documents[0].id == "unique-0" and results[2].documents[0].title == '"Quokkafish"'
+    assert [r.error_kind for r in results[3:]] == [ErrorKind.TOOL_ERROR] * 2
+    assert "topk must be an integer from 1 to 100; got '0'" in results[3].error
+    assert "no parameter 'k'" in results[4].error
+    assert tool.stats() == {"requests": 2, "retries": 0, "failures": 0}  # one request per topk
+    tool.close()

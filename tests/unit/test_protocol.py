@@ -1,4 +1,4 @@
-from rlsearch.tools import ParsedTurn, SearchR1Protocol, ToolCall, TurnKind
+from rlsearch.tools import Document, ErrorKind, ParsedTurn, SearchR1Protocol, ToolCall, TurnKind
 
 PROTOCOL = SearchR1Protocol()
 
@@ -36,7 +36,9 @@ def test_search_close_without_opening_tag_is_invalid() -> None:
 
 
 def test_empty_query_is_invalid() -> None:
-    assert parse("<search>   </search>") == ParsedTurn(TurnKind.INVALID_CALL, error="empty search query")
+    assert parse("<search>   </search>") == ParsedTurn(
+        TurnKind.INVALID_CALL, error="empty search query", error_kind=ErrorKind.EMPTY_QUERY
+    )
 
 
 def test_only_first_of_two_calls_is_executed() -> None:
@@ -59,7 +61,7 @@ def test_answer_takes_the_block_closed_by_the_first_close_tag() -> None:
 
 def test_answer_close_without_opening_tag_is_invalid() -> None:
     assert parse("The answer is Paris</answer>") == ParsedTurn(
-        TurnKind.INVALID_CALL, error="missing <answer> opening tag"
+        TurnKind.INVALID_CALL, error="missing <answer> opening tag", error_kind=ErrorKind.UNPARSEABLE
     )
 
 
@@ -87,7 +89,7 @@ def test_query_with_angle_brackets() -> None:
 
 def test_observation_renders_title_and_body() -> None:
     documents = ['"Paris"\nParis is the capital of France.', '"Lyon"\nLyon is a city.\nSecond line.']
-    assert PROTOCOL.observation(documents) == (
+    assert PROTOCOL.observation([Document.from_passage(contents) for contents in documents]) == (
         '\n\n<information>Doc 1(Title: "Paris") Paris is the capital of France.\n'
         'Doc 2(Title: "Lyon") Lyon is a city.\nSecond line.</information>\n\n'
     )

@@ -1,0 +1,92 @@
+"""``rlsearch serve-mcp``: an MCP server (streamable HTTP at /mcp) over the local corpus, fully offline.
+
+Tools: ``search`` (the local retriever: BM25, dense or hybrid) and ``browse`` (a whole passage by the URL or id
+that search results show). Results are structured items ``{id, title, url, text, kind}``, which the MCP client
+renders as ``<snippet>`` / ``<webpage>`` items.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from .client import SEARCH_DESCRIPTION
+from .retrieval import MAX_TOPK, Retriever, build_retriever
+from .server_process import add_retriever_arguments
+from .serving import serve_app
+
+LOCAL_URL_PREFIX = "local://corpus/"
+BROWSE_DESCRIPTION = "read a whole document of the collection; the query is its URL (local://corpus/ID) or its ID"
+
+
+class Item(BaseModel):
+    """One result item; the MCP client renders it as a <snippet> or <webpage>."""
+
+    id: str
+    title: str
+    url: str
+    text: str
+    kind: str  # snippet | webpage
+
+
+def create_mcp_server(retriever: Retriever, default_topk: int = 3) -> MCPServer:
+    server = MCPServer("rlsearch", instructions="Search and read the local document collection.")
+    corpus = retriever.corpus
+
+    @server.tool(name="search", description=SEARCH_DESCRIPTION)
+    def search(query: str, topk: int = default_topk) -> list[Item]:
+        if not 1 <= topk <= MAX_TOPK:
+            raise ToolError(f"topk must be between 1 and {MAX_TOPK}; got {topk}")
+        return [_item(document) for document, _ in retriever.search([query], topk)[0]]
+
+    @server.tool(name="browse", description=BROWSE_DESCRIPTION)
+    def browse(url: str) -> Item:
+        document = corpus.find(url.strip().removeprefix(LOCAL_URL_PREFIX))
+        if document is None:
+            raise ToolError(f"no document at {url!r}; browse takes a URL or ID from search results")
+        return _item(document, kind="webpage")
+
+    @server.custom_route("/health", methods=["GET"])
+    async def health(_: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "num_documents": len(corpus)})
+
+    return server
+
+
+def _item(document: dict, kind: str = "snippet") -> Item:
+    title, _, body = document["contents"].partition("\n")
+    doc_id = str(document["id"])
+    return Item(id=doc_id, title=title, url=f"{LOCAL_URL_PREFIX}{doc_id}", text=body, kind=kind)
+
+
+def serve_mcp(
+    corpus: str,
+    host: str = "127.0.0.1",
+    port: int = 8001,
+    cache_dir: str | None = None,
+    backend: str = "bm25",
+    encoder: str = "",
+) -> None:
+    """Serve the corpus over MCP until interrupted. ``port=0`` picks a free port (printed)."""
+    retriever = build_retriever(corpus, backend, cache_dir, encoder)
+    # stateless: every request stands alone, so clients carry on across a server restart
+    app = create_mcp_server(retriever).streamable_http_app(stateless_http=True, json_response=True, host=host)
+    announcement = f"mcp server listening on {{url}} (endpoint /mcp, {len(retriever.corpus)} documents, {backend})"
+    serve_app(app, host, port, announcement)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Serve the local corpus over MCP (search, browse).")
+    add_retriever_arguments(parser)
+    parser.add_argument("--port", type=int, default=8001, help="0 picks a free port")
+    args = parser.parse_args()
+    serve_mcp(args.corpus, args.host, args.port, args.cache_dir, args.backend, args.encoder)
+
+
+if __name__ == "__main__":
+    main()

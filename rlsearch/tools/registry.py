@@ -1,0 +1,92 @@
+"""The tool registry: parsed calls are dispatched by tool name; failures come back as results, never exceptions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from .base import ErrorKind, Tool, ToolCall, ToolResult, ToolSetupError, ToolSpec
+from .cache import ToolCache
+
+
+class ToolRegistry:
+    """Tools by name, with an optional on-disk result cache.
+
+    ``run`` takes every call of one agent turn: each tool gets its calls as one batch (different tools run at the
+    same time), unknown names get an ``unknown_tool`` result, and a tool that raises gives every call of its batch
+    an error result.
+    """
+
+    def __init__(self, tools: Sequence[Tool], cache: ToolCache | None = None) -> None:
+        self._tools: dict[str, Tool] = {}
+        for tool in tools:
+            if tool.spec.name in self._tools:
+                raise ToolSetupError(
+                    f"two tools are named '{tool.spec.name}' (e.g. a built-in tool and an MCP tool); "
+                    "drop one from tools.enabled or from the MCP server's allow list"
+                )
+            self._tools[tool.spec.name] = tool
+        self.cache = cache
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._tools)), thread_name_prefix="tool-registry")
+
+    @property
+    def specs(self) -> list[ToolSpec]:
+        return [tool.spec for tool in self._tools.values()]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._tools)
+
+    def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
+        results: list[ToolResult | None] = [None] * len(calls)
+        pending: dict[str, list[int]] = {}
+        for index, call in enumerate(calls):
+            if call.name not in self._tools:
+                available = ", ".join(self._tools) or "none"
+                results[index] = ToolResult.failure(
+                    ErrorKind.UNKNOWN_TOOL, f"unknown tool '{call.name}'; available tools: {available}"
+                )
+                continue
+            cached = self.cache.get(call) if self.cache else None
+            if cached is not None:
+                results[index] = ToolResult(documents=cached, cached=True)
+            else:
+                pending.setdefault(call.name, []).append(index)
+        batches = {
+            name: self._pool.submit(self._run_tool, self._tools[name], [calls[i] for i in indices])
+            for name, indices in pending.items()
+        }
+        for name, indices in pending.items():
+            for index, result in zip(indices, batches[name].result()):
+                results[index] = result
+                if self.cache and result.ok:
+                    self.cache.put(calls[index], result.documents)
+        return results
+
+    def stats(self) -> dict[str, int]:
+        """Request counters summed over the tools that keep them."""
+        totals = {"requests": 0, "retries": 0, "failures": 0}
+        for tool in self._tools.values():
+            for key, value in tool.stats().items():
+                totals[key] = totals.get(key, 0) + value
+        return totals
+
+    def close(self) -> None:
+        for tool in self._tools.values():
+            tool.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @staticmethod
+    def _run_tool(tool: Tool, calls: list[ToolCall]) -> list[ToolResult]:
+        started = time.perf_counter()
+        try:
+            results = tool.run_batch(calls)
+            if len(results) != len(calls):
+                raise RuntimeError(f"tool '{tool.spec.name}' returned {len(results)} results for {len(calls)} calls")
+        except Exception as error:  # one failing tool must not end the rollout
+            results = [ToolResult.from_exception(error) for _ in calls]
+        latency = time.perf_counter() - started
+        for result in results:
+            result.latency_s = latency
+        return results

@@ -1,0 +1,189 @@
+"""The tool registry (dispatch by name, errors as results, cache), observation budgets and the tools config."""
+
+import time
+
+import pytest
+
+from rlsearch.config import ConfigError, TrainConfig, from_dict, validate_train_config
+from rlsearch.config.validate import BUILTIN_TOOLS
+from rlsearch.rollout.observation import TRUNCATION_MARK, fit_observation
+from rlsearch.tools import (
+    CallToolProtocol,
+    Document,
+    ErrorKind,
+    SearchR1Protocol,
+    Tool,
+    ToolCache,
+    ToolCall,
+    ToolError,
+    ToolRegistry,
+    ToolResult,
+    ToolSetupError,
+    ToolSpec,
+    ToolTimeout,
+    make_protocol,
+)
+from rlsearch.tools.base import PerCallTool
+from rlsearch.tools.toolbox import _BUILDERS
+
+
+class EchoTool(Tool):
+    """Answers every call with one document repeating the query; counts its batches."""
+
+    def __init__(self, name: str = "echo") -> None:
+        self.spec = ToolSpec(name, "repeats the query")
+        self.batches: list[list[str]] = []
+
+    def run_batch(self, calls: list[ToolCall]) -> list[ToolResult]:
+        self.batches.append([c.query for c in calls])
+        return [ToolResult(documents=[Document(text=f"{c.query} {c.attrs}")]) for c in calls]
+
+
+class FailingTool(PerCallTool):
+    """Raises what the query names: a timeout, a tool error, or an unexpected exception."""
+
+    def __init__(self) -> None:
+        super().__init__(ToolSpec("flaky", "fails on purpose"), max_concurrency=2)
+
+    def call(self, call: ToolCall) -> list[Document]:
+        errors = {"timeout": ToolTimeout("took too long"), "error": ToolError("server said no"), "bug": KeyError("k")}
+        raise errors[call.query]
+
+
+class BrokenBatchTool(Tool):
+    spec = ToolSpec("broken", "returns the wrong number of results")
+
+    def run_batch(self, calls: list[ToolCall]) -> list[ToolResult]:
+        return []
+
+
+def test_registry_dispatches_by_name_and_batches_per_tool() -> None:
+    echo, other = EchoTool(), EchoTool("other")
+    registry = ToolRegistry([echo, other])
+    calls = [ToolCall("echo", "a"), ToolCall("other", "b"), ToolCall("echo", "c", {"k": "v"})]
+    results = registry.run(calls)
+    assert [r.documents[0].text for r in results] == ["a {}", "b {}", "c {'k': 'v'}"]
+    assert echo.batches == [["a", "c"]] and other.batches == [["b"]]
+    assert all(r.ok and r.latency_s >= 0 for r in results)
+    registry.close()
+
+
+def test_registry_turns_every_failure_into_a_result_of_its_kind() -> None:
+    registry = ToolRegistry([FailingTool(), BrokenBatchTool()])
+    calls = [ToolCall("flaky", q) for q in ("timeout", "error", "bug")]
+    calls += [ToolCall("nope", "x"), ToolCall("broken", "y")]
+    results = registry.run(calls)
+    assert [r.error_kind for r in results] == [
+        ErrorKind.TIMEOUT, ErrorKind.TOOL_ERROR, ErrorKind.TOOL_ERROR, ErrorKind.UNKNOWN_TOOL, ErrorKind.TOOL_ERROR,
+    ]
+    assert results[0].error == "took too long"
+    assert results[2].error == "KeyError: 'k'"
+    assert results[3].error == "unknown tool 'nope'; available tools: flaky, broken"
+    assert results[4].error == "RuntimeError: tool 'broken' returned 0 results for 1 calls"
+    registry.close()
+
+
+def test_registry_refuses_two_tools_with_one_name() -> None:
+    with pytest.raises(ToolSetupError, match="two tools are named 'echo'"):
+        ToolRegistry([EchoTool(), EchoTool()])
+
+
+def test_cache_answers_repeated_calls_without_the_tool(tmp_path) -> None:
+    echo = EchoTool()
+    registry = ToolRegistry([echo, FailingTool()], cache=ToolCache(tmp_path))
+    first = registry.run([ToolCall("echo", "q", {"b": "2", "a": "1"}), ToolCall("flaky", "error")])
+    # a new registry over the same directory: the call (attributes in any order) is served from disk
+    echo_again = EchoTool()
+    again = ToolRegistry([echo_again, FailingTool()], cache=ToolCache(tmp_path))
+    second = again.run([ToolCall("echo", "q", {"a": "1", "b": "2"}), ToolCall("flaky", "error")])
+    assert second[0].cached and not first[0].cached
+    assert second[0].documents == first[0].documents
+    assert echo_again.batches == []
+    assert second[1].error_kind is ErrorKind.TOOL_ERROR  # failures are not cached
+    assert (again.cache.hits, again.cache.misses) == (1, 1)
+    assert len(list(tmp_path.rglob("*.json"))) == 1
+
+
+def test_per_call_tool_runs_calls_concurrently() -> None:
+    class SlowTool(PerCallTool):
+        def call(self, call: ToolCall) -> list[Document]:
+            time.sleep(0.2)
+            return [Document(text=call.query)]
+
+    tool = SlowTool(ToolSpec("slow", "sleeps"), max_concurrency=4)
+    started = time.perf_counter()
+    results = tool.run_batch([ToolCall("slow", str(i)) for i in range(4)])
+    assert time.perf_counter() - started < 0.6
+    assert [r.documents[0].text for r in results] == ["0", "1", "2", "3"]
+    tool.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from rlsearch.data.tiny_model import build_qwen2_tokenizer
+
+    return build_qwen2_tokenizer()
+
+
+@pytest.mark.parametrize("protocol", [SearchR1Protocol(), CallToolProtocol()], ids=["search_r1", "call_tool"])
+def test_observation_budget_cuts_text_but_keeps_closing_tags(protocol, tokenizer) -> None:
+    documents = [Document(text="word " * 300, title=f"Doc {i}", id=str(i)) for i in range(3)]
+    full = protocol.observation(documents)
+    budget = 80
+    cut = fit_observation(protocol, documents, budget, tokenizer)
+    assert len(tokenizer.encode(full)) > 3 * 300
+    assert budget - 5 <= len(tokenizer.encode(cut)) <= budget
+    closing = "</information>" if protocol.name == "search_r1" else "</snippet>\n</tool_output>"
+    assert closing in cut and TRUNCATION_MARK in cut
+    assert fit_observation(protocol, documents, 0, tokenizer) == full
+
+
+def test_observation_budget_cut_inside_a_multibyte_character_drops_it(tokenizer) -> None:
+    protocol = CallToolProtocol()
+    documents = [Document(text="北京🚀" * 200, id="u")]
+    cut = fit_observation(protocol, documents, 40, tokenizer)
+    assert "\ufffd" not in cut and cut.endswith("</snippet>\n</tool_output>\n")
+    assert len(tokenizer.encode(cut)) <= 40
+
+
+def test_make_protocol_needs_the_tools_its_tags_name() -> None:
+    with pytest.raises(ToolSetupError, match="protocol 'search_r1' calls the tool\\(s\\) search"):
+        make_protocol("search_r1", [ToolSpec("browse", "b")])
+    assert make_protocol("call_tool", [ToolSpec("browse", "b")]).tools == [ToolSpec("browse", "b")]
+
+
+def test_builtin_tool_names_match_the_config_choices() -> None:
+    assert set(_BUILDERS) == set(BUILTIN_TOOLS)
+
+
+def config(**sections) -> TrainConfig:
+    return validate_train_config(from_dict(TrainConfig, sections))
+
+
+def test_tools_config_accepts_mcp_servers_and_limits() -> None:
+    loaded = config(
+        rollout={"protocol": "call_tool", "max_tool_calls": 3, "max_calls_per_tool": {"browse": 1},
+                 "max_observation_tokens": 256},
+        tools={"enabled": ["browse"], "mcp": {"servers": [{"url": "http://127.0.0.1:9/mcp", "allow": ["search"]}]}},
+    )
+    assert loaded.tools.mcp.servers[0].allow == ["search"]
+    assert loaded.rollout.max_calls_per_tool == {"browse": 1}
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"tools": {"enabled": ["serach"]}}, "'tools.enabled[0]' is 'serach'"),
+        ({"rollout": {"protocol": "tulu"}}, "'rollout.protocol' must be one of search_r1, call_tool"),
+        ({"tools": {"retriever": {"backend": "splade"}}}, "'tools.retriever.backend' must be one of bm25, dense"),
+        ({"rollout": {"max_tool_calls": -1}}, "'rollout.max_tool_calls' must be >= 0"),
+        ({"rollout": {"max_calls_per_tool": {"browse": "two"}}}, "'rollout.max_calls_per_tool.browse' must be an"),
+        ({"rollout": {"max_observation_tokens": 4}}, "'rollout.max_observation_tokens' must be 0 (no cap) or >= 16"),
+        ({"tools": {"mcp": {"servers": [{"url": "127.0.0.1:8001"}]}}}, "'tools.mcp.servers[0].url' must be an http"),
+        ({"tools": {"mcp": {"servers": [{"uri": "x"}]}}}, "unknown config key 'tools.mcp.servers[0].uri'"),
+    ],
+)
+def test_tools_config_errors_name_the_key(sections: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        config(**sections)
+    assert message in str(error.value)
