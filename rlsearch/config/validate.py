@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 from .loader import ConfigError
-from .schema import TrainConfig
+from .schema import EvalConfig, TrainConfig
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
@@ -12,31 +15,105 @@ _CHOICES = {
     "actor.lr_decay_style": ("constant", "linear", "cosine"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean"),
-    "rollout.protocol": ("search_r1",),
+    "rollout.protocol": ("search_r1", "call_tool"),
+    "tools.retriever.backend": ("bm25", "dense", "hybrid"),
 }
+BUILTIN_TOOLS = ("search", "browse", "web_search", "web_browse")  # the names tools.enabled accepts
+MIN_OBSERVATION_TOKENS = 16  # a smaller rollout.max_observation_tokens cannot hold the output tags
 
 _POSITIVE = (
-    "data.batch_size", "actor.tp", "actor.pp", "actor.dp", "actor.micro_batch_size", "rollout.group_size",
+    "data.batch_size", "actor.tp", "actor.pp", "actor.dp", "actor.max_tokens_per_microbatch", "rollout.group_size",
     "rollout.max_turns", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
     "rollout.max_tokens_per_turn", "tools.retriever.topk", "trainer.total_steps", "bridge.bucket_mb",
+    "eval.n_samples", "eval.batch_size", "tools.retriever.batch_size", "tools.retriever.max_concurrency",
+    "tools.mcp.timeout_s", "tools.mcp.max_concurrency", "tools.browse.timeout_s", "tools.browse.max_bytes",
+    "tools.browse.max_concurrency", "tools.serper.num_results", "tools.serper.timeout_s", "tools.jina.timeout_s",
 )
 
 
 def validate_train_config(config: TrainConfig) -> TrainConfig:
-    for key, choices in _CHOICES.items():
-        value = _get(config, key)
-        if value not in choices:
-            raise ConfigError(f"'{key}' must be one of {', '.join(choices)}; got {value!r}")
-    for key in _POSITIVE:
-        if _get(config, key) <= 0:
-            raise ConfigError(f"'{key}' must be > 0; got {_get(config, key)!r}")
+    _check_tables(config)
+    _check_tools(config)
     if config.rollout.group_size < 2:
         raise ConfigError("'rollout.group_size' must be >= 2: GRPO normalises rewards within a group")
     if not config.data.train_files:
         raise ConfigError("'data.train_files' is empty: give at least one JSONL or parquet file")
+    longest = config.rollout.max_prompt_tokens + config.rollout.max_response_tokens
+    if config.actor.max_tokens_per_microbatch < longest:
+        raise ConfigError(
+            f"'actor.max_tokens_per_microbatch' ({config.actor.max_tokens_per_microbatch}) must hold the longest "
+            f"trajectory: rollout.max_prompt_tokens + rollout.max_response_tokens = {longest}"
+        )
+    if config.actor.virtual_pipeline_stages < 0 or config.actor.virtual_pipeline_stages == 1:
+        raise ConfigError("'actor.virtual_pipeline_stages' must be 0 (off) or >= 2")
+    if config.actor.virtual_pipeline_stages and config.actor.pp < 2:
+        raise ConfigError("'actor.virtual_pipeline_stages' needs 'actor.pp' >= 2")
     if config.trainer.save_interval < 0:
         raise ConfigError("'trainer.save_interval' must be >= 0")
     return config
+
+
+def validate_eval_config(config: EvalConfig) -> EvalConfig:
+    """The shared sections as for training, then the eval keys and every input path (before anything starts)."""
+    _check_tables(config)
+    _check_tools(config)
+    if config.eval.max_examples < 0:
+        raise ConfigError(f"'eval.max_examples' must be >= 0 (0: all); got {config.eval.max_examples}")
+    if config.eval.n_samples > 1 and config.rollout.temperature == 0:
+        raise ConfigError(
+            f"'eval.n_samples'={config.eval.n_samples} with greedy decoding (rollout.temperature=0) draws identical "
+            "samples; set rollout.temperature > 0 or eval.n_samples=1"
+        )
+    if not config.output_dir:
+        raise ConfigError("'output_dir' is empty: give the directory for the results")
+    if not (Path(config.model.path) / "config.json").is_file():
+        raise ConfigError(
+            f"'model.path' is not a HuggingFace model dir (no config.json): {config.model.path}; "
+            f"build the embedded default with: rlsearch make-tiny-model --out {config.model.path}"
+        )
+    if not config.eval.files:
+        raise ConfigError("'eval.files' is empty: give at least one JSONL or parquet file")
+    for index, path in enumerate(config.eval.files):
+        if not Path(path).is_file():
+            raise ConfigError(f"'eval.files[{index}]' not found: {path}")
+    return config
+
+
+def _check_tables(config: object) -> None:
+    """The _CHOICES and _POSITIVE checks of every key under one of this config's sections."""
+    sections = tuple(f"{section.name}." for section in dataclasses.fields(config))
+    for key, choices in _CHOICES.items():
+        if key.startswith(sections) and _get(config, key) not in choices:
+            raise ConfigError(f"'{key}' must be one of {', '.join(choices)}; got {_get(config, key)!r}")
+    for key in _POSITIVE:
+        if key.startswith(sections) and _get(config, key) <= 0:
+            raise ConfigError(f"'{key}' must be > 0; got {_get(config, key)!r}")
+
+
+def _check_tools(config: TrainConfig | EvalConfig) -> None:
+    """Tool names, tool-call limits and MCP servers."""
+    rollout, tools = config.rollout, config.tools
+    for index, name in enumerate(tools.enabled):
+        if name not in BUILTIN_TOOLS:
+            raise ConfigError(
+                f"'tools.enabled[{index}]' is {name!r}; built-in tools are {', '.join(BUILTIN_TOOLS)} "
+                "(MCP tools come from tools.mcp.servers)"
+            )
+    if rollout.max_tool_calls < 0:
+        raise ConfigError(f"'rollout.max_tool_calls' must be >= 0 (0: no limit); got {rollout.max_tool_calls}")
+    for tool, limit in rollout.max_calls_per_tool.items():
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ConfigError(f"'rollout.max_calls_per_tool.{tool}' must be an integer >= 0; got {limit!r}")
+    tokens = rollout.max_observation_tokens
+    if tokens < 0 or 0 < tokens < MIN_OBSERVATION_TOKENS:
+        raise ConfigError(
+            f"'rollout.max_observation_tokens' must be 0 (no cap) or >= {MIN_OBSERVATION_TOKENS}; got {tokens}"
+        )
+    for index, server in enumerate(tools.mcp.servers):
+        if not server.url.startswith(("http://", "https://")):
+            raise ConfigError(f"'tools.mcp.servers[{index}].url' must be an http(s) URL; got {server.url!r}")
+    if tools.mcp.max_retries < 0:
+        raise ConfigError(f"'tools.mcp.max_retries' must be >= 0; got {tools.mcp.max_retries}")
 
 
 def _get(config: object, dotted: str) -> object:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..bridge.bucket import WeightBucket
+from ..config import ModelConfig, RolloutConfig
 
 
 @dataclass
@@ -19,6 +20,14 @@ class EngineSpec:
     kv_cache_gib: float = 1.0
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, rollout: RolloutConfig, seed: int) -> EngineSpec:
+        return cls(
+            model_path=model.path, dtype=model.dtype, seed=seed,
+            max_model_len=rollout.max_prompt_tokens + rollout.max_response_tokens, kv_cache_gib=rollout.kv_cache_gib,
+            gpu_memory_utilization=rollout.gpu_memory_utilization, enforce_eager=rollout.enforce_eager,
+        )
 
 
 def configure_vllm_environment(kv_cache_gib: float) -> None:

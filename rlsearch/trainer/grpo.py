@@ -58,7 +58,7 @@ class GRPOTrainer:
         self.examples = self._load_examples()
         self.sampler = EpochSampler(self.examples, seed=config.trainer.seed, shuffle=config.data.shuffle)
         self.step = 0
-        self.retriever = None
+        self.tool_servers = None
         self.rollout = None
         self.actor = None
 
@@ -79,32 +79,25 @@ class GRPOTrainer:
     def _start(self) -> None:
         import torch
 
-        from ..tools import RetrieverProcess
+        from ..tools import ToolServers, ToolSetupError
 
         config = self.config
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
-        retriever_url = config.tools.retriever.url
-        if not retriever_url:
-            if not Path(config.tools.retriever.corpus).is_file():
-                raise ConfigError(f"'tools.retriever.corpus' not found: {config.tools.retriever.corpus}")
-            self.retriever = RetrieverProcess(
-                config.tools.retriever.corpus, cache_dir=config.tools.retriever.index_cache_dir
-            ).start()
-            retriever_url = self.retriever.url
-        init_ray(config.trainer.ray_address)
+        try:
+            self.tool_servers = ToolServers(config.tools).start()
+        except ToolSetupError as error:
+            raise ConfigError(str(error)) from error
+        tools = self.tool_servers.tools  # the config with the started servers' URLs filled in
+        actor = config.actor
+        init_ray(config.trainer.ray_address, num_cpus=actor.tp * actor.pp * actor.dp)
         import ray
 
         on_gpu = torch.cuda.is_available()
         rollout_cls = ray.remote(RolloutWorker)
-        engine_spec = EngineSpec(
-            model_path=config.model.path, dtype=config.model.dtype, seed=config.trainer.seed,
-            max_model_len=config.rollout.max_prompt_tokens + config.rollout.max_response_tokens,
-            kv_cache_gib=config.rollout.kv_cache_gib, gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-            enforce_eager=config.rollout.enforce_eager,
-        )
+        engine_spec = EngineSpec.from_config(config.model, config.rollout, config.trainer.seed)
         self.rollout = rollout_cls.options(num_cpus=0, num_gpus=1 if on_gpu else 0).remote(
-            engine_spec, config.rollout, config.tools.retriever, retriever_url, config.trainer.seed
+            engine_spec, config.rollout, tools.retriever, tools.retriever.url, config.trainer.seed, tools=tools
         )
         self.engines = [self.rollout]
         self.actor = ActorGroup(
@@ -126,8 +119,8 @@ class GRPOTrainer:
             self.actor.shutdown()
         if self.rollout is not None:
             ray.kill(self.rollout)
-        if self.retriever is not None:
-            self.retriever.stop()
+        if self.tool_servers is not None:
+            self.tool_servers.stop()
         if hasattr(self, "logger"):
             self.logger.close()
 
@@ -196,6 +189,7 @@ class GRPOTrainer:
             "time/train_s": train_s,
             "time/sync_s": sync.seconds,
             "bridge/buckets": float(sync.num_buckets),
+            "bridge/sync_mib": sync.num_bytes / 2**20,
             "time/step_s": time.perf_counter() - step_started,
         }
         self.logger.log_metrics(self.step, metrics)

@@ -26,8 +26,8 @@ def init_ray(address: str = "", num_cpus: int = 0) -> None:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return
     ray.init(
-        _node_ip_address="127.0.0.1", num_cpus=max(num_cpus, os.cpu_count() or 1), include_dashboard=False, runtime_env=runtime_env, log_to_driver=True,
-        configure_logging=True, logging_level="WARNING",
+        _node_ip_address="127.0.0.1", num_cpus=max(num_cpus, os.cpu_count() or 1), include_dashboard=False,
+        runtime_env=runtime_env, log_to_driver=True, configure_logging=True, logging_level="WARNING",
     )
 
 

@@ -1,0 +1,88 @@
+"""Eval metrics per data_source and overall, computed from trajectory records (dicts as in trajectories.jsonl)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+OVERALL = "overall"
+
+# (column header, metric key, format) of the terminal table; pass@k / mean@k columns are added for k > 1
+_TABLE_COLUMNS = (
+    ("questions", "questions", "{:.0f}"),
+    ("samples", "samples", "{:.0f}"),
+    ("EM", "em", "{:.3f}"),
+    ("F1", "f1", "{:.3f}"),
+    ("subEM", "substring_em", "{:.3f}"),
+    ("answer", "answer_rate", "{:.3f}"),
+    ("turns", "turns", "{:.2f}"),
+    ("calls", "tool_calls", "{:.2f}"),
+    ("invalid", "invalid_call_rate", "{:.3f}"),
+    ("tokens", "response_tokens", "{:.1f}"),
+    ("time_s", "time_s", "{:.1f}"),
+)
+
+
+def summarize(records: Sequence[Mapping], n_samples: int) -> dict[str, dict[str, float]]:
+    """Metrics of each data_source (sorted) and of all records together (`overall`, last).
+
+    em / f1 / substring_em / answer_rate, turns, tool_calls and response_tokens are means over trajectories
+    (with k samples per question, em is mean@k); invalid_call_rate is invalid calls over all call attempts
+    (valid tool calls + invalid calls); time_s adds up each trajectory's share of its batch's wall time.
+    """
+    by_source: dict[str, list[Mapping]] = defaultdict(list)
+    for record in records:
+        by_source[record["data_source"]].append(record)
+    metrics = {source: _group_metrics(by_source[source], n_samples) for source in sorted(by_source)}
+    metrics[OVERALL] = _group_metrics(records, n_samples)
+    return metrics
+
+
+def _group_metrics(records: Sequence[Mapping], n_samples: int) -> dict[str, float]:
+    em_by_question: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for record in records:
+        em_by_question[(record["eval_file"], record["example_id"])].append(record["scores"]["em"])
+    tool_calls = sum(_num_tool_calls(record) for record in records)
+    invalid_calls = sum(turn["kind"] == "invalid_call" for record in records for turn in record["turns"])
+    metrics = {
+        "questions": float(len(em_by_question)),
+        "samples": float(len(records)),
+        "em": _mean(record["scores"]["em"] for record in records),
+        "f1": _mean(record["scores"]["f1"] for record in records),
+        "substring_em": _mean(record["scores"]["substring_em"] for record in records),
+        "answer_rate": _mean(record["scores"]["has_answer"] for record in records),
+        "turns": _mean(len(record["turns"]) for record in records),
+        "tool_calls": tool_calls / len(records) if records else 0.0,
+        "invalid_call_rate": invalid_calls / (tool_calls + invalid_calls) if invalid_calls else 0.0,
+        "response_tokens": _mean(len(record["response_ids"]) for record in records),
+        "time_s": sum(record["time_s"] for record in records),
+    }
+    if n_samples > 1:
+        metrics[f"pass@{n_samples}"] = _mean(float(max(ems)) for ems in em_by_question.values())
+        metrics[f"mean@{n_samples}"] = _mean(statistics.fmean(ems) for ems in em_by_question.values())
+    return metrics
+
+
+def _num_tool_calls(record: Mapping) -> int:
+    return sum(turn["tool_call"] is not None for turn in record["turns"])
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return float(statistics.fmean(values)) if values else 0.0
+
+
+def render_table(metrics: Mapping[str, Mapping[str, float]], n_samples: int) -> str:
+    columns = list(_TABLE_COLUMNS)
+    if n_samples > 1:
+        columns[4:4] = [(f"pass@{n_samples}", f"pass@{n_samples}", "{:.3f}"),
+                        (f"mean@{n_samples}", f"mean@{n_samples}", "{:.3f}")]
+    rows = [["data_source", *(header for header, _, _ in columns)]]
+    rows += [[group, *(fmt.format(values[key]) for _, key, fmt in columns)] for group, values in metrics.items()]
+    widths = [max(len(row[index]) for row in rows) for index in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) if index == 0 else cell.rjust(width) for index, (cell, width) in
+                  enumerate(zip(row, widths)))
+        for row in rows
+    )

@@ -1,0 +1,75 @@
+"""Eval metrics over trajectory records, the table, and the append-only results file."""
+
+import pytest
+
+from rlsearch.data import DatasetError
+from rlsearch.eval import OVERALL, ResultsFile, render_table, summarize
+
+
+def _record(source, example_id, sample=0, em=0.0, kinds=("tool_call", "answer"), tokens=10, time_s=1.0):
+    turns = [{"kind": kind, "tool_call": {"name": "search"} if kind == "tool_call" else None} for kind in kinds]
+    return {
+        "eval_file": f"{source}.jsonl", "data_source": source, "example_id": example_id, "sample_index": sample,
+        "scores": {"em": em, "f1": em / 2, "substring_em": em, "has_answer": float("answer" in kinds)},
+        "turns": turns, "response_ids": list(range(tokens)), "time_s": time_s,
+    }
+
+
+def test_metrics_per_data_source_and_overall():
+    records = [
+        _record("nq", "a", em=1.0, tokens=10),
+        _record("nq", "b", kinds=("invalid_call", "tool_call", "tool_call"), tokens=30),
+        _record("hotpotqa", "c", kinds=("none",), tokens=5, time_s=0.5),
+    ]
+    metrics = summarize(records, n_samples=1)
+    assert list(metrics) == ["hotpotqa", "nq", OVERALL]
+    nq = metrics["nq"]
+    assert nq["questions"] == nq["samples"] == 2
+    assert nq["em"] == pytest.approx(0.5) and nq["f1"] == pytest.approx(0.25)
+    assert nq["answer_rate"] == pytest.approx(0.5)
+    assert nq["turns"] == pytest.approx(2.5)
+    assert nq["tool_calls"] == pytest.approx(1.5)
+    assert nq["invalid_call_rate"] == pytest.approx(1 / 4)  # 1 invalid out of 3 valid + 1 invalid attempts
+    assert nq["response_tokens"] == pytest.approx(20)
+    assert nq["time_s"] == pytest.approx(2.0)
+    assert metrics["hotpotqa"]["invalid_call_rate"] == 0.0 and metrics["hotpotqa"]["tool_calls"] == 0.0
+    assert metrics[OVERALL]["questions"] == 3 and metrics[OVERALL]["time_s"] == pytest.approx(2.5)
+    assert "pass@1" not in nq
+
+
+def test_pass_at_k_and_mean_at_k():
+    records = [
+        _record("nq", "a", 0, em=1.0), _record("nq", "a", 1, em=0.0), _record("nq", "a", 2, em=0.0),
+        _record("nq", "b", 0, em=0.0), _record("nq", "b", 1, em=0.0), _record("nq", "b", 2, em=0.0),
+    ]
+    overall = summarize(records, n_samples=3)[OVERALL]
+    assert overall["questions"] == 2 and overall["samples"] == 6
+    assert overall["pass@3"] == pytest.approx(0.5)
+    assert overall["mean@3"] == pytest.approx(1 / 6) == pytest.approx(overall["em"])
+
+
+def test_table_has_a_row_per_group_and_k_columns():
+    records = [_record("nq", "a", 0, em=1.0), _record("nq", "a", 1)]
+    table = render_table(summarize(records, n_samples=2), n_samples=2).splitlines()
+    assert table[0].split()[:5] == ["data_source", "questions", "samples", "EM", "F1"]
+    assert "pass@2" in table[0] and "mean@2" in table[0]
+    assert [line.split()[0] for line in table[1:]] == ["nq", OVERALL]
+    assert table[1].split()[3] == "0.500"
+
+
+def test_results_file_drops_a_torn_last_line_and_appends_on_a_fresh_one(tmp_path):
+    results = ResultsFile(tmp_path / "trajectories.jsonl")
+    assert results.load() == []
+    results.append([{"id": 1}, {"id": 2}])
+    with results.path.open("a") as handle:
+        handle.write('{"id": 3, "tur')  # killed mid-write
+    assert results.load() == [{"id": 1}, {"id": 2}]
+    results.append([{"id": 3}])
+    assert results.load() == [{"id": 1}, {"id": 2}, {"id": 3}]
+
+
+def test_results_file_names_a_corrupt_line(tmp_path):
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text('{"id": 1}\nnot json\n')
+    with pytest.raises(DatasetError, match=r"trajectories\.jsonl:2: not a JSON record"):
+        ResultsFile(path).load()
