@@ -172,6 +172,9 @@ class TrainerConfig:
     seed: int = 1
     log_trajectories: bool = True  # JSONL of every step's trajectories under output_dir/trajectories
     ray_address: str = ""  # empty: start a local Ray instance on 127.0.0.1
+    # every N steps (and after the last) score the current policy on eval.files with the eval-only code path, at
+    # the rollout's decoding settings: results under output_dir/eval/step_N, scalars eval/<source>/<metric>
+    eval_interval: int = 0
 
 
 @dataclass
@@ -185,6 +188,7 @@ class TrainConfig:
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     bridge: BridgeConfig = field(default_factory=BridgeConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalSettings = field(default_factory=lambda: EvalSettings(max_examples=20))  # for trainer.eval_interval
 
 
 @dataclass

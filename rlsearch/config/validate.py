@@ -50,6 +50,10 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
         raise ConfigError("'actor.virtual_pipeline_stages' needs 'actor.pp' >= 2")
     if config.trainer.save_interval < 0:
         raise ConfigError("'trainer.save_interval' must be >= 0")
+    if config.trainer.eval_interval < 0:
+        raise ConfigError("'trainer.eval_interval' must be >= 0")
+    if config.trainer.eval_interval and not config.eval.files:
+        raise ConfigError("'trainer.eval_interval' is set but 'eval.files' is empty")
     return config
 
 

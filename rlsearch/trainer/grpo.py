@@ -141,6 +141,9 @@ class GRPOTrainer:
                 interval = self.config.trainer.save_interval
                 if self.step == self.config.trainer.total_steps or (interval and self.step % interval == 0):
                     last_checkpoint = self.save_checkpoint()
+                interval = self.config.trainer.eval_interval
+                if interval and (self.step % interval == 0 or self.step == self.config.trainer.total_steps):
+                    self.evaluate()
             return RunSummary(
                 output_dir=self.output_dir, tensorboard_dir=self.logger.tensorboard_dir,
                 trajectory_dir=self.logger.trajectory_dir if self.config.trainer.log_trajectories else None,
@@ -195,6 +198,26 @@ class GRPOTrainer:
         self.logger.log_metrics(self.step, metrics)
         self.logger.log_trajectories(self.step, [self._trajectory_record(t, examples) for t in trajectories])
         return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Score the current policy on eval.files through the eval-only code path, with this run's engine."""
+        import ray
+
+        from ..config import EvalConfig
+        from ..eval import evaluate
+
+        config = self.config
+        eval_config = EvalConfig(
+            model=config.model, eval=config.eval, rollout=config.rollout, reward=config.reward, tools=config.tools,
+            output_dir=str(self.output_dir / "eval" / f"step_{self.step:06d}"),
+        )
+        summary = evaluate(lambda items, step: ray.get(self.rollout.generate.remote(items, step)), eval_config)
+        scalars = summary.scalars()
+        self.logger.log_metrics(self.step, scalars)
+        overall = summary.metrics.get("overall", {})
+        print(f"[rlsearch] eval after step {self.step}: EM {overall.get('em', 0):.3f}, F1 {overall.get('f1', 0):.3f} "
+              f"({summary.output_dir})", flush=True)
+        return scalars
 
     def _score(self, trajectories: list[Trajectory], examples: list[QAExample]) -> None:
         for trajectory in trajectories:

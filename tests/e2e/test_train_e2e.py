@@ -28,7 +28,7 @@ def test_run_search_grpo_script_trains_and_logs_every_step(tmp_path):
     out = tmp_path / "run"
     started = time.perf_counter()
     result = _run(["bash", "examples/run_search_grpo.sh", f"trainer.total_steps={STEPS}",
-                   f"trainer.output_dir={out}"], timeout=1200)
+                   f"trainer.output_dir={out}", "trainer.eval_interval=2", "eval.max_examples=4"], timeout=1200)
     seconds = time.perf_counter() - started
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     print(f"\nrun_search_grpo.sh with {STEPS} steps took {seconds:.0f} s")
@@ -45,6 +45,12 @@ def test_run_search_grpo_script_trains_and_logs_every_step(tmp_path):
         assert name in scalars, f"missing TensorBoard scalar {name}"
         assert [e.step for e in events.Scalars(name)] == list(range(1, STEPS + 1)), name
     assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-4
+
+    # periodic eval through the eval-only code path: after step 2 (interval) and step 3 (the last)
+    assert [e.step for e in events.Scalars("eval/overall/em")] == [2, 3]
+    summary = json.loads((out / "eval" / "step_000003" / "summary.json").read_text())
+    assert summary["metrics"]["overall"]["questions"] == 4
+    assert "eval after step 3: EM" in result.stdout
 
     for step in range(1, STEPS + 1):
         rows = [json.loads(line) for line in (out / "trajectories" / f"step_{step:06d}.jsonl").open()]
