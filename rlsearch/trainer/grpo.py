@@ -11,10 +11,10 @@ from ..actor import ActorGroup, ActorWorkerSpec, TrainSample
 from ..algo import grpo_advantages, loss_token_weights
 from ..bridge import logprob_mismatch, sync_weights
 from ..checkpoint import CheckpointStore
-from ..config import ConfigError, TrainConfig, to_dict
+from ..config import ConfigError, EvalConfig, TrainConfig, to_dict
 from ..data import QAExample, load_qa_dataset
+from ..eval import evaluate, score_trajectory
 from ..logging import RunLogger, format_step_line
-from ..reward import get_scorer
 from ..rollout import EngineSpec, PromptItem, RolloutWorker, Trajectory
 from .metrics import trajectory_metrics
 from .ray_setup import init_ray
@@ -143,7 +143,7 @@ class GRPOTrainer:
                     last_checkpoint = self.save_checkpoint()
                 interval = self.config.trainer.eval_interval
                 if interval and (self.step % interval == 0 or self.step == self.config.trainer.total_steps):
-                    self.evaluate()
+                    self.evaluate_policy()
             return RunSummary(
                 output_dir=self.output_dir, tensorboard_dir=self.logger.tensorboard_dir,
                 trajectory_dir=self.logger.trajectory_dir if self.config.trainer.log_trajectories else None,
@@ -199,12 +199,9 @@ class GRPOTrainer:
         self.logger.log_trajectories(self.step, [self._trajectory_record(t, examples) for t in trajectories])
         return metrics
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate_policy(self) -> dict[str, float]:
         """Score the current policy on eval.files through the eval-only code path, with this run's engine."""
         import ray
-
-        from ..config import EvalConfig
-        from ..eval import evaluate
 
         config = self.config
         eval_config = EvalConfig(
@@ -221,12 +218,7 @@ class GRPOTrainer:
 
     def _score(self, trajectories: list[Trajectory], examples: list[QAExample]) -> None:
         for trajectory in trajectories:
-            example = examples[trajectory.group_id]
-            result = get_scorer(example.data_source)(
-                trajectory.model_text, example.golden_answers, self.config.reward.format_score
-            )
-            trajectory.reward = result.reward
-            trajectory.scores = {"em": result.em, "f1": result.f1, "has_answer": float(result.has_answer)}
+            score_trajectory(trajectory, examples[trajectory.group_id], self.config.reward.format_score)
 
     def _train_samples(self, trajectories: list[Trajectory]) -> list[TrainSample]:
         import torch
