@@ -100,6 +100,11 @@ class ActorGroup:
     def save_checkpoint(self, path: str) -> None:
         ray.get([worker.save_checkpoint.remote(path) for worker in self.workers])
 
+    def load_checkpoint(self, path: str, restore_rng: bool) -> int:
+        """Load model, optimizer and scheduler (and RNG states when the layout is the one that saved them);
+        returns the scheduler's step count."""
+        return ray.get([worker.load_checkpoint.remote(path, restore_rng) for worker in self.workers])[0]
+
     def hf_state_dict(self) -> dict:
         return ray.get([worker.hf_state_dict.remote() for worker in self.workers])[0]
 

@@ -8,6 +8,8 @@ adjustment writes into the class dict, so sharing it across bridges would leak b
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 # dense decoder-only models whose mbridge mapping is tested here (tied and untied embeddings)
@@ -32,6 +34,14 @@ def resolve_transformer_impl(requested: str) -> str:
     return "transformer_engine"
 
 
+def check_architecture(model_type: str | None, hf_dir: str) -> None:
+    """ValueError naming the supported architectures unless `model_type` (config.json's) is one of them."""
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture '{model_type}' in {hf_dir}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
 def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: bool):
     """An mbridge Bridge for the HF model at `hf_dir`, configured for our runtime (call after parallel init)."""
     from mbridge.core.bridge import _MODEL_REGISTRY
@@ -39,11 +49,7 @@ def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: 
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     _expose_rope_theta(hf_config)
-    if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture '{hf_config.model_type}' in {hf_dir}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    check_architecture(hf_config.model_type, hf_dir)
     base = _MODEL_REGISTRY[hf_config.model_type]
     overrides = {"_DIRECT_MAPPING": dict(base._DIRECT_MAPPING)}
     if transformer_impl == "local":
@@ -114,3 +120,17 @@ def build_model_chunks(bridge, virtual_pipeline_stages: int | None = None) -> li
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         chunks.append(provider(pre, post, vp_stage) if vp_stage is not None else provider(pre, post))
     return chunks
+
+
+def export_hf_named(bridge, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named full tensors of a rank's chunks (PP gathered, TP merged), each name once. A collective: every rank
+    must iterate it.
+
+    With tied embeddings split over pipeline stages, mbridge exports the shared matrix from both the first stage
+    (embedding) and the last (output layer) under the same HF name; the copies are identical (Megatron keeps them
+    in sync), so the second is dropped instead of moving it twice."""
+    exported: set[str] = set()
+    for name, tensor in bridge.export_weights(chunks):
+        if name not in exported:
+            exported.add(name)
+            yield name, tensor.detach()

@@ -8,12 +8,13 @@ pipeline stage, tensor-parallel rank 0), one per data-parallel shard.
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -21,14 +22,38 @@ from ..algo import kl_estimate, ppo_clip_terms
 from ..bridge.bucket import WeightBucket, iter_buckets
 from ..config import ActorConfig, AlgoConfig
 from .batch import MicroBatch, TrainSample, pack_micro_batches
-from .cpu_compat import apply_cpu_patches, cuda_available
-from .model import build_model_chunks, make_bridge, resolve_transformer_impl
+from .cpu_compat import cuda_available
+from .model import build_model_chunks, export_hf_named, make_bridge, resolve_transformer_impl
+from .parallel import init_megatron_parallel, model_sharded_state
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return getattr(chunk, "module", chunk)
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if cuda_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and cuda_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 @dataclass
@@ -68,27 +93,15 @@ class MegatronActorWorker:
 
     def initialize(self, master_addr: str, master_port: int) -> RankInfo:
         from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         actor = self.spec.actor
         cores = os.cpu_count() or 1
         torch.set_num_threads(actor.num_threads or max(1, cores // self.world_size))
         on_cpu = not cuda_available()
-        if on_cpu:
-            apply_cpu_patches()
-        else:
-            torch.cuda.set_device(0)  # Ray exposes the rank's GPU as device 0
-        backend = actor.backend if actor.backend != "auto" else ("gloo" if on_cpu else "nccl")
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-            world_size=self.world_size, timeout=timedelta(minutes=10),
+        init_megatron_parallel(
+            self.rank, self.world_size, master_addr, master_port, tp=actor.tp, pp=actor.pp,
+            virtual_pipeline_stages=actor.virtual_pipeline_stages, backend=actor.backend, seed=self.spec.seed,
         )
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=actor.tp, pipeline_model_parallel_size=actor.pp,
-            virtual_pipeline_model_parallel_size=actor.virtual_pipeline_stages or None,
-        )
-        torch.manual_seed(self.spec.seed)
-        model_parallel_cuda_manual_seed(self.spec.seed)
 
         self.transformer_impl = resolve_transformer_impl(actor.transformer_impl)
         dtype = _DTYPES[self.spec.dtype]
@@ -147,6 +160,9 @@ class MegatronActorWorker:
             lr_decay_steps=max(self.spec.total_steps, actor.lr_warmup_steps + 1),
             lr_decay_style=actor.lr_decay_style, start_wd=actor.weight_decay, end_wd=actor.weight_decay,
             wd_incr_steps=max(self.spec.total_steps, 1), wd_incr_style="constant",
+            # on resume only the step count comes from the checkpoint: the schedule is this run's config, so a
+            # finished run continued with a larger trainer.total_steps re-plans its decay
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
         )
         return model
 
@@ -279,16 +295,8 @@ class MegatronActorWorker:
     # ---- weights --------------------------------------------------------------------------------------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors (PP gathered, TP merged), each name once. A collective: every rank must iterate it.
-
-        With tied embeddings split over pipeline stages, mbridge exports the shared matrix from both the first
-        stage (embedding) and the last (output layer) under the same HF name; the copies are identical (Megatron
-        keeps them in sync), so the second is dropped instead of moving it twice."""
-        exported: set[str] = set()
-        for name, tensor in self.bridge.export_weights(self.model):
-            if name not in exported:
-                exported.add(name)
-                yield name, tensor.detach()
+        """HF-named full tensors (PP gathered, TP merged), each name once. A collective: every rank must iterate it."""
+        return export_hf_named(self.bridge, self.model)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole HF state dict on global rank 0 (None elsewhere). A collective."""
@@ -306,22 +314,53 @@ class MegatronActorWorker:
                 pass
 
     def save_checkpoint(self, path: str) -> None:
-        """Megatron distributed checkpoint (torch_dist) of model and optimizer into an existing empty dir."""
+        """Megatron distributed checkpoint (torch_dist) of model, optimizer, LR scheduler and this rank's RNG
+        states into an existing empty dir. A collective."""
         from megatron.core import dist_checkpointing
 
-        model_state = self._sharded_model_state()
-        # resharding-friendly layout of distributed-optimizer states (loads into another DP size)
-        metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
-        state = {"model": model_state, "optimizer": self.optimizer.sharded_state_dict(model_state, metadata=metadata)}
         dist.barrier()
-        dist_checkpointing.save(state, path)
+        dist_checkpointing.save(self._checkpoint_state(is_loading=False, with_rng=True), path)
         dist.barrier()
 
-    def _sharded_model_state(self) -> dict:
-        chunks = [chunk.module for chunk in self.model]
-        if len(chunks) == 1:
-            return chunks[0].sharded_state_dict()
-        return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    def load_checkpoint(self, path: str, restore_rng: bool) -> int:
+        """Load a checkpoint written by `save_checkpoint` from any TP/PP/DP layout (Megatron reshards on load).
+        RNG states are per rank, so they are restored only into the layout that saved them. Returns the
+        scheduler's step count. A collective."""
+        from megatron.core import dist_checkpointing
+
+        state = dist_checkpointing.load(self._checkpoint_state(is_loading=True, with_rng=restore_rng), path)
+        with torch.no_grad():
+            if len(self.model) == 1:
+                self.model[0].module.load_state_dict(state["model"])
+            else:
+                for index, chunk in enumerate(self.model):
+                    chunk.module.load_state_dict(state["model"][f"model{index}"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if restore_rng:
+            _set_rng_state(state["rng"])
+        dist.barrier()
+        return self.scheduler.num_steps
+
+    def _checkpoint_state(self, is_loading: bool, with_rng: bool) -> dict:
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        model_state = model_sharded_state(self.model)
+        # the distributed optimizer's canonical (per-parameter) layout, so its state loads into any TP/PP/DP
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+        state = {
+            "model": model_state,
+            "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata),
+            "scheduler": self.scheduler.state_dict(),
+        }
+        if with_rng:
+            layout = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+                      ps.get_data_parallel_world_size())
+            position = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                        ps.get_data_parallel_rank())
+            state["rng"] = ShardedObject("rng_state", _rng_state(), layout, position, replica_id=0)
+        return state
 
     def shutdown(self) -> None:
         if dist.is_initialized():

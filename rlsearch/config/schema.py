@@ -169,6 +169,11 @@ class TrainerConfig:
     total_steps: int = 10
     output_dir: str = "outputs/search_grpo_tiny"
     save_interval: int = 0  # checkpoint every N steps (0: only at the end)
+    keep_checkpoints: int = 3  # keep the newest N checkpoints under output_dir/checkpoints (0: keep all)
+    # auto: continue from the newest complete checkpoint under output_dir/checkpoints (a fresh run when there is
+    # none); none: always start fresh; or a checkpoint dir (RUN/checkpoints/step_N), possibly from another run or
+    # another actor.tp/pp/dp layout. A resumed run continues the step counter, data order and sampling seeds.
+    resume: str = "auto"
     seed: int = 1
     log_trajectories: bool = True  # JSONL of every step's trajectories under output_dir/trajectories
     ray_address: str = ""  # empty: start a local Ray instance on 127.0.0.1

@@ -52,6 +52,15 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
         raise ConfigError("'trainer.save_interval' must be >= 0")
     if config.trainer.eval_interval < 0:
         raise ConfigError("'trainer.eval_interval' must be >= 0")
+    if config.trainer.keep_checkpoints < 0:
+        raise ConfigError("'trainer.keep_checkpoints' must be >= 0 (0: keep all)")
+    if config.trainer.resume not in ("auto", "none"):
+        from ..checkpoint import CheckpointError, load_run_checkpoint
+
+        try:
+            load_run_checkpoint(config.trainer.resume)
+        except CheckpointError as error:
+            raise ConfigError(f"'trainer.resume' (auto, none or a checkpoint dir): {error}") from error
     if config.trainer.eval_interval and not config.eval.files:
         raise ConfigError("'trainer.eval_interval' is set but 'eval.files' is empty")
     return config

@@ -29,7 +29,9 @@ def format_step_line(step: int, total_steps: int, metrics: Mapping[str, float]) 
 
 
 class RunLogger:
-    def __init__(self, output_dir: str | Path, log_trajectories: bool = True) -> None:
+    def __init__(self, output_dir: str | Path, log_trajectories: bool = True, resumed_step: int = 0) -> None:
+        """`resumed_step`: the step a resumed run continues after. TensorBoard then drops what an earlier run logged
+        for later steps (a step that was logged but not checkpointed is trained again), so each step shows once."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.output_dir = Path(output_dir)
@@ -39,7 +41,8 @@ class RunLogger:
         self.tensorboard_dir.mkdir(parents=True, exist_ok=True)
         if self.write_trajectories:
             self.trajectory_dir.mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
+        purge_step = resumed_step + 1 if resumed_step else None
+        self.writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=purge_step)
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         for key, value in metrics.items():

@@ -10,7 +10,8 @@ from pathlib import Path
 from ..actor import ActorGroup, ActorWorkerSpec, TrainSample
 from ..algo import grpo_advantages, loss_token_weights
 from ..bridge import logprob_mismatch, sync_weights
-from ..checkpoint import CheckpointStore
+from ..checkpoint import CheckpointStore, load_run_checkpoint
+from ..checkpoint.layout import MODEL_DIR
 from ..config import ConfigError, EvalConfig, TrainConfig, to_dict
 from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate, score_trajectory
@@ -18,7 +19,7 @@ from ..logging import RunLogger, format_step_line
 from ..rollout import EngineSpec, PromptItem, RolloutWorker, Trajectory
 from .metrics import trajectory_metrics
 from .ray_setup import init_ray
-from .sampler import EpochSampler
+from .sampler import EpochSampler, SamplerState
 
 PROBE_CONTINUATION = "<search> who founded the town </search>"
 
@@ -32,12 +33,15 @@ class RunSummary:
     steps: int
     seconds: float
     last_metrics: dict[str, float] = field(default_factory=dict)
+    resumed_step: int = 0
 
     def render(self) -> str:
         metrics = self.last_metrics
+        trained = self.steps - self.resumed_step
+        resumed = f" (resumed after step {self.resumed_step}, now at step {self.steps})" if self.resumed_step else ""
         lines = [
             "",
-            f"rlsearch: trained {self.steps} steps in {self.seconds:.0f} s",
+            f"rlsearch: trained {trained} steps in {self.seconds:.0f} s{resumed}",
             f"  final reward {metrics.get('reward/mean', 0):.3f}, EM {metrics.get('reward/em', 0):.3f}, "
             f"turns {metrics.get('rollout/turns_mean', 0):.2f}, "
             f"tool calls {metrics.get('rollout/tool_calls_mean', 0):.2f}",
@@ -51,6 +55,14 @@ class RunSummary:
         return "\n".join(lines)
 
 
+@dataclass
+class ResumePoint:
+    path: Path
+    layout: dict[str, int]  # the actor layout that saved it
+    step: int
+    sampler: SamplerState
+
+
 class GRPOTrainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
@@ -58,6 +70,7 @@ class GRPOTrainer:
         self.examples = self._load_examples()
         self.sampler = EpochSampler(self.examples, seed=config.trainer.seed, shuffle=config.data.shuffle)
         self.step = 0
+        self.resumed_step = 0
         self.tool_servers = None
         self.rollout = None
         self.actor = None
@@ -83,6 +96,8 @@ class GRPOTrainer:
 
         config = self.config
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoints = CheckpointStore(self.output_dir, keep=config.trainer.keep_checkpoints)
+        resume_from = self._checkpoint_to_resume()
         (self.output_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
         try:
             self.tool_servers = ToolServers(config.tools).start()
@@ -109,8 +124,51 @@ class GRPOTrainer:
             num_gpus_per_rank=1 if on_gpu else 0,
         )
         self.probe_ids = ray.get(self.rollout.probe_sequence.remote(self.examples[0].question, PROBE_CONTINUATION))
-        self.logger = RunLogger(self.output_dir, config.trainer.log_trajectories)
-        self.checkpoints = CheckpointStore(self.output_dir)
+        if resume_from is not None:
+            self._resume(resume_from)
+        self.logger = RunLogger(self.output_dir, config.trainer.log_trajectories, resumed_step=self.resumed_step)
+
+    def _checkpoint_to_resume(self) -> ResumePoint | None:
+        resume = self.config.trainer.resume
+        if resume == "none":
+            return None
+        if resume == "auto":
+            path, skipped = self.checkpoints.newest_complete()
+            for warning in skipped:
+                print(f"[rlsearch] warning: {warning}", flush=True)
+            if path is None:
+                return None
+        else:
+            path = Path(resume)
+        manifest, state = load_run_checkpoint(path)
+        if state["seed"] != self.config.trainer.seed:
+            raise ConfigError(
+                f"'trainer.seed' is {self.config.trainer.seed} but the checkpoint {path} was trained with seed "
+                f"{state['seed']}; a resumed run keeps its seed so the data order and sampling continue. Drop the "
+                f"override, or start a fresh run with trainer.resume=none"
+            )
+        return ResumePoint(path, manifest["layout"], state["step"], SamplerState(**state["sampler"]))
+
+    def _resume(self, point: ResumePoint) -> None:
+        """Actor state from the checkpoint (resharded into this run's layout), then the engine gets those weights;
+        the step counter, data order and sampling seeds continue where the checkpoint left them."""
+        same_layout = point.layout == self._layout()
+        self.actor.load_checkpoint(str(point.path / MODEL_DIR), restore_rng=same_layout)
+        self.step = self.resumed_step = point.step
+        self.sampler.restore(point.sampler)
+        sync = sync_weights(self.actor, self.engines, self.config.bridge.bucket_mb)
+        saved = point.layout
+        layouts = "" if same_layout else (
+            f", resharded from tp{saved['tp']} pp{saved['pp']} dp{saved['dp']} (per-rank RNG states start fresh)"
+        )
+        print(f"[rlsearch] resumed from {point.path} after step {self.step}{layouts}; weights synced to the engine "
+              f"in {sync.seconds:.1f} s", flush=True)
+
+    def _layout(self) -> dict[str, int]:
+        actor = self.config.actor
+        return {
+            "tp": actor.tp, "pp": actor.pp, "dp": actor.dp, "virtual_pipeline_stages": actor.virtual_pipeline_stages,
+        }
 
     def close(self) -> None:
         import ray
@@ -128,12 +186,16 @@ class GRPOTrainer:
 
     def train(self) -> RunSummary:
         started = time.perf_counter()
-        self._start()
         try:
+            self._start()
             metrics = self.check_parity()
             print(f"[rlsearch] engine vs actor logprobs before training: max |diff| "
                   f"{metrics['bridge/logprob_mismatch_max']:.2e}", flush=True)
             last_checkpoint = None
+            if self.step >= self.config.trainer.total_steps:
+                print(f"[rlsearch] the run is already at step {self.step} of trainer.total_steps="
+                      f"{self.config.trainer.total_steps}: nothing to train. Raise trainer.total_steps to continue, "
+                      "or set trainer.resume=none to start over", flush=True)
             while self.step < self.config.trainer.total_steps:
                 self.step += 1
                 metrics = self.train_step()
@@ -148,7 +210,7 @@ class GRPOTrainer:
                 output_dir=self.output_dir, tensorboard_dir=self.logger.tensorboard_dir,
                 trajectory_dir=self.logger.trajectory_dir if self.config.trainer.log_trajectories else None,
                 checkpoint=last_checkpoint, steps=self.step, seconds=time.perf_counter() - started,
-                last_metrics=metrics,
+                last_metrics=metrics, resumed_step=self.resumed_step,
             )
         finally:
             self.close()
@@ -262,10 +324,19 @@ class GRPOTrainer:
         return record
 
     def save_checkpoint(self) -> Path:
+        config = self.config
         state = {
             "sampler": {"epoch": self.sampler.state.epoch, "position": self.sampler.state.position},
-            "config": to_dict(self.config),
+            # rollout sampling seeds are a function of (seed, step, prompt, sample, turn): this and the step are the
+            # whole rollout-side state
+            "seed": config.trainer.seed,
+            "config": to_dict(config),
         }
-        path = self.checkpoints.save(self.step, self.actor.save_checkpoint, state)
+        architecture = json.loads((Path(config.model.path) / "config.json").read_text()).get("model_type")
+        info = {
+            "layout": self._layout(), "architecture": architecture, "dtype": config.model.dtype,
+            "contents": ["model", "optimizer", "scheduler", "rng"],
+        }
+        path = self.checkpoints.save(self.step, self.actor.save_checkpoint, state, config.model.path, info)
         print(f"[rlsearch] checkpoint saved: {path}", flush=True)
         return path

@@ -32,6 +32,11 @@ class EpochSampler(Generic[T]):
             random.Random(f"{self.seed}/{epoch}").shuffle(order)
         return order
 
+    def restore(self, state: SamplerState) -> None:
+        """Continue from a saved position: the same prompts in the same order as the run that saved it."""
+        self.state = SamplerState(state.epoch, state.position)
+        self._order = self._permutation(state.epoch)
+
     def next_batch(self, batch_size: int) -> list[T]:
         batch = []
         while len(batch) < batch_size:

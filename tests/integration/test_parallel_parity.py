@@ -13,12 +13,11 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from rlsearch.actor import ActorGroup, ActorWorkerSpec, TrainSample
-from rlsearch.algo import loss_token_weights
+from rlsearch.actor import ActorGroup, TrainSample
 from rlsearch.bridge import logprob_mismatch, sync_weights
 from rlsearch.bridge.bucket import unpack_bucket
-from rlsearch.config import ActorConfig, AlgoConfig
 from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
 
 # name -> (tp, pp, dp, extra actor settings)
 LAYOUTS = {
@@ -30,47 +29,6 @@ LAYOUTS = {
 }
 PROBE_QUESTION = "Who is the mayor of Velmora?"
 PROBE_CONTINUATION = "<search> who founded the town </search>"
-
-
-def _hf_logprobs(model_dir, samples: list[TrainSample]) -> list[torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    result = []
-    with torch.no_grad():
-        for sample in samples:
-            logits = model(torch.tensor([sample.token_ids])).logits[0]
-            logprobs = torch.log_softmax(logits.float(), -1)[sample.response_start - 1 : -1]
-            result.append(logprobs.gather(1, torch.tensor(sample.token_ids[sample.response_start :])[:, None])[:, 0])
-    return result
-
-
-def _batch(hf_logprobs_fn) -> tuple[list[TrainSample], list[torch.Tensor]]:
-    """Eight sequences of 30-79 tokens with masked observation spans, off-policy old logprobs (so ratios vary and
-    some clip) and advantages that do not cancel."""
-    generator = torch.Generator().manual_seed(0)
-    shapes = [(30 + 7 * i, 6 + i) for i in range(8)]  # (length, response_start)
-    samples = []
-    for length, start in shapes:
-        ids = torch.randint(0, 151_000, (length,), generator=generator).tolist()
-        mask = [0 if 8 <= i < 14 else 1 for i in range(length - start)]
-        samples.append(TrainSample(ids, start, mask))
-    reference = hf_logprobs_fn(samples)
-    weights = loss_token_weights([s.loss_mask for s in samples], "token_mean")
-    for index, (sample, logprobs, w) in enumerate(zip(samples, reference, weights)):
-        noise = 0.3 * torch.randn(len(logprobs), generator=generator)
-        sample.old_logprobs = (logprobs + noise).tolist()
-        sample.advantage = [1.0, -0.5, 0.8, 0.3, -1.2, 0.6, 0.9, -0.2][index]
-        sample.token_weights = w
-    return samples, reference
-
-
-def _spec(model_dir, tp: int, pp: int, dp: int, extra: dict) -> ActorWorkerSpec:
-    actor = ActorConfig(tp=tp, pp=pp, dp=dp, lr=1e-5, max_tokens_per_microbatch=160, **extra)
-    return ActorWorkerSpec(
-        model_path=str(model_dir), dtype="float32", actor=actor, algo=AlgoConfig(), temperature=1.0,
-        total_steps=4, seed=1,
-    )
 
 
 def _bucket_tensors(group: ActorGroup, bucket_mb: int) -> dict[str, torch.Tensor]:
@@ -97,7 +55,7 @@ class LayoutRun:
 
 @pytest.fixture(scope="module")
 def batch(tiny_model_dir):
-    return _batch(lambda samples: _hf_logprobs(tiny_model_dir, samples))
+    return scored_batch(lambda samples: hf_logprobs(tiny_model_dir, samples))
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +69,7 @@ def run_layout(ray_local, tiny_model_dir, rollout_worker, batch):
         if name in cache:
             return cache[name]
         tp, pp, dp, extra = LAYOUTS[name]
-        group = ActorGroup(_spec(tiny_model_dir, tp, pp, dp, extra))
+        group = ActorGroup(actor_spec(tiny_model_dir, tp, pp, dp, extra))
         try:
             initial_export = _bucket_tensors(group, 64)
             logprobs = group.compute_logprobs(samples)
@@ -186,8 +144,8 @@ def test_architecture_parity_and_round_trip(ray_local, tmp_path_factory, archite
         tmp_path_factory.mktemp(architecture) / "model", TinyModelSpec(architecture=architecture,
                                                                         tie_word_embeddings=tied),
     )
-    samples, reference = _batch(lambda s: _hf_logprobs(model_dir, s))
-    group = ActorGroup(_spec(model_dir, tp, pp, 1, {}))
+    samples, reference = scored_batch(lambda s: hf_logprobs(model_dir, s))
+    group = ActorGroup(actor_spec(model_dir, tp, pp, 1, {}))
     try:
         sent = _bucket_tensors(group, 64)
         logprobs = group.compute_logprobs(samples)

@@ -1,0 +1,55 @@
+"""Process-group and Megatron parallel-state set-up, shared by the actor ranks and the checkpoint converter."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .cpu_compat import apply_cpu_patches, cuda_available
+
+
+def init_megatron_parallel(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    tp: int = 1,
+    pp: int = 1,
+    virtual_pipeline_stages: int = 0,
+    backend: str = "auto",
+    seed: int = 0,
+) -> str:
+    """Join the process group (gloo on CPU, nccl on GPU for `auto`) and initialise Megatron's parallel state and
+    RNG streams. On CPU the Megatron compatibility patches are applied first. Returns the backend used."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    on_cpu = not cuda_available()
+    if on_cpu:
+        apply_cpu_patches()
+    else:
+        torch.cuda.set_device(0)  # Ray and the converter expose one GPU per rank as device 0
+    if backend == "auto":
+        backend = "gloo" if on_cpu else "nccl"
+    dist.init_process_group(
+        backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
+        timeout=timedelta(minutes=10),
+    )
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_stages or None,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return backend
+
+
+def model_sharded_state(chunks: list[torch.nn.Module]) -> dict:
+    """Megatron's sharded state dict of a rank's model chunks (bare GPTModels or DDP-wrapped). Tensor keys are
+    global, so a checkpoint written from one TP/PP/VPP layout loads into any other."""
+    modules = [getattr(chunk, "module", chunk) for chunk in chunks]
+    if len(modules) == 1:
+        return modules[0].sharded_state_dict()
+    return {f"model{i}": module.sharded_state_dict() for i, module in enumerate(modules)}

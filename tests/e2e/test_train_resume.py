@@ -1,0 +1,124 @@
+"""A training run killed with SIGKILL during step 3 resumes from its step-2 checkpoint to exactly the run that was
+never interrupted; a checkpoint resumes into another tensor-parallel layout and trains on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+STEPS, SAVE_INTERVAL = 4, 2
+# A random model earns no reward, so GRPO alone would leave the weights as they are; the k1 KL term has a gradient
+# from the first step on, so every step changes the weights and the optimizer state.
+COMPARED = ("actor/policy_loss", "actor/kl_loss", "actor/grad_norm", "actor/approx_kl", "reward/mean",
+            "rollout/response_len_mean", "rollout/tool_calls_mean")
+
+
+def _command(assets, output_dir, *extra):
+    return [
+        sys.executable, "-m", "rlsearch", "train", "--config", "examples/configs/search_grpo_tiny.yaml",
+        f"model.path={assets.model}", f"data.train_files=[{assets.data.train}]",
+        f"tools.retriever.corpus={assets.data.corpus}", f"tools.retriever.index_cache_dir={assets.index_cache}",
+        "data.batch_size=2", f"trainer.total_steps={STEPS}", f"trainer.save_interval={SAVE_INTERVAL}",
+        "algo.kl_coef=0.1", "algo.kl_estimator=k1", f"trainer.output_dir={output_dir}", *extra,
+    ]
+
+
+def _scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def _response_ids(run_dir, step):
+    path = run_dir / "trajectories" / f"step_{step:06d}.jsonl"
+    return [json.loads(line)["response_ids"] for line in path.open()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir, toy_data):
+    base = tmp_path_factory.mktemp("train_runs")
+    assets = SimpleNamespace(model=tiny_model_dir, data=toy_data, index_cache=base / "bm25")
+    reference_dir, resumed_dir = base / "reference", base / "resumed"
+    started = time.perf_counter()
+    # side by side: the uninterrupted run, and the run to be killed (log files: nobody reads pipes meanwhile)
+    with (base / "reference.log").open("w") as log:
+        reference = subprocess.Popen(_command(assets, reference_dir), cwd=REPO_ROOT, stdout=log,
+                                     stderr=subprocess.STDOUT)
+    doomed_log = base / "doomed.log"
+    with doomed_log.open("w") as log:
+        doomed = subprocess.Popen(_command(assets, resumed_dir), cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 900
+    while "checkpoints/step_000002" not in doomed_log.read_text() and doomed.poll() is None:
+        assert time.monotonic() < deadline, doomed_log.read_text()[-3000:]
+        time.sleep(0.05)
+    time.sleep(2.0)  # into step 3's rollout
+    assert doomed.poll() is None, doomed_log.read_text()[-3000:]
+    os.kill(doomed.pid, signal.SIGKILL)  # the driver only: its Ray workers and tool servers must go with it
+    doomed.wait()
+    killed_output = doomed_log.read_text()
+    resumed = subprocess.run(_command(assets, resumed_dir, "trainer.resume=auto"), cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert reference.wait(timeout=900) == 0, (base / "reference.log").read_text()[-3000:]
+    print(f"\nreference + killed run side by side, then the resumed run: {time.perf_counter() - started:.0f} s")
+    return SimpleNamespace(assets=assets, base=base, reference_dir=reference_dir, resumed_dir=resumed_dir,
+                           killed_output=killed_output, resumed_output=resumed.stdout)
+
+
+def test_killed_run_resumes_after_its_last_checkpoint(runs):
+    assert "step 2/4" in runs.killed_output and "step 3/4" not in runs.killed_output
+    assert "resumed from" in runs.resumed_output and "step_000002 after step 2" in runs.resumed_output
+    assert "step 1/4" not in runs.resumed_output and "step 3/4 | reward" in runs.resumed_output
+    assert "trained 2 steps" in runs.resumed_output and "(resumed after step 2, now at step 4)" in runs.resumed_output
+
+
+def test_resumed_steps_equal_the_uninterrupted_run(runs):
+    reference, resumed = _scalars(runs.reference_dir), _scalars(runs.resumed_dir)
+    for tag in COMPARED:
+        # TensorBoard steps continue: 1-2 from the killed run, 3-4 from the resumed one, each step once
+        assert [step for step, _ in resumed[tag]] == list(range(1, STEPS + 1)), tag
+        for (step, want), (_, got) in zip(reference[tag], resumed[tag]):
+            assert got == pytest.approx(want, abs=1e-6, rel=1e-6), (tag, step)
+    kl = dict(resumed["actor/kl_loss"])
+    assert abs(kl[3]) > 1e-6  # the policy had moved from the reference: step 3 trained on restored weights
+    for step in range(1, STEPS + 1):
+        assert _response_ids(runs.resumed_dir, step) == _response_ids(runs.reference_dir, step), step
+
+
+def test_checkpoints_are_complete_and_nothing_was_left_running(runs):
+    from rlsearch.checkpoint import load_run_checkpoint
+
+    checkpoints = runs.resumed_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000002", "step_000004"]
+    manifest, state = load_run_checkpoint(checkpoints / "step_000004")
+    assert state["step"] == 4 and state["sampler"] == {"epoch": 0, "position": 8}
+    assert manifest["layout"] == {"tp": 1, "pp": 1, "dp": 1, "virtual_pipeline_stages": 0}
+    leftovers = subprocess.run(["pgrep", "-f", str(runs.assets.index_cache)], capture_output=True, text=True)
+    assert leftovers.stdout == "", "a tool server of the killed run is still running"
+
+
+def test_resume_tp1pp1_checkpoint_into_tp2pp1_trains_on(runs):
+    out = runs.base / "tp2"
+    checkpoint = runs.reference_dir / "checkpoints" / "step_000004"
+    result = subprocess.run(
+        _command(runs.assets, out, f"trainer.resume={checkpoint}", "actor.tp=2", f"trainer.total_steps={STEPS + 1}"),
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "resharded from tp1 pp1 dp1" in result.stdout and f"step {STEPS + 1}/{STEPS + 1} | reward" in result.stdout
+    scalars = _scalars(out)
+    assert [step for step, _ in scalars["actor/update_ok"]] == [STEPS + 1]
+    assert scalars["actor/update_ok"][0][1] == 1.0
+    assert abs(scalars["actor/kl_loss"][0][1]) > 1e-6  # it continued from the trained policy, not the initial one
+    assert max(value for _, value in scalars["bridge/logprob_mismatch_max"]) < 1e-4

@@ -1,0 +1,94 @@
+"""Run checkpoints on disk: complete-or-absent, pruned to the newest K, damaged ones skipped when resuming."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlsearch.checkpoint import CheckpointError, CheckpointStore, load_run_checkpoint, read_manifest
+from rlsearch.config import ConfigError, load_train_config
+from tests.conftest import REPO_ROOT
+
+INFO = {"layout": {"tp": 1, "pp": 1, "dp": 1, "virtual_pipeline_stages": 0}, "architecture": "qwen2"}
+
+
+def _hf_dir(tmp_path):
+    hf = tmp_path / "hf_model"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "qwen2"}')
+    (hf / "tokenizer.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"weights are not copied")
+    return hf
+
+
+def _write_model(directory: str) -> None:
+    from pathlib import Path
+
+    (Path(directory) / "__0_0.distcp").write_bytes(b"x" * 1000)
+    (Path(directory) / ".metadata").write_bytes(b"m" * 10)
+
+
+def _save_steps(tmp_path, steps, keep=0):
+    store = CheckpointStore(tmp_path / "run", keep=keep)
+    hf = _hf_dir(tmp_path)
+    for step in steps:
+        store.save(step, _write_model, {"sampler": {"epoch": 0, "position": 4 * step}, "seed": 1}, hf, INFO)
+    return store
+
+
+def test_checkpoint_save_writes_a_complete_checkpoint_and_latest(tmp_path):
+    store = _save_steps(tmp_path, [2])
+    path = store.root / "step_000002"
+    manifest = read_manifest(path)
+    assert manifest["kind"] == "run" and manifest["step"] == 2 and manifest["layout"]["tp"] == 1
+    assert set(manifest["files"]) == {"megatron/__0_0.distcp", "megatron/.metadata", "hf/config.json",
+                                      "hf/tokenizer.json", "trainer_state.json"}  # HF metadata, not weights
+    assert (store.root / "latest").read_text().strip() == "step_000002"
+    assert not list(store.root.glob(".incomplete_*"))
+    manifest, state = load_run_checkpoint(path)
+    assert state == {"step": 2, "sampler": {"epoch": 0, "position": 8}, "seed": 1}
+
+
+def test_checkpoint_keep_prunes_to_the_newest(tmp_path):
+    store = _save_steps(tmp_path, [1, 2, 3, 4], keep=2)
+    assert sorted(p.name for p in store.root.glob("step_*")) == ["step_000003", "step_000004"]
+
+
+def test_resume_auto_skips_a_truncated_checkpoint_with_a_warning_naming_it(tmp_path):
+    store = _save_steps(tmp_path, [2, 4, 6])
+    with (store.root / "step_000006" / "megatron" / "__0_0.distcp").open("r+b") as handle:
+        handle.truncate(500)
+    (store.root / "step_000004" / "manifest.json").unlink()  # as if killed between the files and the manifest
+    (store.root / ".incomplete_step_000008").mkdir()  # killed while writing: never a step_* dir
+    path, skipped = store.newest_complete()
+    assert path == store.root / "step_000002"
+    assert len(skipped) == 2
+    assert "step_000006" in skipped[0] and "megatron/__0_0.distcp has 500 bytes, expected 1000" in skipped[0]
+    assert "step_000004" in skipped[1] and "no manifest.json" in skipped[1]
+
+
+def test_resume_auto_in_a_fresh_run_dir_finds_nothing(tmp_path):
+    assert CheckpointStore(tmp_path / "fresh").newest_complete() == (None, [])
+
+
+def test_load_run_checkpoint_errors_say_what_is_wrong(tmp_path):
+    store = _save_steps(tmp_path, [2])
+    with pytest.raises(CheckpointError, match="run directory, not a checkpoint"):
+        load_run_checkpoint(tmp_path / "run")
+    staging = store.root / ".incomplete_step_000003"
+    staging.mkdir()
+    with pytest.raises(CheckpointError, match="still being written"):
+        load_run_checkpoint(staging)
+    manifest_path = store.root / "step_000002" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "kind": "model"}))
+    with pytest.raises(CheckpointError, match="model weights only"):
+        load_run_checkpoint(store.root / "step_000002")
+
+
+def test_config_resume_path_is_checked_at_start_up(tmp_path):
+    config = REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml"
+    with pytest.raises(ConfigError, match=r"'trainer.resume'.*not an rlsearch checkpoint"):
+        load_train_config(config, [f"trainer.resume={tmp_path}"])
+    assert load_train_config(config, ["trainer.resume=none"]).trainer.resume == "none"
