@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from .tools.server_process import add_retriever_arguments
 
@@ -15,6 +16,7 @@ vLLM rollout engines with multi-turn tool use, a local retrieval server, all orc
 Quick start (tiny model + generated corpus on CPU):
   bash examples/run_search_grpo.sh     # train
   bash examples/run_search_eval.sh     # score a model as a search agent (eval only)
+  rlsearch convert mcore-to-hf --ckpt RUN/checkpoints/step_N --out DIR   # checkpoint -> HuggingFace
 """
 
 
@@ -47,6 +49,43 @@ def _eval(args: argparse.Namespace) -> int:
         return 2
     print(summary.render(), flush=True)
     return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .checkpoint.convert import ConversionError
+
+    started = time.perf_counter()
+    try:
+        summary = args.conversion(args)
+    except ValueError as err:  # CheckpointError included: bad input, the message says what to do
+        print(f"rlsearch convert: {err}", file=sys.stderr)
+        return 2
+    except ConversionError as err:
+        print(f"rlsearch convert: {err}", file=sys.stderr)
+        return 1
+    print(f"rlsearch convert: {summary} in {time.perf_counter() - started:.1f} s", flush=True)
+    return 0
+
+
+def _mcore_to_hf(args: argparse.Namespace) -> str:
+    from .checkpoint.convert import mcore_to_hf
+
+    result = mcore_to_hf(args.ckpt, args.out, dtype=args.dtype, base_hf_dir=args.base_hf_dir, verify=args.verify)
+    summary = (f"wrote HuggingFace model {result.out_dir}: {result.num_tensors} tensors, "
+               f"{result.num_bytes / 2**20:.1f} MiB {result.dtype} in {result.num_shards} safetensors shard(s)")
+    if result.max_logit_diff is not None:
+        summary += f"; verify: max |logit diff| vs Megatron {result.max_logit_diff:.3g}"
+    return summary
+
+
+def _hf_to_mcore(args: argparse.Namespace) -> str:
+    from .checkpoint import read_manifest
+    from .checkpoint.convert import hf_to_mcore
+
+    out = hf_to_mcore(args.hf_dir, args.out, tp=args.tp, pp=args.pp)
+    manifest = read_manifest(out)
+    return (f"wrote Megatron checkpoint {out} (tp={args.tp} pp={args.pp}, {manifest['dtype']}): "
+            f"{len(manifest['files'])} files, {sum(manifest['files'].values()) / 2**20:.1f} MiB")
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -87,6 +126,52 @@ def _serve_mcp(args: argparse.Namespace) -> int:
     return 0
 
 
+CONVERT_EPILOG = """\
+examples:
+  rlsearch convert mcore-to-hf --ckpt outputs/run/checkpoints/step_000010 --out outputs/run/hf_step_10
+  rlsearch convert mcore-to-hf --ckpt RUN/checkpoints/step_000010 --out /models/step_10 --dtype bf16 --verify
+  rlsearch convert hf-to-mcore --hf-dir outputs/assets/tiny-qwen2 --out /ckpt/tiny-tp2pp2 --tp 2 --pp 2
+"""
+
+
+def add_convert_parser(commands) -> None:
+    convert = commands.add_parser(
+        "convert", help="convert checkpoints between Megatron (any TP/PP) and HuggingFace",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONVERT_EPILOG,
+        description="Convert a training checkpoint (RUN/checkpoints/step_N) into a HuggingFace model dir that\n"
+        "transformers, vLLM and `rlsearch eval` load, or an HF model into a Megatron distributed checkpoint\n"
+        "for a chosen tensor x pipeline parallel layout. A checkpoint saved with any TP/PP converts (Megatron\n"
+        "reshards on load). Ranks run on CPU (gloo), or on one GPU each when there are enough GPUs.",
+    )
+    directions = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    to_hf = directions.add_parser(
+        "mcore-to-hf", help="Megatron checkpoint -> HuggingFace model dir",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONVERT_EPILOG,
+        description="Write the model of a checkpoint as safetensors shards + index, config, generation config\n"
+        "and tokenizer. Tensor names and shapes are those of the original HF model.",
+    )
+    to_hf.add_argument("--ckpt", required=True, help="checkpoint dir: RUN/checkpoints/step_N, or hf-to-mcore output")
+    to_hf.add_argument("--out", required=True, help="output HuggingFace dir (must not exist or be empty)")
+    to_hf.add_argument("--dtype", choices=["bf16", "fp32"], help="weights dtype (default: the checkpoint's)")
+    to_hf.add_argument("--base-hf-dir", help="take config and tokenizer from this HF dir instead of the checkpoint's "
+                       "hf/ copy (e.g. the base model the run started from)")
+    to_hf.add_argument("--verify", action="store_true", help="load the result with transformers and compare its "
+                       "logits with the Megatron model's on a fixed batch; prints the max |diff|")
+    to_hf.set_defaults(func=_convert, conversion=_mcore_to_hf)
+
+    to_mcore = directions.add_parser(
+        "hf-to-mcore", help="HuggingFace model dir -> Megatron checkpoint for a TP x PP layout",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONVERT_EPILOG,
+        description="Write a model-only Megatron distributed checkpoint (torch_dist) of an HF model\n"
+        "(safetensors), saved by tp x pp ranks.",
+    )
+    to_mcore.add_argument("--hf-dir", required=True, help="HuggingFace model dir (config.json + *.safetensors)")
+    to_mcore.add_argument("--out", required=True, help="output checkpoint dir (must not exist or be empty)")
+    to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    to_mcore.set_defaults(func=_convert, conversion=_hf_to_mcore)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlsearch", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -113,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--config", help="YAML config (see examples/configs/eval_search.yaml)")
     evaluate.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     evaluate.set_defaults(func=_eval)
+
+    add_convert_parser(commands)
 
     tiny = commands.add_parser(
         "make-tiny-model", help="write a random-init tiny Qwen2 with the real Qwen2 tokenizer (offline)"

@@ -63,6 +63,7 @@ class RankInfo:
     pp_rank: int
     dp_rank: int
     is_output_rank: bool  # last pipeline stage and tensor-parallel rank 0: holds losses and logprobs
+    transformer_impl: str  # the layer spec built: local | transformer_engine (checkpoint keys depend on it)
 
 
 @dataclass
@@ -123,6 +124,7 @@ class MegatronActorWorker:
             pp_rank=ps.get_pipeline_model_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(),
             is_output_rank=ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0,
+            transformer_impl=self.transformer_impl,
         )
         return self.info
 

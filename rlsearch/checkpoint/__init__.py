@@ -1,7 +1,11 @@
 """Checkpoints: complete-or-absent run checkpoints (Megatron distributed format + trainer state), resume, and
 conversion to and from HuggingFace."""
 
+from .convert import ConversionError, HFExport, hf_to_mcore, mcore_to_hf  # imports megatron only in its ranks
 from .layout import CheckpointError, read_manifest
 from .store import CheckpointStore, load_run_checkpoint
 
-__all__ = ["CheckpointError", "CheckpointStore", "load_run_checkpoint", "read_manifest"]
+__all__ = [
+    "CheckpointError", "CheckpointStore", "ConversionError", "HFExport", "hf_to_mcore", "load_run_checkpoint",
+    "mcore_to_hf", "read_manifest",
+]

@@ -335,6 +335,7 @@ class GRPOTrainer:
         architecture = json.loads((Path(config.model.path) / "config.json").read_text()).get("model_type")
         info = {
             "layout": self._layout(), "architecture": architecture, "dtype": config.model.dtype,
+            "transformer_impl": self.actor.infos[0].transformer_impl,
             "contents": ["model", "optimizer", "scheduler", "rng"],
         }
         path = self.checkpoints.save(self.step, self.actor.save_checkpoint, state, config.model.path, info)

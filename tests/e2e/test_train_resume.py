@@ -122,3 +122,17 @@ def test_resume_tp1pp1_checkpoint_into_tp2pp1_trains_on(runs):
     assert scalars["actor/update_ok"][0][1] == 1.0
     assert abs(scalars["actor/kl_loss"][0][1]) > 1e-6  # it continued from the trained policy, not the initial one
     assert max(value for _, value in scalars["bridge/logprob_mismatch_max"]) < 1e-4
+
+
+def test_convert_run_checkpoint_to_hf_gives_the_trained_model(runs, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    from rlsearch.checkpoint import mcore_to_hf
+
+    out = runs.base / "hf_step_4"
+    result = mcore_to_hf(runs.reference_dir / "checkpoints" / "step_000004", out, verify=True)
+    assert result.max_logit_diff < 1e-5  # transformers on the written dir vs the Megatron model from the checkpoint
+    converted = {name: tensor for shard in out.glob("*.safetensors") for name, tensor in load_file(shard).items()}
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert set(converted) == set(initial)
+    assert all(not (converted[name] == initial[name]).all() for name in initial)  # every tensor was trained

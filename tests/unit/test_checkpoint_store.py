@@ -10,7 +10,10 @@ from rlsearch.checkpoint import CheckpointError, CheckpointStore, load_run_check
 from rlsearch.config import ConfigError, load_train_config
 from tests.conftest import REPO_ROOT
 
-INFO = {"layout": {"tp": 1, "pp": 1, "dp": 1, "virtual_pipeline_stages": 0}, "architecture": "qwen2"}
+INFO = {
+    "layout": {"tp": 1, "pp": 1, "dp": 1, "virtual_pipeline_stages": 0}, "architecture": "qwen2",
+    "transformer_impl": "local",
+}
 
 
 def _hf_dir(tmp_path):

@@ -1,0 +1,355 @@
+"""Conversion between HuggingFace model dirs and Megatron distributed checkpoints (torch_dist, layout.py).
+
+- `hf_to_mcore`: tp x pp spawned ranks each build their shard of the model, load the HF safetensors into it through
+  mbridge and save together: a model-only checkpoint for that layout.
+- `mcore_to_hf`: one spawned rank (TP1PP1) loads the "model" part of any checkpoint, a training run's or a
+  converted one (Megatron reshards whatever layout it was saved from), exports HF-named tensors through mbridge and
+  writes safetensors shards with their index, config and tokenizer; `verify` compares the logits of the written dir
+  (HF transformers) with the Megatron model's.
+
+Ranks are spawned processes on gloo over 127.0.0.1 (one GPU each when there are enough GPUs, else CPU). An error in
+a rank surfaces in the caller: CheckpointError for a checkpoint that does not fit, ConversionError with the rank's
+traceback otherwise. Output is staged in `.incomplete_<name>` beside the output dir and renamed when complete, so a
+failed conversion leaves no half-written model behind. Nothing here imports megatron until a rank runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .layout import HF_DIR, MODEL_DIR, CheckpointError, copy_hf_metadata, read_manifest, write_manifest
+
+# --dtype names -> HF config / manifest names
+OUTPUT_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+VERIFY_BATCH_SHAPE = (2, 32)  # sequences x tokens of random ids
+
+
+@dataclass
+class HFExport:
+    """What `mcore_to_hf` wrote."""
+
+    out_dir: Path
+    num_tensors: int
+    num_bytes: int  # tensor data
+    num_shards: int
+    dtype: str  # float32 | bfloat16
+    max_logit_diff: float | None  # verify only: max |logits of the written HF model - Megatron model's|
+
+
+class ConversionError(RuntimeError):
+    """A conversion rank failed; the message carries its error and traceback."""
+
+
+def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, pp: int = 1) -> Path:
+    """Write the HF model at `hf_dir` as a model-only Megatron checkpoint for tensor x pipeline parallel `tp` x `pp`
+    into `out_dir` (new or empty). Returns `out_dir`."""
+    source, out = Path(hf_dir), Path(out_dir)
+    config = _read_hf_config(source)
+    if not list(source.glob("*.safetensors")):
+        raise ValueError(f"{source} has no *.safetensors weights; re-save the model with "
+                         "save_pretrained(dir, safe_serialization=True)")
+    for value, key, size, flag in (
+        (config.get("num_attention_heads"), "num_attention_heads", tp, "tp"),
+        (config.get("num_key_value_heads") or config.get("num_attention_heads"), "num_key_value_heads", tp, "tp"),
+        (config.get("vocab_size"), "vocab_size", tp, "tp"),
+        (config.get("num_hidden_layers"), "num_hidden_layers", pp, "pp"),
+    ):
+        if size < 1 or value % size:
+            raise ValueError(f"{flag}={size} must be >= 1 and divide {key}={value} of {source}; choose another {flag}")
+    dtype = _checkpoint_dtype(config)
+    staging = _staging_dir(out)
+    try:
+        megatron_dir = staging / MODEL_DIR
+        megatron_dir.mkdir()
+        impl, *_ = _spawn(_save_model_shard, tp, pp, (str(source), str(megatron_dir), dtype))
+        copy_hf_metadata(source, staging / HF_DIR)
+        write_manifest(staging, {
+            "kind": "model", "step": None,
+            "layout": {"tp": tp, "pp": pp, "dp": 1, "virtual_pipeline_stages": 0},
+            "architecture": config["model_type"], "dtype": dtype, "transformer_impl": impl, "contents": ["model"],
+        })
+        return _publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def mcore_to_hf(
+    ckpt_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: str | None = None,
+    base_hf_dir: str | os.PathLike | None = None,
+    verify: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> HFExport:
+    """Write the model of the checkpoint `ckpt_dir` (any layout) as a HuggingFace model dir `out_dir` (new or empty)
+    loadable by transformers and vLLM. `dtype`: "bf16" or "fp32" (None: the checkpoint's). Config and tokenizer come
+    from the checkpoint's hf/ dir, or from `base_hf_dir` when given. `verify`: compare the logits of the written
+    model (transformers, fp32) with the Megatron model's on a fixed batch; the max |diff| is in the result."""
+    ckpt, out = Path(ckpt_dir), Path(out_dir)
+    manifest = read_manifest(ckpt)
+    if "model" not in manifest.get("contents", []):
+        raise CheckpointError(f"{ckpt} holds no model weights (contents: {manifest.get('contents')})")
+    if dtype is not None and dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"unknown dtype '{dtype}'; choose one of {', '.join(OUTPUT_DTYPES)}")
+    checkpoint_dtype = manifest.get("dtype")
+    if checkpoint_dtype not in OUTPUT_DTYPES.values():
+        raise CheckpointError(f"{ckpt}: unsupported checkpoint dtype {checkpoint_dtype!r} in its manifest")
+    out_dtype = OUTPUT_DTYPES[dtype] if dtype else checkpoint_dtype
+    metadata_dir = Path(base_hf_dir) if base_hf_dir else ckpt / HF_DIR
+    config = _read_hf_config(metadata_dir)
+    if manifest.get("architecture") != config["model_type"]:
+        raise CheckpointError(f"{ckpt} holds a '{manifest.get('architecture')}' model but {metadata_dir} describes "
+                              f"a '{config['model_type']}' one; pass the base model the run was trained from")
+    staging = _staging_dir(out)
+    try:
+        copy_hf_metadata(metadata_dir, staging)
+        config["dtype"] = out_dtype
+        config.pop("torch_dtype", None)  # the transformers 4 name of the same field
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (written,) = _spawn(_export_model, 1, 1, (
+            str(metadata_dir), str(ckpt / MODEL_DIR), str(staging), checkpoint_dtype,
+            manifest.get("transformer_impl", "auto"), out_dtype, max_shard_bytes, verify,
+        ))
+        return HFExport(out_dir=_publish(staging, out), dtype=out_dtype, **written)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+# ---- parent side --------------------------------------------------------------------------------------------
+
+
+def _read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    """config.json of an HF dir of a supported architecture; ValueError saying what is wrong otherwise."""
+    from ..actor.model import check_architecture
+
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{hf_dir} is not a HuggingFace model dir (no config.json)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error})") from error
+    check_architecture(config.get("model_type"), str(hf_dir))
+    return config
+
+
+def _checkpoint_dtype(config: dict[str, Any]) -> str:
+    """The HF model's dtype as the checkpoint's: bfloat16 stays, anything else is stored as float32 (lossless)."""
+    return "bfloat16" if (config.get("dtype") or config.get("torch_dtype")) == "bfloat16" else "float32"
+
+
+def _staging_dir(out: Path) -> Path:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output {out} exists and is not empty; choose a new directory or remove it")
+    staging = out.parent / f".incomplete_{out.name}"
+    shutil.rmtree(staging, ignore_errors=True)  # left by a conversion that was killed
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _publish(staging: Path, out: Path) -> Path:
+    if out.exists():
+        out.rmdir()
+    staging.rename(out)
+    return out
+
+
+def _spawn(job: Callable[..., Any], tp: int, pp: int, job_args: tuple) -> list[Any]:
+    """Run `job(*job_args)` on tp x pp spawned Megatron ranks; their results in rank order."""
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    world_size = tp * pp
+    queue = mp.get_context("spawn").SimpleQueue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    try:
+        mp.start_processes(
+            _rank_main, args=(world_size, port, (tp, pp), _gpu_per_rank(world_size), queue, job, job_args),
+            nprocs=world_size, start_method="spawn",
+        )
+    except ProcessException as failure:
+        reports = _drain(queue)
+        failed = next((report for report in reports if report[1] == "error"), None)
+        if failed is None:  # killed without a Python error (e.g. out of memory)
+            raise ConversionError(f"a conversion process died: {failure}") from None
+        rank, _, (kind, message, trace) = failed
+        if kind == CheckpointError.__name__:
+            raise CheckpointError(message) from None
+        raise ConversionError(f"conversion rank {rank} failed: {kind}: {message}\n{trace}") from None
+    return [result for _, _, result in sorted(_drain(queue), key=lambda report: report[0])]
+
+
+def _drain(queue) -> list[tuple[int, str, Any]]:
+    reports = []
+    while not queue.empty():
+        reports.append(queue.get())
+    return reports
+
+
+def _gpu_per_rank(world_size: int) -> list[str] | None:
+    """A visible GPU id for every rank, or None (the ranks run on CPU) when there are fewer GPUs than ranks."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(index) for index in range(torch.cuda.device_count())]
+    return ids[:world_size]
+
+
+# ---- rank side ----------------------------------------------------------------------------------------------
+
+
+def _rank_main(
+    rank: int, world_size: int, port: int, layout: tuple[int, int], gpus: list[str] | None, queue,
+    job: Callable[..., Any], job_args: tuple,
+) -> None:
+    """Entry of a spawned rank: join the group, run the job, report its result or error to the parent."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank] if gpus else ""  # before anything initialises CUDA
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from ..actor.parallel import init_megatron_parallel
+
+    # megatron and mbridge warn about missing Apex / Transformer Engine and deprecated settings on every import, and
+    # the checkpoint code uses deprecated torch APIs: noise in a command's output
+    warnings.filterwarnings("ignore", module=r"(megatron|mbridge)\.")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        init_megatron_parallel(rank, world_size, "127.0.0.1", port, tp=layout[0], pp=layout[1])
+        queue.put((rank, "ok", job(*job_args)))
+    except BaseException as error:  # torch's checkpoint errors derive from BaseException
+        queue.put((rank, "error", (type(error).__name__, str(error), traceback.format_exc())))
+        sys.exit(1)  # the parent reports the error
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _build(hf_dir: str, dtype: str, transformer_impl: str):
+    """mbridge bridge and this rank's (random-initialised) model chunk for the HF config at `hf_dir`."""
+    import torch
+
+    from ..actor.cpu_compat import cuda_available
+    from ..actor.model import build_model_chunks, make_bridge, resolve_transformer_impl
+
+    impl = resolve_transformer_impl(transformer_impl)
+    if impl == "transformer_engine" and not cuda_available():
+        raise CheckpointError("the checkpoint was written with the Transformer Engine layer spec; convert it on a "
+                              "machine with CUDA and transformer-engine")
+    bridge = make_bridge(hf_dir, getattr(torch, dtype), impl, on_cpu=not cuda_available())
+    return bridge, build_model_chunks(bridge), impl
+
+
+def _save_model_shard(hf_dir: str, megatron_dir: str, dtype: str) -> str:
+    """Rank job of hf_to_mcore; returns the layer spec used."""
+    from megatron.core import dist_checkpointing
+
+    from ..actor.parallel import model_sharded_state
+
+    bridge, chunks, impl = _build(hf_dir, dtype, "auto")
+    bridge.load_weights(chunks, hf_dir)
+    dist_checkpointing.save({"model": model_sharded_state(chunks)}, megatron_dir)
+    return impl
+
+
+def _export_model(
+    hf_dir: str, megatron_dir: str, out_dir: str, checkpoint_dtype: str, transformer_impl: str, out_dtype: str,
+    max_shard_bytes: int, verify: bool,
+) -> dict[str, Any]:
+    """Rank job of mcore_to_hf (a single rank): load the checkpoint's model, write safetensors, optionally verify."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ..actor.model import export_hf_named
+    from ..actor.parallel import model_sharded_state
+
+    bridge, (model,), _ = _build(hf_dir, checkpoint_dtype, transformer_impl)
+    try:
+        state = dist_checkpointing.load({"model": model_sharded_state([model])}, megatron_dir)
+    except (CheckpointingException, CheckpointException) as error:
+        causes = [cause for cause, _ in error.failures.values()] if isinstance(error, CheckpointException) else [error]
+        raise CheckpointError(f"cannot load the model in {megatron_dir} as the one {hf_dir}/config.json describes ("
+                              f"{'; '.join(map(str, causes))}); --base-hf-dir must be the model the run started "
+                              "from") from error
+    model.load_state_dict(state["model"])
+    written = _write_safetensors(export_hf_named(bridge, [model]), Path(out_dir), getattr(torch, out_dtype),
+                                 max_shard_bytes)
+    written["max_logit_diff"] = _max_logit_diff(model, out_dir, bridge.hf_config.vocab_size) if verify else None
+    return written
+
+
+def _write_safetensors(named: Iterable[tuple[str, Any]], out: Path, dtype, max_shard_bytes: int) -> dict[str, int]:
+    """Stream HF tensors into model-0000i-of-0000n.safetensors shards of at most `max_shard_bytes` (a larger tensor
+    gets a shard of its own) plus model.safetensors.index.json."""
+    import torch
+    from safetensors.torch import save_file
+
+    shards: list[list[str]] = []
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = total_bytes = 0
+
+    def flush() -> None:
+        save_file(pending, str(out / f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
+        shards.append(list(pending))
+        pending.clear()
+
+    for name, tensor in named:
+        # a standalone contiguous copy: exported tensors can be views sharing storage (safetensors refuses those)
+        tensor = tensor.to("cpu", dtype, copy=True, memory_format=torch.contiguous_format)
+        size = tensor.numel() * tensor.element_size()
+        if pending and pending_bytes + size > max_shard_bytes:
+            flush()
+            pending_bytes = 0
+        pending[name] = tensor
+        pending_bytes += size
+        total_bytes += size
+    if pending:
+        flush()
+    weight_map = {}
+    for index, names in enumerate(shards):
+        filename = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        (out / f"shard-{index}.tmp").rename(out / filename)
+        weight_map.update(dict.fromkeys(names, filename))
+    index_file = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / SAFETENSORS_INDEX).write_text(json.dumps(index_file, indent=2) + "\n")
+    return {"num_tensors": len(weight_map), "num_bytes": total_bytes, "num_shards": len(shards)}
+
+
+def _max_logit_diff(model, hf_dir: str, vocab_size: int) -> float:
+    """Max |logit diff| between the written HF model (transformers, fp32) and the Megatron model on a fixed batch of
+    random token ids (unpacked causal attention)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    tokens = torch.randint(0, vocab_size, VERIFY_BATCH_SHAPE, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    device = next(model.parameters()).device
+    model.eval()
+    with torch.no_grad():
+        megatron_logits = model(tokens.to(device), positions.to(device), None).float().cpu()
+        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        hf_logits = hf_model(tokens).logits.float()
+    return (hf_logits - megatron_logits).abs().max().item()

@@ -1,0 +1,169 @@
+"""Checkpoint conversion HF <-> Megatron: bit-exact round trips through sharded layouts, the converted model's logits
+against Megatron's, dtype conversion, the CLI's errors on bad input, and the toolkit wrapper.
+
+Every conversion spawns its Megatron ranks (each imports megatron, ~10 s of CPU), so the TP2PP2 checkpoint is
+written once for the module."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlsearch.checkpoint import CheckpointError, hf_to_mcore, mcore_to_hf, read_manifest
+from rlsearch.checkpoint.convert import SAFETENSORS_INDEX
+from rlsearch.checkpoint.layout import HF_METADATA_FILES
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _converted_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a converted dir, checking that the index lists exactly the tensors of its shards."""
+    weight_map = json.loads((hf_dir / SAFETENSORS_INDEX).read_text())["weight_map"]
+    tensors = {}
+    for filename in sorted(set(weight_map.values())):
+        shard = load_file(str(hf_dir / filename))
+        assert {name for name, file in weight_map.items() if file == filename} == set(shard)
+        tensors.update(shard)
+    return tensors
+
+
+def _assert_bit_exact(converted: dict[str, torch.Tensor], original: dict[str, torch.Tensor]) -> None:
+    assert set(converted) == set(original)
+    for name, tensor in original.items():
+        assert converted[name].dtype == tensor.dtype, name
+        assert torch.equal(converted[name], tensor), name
+
+
+def _convert_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlsearch", "convert", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tp2pp2_checkpoint(tiny_model_dir, tmp_path_factory) -> Path:
+    started = time.perf_counter()
+    checkpoint = hf_to_mcore(tiny_model_dir, tmp_path_factory.mktemp("convert") / "tp2pp2", tp=2, pp=2)
+    print(f"hf_to_mcore tp2pp2: {time.perf_counter() - started:.1f} s")
+    return checkpoint
+
+
+def test_round_trip_tp2pp2_bit_exact_and_verified(tp2pp2_checkpoint, tiny_model_dir, tmp_path):
+    manifest = read_manifest(tp2pp2_checkpoint)
+    assert manifest["kind"] == "model" and manifest["contents"] == ["model"] and manifest["step"] is None
+    assert manifest["layout"] == {"tp": 2, "pp": 2, "dp": 1, "virtual_pipeline_stages": 0}
+    assert (manifest["architecture"], manifest["dtype"]) == ("qwen2", "float32")
+    shard_files = [path.name for path in (tp2pp2_checkpoint / "megatron").glob("*.distcp")]
+    assert {int(re.fullmatch(r"__(\d+)_\d+\.distcp", name).group(1)) for name in shard_files} == {0, 1, 2, 3}
+    assert (tp2pp2_checkpoint / "hf" / "config.json").is_file()
+    assert not list((tp2pp2_checkpoint / "hf").glob("*.safetensors"))
+
+    started = time.perf_counter()
+    # shards of at most 40 MiB: the two 74 MiB embedding matrices get one each, the layers share the middle one
+    result = mcore_to_hf(tp2pp2_checkpoint, tmp_path / "hf", verify=True, max_shard_bytes=40 * 2**20)
+    print(f"mcore_to_hf with verify: {time.perf_counter() - started:.1f} s, max |logit diff| {result.max_logit_diff}")
+    assert result.max_logit_diff < 1e-5
+    assert (result.num_tensors, result.num_shards, result.dtype) == (27, 3, "float32")
+    _assert_bit_exact(_converted_tensors(result.out_dir), load_file(str(tiny_model_dir / "model.safetensors")))
+    for name in HF_METADATA_FILES:
+        assert (result.out_dir / name).is_file() == (tiny_model_dir / name).is_file(), name
+    assert json.loads((result.out_dir / "config.json").read_text())["dtype"] == "float32"
+    assert not list(tmp_path.glob(".incomplete_*"))
+
+
+def test_round_trip_tied_embeddings_tp1pp2(tiny_model_dir, tmp_path):
+    """A tied-embedding Qwen2 (the tiny model with lm_head dropped) split over two pipeline stages: the shared matrix
+    lives on both stages and must come back once, as model.embed_tokens.weight."""
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    for path in tiny_model_dir.iterdir():
+        if path.name != "model.safetensors":
+            shutil.copy(path, tied / path.name)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(tied / "model.safetensors"), metadata={"format": "pt"})
+
+    started = time.perf_counter()
+    checkpoint = hf_to_mcore(tied, tmp_path / "tp1pp2", tp=1, pp=2)
+    converted = mcore_to_hf(checkpoint, tmp_path / "hf")
+    print(f"tied round trip tp1pp2: {time.perf_counter() - started:.1f} s")
+    assert read_manifest(checkpoint)["layout"]["pp"] == 2
+    _assert_bit_exact(_converted_tensors(converted.out_dir), weights)
+
+
+def test_convert_bf16_through_mg2hf_wrapper(tp2pp2_checkpoint, tiny_model_dir, tmp_path):
+    started = time.perf_counter()
+    run = subprocess.run(
+        [str(REPO_ROOT / "toolkits" / "ckpt_convertor" / "mg2hf.sh"), str(tp2pp2_checkpoint), str(tmp_path / "hf"),
+         str(tiny_model_dir), "--dtype", "bf16"], capture_output=True, text=True, timeout=300,
+    )
+    print(f"mg2hf.sh --dtype bf16: {time.perf_counter() - started:.1f} s")
+    assert run.returncode == 0, run.stderr
+    assert f"wrote HuggingFace model {tmp_path / 'hf'}: 27 tensors" in run.stdout
+    assert "bfloat16" in run.stdout
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    _assert_bit_exact(_converted_tensors(tmp_path / "hf"), {n: t.to(torch.bfloat16) for n, t in original.items()})
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def _not_a_checkpoint(tmp_path: Path, _checkpoint: Path) -> tuple[list[str], str]:
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("hi")
+    return ["mcore-to-hf", "--ckpt", str(tmp_path / "notes")], f"{tmp_path / 'notes'} is not an rlsearch checkpoint"
+
+
+def _incomplete(tmp_path: Path, checkpoint: Path) -> tuple[list[str], str]:
+    staging = tmp_path / "checkpoints" / ".incomplete_step_000002"
+    shutil.copytree(checkpoint / "hf", staging / "hf")
+    (staging / "megatron").mkdir()
+    return ["mcore-to-hf", "--ckpt", str(staging)], f"{staging} is a checkpoint that was still being written"
+
+
+def _truncated(tmp_path: Path, checkpoint: Path) -> tuple[list[str], str]:
+    damaged = tmp_path / "step_000004"
+    shutil.copytree(checkpoint, damaged)
+    shard = damaged / "megatron" / "__2_0.distcp"
+    with shard.open("r+b") as handle:
+        handle.truncate(shard.stat().st_size // 2)
+    return ["mcore-to-hf", "--ckpt", str(damaged)], f"{damaged} is damaged: megatron/__2_0.distcp has"
+
+
+def _unsupported_architecture(tmp_path: Path, _checkpoint: Path) -> tuple[list[str], str]:
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    return ["hf-to-mcore", "--hf-dir", str(gpt2), "--tp", "2"], (
+        f"unsupported architecture 'gpt2' in {gpt2}; supported: llama, qwen2, qwen3"
+    )
+
+
+@pytest.mark.parametrize("make_case", [_not_a_checkpoint, _incomplete, _truncated, _unsupported_architecture],
+                         ids=["not-a-checkpoint", "incomplete", "truncated", "unsupported-architecture"])
+def test_convert_cli_rejects_bad_input(make_case, tp2pp2_checkpoint, tmp_path):
+    args, message = make_case(tmp_path, tp2pp2_checkpoint)
+    run = _convert_cli(*args, "--out", str(tmp_path / "out"))
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.startswith("rlsearch convert: ") and message in run.stderr
+    assert "Traceback" not in run.stderr and not run.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_reports_a_rank_error_in_the_caller(tp2pp2_checkpoint, tmp_path):
+    """A base model that does not match the checkpoint fails inside the spawned rank; the caller gets its message."""
+    base = tmp_path / "base"
+    shutil.copytree(tp2pp2_checkpoint / "hf", base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "intermediate_size": 384}))
+    with pytest.raises(CheckpointError, match=r"Global shape mismatch .* decoder\.layers\.mlp\.linear_fc1\.weight"):
+        mcore_to_hf(tp2pp2_checkpoint, tmp_path / "out", base_hf_dir=base)
+    assert not list(tmp_path.glob("*out*"))
