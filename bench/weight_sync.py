@@ -1,8 +1,10 @@
 """Weight sync from Megatron layouts into vLLM, against vLLM reloading the same weights from memory.
 
 For a random model shaped like Qwen2.5-0.5B (tied embeddings, 494M parameters) this measures, in one run:
-  baseline : vLLM `reload_weights` from a full HF state dict already in the engine's memory
-  sync     : the bridge (gather TP/PP shards -> HF names -> buckets -> object store -> engine), per layout
+  baseline : vLLM `reload_weights` from the model's safetensors files, already in the page cache (the engine is
+             vLLM's AsyncLLM: its model lives in the EngineCore process, where no state dict of ours can wait)
+  sync     : the bridge (gather TP/PP shards -> HF names -> buckets -> object store -> shared-memory staging file
+             -> engine), per layout
 and prints seconds, bytes moved and the sender's peak extra RSS (rank 0, the process that packs buckets). The
 last line is the figure: sync seconds / baseline seconds (goal <= 2.0).
 
@@ -21,60 +23,65 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SHAPES = {
-    # Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads (2 kv), intermediate 4864, tied embeddings
-    "0.5b": dict(hidden_size=896, num_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=256, tie_word_embeddings=False),
-}
+from bench.common import SHAPES, build_model  # noqa: E402
 
 
 class EngineHost:
-    """A Ray actor around one in-process vLLM engine, with the baseline: reload from an in-memory state dict."""
+    """A Ray actor around one rollout engine (on its event loop thread, as a rollout worker holds it), with the
+    baseline: vLLM's own `reload_weights` from the model's safetensors files, already in the page cache."""
 
     def __init__(self, model_path: str, dtype: str) -> None:
         from rlsearch.rollout import EngineSpec
         from rlsearch.rollout.engine import VLLMEngine
+        from rlsearch.tools.loop_thread import LoopThread
 
-        self.engine = VLLMEngine(EngineSpec(model_path, dtype=dtype, max_model_len=256))
+        self.events = LoopThread("engine-host")
+
+        async def start() -> VLLMEngine:
+            return VLLMEngine(EngineSpec(model_path, dtype=dtype, max_model_len=256))
+
+        self.engine = self.events.run(start())
         self.model_path = model_path
-        self.state_dict = None
+        self.dtype = dtype
 
-    def load_state_dict_into_memory(self) -> int:
+    def model_bytes(self) -> int:
+        """The model's size in the engine's dtype (read from the safetensors headers, then the page cache warmed)."""
         import torch
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        state = {}
+        element_size = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        numel = 0
         for shard in sorted(Path(self.model_path).glob("*.safetensors")):
-            state.update(load_file(str(shard)))
-        dtype = getattr(torch, self.engine_dtype())
-        self.state_dict = {name: tensor.to(dtype) for name, tensor in state.items()}
-        return sum(t.numel() * t.element_size() for t in self.state_dict.values())
+            with safe_open(str(shard), "pt") as tensors:
+                for name in tensors.keys():
+                    shape = tensors.get_slice(name).get_shape()
+                    numel += int(torch.Size(shape).numel())
+            shard.read_bytes()
+        return numel * element_size
 
-    def engine_dtype(self) -> str:
-        return str(self.engine.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    def timed_reload_from_files(self) -> float:
+        async def reload() -> float:
+            started = time.perf_counter()
+            await self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.model_path})
+            await self.engine.reset_prefix_cache()
+            return time.perf_counter() - started
 
-    def timed_reload_from_memory(self) -> float:
-        started = time.perf_counter()
-        self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(self.state_dict.items())})
-        self.engine.llm.reset_prefix_cache()
-        return time.perf_counter() - started
-
-    def drop_state_dict(self) -> None:
-        self.state_dict = None
+        return self.events.run(reload())
 
     def begin_weight_update(self) -> None:
-        self.engine.begin_weight_update()
+        self.events.run(self.engine.begin_weight_update())
 
     def load_weight_bucket(self, bucket) -> tuple[int, int]:
-        return self.engine.load_weight_bucket(bucket)
+        return self.events.run(self.engine.load_weight_bucket(bucket))
 
     def finish_weight_update(self) -> None:
-        self.engine.finish_weight_update()
+        self.events.run(self.engine.finish_weight_update())
 
     def score(self, token_ids: list[int]) -> list[float]:
-        return self.engine.score(token_ids)
+        return self.events.run(self.engine.score(token_ids))
+
+    def shutdown(self) -> None:
+        self.events.run(self.engine.shutdown())
 
 
 class PeakRss:
@@ -114,16 +121,6 @@ class PeakRss:
         return self.peak[1] - self.start[1]
 
 
-def build_model(shape: str, out_root: Path) -> Path:
-    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
-
-    path = out_root / f"qwen2-{shape}-random"
-    if not (path / "config.json").is_file():
-        print(f"building a random {shape}-shaped Qwen2 in {path} ...", flush=True)
-        make_tiny_model(path, TinyModelSpec(**SHAPES[shape]))
-    return path
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
@@ -145,11 +142,10 @@ def main() -> None:
     model_path = build_model(args.shape, Path(args.out))
     init_ray(num_cpus=8)
     engine = ray.remote(EngineHost).options(num_cpus=0).remote(str(model_path), args.dtype)
-    model_bytes = ray.get(engine.load_state_dict_into_memory.remote())
-    baseline = min(ray.get(engine.timed_reload_from_memory.remote()) for _ in range(args.repeats))
-    ray.get(engine.drop_state_dict.remote())
+    model_bytes = ray.get(engine.model_bytes.remote())
+    baseline = min(ray.get(engine.timed_reload_from_files.remote()) for _ in range(args.repeats))
     print(f"model: {args.shape} shape, {model_bytes / 2**20:.0f} MiB in {args.dtype}")
-    print(f"baseline  vLLM reload_weights from an in-memory state dict: {baseline:.2f} s")
+    print(f"baseline  vLLM reload_weights from the safetensors files (page cache): {baseline:.2f} s")
 
     probe = list(range(1000, 1064))
     ratios = {}
@@ -178,8 +174,9 @@ def main() -> None:
             f"+ {peak_shared / 2**20:.0f} MiB object store; "
             f"engine vs actor max |dlogprob| {mismatch:.1e})"
         )
+    ray.get(engine.shutdown.remote())
     summary = ", ".join(f"{layout.upper()} {ratio:.2f}x" for layout, ratio in ratios.items())
-    print(f"weight sync / vLLM in-memory reload_weights (goal <= 2.0): {summary}")
+    print(f"weight sync / vLLM reload_weights from the page cache (goal <= 2.0): {summary}")
 
 
 if __name__ == "__main__":

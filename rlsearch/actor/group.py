@@ -70,8 +70,10 @@ class ActorGroup:
             for worker, info in zip(self.workers, self.infos)
         ])
         per_dp = self._output_by_dp_rank(results)
-        summed = {key: sum(r[key] for r in per_dp) for key in ("policy_loss", "kl_loss", "clip_tokens",
-                                                              "approx_kl_sum", "rollout_drift_sum", "tokens")}
+        summed = {key: sum(r[key] for r in per_dp) for key in (
+            "policy_loss", "kl_loss", "clip_tokens", "approx_kl_sum", "rollout_drift_sum", "tis_weight_sum",
+            "tis_capped_tokens", "tokens",
+        )}
         tokens = max(summed["tokens"], 1.0)
         return {
             "actor/policy_loss": summed["policy_loss"],
@@ -79,6 +81,8 @@ class ActorGroup:
             "actor/clip_fraction": summed["clip_tokens"] / tokens,
             "actor/approx_kl": summed["approx_kl_sum"] / tokens,
             "rollout/actor_logprob_diff_mean": summed["rollout_drift_sum"] / tokens,
+            "actor/tis_weight_mean": summed["tis_weight_sum"] / tokens,
+            "actor/tis_capped_fraction": summed["tis_capped_tokens"] / tokens,
             "actor/grad_norm": per_dp[0]["grad_norm"],
             "actor/lr": per_dp[0]["lr"],
             "actor/update_ok": per_dp[0]["update_ok"],

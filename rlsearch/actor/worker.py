@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..algo import kl_estimate, ppo_clip_terms
+from ..algo import kl_estimate, ppo_clip_terms, truncated_importance_weights
 from ..bridge.bucket import WeightBucket, iter_buckets
 from ..config import ActorConfig, AlgoConfig
 from .batch import MicroBatch, TrainSample, pack_micro_batches
@@ -257,22 +257,26 @@ class MegatronActorWorker:
             logprobs = self._token_logprobs(logits, mb.labels)
             old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
             terms = ppo_clip_terms(logprobs, old_logprobs, mb.advantages, algo.clip_ratio_low, algo.clip_ratio_high)
-            per_token = terms.per_token_loss
-            kl = torch.zeros_like(per_token)
+            tis = torch.ones_like(logprobs)
+            if algo.tis_cap > 0 and mb.rollout_logprobs is not None:
+                tis = truncated_importance_weights(logprobs, mb.rollout_logprobs, algo.tis_cap)
+            policy_per_token = terms.per_token_loss * tis
+            kl = torch.zeros_like(logprobs)
             if algo.kl_coef > 0:
                 kl = kl_estimate(logprobs, mb.ref_logprobs, algo.kl_estimator)
-                per_token = per_token + algo.kl_coef * kl
             mask = mb.loss_mask
-            loss = (per_token * mb.token_weights).sum()
+            loss = ((policy_per_token + algo.kl_coef * kl) * mb.token_weights).sum()
             drift = torch.zeros_like(kl)
             if mb.rollout_logprobs is not None:
                 drift = (logprobs.detach() - mb.rollout_logprobs).abs()
             stats = {
-                "policy_loss": (terms.per_token_loss * mb.token_weights).sum().detach(),
+                "policy_loss": (policy_per_token * mb.token_weights).sum().detach(),
                 "kl_loss": (kl * mb.token_weights).sum().detach(),
                 "clip_tokens": (terms.clipped * mask).sum(),
                 "approx_kl_sum": (terms.approx_kl * mask).sum(),
                 "rollout_drift_sum": (drift.detach() * mask).sum(),
+                "tis_weight_sum": (tis * mask).sum(),
+                "tis_capped_tokens": ((tis >= algo.tis_cap) * mask).sum() if algo.tis_cap > 0 else mask.new_zeros(()),
                 "tokens": mask.sum(),
             }
             # the schedule divides by the number of micro-batches and DDP averages over DP ranks; the token

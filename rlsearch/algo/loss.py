@@ -52,6 +52,15 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     raise ValueError(f"unknown KL estimator '{estimator}' (expected k1, k2 or k3)")
 
 
+def truncated_importance_weights(
+    logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Per-token min(pi_actor / pi_rollout, cap), detached: corrects the policy gradient for tokens sampled by the
+    rollout engine under other weights (async_steps > 0) or other numerics (bf16 kernels), without letting one
+    token's weight explode (truncated importance sampling)."""
+    return torch.exp(torch.clamp(logprobs.detach() - rollout_logprobs, max=20.0)).clamp(max=cap)
+
+
 def loss_token_weights(loss_masks: Sequence[Sequence[int]], mode: str) -> list[list[float]]:
     """Per-token weights such that sum(weight * per_token_loss) over the whole batch is the aggregated loss.
 

@@ -50,6 +50,10 @@ class AlgoConfig:
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean
     norm_adv_by_std: bool = True  # GRPO: (r - mean) / (std + eps); false gives Dr. GRPO's r - mean
     adv_eps: float = 1e-6
+    # truncated importance sampling: the policy-gradient term of each token is weighted by
+    # min(pi_actor / pi_rollout, tis_cap), correcting for rollouts sampled with older weights (rollout.async_steps)
+    # or other numerics (bf16 engine kernels); about 1 on-policy in fp32. 0 disables it.
+    tis_cap: float = 2.0
 
 
 @dataclass
@@ -75,6 +79,12 @@ class RolloutConfig:
     kv_cache_gib: float = 1.0  # vLLM KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.5  # vLLM KV cache share of GPU memory (GPU only)
     enforce_eager: bool = True
+    # per_sample: every trajectory runs its own turn loop on vLLM's AsyncLLM, so a sample waiting on a tool never
+    # holds the others; turn_barrier: all samples generate a turn together, then all tools run (Search-R1's loop)
+    agent_loop: str = "per_sample"
+    # 0: on-policy (rollout, then train, then sync). k >= 1: the rollout of the next batch overlaps training, with
+    # weights at most k updates old; the loss corrects for it with truncated importance weights (algo.tis_cap)
+    async_steps: int = 0
 
 
 @dataclass

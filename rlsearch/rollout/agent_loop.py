@@ -3,12 +3,20 @@
 Token ids are the source of truth: the engine's sampled ids are appended as they are (loss mask 1), an
 observation is the tokenisation of the observation text alone (loss mask 0), and the next turn continues
 from the concatenated ids. Model output is never decoded and re-encoded.
+
+Two schedules share every per-turn step (sampling parameters, recording, limits, tool dispatch, observations):
+``per_sample`` runs each trajectory's turn loop as its own asyncio task, ``turn_barrier`` runs all active
+trajectories' turns together and then all of their tool calls. Per-request seeds make both give the same
+trajectories.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import time
 from collections.abc import Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..config import RolloutConfig
@@ -55,45 +63,88 @@ class AgentLoop:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text + self.config.assistant_prefix, add_special_tokens=False)
 
-    def run(self, items: Sequence[PromptItem], step: int) -> list[Trajectory]:
-        trajectories = []
-        for item in items:
-            prompt = self.prompt_ids(item.question)
-            if len(prompt) > self.config.max_prompt_tokens:
-                raise ValueError(
-                    f"prompt of example '{item.example_id}' has {len(prompt)} tokens, more than "
-                    f"rollout.max_prompt_tokens={self.config.max_prompt_tokens}; raise it or shorten the question"
-                )
-            trajectories.append(
-                Trajectory(item.example_id, item.group_id, item.sample_index, prompt,
-                           assistant_prefix=self.config.assistant_prefix)
-            )
+    async def run(self, items: Sequence[PromptItem], step: int) -> list[Trajectory]:
+        """Finished trajectories, in item order; scheduled by ``rollout.agent_loop``. Runs on the engine's loop."""
+        trajectories = [self._new_trajectory(item) for item in items]
+        schedule = self._run_per_sample if self.config.agent_loop == "per_sample" else self._run_turn_barrier
+        # the tool clients block: their calls run in threads, at most one per trajectory at a time
+        with ThreadPoolExecutor(max_workers=max(1, len(trajectories)), thread_name_prefix="agent-tools") as pool:
+            await schedule(trajectories, step, pool)
+        return trajectories
+
+    async def _run_per_sample(self, trajectories: list[Trajectory], step: int, pool: Executor) -> None:
+        """Every trajectory runs its own turn loop: one waiting on a tool never holds the others."""
+
+        async def run_one(trajectory: Trajectory) -> None:
+            for turn_index in range(self.config.max_turns):
+                (completion,) = await self._generate([trajectory], step, turn_index)
+                call = self._after_turn(trajectory, completion, turn_index)
+                if trajectory.finish_reason:
+                    return
+                await self._run_tool_calls(pool, [(trajectory, call)] if call else [])
+                if not self._append_observation(trajectory):
+                    return
+
+        tasks = [asyncio.ensure_future(run_one(trajectory)) for trajectory in trajectories]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # one failure ends the rollout: no orphaned tasks keep generating
+                task.cancel()
+            raise
+
+    async def _run_turn_barrier(self, trajectories: list[Trajectory], step: int, pool: Executor) -> None:
+        """All active trajectories generate a turn together, then all of the turn's tool calls run (one batch)."""
         active = list(trajectories)
         for turn_index in range(self.config.max_turns):
             if not active:
                 break
-            outputs = self.engine.generate(
-                [t.token_ids for t in active], [self._sampling_params(t, step, turn_index) for t in active]
+            completions = await self._generate(active, step, turn_index)
+            calls = []
+            for trajectory, completion in zip(active, completions):
+                if call := self._after_turn(trajectory, completion, turn_index):
+                    calls.append((trajectory, call))
+            active = [t for t in active if not t.finish_reason]
+            await self._run_tool_calls(pool, calls)
+            active = [t for t in active if self._append_observation(t)]
+
+    def _new_trajectory(self, item: PromptItem) -> Trajectory:
+        prompt = self.prompt_ids(item.question)
+        if len(prompt) > self.config.max_prompt_tokens:
+            raise ValueError(
+                f"prompt of example '{item.example_id}' has {len(prompt)} tokens, more than "
+                f"rollout.max_prompt_tokens={self.config.max_prompt_tokens}; raise it or shorten the question"
             )
-            calls: list[Turn] = []
-            still_active = []
-            for trajectory, output in zip(active, outputs):
-                turn = self._record_turn(trajectory, output.outputs[0], turn_index)
-                if trajectory.finish_reason:
-                    continue
-                if turn_index == self.config.max_turns - 1:
-                    trajectory.finish_reason = "max_turns"
-                    continue
-                if turn.kind != TurnKind.TOOL_CALL.value:
-                    turn.observation = self.protocol.error_observation(turn.error or "invalid tool call")
-                elif refusal := self._over_limit(trajectory, turn.tool_call.name):
-                    self._refuse(turn, refusal)
-                else:
-                    calls.append(turn)
-                still_active.append(trajectory)
-            self._run_tool_calls(calls)
-            active = [t for t in still_active if self._append_observation(t)]
-        return trajectories
+        return Trajectory(item.example_id, item.group_id, item.sample_index, prompt,
+                          assistant_prefix=self.config.assistant_prefix)
+
+    async def _generate(self, trajectories: list[Trajectory], step: int, turn_index: int) -> list:
+        """The next turn of each trajectory (one engine call); the wait counts into each one's ``generate_s``."""
+        started = time.perf_counter()
+        outputs = await self.engine.generate(
+            [t.token_ids for t in trajectories], [self._sampling_params(t, step, turn_index) for t in trajectories]
+        )
+        waited = time.perf_counter() - started
+        for trajectory in trajectories:
+            trajectory.generate_s += waited
+        return [output.outputs[0] for output in outputs]
+
+    def _after_turn(self, trajectory: Trajectory, completion, turn_index: int) -> Turn | None:
+        """Record a generated turn and decide what follows: returns the turn if its tool call is to run; otherwise
+        the trajectory is finished or the turn already holds its (error) observation."""
+        turn = self._record_turn(trajectory, completion, turn_index)
+        if trajectory.finish_reason:
+            return None
+        if turn_index == self.config.max_turns - 1:
+            trajectory.finish_reason = "max_turns"
+            return None
+        if turn.kind != TurnKind.TOOL_CALL.value:
+            turn.observation = self.protocol.error_observation(turn.error or "invalid tool call")
+        elif refusal := self._over_limit(trajectory, turn.tool_call.name):
+            self._refuse(turn, refusal)
+        else:
+            return turn
+        return None
 
     def _sampling_params(self, trajectory: Trajectory, step: int, turn_index: int):
         from vllm import SamplingParams
@@ -154,13 +205,19 @@ class AgentLoop:
         turn.error_kind = ErrorKind.OVER_LIMIT.value
         turn.observation = self.protocol.error_observation(message)
 
-    def _run_tool_calls(self, turns: list[Turn]) -> None:
-        """All of a turn's calls go to the registry together: each tool gets its calls as one batch."""
-        if not turns:
+    async def _run_tool_calls(self, pool: Executor, calls: list[tuple[Trajectory, Turn]]) -> None:
+        """The calls go to the registry together (each tool gets its calls as one batch) on a thread of ``pool``;
+        the wait counts into each caller's ``tool_s``."""
+        if not calls:
             return
-        records = [turn.tool_call for turn in turns]
-        results = self.tools.run([ToolCall(record.name, record.query, record.attrs) for record in records])
-        for turn, result in zip(turns, results):
+        records = [turn.tool_call for _, turn in calls]
+        started = time.perf_counter()
+        results = await asyncio.get_running_loop().run_in_executor(
+            pool, self.tools.run, [ToolCall(record.name, record.query, record.attrs) for record in records]
+        )
+        waited = time.perf_counter() - started
+        for (trajectory, turn), result in zip(calls, results):
+            trajectory.tool_s += waited
             self._record_result(turn, result)
 
     def _record_result(self, turn: Turn, result: ToolResult) -> None:

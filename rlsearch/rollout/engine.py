@@ -1,7 +1,15 @@
-"""A vLLM engine for rollouts: token-in/token-out generation, prompt scoring and in-place weight updates."""
+"""A vLLM engine for rollouts: token-in/token-out generation, prompt scoring and in-place weight updates.
+
+The engine is vLLM's AsyncLLM (the EngineCore runs in a subprocess): every method is a coroutine and must run on
+the event loop the engine was created on (`RolloutWorker` owns that loop). Requests submitted together are
+batched by vLLM's scheduler, and a request submitted while others run joins the running batch.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -9,6 +17,7 @@ import torch
 
 from ..bridge.bucket import WeightBucket
 from ..config import ModelConfig, RolloutConfig
+from .weight_loader import stage_bucket
 
 
 @dataclass
@@ -31,8 +40,8 @@ class EngineSpec:
 
 
 def configure_vllm_environment(kv_cache_gib: float) -> None:
-    """In-process engine (no EngineCore subprocess): starts in ~3 s instead of ~15 s and lets weights be
-    handed over as tensors. Must run before vllm is imported."""
+    """Settings vLLM reads at import. With V1 multiprocessing off, vLLM on CPU keeps the uni executor: the model
+    runs inside the EngineCore process (which AsyncLLM always starts) instead of one more worker process."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
@@ -40,12 +49,20 @@ def configure_vllm_environment(kv_cache_gib: float) -> None:
 
 
 class VLLMEngine:
+    """Owns one AsyncLLM; create it on the event loop that will call it."""
+
     def __init__(self, spec: EngineSpec) -> None:
         configure_vllm_environment(spec.kv_cache_gib)
-        from vllm import LLM
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
-        extra = {} if not torch.cuda.is_available() else {"gpu_memory_utilization": spec.gpu_memory_utilization}
-        self.llm = LLM(
+        if torch.cuda.is_available():
+            extra = {"gpu_memory_utilization": spec.gpu_memory_utilization}
+        else:
+            # after a partial (chunked) prefill vLLM rewinds the request's seeded generator, which a CPU generator
+            # cannot do (the EngineCore dies): prefills are scheduled whole instead
+            extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(2048, spec.max_model_len)}
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=spec.model_path,
             dtype=spec.dtype,
             seed=spec.seed,
@@ -54,34 +71,63 @@ class VLLMEngine:
             enable_prefix_caching=True,
             distributed_executor_backend="uni",
             worker_extension_cls="rlsearch.rollout.weight_loader.WeightLoaderExtension",
+            disable_log_stats=True,
             **extra,
-        )
+        ))
         self.tokenizer = self.llm.get_tokenizer()
+        self._request_ids = itertools.count()
 
-    def generate(self, prompts: list[list[int]], sampling_params: list) -> list:
+    async def generate(self, prompts: list[list[int]], sampling_params: list) -> list:
+        """One finished `RequestOutput` per prompt (in order); the requests run concurrently."""
+        return list(await asyncio.gather(*(self._generate_one(ids, p) for ids, p in zip(prompts, sampling_params))))
+
+    async def _generate_one(self, prompt_ids: list[int], sampling_params):
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        # vLLM keeps a reference to the id list it is given: hand it copies
-        requests = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts]
-        return self.llm.generate(requests, sampling_params, use_tqdm=False)
+        if sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
+            sampling_params = sampling_params.clone()
+            sampling_params.output_kind = RequestOutputKind.FINAL_ONLY
+        final = None
+        # vLLM keeps a reference to the id list it is given: hand it a copy
+        request = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        async for output in self.llm.generate(request, sampling_params, request_id=f"r{next(self._request_ids)}"):
+            final = output
+        return final
 
-    def score(self, token_ids: list[int]) -> list[float]:
+    async def score(self, token_ids: list[int]) -> list[float]:
         """Teacher-forced logprob of every token after the first (the engine's own forward pass)."""
         from vllm import SamplingParams
 
-        output = self.generate([token_ids], [SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)])[0]
+        output = await self._generate_one(token_ids, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))
         return [entry[token].logprob for token, entry in zip(token_ids[1:], output.prompt_logprobs[1:])]
 
-    def begin_weight_update(self) -> None:
-        self.llm.collective_rpc("rlsearch_begin_weight_update")
+    async def begin_weight_update(self) -> None:
+        await self.llm.collective_rpc("rlsearch_begin_weight_update")
 
-    def load_weight_bucket(self, bucket: WeightBucket) -> tuple[int, int]:
+    async def load_weight_bucket(self, bucket: WeightBucket) -> tuple[int, int]:
         """Load one bucket (its checksum is verified inside the engine worker); returns (tensors, bytes)."""
-        return self.llm.collective_rpc("rlsearch_load_weight_bucket", args=(bucket,))[0]
+        staged = stage_bucket(bucket)
+        try:
+            (loaded,) = await self.llm.collective_rpc("rlsearch_load_weight_bucket", args=(staged,))
+        finally:
+            os.unlink(staged["path"])
+        return tuple(loaded)
 
-    def finish_weight_update(self) -> None:
-        missing = self.llm.collective_rpc("rlsearch_finish_weight_update")[0]
+    async def finish_weight_update(self) -> None:
+        (missing,) = await self.llm.collective_rpc("rlsearch_finish_weight_update")
         # stale KV blocks computed with the old weights would silently mix old and new weights
-        self.llm.reset_prefix_cache()
+        await self.reset_prefix_cache()
         if missing:
             raise RuntimeError(f"weight update left {len(missing)} engine parameters unset, e.g. {missing[:3]}")
+
+    async def reset_prefix_cache(self) -> None:
+        await self.llm.reset_prefix_cache()
+
+    async def shutdown(self) -> None:
+        """Stop the EngineCore process. The engine is unusable afterwards."""
+        llm, self.llm = self.llm, None
+        llm.shutdown()
+        # dropped now, not at interpreter exit, where AsyncLLM.__del__ fails on torn-down module globals
+        del llm
+        gc.collect()

@@ -43,6 +43,8 @@ class Trajectory:
     finish_reason: str = ""  # answer | eos | length | max_turns
     reward: float = 0.0
     scores: dict[str, float] = field(default_factory=dict)
+    generate_s: float = 0.0  # seconds this trajectory waited on the engine, summed over its turns
+    tool_s: float = 0.0  # seconds it waited on its tool calls
 
     def append_model_tokens(self, token_ids: list[int], logprobs: list[float]) -> None:
         self.response_ids.extend(token_ids)

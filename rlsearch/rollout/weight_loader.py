@@ -3,12 +3,46 @@
 A vLLM layer is (re)processed once all of its elements have arrived (CPU repacks GEMM weights after load).
 Each call of vLLM's own `reload_weights` is a complete session, so a layer split across two calls would be
 processed with missing elements. Here one session spans all buckets: begin, load each bucket, finish.
-Methods are called with `LLM.collective_rpc`, so the same code serves in-process and multi-process engines.
+Methods are called with `collective_rpc`, which for the AsyncLLM engine crosses into the EngineCore process as
+msgpack: a bucket travels as a shared-memory file (`stage_bucket`, one copy) and is mapped there zero-copy; its
+checksum is verified in the engine worker, on the bytes the engine loads.
 """
 
 from __future__ import annotations
 
-from ..bridge.bucket import WeightBucket, unpack_bucket
+import os
+import tempfile
+
+import numpy as np
+
+from ..bridge.bucket import TensorEntry, WeightBucket, unpack_bucket
+
+_SHM_DIR = "/dev/shm"
+
+
+def stage_bucket(bucket: WeightBucket) -> dict:
+    """Write the bucket's bytes to a file in shared memory; returns its msgpack-able description (the caller
+    deletes ``path`` once the engine has loaded it)."""
+    descriptor, path = tempfile.mkstemp(prefix="rlsearch-bucket-", dir=_SHM_DIR if os.path.isdir(_SHM_DIR) else None)
+    with os.fdopen(descriptor, "wb") as staging:
+        for array in bucket.arrays:
+            staging.write(array.data)
+    return {
+        "path": path,
+        "entries": [[entry.name, entry.dtype, list(entry.shape)] for entry in bucket.entries],
+        "sizes": [int(array.nbytes) for array in bucket.arrays],
+        "checksum": list(bucket.checksum),
+    }
+
+
+def read_staged_bucket(staged: dict) -> WeightBucket:
+    """The bucket `stage_bucket` wrote, as read-only views of the mapped file."""
+    total = sum(staged["sizes"])
+    data = np.memmap(staged["path"], dtype=np.uint8, mode="r") if total else np.empty(0, dtype=np.uint8)
+    offsets = np.cumsum([0, *staged["sizes"]])
+    arrays = [data[start:end] for start, end in zip(offsets[:-1], offsets[1:])]
+    entries = [TensorEntry(name, dtype, tuple(shape)) for name, dtype, shape in staged["entries"]]
+    return WeightBucket(entries, arrays, tuple(staged["checksum"]))
 
 
 class WeightLoaderExtension:
@@ -20,8 +54,9 @@ class WeightLoaderExtension:
         initialize_layerwise_reload(self.model_runner.get_model())
         self._rlsearch_loaded: set[str] = set()
 
-    def rlsearch_load_weight_bucket(self, bucket: WeightBucket) -> tuple[int, int]:
-        """Load one bucket; returns (tensors, bytes) received."""
+    def rlsearch_load_weight_bucket(self, staged: dict) -> tuple[int, int]:
+        """Load one staged bucket (see `stage_bucket`); returns (tensors, bytes) received."""
+        bucket = read_staged_bucket(staged)
         named_tensors = unpack_bucket(bucket)
         loaded = self.model_runner.get_model().load_weights(iter(named_tensors))
         self._rlsearch_loaded.update(loaded or ())

@@ -1,20 +1,31 @@
-"""A rollout worker: one vLLM engine, the agent loop and the tool clients. Runs as a Ray actor."""
+"""A rollout worker: one vLLM engine, the agent loop and the tool clients. Runs as a Ray actor or in-process."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 from ..bridge.bucket import WeightBucket
 from ..config import RetrieverConfig, RolloutConfig, ToolsConfig
 from ..tools import build_registry, make_protocol
+from ..tools.loop_thread import LoopThread
 from .agent_loop import AgentLoop, PromptItem
 from .engine import EngineSpec, VLLMEngine
 from .trajectory import Trajectory
 
+T = TypeVar("T")
+
 
 class RolloutWorker:
     """``retriever`` and ``retriever_url`` set up the ``search`` tool's client; ``tools`` says which tools the
-    agent gets (built-in names, MCP servers with their URLs, web tools, the result cache); None: search only."""
+    agent gets (built-in names, MCP servers with their URLs, web tools, the result cache); None: search only.
+
+    The engine and the agent loop live on an event loop thread owned by the worker. Every public method is
+    synchronous and engine work never overlaps: a call runs to completion before it returns, so a weight sync
+    submitted after a ``generate`` (Ray runs an actor's calls in submission order) never changes weights under
+    requests in flight.
+    """
 
     def __init__(
         self, engine_spec: EngineSpec, rollout: RolloutConfig, retriever: RetrieverConfig, retriever_url: str,
@@ -22,16 +33,27 @@ class RolloutWorker:
     ) -> None:
         # tools first: a bad tool set-up fails in a second, before the engine spends its start-up time
         self.tools = build_registry(tools or ToolsConfig(), retriever, retriever_url)
+        self._events = LoopThread("rollout-engine")
+        self._engine_lock = threading.Lock()
         try:
             protocol = make_protocol(rollout.protocol, self.tools.specs, rollout.prompt_file)
-            self.engine = VLLMEngine(engine_spec)
+
+            async def start_engine():  # on the loop: AsyncLLM binds to the loop it is first used on
+                return VLLMEngine(engine_spec)
+
+            self.engine = self._events.run(start_engine())
         except BaseException:
             self.tools.close()
+            self._events.stop()
             raise
         self.loop = AgentLoop(self.engine, protocol, self.tools, rollout, seed)
 
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        with self._engine_lock:
+            return self._events.run(coroutine)
+
     def generate(self, items: Sequence[PromptItem], step: int) -> list[Trajectory]:
-        return self.loop.run(items, step)
+        return self._run(self.loop.run(items, step))
 
     def tool_stats(self) -> dict[str, int]:
         """Requests, retries and failures summed over the tools that count them."""
@@ -42,16 +64,21 @@ class RolloutWorker:
         return self.loop.prompt_ids(question) + self.engine.tokenizer.encode(continuation, add_special_tokens=False)
 
     def score(self, token_ids: list[int]) -> list[float]:
-        return self.engine.score(token_ids)
+        return self._run(self.engine.score(token_ids))
 
     def begin_weight_update(self) -> None:
-        self.engine.begin_weight_update()
+        self._run(self.engine.begin_weight_update())
 
     def load_weight_bucket(self, bucket: WeightBucket) -> tuple[int, int]:
-        return self.engine.load_weight_bucket(bucket)
+        return self._run(self.engine.load_weight_bucket(bucket))
 
     def finish_weight_update(self) -> None:
-        self.engine.finish_weight_update()
+        self._run(self.engine.finish_weight_update())
+
+    def reset_prefix_cache(self) -> None:
+        self._run(self.engine.reset_prefix_cache())
 
     def shutdown(self) -> None:
         self.tools.close()
+        self._run(self.engine.shutdown())
+        self._events.stop()

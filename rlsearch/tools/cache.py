@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 
 from .base import Document, ToolCall
@@ -39,7 +40,7 @@ class ToolCache:
         path = self._path(call)
         path.parent.mkdir(parents=True, exist_ok=True)
         record = {"call": _key_fields(call), "documents": [dataclasses.asdict(d) for d in documents]}
-        staging = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        staging = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")  # writers may race
         staging.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8")
         os.replace(staging, path)
 

@@ -12,14 +12,13 @@ rollout, and a restarted server is used again by later calls.
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from .base import Document, ErrorKind, Tool, ToolCall, ToolError, ToolResult, ToolSetupError, ToolSpec
+from .loop_thread import LoopThread
 
-T = TypeVar("T")
 _SCHEMA_TYPES = {"integer": int, "number": float, "string": str}
 
 
@@ -27,22 +26,6 @@ _SCHEMA_TYPES = {"integer": int, "number": float, "string": str}
 class MCPServerSpec:
     url: str  # streamable HTTP endpoint, e.g. http://127.0.0.1:8001/mcp
     allow: tuple[str, ...] = ()  # tool names to expose; empty: every tool the server lists
-
-
-class _LoopThread:
-    """An asyncio event loop on a daemon thread, so the synchronous agent loop can run coroutines on it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="mcp-client", daemon=True)
-        self._thread.start()
-
-    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
 
 
 class _Connection:
@@ -113,7 +96,7 @@ class MCPToolset:
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
-        self._runner = _LoopThread()
+        self._runner = LoopThread("mcp-client")
         self._semaphore = asyncio.Semaphore(max_concurrency)  # binds to the runner's loop on first use
         self._connections = [_Connection(server.url, timeout_s) for server in servers]
         self.tools: list[MCPTool] = []

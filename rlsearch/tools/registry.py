@@ -15,7 +15,7 @@ class ToolRegistry:
 
     ``run`` takes every call of one agent turn: each tool gets its calls as one batch (different tools run at the
     same time), unknown names get an ``unknown_tool`` result, and a tool that raises gives every call of its batch
-    an error result.
+    an error result. ``run`` may be called from several threads at once (the tools' clients are thread-safe).
     """
 
     def __init__(self, tools: Sequence[Tool], cache: ToolCache | None = None) -> None:
@@ -53,12 +53,16 @@ class ToolRegistry:
                 results[index] = ToolResult(documents=cached, cached=True)
             else:
                 pending.setdefault(call.name, []).append(index)
-        batches = {
-            name: self._pool.submit(self._run_tool, self._tools[name], [calls[i] for i in indices])
-            for name, indices in pending.items()
-        }
+        batches = {name: [calls[i] for i in indices] for name, indices in pending.items()}
+        if len(batches) == 1:
+            # one tool: run it in the caller's thread, so that concurrent callers (per-sample rollouts, each with its
+            # own call) do not queue behind each other on the pool
+            outputs = {name: self._run_tool(self._tools[name], batch) for name, batch in batches.items()}
+        else:
+            futures = {name: self._pool.submit(self._run_tool, self._tools[name], b) for name, b in batches.items()}
+            outputs = {name: future.result() for name, future in futures.items()}
         for name, indices in pending.items():
-            for index, result in zip(indices, batches[name].result()):
+            for index, result in zip(indices, outputs[name]):
                 results[index] = result
                 if self.cache and result.ok:
                     self.cache.put(calls[index], result.documents)

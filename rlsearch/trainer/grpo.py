@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..actor import ActorGroup, ActorWorkerSpec, TrainSample
 from ..algo import grpo_advantages, loss_token_weights
@@ -63,6 +65,15 @@ class ResumePoint:
     sampler: SamplerState
 
 
+@dataclass
+class PendingRollout:
+    step: int  # the step that trains on it
+    examples: list[QAExample]
+    trajectories: Any  # ray.ObjectRef of list[Trajectory]
+    weight_version: int  # updates the engine's weights had seen when it was submitted
+    sampler: SamplerState  # the data position after its batch: what a checkpoint after its step records
+
+
 class GRPOTrainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
@@ -71,6 +82,10 @@ class GRPOTrainer:
         self.sampler = EpochSampler(self.examples, seed=config.trainer.seed, shuffle=config.data.shuffle)
         self.step = 0
         self.resumed_step = 0
+        self.weight_version = 0  # optimizer updates synced into the engine (this process's)
+        self.rollouts: deque[PendingRollout] = deque()
+        self.next_rollout_step = 1
+        self.trained_sampler_state = SamplerState()
         self.tool_servers = None
         self.rollout = None
         self.actor = None
@@ -155,7 +170,9 @@ class GRPOTrainer:
         same_layout = point.layout == self._layout()
         self.actor.load_checkpoint(str(point.path / MODEL_DIR), restore_rng=same_layout)
         self.step = self.resumed_step = point.step
+        self.next_rollout_step = point.step + 1
         self.sampler.restore(point.sampler)
+        self.trained_sampler_state = point.sampler
         sync = sync_weights(self.actor, self.engines, self.config.bridge.bucket_mb)
         saved = point.layout
         layouts = "" if same_layout else (
@@ -198,7 +215,8 @@ class GRPOTrainer:
                       "or set trainer.resume=none to start over", flush=True)
             while self.step < self.config.trainer.total_steps:
                 self.step += 1
-                metrics = self.train_step()
+                self._launch_rollouts()
+                metrics = self.train_step(self.rollouts.popleft())
                 print(format_step_line(self.step, self.config.trainer.total_steps, metrics), flush=True)
                 interval = self.config.trainer.save_interval
                 if self.step == self.config.trainer.total_steps or (interval and self.step % interval == 0):
@@ -215,25 +233,45 @@ class GRPOTrainer:
         finally:
             self.close()
 
-    def train_step(self) -> dict[str, float]:
+    def _launch_rollouts(self) -> None:
+        """Submit the rollouts of every step up to `rollout.async_steps` ahead of the current one. The rollout
+        worker runs calls in submission order, so a rollout submitted before a weight sync samples with the weights
+        before it: at most `async_steps` updates old when it is trained on."""
+        config = self.config
+        last = min(self.step + config.rollout.async_steps, config.trainer.total_steps)
+        while self.next_rollout_step <= last:
+            examples = self.sampler.next_batch(config.data.batch_size)
+            items = [
+                PromptItem(example.id, example.question, group_id=index, sample_index=sample)
+                for index, example in enumerate(examples)
+                for sample in range(config.rollout.group_size)
+            ]
+            self.rollouts.append(PendingRollout(
+                step=self.next_rollout_step, examples=examples,
+                trajectories=self.rollout.generate.remote(items, self.next_rollout_step),
+                weight_version=self.weight_version,
+                sampler=SamplerState(self.sampler.state.epoch, self.sampler.state.position),
+            ))
+            self.next_rollout_step += 1
+
+    def train_step(self, rollout: PendingRollout) -> dict[str, float]:
         import ray
 
         config = self.config
         step_started = time.perf_counter()
-        examples = self.sampler.next_batch(config.data.batch_size)
-        items = [
-            PromptItem(example.id, example.question, group_id=index, sample_index=sample)
-            for index, example in enumerate(examples)
-            for sample in range(config.rollout.group_size)
-        ]
         timer = time.perf_counter()
-        trajectories: list[Trajectory] = ray.get(self.rollout.generate.remote(items, self.step))
-        rollout_s = time.perf_counter() - timer
+        trajectories: list[Trajectory] = ray.get(rollout.trajectories)
+        rollout_wait_s = time.perf_counter() - timer
+        self.trained_sampler_state = rollout.sampler
+        staleness = self.weight_version - rollout.weight_version
 
-        self._score(trajectories, examples)
+        timer = time.perf_counter()
+        self._score(trajectories, rollout.examples)
         samples = self._train_samples(trajectories)
-        # one on-policy update per step: the old policy is the current one, so its logprobs come from the
-        # training forward pass itself (ratio 1) instead of a separate pass
+        reward_s = time.perf_counter() - timer
+        # one update per step: the old policy is the current one, so its logprobs come from the training forward
+        # pass itself (ratio 1) instead of a separate pass; rollouts sampled with older weights are corrected by
+        # truncated importance weights against their rollout logprobs (algo.tis_cap)
         timer = time.perf_counter()
         if config.algo.kl_coef > 0:
             for sample, logprobs in zip(samples, self.actor.compute_logprobs(samples, reference=True)):
@@ -243,13 +281,22 @@ class GRPOTrainer:
         train_metrics = self.actor.train_step(samples)
         train_s = time.perf_counter() - timer
 
+        # rollouts already submitted sample with the weights they were submitted under; the engine loads the new
+        # ones after them
+        timer = time.perf_counter()
+        if self.rollouts:
+            ray.wait([pending.trajectories for pending in self.rollouts], num_returns=len(self.rollouts))
+        rollout_wait_s += time.perf_counter() - timer
         sync = sync_weights(self.actor, self.engines, config.bridge.bucket_mb)
+        self.weight_version += 1
         metrics = {
             **trajectory_metrics(trajectories),
             **train_metrics,
             **self.check_parity(),
             "rollout/tool_failures_total": float(ray.get(self.rollout.tool_stats.remote())["failures"]),
-            "time/rollout_s": rollout_s,
+            "rollout/staleness": float(staleness),
+            "time/rollout_s": rollout_wait_s,
+            "time/reward_s": reward_s,
             "time/ref_logprob_s": ref_logprob_s,
             "time/train_s": train_s,
             "time/sync_s": sync.seconds,
@@ -258,7 +305,7 @@ class GRPOTrainer:
             "time/step_s": time.perf_counter() - step_started,
         }
         self.logger.log_metrics(self.step, metrics)
-        self.logger.log_trajectories(self.step, [self._trajectory_record(t, examples) for t in trajectories])
+        self.logger.log_trajectories(self.step, [self._trajectory_record(t, rollout.examples) for t in trajectories])
         return metrics
 
     def evaluate_policy(self) -> dict[str, float]:
@@ -326,7 +373,9 @@ class GRPOTrainer:
     def save_checkpoint(self) -> Path:
         config = self.config
         state = {
-            "sampler": {"epoch": self.sampler.state.epoch, "position": self.sampler.state.position},
+            # where the data stood after the last trained batch (batches already drawn for later steps are drawn
+            # again after a resume)
+            "sampler": {"epoch": self.trained_sampler_state.epoch, "position": self.trained_sampler_state.position},
             # rollout sampling seeds are a function of (seed, step, prompt, sample, turn): this and the step are the
             # whole rollout-side state
             "seed": config.trainer.seed,

@@ -29,6 +29,9 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "rollout/tool_calls_mean": _mean([len(calls) for calls in tool_calls]),
         "rollout/tool_errors": float(sum(not call.ok for calls in tool_calls for call in calls)),
         "rollout/invalid_calls_mean": _mean([t.num_invalid_calls for t in trajectories]),
+        # where a trajectory's rollout time went: waiting on the engine vs on its tool calls
+        "time/generate_s_mean": _mean([t.generate_s for t in trajectories]),
+        "time/tool_wait_s_mean": _mean([t.tool_s for t in trajectories]),
     }
     for reason in ("answer", "eos", "length", "max_turns"):
         metrics[f"rollout/finish_{reason}"] = _mean([t.finish_reason == reason for t in trajectories])

@@ -62,13 +62,14 @@ def test_run_search_grpo_script_trains_and_logs_every_step(tmp_path):
     assert any((checkpoint / "megatron").iterdir())
 
 
-def test_run_search_grpo_script_trains_with_tp2_pp2(tmp_path):
-    """Four Megatron ranks (TP2 x PP2) on gloo, packed micro-batches through the pipeline schedule."""
+def test_run_search_grpo_script_trains_with_tp2_pp2_and_async_rollout(tmp_path):
+    """Four Megatron ranks (TP2 x PP2) on gloo, packed micro-batches through the pipeline schedule; the rollout of
+    step 2 overlaps the training of step 1 (rollout.async_steps=1), so it samples with weights one update old."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
     result = _run(["bash", "examples/run_search_grpo.sh", "actor.tp=2", "actor.pp=2", "trainer.total_steps=2",
-                   "data.batch_size=2", f"trainer.output_dir={out}"], timeout=1200)
+                   "data.batch_size=2", "rollout.async_steps=1", f"trainer.output_dir={out}"], timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 2/2 | reward" in result.stdout
     events = EventAccumulator(str(out / "tensorboard"))
@@ -77,6 +78,9 @@ def test_run_search_grpo_script_trains_with_tp2_pp2(tmp_path):
     assert [e.step for e in events.Scalars("actor/update_ok")] == [1, 2]
     assert all(e.value == 1.0 for e in events.Scalars("actor/update_ok"))
     assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-4
+    assert [e.value for e in events.Scalars("rollout/staleness")] == [0.0, 1.0]
+    # the stale batch is corrected towards the actor's policy: importance weights near 1 for a 1e-4 learning rate
+    assert all(0.5 < e.value < 2.0 for e in events.Scalars("actor/tis_weight_mean"))
     assert (out / "checkpoints" / "step_000002" / "megatron").is_dir()
 
 

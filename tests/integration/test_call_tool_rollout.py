@@ -5,6 +5,7 @@ biased (as in the Search-R1 rollout test). A second set of tests replays scripte
 same agent loop, so every limit and error kind is hit on purpose.
 """
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -128,7 +129,7 @@ class ScriptedEngine:
         self.stop_strings = stop_strings
         self.scripts: list[tuple[list[int], list[str]]] = []  # (prompt ids, turns)
 
-    def generate(self, prompts: list[list[int]], sampling_params: list) -> list:
+    async def generate(self, prompts: list[list[int]], sampling_params: list) -> list:
         return [self._next_turn(ids) for ids in prompts]
 
     def _next_turn(self, ids: list[int]):
@@ -175,7 +176,8 @@ def test_call_tool_limits_and_errors_become_observations_counted_per_kind(mcp_se
     examples = load_qa_dataset(toy_data.train)[:2]
     for example, turns in zip(examples, (within_limits, mistakes)):
         engine.scripts.append((loop.prompt_ids(example.question), list(turns)))
-    good, bad = loop.run([PromptItem(e.id, e.question, group_id=i, sample_index=0) for i, e in enumerate(examples)], 1)
+    prompts = [PromptItem(e.id, e.question, group_id=i, sample_index=0) for i, e in enumerate(examples)]
+    good, bad = asyncio.run(loop.run(prompts, 1))
 
     assert [t.error_kind for t in good.turns] == [None, None, "over_limit", None, "over_limit", None]
     assert [t.error_kind for t in bad.turns] == ["unknown_tool", "empty_query", "unparseable", "tool_error", None]

@@ -30,15 +30,19 @@ from rlsearch.eval import OVERALL, run_eval
 
 
 class OracleEngine:
-    """Engine-shaped: `tokenizer` and `generate(token_id_prompts, sampling_params)` with vLLM-like outputs."""
+    """Engine-shaped: `tokenizer` and coroutines `generate(token_id_prompts, sampling_params)` (vLLM-like outputs)
+    and `shutdown()`."""
 
     def __init__(self, tokenizer, golden_by_question: dict[str, tuple[str, ...]]) -> None:
         self.tokenizer = tokenizer
         self.golden_by_question = golden_by_question
         self.completions = 0
 
-    def generate(self, prompts: list[list[int]], sampling_params: list) -> list:
+    async def generate(self, prompts: list[list[int]], sampling_params: list) -> list:
         return [self._complete(token_ids, params.stop) for token_ids, params in zip(prompts, sampling_params)]
+
+    async def shutdown(self) -> None:
+        pass
 
     def _complete(self, token_ids: list[int], stop_strings: list[str]) -> SimpleNamespace:
         self.completions += 1

@@ -61,3 +61,16 @@ def test_loss_token_weights_are_independent_of_batch_split():
     assert seq[0] == pytest.approx([0.0, 0.25, 0.25, 0.0])
     assert seq[1] == pytest.approx([1 / 6] * 3)
     assert seq[2] == [0.0, 0.0]
+
+
+def test_truncated_importance_weights_are_the_capped_ratio_and_carry_no_gradient():
+    from rlsearch.algo import truncated_importance_weights
+
+    logprobs = torch.tensor([-1.0, -2.0, -0.5, -3.0], requires_grad=True)
+    rollout = torch.tensor([-1.0, -1.0, -2.0, -3.0 + 1e-6])
+    weights = truncated_importance_weights(logprobs, rollout, cap=2.0)
+    expected = torch.tensor([1.0, math.exp(-1.0), 2.0, math.exp(-1e-6)])  # exp(1.5) = 4.48 is capped at 2
+    assert torch.allclose(weights, expected, atol=1e-7)
+    assert not weights.requires_grad
+    far = truncated_importance_weights(torch.tensor([0.0]), torch.tensor([-1000.0]), cap=5.0)
+    assert far.item() == 5.0  # no overflow to inf before the cap

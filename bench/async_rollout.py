@@ -1,0 +1,144 @@
+"""Wall time of one rollout batch when tool latency varies: per-sample agent loop against the turn barrier.
+
+The toy search task of bench/rollout.py (BM25 retrieval server, random tiny Qwen2) behind a latency proxy: each
+query is held 0 to --max-latency-ms (uniform over queries, a deterministic function of the query text; a request of
+several queries waits for its slowest). The policy (--policy):
+  searcher : the tiny model rewired to search every turn (`search_automaton_weights`, queries sampled from 16 toy
+             words), --turns turns of 7 tokens: a tool-heavy agent (the default)
+  random   : the random model with bench/rollout.py's prefill and bias: it searches in its first turn only
+Loops:
+  turn_barrier : all samples generate a turn, then all of the turn's searches run, then the next turn
+  per_sample   : every sample runs its own turn loop; a sample waiting on a search never holds the others
+Both loops give the same trajectories (per-request seeds), so both do exactly the same work. Best of --repeats
+wall times each (the prefix cache is reset before every timed run). The default batch is the trainer's default
+(4 prompts x 4 samples).
+The last line is the figure: per_sample seconds / turn_barrier seconds (goal <= 0.6).
+
+Even with free generation the ratio is bounded by the latency model: the barrier waits, each turn, for the
+slowest query of the batch (about the maximum, 200 ms), a sample on its own for its own queries (100 ms on
+average), and the batch ends with its slowest sample. On 2 CPU cores generation is not free: the engine is
+CPU-bound and the extra engine steps and separate HTTP requests of desynchronised samples cost CPU too.
+
+  .venv/bin/python bench/async_rollout.py                  # searcher, 4 prompts x 4 samples, 6 turns, 0-200 ms
+  .venv/bin/python bench/async_rollout.py --prompts 16     # 64 trajectories
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import fastapi
+import httpx
+import uvicorn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.rollout import SHAPES, BenchEngine, describe, make_agent_loop, prepare_assets, prompt_items  # noqa: E402
+
+
+def query_latency_s(query: str, max_latency_s: float) -> float:
+    """A fixed latency per query text, spread uniformly over [0, max_latency_s]."""
+    fraction = int.from_bytes(hashlib.blake2b(query.encode(), digest_size=4).digest(), "little") / 2**32
+    return fraction * max_latency_s
+
+
+@contextmanager
+def latency_proxy(retriever_url: str, max_latency_s: float) -> Iterator[str]:
+    """A local HTTP server that forwards ``POST /retrieve`` to the retriever after the queries' latency."""
+    app = fastapi.FastAPI()
+    client = httpx.AsyncClient(timeout=60.0)
+
+    @app.post("/retrieve")
+    async def retrieve(request: fastapi.Request) -> fastapi.Response:
+        body = await request.json()
+        await asyncio.sleep(max(query_latency_s(q, max_latency_s) for q in body["queries"]))
+        answer = await client.post(f"{retriever_url}/retrieve", json=body)
+        return fastapi.Response(answer.content, status_code=answer.status_code, media_type="application/json")
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the latency proxy did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+# single-token words of the toy corpus: the searcher's queries
+QUERIES = [" " + word for word in (
+    "inventor town machine river device born built workshop grain rope rival mayor founded invented bridge tower"
+).split()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--policy", choices=("searcher", "random"), default="searcher",
+                        help="searcher: a search every turn; random: the random model with bench/rollout.py's bias")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=6, help="rollout.max_turns of the searcher")
+    parser.add_argument("--max-latency-ms", type=float, default=200.0, help="per-query tool latency: 0 to this")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per loop; the best counts")
+    parser.add_argument("--out", default="outputs/bench", help="where the random model and toy data are kept")
+    args = parser.parse_args()
+
+    from safetensors.torch import load_file
+
+    from rlsearch.data.tiny_model import search_automaton_weights
+    from rlsearch.tools import RetrieverProcess
+
+    out = Path(args.out)
+    model_path, toy = prepare_assets(out, args.shape)
+    items = prompt_items(toy, args.prompts, args.group_size)
+    rollout = {}
+    if args.policy == "searcher":
+        rollout = dict(max_turns=args.turns, max_response_tokens=256 * args.turns, max_tokens_per_turn=16,
+                       logit_bias={})
+    step = 1
+    seconds: dict[str, float] = {}
+    with RetrieverProcess(str(toy.corpus), cache_dir=str(out / "bm25-cache")) as retriever, \
+            latency_proxy(retriever.url, args.max_latency_ms / 1000) as proxy_url:
+        print("starting the engine ...", flush=True)
+        host = BenchEngine(model_path, max_model_len=512 + 256 * args.turns)
+        try:
+            if args.policy == "searcher":
+                state = load_file(str(model_path / "model.safetensors"))
+                host.load_weights(search_automaton_weights(state, host.engine.tokenizer, QUERIES))
+            for agent_loop in ("turn_barrier", "per_sample"):
+                loop = make_agent_loop(host.engine, proxy_url, agent_loop, **rollout)
+                host.run(loop.run(items[: args.group_size], step + 1))  # warm-up
+                best = float("inf")
+                for _ in range(args.repeats):
+                    host.run(host.engine.reset_prefix_cache())
+                    started = time.perf_counter()
+                    trajectories = host.run(loop.run(items, step))
+                    best = min(best, time.perf_counter() - started)
+                loop.tools.close()
+                seconds[agent_loop] = best
+                tool_s = sum(t.tool_s for t in trajectories) / len(trajectories)
+                generate_s = sum(t.generate_s for t in trajectories) / len(trajectories)
+                print(f"{agent_loop:<12}: {best:6.2f} s for {len(items)} trajectories ({describe(trajectories)}; "
+                      f"each waited {generate_s:.2f} s on the engine and {tool_s:.2f} s on searches)", flush=True)
+        finally:
+            host.close()
+    ratio = seconds["per_sample"] / seconds["turn_barrier"]
+    print(f"per_sample / turn_barrier wall time, {args.policy} policy, tool latency 0-{args.max_latency_ms:g} ms "
+          f"(goal <= 0.6): {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

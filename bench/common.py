@@ -1,0 +1,24 @@
+"""What the benchmarks share: random Qwen2 shapes, built once and cached under an output dir."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SHAPES = {
+    # Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads (2 kv), intermediate 4864, tied embeddings
+    "0.5b": dict(hidden_size=896, num_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=256, tie_word_embeddings=False),
+}
+
+
+def build_model(shape: str, out_root: Path) -> Path:
+    """A random-init Qwen2 of the named shape with the real Qwen2 tokenizer (built offline, reused across runs)."""
+    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+
+    path = out_root / f"qwen2-{shape}-random"
+    if not (path / "config.json").is_file():
+        print(f"building a random {shape}-shaped Qwen2 in {path} ...", flush=True)
+        make_tiny_model(path, TinyModelSpec(**SHAPES[shape]))
+    return path

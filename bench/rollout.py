@@ -1,0 +1,175 @@
+"""Agent-loop throughput against bare generation of the same tokens, on the same engine, in one run.
+
+The toy search task: a random-init Qwen2 (real Qwen tokenizer), the generated toy corpus behind the BM25 retrieval
+server (HTTP). A random model reaches the tool path as in the tests: the opening tag is prefilled and the closing
+tag's tokens are biased, so trajectories take several turns with real searches in between.
+  agent : one batch of --prompts x --group-size samples through the agent loop (--agent-loop, default per_sample)
+  bare  : the same prompts through bare `generate`, each asked for exactly as many tokens as its trajectory sampled
+          (max_tokens = its model tokens, ignore_eos, no stop strings, no tools; same sampling, seeds, logit bias)
+Sampled tokens/s, best of --repeats each (the prefix cache is reset before every timed run).
+The last line is the figure: agent-loop tokens/s / bare generate tokens/s (goal >= 0.85).
+
+  .venv/bin/python bench/rollout.py                       # tiny model, 16 prompts x 4 samples
+  .venv/bin/python bench/rollout.py --shape 0.5b          # Qwen2.5-0.5B-shaped (slow on CPU: --prompts 4)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench.common import SHAPES, build_model  # noqa: E402
+
+# the tool path on a random model (as the tests' TEST_ROLLOUT), with room for several turns
+ROLLOUT = dict(
+    max_turns=4, max_response_tokens=512, max_tokens_per_turn=48, assistant_prefix="<search>",
+    logit_bias={"</search>": 12.0},
+)
+
+
+class BenchEngine:
+    """One rollout engine on its own event loop thread, as a rollout worker holds it."""
+
+    def __init__(self, model_path: Path, max_model_len: int) -> None:
+        from rlsearch.rollout import EngineSpec, VLLMEngine
+        from rlsearch.tools.loop_thread import LoopThread
+
+        self.events = LoopThread("bench-engine")
+
+        async def start():
+            return VLLMEngine(EngineSpec(str(model_path), max_model_len=max_model_len))
+
+        self.engine = self.events.run(start())
+
+    def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        return self.events.run(coroutine)
+
+    def load_weights(self, state: dict) -> None:
+        """Replace the engine's weights (HF names) through the weight-sync path."""
+        from rlsearch.bridge.bucket import pack_bucket
+
+        async def load() -> None:
+            await self.engine.begin_weight_update()
+            await self.engine.load_weight_bucket(pack_bucket(list(state.items())))
+            await self.engine.finish_weight_update()
+
+        self.run(load())
+
+    def close(self) -> None:
+        self.run(self.engine.shutdown())
+        self.events.stop()
+
+
+def prepare_assets(out: Path, shape: str):
+    """The random model (cached under ``out``) and the toy data."""
+    from rlsearch.data import make_toy_data
+
+    return build_model(shape, out), make_toy_data(out / "toy", seed=0)
+
+
+def prompt_items(toy, prompts: int, group_size: int) -> list:
+    from rlsearch.data import load_qa_dataset
+    from rlsearch.rollout import PromptItem
+
+    examples = load_qa_dataset(toy.train)[:prompts]
+    return [PromptItem(e.id, e.question, group_id=g, sample_index=s) for g, e in enumerate(examples)
+            for s in range(group_size)]
+
+
+def make_agent_loop(engine, retriever_url: str, agent_loop: str, seed: int = 1, **rollout):
+    """The agent loop of a rollout worker (search tool over HTTP, Search-R1 protocol) on ``engine``; ``rollout``
+    overrides the ROLLOUT settings."""
+    from rlsearch.config import RetrieverConfig, RolloutConfig, ToolsConfig
+    from rlsearch.rollout import AgentLoop
+    from rlsearch.tools import build_registry, make_protocol
+
+    tools = build_registry(ToolsConfig(), RetrieverConfig(topk=3, timeout_s=60.0), retriever_url)
+    protocol = make_protocol("search_r1", tools.specs)
+    return AgentLoop(engine, protocol, tools, RolloutConfig(**{**ROLLOUT, **rollout}, agent_loop=agent_loop), seed)
+
+
+def describe(trajectories) -> str:
+    n = len(trajectories)
+    turns = sum(len(t.turns) for t in trajectories) / n
+    calls = sum(len(t.tool_calls) for t in trajectories) / n
+    observation = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajectories) / n
+    return f"{turns:.2f} turns, {calls:.2f} tool calls, {observation:.0f} observation tokens per trajectory"
+
+
+def bare_generate_params(loop, trajectories, step: int) -> list:
+    """Per trajectory: the agent loop's sampling (seed of its first turn), for all of its sampled tokens, no stops."""
+    from vllm import SamplingParams
+
+    from rlsearch.rollout import request_seed
+
+    config = loop.config
+    return [
+        SamplingParams(
+            max_tokens=sum(t.loss_mask), ignore_eos=True, temperature=config.temperature, top_p=config.top_p,
+            logprobs=0, logit_bias=loop.logit_bias, seed=request_seed(loop.seed, step, t.group_id, t.sample_index, 0),
+        )
+        for t in trajectories
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--agent-loop", choices=("per_sample", "turn_barrier"), default="per_sample")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per side; the best counts")
+    parser.add_argument("--out", default="outputs/bench", help="where the random model and toy data are kept")
+    args = parser.parse_args()
+
+    from rlsearch.tools import RetrieverProcess
+
+    out = Path(args.out)
+    model_path, toy = prepare_assets(out, args.shape)
+    items = prompt_items(toy, args.prompts, args.group_size)
+    step = 1
+    with RetrieverProcess(str(toy.corpus), cache_dir=str(out / "bm25-cache")) as retriever:
+        print("starting the engine ...", flush=True)
+        host = BenchEngine(model_path, max_model_len=1024)
+        try:
+            loop = make_agent_loop(host.engine, retriever.url, args.agent_loop)
+            host.run(loop.run(items[: args.group_size], step + 1))  # warm-up
+            agent_s, trajectories = float("inf"), []
+            for _ in range(args.repeats):
+                host.run(host.engine.reset_prefix_cache())
+                started = time.perf_counter()
+                trajectories = host.run(loop.run(items, step))
+                agent_s = min(agent_s, time.perf_counter() - started)
+            sampled = sum(sum(t.loss_mask) for t in trajectories)
+            print(f"agent ({args.agent_loop}): {len(items)} trajectories, {describe(trajectories)}; "
+                  f"{sampled} sampled tokens in {agent_s:.2f} s = {sampled / agent_s:.0f} tokens/s", flush=True)
+
+            prompts = [t.prompt_ids for t in trajectories]
+            bare_s = float("inf")
+            for _ in range(args.repeats):
+                params = bare_generate_params(loop, trajectories, step)
+                host.run(host.engine.reset_prefix_cache())
+                started = time.perf_counter()
+                outputs = host.run(host.engine.generate(prompts, params))
+                bare_s = min(bare_s, time.perf_counter() - started)
+            generated = sum(len(output.outputs[0].token_ids) for output in outputs)
+            assert generated == sampled, f"bare generate gave {generated} tokens for {sampled} asked"
+            print(f"bare generate: the same {generated} tokens in {bare_s:.2f} s = {generated / bare_s:.0f} tokens/s",
+                  flush=True)
+            loop.tools.close()
+        finally:
+            host.close()
+    ratio = (sampled / agent_s) / (generated / bare_s)
+    print(f"agent-loop tokens/s / bare generate tokens/s (goal >= 0.85): {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

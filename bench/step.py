@@ -1,0 +1,105 @@
+"""One full GRPO step of the real trainer on a random model shaped like Qwen2.5-0.5B, broken down by phase.
+
+The run is `rlsearch train` on the embedded toy task (local BM25 retriever, multi-turn search rollouts) with the
+model swapped for a 494M-parameter random Qwen2 (fp32 on CPU). Step 1 pays one-off warm-up costs, so the table
+shows every step and the figures come from the last one. Phases (TensorBoard `time/*`):
+  rollout wait : the trainer waiting for the step's trajectories (generation + tool calls; with
+                 --async-steps 1 the rollout overlaps the previous step's training and this shrinks); inside
+                 it, per trajectory: seconds waiting on the engine (generate) and on tool calls (tool wait)
+  reward       : scoring; ref logprobs: the frozen reference's forward pass (only with --kl-coef > 0)
+  train        : Megatron forward + backward + optimizer step over the packed batch
+  sync         : weight transfer into vLLM + the engine-vs-actor probe check
+The last line is the figure: each phase's share of the last step's wall time.
+
+  .venv/bin/python bench/step.py                         # 0.5B shape, 2 steps, 2 prompts x 4 samples
+  .venv/bin/python bench/step.py --shape tiny            # a smoke run in about a minute
+  .venv/bin/python bench/step.py --async-steps 1         # rollout overlapped with training
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench.common import SHAPES, build_model  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PHASES = (
+    ("rollout wait", "time/rollout_s"),
+    ("generate/traj", "time/generate_s_mean"),
+    ("tool wait/traj", "time/tool_wait_s_mean"),
+    ("reward", "time/reward_s"),
+    ("ref logprobs", "time/ref_logprob_s"),
+    ("train", "time/train_s"),
+    ("sync", "time/sync_s"),
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    parser.add_argument("--steps", type=int, default=2, help="training steps (the last one is reported)")
+    parser.add_argument("--batch-size", type=int, default=2, help="prompts per step")
+    parser.add_argument("--group-size", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--max-response-tokens", type=int, default=256)
+    parser.add_argument("--async-steps", type=int, default=0, help="rollout.async_steps (0: on-policy)")
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="> 0 adds the reference model's forward pass")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--out", default="outputs/bench", help="where the random model, data and the run go")
+    args = parser.parse_args()
+
+    from rlsearch.config import load_train_config
+    from rlsearch.data import make_toy_data
+    from rlsearch.trainer import GRPOTrainer
+
+    out = Path(args.out)
+    model = build_model(args.shape, out)
+    toy_dir = out / "toy"
+    toy = make_toy_data(toy_dir, seed=0)
+    run_dir = out / f"step-{args.shape}-tp{args.tp}pp{args.pp}-async{args.async_steps}"
+    config = load_train_config(str(REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml"), [
+        f"model.path={model}", f"data.train_files=[{toy.train}]", f"tools.retriever.corpus={toy.corpus}",
+        f"tools.retriever.index_cache_dir={out / 'bm25_cache'}", f"data.batch_size={args.batch_size}",
+        f"rollout.group_size={args.group_size}", f"rollout.max_response_tokens={args.max_response_tokens}",
+        f"rollout.async_steps={args.async_steps}", f"algo.kl_coef={args.kl_coef}", f"actor.tp={args.tp}",
+        f"actor.pp={args.pp}", f"trainer.total_steps={args.steps}", f"trainer.output_dir={run_dir}",
+        "trainer.resume=none", "trainer.log_trajectories=false", "trainer.save_interval=0",
+        "trainer.keep_checkpoints=1",
+    ])
+    print(f"GRPO steps on a random {args.shape}-shaped Qwen2, {args.batch_size} prompts x {args.group_size} samples, "
+          f"tp{args.tp} pp{args.pp}, async_steps {args.async_steps}", flush=True)
+    summary = GRPOTrainer(config).train()
+
+    scalars = _scalars(summary.tensorboard_dir)
+    steps = sorted(step for step, _ in scalars["time/step_s"])
+    header = f"{'step':>4} {'wall s':>8} " + " ".join(f"{label:>13}" for label, _ in PHASES) + f" {'tokens':>7}"
+    print(header)
+    for step in steps:
+        row = {tag: dict(values).get(step, 0.0) for tag, values in scalars.items()}
+        tokens = row.get("rollout/response_len_mean", 0.0) * args.batch_size * args.group_size
+        print(f"{step:>4} {row['time/step_s']:>8.1f} "
+              + " ".join(f"{row.get(tag, 0.0):>13.1f}" for _, tag in PHASES) + f" {tokens:>7.0f}")
+    last = {tag: dict(values).get(steps[-1], 0.0) for tag, values in scalars.items()}
+    wall = last["time/step_s"]
+    shares = [(label, last.get(tag, 0.0) / wall) for label, tag in PHASES if "/traj" not in label]
+    other = 1.0 - sum(share for _, share in shares)
+    print(f"step {steps[-1]} ({wall:.1f} s) shares: "
+          + ", ".join(f"{label} {share:.2f}" for label, share in shares) + f", other {other:.2f}")
+
+
+def _scalars(tensorboard_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tensorboard_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""Training throughput of the Megatron actor's train step against HF transformers, on the same model and batch.
+
+Both sides take the same search-agent-like batch (prompt not trained, response with masked observation spans,
+off-policy old logprobs, GRPO-style advantages) and run one optimizer step of the same PPO-clip token loss
+(token_mean weights, clip 0.2, AdamW lr 1e-5, grad-norm clip 1.0) per training step:
+  megatron : the actor's real path, `ActorGroup.train_step` -> `MegatronActorWorker.train_step` at TP1PP1: sequences
+             packed back to back into `thd` micro-batches of <= --max-tokens-per-microbatch tokens (no padding),
+             logits only at response positions, Megatron DDP + optimizer
+  hf       : AutoModelForCausalLM (sdpa attention) on padded [B, T] micro-batches of --hf-micro-batch sequences
+             with an attention mask, gradient accumulation over them, clip_grad_norm_, torch.optim.AdamW.
+             --hf-layout trl (default): prompts left-padded, responses right-padded and logits only for the
+             response columns (`logits_to_keep`, as TRL's GRPOTrainer does); right: whole sequences right-padded,
+             logits at every position
+Each side runs in its own Ray actor process with the same torch thread count; the steps alternate (HF, Megatron,
+Megatron, HF, ...) so load changes on a shared machine hit both alike. Warm-up steps are not timed.
+tokens/s counts every real token of the batch (prompt + response, padding excluded), the same number for both.
+The last line is the figure: Megatron tokens/s / HF tokens/s (goal >= 1.0).
+
+  .venv/bin/python bench/train_step.py                          # hidden 512, 4 layers, 6 sequences, 2 timed steps
+  .venv/bin/python bench/train_step.py --layers 2 --sequences 8 --steps 2   # quick run
+  .venv/bin/python bench/train_step.py --dtype bfloat16         # on a GPU (HF side: fp32 weights + bf16 autocast)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from rlsearch.actor.batch import TrainSample  # noqa: E402
+
+CLIP_RATIO = 0.2
+LR = 1e-5
+CLIP_GRAD = 1.0
+TEMPERATURE = 1.0
+
+
+# ---- memory probes (run inside each actor process) ----------------------------------------------------------------
+
+def reset_peak_memory() -> None:
+    """Start a new peak: CUDA allocator stats on GPU, the kernel's peak RSS (VmHWM) on CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # the peak then counts from the process start
+
+
+def memory_mib() -> tuple[float, float]:
+    """(current, peak since the last reset) in MiB: allocated CUDA memory on GPU, resident memory on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.memory_allocated() / 2**20, torch.cuda.max_memory_allocated() / 2**20
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+# ---- the batch ----------------------------------------------------------------------------------------------------
+
+def make_samples(count: int, min_len: int, max_len: int, seed: int) -> list[TrainSample]:
+    """Search-agent-like trajectories: a prompt of 60-160 tokens, then alternating model turns (20-80 tokens,
+    trained) and tool observations (60-160 tokens, loss-masked), ending on a model turn. Random token ids, old
+    logprobs near a random model's (-log vocab) with noise so PPO ratios vary, advantages in [-1.5, 1.5]."""
+    from rlsearch.algo import loss_token_weights
+
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(count):
+        length = rng.randint(min_len, max_len)
+        prompt = rng.randint(min(60, length // 3), min(160, length // 3))
+        mask: list[int] = []
+        while len(mask) < length - prompt:
+            mask += [1] * rng.randint(20, 80)
+            mask += [0] * rng.randint(60, 160)
+        mask = mask[: length - prompt]
+        mask[-min(20, len(mask)):] = [1] * min(20, len(mask))  # the final answer
+        ids = torch.randint(0, 151_000, (length,), generator=generator).tolist()
+        old = (-11.93 + 0.3 * torch.randn(len(mask), generator=generator)).tolist()
+        samples.append(TrainSample(ids, prompt, mask, advantage=rng.uniform(-1.5, 1.5), old_logprobs=old))
+    for sample, weights in zip(samples, loss_token_weights([s.loss_mask for s in samples], "token_mean")):
+        sample.token_weights = weights
+    return samples
+
+
+# ---- the HF side --------------------------------------------------------------------------------------------------
+
+class HFTrainer:
+    """AutoModelForCausalLM trained as a user of transformers would: padded micro-batches, attention mask, gradient
+    accumulation, clip_grad_norm_, AdamW. Runs as a Ray actor (its own process, like the Megatron rank)."""
+
+    def __init__(self, model_path: str, dtype: str, num_threads: int, micro_batch: int, layout: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(num_threads)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+        self.model.config.use_cache = False
+        self.autocast = dtype == "bfloat16"  # fp32 master weights + bf16 autocast (Trainer's bf16=True)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=(0.9, 0.999), weight_decay=0.0)
+        self.micro_batch = micro_batch
+        self.layout = layout
+        self.pad_id = self.model.config.pad_token_id or 0
+
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    def attention(self) -> str:
+        return str(self.model.config._attn_implementation)
+
+    def collate(self, samples: Sequence[TrainSample]) -> dict[str, Any]:
+        """One padded micro-batch. Per-token tensors are [B, C] over the logit columns kept (zero where padded)."""
+        if self.layout == "trl":
+            prompt_len = max(s.response_start for s in samples)
+            response_len = max(s.response_len for s in samples)
+            width, columns = prompt_len + response_len, response_len
+        else:
+            width = max(len(s.token_ids) for s in samples)
+            columns = width - 1
+        ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros(len(samples), width, dtype=torch.long)
+        labels = torch.zeros(len(samples), columns, dtype=torch.long)
+        weights, old, advantages = (torch.zeros(len(samples), columns) for _ in range(3))
+        for row, s in enumerate(samples):
+            # `first`: where the sequence starts in its row; `col`: the logit column predicting its first response token
+            first = prompt_len - s.response_start if self.layout == "trl" else 0
+            col = 0 if self.layout == "trl" else s.response_start - 1
+            ids[row, first : first + len(s.token_ids)] = torch.tensor(s.token_ids)
+            attention[row, first : first + len(s.token_ids)] = 1
+            span = slice(col, col + s.response_len)
+            labels[row, span] = torch.tensor(s.token_ids[s.response_start :])
+            weights[row, span] = torch.tensor(s.token_weights)
+            old[row, span] = torch.tensor(s.old_logprobs)
+            advantages[row, span] = s.advantage
+        position_ids = (attention.cumsum(1) - 1).clamp(min=0)
+        batch = dict(
+            input_ids=ids, attention_mask=attention, position_ids=position_ids, labels=labels, weights=weights,
+            old=old, advantages=advantages,
+        )
+        batch = {key: value.to(self.device) for key, value in batch.items()}
+        batch["logits_to_keep"] = columns + 1 if self.layout == "trl" else 0
+        return batch
+
+    def padding(self, samples: Sequence[TrainSample]) -> tuple[int, int, int]:
+        """(micro-batches, padded token slots, logit rows) of a step over `samples`."""
+        slots = rows = 0
+        chunks = [samples[i : i + self.micro_batch] for i in range(0, len(samples), self.micro_batch)]
+        for chunk in chunks:
+            batch = self.collate(chunk)
+            slots += batch["input_ids"].numel()
+            rows += batch["labels"].numel()
+        return len(chunks), slots, rows
+
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        from rlsearch.algo import ppo_clip_terms
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        policy_loss = 0.0
+        for start in range(0, len(samples), self.micro_batch):
+            batch = self.collate(samples[start : start + self.micro_batch])
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                logits = self.model(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"], logits_to_keep=batch["logits_to_keep"],
+                ).logits[:, :-1]
+            scaled = logits.float() / TEMPERATURE
+            labels = batch["labels"]
+            logprobs = -torch.nn.functional.cross_entropy(
+                scaled.reshape(-1, scaled.shape[-1]), labels.reshape(-1), reduction="none"
+            ).view(labels.shape)
+            terms = ppo_clip_terms(logprobs, batch["old"], batch["advantages"], CLIP_RATIO, CLIP_RATIO)
+            loss = (terms.per_token_loss * batch["weights"]).sum()
+            loss.backward()
+            policy_loss += float(loss.detach())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP_GRAD)
+        self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return {"policy_loss": policy_loss, "grad_norm": float(grad_norm)}
+
+    def reset_peak_memory(self) -> None:
+        reset_peak_memory()
+
+    def memory_mib(self) -> tuple[float, float]:
+        return memory_mib()
+
+
+# ---- driver -------------------------------------------------------------------------------------------------------
+
+def build_model(args: argparse.Namespace) -> Path:
+    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+
+    spec = TinyModelSpec(
+        hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate or args.hidden * 3,
+        tie_word_embeddings=args.tie_embeddings,
+    )
+    tag = f"h{spec.hidden_size}-l{spec.num_layers}-a{spec.num_attention_heads}-kv{spec.num_key_value_heads}"
+    path = Path(args.out) / f"qwen2-{tag}-i{spec.intermediate_size}{'-tied' if spec.tie_word_embeddings else ''}"
+    if not (path / "config.json").is_file():
+        print(f"building a random Qwen2 in {path} ...", flush=True)
+        make_tiny_model(path, spec)
+    return path
+
+
+def count_params(model_path: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for shard in model_path.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as handle:
+            for name in handle.keys():
+                numel = 1
+                for dim in handle.get_slice(name).get_shape():
+                    numel *= dim
+                total += numel
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_argument_group("model (random-init Qwen2, real Qwen vocabulary of 151,680 rows)")
+    model.add_argument("--hidden", type=int, default=512, help="hidden size")
+    model.add_argument("--layers", type=int, default=4)
+    model.add_argument("--heads", type=int, default=8, help="attention heads (head dim = hidden / heads >= 32)")
+    model.add_argument("--kv-heads", type=int, default=2)
+    model.add_argument("--intermediate", type=int, default=0, help="MLP size; 0: 3 x hidden")
+    model.add_argument("--tie-embeddings", action="store_true", help="share the input embedding and output layer")
+    batch = parser.add_argument_group("batch")
+    batch.add_argument("--sequences", type=int, default=6, help="trajectories per training step")
+    batch.add_argument("--min-len", type=int, default=150, help="shortest trajectory (prompt + response tokens)")
+    batch.add_argument("--max-len", type=int, default=600, help="longest trajectory")
+    batch.add_argument("--seed", type=int, default=0)
+    run = parser.add_argument_group("run")
+    run.add_argument("--steps", type=int, default=2, help="timed training steps per side")
+    run.add_argument("--warmup", type=int, default=1, help="untimed training steps per side first")
+    run.add_argument("--threads", type=int, default=0, help="torch threads of each side; 0: all cores")
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="auto: CUDA when available (the actor's auto backend and layer spec), else CPU")
+    run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    run.add_argument("--max-tokens-per-microbatch", type=int, default=2048,
+                     help="Megatron packing budget (actor.max_tokens_per_microbatch; the config default is 4096): "
+                          "2048 holds about as many tokens as an HF micro-batch of 4 and bounds the logits memory")
+    run.add_argument("--hf-micro-batch", type=int, default=4, help="sequences per HF micro-batch")
+    run.add_argument("--hf-layout", choices=("trl", "right"), default="trl",
+                     help="trl: left-padded prompts, logits only for response columns; right: right-padded, all logits")
+    run.add_argument("--out", default="outputs/bench", help="where the random model is cached")
+    args = parser.parse_args()
+
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but CUDA is not available")
+    on_gpu = torch.cuda.is_available() and args.device != "cpu"
+    threads = args.threads or os.cpu_count() or 1
+
+    import ray
+
+    from rlsearch.actor import ActorGroup, ActorWorkerSpec
+    from rlsearch.actor.batch import pack_indices
+    from rlsearch.config import ActorConfig, AlgoConfig
+    from rlsearch.trainer import init_ray
+
+    model_path = build_model(args)
+    samples = make_samples(args.sequences, args.min_len, args.max_len, args.seed)
+    lengths = [len(s.token_ids) for s in samples]
+    tokens = sum(lengths)
+    response = sum(s.response_len for s in samples)
+    trained = sum(sum(s.loss_mask) for s in samples)
+    num_packed = len(pack_indices(lengths, args.max_tokens_per_microbatch, 1))
+    print(
+        f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), "
+        f"{count_params(model_path) / 1e6:.0f}M parameters, {args.dtype}, on {'cuda' if on_gpu else 'cpu'}, "
+        f"{threads} torch threads per side; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
+        flush=True,
+    )
+    print(
+        f"batch: {len(samples)} sequences of {min(lengths)}-{max(lengths)} tokens, {tokens} tokens per step "
+        f"({response} response, {trained} trained, {response - trained} in masked observations)", flush=True,
+    )
+
+    init_ray(num_cpus=4)
+    gpu_share = 0.5 if on_gpu else 0.0
+    print("starting the HF trainer and the Megatron actor (TP1PP1) ...", flush=True)
+    hf = ray.remote(HFTrainer).options(num_cpus=1, num_gpus=gpu_share).remote(
+        str(model_path), args.dtype, threads, args.hf_micro_batch, args.hf_layout
+    )
+    actor = ActorConfig(num_threads=threads, lr=LR, clip_grad=CLIP_GRAD,
+                        max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+    algo = AlgoConfig(clip_ratio_low=CLIP_RATIO, clip_ratio_high=CLIP_RATIO)
+    spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, TEMPERATURE, args.warmup + args.steps, args.seed)
+    group = ActorGroup(spec, num_gpus_per_rank=gpu_share)
+    try:
+        rank = group.workers[0]
+        hf_threads = ray.get(hf.threads.remote())
+        mc_threads = ray.get(rank.__ray_call__.remote(lambda worker: torch.get_num_threads()))
+        hf_batches, hf_slots, hf_rows = ray.get(hf.padding.remote(samples))
+        print(
+            f"megatron: {num_packed} packed micro-batches (<= {args.max_tokens_per_microbatch} tokens, no padding), "
+            f"{response} logit rows, layer spec {group.infos[0].transformer_impl}, {mc_threads} threads", flush=True,
+        )
+        print(
+            f"hf      : {hf_batches} micro-batches of <= {args.hf_micro_batch} sequences ({args.hf_layout} layout, "
+            f"{ray.get(hf.attention.remote())} attention), {hf_slots} token slots, padding fraction "
+            f"{1 - tokens / hf_slots:.1%}, {hf_rows} logit rows, {hf_threads} threads", flush=True,
+        )
+
+        sides = {"hf": lambda: ray.get(hf.train_step.remote(samples)),
+                 "megatron": lambda: group.train_step(samples)}
+        seconds: dict[str, list[float]] = {name: [] for name in sides}
+        order = ["hf", "megatron"]
+        for step in range(args.warmup + args.steps):
+            timed = step >= args.warmup
+            if step == args.warmup:  # optimizer states exist now: the peak below is the training step's own
+                ray.get([hf.reset_peak_memory.remote(), rank.__ray_call__.remote(lambda w: reset_peak_memory())])
+                resident = {"hf": ray.get(hf.memory_mib.remote())[0],
+                            "megatron": ray.get(rank.__ray_call__.remote(lambda w: memory_mib()))[0]}
+            for name in order:
+                started = time.perf_counter()
+                stats = sides[name]()
+                elapsed = time.perf_counter() - started
+                if timed:
+                    seconds[name].append(elapsed)
+                loss = stats.get("policy_loss", stats.get("actor/policy_loss"))
+                norm = stats.get("grad_norm", stats.get("actor/grad_norm"))
+                print(
+                    f"{'step' if timed else 'warm-up'} {step + 1 - (args.warmup if timed else 0)} {name:8s}: "
+                    f"{elapsed:6.2f} s  {tokens / elapsed:7.0f} tokens/s  (loss {loss:+.4f}, grad norm {norm:.3f})",
+                    flush=True,
+                )
+            order.reverse()
+        if not args.steps:
+            return
+        peaks = {"hf": ray.get(hf.memory_mib.remote())[1],
+                 "megatron": ray.get(rank.__ray_call__.remote(lambda w: memory_mib()))[1]}
+    finally:
+        group.shutdown()
+        ray.kill(hf)
+
+    unit = "CUDA allocated" if on_gpu else "RSS"
+    rates = {name: tokens * len(times) / sum(times) for name, times in seconds.items()}
+    for name in ("hf", "megatron"):
+        print(
+            f"{name:8s}: {rates[name]:7.0f} tokens/s over {args.steps} steps "
+            f"(mean {sum(seconds[name]) / args.steps:.2f} s/step); {unit} {resident[name]:.0f} MiB after warm-up, "
+            f"peak {peaks[name]:.0f} MiB in the timed steps (+{peaks[name] - resident[name]:.0f} MiB)"
+        )
+    print(f"load average at the end: {' '.join(f'{load:.1f}' for load in os.getloadavg())} (1, 5, 15 min)")
+    ratio = rates["megatron"] / rates["hf"]
+    print(
+        f"megatron / hf training tokens/s (all {tokens} prompt + response tokens per step, padding excluded; "
+        f"goal >= 1.0): {ratio:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
