@@ -19,7 +19,7 @@ from tests.conftest import REPO_ROOT
 
 CONFIG = "examples/configs/eval_search.yaml"
 QUESTIONS, SAMPLES = 4, 2
-TIME_KEYS = ("time_s", "wall_s", "latency_s")
+TIME_KEYS = ("time_s", "wall_s", "latency_s", "generate_s", "tool_s")
 
 
 def _overrides(assets, output_dir, batch_size):
