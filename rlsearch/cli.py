@@ -27,11 +27,11 @@ def _train(args: argparse.Namespace) -> int:
 
     try:
         config = load_train_config(args.config, args.overrides)
-        trainer = GRPOTrainer(config)
+        # train() also reports bad input as ConfigError: tool set-up, a checkpoint that does not fit the config
+        summary = GRPOTrainer(config).train()
     except (ConfigError, DatasetError) as err:
         print(f"rlsearch train: {err}", file=sys.stderr)
         return 2
-    summary = trainer.train()
     print(summary.render(), flush=True)
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -250,7 +250,7 @@ class GRPOTrainer:
                 step=self.next_rollout_step, examples=examples,
                 trajectories=self.rollout.generate.remote(items, self.next_rollout_step),
                 weight_version=self.weight_version,
-                sampler=SamplerState(self.sampler.state.epoch, self.sampler.state.position),
+                sampler=replace(self.sampler.state),
             ))
             self.next_rollout_step += 1
 
@@ -375,7 +375,7 @@ class GRPOTrainer:
         state = {
             # where the data stood after the last trained batch (batches already drawn for later steps are drawn
             # again after a resume)
-            "sampler": {"epoch": self.trained_sampler_state.epoch, "position": self.trained_sampler_state.position},
+            "sampler": asdict(self.trained_sampler_state),
             # rollout sampling seeds are a function of (seed, step, prompt, sample, turn): this and the step are the
             # whole rollout-side state
             "seed": config.trainer.seed,
