@@ -9,7 +9,8 @@ shows every step and the figures come from the last one. Phases (TensorBoard `ti
   reward       : scoring; ref logprobs: the frozen reference's forward pass (only with --kl-coef > 0)
   train        : Megatron forward + backward + optimizer step over the packed batch
   sync         : weight transfer into vLLM + the engine-vs-actor probe check
-The last line is the figure: each phase's share of the last step's wall time.
+  engine idle  : time with no rollout in flight (the engine's side: it overlaps the phases above)
+The last line is the figure: each trainer phase's share of the last step's wall time, and the engine's idle share.
 
   .venv/bin/python bench/step.py                         # 0.5B shape, 2 steps, 2 prompts x 4 samples
   .venv/bin/python bench/step.py --shape tiny            # a smoke run in about a minute
@@ -37,6 +38,7 @@ PHASES = (
     ("ref logprobs", "time/ref_logprob_s"),
     ("train", "time/train_s"),
     ("sync", "time/sync_s"),
+    ("engine idle", "time/engine_idle_s"),
 )
 
 
@@ -87,10 +89,12 @@ def main() -> None:
               + " ".join(f"{row.get(tag, 0.0):>13.1f}" for _, tag in PHASES) + f" {tokens:>7.0f}")
     last = {tag: dict(values).get(steps[-1], 0.0) for tag, values in scalars.items()}
     wall = last["time/step_s"]
-    shares = [(label, last.get(tag, 0.0) / wall) for label, tag in PHASES if "/traj" not in label]
+    trainer_phases = [(label, tag) for label, tag in PHASES if "/traj" not in label and label != "engine idle"]
+    shares = [(label, last.get(tag, 0.0) / wall) for label, tag in trainer_phases]
     other = 1.0 - sum(share for _, share in shares)
     print(f"step {steps[-1]} ({wall:.1f} s) shares: "
-          + ", ".join(f"{label} {share:.2f}" for label, share in shares) + f", other {other:.2f}")
+          + ", ".join(f"{label} {share:.2f}" for label, share in shares)
+          + f", other {other:.2f}; engine idle {last.get('time/engine_idle_s', 0.0) / wall:.2f}")
 
 
 def _scalars(tensorboard_dir: Path) -> dict[str, list[tuple[int, float]]]:

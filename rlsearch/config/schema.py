@@ -85,6 +85,10 @@ class RolloutConfig:
     # 0: on-policy (rollout, then train, then sync). k >= 1: the rollout of the next batch overlaps training, with
     # weights at most k updates old; the loss corrects for it with truncated importance weights (algo.tis_cap)
     async_steps: int = 0
+    # with async_steps >= 1: true, a weight sync lands on rollouts in flight (generation pauses, the new weights
+    # load, running requests recompute their KV cache and go on with the new policy: fresher samples, no wait);
+    # false, the sync waits until they finish (every trajectory sampled by one policy version)
+    update_weights_in_flight: bool = True
 
 
 @dataclass

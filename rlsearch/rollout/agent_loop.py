@@ -120,13 +120,15 @@ class AgentLoop:
 
     async def _generate(self, trajectories: list[Trajectory], step: int, turn_index: int) -> list:
         """The next turn of each trajectory (one engine call); the wait counts into each one's ``generate_s``."""
-        started = time.perf_counter()
+        started, version_before = time.perf_counter(), self.engine.weight_version
         outputs = await self.engine.generate(
             [t.token_ids for t in trajectories], [self._sampling_params(t, step, turn_index) for t in trajectories]
         )
         waited = time.perf_counter() - started
+        versions = sorted({version_before, self.engine.weight_version})
         for trajectory in trajectories:
             trajectory.generate_s += waited
+            trajectory.weight_versions = sorted(set(trajectory.weight_versions).union(versions))
         return [output.outputs[0] for output in outputs]
 
     def _after_turn(self, trajectory: Trajectory, completion, turn_index: int) -> Turn | None:

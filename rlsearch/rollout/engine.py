@@ -3,6 +3,11 @@
 The engine is vLLM's AsyncLLM (the EngineCore runs in a subprocess): every method is a coroutine and must run on
 the event loop the engine was created on (`RolloutWorker` owns that loop). Requests submitted together are
 batched by vLLM's scheduler, and a request submitted while others run joins the running batch.
+
+A weight update may land while requests are in flight: the scheduler is paused with the requests kept, the
+weights are loaded, every running request is preempted so that its KV cache is recomputed with the new weights,
+and the scheduler resumes. Tokens sampled after the update come from the new weights (their logprobs too), so a
+trajectory may hold tokens of two policy versions; ``weight_version`` counts the updates.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class VLLMEngine:
         ))
         self.tokenizer = self.llm.get_tokenizer()
         self._request_ids = itertools.count()
+        self.weight_version = 0  # weight updates finished on this engine
 
     async def generate(self, prompts: list[list[int]], sampling_params: list) -> list:
         """One finished `RequestOutput` per prompt (in order); the requests run concurrently."""
@@ -103,6 +109,8 @@ class VLLMEngine:
         return [entry[token].logprob for token, entry in zip(token_ids[1:], output.prompt_logprobs[1:])]
 
     async def begin_weight_update(self) -> None:
+        """Pause scheduling (requests in flight are kept, not aborted) and open a reload session."""
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
         await self.llm.collective_rpc("rlsearch_begin_weight_update")
 
     async def load_weight_bucket(self, bucket: WeightBucket) -> tuple[int, int]:
@@ -115,11 +123,16 @@ class VLLMEngine:
         return tuple(loaded)
 
     async def finish_weight_update(self) -> None:
+        """Close the reload session; requests in flight continue with the new weights. A failed update leaves the
+        engine paused: nothing samples from half-loaded weights."""
         (missing,) = await self.llm.collective_rpc("rlsearch_finish_weight_update")
-        # stale KV blocks computed with the old weights would silently mix old and new weights
-        await self.reset_prefix_cache()
         if missing:
             raise RuntimeError(f"weight update left {len(missing)} engine parameters unset, e.g. {missing[:3]}")
+        # KV blocks computed with the old weights, cached or held by running requests, would silently mix old and
+        # new weights: running requests are preempted (recomputed on resume) and the prefix cache is emptied
+        await self.llm.reset_prefix_cache(reset_running_requests=True)
+        self.weight_version += 1
+        await self.llm.resume_generation()
 
     async def reset_prefix_cache(self) -> None:
         await self.llm.reset_prefix_cache()

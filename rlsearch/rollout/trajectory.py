@@ -45,6 +45,8 @@ class Trajectory:
     scores: dict[str, float] = field(default_factory=dict)
     generate_s: float = 0.0  # seconds this trajectory waited on the engine, summed over its turns
     tool_s: float = 0.0  # seconds it waited on its tool calls
+    # the engine's weight versions in effect while it generated (two or more: a weight update landed mid-rollout)
+    weight_versions: list[int] = field(default_factory=list)
 
     def append_model_tokens(self, token_ids: list[int], logprobs: list[float]) -> None:
         self.response_ids.extend(token_ids)

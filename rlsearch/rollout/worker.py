@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Coroutine, Sequence
+import time
+from collections.abc import Coroutine, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from ..bridge.bucket import WeightBucket
@@ -17,14 +19,46 @@ from .trajectory import Trajectory
 T = TypeVar("T")
 
 
+class IdleClock:
+    """Time with no rollout in flight; rollouts may overlap (several threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._idle_since: float | None = time.perf_counter()
+        self._idle_s = 0.0
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        with self._lock:
+            if self._active == 0:
+                self._idle_s += time.perf_counter() - self._idle_since
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    self._idle_since = time.perf_counter()
+
+    def take(self) -> float:
+        with self._lock:
+            now = time.perf_counter()
+            idle = self._idle_s + (now - self._idle_since if self._active == 0 else 0.0)
+            self._idle_s, self._idle_since = 0.0, now
+            return idle
+
+
 class RolloutWorker:
     """``retriever`` and ``retriever_url`` set up the ``search`` tool's client; ``tools`` says which tools the
     agent gets (built-in names, MCP servers with their URLs, web tools, the result cache); None: search only.
 
     The engine and the agent loop live on an event loop thread owned by the worker. Every public method is
-    synchronous and engine work never overlaps: a call runs to completion before it returns, so a weight sync
-    submitted after a ``generate`` (Ray runs an actor's calls in submission order) never changes weights under
-    requests in flight.
+    synchronous and thread-safe: as a threaded Ray actor (``max_concurrency`` > 1) a weight sync or a probe may run
+    while a ``generate`` is in flight; the sync then pauses generation and the requests in flight go on with the
+    new weights (see `VLLMEngine`). A caller that wants every trajectory sampled by one policy waits for its
+    ``generate`` calls before syncing.
     """
 
     def __init__(
@@ -34,7 +68,7 @@ class RolloutWorker:
         # tools first: a bad tool set-up fails in a second, before the engine spends its start-up time
         self.tools = build_registry(tools or ToolsConfig(), retriever, retriever_url)
         self._events = LoopThread("rollout-engine")
-        self._engine_lock = threading.Lock()
+        self._idle = IdleClock()
         try:
             protocol = make_protocol(rollout.protocol, self.tools.specs, rollout.prompt_file)
 
@@ -49,11 +83,15 @@ class RolloutWorker:
         self.loop = AgentLoop(self.engine, protocol, self.tools, rollout, seed)
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        with self._engine_lock:
-            return self._events.run(coroutine)
+        return self._events.run(coroutine)
 
     def generate(self, items: Sequence[PromptItem], step: int) -> list[Trajectory]:
-        return self._run(self.loop.run(items, step))
+        with self._idle.busy():
+            return self._run(self.loop.run(items, step))
+
+    def idle_seconds(self) -> float:
+        """Seconds without any ``generate`` in flight since the previous call (or since start-up)."""
+        return self._idle.take()
 
     def tool_stats(self) -> dict[str, int]:
         """Requests, retries and failures summed over the tools that count them."""
@@ -74,9 +112,6 @@ class RolloutWorker:
 
     def finish_weight_update(self) -> None:
         self._run(self.engine.finish_weight_update())
-
-    def reset_prefix_cache(self) -> None:
-        self._run(self.engine.reset_prefix_cache())
 
     def shutdown(self) -> None:
         self.tools.close()

@@ -126,7 +126,8 @@ class GRPOTrainer:
         on_gpu = torch.cuda.is_available()
         rollout_cls = ray.remote(RolloutWorker)
         engine_spec = EngineSpec.from_config(config.model, config.rollout, config.trainer.seed)
-        self.rollout = rollout_cls.options(num_cpus=0, num_gpus=1 if on_gpu else 0).remote(
+        # threaded: weight syncs and probes may run while a rollout is in flight (rollout.update_weights_in_flight)
+        self.rollout = rollout_cls.options(num_cpus=0, num_gpus=1 if on_gpu else 0, max_concurrency=4).remote(
             engine_spec, config.rollout, tools.retriever, tools.retriever.url, config.trainer.seed, tools=tools
         )
         self.engines = [self.rollout]
@@ -234,9 +235,9 @@ class GRPOTrainer:
             self.close()
 
     def _launch_rollouts(self) -> None:
-        """Submit the rollouts of every step up to `rollout.async_steps` ahead of the current one. The rollout
-        worker runs calls in submission order, so a rollout submitted before a weight sync samples with the weights
-        before it: at most `async_steps` updates old when it is trained on."""
+        """Submit the rollouts of every step up to `rollout.async_steps` ahead of the current one. A rollout
+        submitted under weight version v is trained on at most `async_steps` updates later; with
+        `rollout.update_weights_in_flight` the syncs in between reach its later tokens, otherwise they wait for it."""
         config = self.config
         last = min(self.step + config.rollout.async_steps, config.trainer.total_steps)
         while self.next_rollout_step <= last:
@@ -281,10 +282,9 @@ class GRPOTrainer:
         train_metrics = self.actor.train_step(samples)
         train_s = time.perf_counter() - timer
 
-        # rollouts already submitted sample with the weights they were submitted under; the engine loads the new
-        # ones after them
         timer = time.perf_counter()
-        if self.rollouts:
+        if self.rollouts and not config.rollout.update_weights_in_flight:
+            # rollouts already submitted finish with the weights they were submitted under
             ray.wait([pending.trajectories for pending in self.rollouts], num_returns=len(self.rollouts))
         rollout_wait_s += time.perf_counter() - timer
         sync = sync_weights(self.actor, self.engines, config.bridge.bucket_mb)
@@ -300,6 +300,7 @@ class GRPOTrainer:
             "time/ref_logprob_s": ref_logprob_s,
             "time/train_s": train_s,
             "time/sync_s": sync.seconds,
+            "time/engine_idle_s": ray.get(self.rollout.idle_seconds.remote()),
             "bridge/buckets": float(sync.num_buckets),
             "bridge/sync_mib": sync.num_bytes / 2**20,
             "time/step_s": time.perf_counter() - step_started,

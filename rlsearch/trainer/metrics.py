@@ -32,6 +32,8 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         # where a trajectory's rollout time went: waiting on the engine vs on its tool calls
         "time/generate_s_mean": _mean([t.generate_s for t in trajectories]),
         "time/tool_wait_s_mean": _mean([t.tool_s for t in trajectories]),
+        # trajectories a weight update landed on while they generated (rollout.update_weights_in_flight)
+        "rollout/mixed_policy_fraction": _mean([len(t.weight_versions) > 1 for t in trajectories]),
     }
     for reason in ("answer", "eos", "length", "max_turns"):
         metrics[f"rollout/finish_{reason}"] = _mean([t.finish_reason == reason for t in trajectories])

@@ -79,6 +79,9 @@ def test_run_search_grpo_script_trains_with_tp2_pp2_and_async_rollout(tmp_path):
     assert all(e.value == 1.0 for e in events.Scalars("actor/update_ok"))
     assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-4
     assert [e.value for e in events.Scalars("rollout/staleness")] == [0.0, 1.0]
+    # the step-1 sync may land on step 2's rollout in flight (rollout.update_weights_in_flight)
+    assert all(0.0 <= e.value <= 1.0 for e in events.Scalars("rollout/mixed_policy_fraction"))
+    assert all(e.value >= 0.0 for e in events.Scalars("time/engine_idle_s"))
     # the stale batch is corrected towards the actor's policy: importance weights near 1 for a 1e-4 learning rate
     assert all(0.5 < e.value < 2.0 for e in events.Scalars("actor/tis_weight_mean"))
     assert (out / "checkpoints" / "step_000002" / "megatron").is_dir()

@@ -46,21 +46,24 @@ class Engine:
         self.weights = "random"
 
     def use_weights(self, weights: str) -> None:
-        """``random`` (the tiny model as built) or ``automaton``, loaded by the weight-sync path if not loaded."""
-        if weights == self.weights:
-            return
+        """``random`` (the tiny model as built), ``automaton`` or ``rescaled``, loaded by the weight-sync path if not
+        loaded."""
+        if weights != self.weights:
+            self.events.run(self.load_weights(weights))
+
+    async def load_weights(self, weights: str) -> None:
+        """The weight-sync path of a rollout worker, on the engine's loop (requests may be in flight)."""
         state = load_file(str(self.model_dir / "model.safetensors"))
         if weights == "automaton":
             state = search_automaton_weights(state, self.engine.tokenizer, [AUTOMATON_QUERY])
-
-        async def load() -> None:
-            await self.engine.begin_weight_update()
-            assert await self.engine.load_weight_bucket(pack_bucket(list(state.items()))) == (
-                len(state), sum(t.numel() * t.element_size() for t in state.values())
-            )
-            await self.engine.finish_weight_update()
-
-        self.events.run(load())
+        elif weights == "rescaled":  # another policy whose attention reads a different KV cache
+            state = {name: tensor * 2.0 if name.endswith(("k_proj.weight", "v_proj.weight")) else tensor
+                     for name, tensor in state.items()}
+        await self.engine.begin_weight_update()
+        assert await self.engine.load_weight_bucket(pack_bucket(list(state.items()))) == (
+            len(state), sum(t.numel() * t.element_size() for t in state.values())
+        )
+        await self.engine.finish_weight_update()
         self.weights = weights
 
     def rollout(self, retriever_url: str, items: list[PromptItem], step: int, **rollout) -> list[Trajectory]:
@@ -196,3 +199,53 @@ def test_a_sample_waiting_on_a_slow_search_does_not_hold_the_others(engine, retr
     assert turn_barrier_server.arrived_while_held == 0
     assert_same_trajectories(per_sample, reference)
     assert_same_trajectories(turn_barrier, reference)
+
+
+def test_a_weight_update_lands_on_requests_in_flight(engine):
+    """Requests streaming from the random weights get other weights mid-generation (key and value projections
+    doubled): each one's sampled logprobs equal the old policy's (teacher-forced by the engine) up to some token and
+    the new policy's from there on. Matching the new policy after the switch needs the running requests' KV cache
+    recomputed with the new weights."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine.use_weights("random")
+    prompt = engine.engine.tokenizer.encode("Who founded the town of Ashford?")
+    min_tokens_before_update = 40
+
+    async def generate_across_update() -> list[list[tuple[int, float]]]:
+        progress = [0, 0, 0]
+        started = asyncio.Event()
+
+        async def stream(index: int) -> list[tuple[int, float]]:
+            params = SamplingParams(max_tokens=500, ignore_eos=True, temperature=1.0, logprobs=0, seed=index)
+            final = None
+            async for output in engine.engine.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), params,
+                                                            request_id=f"in-flight-{index}"):
+                final = output.outputs[0]
+                progress[index] = len(final.token_ids)
+                if min(progress) >= min_tokens_before_update:
+                    started.set()
+            return [(token, entry[token].logprob) for token, entry in zip(final.token_ids, final.logprobs)]
+
+        streams = [asyncio.ensure_future(stream(index)) for index in range(3)]
+        await asyncio.wait_for(started.wait(), 120)
+        version = engine.engine.weight_version
+        await engine.load_weights("rescaled")
+        assert engine.engine.weight_version == version + 1
+        assert not all(stream.done() for stream in streams), "the requests finished before the weight update"
+        return await asyncio.gather(*streams)
+
+    sampled = engine.events.run(generate_across_update())
+    sequences = [prompt + [token for token, _ in tokens] for tokens in sampled]
+    new_policy = [engine.events.run(engine.engine.score(ids)) for ids in sequences]
+    engine.use_weights("random")
+    old_policy = [engine.events.run(engine.engine.score(ids)) for ids in sequences]
+
+    for tokens, old, new in zip(sampled, old_policy, new_policy):
+        logprobs = [logprob for _, logprob in tokens]
+        old, new = old[len(prompt) - 1:], new[len(prompt) - 1:]
+        switch = next(i for i, (lp, o) in enumerate(zip(logprobs, old)) if abs(lp - o) > 1e-4)
+        assert min_tokens_before_update <= switch < len(logprobs)
+        assert max(abs(lp - n) for lp, n in zip(logprobs[switch:], new[switch:])) < 1e-4
+        assert max(abs(o - n) for o, n in zip(old[switch:], new[switch:])) > 0.1  # the two policies do differ

@@ -124,6 +124,8 @@ class ScriptedEngine:
     """Replays fixed model turns token-exactly, as a vLLM engine would return them (text cut after the stop string,
     finish_reason/stop_reason set), so the agent loop meets every limit and error on purpose."""
 
+    weight_version = 0
+
     def __init__(self, tokenizer, stop_strings: tuple[str, ...]) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = stop_strings

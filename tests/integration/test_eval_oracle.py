@@ -30,8 +30,10 @@ from rlsearch.eval import OVERALL, run_eval
 
 
 class OracleEngine:
-    """Engine-shaped: `tokenizer` and coroutines `generate(token_id_prompts, sampling_params)` (vLLM-like outputs)
-    and `shutdown()`."""
+    """Engine-shaped: `tokenizer`, `weight_version` and coroutines `generate(token_id_prompts, sampling_params)`
+    (vLLM-like outputs) and `shutdown()`."""
+
+    weight_version = 0
 
     def __init__(self, tokenizer, golden_by_question: dict[str, tuple[str, ...]]) -> None:
         self.tokenizer = tokenizer
