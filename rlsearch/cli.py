@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from .tools.server_process import add_retriever_arguments
+from .tools.server_process import add_mcp_server_arguments, add_retriever_server_arguments
 
 DESCRIPTION = """\
 rlsearch trains LLM search agents with reinforcement learning (GRPO): a Megatron-core actor,
@@ -21,9 +21,10 @@ Quick start (tiny model + generated corpus on CPU):
 
 
 def _train(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError
     from .config import ConfigError, load_train_config
     from .data import DatasetError
-    from .trainer import GRPOTrainer
+    from .trainer import GRPOTrainer, NonFiniteStepsError, WorkerDiedError
 
     try:
         config = load_train_config(args.config, args.overrides)
@@ -32,6 +33,9 @@ def _train(args: argparse.Namespace) -> int:
     except (ConfigError, DatasetError) as err:
         print(f"rlsearch train: {err}", file=sys.stderr)
         return 2
+    except (WorkerDiedError, NonFiniteStepsError, CheckpointError) as err:
+        print(f"rlsearch train: {err}", file=sys.stderr)
+        return 1
     print(summary.render(), flush=True)
     return 0
 
@@ -110,20 +114,25 @@ def _make_toy_data(args: argparse.Namespace) -> int:
 
 
 def _serve_retriever(args: argparse.Namespace) -> int:
-    from .tools import serve_retriever
+    from .tools.retrieval import serve_from_args
 
-    serve_retriever(
-        args.corpus, host=args.host, port=args.port, cache_dir=args.cache_dir, backend=args.backend,
-        encoder=args.encoder,
-    )
+    serve_from_args(args)
     return 0
 
 
 def _serve_mcp(args: argparse.Namespace) -> int:
-    from .tools import serve_mcp
+    from .tools.mcp_server import serve_from_args
 
-    serve_mcp(args.corpus, args.host, args.port, args.cache_dir, args.backend, args.encoder)
+    serve_from_args(args)
     return 0
+
+
+SERVER_ACCESS_TEXT = (
+    "The server binds 127.0.0.1 unless --host says otherwise (another address without a token prints a warning). "
+    "When the variable named by --token-env is set and non-empty, every request needs 'Authorization: Bearer "
+    "<token>' (401 otherwise); rlsearch clients and the servers the trainer starts read the same variable. Request "
+    "bodies over --max-body-bytes get 413."
+)
 
 
 CONVERT_EPILOG = """\
@@ -223,20 +232,22 @@ def build_parser() -> argparse.ArgumentParser:
     toy.set_defaults(func=_make_toy_data)
 
     serve = commands.add_parser(
-        "serve-retriever", help="retrieval server (BM25, dense or hybrid) with Search-R1's POST /retrieve API"
+        "serve-retriever", help="retrieval server (BM25, dense or hybrid) with Search-R1's POST /retrieve API",
+        description="Serve retrieval over a JSONL corpus with Search-R1's API: POST /retrieve {queries, topk, "
+        "return_scores}. A request over --max-queries, --max-query-chars or --max-topk gets 422 naming the limit. "
+        f"{SERVER_ACCESS_TEXT} Default token variable: RLSEARCH_RETRIEVER_TOKEN (tools.retriever.token_env).",
     )
-    add_retriever_arguments(serve)
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    add_retriever_server_arguments(serve)
     serve.set_defaults(func=_serve_retriever)
 
     serve_mcp = commands.add_parser(
         "serve-mcp", help="MCP server (streamable HTTP at /mcp) with search and browse over a local corpus",
         description="Serve the corpus over MCP, fully offline: `search` (the local retriever) and `browse` (a whole "
         "document by the URL or id search results show). Agents reach it with tools.mcp.servers: [{url: "
-        "http://127.0.0.1:PORT/mcp}], or the trainer starts one itself with tools.mcp.start_local=true.",
+        "http://127.0.0.1:PORT/mcp}], or the trainer starts one itself with tools.mcp.start_local=true. "
+        f"{SERVER_ACCESS_TEXT} Default token variable: RLSEARCH_MCP_TOKEN (token_env of each tools.mcp.servers entry).",
     )
-    add_retriever_arguments(serve_mcp)
-    serve_mcp.add_argument("--port", type=int, default=8001, help="0 picks a free port")
+    add_mcp_server_arguments(serve_mcp)
     serve_mcp.set_defaults(func=_serve_mcp)
     return parser
 

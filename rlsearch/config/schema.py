@@ -107,21 +107,27 @@ class RetrieverConfig:
     timeout_s: float = 10.0
     max_retries: int = 3
     backoff_s: float = 0.5
-    batch_size: int = 64  # client: queries per /retrieve request
+    batch_size: int = 64  # client: queries per /retrieve request (at most 512, the server's default max_queries)
     max_concurrency: int = 4  # client: requests in flight at once
+    # environment variable holding a bearer token. Set (non-empty) where the local server starts, the server
+    # requires it on every request; set where the client runs, the client sends it. Empty name: no token
+    token_env: str = "RLSEARCH_RETRIEVER_TOKEN"
 
 
 @dataclass
 class MCPServerConfig:
     url: str = ""  # streamable HTTP endpoint, e.g. http://127.0.0.1:8001/mcp
     allow: list[str] = field(default_factory=list)  # tools to give the agent; empty: all the server lists
+    # environment variable holding this server's bearer token; when set, requests send `Authorization: Bearer ...`
+    # (the server started by start_local requires RLSEARCH_MCP_TOKEN when that is set). Empty name: no token
+    token_env: str = "RLSEARCH_MCP_TOKEN"
 
 
 @dataclass
 class MCPConfig:
     servers: list[MCPServerConfig] = field(default_factory=list)  # e.g. [{url: ..., allow: [search]}]
     # start `rlsearch serve-mcp` (search + browse over tools.retriever.corpus, same backend) on 127.0.0.1 and
-    # use it as one more server
+    # use it as one more server (it requires the token in RLSEARCH_MCP_TOKEN when that is set)
     start_local: bool = False
     timeout_s: float = 30.0  # per call (and per connection attempt)
     max_retries: int = 2  # after a transport failure, with exponential backoff from backoff_s
@@ -194,6 +200,9 @@ class TrainerConfig:
     # every N steps (and after the last) score the current policy on eval.files with the eval-only code path, at
     # the rollout's decoding settings: results under output_dir/eval/step_N, scalars eval/<source>/<metric>
     eval_interval: int = 0
+    # a step whose loss or grad norm is NaN/inf is skipped (no optimizer or LR step, no weight sync) and the run goes
+    # on; after this many skipped steps in a row it stops, saving a checkpoint of the last good step (0: never stop)
+    max_consecutive_skips: int = 3
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 from .loader import ConfigError
@@ -20,6 +21,10 @@ _CHOICES = {
 }
 BUILTIN_TOOLS = ("search", "browse", "web_search", "web_browse")  # the names tools.enabled accepts
 MIN_OBSERVATION_TOKENS = 16  # a smaller rollout.max_observation_tokens cannot hold the output tags
+# the retrieval server's default request limits (rlsearch.tools.client.MAX_QUERIES, MAX_TOPK)
+RETRIEVER_MAX_QUERIES = 512
+RETRIEVER_MAX_TOPK = 100
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _POSITIVE = (
     "data.batch_size", "actor.tp", "actor.pp", "actor.dp", "actor.max_tokens_per_microbatch", "rollout.group_size",
@@ -55,6 +60,8 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
         raise ConfigError("'trainer.eval_interval' must be >= 0")
     if config.rollout.async_steps < 0:
         raise ConfigError("'rollout.async_steps' must be >= 0 (0: on-policy)")
+    if config.trainer.max_consecutive_skips < 0:
+        raise ConfigError("'trainer.max_consecutive_skips' must be >= 0 (0: never stop for NaN/inf steps)")
     if config.trainer.keep_checkpoints < 0:
         raise ConfigError("'trainer.keep_checkpoints' must be >= 0 (0: keep all)")
     if config.trainer.resume not in ("auto", "none"):
@@ -134,8 +141,27 @@ def _check_tools(config: TrainConfig | EvalConfig) -> None:
     for index, server in enumerate(tools.mcp.servers):
         if not server.url.startswith(("http://", "https://")):
             raise ConfigError(f"'tools.mcp.servers[{index}].url' must be an http(s) URL; got {server.url!r}")
+        _check_env_name(f"tools.mcp.servers[{index}].token_env", server.token_env)
+    retriever = tools.retriever
+    _check_env_name("tools.retriever.token_env", retriever.token_env)
+    if retriever.batch_size > RETRIEVER_MAX_QUERIES:
+        raise ConfigError(
+            f"'tools.retriever.batch_size' must be <= {RETRIEVER_MAX_QUERIES} (the retrieval server's limit of "
+            f"queries per request); got {retriever.batch_size}"
+        )
+    if retriever.topk > RETRIEVER_MAX_TOPK:
+        raise ConfigError(
+            f"'tools.retriever.topk' must be <= {RETRIEVER_MAX_TOPK} (the retrieval server's limit); "
+            f"got {retriever.topk}"
+        )
     if tools.mcp.max_retries < 0:
         raise ConfigError(f"'tools.mcp.max_retries' must be >= 0; got {tools.mcp.max_retries}")
+
+
+def _check_env_name(key: str, name: str) -> None:
+    """An environment variable name, or empty (no token)."""
+    if name and not _ENV_NAME.fullmatch(name):
+        raise ConfigError(f"'{key}' must name an environment variable (letters, digits, _) or be empty; got {name!r}")
 
 
 def _get(config: object, dotted: str) -> object:

@@ -10,10 +10,13 @@ from typing import Any
 import httpx
 
 from .base import Document, ErrorKind, Tool, ToolCall, ToolError, ToolResult, ToolSpec
-from .http import send_with_retries
+from .http import RETRIEVER_TOKEN_ENV, auth_hint, bearer_headers, send_with_retries
 
 SEARCH_DESCRIPTION = "search the document collection; the query is a short keyword query, results are passages"
-MAX_TOPK = 100  # the retrieval server's limit
+# the retrieval server's default request limits (rlsearch serve-retriever --max-topk, --max-queries, --max-query-chars)
+MAX_TOPK = 100
+MAX_QUERIES = 512  # queries per request; the client's batch_size is capped to it
+MAX_QUERY_CHARS = 4096
 
 
 class RetrievalClient:
@@ -23,6 +26,9 @@ class RetrievalClient:
     ``max_concurrency`` of them in flight (httpx costs several ms of client CPU per request: few large requests beat
     many small ones). Counters: ``num_requests`` counts requests sent (not retries), ``num_retries`` the extra
     attempts after transient failures, ``num_failures`` the calls that ended in ``ToolError``.
+
+    When the environment variable ``token_env`` holds a token, every request carries ``Authorization: Bearer
+    <token>``; a 401/403 answer is not retried and its error says which variable to set.
     """
 
     def __init__(
@@ -34,17 +40,21 @@ class RetrievalClient:
         backoff_s: float = 0.5,
         batch_size: int = 64,
         max_concurrency: int = 4,
+        token_env: str = RETRIEVER_TOKEN_ENV,
     ) -> None:
         self.url = url.rstrip("/")
         self.topk = topk
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
-        self.batch_size = batch_size
+        self.batch_size = min(batch_size, MAX_QUERIES)
+        self.token_env = token_env
         self.num_requests = 0
         self.num_retries = 0
         self.num_failures = 0
-        self._http = httpx.Client(timeout=timeout_s)
+        headers = bearer_headers(token_env)
+        self._auth_hint = auth_hint(token_env, bool(headers), "tools.retriever.token_env")
+        self._http = httpx.Client(timeout=timeout_s, headers=headers)
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="retrieval-client")
         self._counter_lock = threading.Lock()
 
@@ -84,7 +94,7 @@ class RetrievalClient:
     def _post_with_retries(self, endpoint: str, payload: dict) -> Any:
         response = send_with_retries(
             lambda: self._http.post(endpoint, json=payload), endpoint, self.max_retries, self.backoff_s,
-            self.timeout_s, on_retry=lambda: self._count("num_retries"),
+            self.timeout_s, on_retry=lambda: self._count("num_retries"), auth_hint=self._auth_hint,
         )
         try:
             return response.json()
@@ -107,7 +117,8 @@ def _documents_per_query(body: Any, num_queries: int, endpoint: str) -> list[lis
 class SearchTool(Tool):
     """``search`` backed by the retrieval server: a turn's queries go out batched (one request per ``topk``).
 
-    The only attribute is ``topk`` (1 to MAX_TOPK), as for the MCP server's search.
+    The only attribute is ``topk`` (1 to MAX_TOPK), as for the MCP server's search. A query longer than the
+    server's default limit (MAX_QUERY_CHARS) gets an error result of its own instead of failing the batch.
     """
 
     def __init__(self, client: RetrievalClient) -> None:
@@ -119,6 +130,8 @@ class SearchTool(Tool):
         by_topk: dict[int, list[int]] = {}
         for index, call in enumerate(calls):
             try:
+                if len(call.query) > MAX_QUERY_CHARS:
+                    raise ToolError(f"tool 'search': the query is longer than {MAX_QUERY_CHARS} characters")
                 by_topk.setdefault(self._topk(call), []).append(index)
             except ToolError as error:
                 results[index] = ToolResult.failure(ErrorKind.TOOL_ERROR, str(error))

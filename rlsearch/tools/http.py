@@ -1,13 +1,39 @@
-"""HTTP requests with retries: transport errors, timeouts, 429 and 5xx are retried with exponential backoff."""
+"""HTTP requests with retries (transport errors, timeouts, 429 and 5xx, with exponential backoff); bearer tokens
+from environment variables."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
 import httpx
 
 from .base import ToolError, ToolTimeout
+
+RETRIEVER_TOKEN_ENV = "RLSEARCH_RETRIEVER_TOKEN"  # default variable holding the retrieval server's bearer token
+MCP_TOKEN_ENV = "RLSEARCH_MCP_TOKEN"  # default variable holding the MCP server's bearer token
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: the tool servers answer larger request bodies with 413
+
+
+def read_token(token_env: str) -> str:
+    """The token in the environment variable ``token_env`` ("" when the name is empty or the variable unset)."""
+    return os.environ.get(token_env, "").strip() if token_env else ""
+
+
+def bearer_headers(token_env: str) -> dict[str, str]:
+    """``{"Authorization": "Bearer <token>"}`` when the variable ``token_env`` holds a token, else no headers."""
+    token = read_token(token_env)
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def auth_hint(token_env: str, sent_token: bool, config_key: str) -> str:
+    """What to do about a 401/403 answer, for a client that takes its token from the variable ``token_env``."""
+    if not token_env:
+        return f"the server requires a bearer token; set {config_key} to the variable that holds it"
+    if sent_token:
+        return f"the server refused the bearer token in {token_env}; set {token_env} to the server's token"
+    return f"the server requires a bearer token: set {token_env} to it ({config_key} names the variable)"
 
 
 def send_with_retries(
@@ -17,11 +43,13 @@ def send_with_retries(
     backoff_s: float,
     timeout_s: float,
     on_retry: Callable[[], None] | None = None,
+    auth_hint: str = "",
 ) -> httpx.Response:
     """The first response that is neither retried nor a 4xx rejection.
 
-    Raises ToolError naming ``what`` for a rejection (4xx other than 429, not retried) or when the attempts run
-    out; ToolTimeout instead when the last attempt timed out.
+    Raises ToolError naming ``what`` for a rejection (4xx other than 429, not retried; a 401/403 message ends with
+    ``auth_hint``, e.g. which variable holds the token) or when the attempts run out; ToolTimeout instead when the
+    last attempt timed out.
     """
     last_error, timed_out = "", False
     for attempt in range(max_retries + 1):
@@ -40,6 +68,8 @@ def send_with_retries(
         if response.status_code >= 500 or response.status_code == 429:
             last_error, timed_out = f"HTTP {response.status_code}: {response.text[:200]}", False
             continue
+        if response.status_code in (401, 403) and auth_hint:
+            raise ToolError(f"{what} rejected: HTTP {response.status_code}: {auth_hint}")
         if response.status_code >= 400:
             raise ToolError(f"{what} rejected: HTTP {response.status_code} {response.text[:500]}")
         return response

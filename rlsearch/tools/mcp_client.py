@@ -6,7 +6,9 @@ At start-up each server's tools are listed (``allow`` picks which ones the agent
 Each server has one persistent session, opened on first use and re-opened after the server went away; calls have
 a timeout, transport failures are retried with exponential backoff, and at most ``max_concurrency`` calls are in
 flight. Every failure becomes a ``ToolResult`` error, so a dead server gives error observations, not a dead
-rollout, and a restarted server is used again by later calls.
+rollout, and a restarted server is used again by later calls. When a server's token variable (``token_env``) is
+set, its requests carry ``Authorization: Bearer <token>``; a 401/403 answer is reported at once (not retried) with
+the variable to set.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import Document, ErrorKind, Tool, ToolCall, ToolError, ToolResult, ToolSetupError, ToolSpec
+from .http import MCP_TOKEN_ENV, auth_hint, bearer_headers
 from .loop_thread import LoopThread
 
 _SCHEMA_TYPES = {"integer": int, "number": float, "string": str}
@@ -26,6 +29,7 @@ _SCHEMA_TYPES = {"integer": int, "number": float, "string": str}
 class MCPServerSpec:
     url: str  # streamable HTTP endpoint, e.g. http://127.0.0.1:8001/mcp
     allow: tuple[str, ...] = ()  # tool names to expose; empty: every tool the server lists
+    token_env: str = MCP_TOKEN_ENV  # variable holding the server's bearer token; unset or "": none sent
 
 
 class _Connection:
@@ -33,11 +37,14 @@ class _Connection:
 
     The SDK client runs a task group: a transport failure cancels the task that entered it. Entering it in a
     holder task of its own keeps that failure away from the callers, who see a failed request instead.
+    ``refusal`` is set when the server answered 401/403 (the SDK reports only a generic error then).
     """
 
-    def __init__(self, url: str, connect_timeout_s: float) -> None:
+    def __init__(self, url: str, connect_timeout_s: float, token_env: str = MCP_TOKEN_ENV) -> None:
         self.url = url
         self.connect_timeout_s = connect_timeout_s
+        self.token_env = token_env
+        self.refusal = ""
         self._client = None
         self._holder: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -59,10 +66,24 @@ class _Connection:
             await self._stop_holder()
 
     async def _hold(self, ready: asyncio.Future) -> None:
+        import httpx2
         from mcp import Client
+        from mcp.client.streamable_http import streamable_http_client
 
+        headers = bearer_headers(self.token_env)
+        hint = auth_hint(self.token_env, bool(headers), "the server's token_env in tools.mcp.servers")
+
+        async def note_refusal(response: httpx2.Response) -> None:
+            if response.status_code in (401, 403):
+                self.refusal = f"HTTP {response.status_code}: {hint}"
+
+        self.refusal = ""
+        # the SDK's default timeouts (30 s, 300 s to read a stream); calls have their own timeout on top
+        http = httpx2.AsyncClient(
+            headers=headers, timeout=httpx2.Timeout(30.0, read=300.0), event_hooks={"response": [note_refusal]}
+        )
         try:
-            async with Client(self.url) as client:
+            async with http, Client(streamable_http_client(self.url, http_client=http)) as client:
                 self._client = client
                 ready.set_result(None)
                 await asyncio.Event().wait()  # until cancelled by reset(), or the transport fails
@@ -71,7 +92,8 @@ class _Connection:
                 ready.cancel()
         except Exception as error:  # a failure to connect reaches the caller through `ready`
             if not ready.done():
-                ready.set_exception(ToolError(f"cannot reach MCP server {self.url}: {_describe(error)}"))
+                reason = self.refusal or _describe(error)
+                ready.set_exception(ToolError(f"cannot reach MCP server {self.url}: {reason}"))
         finally:
             self._client = None
 
@@ -98,7 +120,7 @@ class MCPToolset:
         self.backoff_s = backoff_s
         self._runner = LoopThread("mcp-client")
         self._semaphore = asyncio.Semaphore(max_concurrency)  # binds to the runner's loop on first use
-        self._connections = [_Connection(server.url, timeout_s) for server in servers]
+        self._connections = [_Connection(server.url, timeout_s, server.token_env) for server in servers]
         self.tools: list[MCPTool] = []
         try:
             for server, connection in zip(servers, self._connections):
@@ -124,7 +146,7 @@ class MCPToolset:
             self._runner.stop()
 
     async def _discover(self, server: MCPServerSpec, connection: _Connection) -> list[MCPTool]:
-        last_error = ""
+        last_error, listing = "", None
         for attempt in range(self.max_retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
@@ -132,10 +154,13 @@ class MCPToolset:
                 client = await connection.client()
                 listing = await asyncio.wait_for(client.list_tools(), self.timeout_s)
                 break
-            except Exception as error:  # any failure to list is retried, then reported
-                last_error = _describe(error)
+            except Exception as error:  # any failure to list is retried (unless refused: it would be again)
+                refusal = connection.refusal
+                last_error = refusal or _describe(error)
                 await connection.reset()
-        else:
+                if refusal:
+                    break
+        if listing is None:
             raise ToolSetupError(f"cannot list the tools of MCP server {server.url}: {last_error}")
         listed = {tool.name: tool for tool in listing.tools}
         missing = [name for name in server.allow if name not in listed]
@@ -162,8 +187,14 @@ class MCPToolset:
                     counters["failures"] += 1
                     return ToolResult.failure(ErrorKind.TIMEOUT, f"timed out after {self.timeout_s:g} s")
                 except Exception as error:  # a transport failure: reconnect and retry
-                    last_error = _describe(error)
+                    refusal = connection.refusal
                     await connection.reset()
+                    if refusal:  # the same request would be refused again
+                        counters["failures"] += 1
+                        return ToolResult.failure(
+                            ErrorKind.TOOL_ERROR, f"MCP server {connection.url} refused the request: {refusal}"
+                        )
+                    last_error = _describe(error)
                     continue
                 return _tool_result(result)
             counters["failures"] += 1

@@ -2,7 +2,9 @@
 
 Tools: ``search`` (the local retriever: BM25, dense or hybrid) and ``browse`` (a whole passage by the URL or id
 that search results show). Results are structured items ``{id, title, url, text, kind}``, which the MCP client
-renders as ``<snippet>`` / ``<webpage>`` items.
+renders as ``<snippet>`` / ``<webpage>`` items. When the token variable (``--token-env``, default
+RLSEARCH_MCP_TOKEN) is set where the server starts, every request must carry ``Authorization: Bearer <token>``;
+request bodies are bounded (413).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .client import SEARCH_DESCRIPTION
+from .http import DEFAULT_MAX_BODY_BYTES, MCP_TOKEN_ENV
 from .retrieval import MAX_TOPK, Retriever, build_retriever
-from .server_process import add_retriever_arguments
-from .serving import serve_app
+from .server_process import add_mcp_server_arguments
+from .serving import ServiceGuard, guard, serve_app
 
 LOCAL_URL_PREFIX = "local://corpus/"
 BROWSE_DESCRIPTION = "read a whole document of the collection; the query is its URL (local://corpus/ID) or its ID"
@@ -71,21 +74,45 @@ def serve_mcp(
     cache_dir: str | None = None,
     backend: str = "bm25",
     encoder: str = "",
+    token_env: str = MCP_TOKEN_ENV,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> None:
-    """Serve the corpus over MCP until interrupted. ``port=0`` picks a free port (printed)."""
+    """Serve the corpus over MCP until interrupted. ``port=0`` picks a free port (printed). When the variable
+    ``token_env`` is set, requests need its token."""
     retriever = build_retriever(corpus, backend, cache_dir, encoder)
+    app = create_mcp_app(retriever, host, token_env, max_body_bytes)
+    secured = ", bearer token required" if app.requires_token else ""
+    announcement = (
+        f"mcp server listening on {{url}} (endpoint /mcp, {len(retriever.corpus)} documents, {backend}{secured})"
+    )
+    serve_app(app, host, port, announcement)
+
+
+def create_mcp_app(
+    retriever: Retriever,
+    host: str = "127.0.0.1",
+    token_env: str = MCP_TOKEN_ENV,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> ServiceGuard:
+    """The streamable HTTP app (endpoint /mcp, and /health) behind the token check (the token is read from the
+    variable ``token_env`` now; unset or "": none required) and the body-size bound."""
     # stateless: every request stands alone, so clients carry on across a server restart
     app = create_mcp_server(retriever).streamable_http_app(stateless_http=True, json_response=True, host=host)
-    announcement = f"mcp server listening on {{url}} (endpoint /mcp, {len(retriever.corpus)} documents, {backend})"
-    serve_app(app, host, port, announcement)
+    return guard(app, token_env, max_body_bytes, jsonrpc=True)
+
+
+def serve_from_args(args: argparse.Namespace) -> None:
+    """``serve_mcp`` with the options of ``add_mcp_server_arguments``."""
+    serve_mcp(
+        args.corpus, args.host, args.port, args.cache_dir, args.backend, args.encoder, args.token_env,
+        args.max_body_bytes,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Serve the local corpus over MCP (search, browse).")
-    add_retriever_arguments(parser)
-    parser.add_argument("--port", type=int, default=8001, help="0 picks a free port")
-    args = parser.parse_args()
-    serve_mcp(args.corpus, args.host, args.port, args.cache_dir, args.backend, args.encoder)
+    add_mcp_server_arguments(parser)
+    serve_from_args(parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Retrieval over a JSONL corpus (BM25, dense, or hybrid), served over HTTP with Search-R1's ``/retrieve`` API.
 
 Concurrent requests are micro-batched: requests that arrive while a search runs are searched together in the next
-index call, so many small clients cost one large search instead of many small ones.
+index call, so many small clients cost one large search instead of many small ones. Requests are bounded (body
+size: 413; number of queries, query length, topk: 422 naming the limit) and, when the token variable is set where
+the server starts, must carry ``Authorization: Bearer <token>`` (401).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import fastapi
 import numpy as np
 from pydantic import BaseModel, Field, StrictBool, StrictStr
 
-from .client import MAX_TOPK
-from .server_process import BACKENDS, add_retriever_arguments
-from .serving import serve_app
+from .client import MAX_QUERIES, MAX_QUERY_CHARS, MAX_TOPK
+from .http import DEFAULT_MAX_BODY_BYTES, RETRIEVER_TOKEN_ENV
+from .server_process import BACKENDS, add_retriever_server_arguments
+from .serving import guard, serve_app
 
 STOPWORDS = "en"
 RRF_K = 60  # reciprocal rank fusion constant (Cormack et al.): score = sum over rankings of 1 / (RRF_K + rank)
@@ -200,8 +203,33 @@ def _save_atomically(index: bm25s.BM25, target_dir: Path) -> None:
 
 class RetrieveRequest(BaseModel):
     queries: list[StrictStr]
-    topk: int = Field(default=3, ge=1, le=MAX_TOPK)
+    topk: int = Field(default=3, ge=1)  # the upper bound is the server's RequestLimits.max_topk
     return_scores: StrictBool = False
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one /retrieve request may ask for (``serve-retriever --max-...``)."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies: 413
+    max_queries: int = MAX_QUERIES  # more queries: 422
+    max_query_chars: int = MAX_QUERY_CHARS  # a longer query: 422
+    max_topk: int = MAX_TOPK  # a larger topk: 422
+
+    def violation(self, request: RetrieveRequest) -> str | None:
+        """Why ``request`` is over a limit, or None."""
+        if len(request.queries) > self.max_queries:
+            count = len(request.queries)
+            return f"{count} queries in one request; this server's limit is max_queries={self.max_queries}"
+        for index, query in enumerate(request.queries):
+            if len(query) > self.max_query_chars:
+                return (
+                    f"queries[{index}] has {len(query)} characters; this server's limit is "
+                    f"max_query_chars={self.max_query_chars}"
+                )
+        if request.topk > self.max_topk:
+            return f"topk={request.topk} is over this server's limit max_topk={self.max_topk}"
+        return None
 
 
 @dataclass
@@ -257,7 +285,11 @@ class MicroBatcher:
                 pending.result.set_result([query_hits[: pending.topk] for query_hits in hits])
 
 
-def create_app(retriever: Retriever) -> fastapi.FastAPI:
+def create_app(
+    retriever: Retriever, limits: RequestLimits = RequestLimits(), token_env: str = RETRIEVER_TOKEN_ENV
+):
+    """The ASGI app: /health and /retrieve behind the token check (the token is read from the variable
+    ``token_env`` now; unset or "": none required) and the body-size bound."""
     batcher = MicroBatcher(retriever)
 
     @asynccontextmanager
@@ -274,6 +306,9 @@ def create_app(retriever: Retriever) -> fastapi.FastAPI:
 
     @app.post("/retrieve")
     async def retrieve(request: RetrieveRequest) -> fastapi.Response:
+        violation = limits.violation(request)
+        if violation is not None:
+            return fastapi.responses.JSONResponse({"detail": violation}, status_code=422)
         results = await batcher.search(request.queries, request.topk)
         if request.return_scores:
             body = {"result": [[{"document": doc, "score": score} for doc, score in hits] for hits in results]}
@@ -282,7 +317,7 @@ def create_app(retriever: Retriever) -> fastapi.FastAPI:
         # serialised directly: FastAPI's generic encoder walks every value and costs more than the search
         return fastapi.Response(json.dumps(body, ensure_ascii=False), media_type="application/json")
 
-    return app
+    return guard(app, token_env, limits.max_body_bytes)
 
 
 def serve_retriever(
@@ -292,22 +327,31 @@ def serve_retriever(
     cache_dir: str | None = None,
     backend: str = "bm25",
     encoder: str = "",
+    token_env: str = RETRIEVER_TOKEN_ENV,
+    limits: RequestLimits = RequestLimits(),
 ) -> None:
-    """Index ``corpus`` and serve it until interrupted. ``port=0`` picks a free port (printed)."""
+    """Index ``corpus`` and serve it until interrupted. ``port=0`` picks a free port (printed). When the variable
+    ``token_env`` is set, requests need its token; ``limits`` bound each request."""
     retriever = build_retriever(corpus, backend, cache_dir, encoder)
-    announcement = f"retriever listening on {{url}} ({len(retriever.corpus)} documents, {backend})"
-    serve_app(create_app(retriever), host, port, announcement)
+    app = create_app(retriever, limits, token_env)
+    secured = ", bearer token required" if app.requires_token else ""
+    announcement = f"retriever listening on {{url}} ({len(retriever.corpus)} documents, {backend}{secured})"
+    serve_app(app, host, port, announcement)
+
+
+def serve_from_args(args: argparse.Namespace) -> None:
+    """``serve_retriever`` with the options of ``add_retriever_server_arguments``."""
+    limits = RequestLimits(args.max_body_bytes, args.max_queries, args.max_query_chars, args.max_topk)
+    serve_retriever(
+        args.corpus, host=args.host, port=args.port, cache_dir=args.cache_dir, backend=args.backend,
+        encoder=args.encoder, token_env=args.token_env, limits=limits,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Serve retrieval over a JSONL corpus (Search-R1 API).")
-    add_retriever_arguments(parser)
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    args = parser.parse_args()
-    serve_retriever(
-        args.corpus, host=args.host, port=args.port, cache_dir=args.cache_dir, backend=args.backend,
-        encoder=args.encoder,
-    )
+    add_retriever_server_arguments(parser)
+    serve_from_args(parser.parse_args())
 
 
 if __name__ == "__main__":

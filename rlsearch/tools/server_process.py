@@ -16,6 +16,9 @@ import httpx
 
 import rlsearch
 
+from .client import MAX_QUERIES, MAX_QUERY_CHARS, MAX_TOPK
+from .http import DEFAULT_MAX_BODY_BYTES, MCP_TOKEN_ENV, RETRIEVER_TOKEN_ENV, bearer_headers
+
 if TYPE_CHECKING:
     from typing import Self
 
@@ -29,7 +32,56 @@ def add_retriever_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="bm25", choices=BACKENDS, help="hybrid: BM25 + dense by rank fusion")
     parser.add_argument("--encoder", default="", help="sentence-transformers dir for dense/hybrid (default MiniLM)")
     parser.add_argument("--cache-dir", default=None, help="where indexes and embeddings are kept for reuse")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    parser.add_argument(
+        "--host", default="127.0.0.1",
+        help="bind address (default: loopback only); another address without a token prints a warning",
+    )
+
+
+def add_retriever_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every option of ``serve-retriever`` (``python -m rlsearch.tools.retrieval``)."""
+    add_retriever_arguments(parser)
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    add_access_arguments(parser, RETRIEVER_TOKEN_ENV)
+    add_retrieval_limit_arguments(parser)
+
+
+def add_mcp_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every option of ``serve-mcp`` (``python -m rlsearch.tools.mcp_server``)."""
+    add_retriever_arguments(parser)
+    parser.add_argument("--port", type=int, default=8001, help="0 picks a free port")
+    add_access_arguments(parser, MCP_TOKEN_ENV)
+
+
+def add_access_arguments(parser: argparse.ArgumentParser, default_token_env: str) -> None:
+    """The bearer token and body-size options every tool server takes."""
+    parser.add_argument(
+        "--token-env", default=default_token_env, metavar="NAME",
+        help=f"environment variable holding a bearer token (default: {default_token_env}). When it is set and "
+        "non-empty, every request must send 'Authorization: Bearer <token>' (401 otherwise); rlsearch clients send "
+        "it from the variable of the same name. Unset: no token is required. '' turns the check off",
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+        help=f"larger request bodies are refused with 413 (default: {DEFAULT_MAX_BODY_BYTES})",
+    )
+
+
+def add_retrieval_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The /retrieve request limits (a request over one gets 422 naming it)."""
+    for flag, default, meaning in [
+        ("--max-queries", MAX_QUERIES, "queries per request"),
+        ("--max-query-chars", MAX_QUERY_CHARS, "characters per query"),
+    ]:
+        parser.add_argument(flag, type=_positive_int, default=default, help=f"{meaning} (default: {default})")
+    parser.add_argument("--max-topk", type=_positive_int, default=MAX_TOPK, help=f"largest topk (default: {MAX_TOPK})")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
 
 
 class CorpusServerProcess:
@@ -37,12 +89,15 @@ class CorpusServerProcess:
     stops it (also as a context manager).
 
     With ``port=0`` the server binds a free port itself and announces it in its log, so no other process can
-    grab the port between choosing and binding it. After ``stop()``, ``start()`` reuses the same port.
+    grab the port between choosing and binding it. After ``stop()``, ``start()`` reuses the same port. The server
+    inherits this process's environment: when the variable ``token_env`` holds a token, the server requires it
+    (and the health check here sends it).
     """
 
     kind = "server"  # names the process in messages, in its announcement and in log file names
     module = ""
     url_path = ""  # appended to http://host:port to form ``url``
+    default_token_env = ""
 
     def __init__(
         self,
@@ -53,6 +108,7 @@ class CorpusServerProcess:
         startup_timeout_s: float = 120.0,
         backend: str = "bm25",
         encoder: str = "",
+        token_env: str | None = None,
     ) -> None:
         self.corpus = corpus
         self.cache_dir = cache_dir
@@ -61,6 +117,7 @@ class CorpusServerProcess:
         self.startup_timeout_s = startup_timeout_s
         self.backend = backend
         self.encoder = encoder
+        self.token_env = self.default_token_env if token_env is None else token_env
         self.log_path: Path | None = None
         self._process: subprocess.Popen | None = None
         self._announcement = re.compile(rf"{self.kind} listening on http://\S+:(\d+) ")
@@ -113,7 +170,7 @@ class CorpusServerProcess:
         self.stop()
 
     def _arguments(self) -> list[str]:
-        arguments = ["--corpus", str(self.corpus), "--backend", self.backend]
+        arguments = ["--corpus", str(self.corpus), "--backend", self.backend, "--token-env", self.token_env]
         if self.encoder:
             arguments += ["--encoder", self.encoder]
         if self.cache_dir is not None:
@@ -134,7 +191,7 @@ class CorpusServerProcess:
             if exit_code is not None:
                 raise RuntimeError(f"{self.kind} exited with code {exit_code} on startup\n{self._log_tail()}")
             port = self._announced_port()
-            if port is not None and _is_healthy(f"http://{self.host}:{port}"):
+            if port is not None and _is_healthy(f"http://{self.host}:{port}", bearer_headers(self.token_env)):
                 return port
             time.sleep(0.1)
         raise RuntimeError(f"{self.kind} not ready after {self.startup_timeout_s:.0f} s\n{self._log_tail()}")
@@ -153,6 +210,7 @@ class RetrieverProcess(CorpusServerProcess):
 
     kind = "retriever"
     module = "rlsearch.tools.retrieval"
+    default_token_env = RETRIEVER_TOKEN_ENV
 
 
 class MCPServerProcess(CorpusServerProcess):
@@ -161,6 +219,7 @@ class MCPServerProcess(CorpusServerProcess):
     kind = "mcp server"
     module = "rlsearch.tools.mcp_server"
     url_path = "/mcp"
+    default_token_env = MCP_TOKEN_ENV
 
 
 def _child_env() -> dict[str, str]:
@@ -173,7 +232,8 @@ def _child_env() -> dict[str, str]:
 
 def _die_with_parent() -> None:
     """In the child before exec (Linux): SIGTERM when the process that started it dies, even by SIGKILL, so a killed
-    run leaves no server behind holding its port and memory."""
+    run leaves no server behind holding its port and memory. The signal follows the *thread* that started the child:
+    start servers from a thread that lives as long as they should (the main thread)."""
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
@@ -182,8 +242,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def _is_healthy(url: str) -> bool:
+def _is_healthy(url: str, headers: dict[str, str]) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+        return httpx.get(f"{url}/health", headers=headers, timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False

@@ -48,7 +48,7 @@ def build_registry(tools: ToolsConfig, retriever: RetrieverConfig, retriever_url
         if tools.mcp.servers:
             from .mcp_client import MCPServerSpec, MCPToolset
 
-            specs = [MCPServerSpec(server.url, tuple(server.allow)) for server in tools.mcp.servers]
+            specs = [MCPServerSpec(server.url, tuple(server.allow), server.token_env) for server in tools.mcp.servers]
             mcp = tools.mcp
             built.extend(MCPToolset(specs, mcp.timeout_s, mcp.max_retries, mcp.backoff_s, mcp.max_concurrency).tools)
         return ToolRegistry(built, ToolCache(tools.cache_dir) if tools.cache_dir else None)
@@ -66,6 +66,7 @@ def _search(tools: ToolsConfig, retriever: RetrieverConfig, retriever_url: str) 
     return SearchTool(RetrievalClient(
         retriever_url, topk=retriever.topk, timeout_s=retriever.timeout_s, max_retries=retriever.max_retries,
         backoff_s=retriever.backoff_s, batch_size=retriever.batch_size, max_concurrency=retriever.max_concurrency,
+        token_env=retriever.token_env,
     ))
 
 
@@ -100,7 +101,10 @@ _BUILDERS: dict[str, Callable[[ToolsConfig, RetrieverConfig, str], Tool]] = {
 
 class ToolServers:
     """The local servers a run needs: the retriever (for ``search`` when ``tools.retriever.url`` is empty) and
-    ``rlsearch serve-mcp`` (when ``tools.mcp.start_local``). ``tools`` is the config with their URLs filled in."""
+    ``rlsearch serve-mcp`` (when ``tools.mcp.start_local``). ``tools`` is the config with their URLs filled in.
+
+    Both bind 127.0.0.1 and inherit this process's environment: the retriever requires the token in
+    ``tools.retriever.token_env`` when that variable is set, the MCP server the one in RLSEARCH_MCP_TOKEN."""
 
     def __init__(self, tools: ToolsConfig) -> None:
         self.config = tools
@@ -120,11 +124,14 @@ class ToolServers:
                 raise ToolSetupError(f"'tools.retriever.corpus' not found: {retriever.corpus}")
         try:
             if needs_retriever:
-                self.retriever = RetrieverProcess(retriever.corpus, **_server_options(retriever)).start()
+                self.retriever = RetrieverProcess(
+                    retriever.corpus, token_env=retriever.token_env, **_server_options(retriever)
+                ).start()
                 retriever = dataclasses.replace(retriever, url=self.retriever.url)
             mcp = self.config.mcp
             if mcp.start_local:
-                self.mcp = MCPServerProcess(retriever.corpus, **_server_options(retriever)).start()
+                token_env = MCPServerConfig().token_env  # the local server's entry keeps the default variable
+                self.mcp = MCPServerProcess(retriever.corpus, token_env=token_env, **_server_options(retriever)).start()
                 mcp = dataclasses.replace(mcp, servers=[*mcp.servers, MCPServerConfig(url=self.mcp.url)])
         except BaseException:
             self.stop()

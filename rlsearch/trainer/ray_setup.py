@@ -1,4 +1,11 @@
-"""Start (or join) Ray. A local instance listens on 127.0.0.1 only, with no dashboard."""
+"""Start (or join) Ray.
+
+A local instance is this process's own: its node address is 127.0.0.1, it has no dashboard, and Ray's token auth
+is off for it (unless RAY_AUTH_MODE is set). Ray 2.x binds its core gRPC ports on all interfaces whatever the node
+address, so on a host shared with untrusted users set RAY_AUTH_MODE=token before training (Ray then takes its token
+from RAY_AUTH_TOKEN, or creates ~/.ray/auth_token). Joining a cluster (``address``) leaves Ray's auth settings as the
+environment has them: the cluster decides.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +26,8 @@ def init_ray(address: str = "", num_cpus: int = 0) -> None:
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    for key, value in ray_env_defaults(address).items():
+        os.environ.setdefault(key, value)
     runtime_env = {"env_vars": {**WORKER_ENV, **_passthrough_env()}}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
@@ -31,5 +38,15 @@ def init_ray(address: str = "", num_cpus: int = 0) -> None:
     )
 
 
+def ray_env_defaults(address: str) -> dict[str, str]:
+    """The variables ``init_ray`` sets where unset: auth is disabled only for the local instance it starts."""
+    defaults = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    if not address:
+        defaults["RAY_AUTH_MODE"] = "disabled"
+    return defaults
+
+
 def _passthrough_env() -> dict[str, str]:
+    """Sent to every worker (needed when joining a cluster, whose workers do not inherit this environment): the
+    VLLM_* settings and the RLSEARCH_* variables, the default tool-server token variables among them."""
     return {key: value for key, value in os.environ.items() if key.startswith(("VLLM_", "RLSEARCH_"))}

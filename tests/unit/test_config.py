@@ -57,3 +57,24 @@ def test_example_config_loads():
     config = load_train_config(str(REPO_ROOT / "examples/configs/search_grpo_tiny.yaml"))
     assert config.rollout.protocol == "search_r1"
     assert config.bridge.max_logprob_mismatch == pytest.approx(1e-4)
+
+
+def test_tool_server_token_variables_and_request_limits():
+    from rlsearch.config import validate
+    from rlsearch.tools.client import MAX_QUERIES, MAX_TOPK
+    from rlsearch.tools.http import MCP_TOKEN_ENV, RETRIEVER_TOKEN_ENV
+
+    config = load_train_config(None, ["tools.mcp.servers=[{url: 'http://127.0.0.1:8001/mcp'}]"])
+    assert config.tools.retriever.token_env == RETRIEVER_TOKEN_ENV == "RLSEARCH_RETRIEVER_TOKEN"
+    assert config.tools.mcp.servers[0].token_env == MCP_TOKEN_ENV == "RLSEARCH_MCP_TOKEN"
+    assert (validate.RETRIEVER_MAX_QUERIES, validate.RETRIEVER_MAX_TOPK) == (MAX_QUERIES, MAX_TOPK)
+    assert load_train_config(None, ["tools.retriever.token_env=''"]).tools.retriever.token_env == ""
+    assert load_train_config(None, ["tools.retriever.batch_size=512"]).tools.retriever.batch_size == 512
+    for override, message in [
+        ("tools.retriever.token_env=my-token", r"'tools\.retriever\.token_env' must name an environment variable"),
+        ("tools.mcp.servers=[{url: 'http://h/mcp', token_env: '1X'}]", r"'tools\.mcp\.servers\[0\]\.token_env'"),
+        ("tools.retriever.batch_size=513", r"'tools\.retriever\.batch_size' must be <= 512"),
+        ("tools.retriever.topk=101", r"'tools\.retriever\.topk' must be <= 100"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_train_config(None, [override])
