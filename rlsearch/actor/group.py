@@ -49,6 +49,22 @@ class ActorGroup:
             start = end
         return shards
 
+    def _get(self, refs: list) -> list:
+        """Results of one call per rank. The first failure is raised at once: when a rank dies its peers may wait at
+        a collective until the process-group timeout, and nobody should wait for them."""
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            ray.get(ready)
+        return ray.get(refs)
+
+    def named_workers(self) -> list[tuple[str, ray.actor.ActorHandle]]:
+        """(name for messages, actor handle) per rank."""
+        return [
+            (f"actor rank {info.rank} (tp {info.tp_rank}, pp {info.pp_rank}, dp {info.dp_rank})", worker)
+            for worker, info in zip(self.workers, self.infos)
+        ]
+
     def _output_by_dp_rank(self, results: list) -> list:
         outputs = {info.dp_rank: result for info, result in zip(self.infos, results) if info.is_output_rank}
         return [outputs[dp_rank] for dp_rank in range(self.dp_size)]
@@ -57,7 +73,7 @@ class ActorGroup:
         self, samples: Sequence[TrainSample], reference: bool = False, temperature: float | None = None
     ) -> list[list[float]]:
         shards = self._shards(samples)
-        results = ray.get([
+        results = self._get([
             worker.compute_logprobs.remote(shards[info.dp_rank], reference, temperature)
             for worker, info in zip(self.workers, self.infos)
         ])
@@ -65,10 +81,14 @@ class ActorGroup:
 
     def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         shards = self._shards(samples)
-        results = ray.get([
+        results = self._get([
             worker.train_step.remote(shards[info.dp_rank], self.dp_size)
             for worker, info in zip(self.workers, self.infos)
         ])
+        skipped = {result["skipped_nonfinite"] for result in results}
+        if len(skipped) != 1:  # the worker's all-reduce makes this impossible unless a rank broke the protocol
+            flags = [result["skipped_nonfinite"] for result in results]
+            raise RuntimeError(f"actor ranks disagree on skipping a non-finite step (per rank: {flags})")
         per_dp = self._output_by_dp_rank(results)
         summed = {key: sum(r[key] for r in per_dp) for key in (
             "policy_loss", "kl_loss", "clip_tokens", "approx_kl_sum", "rollout_drift_sum", "tis_weight_sum",
@@ -86,6 +106,8 @@ class ActorGroup:
             "actor/grad_norm": per_dp[0]["grad_norm"],
             "actor/lr": per_dp[0]["lr"],
             "actor/update_ok": per_dp[0]["update_ok"],
+            # 1.0: the loss or grad norm was NaN/inf, every rank skipped the optimizer step (weights unchanged)
+            "actor/skipped_nonfinite": skipped.pop(),
         }
 
     def export_weight_buckets(self, bucket_bytes: int) -> Iterator[ray.ObjectRef]:
@@ -102,21 +124,24 @@ class ActorGroup:
                 pass
 
     def save_checkpoint(self, path: str) -> None:
-        ray.get([worker.save_checkpoint.remote(path) for worker in self.workers])
+        self._get([worker.save_checkpoint.remote(path) for worker in self.workers])
 
     def load_checkpoint(self, path: str, restore_rng: bool) -> int:
         """Load model, optimizer and scheduler (and RNG states when the layout is the one that saved them);
         returns the scheduler's step count."""
-        return ray.get([worker.load_checkpoint.remote(path, restore_rng) for worker in self.workers])[0]
+        return self._get([worker.load_checkpoint.remote(path, restore_rng) for worker in self.workers])[0]
 
     def hf_state_dict(self) -> dict:
-        return ray.get([worker.hf_state_dict.remote() for worker in self.workers])[0]
+        return self._get([worker.hf_state_dict.remote() for worker in self.workers])[0]
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop every rank: a clean process-group teardown first when ``graceful`` (not after a rank died: its peers
+        may be stuck at a collective), then the actors are killed."""
         from ray.util.placement_group import remove_placement_group
 
         try:
-            ray.get([worker.shutdown.remote() for worker in self.workers], timeout=30)
+            if graceful:
+                ray.get([worker.shutdown.remote() for worker in self.workers], timeout=30)
         finally:
             for worker in self.workers:
                 ray.kill(worker)

@@ -247,7 +247,9 @@ class MegatronActorWorker:
         return [by_index[index] for index in range(len(samples))]
 
     def train_step(self, samples: Sequence[TrainSample], dp_size: int) -> dict[str, float]:
-        """One optimizer step of PPO-clip (+ KL) over `samples` (this rank's data-parallel shard)."""
+        """One optimizer step of PPO-clip (+ KL) over `samples` (this rank's data-parallel shard). When the loss or
+        the gradients are NaN/inf on any rank, every rank skips the optimizer and LR-scheduler steps instead
+        (`skipped_nonfinite` 1.0, `update_ok` 0.0, `grad_norm` NaN): nothing changes but zeroed gradients."""
         algo = self.spec.algo
         if not samples:
             # an empty shard still joins the gradient all-reduce and the optimizer step: a zero-weight token
@@ -288,15 +290,41 @@ class MegatronActorWorker:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run_pipeline(self.model, samples, loss_fn, forward_only=False)
-        update_ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
         totals = {key: float(sum(out[key] for out in outputs)) for key in outputs[0]} if outputs else {}
+        loss = totals.get("policy_loss", 0.0) + algo.kl_coef * totals.get("kl_loss", 0.0)
+        skipped = self._any_rank_nonfinite(loss)
+        if skipped:
+            # weights, optimizer moments and step count, and the LR schedule stay as they were; every rank agrees
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            update_ok, grad_norm = False, None
+        else:
+            update_ok, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
         totals.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             update_ok=float(bool(update_ok)),
+            skipped_nonfinite=float(skipped),
             lr=float(self.optimizer.param_groups[0]["lr"]),
         )
         return totals
+
+    def _any_rank_nonfinite(self, loss: float) -> bool:
+        """Whether the step's loss or gradients are NaN/inf on any rank (a collective over all TP x PP x DP ranks,
+        so they all skip or all step). The loss is that of this rank's micro-batches (0 off the last stage); the
+        gradients are this rank's reduced DDP grad buffers, whose norm is finite exactly when the step's grad norm
+        is (the optimizer's norm is computed from these same buffers)."""
+        grads = [
+            param.main_grad for chunk in self.model for param in chunk.parameters()
+            if getattr(param, "main_grad", None) is not None
+        ]
+        local_norm = torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
+        on_nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else torch.device("cpu")
+        flag = torch.tensor([float(not (np.isfinite(loss) and np.isfinite(local_norm)))], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     # ---- weights --------------------------------------------------------------------------------------
 
@@ -342,6 +370,7 @@ class MegatronActorWorker:
                 for index, chunk in enumerate(self.model):
                     chunk.module.load_state_dict(state["model"][f"model{index}"])
             self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.num_steps = 0  # load_state_dict adds the saved count to the current one
         self.scheduler.load_state_dict(state["scheduler"])
         if restore_rng:
             _set_rng_state(state["rng"])

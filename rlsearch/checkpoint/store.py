@@ -3,6 +3,7 @@ only the newest `keep` kept; finding the checkpoint to resume from, skipping dam
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shutil
@@ -29,16 +30,21 @@ class CheckpointStore:
         info: dict[str, Any],
     ) -> Path:
         """`write_model(dir)` writes the Megatron checkpoint into an existing empty dir; `hf_dir` gives the config
-        and tokenizer files kept beside it; `info` goes into the manifest."""
+        and tokenizer files kept beside it; `info` goes into the manifest. A failed write (a full disk, say) removes
+        what it staged and raises CheckpointError naming the checkpoint that is still intact."""
         final = self.root / f"step_{step:06d}"
         staging = self.root / f".incomplete_step_{step:06d}"
-        if staging.exists():
-            shutil.rmtree(staging)
-        (staging / MODEL_DIR).mkdir(parents=True)
-        write_model(str(staging / MODEL_DIR))
-        copy_hf_metadata(hf_dir, staging / HF_DIR)
-        (staging / TRAINER_STATE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
-        write_manifest(staging, {"kind": "run", "step": step, **info})
+        try:
+            if staging.exists():
+                shutil.rmtree(staging)
+            (staging / MODEL_DIR).mkdir(parents=True)
+            write_model(str(staging / MODEL_DIR))
+            copy_hf_metadata(hf_dir, staging / HF_DIR)
+            (staging / TRAINER_STATE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+            write_manifest(staging, {"kind": "run", "step": step, **info})
+        except Exception as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise self._write_failed(final.name, error) from error
         if final.exists():
             shutil.rmtree(final)
         staging.rename(final)
@@ -46,6 +52,15 @@ class CheckpointStore:
         (self.root / "latest.tmp").rename(self.root / "latest")
         self._prune(keep_also=final)
         return final
+
+    def _write_failed(self, name: str, error: Exception) -> CheckpointError:
+        previous, _ = self.newest_complete()
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        if getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error):
+            cause = f"the disk is full under {self.root} (free space, or point trainer.output_dir elsewhere)"
+        else:  # errors raised in a Ray worker arrive wrapped: their last line is the original one
+            cause = (str(error).strip().splitlines() or [type(error).__name__])[-1]
+        return CheckpointError(f"writing checkpoint {name} failed, {cause}; {kept}")
 
     def _step_dirs(self) -> list[Path]:
         """step_* dirs, newest first."""

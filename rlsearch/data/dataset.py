@@ -10,6 +10,12 @@ from pathlib import Path
 from typing import Any
 
 ACCEPTED_SUFFIXES = (".jsonl", ".parquet")
+# A question longer than this is an error at load time, naming its row. Search-R1 questions are well under 1,000
+# characters; 32,768 characters of English are ~8k tokens, more than any prompt budget (rollout.max_prompt_tokens,
+# 512 by default) is meant to hold. The check needs no tokenizer, so it runs before anything starts and a runaway row
+# (a document pasted into the question field) stops the run at once instead of when its batch comes up; questions
+# under it whose prompt is still over rollout.max_prompt_tokens are reported when the prompt is built.
+MAX_QUESTION_CHARS = 32_768
 
 
 @dataclass(frozen=True)
@@ -24,11 +30,15 @@ class DatasetError(ValueError):
     """A dataset file is missing, unreadable or has a malformed row; the message says where and what to fix."""
 
 
-def load_qa_dataset(path: str | os.PathLike, default_data_source: str = "unknown") -> list[QAExample]:
-    """Read QA examples from a ``.jsonl`` or ``.parquet`` file.
+def load_qa_dataset(
+    path: str | os.PathLike, default_data_source: str = "unknown", max_question_chars: int = MAX_QUESTION_CHARS
+) -> list[QAExample]:
+    """Read QA examples from a ``.jsonl`` (UTF-8) or ``.parquet`` file.
 
     Rows are either raw Search-R1 rows (``question``, ``golden_answers``) or processed ones whose answers
     live in ``reward_model.ground_truth.target`` and whose question may be in ``extra_info.question``.
+    An empty file, a malformed row, bytes that are not UTF-8 and a question over ``max_question_chars`` characters
+    are `DatasetError`s naming the file (and line or row).
     """
     path = Path(path)
     if not path.is_file():
@@ -43,20 +53,27 @@ def load_qa_dataset(path: str | os.PathLike, default_data_source: str = "unknown
         )
 
     examples = [
-        _parse_row(row, location, f"{path.stem}-{index}", default_data_source)
+        _parse_row(row, location, f"{path.stem}-{index}", default_data_source, max_question_chars)
         for index, (location, row) in enumerate(located_rows)
     ]
     if not examples:
-        raise DatasetError(f"{path} contains no rows")
+        raise DatasetError(f"{path} contains no rows (the file is empty or has only blank lines)")
     return examples
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:  # decoded line by line, so bytes that are not UTF-8 are reported with their line
+        for line_number, raw in enumerate(lines, start=1):
+            location = f"{path}:{line_number}"
+            try:
+                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise DatasetError(
+                    f"{location}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at byte offset {error.start} of the "
+                    f"line); the file must be UTF-8 encoded, e.g. convert it with iconv -f <its encoding> -t UTF-8"
+                ) from None
             if not line.strip():
                 continue
-            location = f"{path}:{line_number}"
             try:
                 yield location, json.loads(line)
             except json.JSONDecodeError as error:
@@ -77,20 +94,22 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"{path}: row {row_number}", row
 
 
-def _parse_row(row: Any, location: str, fallback_id: str, default_data_source: str) -> QAExample:
+def _parse_row(
+    row: Any, location: str, fallback_id: str, default_data_source: str, max_question_chars: int
+) -> QAExample:
     if not isinstance(row, dict):
         raise DatasetError(f"{location}: expected a JSON object, got {type(row).__name__}")
     row_id = row.get("id")
     data_source = row.get("data_source")
     return QAExample(
         id=fallback_id if row_id is None else str(row_id),
-        question=_parse_question(row, location),
+        question=_parse_question(row, location, max_question_chars),
         golden_answers=_parse_golden_answers(row, location),
         data_source=default_data_source if data_source is None else str(data_source),
     )
 
 
-def _parse_question(row: dict[str, Any], location: str) -> str:
+def _parse_question(row: dict[str, Any], location: str, max_chars: int) -> str:
     question = row.get("question")
     extra_info = row.get("extra_info")
     if question is None and isinstance(extra_info, dict):
@@ -99,7 +118,14 @@ def _parse_question(row: dict[str, Any], location: str) -> str:
         raise DatasetError(
             f"{location}: missing or empty 'question' (or 'extra_info.question'); give a non-empty string"
         )
-    return question.strip()
+    question = question.strip()
+    if len(question) > max_chars:
+        raise DatasetError(
+            f"{location}: the question has {len(question):,} characters, more than the limit of {max_chars:,} "
+            f"(rlsearch.data.dataset.MAX_QUESTION_CHARS); a question that long cannot fit the prompt budget "
+            f"(rollout.max_prompt_tokens): shorten or drop the row"
+        )
+    return question
 
 
 def _parse_golden_answers(row: dict[str, Any], location: str) -> tuple[str, ...]:

@@ -1,7 +1,10 @@
 """The trainer composes actor, rollout, bridge, tools, reward and algo into the GRPO loop."""
 
-from .grpo import GRPOTrainer, RunSummary
+from .grpo import GRPOTrainer, RunSummary, WorkerDiedError
 from .ray_setup import init_ray
 from .sampler import EpochSampler, SamplerState
+from .skip_guard import NonFiniteStepsError
 
-__all__ = ["EpochSampler", "GRPOTrainer", "RunSummary", "SamplerState", "init_ray"]
+__all__ = [
+    "EpochSampler", "GRPOTrainer", "NonFiniteStepsError", "RunSummary", "SamplerState", "WorkerDiedError", "init_ray",
+]

@@ -12,6 +12,7 @@ from typing import Any
 from ..actor import ActorGroup, ActorWorkerSpec, TrainSample
 from ..algo import grpo_advantages, loss_token_weights
 from ..bridge import logprob_mismatch, sync_weights
+from ..bridge.sync import nonfinite_logprobs
 from ..checkpoint import CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import MODEL_DIR
 from ..config import ConfigError, EvalConfig, TrainConfig, to_dict
@@ -22,6 +23,7 @@ from ..rollout import EngineSpec, PromptItem, RolloutWorker, Trajectory
 from .metrics import trajectory_metrics
 from .ray_setup import init_ray
 from .sampler import EpochSampler, SamplerState
+from .skip_guard import NonFiniteStepsError, SkipGuard
 
 PROBE_CONTINUATION = "<search> who founded the town </search>"
 
@@ -74,6 +76,16 @@ class PendingRollout:
     sampler: SamplerState  # the data position after its batch: what a checkpoint after its step records
 
 
+class WorkerDiedError(RuntimeError):
+    """A Ray actor of the run (a Megatron rank or the rollout worker) died: its process exited or was killed."""
+
+
+def _is_ray_error(error: BaseException) -> bool:
+    import ray
+
+    return isinstance(error, ray.exceptions.RayError)
+
+
 class GRPOTrainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
@@ -86,6 +98,10 @@ class GRPOTrainer:
         self.rollouts: deque[PendingRollout] = deque()
         self.next_rollout_step = 1
         self.trained_sampler_state = SamplerState()
+        # steps skipped for a NaN/inf loss or grad norm; the data position after the last step that updated weights
+        self.skip_guard = SkipGuard(config.trainer.max_consecutive_skips)
+        self.good_sampler_state = SamplerState()
+        self.saved_checkpoints: dict[int, Path] = {}  # step -> a checkpoint of it (saved by this process, or resumed)
         self.tool_servers = None
         self.rollout = None
         self.actor = None
@@ -174,6 +190,7 @@ class GRPOTrainer:
         self.next_rollout_step = point.step + 1
         self.sampler.restore(point.sampler)
         self.trained_sampler_state = point.sampler
+        self.saved_checkpoints[point.step] = point.path
         sync = sync_weights(self.actor, self.engines, self.config.bridge.bucket_mb)
         saved = point.layout
         layouts = "" if same_layout else (
@@ -188,11 +205,11 @@ class GRPOTrainer:
             "tp": actor.tp, "pp": actor.pp, "dp": actor.dp, "virtual_pipeline_stages": actor.virtual_pipeline_stages,
         }
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
         import ray
 
         if self.actor is not None:
-            self.actor.shutdown()
+            self.actor.shutdown(graceful)
         if self.rollout is not None:
             ray.kill(self.rollout)
         if self.tool_servers is not None:
@@ -204,8 +221,11 @@ class GRPOTrainer:
 
     def train(self) -> RunSummary:
         started = time.perf_counter()
+        died: list[str] = []
         try:
             self._start()
+            self.skip_guard.last_good_step = self.step  # 0, or the step a resumed run continues after
+            self.good_sampler_state = self.trained_sampler_state
             metrics = self.check_parity()
             print(f"[rlsearch] engine vs actor logprobs before training: max |diff| "
                   f"{metrics['bridge/logprob_mismatch_max']:.2e}", flush=True)
@@ -219,6 +239,7 @@ class GRPOTrainer:
                 self._launch_rollouts()
                 metrics = self.train_step(self.rollouts.popleft())
                 print(format_step_line(self.step, self.config.trainer.total_steps, metrics), flush=True)
+                self._record_skip(metrics)
                 interval = self.config.trainer.save_interval
                 if self.step == self.config.trainer.total_steps or (interval and self.step % interval == 0):
                     last_checkpoint = self.save_checkpoint()
@@ -231,8 +252,42 @@ class GRPOTrainer:
                 checkpoint=last_checkpoint, steps=self.step, seconds=time.perf_counter() - started,
                 last_metrics=metrics, resumed_step=self.resumed_step,
             )
+        except Exception as error:
+            died = self._dead_workers() if _is_ray_error(error) else []
+            if died:
+                raise WorkerDiedError(self._died_message(died)) from error
+            raise
         finally:
-            self.close()
+            self.close(graceful=not died)
+
+    def _dead_workers(self, timeout_s: float = 10.0) -> list[str]:
+        """Names of the run's Ray actors whose process is gone: a call to a dead actor fails at once, a live one
+        answers (or is busy, which is not dead)."""
+        import ray
+
+        workers = ([("rollout worker", self.rollout)] if self.rollout is not None else []) + (
+            self.actor.named_workers() if self.actor is not None else []
+        )
+        pings = [handle.__ray_ready__.remote() for _, handle in workers]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+        dead = []
+        for (name, _), ping in zip(workers, pings):
+            if ping in ready:
+                try:
+                    ray.get(ping)
+                except ray.exceptions.RayActorError:
+                    dead.append(name)
+        return dead
+
+    def _died_message(self, dead: list[str]) -> str:
+        checkpoint, _ = self.checkpoints.newest_complete()
+        resume = (
+            f"the last complete checkpoint is {checkpoint}: run the same command again (trainer.resume=auto) to "
+            "continue from it" if checkpoint else
+            f"no checkpoint was saved yet (trainer.save_interval={self.config.trainer.save_interval})"
+        )
+        return (f"{' and '.join(dead)} died (its process exited) during step {self.step}; the run stopped. "
+                f"{resume}")
 
     def _launch_rollouts(self) -> None:
         """Submit the rollouts of every step up to `rollout.async_steps` ahead of the current one. A rollout
@@ -281,33 +336,70 @@ class GRPOTrainer:
         timer = time.perf_counter()
         train_metrics = self.actor.train_step(samples)
         train_s = time.perf_counter() - timer
+        # a NaN/inf loss or grad norm: the actor skipped the optimizer step, so there are no new weights to sync or
+        # check (the engine keeps the same ones); _record_skip counts it and stops the run after too many in a row
+        skipped = train_metrics.get("actor/skipped_nonfinite", 0.0) > 0
 
         timer = time.perf_counter()
-        if self.rollouts and not config.rollout.update_weights_in_flight:
+        if self.rollouts and not config.rollout.update_weights_in_flight and not skipped:
             # rollouts already submitted finish with the weights they were submitted under
             ray.wait([pending.trajectories for pending in self.rollouts], num_returns=len(self.rollouts))
         rollout_wait_s += time.perf_counter() - timer
-        sync = sync_weights(self.actor, self.engines, config.bridge.bucket_mb)
-        self.weight_version += 1
+        sync, parity = None, {}
+        if not skipped:
+            sync = sync_weights(self.actor, self.engines, config.bridge.bucket_mb)
+            self.weight_version += 1
+            parity = self.check_parity()
         metrics = {
             **trajectory_metrics(trajectories),
             **train_metrics,
-            **self.check_parity(),
+            **parity,
+            "actor/skipped_steps_total": float(self.skip_guard.total + skipped),
             "rollout/tool_failures_total": float(ray.get(self.rollout.tool_stats.remote())["failures"]),
             "rollout/staleness": float(staleness),
             "time/rollout_s": rollout_wait_s,
             "time/reward_s": reward_s,
             "time/ref_logprob_s": ref_logprob_s,
             "time/train_s": train_s,
-            "time/sync_s": sync.seconds,
+            "time/sync_s": sync.seconds if sync else 0.0,
             "time/engine_idle_s": ray.get(self.rollout.idle_seconds.remote()),
-            "bridge/buckets": float(sync.num_buckets),
-            "bridge/sync_mib": sync.num_bytes / 2**20,
+            "bridge/buckets": float(sync.num_buckets) if sync else 0.0,
+            "bridge/sync_mib": sync.num_bytes / 2**20 if sync else 0.0,
             "time/step_s": time.perf_counter() - step_started,
         }
         self.logger.log_metrics(self.step, metrics)
         self.logger.log_trajectories(self.step, [self._trajectory_record(t, rollout.examples) for t in trajectories])
         return metrics
+
+    def _record_skip(self, metrics: dict[str, float]) -> None:
+        """Count a step the actor skipped for a NaN/inf loss or grad norm; after trainer.max_consecutive_skips in a
+        row, save the state of the last good step and stop with NonFiniteStepsError naming that checkpoint."""
+        skipped = metrics.get("actor/skipped_nonfinite", 0.0) > 0
+        if skipped:
+            limit = self.config.trainer.max_consecutive_skips
+            print(f"[rlsearch] warning: step {self.step}: loss {metrics.get('actor/policy_loss', float('nan')):.4g}, "
+                  f"NaN/inf in the loss or gradients: optimizer step skipped, weights unchanged "
+                  f"({len(self.skip_guard.consecutive) + 1} in a row, stop at {limit or 'never'}; "
+                  f"{self.skip_guard.total + 1} skipped in total)", flush=True)
+        else:
+            self.good_sampler_state = self.trained_sampler_state
+        try:
+            self.skip_guard.record(self.step, skipped)
+        except NonFiniteStepsError as error:
+            if error.last_good_step:
+                error.checkpoint = self._checkpoint_of_step(error.last_good_step, self.good_sampler_state)
+            else:  # a fresh run that never updated: the model is model.path's and the optimizer has no state to save
+                error.initial_model = self.config.model.path
+            raise
+
+    def _checkpoint_of_step(self, step: int, sampler: SamplerState) -> Path:
+        """A checkpoint whose trainer state is `step`: the one this process saved (or resumed from) then, or a new one
+        of the current actor state, which is that step's when every step since was skipped."""
+        saved = self.saved_checkpoints.get(step)
+        if saved is not None and saved.is_dir():
+            print(f"[rlsearch] the checkpoint of step {step} is {saved}", flush=True)
+            return saved
+        return self.save_checkpoint(step=step, sampler=sampler)
 
     def evaluate_policy(self) -> dict[str, float]:
         """Score the current policy on eval.files through the eval-only code path, with this run's engine."""
@@ -354,9 +446,15 @@ class GRPOTrainer:
         engine_logprobs = ray.get(self.rollout.score.remote(self.probe_ids))
         probe = TrainSample(self.probe_ids, response_start=1, loss_mask=[1] * (len(self.probe_ids) - 1))
         actor_logprobs = self.actor.compute_logprobs([probe], temperature=1.0)[0]
+        nonfinite = nonfinite_logprobs(engine_logprobs, actor_logprobs)
+        if nonfinite:  # whatever bridge.max_logprob_mismatch says: NaN/inf weights are never a tolerable mismatch
+            raise RuntimeError(
+                f"NaN/inf logprobs on the probe sequence after step {self.step} ({nonfinite}): the weights hold NaN "
+                f"or inf values; stopping before training on or sampling from them."
+            )
         worst, mean = logprob_mismatch(engine_logprobs, actor_logprobs)
         limit = self.config.bridge.max_logprob_mismatch
-        if limit and worst > limit:
+        if limit and not worst <= limit:  # NaN fails too
             raise RuntimeError(
                 f"rollout engine and actor disagree on the probe sequence after step {self.step}: max |logprob diff| "
                 f"{worst:.3e} > bridge.max_logprob_mismatch={limit:g}. The engine is running different weights than "
@@ -371,12 +469,15 @@ class GRPOTrainer:
         record["golden_answers"] = list(examples[trajectory.group_id].golden_answers)
         return record
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, step: int | None = None, sampler: SamplerState | None = None) -> Path:
+        """The actor state as the checkpoint of `step` (default: the current step) with the data position `sampler`
+        (default: after the last trained batch)."""
         config = self.config
+        step = self.step if step is None else step
         state = {
             # where the data stood after the last trained batch (batches already drawn for later steps are drawn
             # again after a resume)
-            "sampler": asdict(self.trained_sampler_state),
+            "sampler": asdict(self.trained_sampler_state if sampler is None else sampler),
             # rollout sampling seeds are a function of (seed, step, prompt, sample, turn): this and the step are the
             # whole rollout-side state
             "seed": config.trainer.seed,
@@ -388,6 +489,7 @@ class GRPOTrainer:
             "transformer_impl": self.actor.infos[0].transformer_impl,
             "contents": ["model", "optimizer", "scheduler", "rng"],
         }
-        path = self.checkpoints.save(self.step, self.actor.save_checkpoint, state, config.model.path, info)
+        path = self.checkpoints.save(step, self.actor.save_checkpoint, state, config.model.path, info)
+        self.saved_checkpoints[step] = path
         print(f"[rlsearch] checkpoint saved: {path}", flush=True)
         return path

@@ -1,0 +1,48 @@
+"""The retrieval server killed (SIGKILL) as a rollout starts and restarted on its port 2 s later: the rollout
+finishes, the searches that met the dead server end as error observations and are counted, and the next rollout's
+searches are answered again."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from rlsearch.data import load_qa_dataset
+from rlsearch.rollout import PromptItem
+
+RESTART_AFTER_S = 2.0
+
+
+def _items(toy_data, prompts=4, samples=2):
+    examples = load_qa_dataset(toy_data.train)[:prompts]
+    return [PromptItem(e.id, e.question, group_id=i, sample_index=s) for i, e in enumerate(examples)
+            for s in range(samples)]
+
+
+def test_a_rollout_survives_a_retriever_restart_and_the_next_one_uses_it(rollout_worker, retriever, toy_data):
+    port = retriever.port
+    ray.get(rollout_worker.generate.remote(_items(toy_data, prompts=1, samples=1), 10))  # a warm engine
+    before = ray.get(rollout_worker.tool_stats.remote())
+    pending = rollout_worker.generate.remote(_items(toy_data), 11)
+    retriever.kill()  # the first turn is still generating: its searches meet a dead server
+    time.sleep(RESTART_AFTER_S)
+    retriever.start()  # from this thread: a server dies with the thread that started it (PR_SET_PDEATHSIG)
+    assert retriever.port == port
+    during = ray.get(pending, timeout=300)
+
+    failed = [turn for t in during for turn in t.turns if turn.tool_call and not turn.tool_call.ok]
+    assert failed, "no search met the dead server"
+    assert all(turn.error_kind in ("tool_error", "timeout") for turn in failed)
+    assert all(turn.observation.startswith("\n\n<information>") and "search failed" in turn.observation
+               for turn in failed)
+    assert all(t.finish_reason for t in during)
+    after_gap = ray.get(rollout_worker.tool_stats.remote())
+    assert after_gap["failures"] - before["failures"] == len(failed)
+    assert after_gap["retries"] > before["retries"]  # each failed request was retried with backoff first
+
+    time.sleep(0.5)
+    healthy = ray.get(rollout_worker.generate.remote(_items(toy_data), 12), timeout=300)
+    calls = [call for t in healthy for call in t.dispatched_calls]
+    assert calls and all(call.ok for call in calls)
+    assert ray.get(rollout_worker.tool_stats.remote())["failures"] == after_gap["failures"]
