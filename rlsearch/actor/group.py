@@ -15,24 +15,35 @@ _BUCKETS_IN_FLIGHT = 2
 
 class ActorGroup:
     """Ranks are placed by a placement group, one bundle (a CPU, and a GPU when given) per rank, packed onto as
-    few nodes as possible so tensor-parallel peers share a node. Rank order follows Megatron's: TP fastest."""
+    few nodes as possible so tensor-parallel peers share a node. Rank order follows Megatron's: TP fastest.
 
-    def __init__(self, spec: ActorWorkerSpec, num_gpus_per_rank: float = 0.0) -> None:
-        from ray.util.placement_group import placement_group
+    ``placement_group`` (trainer.placement=split): a group the caller reserved whose bundle ``bundle_index`` holds
+    every rank (a CPU, and a GPU when given, per rank), so all ranks share that bundle's node. The group becomes
+    this one's: ``shutdown`` removes it, with anything else placed in it (the trainer's rollout worker)."""
+
+    def __init__(
+        self, spec: ActorWorkerSpec, num_gpus_per_rank: float = 0.0, placement_group=None, bundle_index: int = 0
+    ) -> None:
+        from ray.util.placement_group import placement_group as new_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         actor = spec.actor
         self.world_size = actor.tp * actor.pp * actor.dp
         self.dp_size = actor.dp
-        bundle = {"CPU": 1.0, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
-        self.placement_group = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        reserved = placement_group is not None  # by the caller: every rank in its bundle `bundle_index`
+        if not reserved:
+            bundle = {"CPU": 1.0, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
+            placement_group = new_placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        self.placement_group = placement_group
         ray.get(self.placement_group.ready(), timeout=600)
         remote_cls = ray.remote(MegatronActorWorker)
         place = PlacementGroupSchedulingStrategy
         self.workers = [
             remote_cls.options(
                 num_cpus=1, num_gpus=num_gpus_per_rank,
-                scheduling_strategy=place(self.placement_group, placement_group_bundle_index=rank),
+                scheduling_strategy=place(
+                    self.placement_group, placement_group_bundle_index=bundle_index if reserved else rank
+                ),
             ).remote(spec, rank, self.world_size)
             for rank in range(self.world_size)
         ]

@@ -92,6 +92,12 @@ class MegatronActorWorker:
             sock.bind((host, 0))
             return host, sock.getsockname()[1]
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (the trainer reports the placement at start-up)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def initialize(self, master_addr: str, master_port: int) -> RankInfo:
         from megatron.core import parallel_state as ps
 

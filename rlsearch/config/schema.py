@@ -197,6 +197,10 @@ class TrainerConfig:
     seed: int = 1
     log_trajectories: bool = True  # JSONL of every step's trajectories under output_dir/trajectories
     ray_address: str = ""  # empty: start a local Ray instance on 127.0.0.1
+    # where the Ray actors run. colocated: the actor ranks packed onto as few nodes as possible, the rollout worker
+    # wherever Ray schedules it (usually the driver's node). split: every actor rank on one node and the rollout
+    # worker on another node (needs trainer.ray_address: a cluster of >= 2 nodes)
+    placement: str = "colocated"
     # every N steps (and after the last) score the current policy on eval.files with the eval-only code path, at
     # the rollout's decoding settings: results under output_dir/eval/step_N, scalars eval/<source>/<metric>
     eval_interval: int = 0

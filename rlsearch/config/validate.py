@@ -18,6 +18,7 @@ _CHOICES = {
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean"),
     "rollout.protocol": ("search_r1", "call_tool"),
     "tools.retriever.backend": ("bm25", "dense", "hybrid"),
+    "trainer.placement": ("colocated", "split"),
 }
 BUILTIN_TOOLS = ("search", "browse", "web_search", "web_browse")  # the names tools.enabled accepts
 MIN_OBSERVATION_TOKENS = 16  # a smaller rollout.max_observation_tokens cannot hold the output tags
@@ -71,6 +72,11 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
             load_run_checkpoint(config.trainer.resume)
         except CheckpointError as error:
             raise ConfigError(f"'trainer.resume' (auto, none or a checkpoint dir): {error}") from error
+    if config.trainer.placement == "split" and not config.trainer.ray_address:
+        raise ConfigError(
+            "'trainer.placement' is split but 'trainer.ray_address' is empty: the local Ray instance is a single "
+            "node; join a cluster of >= 2 nodes (trainer.ray_address=HEAD:6379) or use trainer.placement=colocated"
+        )
     if config.trainer.eval_interval and not config.eval.files:
         raise ConfigError("'trainer.eval_interval' is set but 'eval.files' is empty")
     return config

@@ -89,6 +89,12 @@ class RolloutWorker:
         with self._idle.busy():
             return self._run(self.loop.run(items, step))
 
+    def node_id(self) -> str:
+        """The Ray node this worker runs on (the trainer reports the placement at start-up)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def idle_seconds(self) -> float:
         """Seconds without any ``generate`` in flight since the previous call (or since start-up)."""
         return self._idle.take()

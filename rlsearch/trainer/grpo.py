@@ -21,6 +21,7 @@ from ..eval import evaluate, score_trajectory
 from ..logging import RunLogger, format_step_line
 from ..rollout import EngineSpec, PromptItem, RolloutWorker, Trajectory
 from .metrics import trajectory_metrics
+from .placement import check_retriever_reachable, describe_placement, plan_placement
 from .ray_setup import init_ray
 from .sampler import EpochSampler, SamplerState
 from .skip_guard import NonFiniteStepsError, SkipGuard
@@ -136,14 +137,16 @@ class GRPOTrainer:
             raise ConfigError(str(error)) from error
         tools = self.tool_servers.tools  # the config with the started servers' URLs filled in
         actor = config.actor
-        init_ray(config.trainer.ray_address, num_cpus=actor.tp * actor.pp * actor.dp)
+        world = actor.tp * actor.pp * actor.dp
+        init_ray(config.trainer.ray_address, num_cpus=world)
         import ray
 
-        on_gpu = torch.cuda.is_available()
+        gpus = 1 if torch.cuda.is_available() else 0
+        place = plan_placement(config.trainer.placement, world, gpus, config.trainer.ray_address)
         rollout_cls = ray.remote(RolloutWorker)
         engine_spec = EngineSpec.from_config(config.model, config.rollout, config.trainer.seed)
         # threaded: weight syncs and probes may run while a rollout is in flight (rollout.update_weights_in_flight)
-        self.rollout = rollout_cls.options(num_cpus=0, num_gpus=1 if on_gpu else 0, max_concurrency=4).remote(
+        self.rollout = rollout_cls.options(**place.rollout_options, num_gpus=gpus, max_concurrency=4).remote(
             engine_spec, config.rollout, tools.retriever, tools.retriever.url, config.trainer.seed, tools=tools
         )
         self.engines = [self.rollout]
@@ -153,9 +156,12 @@ class GRPOTrainer:
                 temperature=config.rollout.temperature, total_steps=config.trainer.total_steps,
                 seed=config.trainer.seed,
             ),
-            num_gpus_per_rank=1 if on_gpu else 0,
+            num_gpus_per_rank=gpus, **place.actor_options,
         )
         self.probe_ids = ray.get(self.rollout.probe_sequence.remote(self.examples[0].question, PROBE_CONTINUATION))
+        line, rollout_ip = describe_placement(config.trainer.placement, self.actor.workers, self.rollout)
+        print(line, flush=True)
+        check_retriever_reachable(tools, rollout_ip)
         if resume_from is not None:
             self._resume(resume_from)
         self.logger = RunLogger(self.output_dir, config.trainer.log_trajectories, resumed_step=self.resumed_step)

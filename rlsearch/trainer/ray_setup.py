@@ -22,12 +22,13 @@ WORKER_ENV = {
 def init_ray(address: str = "", num_cpus: int = 0) -> None:
     """Join the cluster at `address`, or start a local instance with at least `num_cpus` logical CPUs (Megatron
     ranks reserve one each in their placement group; threads per rank are set separately)."""
+    # before importing ray: it reads some of these at import
+    for key, value in ray_env_defaults(address).items():
+        os.environ.setdefault(key, value)
     import ray
 
     if ray.is_initialized():
         return
-    for key, value in ray_env_defaults(address).items():
-        os.environ.setdefault(key, value)
     runtime_env = {"env_vars": {**WORKER_ENV, **_passthrough_env()}}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)

@@ -78,3 +78,13 @@ def test_tool_server_token_variables_and_request_limits():
     ]:
         with pytest.raises(ConfigError, match=message):
             load_train_config(None, [override])
+
+
+def test_trainer_placement_choices_and_split_needs_a_cluster():
+    assert TrainConfig().trainer.placement == "colocated"
+    split = load_train_config(None, ["trainer.placement=split", "trainer.ray_address=10.0.0.1:6379"])
+    assert split.trainer.placement == "split"
+    with pytest.raises(ConfigError, match=r"'trainer\.placement' must be one of colocated, split; got 'spread'"):
+        load_train_config(None, ["trainer.placement=spread"])
+    with pytest.raises(ConfigError, match=r"'trainer\.placement' is split but 'trainer\.ray_address' is empty"):
+        load_train_config(None, ["trainer.placement=split"])

@@ -1,0 +1,473 @@
+"""Soak test: many GRPO steps of the real trainer on the toy task, watching every process of the run for leaks.
+
+The run is `rlsearch train` (examples/configs/search_grpo_tiny.yaml: tiny random Qwen2, toy corpus, local BM25
+retriever) as a subprocess, on CPU, with checkpoints every --save-interval steps as a real run has them. This
+script samples the driver and all its descendants every --interval seconds and at every `step K/N` line the driver
+prints: the Ray GCS, raylet and agents, the Megatron ranks (`ray::MegatronActorWorker`), the rollout worker
+(`ray::RolloutWorker`) and its vLLM EngineCore, the BM25 retrieval server (`python -m rlsearch.tools.retrieval`).
+Per process it records RSS, open file descriptors (`num_fds`) and inet sockets (`net_connections`).
+
+Warm-up is the first --warmup steps (default: 10% of the steps, 20 of the default 200). The reference points are
+samples taken as a step line arrives, so that every process is at the same point of the loop; step lines followed
+by a checkpoint or an eval are skipped (files open, memory in use for the save), so "warm" is the first other step
+line from the end of warm-up on and "end" the last other one (step N itself is always followed by the final
+checkpoint, so "end" is at most N-1). A process alive at both is steady; one that appears or goes away in between
+(a short-lived helper) is listed separately and not counted as growth. Per steady process the table shows RSS at
+"warm", the most after it (any sample up to step N), at "end" and the growth between them, also as the slope of a
+least-squares line through the step-line samples in between (% of the warm RSS per 100 steps, noisy over a short
+run). Open files and sockets: the most over the first few step lines from "warm" on against the fewest over the
+last few up to "end" (a count that flickers by one while a connection comes and goes is not growth, one that stays
+up is). A hang is no new step line for --hang-timeout seconds (default: 10x the median step time after step 3, at
+least 300 s; --startup-timeout before step 1, and the same limit for the exit after step N): the process tree is
+killed and the run fails. Goals: no hang; every steady process's RSS at "end" within 10% of its RSS at "warm"; no
+growth in open files or sockets. The exit code is non-zero when a goal fails or the trainer fails. Processes of
+the run still alive 15 s after the trainer exits are listed and killed.
+
+The samples go to OUT/soak-samples.json (for plots), the trainer's output to OUT/soak-run/train.log. The last line
+is the figure. Not part of CI: 200 steps take about 30-60 minutes on 2 CPU cores.
+
+  .venv/bin/python bench/soak.py                           # 200 steps, checkpoint every 50
+  nice .venv/bin/python bench/soak.py --steps 12 --warmup 4   # a check of the bench itself, a few minutes
+  .venv/bin/python bench/soak.py rollout.async_steps=1     # extra config overrides go to the trainer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG = REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml"
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
+MiB = 2**20
+RSS_GOAL = 0.10  # growth of a steady process's RSS after warm-up, as a fraction of its warm-up RSS
+
+
+@dataclass
+class Sample:
+    seconds: float  # since the trainer started
+    step: int  # the last step line printed before it
+    rss: int
+    fds: int
+    sockets: int
+    at_step_line: bool  # taken as that step line arrived (else on the timer)
+
+
+@dataclass
+class TrackedProcess:
+    pid: int
+    create_time: float
+    label: str
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.label} [{self.pid}]"
+
+
+@dataclass
+class StepLine:
+    step: int
+    total: int
+    seconds: float
+    busy: bool = False  # a checkpoint or an eval followed it (the driver prints a line for each)
+
+
+@dataclass
+class ProcessReport:
+    name: str
+    rss_warm: int
+    rss_max_after: int
+    rss_end: int
+    growth: float  # (end - warm) / warm
+    slope_per_100_steps: float  # least-squares slope after warm-up, fraction of the warm-up RSS per 100 steps
+    fds_warm: int
+    fds_end: int
+    sockets_warm: int
+    sockets_end: int
+
+
+# ---- the process tree -----------------------------------------------------------------------------------------------
+
+def describe_process(process: psutil.Process) -> str:
+    """A label that stays the same over the process's life: its title for Ray workers and vLLM's EngineCore with
+    the running method cut off (`ray::RolloutWorker.generate` -> `ray::RolloutWorker`), `python -m MODULE`,
+    `python -c MODULE` (what the code imports) or the program and script names otherwise."""
+    cmdline = [arg for arg in process.cmdline() if arg]
+    if not cmdline:
+        return process.name()
+    first = cmdline[0].split(" ")[0]
+    if "::" in first:  # a process title (setproctitle)
+        head, _, rest = first.partition("::")
+        return f"{head}::{rest.split('.')[0].split('(')[0]}"
+    program = Path(first).name
+    if "-m" in cmdline[1:-1]:
+        return f"{program} -m {cmdline[cmdline.index('-m') + 1]}"
+    if "-c" in cmdline[1:-1]:  # e.g. multiprocessing's helpers: `from multiprocessing.resource_tracker import main...`
+        code = cmdline[cmdline.index("-c") + 1]
+        imported = re.match(r"from ([\w.]+) import", code)
+        return f"{program} -c {imported.group(1) if imported else code[:30]}"
+    script = next((Path(arg).name for arg in cmdline[1:] if arg.endswith(".py")), "")
+    return f"{program} {script}".strip()
+
+
+def process_tree(root: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def measure(process: psutil.Process) -> tuple[str, int, int, int] | None:
+    """(label, RSS bytes, open fds, inet sockets), or None when the process is gone."""
+    try:
+        with process.oneshot():
+            return (describe_process(process), process.memory_info().rss, process.num_fds(),
+                    len(process.net_connections(kind="inet")))
+    except psutil.Error:
+        return None
+
+
+class ProcessMonitor:
+    """Samples the driver and its descendants; a process is keyed by (pid, start time), so a reused pid is new."""
+
+    def __init__(self, driver_pid: int, started: float) -> None:
+        self.driver = psutil.Process(driver_pid)
+        self.started = started
+        self.processes: dict[tuple[int, float], TrackedProcess] = {}
+
+    def sample(self, step: int, at_step_line: bool) -> None:
+        now = time.monotonic() - self.started
+        for process in process_tree(self.driver):
+            measured = measure(process)
+            if measured is None:
+                continue
+            label, rss, fds, sockets = measured
+            if process.pid == self.driver.pid:
+                label = "driver (rlsearch train)"
+            try:
+                key = (process.pid, process.create_time())
+            except psutil.Error:
+                continue
+            tracked = self.processes.setdefault(key, TrackedProcess(process.pid, key[1], label))
+            # the latest: a pooled ray::IDLE worker becomes an actor, EngineCore sets its title after it starts
+            tracked.label = label
+            tracked.samples.append(Sample(now, step, rss, fds, sockets, at_step_line))
+
+    def alive(self) -> list[psutil.Process]:
+        """Every process seen during the run that still runs (the same process: pid and start time match)."""
+        alive = []
+        for pid, create_time in self.processes:
+            try:
+                process = psutil.Process(pid)
+                if process.create_time() == create_time:
+                    alive.append(process)
+            except psutil.Error:
+                pass
+        return alive
+
+
+def kill_processes(processes: list[psutil.Process], grace_s: float = 10.0) -> None:
+    processes = list({process.pid: process for process in processes}.values())
+    for process in processes:
+        try:
+            process.terminate()
+        except psutil.Error:
+            pass
+    _, still_alive = psutil.wait_procs(processes, timeout=grace_s)
+    for process in still_alive:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(still_alive, timeout=grace_s)
+
+
+# ---- the trainer ----------------------------------------------------------------------------------------------------
+
+def prepare_assets(out: Path) -> tuple[Path, Path, Path]:
+    """The tiny random Qwen2 and the toy data under `out`, built once (the same ones bench/step.py uses)."""
+    from bench.common import build_model
+    from rlsearch.data import make_toy_data
+
+    model = build_model("tiny", out)
+    toy = make_toy_data(out / "toy", seed=0)
+    return model, toy.train, toy.corpus
+
+
+def trainer_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    model, train, corpus = prepare_assets(Path(args.out))
+    overrides = [
+        f"model.path={model}", f"data.train_files=[{train}]", f"tools.retriever.corpus={corpus}",
+        f"tools.retriever.index_cache_dir={Path(args.out) / 'bm25_cache'}", f"trainer.total_steps={args.steps}",
+        f"trainer.output_dir={run_dir}", f"trainer.save_interval={args.save_interval}", "trainer.keep_checkpoints=2",
+        "trainer.resume=none", "trainer.log_trajectories=false", *args.overrides,
+    ]
+    return [sys.executable, "-m", "rlsearch", "train", "--config", str(CONFIG), *overrides]
+
+
+def read_driver_output(stream: TextIO, log: TextIO, events: queue.Queue, started: float) -> None:
+    """Copy the driver's output to the log, echo its step and [rlsearch] lines, queue the step lines (marked busy
+    when a checkpoint or eval line follows); None at EOF."""
+    last: StepLine | None = None
+    for line in stream:
+        log.write(line)
+        log.flush()
+        match = STEP_LINE.match(line)
+        if match:
+            last = StepLine(int(match.group(1)), int(match.group(2)), time.monotonic() - started)
+            events.put(last)
+        elif last and line.startswith(("[rlsearch] checkpoint saved", "[rlsearch] eval after step")):
+            last.busy = True
+        if match or line.startswith(("[rlsearch]", "rlsearch")):
+            print(f"  | {line.rstrip()}", flush=True)
+    events.put(None)
+
+
+def hang_timeout(args: argparse.Namespace, steps: list[StepLine]) -> float:
+    """Seconds without a new step line that count as a hang."""
+    if not steps:
+        return args.startup_timeout
+    if args.hang_timeout:
+        return args.hang_timeout
+    times = [0.0] + [line.seconds for line in steps]
+    durations = [times[i + 1] - times[i] for i in range(len(steps)) if steps[i].step > 3]
+    return max(300.0, 10 * statistics.median(durations)) if durations else 300.0
+
+
+@dataclass
+class RunOutcome:
+    steps: list[StepLine]
+    seconds: float
+    returncode: int | None
+    hang: str  # empty: no hang
+    left_behind: list[str]
+
+
+def run_and_monitor(args: argparse.Namespace, command: list[str], run_dir: Path) -> tuple[RunOutcome, ProcessMonitor]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    log_path = run_dir / "train.log"
+    events: queue.Queue = queue.Queue()
+    steps: list[StepLine] = []
+    hang = ""
+    started = time.monotonic()
+    with log_path.open("w") as log:
+        driver = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, bufsize=1)
+        monitor = ProcessMonitor(driver.pid, started)
+        reader = threading.Thread(target=read_driver_output, args=(driver.stdout, log, events, started), daemon=True)
+        reader.start()
+        last_progress = 0.0
+        try:
+            while True:
+                try:
+                    event = events.get(timeout=args.interval)
+                except queue.Empty:
+                    event = ""
+                if event is None or (event == "" and driver.poll() is not None):
+                    break  # EOF, or the driver exited and a child of it still holds the pipe
+                if isinstance(event, StepLine):
+                    steps.append(event)
+                    last_progress = event.seconds
+                monitor.sample(steps[-1].step if steps else 0, at_step_line=isinstance(event, StepLine))
+                now = time.monotonic() - started
+                limit = hang_timeout(args, steps)
+                if now - last_progress > limit:
+                    where = f"after step {steps[-1].step}" if steps else "before step 1"
+                    hang = f"no step line for {now - last_progress:.0f} s {where} (limit {limit:.0f} s)"
+                    break
+        except KeyboardInterrupt:
+            hang = "interrupted (Ctrl-C)"
+        if hang:
+            print(f"soak: {hang}: killing the process tree", flush=True)
+            kill_processes(process_tree(monitor.driver) + monitor.alive())
+        returncode = driver.wait()
+        seconds = time.monotonic() - started
+        reader.join(timeout=10)  # the rest of the output into the log (a surviving child may hold the pipe open)
+    _, left_behind = psutil.wait_procs(monitor.alive(), timeout=15)  # Ray's processes finish their own shutdown
+    names = [tracked.name for tracked in monitor.processes.values()
+             if any(p.pid == tracked.pid for p in left_behind)]
+    kill_processes(left_behind)
+    return RunOutcome(steps, seconds, returncode, hang, names), monitor
+
+
+# ---- the figures ----------------------------------------------------------------------------------------------------
+
+def reference_lines(steps: list[StepLine], warmup: int) -> tuple[StepLine, StepLine, list[StepLine]] | None:
+    """"warm" (the first step line from the end of warm-up on), "end" (the last) and the step lines between them,
+    skipping those followed by a checkpoint or an eval; None when fewer than two are left."""
+    quiet = [line for line in steps if line.step >= warmup and not line.busy]
+    return (quiet[0], quiet[-1], quiet) if len(quiet) >= 2 else None
+
+
+def least_squares_slope(xs: list[float], ys: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    var_x = sum((x - mean_x) ** 2 for x in xs)
+    if var_x == 0:
+        return 0.0
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var_x
+
+
+def report_processes(monitor: ProcessMonitor, lines: list[StepLine],
+                     last_line: StepLine) -> tuple[list[ProcessReport], list[TrackedProcess]]:
+    """Steady processes (sampled at both the first and the last of `lines`) with their figures; the others apart."""
+    reports, transient = [], []
+    window = max(1, min(5, len(lines) // 4))  # step lines on each side for the open files and sockets
+    for tracked in monitor.processes.values():
+        at_line = {sample.step: sample for sample in tracked.samples if sample.at_step_line}
+        if not all(line.step in at_line for line in (lines[0], lines[-1])):
+            transient.append(tracked)
+            continue
+        line_samples = [at_line[line.step] for line in lines if line.step in at_line]
+        warm, end = line_samples[0], line_samples[-1]
+        after = [sample.rss for sample in tracked.samples if warm.seconds <= sample.seconds <= last_line.seconds]
+        slope = least_squares_slope([sample.step for sample in line_samples], [sample.rss for sample in line_samples])
+        reports.append(ProcessReport(
+            name=tracked.name, rss_warm=warm.rss, rss_max_after=max(after), rss_end=end.rss,
+            growth=(end.rss - warm.rss) / warm.rss, slope_per_100_steps=100 * slope / warm.rss,
+            fds_warm=max(sample.fds for sample in line_samples[:window]),
+            fds_end=min(sample.fds for sample in line_samples[-window:]),
+            sockets_warm=max(sample.sockets for sample in line_samples[:window]),
+            sockets_end=min(sample.sockets for sample in line_samples[-window:]),
+        ))
+    reports.sort(key=lambda report: -report.rss_warm)
+    return reports, transient
+
+
+def print_table(reports: list[ProcessReport], transient: list[TrackedProcess], warm: StepLine, end: StepLine) -> None:
+    print(f"\nsteady processes: RSS MiB at step {warm.step} (warm), the most after it, at step {end.step} (end), "
+          f"growth, slope in % of warm per 100 steps; open fds and inet sockets, warm -> end")
+    width = max([len(report.name) for report in reports] + [20])
+    print(f"{'process':<{width}} {'warm':>8} {'max':>8} {'end':>8} {'growth':>8} {'slope':>8} {'fds':>11} "
+          f"{'sockets':>9}")
+    for r in reports:
+        print(f"{r.name:<{width}} {r.rss_warm / MiB:>8.1f} {r.rss_max_after / MiB:>8.1f} {r.rss_end / MiB:>8.1f} "
+              f"{100 * r.growth:>+7.1f}% {100 * r.slope_per_100_steps:>+7.1f}% "
+              f"{f'{r.fds_warm}->{r.fds_end}':>11} {f'{r.sockets_warm}->{r.sockets_end}':>9}")
+    total_warm, total_end = sum(r.rss_warm for r in reports), sum(r.rss_end for r in reports)
+    print(f"{'all steady processes':<{width}} {total_warm / MiB:>8.1f} {'':>8} {total_end / MiB:>8.1f} "
+          f"{100 * (total_end - total_warm) / max(total_warm, 1):>+7.1f}%")
+    if transient:
+        print("\nprocesses that came or went (not counted): seen from step -> to step, max RSS MiB")
+        for tracked in sorted(transient, key=lambda t: t.samples[0].seconds):
+            print(f"{tracked.name:<{width}} {tracked.samples[0].step:>4} -> {tracked.samples[-1].step:<4} "
+                  f"{max(s.rss for s in tracked.samples) / MiB:>8.1f}")
+
+
+def write_samples(path: Path, args: argparse.Namespace, outcome: RunOutcome, monitor: ProcessMonitor,
+                  reports: list[ProcessReport]) -> None:
+    data = {
+        "args": vars(args),
+        "outcome": {**asdict(outcome), "steps": [asdict(line) for line in outcome.steps]},
+        "processes": {
+            tracked.name: {"pid": tracked.pid, "label": tracked.label,
+                           "samples": [[round(s.seconds, 2), s.step, s.rss, s.fds, s.sockets, s.at_step_line]
+                                       for s in tracked.samples]}
+            for tracked in monitor.processes.values()
+        },
+        "sample_fields": ["seconds", "step", "rss_bytes", "open_fds", "inet_sockets", "at_step_line"],
+        "reports": [asdict(report) for report in reports],
+    }
+    path.write_text(json.dumps(data, indent=1))
+
+
+def warmup_steps(args: argparse.Namespace) -> int:
+    return args.warmup if args.warmup is not None else max(1, args.steps // 10)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200, help="GRPO steps (trainer.total_steps)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="steps before the reference sample (default: 10%% of the steps, 20 of 200)")
+    parser.add_argument("--save-interval", type=int, default=50, help="trainer.save_interval (checkpoints)")
+    parser.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
+    parser.add_argument("--hang-timeout", type=float, default=0.0,
+                        help="seconds without a step line that count as a hang (default: 10x the median step time "
+                             "after step 3, at least 300)")
+    parser.add_argument("--startup-timeout", type=float, default=1200.0, help="seconds allowed before step 1")
+    parser.add_argument("--out", default="outputs/bench", help="where the model, data, run and samples go")
+    parser.add_argument("overrides", nargs="*", help="extra config overrides for the trainer (key=value)")
+    args = parser.parse_args()
+    warmup = warmup_steps(args)
+    if not 1 <= warmup < args.steps:
+        parser.error(f"--warmup {warmup} must be at least 1 and below --steps {args.steps}")
+
+    out = Path(args.out).resolve()
+    args.out = str(out)
+    run_dir = out / "soak-run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    command = trainer_command(args, run_dir)
+    print(f"soak: {args.steps} GRPO steps on the toy task, warm-up {warmup} steps, a sample every {args.interval:g} s "
+          f"and at every step line; trainer output in {run_dir / 'train.log'}", flush=True)
+    outcome, monitor = run_and_monitor(args, command, run_dir)
+
+    samples_path = out / "soak-samples.json"
+    failures = []
+    if outcome.hang:
+        failures.append(f"hang: {outcome.hang}")
+    elif outcome.returncode != 0:
+        failures.append(f"the trainer exited with code {outcome.returncode}")
+    if failures:
+        tail = (run_dir / "train.log").read_text().splitlines()[-20:]
+        print("\n".join(["", "trainer output (last lines):", *tail]))
+    if outcome.left_behind:
+        print(f"\nprocesses left running after the trainer exited (killed now): {', '.join(outcome.left_behind)}")
+    references = reference_lines(outcome.steps, warmup)
+    if references is None:
+        write_samples(samples_path, args, outcome, monitor, [])
+        print(f"soak: FAILED after {len(outcome.steps)} steps in {outcome.seconds:.0f} s, without two step lines "
+              f"after warm-up (step {warmup}) to compare: {'; '.join(failures) or 'too few steps'}; samples in "
+              f"{samples_path}")
+        return 1
+
+    warm, end, lines = references
+    reports, transient = report_processes(monitor, lines, outcome.steps[-1])
+    write_samples(samples_path, args, outcome, monitor, reports)
+    print_table(reports, transient, warm, end)
+    print(f"\nsamples: {samples_path}")
+
+    worst = max(reports, key=lambda report: report.growth)
+    fds_growth = sum(max(r.fds_end - r.fds_warm, 0) for r in reports)
+    sockets_growth = sum(max(r.sockets_end - r.sockets_warm, 0) for r in reports)
+    grew = [r.name for r in reports if r.fds_end > r.fds_warm or r.sockets_end > r.sockets_warm]
+    if worst.growth > RSS_GOAL:
+        failures.append(f"RSS of {worst.name} grew {100 * worst.growth:+.1f}%")
+    if fds_growth or sockets_growth:
+        failures.append(f"open files or sockets grew in {', '.join(grew)}")
+    done = outcome.steps[-1].step
+    if done != args.steps and not failures:
+        failures.append(f"only {done} of {args.steps} steps ran")
+    hang = f"hang ({outcome.hang})" if outcome.hang else "no hang"
+    label = worst.name.rsplit(" [", 1)[0]
+    print(f"soak: {done} steps in {outcome.seconds:.0f} s, {hang}; max RSS growth after warm-up "
+          f"{100 * worst.growth:+.1f}% ({label}, step {warm.step} -> {end.step}) (goal <= {100 * RSS_GOAL:.0f}%); "
+          f"open files +{fds_growth}, sockets +{sockets_growth} (goal: no growth)"
+          + (f"; FAILED: {'; '.join(failures)}" if failures else ""))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a killed soak cleans up its process tree
+    sys.exit(main())
