@@ -29,11 +29,13 @@ class PackedDotProductAttention(DotProductAttention):
         scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
         outputs = []
         for start, end in zip(boundaries[:-1], boundaries[1:]):
-            q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))
+            # [1, heads, s, dim]: torch's fused SDPA kernels (flash, memory-efficient) take 4-D inputs only; 3-D
+            # ones always fall back to the math kernel (bmm + softmax, upcast to fp32)
+            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
             outputs.append(
                 F.scaled_dot_product_attention(
                     q, k, v, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=True
-                ).transpose(0, 1)
+                )[0].transpose(0, 1)
             )
         context = torch.cat(outputs, dim=0)
         return context.reshape(context.shape[0], self.hidden_size_per_partition)

@@ -8,7 +8,7 @@ index of the positions whose next token is a response token, and every per-token
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -59,6 +59,11 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return self.tokens.shape[1]
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """This micro-batch with every tensor on `device`."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
 
     def packed_seq_params(self):
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -140,5 +145,8 @@ def collate(samples: Sequence[TrainSample], sample_indices: Sequence[int]) -> Mi
 
 
 def pack_micro_batches(samples: Sequence[TrainSample], max_tokens: int, min_micro_batches: int = 1) -> list[MicroBatch]:
+    """Packed micro-batches on the rank's device: the current CUDA device when there is one (the model is there on
+    the nccl path), else CPU."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     bins = pack_indices([len(s.token_ids) for s in samples], max_tokens, min_micro_batches)
-    return [collate([samples[i] for i in indices], indices) for indices in bins]
+    return [collate([samples[i] for i in indices], indices).to(device) for indices in bins]

@@ -118,7 +118,12 @@ def build_model_chunks(bridge, virtual_pipeline_stages: int | None = None) -> li
     for vp_stage in stages:
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        chunks.append(provider(pre, post, vp_stage) if vp_stage is not None else provider(pre, post))
+        chunk = provider(pre, post, vp_stage) if vp_stage is not None else provider(pre, post)
+        if torch.cuda.is_available():
+            # megatron's parallel layers are built on the GPU, but not every module is (the local spec's torch
+            # norms): move the whole chunk, as megatron's and mbridge's get_model do
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
     return chunks
 
 

@@ -1,0 +1,239 @@
+"""The Megatron actor on one GPU without Ray: logprob parity against HF transformers, GRPO train steps, throughput.
+
+`MegatronActorWorker` runs in this process at world size 1 (`initialize` called directly; `node_address` needs Ray
+and is not used), with the actor's defaults: actor.backend=auto (nccl on CUDA, gloo on CPU) and
+actor.transformer_impl=auto (Transformer Engine when installed, else Megatron's local spec with the packed `thd`
+SDPA attention of rlsearch/actor/attention.py). The model is a random Qwen2 of a `bench.common` shape (tiny or
+Qwen2.5-0.5B) and the batch is bench/train_step.py's search-agent-like one: sequences of --min-len..--max-len
+tokens packed back to back into micro-batches of <= --max-tokens-per-microbatch tokens.
+  parity : per-sample response logprobs from `compute_logprobs` (policy and, with --kl-coef > 0, the reference)
+           against HF AutoModelForCausalLM on each sequence alone (no padding); fails when max |diff| > --tol
+           (the tolerance is for float32; with --dtype bfloat16 the figure is printed and not checked)
+  train  : --train-steps `train_step` calls (PPO-clip + KL, token_mean); fails unless loss and grad norm are
+           finite, the update was applied and the policy's logprobs moved
+  timing : --time-steps steps of Megatron `train_step` against bench/train_step.py's HFTrainer (padded
+           micro-batches, sdpa, AdamW) in this same process, alternating, after one untimed step each;
+           tokens/s counts every real token of the batch. bench/train_step.py measures the same through Ray
+  profile: --profile-steps N Megatron train steps split into forward+backward (the pipeline schedule) and the
+           optimizer step (grad norm, clip, Adam), then one step under torch.profiler: the top ops by self time
+The last line is PASS or FAIL.
+
+  python3 bench/gpu_actor_check.py --shape tiny                     # parity + train on the default tiny shape
+  python3 bench/gpu_actor_check.py --shape 0.5b --time-steps 3      # Qwen2.5-0.5B shape, with timing
+  python3 bench/gpu_actor_check.py --shape 0.5b --dtype bfloat16 --time-steps 3
+  python3 bench/gpu_actor_check.py --shape 0.5b --dtype bfloat16 --profile-steps 3   # where a step's time goes
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from bench.common import SHAPES, build_model  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def hf_logprobs(model, samples, temperature: float) -> list[torch.Tensor]:
+    """Response logprobs of each sample run alone through an HF causal LM (float64 on the host)."""
+    device = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor(s.token_ids, device=device).unsqueeze(0)
+            logits = model(input_ids=ids).logits[0, s.response_start - 1 : -1].float() / temperature
+            labels = ids[0, s.response_start :]
+            out.append(torch.log_softmax(logits, -1).gather(1, labels[:, None])[:, 0].double().cpu())
+    return out
+
+
+def max_abs_diff(ours: list[list[float]], theirs: list[torch.Tensor]) -> float:
+    return max(float((torch.tensor(a, dtype=torch.float64) - b).abs().max()) for a, b in zip(ours, theirs))
+
+
+def profile(worker, samples, steps: int, on_gpu: bool) -> None:
+    """Per-phase wall time of `steps` train steps (synchronised at the phase boundaries), then the top ops of one
+    more step by self device (or CPU) time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    def sync() -> None:
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    totals = {"forward+backward": 0.0, "optimizer": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync()
+            totals[name] += time.perf_counter() - t0
+            return out
+        return wrapper
+
+    # instance attributes shadow the methods for these steps only
+    worker._run_pipeline = timed("forward+backward", worker._run_pipeline)
+    worker.optimizer.step = timed("optimizer", worker.optimizer.step)
+    try:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            worker.train_step(samples, dp_size=1)
+        sync()
+        wall = time.perf_counter() - t0
+    finally:
+        del worker._run_pipeline, worker.optimizer.step
+    other = wall - sum(totals.values())
+    print(f"profile: {wall / steps * 1e3:.1f} ms/step = " + ", ".join(
+        f"{name} {seconds / steps * 1e3:.1f} ms ({seconds / wall:.0%})" for name, seconds in totals.items())
+        + f", other {other / steps * 1e3:.1f} ms", flush=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with torch_profile(activities=activities) as prof:
+        worker.train_step(samples, dp_size=1)
+        sync()
+    key = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60), flush=True)
+    if on_gpu:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=60),
+              flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--min-len", type=int, default=150)
+    parser.add_argument("--max-len", type=int, default=600)
+    parser.add_argument("--max-tokens-per-microbatch", type=int, default=2048)
+    parser.add_argument("--kl-coef", type=float, default=0.01, help="> 0 also checks the reference model")
+    parser.add_argument("--tol", type=float, default=1e-4, help="max |logprob diff| allowed in float32")
+    parser.add_argument("--train-steps", type=int, default=2)
+    parser.add_argument("--time-steps", type=int, default=0, help="timed train steps per side (0: no timing)")
+    parser.add_argument("--profile-steps", type=int, default=0, help="phase-timed train steps (0: no profile)")
+    parser.add_argument("--hf-micro-batch", type=int, default=4)
+    parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from bench.train_step import HFTrainer, make_samples, memory_mib
+    from rlsearch.actor import ActorWorkerSpec, MegatronActorWorker
+    from rlsearch.config import ActorConfig, AlgoConfig
+
+    on_gpu = torch.cuda.is_available()
+    model_path = build_model(args.shape, Path(args.out))
+    samples = make_samples(args.sequences, args.min_len, args.max_len, seed=0)
+    tokens = sum(len(s.token_ids) for s in samples)
+    response = sum(s.response_len for s in samples)
+    print(f"device: {torch.cuda.get_device_name(0) if on_gpu else 'cpu'}; torch {torch.__version__}; "
+          f"float32 matmul precision {torch.get_float32_matmul_precision()}", flush=True)
+    print(f"model: random Qwen2 '{args.shape}' {SHAPES[args.shape]}, {args.dtype}; batch: {len(samples)} sequences, "
+          f"{tokens} tokens ({response} response)", flush=True)
+
+    actor = ActorConfig(max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+    algo = AlgoConfig(kl_coef=args.kl_coef)
+    total_steps = args.train_steps + (args.time_steps + 1 if args.time_steps else 0) + args.profile_steps + 1
+    spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, 1.0, max(total_steps, 1), 0)
+    worker = MegatronActorWorker(spec, rank=0, world_size=1)
+    started = time.perf_counter()
+    info = worker.initialize("127.0.0.1", free_port())
+    import torch.distributed as dist
+
+    from rlsearch.actor.batch import pack_indices
+
+    num_packed = len(pack_indices([len(s.token_ids) for s in samples], args.max_tokens_per_microbatch))
+    print(f"megatron: backend {dist.get_backend()}, layer spec {info.transformer_impl}, initialised in "
+          f"{time.perf_counter() - started:.1f} s; {num_packed} packed thd micro-batches; "
+          f"float32 matmul precision now {torch.get_float32_matmul_precision()}", flush=True)
+    failures = []
+
+    # ---- parity -------------------------------------------------------------------------------------------------
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to("cuda" if on_gpu else "cpu").eval()
+    reference = hf_logprobs(hf, samples, 1.0)
+    del hf
+    ours = worker.compute_logprobs(samples)
+    diff = max_abs_diff(ours, reference)
+    print(f"parity policy    : max |logprob diff| vs HF {diff:.3e} over {response} response tokens "
+          f"(mean |logprob| {float(torch.cat(reference).abs().mean()):.3f})", flush=True)
+    checked = args.dtype == "float32"
+    if checked and not diff <= args.tol:
+        failures.append(f"policy logprob diff {diff:.3e} > {args.tol:g}")
+    if args.kl_coef > 0:
+        ref = worker.compute_logprobs(samples, reference=True)
+        ref_diff = max_abs_diff(ref, reference)
+        print(f"parity reference : max |logprob diff| vs HF {ref_diff:.3e}", flush=True)
+        if checked and not ref_diff <= args.tol:
+            failures.append(f"reference logprob diff {ref_diff:.3e} > {args.tol:g}")
+        for sample, row in zip(samples, ref):
+            sample.ref_logprobs = row
+
+    # ---- train --------------------------------------------------------------------------------------------------
+    for step in range(args.train_steps):
+        t0 = time.perf_counter()
+        stats = worker.train_step(samples, dp_size=1)
+        elapsed = time.perf_counter() - t0
+        print(f"train step {step + 1}: {elapsed:.2f} s, policy loss {stats['policy_loss']:+.5f}, kl loss "
+              f"{stats['kl_loss']:.3e}, grad norm {stats['grad_norm']:.4f}, update_ok {stats['update_ok']:.0f}, "
+              f"clipped tokens {stats['clip_tokens']:.0f}/{stats['tokens']:.0f}", flush=True)
+        if not (math.isfinite(stats["policy_loss"]) and math.isfinite(stats["grad_norm"]) and stats["update_ok"]):
+            failures.append(f"train step {step + 1}: {stats}")
+    if args.train_steps:
+        after = worker.compute_logprobs(samples)
+        moved = max_abs_diff(after, [torch.tensor(r, dtype=torch.float64) for r in ours])
+        print(f"after training   : max |logprob change| {moved:.3e}", flush=True)
+        if not moved > 0:
+            failures.append("train steps left the policy's logprobs unchanged")
+
+    # ---- timing -------------------------------------------------------------------------------------------------
+    if args.time_steps:
+        trainer = HFTrainer(str(model_path), args.dtype, torch.get_num_threads(), args.hf_micro_batch, "trl")
+        sides = {"hf": lambda: trainer.train_step(samples), "megatron": lambda: worker.train_step(samples, 1)}
+        seconds: dict[str, list[float]] = {name: [] for name in sides}
+        order = ["hf", "megatron"]
+        for step in range(args.time_steps + 1):
+            for name in order:
+                if on_gpu:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                sides[name]()
+                if on_gpu:
+                    torch.cuda.synchronize()
+                if step:
+                    seconds[name].append(time.perf_counter() - t0)
+            order.reverse()
+        rates = {name: tokens * len(times) / sum(times) for name, times in seconds.items()}
+        for name, rate in rates.items():
+            print(f"timing {name:8s}: {rate:8.0f} tokens/s over {args.time_steps} steps "
+                  f"(mean {sum(seconds[name]) / args.time_steps * 1e3:.1f} ms/step)", flush=True)
+        print(f"timing megatron / hf tokens/s ({args.dtype}, same process, no Ray): "
+              f"{rates['megatron'] / rates['hf']:.2f}x; both sides' memory now {memory_mib()[0]:.0f} MiB, peak "
+              f"{memory_mib()[1]:.0f} MiB", flush=True)
+
+    if args.profile_steps:
+        profile(worker, samples, args.profile_steps, on_gpu)
+
+    worker.shutdown()
+    print("FAIL: " + "; ".join(failures) if failures else "PASS", flush=True)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
