@@ -40,6 +40,35 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_sft_config
+    from .data import DatasetError
+    from .trainer import run_sft
+
+    try:
+        summary = run_sft(load_sft_config(args.config, args.overrides))
+    except (ConfigError, DatasetError) as err:
+        print(f"rlsearch sft: {err}", file=sys.stderr)
+        return 2
+    print(summary.render(), flush=True)
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .logging import plot_run
+
+    try:
+        path = plot_run(args.run_dir)
+    except FileNotFoundError as err:
+        print(f"rlsearch plot: {err}", file=sys.stderr)
+        return 2
+    if path is None:
+        print(f"rlsearch plot: {args.run_dir}/tensorboard holds no scalars yet", file=sys.stderr)
+        return 2
+    print(f"curves written to {path}")
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     from .config import ConfigError, load_eval_config
     from .data import DatasetError
@@ -107,9 +136,15 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 def _make_toy_data(args: argparse.Namespace) -> int:
     from .data import make_toy_data
+    from .data.demos import bm25_search, write_demonstrations
 
-    paths = make_toy_data(args.out, seed=args.seed, num_entities=args.num_entities)
-    print(f"toy corpus: {paths.corpus}\ntrain: {paths.train}\ntest: {paths.test}")
+    paths = make_toy_data(args.out, seed=args.seed, num_entities=args.num_entities, learnable=args.learnable)
+    demos = write_demonstrations(
+        paths.train, paths.corpus.parent / "sft.jsonl", bm25_search(paths.corpus), topk=args.demo_topk,
+        flawed_fraction=args.flawed_fraction, seed=args.seed,
+    )
+    print(f"toy corpus: {paths.corpus}\ntrain: {paths.train}\ntest: {paths.test}\n"
+          f"demonstrations: {demos.path} ({demos.rows} rows, {demos.flawed} flawed)")
     return 0
 
 
@@ -208,7 +243,27 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     evaluate.set_defaults(func=_eval)
 
+    sft = commands.add_parser(
+        "sft", help="supervised warm start of the Megatron actor on chat trajectories (writes an HF model dir)",
+        description="Fine-tune the model on JSONL chat rows (user prompt, then assistant and tool messages; the loss "
+        "is on assistant tokens only) with the same Megatron actor as training, any TP/PP/DP. Writes OUTPUT_DIR/hf, "
+        "which `rlsearch train` takes as model.path, TensorBoard logs and curves.png. Keys are overridden as "
+        "section.key=value, e.g. data.max_steps=100 actor.lr=1e-3.",
+    )
+    sft.add_argument("--config", help="YAML config (see examples/configs/sft_tiny.yaml)")
+    sft.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    sft.set_defaults(func=_sft)
+
     add_convert_parser(commands)
+
+    plot = commands.add_parser(
+        "plot", help="draw a run's curves (reward, EM, turns, tool calls, length, KL, clip fraction, mismatch) to PNG",
+        description="Read RUN_DIR/tensorboard and write RUN_DIR/tensorboard/curves.png: a panel per curve the run "
+        "logged (GRPO: reward, exact match with periodic evals, turns, tool calls, response length, KL, clip fraction, "
+        "engine-vs-actor logprob mismatch; SFT: loss, grad norm, learning rate). Training runs write it at the end.",
+    )
+    plot.add_argument("run_dir", help="a run's output dir (trainer.output_dir, or an sft output_dir)")
+    plot.set_defaults(func=_plot)
 
     tiny = commands.add_parser(
         "make-tiny-model", help="write a random-init tiny Qwen2 with the real Qwen2 tokenizer (offline)"
@@ -224,11 +279,21 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_make_tiny_model)
 
     toy = commands.add_parser(
-        "make-toy-data", help="generate a corpus about invented entities and a QA set over it"
+        "make-toy-data", help="generate a corpus about invented entities, a QA set over it and demonstrations",
+        description="Write corpus.jsonl (passages about invented towns, inventors, rivers and inventions), "
+        "train.jsonl and test.jsonl (one question per entity, answered in exactly one passage) and sft.jsonl: a "
+        "demonstration per train question (search the entity, read the local BM25 results, answer) for `rlsearch "
+        "sft`, of which --flawed-fraction answer wrongly.",
     )
     toy.add_argument("--out", required=True, help="output dir (corpus.jsonl, train.jsonl, test.jsonl)")
     toy.add_argument("--seed", type=int, default=0)
-    toy.add_argument("--num-entities", type=int, default=200)
+    toy.add_argument("--num-entities", type=int, default=200, help="questions (one per entity; 20%% go to test)")
+    toy.add_argument("--learnable", action="store_true", help="names are single-token words and no question asks "
+                     "for a year, so searching and answering each copy one token (a simpler task for small models)")
+    toy.add_argument("--flawed-fraction", type=float, default=0.5, help="share of the demonstrations (sft.jsonl) "
+                     "that answer wrongly: without searching, or with the entity's name after reading (default 0.5)")
+    toy.add_argument("--demo-topk", type=int, default=2, help="passages per search in the demonstrations; use the "
+                     "training run's tools.retriever.topk (default 2, as the tiny config)")
     toy.set_defaults(func=_make_toy_data)
 
     serve = commands.add_parser(

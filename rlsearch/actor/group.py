@@ -90,17 +90,33 @@ class ActorGroup:
         ])
         return [row for shard in self._output_by_dp_rank(results) for row in shard]
 
-    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+    def _train(self, samples: Sequence[TrainSample], objective: str) -> tuple[list[dict[str, float]], float]:
+        """One optimizer step on every rank: the output ranks' results by DP rank, and whether it was skipped."""
         shards = self._shards(samples)
         results = self._get([
-            worker.train_step.remote(shards[info.dp_rank], self.dp_size)
+            worker.train_step.remote(shards[info.dp_rank], self.dp_size, objective)
             for worker, info in zip(self.workers, self.infos)
         ])
         skipped = {result["skipped_nonfinite"] for result in results}
         if len(skipped) != 1:  # the worker's all-reduce makes this impossible unless a rank broke the protocol
             flags = [result["skipped_nonfinite"] for result in results]
             raise RuntimeError(f"actor ranks disagree on skipping a non-finite step (per rank: {flags})")
-        per_dp = self._output_by_dp_rank(results)
+        return self._output_by_dp_rank(results), skipped.pop()
+
+    def sft_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """One supervised step: the mean negative log-likelihood of the loss-masked tokens (token weights sum to 1)."""
+        per_dp, skipped = self._train(samples, "sft")
+        tokens = max(sum(r["tokens"] for r in per_dp), 1.0)
+        return {
+            "sft/loss": sum(r["nll_sum"] for r in per_dp) / tokens,
+            "sft/tokens": tokens,
+            "actor/grad_norm": per_dp[0]["grad_norm"],
+            "actor/lr": per_dp[0]["lr"],
+            "actor/skipped_nonfinite": skipped,
+        }
+
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        per_dp, skipped = self._train(samples, "grpo")
         summed = {key: sum(r[key] for r in per_dp) for key in (
             "policy_loss", "kl_loss", "clip_tokens", "approx_kl_sum", "rollout_drift_sum", "tis_weight_sum",
             "tis_capped_tokens", "tokens",
@@ -118,7 +134,7 @@ class ActorGroup:
             "actor/lr": per_dp[0]["lr"],
             "actor/update_ok": per_dp[0]["update_ok"],
             # 1.0: the loss or grad norm was NaN/inf, every rank skipped the optimizer step (weights unchanged)
-            "actor/skipped_nonfinite": skipped.pop(),
+            "actor/skipped_nonfinite": skipped,
         }
 
     def export_weight_buckets(self, bucket_bytes: int) -> Iterator[ray.ObjectRef]:

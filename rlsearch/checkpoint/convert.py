@@ -128,6 +128,27 @@ def mcore_to_hf(
         raise
 
 
+def write_hf_model(
+    named_tensors: Iterable[tuple[str, Any]], out_dir: str | os.PathLike, base_hf_dir: str | os.PathLike,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write HF-named tensors (e.g. an actor's `hf_state_dict`) as a HuggingFace model dir `out_dir` (new or empty),
+    with config, generation config and tokenizer from `base_hf_dir` (the model they were trained from), in its
+    dtype. Staged and renamed like the conversions."""
+    import torch
+
+    out = Path(out_dir)
+    config = _read_hf_config(Path(base_hf_dir))
+    staging = _staging_dir(out)
+    try:
+        copy_hf_metadata(base_hf_dir, staging)
+        _write_safetensors(named_tensors, staging, getattr(torch, _checkpoint_dtype(config)), max_shard_bytes)
+        return _publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 # ---- parent side --------------------------------------------------------------------------------------------
 
 

@@ -17,15 +17,21 @@ from .schema import (
     RewardConfig,
     RolloutConfig,
     SerperConfig,
+    SFTConfig,
+    SFTDataConfig,
     ToolsConfig,
     TrainConfig,
     TrainerConfig,
 )
-from .validate import validate_eval_config, validate_train_config
+from .validate import validate_eval_config, validate_sft_config, validate_train_config
 
 
 def load_train_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
     return validate_train_config(load_config(TrainConfig, path, overrides))
+
+
+def load_sft_config(path: str | None, overrides: list[str] | None = None) -> SFTConfig:
+    return validate_sft_config(load_config(SFTConfig, path, overrides))
 
 
 def load_eval_config(path: str | None, overrides: list[str] | None = None) -> EvalConfig:
@@ -35,7 +41,7 @@ def load_eval_config(path: str | None, overrides: list[str] | None = None) -> Ev
 __all__ = [
     "ActorConfig", "AlgoConfig", "BridgeConfig", "BrowseConfig", "ConfigError", "DataConfig", "EvalConfig",
     "EvalSettings", "JinaConfig", "MCPConfig", "MCPServerConfig", "ModelConfig", "RetrieverConfig", "RewardConfig",
-    "RolloutConfig", "SerperConfig", "ToolsConfig", "TrainConfig", "TrainerConfig",
-    "from_dict", "load_config", "load_eval_config", "load_train_config", "to_dict", "validate_eval_config",
-    "validate_train_config",
+    "RolloutConfig", "SerperConfig", "SFTConfig", "SFTDataConfig", "ToolsConfig", "TrainConfig", "TrainerConfig",
+    "from_dict", "load_config", "load_eval_config", "load_sft_config", "load_train_config", "to_dict",
+    "validate_eval_config", "validate_sft_config", "validate_train_config",
 ]

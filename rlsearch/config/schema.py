@@ -54,6 +54,9 @@ class AlgoConfig:
     # min(pi_actor / pi_rollout, tis_cap), correcting for rollouts sampled with older weights (rollout.async_steps)
     # or other numerics (bf16 engine kernels); about 1 on-policy in fp32. 0 disables it.
     tis_cap: float = 2.0
+    # true: only tokens the policy sampled are trained (observation tokens have loss mask 0). false trains on tool
+    # output too, as if the model had written it: an ablation switch (Search-R1's finding: worse), not for real runs
+    mask_observations: bool = True
 
 
 @dataclass
@@ -249,3 +252,29 @@ class EvalConfig:
     output_dir: str = "outputs/search_eval_tiny"
     log_dir: str = ""  # TensorBoard scalars go to {log_dir}/tensorboard (the trainer's layout); empty: none
     log_step: int = 0  # TensorBoard step of those scalars, e.g. the evaluated checkpoint's training step
+
+
+@dataclass
+class SFTDataConfig:
+    # JSONL chat rows {"messages": [user, assistant, tool, assistant, ...]}; `rlsearch make-toy-data` writes sft.jsonl
+    train_files: list[str] = field(default_factory=lambda: ["outputs/assets/toy/sft.jsonl"])
+    batch_size: int = 16  # sequences per optimizer step
+    epochs: int = 1  # passes over the data (data.max_steps, when > 0, stops earlier or goes on for more)
+    max_steps: int = 0  # optimizer steps; 0: as many as data.epochs take
+    shuffle: bool = True  # reshuffled every epoch from seed
+    max_tokens: int = 2048  # a longer row (prompt + response) is an error naming its file and line
+
+
+@dataclass
+class SFTConfig:
+    """A supervised warm start (`rlsearch sft`): the Megatron actor trained on the assistant tokens of chat rows."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    # the same actor as training (any TP/PP/DP); warm starts of a small model take a larger learning rate
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-3))
+    # HF model dir at output_dir/hf (model.path for `rlsearch train`), TensorBoard logs and curves.png
+    output_dir: str = "outputs/sft_tiny"
+    seed: int = 1  # data order
+    log_interval: int = 10  # print a progress line every N steps (every step goes to TensorBoard)
+    ray_address: str = ""  # empty: start a local Ray instance on 127.0.0.1

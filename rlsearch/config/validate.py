@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from .loader import ConfigError
-from .schema import EvalConfig, TrainConfig
+from .schema import EvalConfig, SFTConfig, TrainConfig
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
@@ -79,6 +79,25 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
         )
     if config.trainer.eval_interval and not config.eval.files:
         raise ConfigError("'trainer.eval_interval' is set but 'eval.files' is empty")
+    return config
+
+
+def validate_sft_config(config: SFTConfig) -> SFTConfig:
+    _check_tables(config)
+    if not config.data.train_files:
+        raise ConfigError("'data.train_files' is empty: give at least one JSONL chat file")
+    if config.data.epochs < 1 and config.data.max_steps < 1:
+        raise ConfigError("'data.epochs' or 'data.max_steps' must be >= 1")
+    if config.data.max_steps < 0:
+        raise ConfigError("'data.max_steps' must be >= 0 (0: data.epochs decide)")
+    for key in ("data.max_tokens", "log_interval"):
+        if _get(config, key) <= 0:
+            raise ConfigError(f"'{key}' must be > 0; got {_get(config, key)!r}")
+    if config.actor.max_tokens_per_microbatch < config.data.max_tokens:
+        raise ConfigError(
+            f"'actor.max_tokens_per_microbatch' ({config.actor.max_tokens_per_microbatch}) must hold the longest row: "
+            f"data.max_tokens = {config.data.max_tokens}"
+        )
     return config
 
 

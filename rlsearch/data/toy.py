@@ -12,7 +12,7 @@ import json
 import os
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,13 +51,18 @@ class _Entity:
 
 
 class _NameMaker:
-    """Invents pronounceable names whose words are unique, so each name occurs in one passage only."""
+    """Invents pronounceable names whose words are unique, so each name occurs in one passage only. With a
+    ``vocabulary`` every name is one unused word of it instead (a person too), e.g. words that are one token."""
 
-    def __init__(self, rng: random.Random, reserved_words: set[str]) -> None:
+    def __init__(self, rng: random.Random, reserved_words: set[str], vocabulary: Sequence[str] = ()) -> None:
         self._rng = rng
         self._used_words = set(reserved_words)
+        self._vocabulary = [word for word in vocabulary if word.lower() not in self._used_words]
+        rng.shuffle(self._vocabulary)
 
     def word(self, min_syllables: int = 2, max_syllables: int = 3) -> str:
+        if self._vocabulary:
+            return self._vocabulary_word()
         while True:
             syllables = self._rng.randint(min_syllables, max_syllables)
             candidate = "".join(self._syllable() for _ in range(syllables)).capitalize()
@@ -66,7 +71,17 @@ class _NameMaker:
                 return candidate
 
     def person(self) -> str:
+        if self._vocabulary:
+            return self._vocabulary_word()
         return f"{self.word(2, 3)} {self.word(1, 2)}"
+
+    def _vocabulary_word(self) -> str:
+        while self._vocabulary:
+            candidate = self._vocabulary.pop()
+            if candidate.lower() not in self._used_words:
+                self._used_words.add(candidate.lower())
+                return candidate
+        raise ValueError("the single-token vocabulary ran out of names: lower num_entities or distractors_per_entity")
 
     def _syllable(self) -> str:
         return self._rng.choice(_ONSETS) + self._rng.choice(_VOWELS) + self._rng.choice(_CODAS)
@@ -180,11 +195,20 @@ def _check_arguments(num_entities: int, test_fraction: float, distractors_per_en
         )
 
 
+def single_token_names() -> list[str]:
+    """Capitalised words of 4-9 letters that the Qwen2 tokenizer encodes as one token after a space (about 9,000)."""
+    from .tiny_model import build_qwen2_tokenizer
+
+    space = "\u0120"  # byte-level BPE's mark for a leading space
+    vocabulary = build_qwen2_tokenizer().get_vocab()
+    return sorted(token[1:] for token in vocabulary if re.fullmatch(space + r"[A-Z][a-z]{3,8}", token))
+
+
 def _generate(
-    rng: random.Random, num_entities: int, distractors_per_entity: int
+    rng: random.Random, num_entities: int, distractors_per_entity: int, learnable: bool
 ) -> tuple[list[_Passage], list[tuple[_Passage, _Question]]]:
     """All passages, and for each question entity its passage and the one question asked about it."""
-    names = _NameMaker(rng, _template_words())
+    names = _NameMaker(rng, _template_words(), single_token_names() if learnable else ())
     num_passages = num_entities * (1 + distractors_per_entity)
     # Every passage gets its own year; they stay within 1000-1999 unless there are more passages than that.
     last_year = max(_FIRST_YEAR + 999, _FIRST_YEAR + num_passages - 1)
@@ -194,7 +218,9 @@ def _generate(
     for _ in range(num_entities):
         kind = rng.choice(_KINDS)
         entity = kind(names, rng, next(years), None)
-        asked.append((entity.passage, rng.choice(entity.questions)))
+        # the learnable variant asks only for names (one token each), never for a year (four digit tokens)
+        questions = [q for q in entity.questions if not (learnable and q.golden_answers[0].isdigit())]
+        asked.append((entity.passage, rng.choice(questions)))
         passages.append(entity.passage)
         passages.extend(
             kind(names, rng, next(years), entity.passage.title).passage for _ in range(distractors_per_entity)
@@ -208,15 +234,19 @@ def make_toy_data(
     num_entities: int = 200,
     test_fraction: float = 0.2,
     distractors_per_entity: int = 2,
+    learnable: bool = False,
 ) -> ToyDataPaths:
     """Write corpus.jsonl, train.jsonl, test.jsonl and README.txt to ``out_dir``; same seed, same bytes.
 
     One question is asked about each of ``num_entities`` entities; its answer appears in that entity's
-    passage and nowhere else in the corpus.
+    passage and nowhere else in the corpus. ``learnable``: every name is one real word that the Qwen2 tokenizer
+    encodes as a single token and no question asks for a year, so searching means copying one token from the
+    question and answering means copying one token from the passage, a simpler task for small models (the facts
+    are still invented, so a pretrained model cannot answer from memory either).
     """
     _check_arguments(num_entities, test_fraction, distractors_per_entity)
     rng = random.Random(seed)
-    passages, asked = _generate(rng, num_entities, distractors_per_entity)
+    passages, asked = _generate(rng, num_entities, distractors_per_entity, learnable)
     rng.shuffle(passages)
     passage_ids = {passage.title: str(index) for index, passage in enumerate(passages)}
     qa_rows = [
@@ -225,7 +255,8 @@ def make_toy_data(
             "question": question.question,
             "golden_answers": list(question.golden_answers),
             "data_source": "toy",
-            "metadata": {"passage_id": passage_ids[passage.title]},
+            # the entity asked about: the passage's title, and the query a demonstration searches for
+            "metadata": {"passage_id": passage_ids[passage.title], "entity": passage.title},
         }
         for entity_index, (passage, question) in enumerate(asked)
     ]

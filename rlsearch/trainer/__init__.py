@@ -3,8 +3,10 @@
 from .grpo import GRPOTrainer, RunSummary, WorkerDiedError
 from .ray_setup import init_ray
 from .sampler import EpochSampler, SamplerState
+from .sft import SFTSummary, run_sft
 from .skip_guard import NonFiniteStepsError
 
 __all__ = [
-    "EpochSampler", "GRPOTrainer", "NonFiniteStepsError", "RunSummary", "SamplerState", "WorkerDiedError", "init_ray",
+    "EpochSampler", "GRPOTrainer", "NonFiniteStepsError", "RunSummary", "SFTSummary", "SamplerState", "WorkerDiedError",
+    "init_ray", "run_sft",
 ]

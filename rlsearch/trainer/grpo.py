@@ -15,10 +15,10 @@ from ..bridge import logprob_mismatch, sync_weights
 from ..bridge.sync import nonfinite_logprobs
 from ..checkpoint import CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import MODEL_DIR
-from ..config import ConfigError, EvalConfig, TrainConfig, to_dict
+from ..config import AlgoConfig, ConfigError, EvalConfig, TrainConfig, to_dict
 from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate, score_trajectory
-from ..logging import RunLogger, format_step_line
+from ..logging import RunLogger, format_step_line, plot_run
 from ..rollout import EngineSpec, PromptItem, RolloutWorker, Trajectory
 from .metrics import trajectory_metrics
 from .placement import check_retriever_reachable, describe_placement, plan_placement
@@ -39,6 +39,7 @@ class RunSummary:
     seconds: float
     last_metrics: dict[str, float] = field(default_factory=dict)
     resumed_step: int = 0
+    curves: Path | None = None  # PNG of the run's curves (rlsearch plot)
 
     def render(self) -> str:
         metrics = self.last_metrics
@@ -56,6 +57,8 @@ class RunSummary:
             lines.append(f"  trajectories     : {self.trajectory_dir}")
         if self.checkpoint:
             lines.append(f"  checkpoint       : {self.checkpoint}")
+        if self.curves:
+            lines.append(f"  curves           : {self.curves}")
         lines.append(f"  open TensorBoard : tensorboard --logdir {self.tensorboard_dir} --host 127.0.0.1")
         return "\n".join(lines)
 
@@ -75,6 +78,29 @@ class PendingRollout:
     trajectories: Any  # ray.ObjectRef of list[Trajectory]
     weight_version: int  # updates the engine's weights had seen when it was submitted
     sampler: SamplerState  # the data position after its batch: what a checkpoint after its step records
+
+
+def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[TrainSample]:
+    """What the actor trains on: GRPO advantages per group and loss-aggregation weights per token, over the tokens the
+    policy sampled (all response tokens with algo.mask_observations false)."""
+    import torch
+
+    advantages = grpo_advantages(
+        torch.tensor([t.reward for t in trajectories]), [t.group_id for t in trajectories],
+        norm_by_std=algo.norm_adv_by_std, eps=algo.adv_eps,
+    )
+    if algo.mask_observations:
+        masks = [t.loss_mask for t in trajectories]
+    else:  # the ablation: tool output trained as if sampled (it has no rollout logprobs, so no TIS or drift)
+        masks = [[1] * len(t.loss_mask) for t in trajectories]
+    weights = loss_token_weights(masks, algo.loss_agg)
+    return [
+        TrainSample(
+            token_ids=t.token_ids, response_start=len(t.prompt_ids), loss_mask=mask, advantage=float(advantage),
+            token_weights=w, rollout_logprobs=t.rollout_logprobs if algo.mask_observations else None,
+        )
+        for t, advantage, mask, w in zip(trajectories, advantages.tolist(), masks, weights)
+    ]
 
 
 class WorkerDiedError(RuntimeError):
@@ -256,7 +282,7 @@ class GRPOTrainer:
                 output_dir=self.output_dir, tensorboard_dir=self.logger.tensorboard_dir,
                 trajectory_dir=self.logger.trajectory_dir if self.config.trainer.log_trajectories else None,
                 checkpoint=last_checkpoint, steps=self.step, seconds=time.perf_counter() - started,
-                last_metrics=metrics, resumed_step=self.resumed_step,
+                last_metrics=metrics, resumed_step=self.resumed_step, curves=plot_run(self.output_dir),
             )
         except Exception as error:
             died = self._dead_workers() if _is_ray_error(error) else []
@@ -329,7 +355,7 @@ class GRPOTrainer:
 
         timer = time.perf_counter()
         self._score(trajectories, rollout.examples)
-        samples = self._train_samples(trajectories)
+        samples = train_samples(trajectories, self.config.algo)
         reward_s = time.perf_counter() - timer
         # one update per step: the old policy is the current one, so its logprobs come from the training forward
         # pass itself (ratio 1) instead of a separate pass; rollouts sampled with older weights are corrected by
@@ -427,23 +453,6 @@ class GRPOTrainer:
     def _score(self, trajectories: list[Trajectory], examples: list[QAExample]) -> None:
         for trajectory in trajectories:
             score_trajectory(trajectory, examples[trajectory.group_id], self.config.reward.format_score)
-
-    def _train_samples(self, trajectories: list[Trajectory]) -> list[TrainSample]:
-        import torch
-
-        config = self.config
-        advantages = grpo_advantages(
-            torch.tensor([t.reward for t in trajectories]), [t.group_id for t in trajectories],
-            norm_by_std=config.algo.norm_adv_by_std, eps=config.algo.adv_eps,
-        )
-        weights = loss_token_weights([t.loss_mask for t in trajectories], config.algo.loss_agg)
-        return [
-            TrainSample(
-                token_ids=t.token_ids, response_start=len(t.prompt_ids), loss_mask=t.loss_mask,
-                advantage=float(advantage), token_weights=w, rollout_logprobs=t.rollout_logprobs,
-            )
-            for t, advantage, w in zip(trajectories, advantages.tolist(), weights)
-        ]
 
     def check_parity(self) -> dict[str, float]:
         """Engine and actor score the probe sequence; abort when they disagree (stale or corrupt weights)."""

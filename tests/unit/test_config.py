@@ -88,3 +88,21 @@ def test_trainer_placement_choices_and_split_needs_a_cluster():
         load_train_config(None, ["trainer.placement=spread"])
     with pytest.raises(ConfigError, match=r"'trainer\.placement' is split but 'trainer\.ray_address' is empty"):
         load_train_config(None, ["trainer.placement=split"])
+
+
+def test_sft_config_example_and_errors_name_the_key():
+    from rlsearch.config import load_sft_config
+
+    config = load_sft_config("examples/configs/sft_tiny.yaml", ["data.max_steps=5"])
+    assert config.data.max_steps == 5 and config.actor.lr == pytest.approx(1e-3)
+    for override, message in [
+        ("data.batchsize=4", r"unknown config key 'data\.batchsize'; did you mean 'data\.batch_size'"),
+        ("data.batch_size=0", r"'data\.batch_size' must be > 0"),
+        ("data.max_tokens=0", r"'data\.max_tokens' must be > 0"),
+        ("log_interval=0", r"'log_interval' must be > 0"),
+        ("data.max_steps=-1", r"'data\.max_steps' must be >= 0"),
+        ("actor.max_tokens_per_microbatch=1000", r"'actor\.max_tokens_per_microbatch' \(1000\) must hold the longest"),
+        ("data.train_files=[]", r"'data\.train_files' is empty"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_sft_config(None, [override])
