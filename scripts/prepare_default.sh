@@ -9,4 +9,5 @@ export HF_HUB_OFFLINE=1 PYTHONWARNINGS=ignore
 
 ASSETS="outputs/assets"
 [[ -f "$ASSETS/tiny-qwen2/config.json" ]] || "$PY" -m rlsearch make-tiny-model --out "$ASSETS/tiny-qwen2"
-[[ -f "$ASSETS/toy/corpus.jsonl" ]] || "$PY" -m rlsearch make-toy-data --out "$ASSETS/toy"
+# sft.jsonl (the demonstrations) came later than the rest: assets made before it are made again
+[[ -f "$ASSETS/toy/sft.jsonl" ]] || "$PY" -m rlsearch make-toy-data --out "$ASSETS/toy"
