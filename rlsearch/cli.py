@@ -20,38 +20,39 @@ Quick start (tiny model + generated corpus on CPU):
 """
 
 
-def _train(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError
-    from .config import ConfigError, load_train_config
+def _run_summarised(command: str, load, run, args: argparse.Namespace, failures: tuple = ()) -> int:
+    """Load the config, run, print the run's summary. Bad input (config, dataset) exits 2 with its message, a
+    failure in `failures` exits 1 with its message, both without a traceback."""
+    from .config import ConfigError
     from .data import DatasetError
-    from .trainer import GRPOTrainer, NonFiniteStepsError, WorkerDiedError
 
     try:
-        config = load_train_config(args.config, args.overrides)
-        # train() also reports bad input as ConfigError: tool set-up, a checkpoint that does not fit the config
-        summary = GRPOTrainer(config).train()
+        summary = run(load(args.config, args.overrides))
     except (ConfigError, DatasetError) as err:
-        print(f"rlsearch train: {err}", file=sys.stderr)
+        print(f"rlsearch {command}: {err}", file=sys.stderr)
         return 2
-    except (WorkerDiedError, NonFiniteStepsError, CheckpointError) as err:
-        print(f"rlsearch train: {err}", file=sys.stderr)
+    except failures as err:
+        print(f"rlsearch {command}: {err}", file=sys.stderr)
         return 1
     print(summary.render(), flush=True)
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError
+    from .config import load_train_config
+    from .trainer import GRPOTrainer, NonFiniteStepsError, WorkerDiedError
+
+    # train() also reports bad input as ConfigError: tool set-up, a checkpoint that does not fit the config
+    return _run_summarised("train", load_train_config, lambda config: GRPOTrainer(config).train(), args,
+                           (WorkerDiedError, NonFiniteStepsError, CheckpointError))
+
+
 def _sft(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_sft_config
-    from .data import DatasetError
+    from .config import load_sft_config
     from .trainer import run_sft
 
-    try:
-        summary = run_sft(load_sft_config(args.config, args.overrides))
-    except (ConfigError, DatasetError) as err:
-        print(f"rlsearch sft: {err}", file=sys.stderr)
-        return 2
-    print(summary.render(), flush=True)
-    return 0
+    return _run_summarised("sft", load_sft_config, run_sft, args)
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -70,18 +71,10 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_eval_config
-    from .data import DatasetError
+    from .config import load_eval_config
     from .eval import run_eval
 
-    try:
-        config = load_eval_config(args.config, args.overrides)
-        summary = run_eval(config)
-    except (ConfigError, DatasetError) as err:
-        print(f"rlsearch eval: {err}", file=sys.stderr)
-        return 2
-    print(summary.render(), flush=True)
-    return 0
+    return _run_summarised("eval", load_eval_config, run_eval, args)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -216,6 +209,12 @@ def add_convert_parser(commands) -> None:
     to_mcore.set_defaults(func=_convert, conversion=_hf_to_mcore)
 
 
+def _add_config_arguments(command: argparse.ArgumentParser, example: str, func) -> None:
+    command.add_argument("--config", help=f"YAML config (see {example})")
+    command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    command.set_defaults(func=func)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlsearch", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -227,9 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train with GRPO. Settings come from a YAML config; any key can be overridden on the command "
         "line as section.key=value, e.g. trainer.total_steps=3 actor.lr=1e-5. Unknown keys are errors.",
     )
-    train.add_argument("--config", help="YAML config (see examples/configs/search_grpo_tiny.yaml)")
-    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
-    train.set_defaults(func=_train)
+    _add_config_arguments(train, "examples/configs/search_grpo_tiny.yaml", _train)
 
     evaluate = commands.add_parser(
         "eval", help="score a HuggingFace model as a search agent (eval-only, no training)",
@@ -239,9 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Re-running into the same output_dir resumes. Keys are overridden as key=value, e.g. output_dir=/tmp/eval "
         "model.path=/ckpt/hf eval.max_examples=50.",
     )
-    evaluate.add_argument("--config", help="YAML config (see examples/configs/eval_search.yaml)")
-    evaluate.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
-    evaluate.set_defaults(func=_eval)
+    _add_config_arguments(evaluate, "examples/configs/eval_search.yaml", _eval)
 
     sft = commands.add_parser(
         "sft", help="supervised warm start of the Megatron actor on chat trajectories (writes an HF model dir)",
@@ -250,9 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         "which `rlsearch train` takes as model.path, TensorBoard logs and curves.png. Keys are overridden as "
         "section.key=value, e.g. data.max_steps=100 actor.lr=1e-3.",
     )
-    sft.add_argument("--config", help="YAML config (see examples/configs/sft_tiny.yaml)")
-    sft.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
-    sft.set_defaults(func=_sft)
+    _add_config_arguments(sft, "examples/configs/sft_tiny.yaml", _sft)
 
     add_convert_parser(commands)
 
