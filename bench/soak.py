@@ -7,7 +7,8 @@ prints: the Ray GCS, raylet and agents, the Megatron ranks (`ray::MegatronActorW
 (`ray::RolloutWorker`) and its vLLM EngineCore, the BM25 retrieval server (`python -m rlsearch.tools.retrieval`).
 Per process it records RSS, open file descriptors (`num_fds`) and inet sockets (`net_connections`).
 
-Warm-up is the first --warmup steps (default: 10% of the steps, 20 of the default 200). The reference points are
+Warm-up is the first --warmup steps (default: 10% of the steps and at least through the first checkpoint, 51 of the
+default 200: the first save starts a worker process that each rank keeps, +4 open files once). The reference points are
 samples taken as a step line arrives, so that every process is at the same point of the loop; step lines followed
 by a checkpoint or an eval are skipped (files open, memory in use for the save), so "warm" is the first other step
 line from the end of warm-up on and "end" the last other one (step N itself is always followed by the final
@@ -392,14 +393,19 @@ def write_samples(path: Path, args: argparse.Namespace, outcome: RunOutcome, mon
 
 
 def warmup_steps(args: argparse.Namespace) -> int:
-    return args.warmup if args.warmup is not None else max(1, args.steps // 10)
+    """--warmup, else 10% of the steps and at least through the first checkpoint: the first save starts a worker
+    process that Megatron's dist_checkpointing keeps for later saves (+4 open files in each rank, once)."""
+    if args.warmup is not None:
+        return args.warmup
+    return max(1, args.steps // 10, args.save_interval + 1 if args.save_interval < args.steps else 0)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200, help="GRPO steps (trainer.total_steps)")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="steps before the reference sample (default: 10%% of the steps, 20 of 200)")
+                        help="steps before the reference sample (default: 10%% of the steps, and at least "
+                        "through the first checkpoint: 51 of 200)")
     parser.add_argument("--save-interval", type=int, default=50, help="trainer.save_interval (checkpoints)")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
     parser.add_argument("--hang-timeout", type=float, default=0.0,

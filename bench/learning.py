@@ -1,0 +1,144 @@
+"""Evidence that it learns: eval EM of a random-init model, of its SFT warm start, and after GRPO on top of it.
+
+Per seed, through the real entry points (each a subprocess, as a user runs them):
+  data   : `rlsearch make-toy-data --learnable --flawed-fraction F` (single-token names, no year questions,
+           demonstrations in sft.jsonl of which a fraction F answer wrongly)
+  model  : a random-init Qwen2 of --shape (tied embeddings: with tied input/output embeddings copying a token is
+           the identity, which the task is made of)
+  random : `rlsearch eval` of the random model
+  sft    : `rlsearch sft` on the demonstrations (--sft-steps), then `rlsearch eval` of output_dir/hf
+  grpo   : `rlsearch train` from the SFT model (--grpo-steps), scored on the test set after its last step through
+           the same eval code path (trainer.eval_interval)
+  ablate : the same GRPO run with algo.mask_observations=false (tool output trained as if sampled)
+Every eval samples at the rollout temperature (1.0) --eval-samples times per test question, so EM is the policy's
+expected exact match (mean@k), not a greedy decode that would hide the flawed demonstrations' share. The table shows
+every seed, then the mean and spread (sample standard deviation) over seeds; the last line prints the three EMs
+in the order random, SFT, GRPO (means over seeds).
+
+  .venv/bin/python bench/learning.py                                   # 3 seeds (outside CI: long on 2 cores)
+  .venv/bin/python bench/learning.py --seeds 1 --sft-steps 5 --grpo-steps 2 --num-entities 100   # mechanics only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench.common import SHAPES  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def _rlsearch(log: Path, *arguments: str) -> None:
+    """Run `python -m rlsearch ARGS`, output to `log`; a failure stops the bench naming the log."""
+    started = time.perf_counter()
+    with log.open("w") as out:
+        code = subprocess.call([PYTHON, "-m", "rlsearch", *arguments], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    if code:
+        raise SystemExit(f"rlsearch {arguments[0]} failed (exit {code}): see {log}")
+    print(f"  {arguments[0]:<14} {time.perf_counter() - started:6.0f} s   {log}", flush=True)
+
+
+def _em(summary: Path) -> float:
+    return json.loads(summary.read_text())["metrics"]["overall"]["em"]
+
+
+def _common(data: Path, args: argparse.Namespace) -> list[str]:
+    """Overrides shared by evals and training: the learnable toy task, no prefill or bias, sampled evals."""
+    return [
+        f"rollout.max_turns={args.max_turns}", "rollout.assistant_prefix=", "rollout.logit_bias={}",
+        "rollout.temperature=1.0", f"tools.retriever.corpus={data / 'corpus.jsonl'}",
+        f"tools.retriever.topk={args.topk}", f"tools.retriever.index_cache_dir={data / 'bm25_cache'}",
+        f"eval.files=[{data / 'test.jsonl'}]", f"eval.n_samples={args.eval_samples}", "eval.max_examples=0",
+    ]
+
+
+def _evaluate(model: Path, data: Path, out: Path, args: argparse.Namespace) -> float:
+    _rlsearch(out.with_suffix(".log"), "eval", "--config", "examples/configs/eval_search.yaml",
+              f"model.path={model}", f"output_dir={out}", *_common(data, args))
+    return _em(out / "summary.json")
+
+
+def _grpo(model: Path, data: Path, out: Path, seed: int, args: argparse.Namespace, *extra: str) -> float:
+    _rlsearch(out.with_suffix(".log"), "train", "--config", "examples/configs/search_grpo_tiny.yaml",
+              f"model.path={model}", f"trainer.output_dir={out}", f"trainer.total_steps={args.grpo_steps}",
+              f"trainer.eval_interval={args.grpo_steps}", f"trainer.seed={seed}", "trainer.resume=none",
+              f"data.train_files=[{data / 'train.jsonl'}]", f"data.batch_size={args.batch_size}",
+              f"rollout.group_size={args.group_size}", f"actor.lr={args.grpo_lr}", "trainer.log_trajectories=false",
+              *_common(data, args), *extra)
+    return _em(out / "eval" / f"step_{args.grpo_steps:06d}" / "summary.json")
+
+
+def run_seed(seed: int, root: Path, args: argparse.Namespace) -> dict[str, float]:
+    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+
+    work = root / f"seed_{seed}"
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "toy"
+    print(f"seed {seed}: {work}", flush=True)
+    _rlsearch(work / "make-toy-data.log", "make-toy-data", "--out", str(data), "--seed", str(seed), "--learnable",
+              "--num-entities", str(args.num_entities), "--flawed-fraction", str(args.flawed_fraction),
+              "--demo-topk", str(args.topk))
+    model = work / "random-model"
+    if not (model / "config.json").is_file():
+        make_tiny_model(model, TinyModelSpec(**{**SHAPES[args.shape], "tie_word_embeddings": True, "seed": seed}))
+    ems = {"random": _evaluate(model, data, work / "eval-random", args)}
+    sft = work / "sft"
+    if not (sft / "hf" / "config.json").is_file():
+        _rlsearch(work / "sft.log", "sft", "--config", "examples/configs/sft_tiny.yaml", f"model.path={model}",
+                  f"data.train_files=[{data / 'sft.jsonl'}]", f"data.max_steps={args.sft_steps}",
+                  f"actor.lr={args.sft_lr}", f"output_dir={sft}", f"seed={seed}")
+    ems["sft"] = _evaluate(sft / "hf", data, work / "eval-sft", args)
+    ems["grpo"] = _grpo(sft / "hf", data, work / "grpo", seed, args)
+    if args.ablation:
+        ems["grpo_unmasked"] = _grpo(sft / "hf", data, work / "grpo-unmasked", seed, args,
+                                     "algo.mask_observations=false")
+    print(f"seed {seed}: " + ", ".join(f"{key} EM {value:.3f}" for key, value in ems.items()), flush=True)
+    return ems
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--num-entities", type=int, default=2000, help="toy questions (80%% train, 20%% test)")
+    parser.add_argument("--flawed-fraction", type=float, default=0.5)
+    parser.add_argument("--topk", type=int, default=1, help="passages per search (demonstrations and rollouts)")
+    parser.add_argument("--max-turns", type=int, default=3)
+    parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--sft-lr", type=float, default=3e-3)
+    parser.add_argument("--grpo-steps", type=int, default=30)
+    parser.add_argument("--grpo-lr", type=float, default=1e-4)
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per GRPO step")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--eval-samples", type=int, default=4, help="samples per test question (mean@k is the EM)")
+    parser.add_argument("--no-ablation", dest="ablation", action="store_false",
+                        help="skip the GRPO run without observation masking")
+    parser.add_argument("--out", default="outputs/bench/learning")
+    args = parser.parse_args()
+
+    root = Path(args.out).resolve()
+    results = [run_seed(seed, root, args) for seed in range(1, args.seeds + 1)]
+    keys = list(results[0])
+    print("\n" + " ".join(f"{key:>14}" for key in ["seed", *keys]))
+    for seed, ems in enumerate(results, start=1):
+        print(" ".join([f"{seed:>14}", *(f"{ems[key]:>14.3f}" for key in keys)]))
+    means = {key: statistics.fmean(r[key] for r in results) for key in keys}
+    spreads = {key: statistics.stdev(r[key] for r in results) if len(results) > 1 else 0.0 for key in keys}
+    print(" ".join([f"{'mean':>14}", *(f"{means[key]:>14.3f}" for key in keys)]))
+    print(" ".join([f"{'std':>14}", *(f"{spreads[key]:>14.3f}" for key in keys)]))
+    print(f"EM random {means['random']:.3f}, SFT {means['sft']:.3f}, GRPO {means['grpo']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
