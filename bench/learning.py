@@ -111,7 +111,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--num-entities", type=int, default=2000, help="toy questions (80%% train, 20%% test)")
+    parser.add_argument("--num-entities", type=int, default=1000,
+                        help="toy questions (80%% train, 20%% test); single-token names allow about 1,000")
     parser.add_argument("--flawed-fraction", type=float, default=0.5)
     parser.add_argument("--topk", type=int, default=1, help="passages per search (demonstrations and rollouts)")
     parser.add_argument("--max-turns", type=int, default=3)

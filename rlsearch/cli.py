@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     toy.add_argument("--out", required=True, help="output dir (corpus.jsonl, train.jsonl, test.jsonl)")
     toy.add_argument("--seed", type=int, default=0)
-    toy.add_argument("--num-entities", type=int, default=200, help="questions (one per entity; 20%% go to test)")
+    toy.add_argument("--num-entities", type=int, default=200, help="questions (one per entity; 20%% go to test); "
+                     "with --learnable at most about 1,000 (every name is a different single-token word)")
     toy.add_argument("--learnable", action="store_true", help="names are single-token words and no question asks "
                      "for a year, so searching and answering each copy one token (a simpler task for small models)")
     toy.add_argument("--flawed-fraction", type=float, default=0.5, help="share of the demonstrations (sft.jsonl) "

@@ -57,11 +57,12 @@ class _NameMaker:
     def __init__(self, rng: random.Random, reserved_words: set[str], vocabulary: Sequence[str] = ()) -> None:
         self._rng = rng
         self._used_words = set(reserved_words)
+        self._from_vocabulary = bool(vocabulary)
         self._vocabulary = [word for word in vocabulary if word.lower() not in self._used_words]
         rng.shuffle(self._vocabulary)
 
     def word(self, min_syllables: int = 2, max_syllables: int = 3) -> str:
-        if self._vocabulary:
+        if self._from_vocabulary:
             return self._vocabulary_word()
         while True:
             syllables = self._rng.randint(min_syllables, max_syllables)
@@ -71,7 +72,7 @@ class _NameMaker:
                 return candidate
 
     def person(self) -> str:
-        if self._vocabulary:
+        if self._from_vocabulary:
             return self._vocabulary_word()
         return f"{self.word(2, 3)} {self.word(1, 2)}"
 
@@ -81,7 +82,10 @@ class _NameMaker:
             if candidate.lower() not in self._used_words:
                 self._used_words.add(candidate.lower())
                 return candidate
-        raise ValueError("the single-token vocabulary ran out of names: lower num_entities or distractors_per_entity")
+        raise ValueError(
+            "the single-token vocabulary ran out of names (each passage takes 3 of about 9,000): lower num_entities or "
+            "distractors_per_entity so that num_entities * (1 + distractors_per_entity) stays under about 3,000"
+        )
 
     def _syllable(self) -> str:
         return self._rng.choice(_ONSETS) + self._rng.choice(_VOWELS) + self._rng.choice(_CODAS)

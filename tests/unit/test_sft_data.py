@@ -142,3 +142,8 @@ def test_chat_rows_over_the_token_limit_and_empty_files(tokenizer, tmp_path: Pat
     path.write_text("\n")
     with pytest.raises(DatasetError, match="contains no rows"):
         load_chat_dataset(path, tokenizer, max_tokens=20)
+
+
+def test_learnable_toy_data_says_when_single_token_names_run_out(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="single-token vocabulary ran out of names"):
+        make_toy_data(tmp_path, seed=0, num_entities=2000, learnable=True)
