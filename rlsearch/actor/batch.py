@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from .cpu_compat import cuda_available
+
 
 @dataclass
 class TrainSample:
@@ -147,6 +149,6 @@ def collate(samples: Sequence[TrainSample], sample_indices: Sequence[int]) -> Mi
 def pack_micro_batches(samples: Sequence[TrainSample], max_tokens: int, min_micro_batches: int = 1) -> list[MicroBatch]:
     """Packed micro-batches on the rank's device: the current CUDA device when there is one (the model is there on
     the nccl path), else CPU."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
     bins = pack_indices([len(s.token_ids) for s in samples], max_tokens, min_micro_batches)
     return [collate([samples[i] for i in indices], indices).to(device) for indices in bins]

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import torch
 
+from .cpu_compat import cuda_available
+
 # dense decoder-only models whose mbridge mapping is tested here (tied and untied embeddings)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -25,7 +27,7 @@ def resolve_transformer_impl(requested: str) -> str:
     """auto -> transformer_engine when CUDA and TE are present, else local."""
     if requested != "auto":
         return requested
-    if not torch.cuda.is_available():
+    if not cuda_available():
         return "local"
     try:
         import transformer_engine  # noqa: F401
@@ -119,7 +121,7 @@ def build_model_chunks(bridge, virtual_pipeline_stages: int | None = None) -> li
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         chunk = provider(pre, post, vp_stage) if vp_stage is not None else provider(pre, post)
-        if torch.cuda.is_available():
+        if cuda_available():
             # megatron's parallel layers are built on the GPU, but not every module is (the local spec's torch
             # norms): move the whole chunk, as megatron's and mbridge's get_model do
             chunk.cuda(torch.cuda.current_device())

@@ -258,14 +258,14 @@ class MegatronActorWorker:
         supervised warm start). When the loss or the gradients are NaN/inf on any rank, every rank skips the
         optimizer and LR-scheduler steps instead (`skipped_nonfinite` 1.0, `update_ok` 0.0, `grad_norm` NaN): nothing
         changes but zeroed gradients."""
-        if objective not in ("grpo", "sft"):
-            raise ValueError(f"unknown training objective '{objective}' (expected grpo or sft)")
+        loss_fns = {"grpo": self._grpo_loss, "sft": self._sft_loss}
+        if objective not in loss_fns:
+            raise ValueError(f"unknown training objective '{objective}' (expected {' or '.join(loss_fns)})")
         algo = self.spec.algo
         if not samples:
             # an empty shard still joins the gradient all-reduce and the optimizer step: a zero-weight token
             samples = [TrainSample([0, 0], 1, [0], token_weights=[0.0], ref_logprobs=[0.0] if algo.kl_coef else None)]
-        loss_fn = self._sft_loss if objective == "sft" else self._grpo_loss
-        return self._optimizer_step(samples, partial(loss_fn, dp_size))
+        return self._optimizer_step(samples, partial(loss_fns[objective], dp_size))
 
     def _grpo_loss(self, dp_size: int, mb: MicroBatch, num_micro_batches: int, logits: torch.Tensor):
         algo = self.spec.algo

@@ -21,7 +21,8 @@ import shutil
 import socket
 import sys
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,8 +69,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int =
         if size < 1 or value % size:
             raise ValueError(f"{flag}={size} must be >= 1 and divide {key}={value} of {source}; choose another {flag}")
     dtype = _checkpoint_dtype(config)
-    staging = _staging_dir(out)
-    try:
+    with _staged(out) as staging:
         megatron_dir = staging / MODEL_DIR
         megatron_dir.mkdir()
         impl, *_ = _spawn(_save_model_shard, tp, pp, (str(source), str(megatron_dir), dtype))
@@ -80,9 +80,6 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int =
             "architecture": config["model_type"], "dtype": dtype, "transformer_impl": impl, "contents": ["model"],
         })
         return _publish(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def mcore_to_hf(
@@ -112,8 +109,7 @@ def mcore_to_hf(
     if manifest.get("architecture") != config["model_type"]:
         raise CheckpointError(f"{ckpt} holds a '{manifest.get('architecture')}' model but {metadata_dir} describes "
                               f"a '{config['model_type']}' one; pass the base model the run was trained from")
-    staging = _staging_dir(out)
-    try:
+    with _staged(out) as staging:
         copy_hf_metadata(metadata_dir, staging)
         config["dtype"] = out_dtype
         config.pop("torch_dtype", None)  # the transformers 4 name of the same field
@@ -123,9 +119,6 @@ def mcore_to_hf(
             manifest.get("transformer_impl", "auto"), out_dtype, max_shard_bytes, verify,
         ))
         return HFExport(out_dir=_publish(staging, out), dtype=out_dtype, **written)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def write_hf_model(
@@ -139,14 +132,10 @@ def write_hf_model(
 
     out = Path(out_dir)
     config = _read_hf_config(Path(base_hf_dir))
-    staging = _staging_dir(out)
-    try:
+    with _staged(out) as staging:
         copy_hf_metadata(base_hf_dir, staging)
         _write_safetensors(named_tensors, staging, getattr(torch, _checkpoint_dtype(config)), max_shard_bytes)
         return _publish(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 # ---- parent side --------------------------------------------------------------------------------------------
@@ -179,6 +168,17 @@ def _staging_dir(out: Path) -> Path:
     shutil.rmtree(staging, ignore_errors=True)  # left by a conversion that was killed
     staging.mkdir(parents=True)
     return staging
+
+
+@contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A fresh staging dir beside `out` (see `_staging_dir`), removed when the block fails; the block publishes it."""
+    staging = _staging_dir(out)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _publish(staging: Path, out: Path) -> Path:

@@ -50,8 +50,7 @@ def load_chat_dataset(path: str | os.PathLike, tokenizer, max_tokens: int) -> li
 
 
 def _tokenise(row: Any, location: str, fallback_id: str, tokenizer) -> ChatExample:
-    messages = _check_messages(row, location)
-    num_prompt = next(i for i, m in enumerate(messages) if m["role"] not in PROMPT_ROLES)
+    messages, num_prompt = _check_messages(row, location)
     prompt_text = tokenizer.apply_chat_template(messages[:num_prompt], add_generation_prompt=True, tokenize=False)
     token_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
     response_start = len(token_ids)
@@ -64,7 +63,8 @@ def _tokenise(row: Any, location: str, fallback_id: str, tokenizer) -> ChatExamp
     return ChatExample(fallback_id if row_id is None else str(row_id), token_ids, response_start, loss_mask)
 
 
-def _check_messages(row: Any, location: str) -> list[dict[str, str]]:
+def _check_messages(row: Any, location: str) -> tuple[list[dict[str, str]], int]:
+    """The row's messages and how many of them form the prompt; DatasetError naming the row when malformed."""
     if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
         raise DatasetError(f"{location}: expected a JSON object with a 'messages' list")
     messages = row["messages"]
@@ -88,4 +88,4 @@ def _check_messages(row: Any, location: str) -> list[dict[str, str]]:
     if not response or response[-1] != "assistant" or not any(m["content"] for m in messages[num_prompt:]
                                                                if m["role"] == "assistant"):
         raise DatasetError(f"{location}: the response must end with a non-empty 'assistant' message")
-    return messages
+    return messages, num_prompt

@@ -77,11 +77,9 @@ class _NameMaker:
         return f"{self.word(2, 3)} {self.word(1, 2)}"
 
     def _vocabulary_word(self) -> str:
-        while self._vocabulary:
-            candidate = self._vocabulary.pop()
-            if candidate.lower() not in self._used_words:
-                self._used_words.add(candidate.lower())
-                return candidate
+        """The next unused word (the vocabulary holds each word once, reserved words already removed)."""
+        if self._vocabulary:
+            return self._vocabulary.pop()
         raise ValueError(
             "the single-token vocabulary ran out of names (each passage takes 3 of about 9,000): lower num_entities or "
             "distractors_per_entity so that num_entities * (1 + distractors_per_entity) stays under about 3,000"
