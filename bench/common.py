@@ -10,6 +10,9 @@ SHAPES = {
                  intermediate_size=4864, tie_word_embeddings=True),
     "tiny": dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=256, tie_word_embeddings=False),
+    # the tiny width with 4 layers and tied embeddings: learns the toy task's copies (bench/learning.py)
+    "tiny-4l": dict(hidden_size=128, num_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=256, tie_word_embeddings=True),
 }
 
 

@@ -1,10 +1,17 @@
 """Evidence that it learns: eval EM of a random-init model, of its SFT warm start, and after GRPO on top of it.
 
 Per seed, through the real entry points (each a subprocess, as a user runs them):
-  data   : `rlsearch make-toy-data --learnable --flawed-fraction F` (single-token names, no year questions,
-           demonstrations in sft.jsonl of which a fraction F answer wrongly)
+  data   : `rlsearch make-toy-data --learnable --name-pool N --demo-corpora K --flawed-fraction F` (single-token
+           names from a fixed pool of N words, no year questions, no distractor passages, half of the questions in
+           test.jsonl; sft.jsonl holds the demonstrations of the train questions and of K more corpora with other
+           seeds, a fraction F of them answering wrongly), all with the short prompt --prompt-file
   model  : a random-init Qwen2 of --shape (tied embeddings: with tied input/output embeddings copying a token is
            the identity, which the task is made of)
+Why so: the task is two copies (the entity from the question into the query, the answer from the passage into the
+answer). A tiny model trained on one corpus's few hundred demonstrations memorises them; on thousands of
+demonstrations over ~9,000 rare names it learns the copy too slowly for a CPU. On demonstrations pooled from many
+corpora over a few hundred names it cannot memorise (each corpus gives every name other facts) and sees every
+name often: the copy appears after a few hundred steps.
   random : `rlsearch eval` of the random model
   sft    : `rlsearch sft` on the demonstrations (--sft-steps), then `rlsearch eval` of output_dir/hf
   grpo   : `rlsearch train` from the SFT model (--grpo-steps), scored on the test set after its last step through
@@ -60,6 +67,7 @@ def _common(data: Path, args: argparse.Namespace) -> list[str]:
         "rollout.temperature=1.0", f"tools.retriever.corpus={data / 'corpus.jsonl'}",
         f"tools.retriever.topk={args.topk}", f"tools.retriever.index_cache_dir={data / 'bm25_cache'}",
         f"eval.files=[{data / 'test.jsonl'}]", f"eval.n_samples={args.eval_samples}", "eval.max_examples=0",
+        f"rollout.prompt_file={args.prompt_file}",
     ]
 
 
@@ -86,9 +94,12 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> dict[str, float
     work.mkdir(parents=True, exist_ok=True)
     data = work / "toy"
     print(f"seed {seed}: {work}", flush=True)
-    _rlsearch(work / "make-toy-data.log", "make-toy-data", "--out", str(data), "--seed", str(seed), "--learnable",
-              "--num-entities", str(args.num_entities), "--flawed-fraction", str(args.flawed_fraction),
-              "--demo-topk", str(args.topk))
+    if not (data / "sft.jsonl").is_file():
+        _rlsearch(work / "make-toy-data.log", "make-toy-data", "--out", str(data), "--seed", str(seed),
+                  "--learnable", "--name-pool", str(args.name_pool), "--num-entities", str(args.num_entities),
+                  "--distractors-per-entity", "0", "--test-fraction", "0.5", "--demo-corpora", str(args.demo_corpora),
+                  "--flawed-fraction", str(args.flawed_fraction), "--demo-topk", str(args.topk),
+                  "--prompt-file", args.prompt_file)
     model = work / "random-model"
     if not (model / "config.json").is_file():
         make_tiny_model(model, TinyModelSpec(**{**SHAPES[args.shape], "tie_word_embeddings": True, "seed": seed}))
@@ -110,13 +121,16 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> dict[str, float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--num-entities", type=int, default=1000,
-                        help="toy questions (80%% train, 20%% test); single-token names allow about 1,000")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny-4l")
+    parser.add_argument("--name-pool", type=int, default=300, help="single-token names the toy data draws from")
+    parser.add_argument("--num-entities", type=int, default=95,
+                        help="toy questions (half train, half test); each takes 3 names of the pool")
+    parser.add_argument("--demo-corpora", type=int, default=150, help="more corpora whose demonstrations SFT sees")
+    parser.add_argument("--prompt-file", default="examples/prompts/search_r1_short.yaml")
     parser.add_argument("--flawed-fraction", type=float, default=0.5)
     parser.add_argument("--topk", type=int, default=1, help="passages per search (demonstrations and rollouts)")
     parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--sft-steps", type=int, default=1000)
     parser.add_argument("--sft-lr", type=float, default=3e-3)
     parser.add_argument("--grpo-steps", type=int, default=30)
     parser.add_argument("--grpo-lr", type=float, default=1e-4)

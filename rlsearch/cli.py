@@ -129,12 +129,15 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 def _make_toy_data(args: argparse.Namespace) -> int:
     from .data import make_toy_data
-    from .data.demos import bm25_search, write_demonstrations
+    from .data.demos import write_toy_demonstrations
 
-    paths = make_toy_data(args.out, seed=args.seed, num_entities=args.num_entities, learnable=args.learnable)
-    demos = write_demonstrations(
-        paths.train, paths.corpus.parent / "sft.jsonl", bm25_search(paths.corpus), topk=args.demo_topk,
-        flawed_fraction=args.flawed_fraction, seed=args.seed,
+    toy_options = dict(num_entities=args.num_entities, test_fraction=args.test_fraction,
+                       distractors_per_entity=args.distractors_per_entity, learnable=args.learnable,
+                       name_pool=args.name_pool)
+    paths = make_toy_data(args.out, seed=args.seed, **toy_options)
+    demos = write_toy_demonstrations(
+        paths, paths.corpus.parent / "sft.jsonl", topk=args.demo_topk, flawed_fraction=args.flawed_fraction,
+        seed=args.seed, extra_corpora=args.demo_corpora, prompt_file=args.prompt_file or None, **toy_options,
     )
     print(f"toy corpus: {paths.corpus}\ntrain: {paths.train}\ntest: {paths.test}\n"
           f"demonstrations: {demos.path} ({demos.rows} rows, {demos.flawed} flawed)")
@@ -280,10 +283,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     toy.add_argument("--out", required=True, help="output dir (corpus.jsonl, train.jsonl, test.jsonl)")
     toy.add_argument("--seed", type=int, default=0)
-    toy.add_argument("--num-entities", type=int, default=200, help="questions (one per entity; 20%% go to test); "
-                     "with --learnable at most about 1,000 (every name is a different single-token word)")
+    toy.add_argument("--num-entities", type=int, default=200, help="questions (one per entity); with --learnable "
+                     "each passage takes 3 different names, so entities * (1 + distractors) * 3 must fit the names")
+    toy.add_argument("--test-fraction", type=float, default=0.2, help="share of the questions in test.jsonl")
+    toy.add_argument("--distractors-per-entity", type=int, default=2, help="look-alike passages per question "
+                     "entity that mention it without giving its facts")
     toy.add_argument("--learnable", action="store_true", help="names are single-token words and no question asks "
                      "for a year, so searching and answering each copy one token (a simpler task for small models)")
+    toy.add_argument("--name-pool", type=int, default=0, help="with --learnable: draw names from this many fixed "
+                     "words (the same for every seed; default 0: all ~9,000), so a small model sees each name often")
+    toy.add_argument("--demo-corpora", type=int, default=0, help="also write the demonstrations of this many more "
+                     "toy datasets (other seeds, same options; their corpora are not kept): more demonstrations, "
+                     "none about the test questions")
+    toy.add_argument("--prompt-file", default="", help="prompt YAML of the demonstrations' instruction; pass the "
+                     "same file to training as rollout.prompt_file (default: the search_r1 prompt)")
     toy.add_argument("--flawed-fraction", type=float, default=0.5, help="share of the demonstrations (sft.jsonl) "
                      "that answer wrongly: without searching, or with the entity's name after reading (default 0.5)")
     toy.add_argument("--demo-topk", type=int, default=2, help="passages per search in the demonstrations; use the "

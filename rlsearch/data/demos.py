@@ -18,9 +18,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from .toy import ToyDataPaths, make_toy_data
 
 FLAW_KINDS = ("guess", "misread")
 
@@ -63,12 +67,15 @@ def write_demonstrations(
     flawed_fraction: float = 0.0,
     seed: int = 0,
     protocol_name: str = "search_r1",
+    prompt_file: str | os.PathLike | None = None,
+    append: bool = False,
 ) -> DemoStats:
     """One demonstration per row of ``qa_path`` (toy rows: ``metadata.entity`` names what to search for).
 
     ``search`` is the retriever the agent will use (the local BM25 index over the toy corpus), queried with the
     entity at ``topk`` so that the observation is the one a rollout would see. Exactly
-    round(rows * flawed_fraction) demonstrations are flawed, chosen and given a kind by ``seed``.
+    round(rows * flawed_fraction) demonstrations are flawed, chosen and given a kind by ``seed``. ``prompt_file``:
+    the instruction's prompt YAML (as rollout.prompt_file; default the protocol's). ``append``: add to ``out_path``.
     """
     from ..tools import Document
     from ..tools.protocol import SearchR1Protocol
@@ -84,14 +91,14 @@ def write_demonstrations(
             f"{qa_path}: rows without metadata.entity (e.g. {missing[0]}); demonstrations need toy rows written by "
             "`rlsearch make-toy-data`"
         )
-    protocol = SearchR1Protocol()
+    protocol = SearchR1Protocol(prompt_file=prompt_file)
     entities = [row["metadata"]["entity"] for row in rows]
     retrieved = search(entities, topk)
     rng = random.Random(seed)
     flawed = set(rng.sample(range(len(rows)), round(len(rows) * flawed_fraction)))
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as file:
+    with out.open("a" if append else "w", encoding="utf-8") as file:
         for index, (row, entity, passages) in enumerate(zip(rows, entities, retrieved)):
             flaw = rng.choice(FLAW_KINDS) if index in flawed else None
             observation = protocol.observation([Document.from_passage(p["contents"], str(p["id"])) for p in passages])
@@ -101,6 +108,36 @@ def write_demonstrations(
             )
             file.write(json.dumps({"id": row["id"], "messages": messages, "flawed": flaw}, ensure_ascii=False) + "\n")
     return DemoStats(out, len(rows), len(flawed))
+
+
+def write_toy_demonstrations(
+    toy: ToyDataPaths,
+    out_path: str | os.PathLike,
+    topk: int,
+    flawed_fraction: float,
+    seed: int,
+    extra_corpora: int = 0,
+    prompt_file: str | os.PathLike | None = None,
+    **toy_options: Any,
+) -> DemoStats:
+    """Demonstrations for ``toy.train`` (over ``toy.corpus``), then for the train questions of ``extra_corpora``
+    more toy datasets made with ``toy_options`` and seeds drawn from ``seed``.
+
+    A demonstration carries its observation, so the extra corpora are thrown away once written: they multiply the
+    demonstrations without touching the test questions (other seeds invent other facts, with the same name tokens
+    under a learnable ``name_pool``), which is what a small model needs to learn to copy rather than to memorise.
+    """
+    stats = write_demonstrations(toy.train, out_path, bm25_search(toy.corpus), topk, flawed_fraction, seed,
+                                 prompt_file=prompt_file)
+    rows, flawed = stats.rows, stats.flawed
+    extra_seeds = random.Random(f"demo-corpora-{seed}").sample(range(10**6, 10**9), extra_corpora)
+    with tempfile.TemporaryDirectory(prefix="rlsearch-demo-corpora-") as scratch:
+        for extra_seed in extra_seeds:
+            extra = make_toy_data(Path(scratch) / str(extra_seed), seed=extra_seed, **toy_options)
+            more = write_demonstrations(extra.train, out_path, bm25_search(extra.corpus), topk, flawed_fraction,
+                                        extra_seed, prompt_file=prompt_file, append=True)
+            rows, flawed = rows + more.rows, flawed + more.flawed
+    return DemoStats(stats.path, rows, flawed)
 
 
 def bm25_search(corpus_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> SearchFunction:

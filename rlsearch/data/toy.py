@@ -8,6 +8,7 @@ the right passage above look-alikes.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -58,7 +59,8 @@ class _NameMaker:
         self._rng = rng
         self._used_words = set(reserved_words)
         self._from_vocabulary = bool(vocabulary)
-        self._vocabulary = [word for word in vocabulary if word.lower() not in self._used_words]
+        self._vocabulary = list(vocabulary)
+        self._vocabulary_size = len(self._vocabulary)
         rng.shuffle(self._vocabulary)
 
     def word(self, min_syllables: int = 2, max_syllables: int = 3) -> str:
@@ -81,8 +83,9 @@ class _NameMaker:
         if self._vocabulary:
             return self._vocabulary.pop()
         raise ValueError(
-            "the single-token vocabulary ran out of names (each passage takes 3 of about 9,000): lower num_entities or "
-            "distractors_per_entity so that num_entities * (1 + distractors_per_entity) stays under about 3,000"
+            f"the {self._vocabulary_size:,} single-token names ran out (each passage takes 3): lower num_entities or "
+            "distractors_per_entity so that num_entities * (1 + distractors_per_entity) * 3 stays within "
+            f"{self._vocabulary_size:,}, or raise name_pool"
         )
 
     def _syllable(self) -> str:
@@ -165,11 +168,12 @@ def _invention(names: _NameMaker, rng: random.Random, year: int, rival: str | No
 _KINDS: tuple[_EntityBuilder, ...] = (_town, _inventor, _river, _invention)
 
 
-def _template_words() -> set[str]:
+@functools.cache
+def _template_words() -> frozenset[str]:
     # Names must never coincide with a template word ("River", "Lake", ...), or an answer could appear in
     # passages about other entities. This module's own source holds every template word, even after edits.
     template_source = Path(__file__).read_text(encoding="utf-8")
-    return {word.lower() for word in re.findall(r"[A-Za-z]+", template_source)}
+    return frozenset(word.lower() for word in re.findall(r"[A-Za-z]+", template_source))
 
 
 def _passage_row(passage_id: str, passage: _Passage) -> dict[str, str]:
@@ -197,20 +201,35 @@ def _check_arguments(num_entities: int, test_fraction: float, distractors_per_en
         )
 
 
-def single_token_names() -> list[str]:
+@functools.cache
+def single_token_names() -> tuple[str, ...]:
     """Capitalised words of 4-9 letters that the Qwen2 tokenizer encodes as one token after a space (about 9,000)."""
     from .tiny_model import build_qwen2_tokenizer
 
     space = "\u0120"  # byte-level BPE's mark for a leading space
     vocabulary = build_qwen2_tokenizer().get_vocab()
-    return sorted(token[1:] for token in vocabulary if re.fullmatch(space + r"[A-Z][a-z]{3,8}", token))
+    return tuple(sorted(token[1:] for token in vocabulary if re.fullmatch(space + r"[A-Z][a-z]{3,8}", token)))
+
+
+def learnable_names(name_pool: int = 0) -> list[str]:
+    """The names of the learnable variant: single-token words that are no template word. ``name_pool`` > 0 keeps
+    that many of them, the same ones whatever the data seed (a fixed shuffle), so that corpora made with different
+    seeds share their name tokens and a model trained on many of them sees every name often."""
+    template_words = _template_words()
+    names = [word for word in single_token_names() if word.lower() not in template_words]
+    if name_pool <= 0:
+        return names
+    if name_pool > len(names):
+        raise ValueError(f"name_pool must be at most {len(names):,} (the single-token names), got {name_pool}")
+    random.Random(0).shuffle(names)
+    return sorted(names[:name_pool])
 
 
 def _generate(
-    rng: random.Random, num_entities: int, distractors_per_entity: int, learnable: bool
+    rng: random.Random, num_entities: int, distractors_per_entity: int, learnable: bool, name_pool: int
 ) -> tuple[list[_Passage], list[tuple[_Passage, _Question]]]:
     """All passages, and for each question entity its passage and the one question asked about it."""
-    names = _NameMaker(rng, _template_words(), single_token_names() if learnable else ())
+    names = _NameMaker(rng, _template_words(), learnable_names(name_pool) if learnable else ())
     num_passages = num_entities * (1 + distractors_per_entity)
     # Every passage gets its own year; they stay within 1000-1999 unless there are more passages than that.
     last_year = max(_FIRST_YEAR + 999, _FIRST_YEAR + num_passages - 1)
@@ -237,6 +256,7 @@ def make_toy_data(
     test_fraction: float = 0.2,
     distractors_per_entity: int = 2,
     learnable: bool = False,
+    name_pool: int = 0,
 ) -> ToyDataPaths:
     """Write corpus.jsonl, train.jsonl, test.jsonl and README.txt to ``out_dir``; same seed, same bytes.
 
@@ -244,11 +264,14 @@ def make_toy_data(
     passage and nowhere else in the corpus. ``learnable``: every name is one real word that the Qwen2 tokenizer
     encodes as a single token and no question asks for a year, so searching means copying one token from the
     question and answering means copying one token from the passage, a simpler task for small models (the facts
-    are still invented, so a pretrained model cannot answer from memory either).
+    are still invented, so a pretrained model cannot answer from memory either). ``name_pool`` (learnable only):
+    draw the names from a fixed set of that many words (see `learnable_names`).
     """
+    if name_pool and not learnable:
+        raise ValueError("name_pool applies to the learnable variant only (learnable=True)")
     _check_arguments(num_entities, test_fraction, distractors_per_entity)
     rng = random.Random(seed)
-    passages, asked = _generate(rng, num_entities, distractors_per_entity, learnable)
+    passages, asked = _generate(rng, num_entities, distractors_per_entity, learnable, name_pool)
     rng.shuffle(passages)
     passage_ids = {passage.title: str(index) for index, passage in enumerate(passages)}
     qa_rows = [

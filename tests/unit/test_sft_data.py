@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 from rlsearch.data import DatasetError, make_toy_data
+from rlsearch.data import toy as toy_module
 from rlsearch.data.chat import load_chat_dataset
-from rlsearch.data.demos import FLAW_KINDS, bm25_search, write_demonstrations
+from rlsearch.data.demos import FLAW_KINDS, bm25_search, write_demonstrations, write_toy_demonstrations
 from rlsearch.data.tiny_model import build_qwen2_tokenizer
+from rlsearch.data.toy import learnable_names
 from rlsearch.tools.protocol import SearchR1Protocol
 
 
@@ -145,5 +147,48 @@ def test_chat_rows_over_the_token_limit_and_empty_files(tokenizer, tmp_path: Pat
 
 
 def test_learnable_toy_data_says_when_single_token_names_run_out(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="single-token vocabulary ran out of names"):
+    with pytest.raises(ValueError, match=r"the 9,\d{3} single-token names ran out"):
         make_toy_data(tmp_path, seed=0, num_entities=2000, learnable=True)
+    with pytest.raises(ValueError, match=r"the 30 single-token names ran out .* or raise name_pool"):
+        make_toy_data(tmp_path, seed=0, num_entities=11, learnable=True, name_pool=30, distractors_per_entity=0)
+    with pytest.raises(ValueError, match="name_pool applies to the learnable variant only"):
+        make_toy_data(tmp_path, seed=0, name_pool=30)
+
+
+def _names(toy) -> set[str]:
+    """Every capitalised word of the corpus that is no template word: the names it invents."""
+    template = {word.lower() for word in re.findall(r"[A-Za-z]+", Path(toy_module.__file__).read_text())}
+    words = set(re.findall(r"[A-Z][a-z]+", toy.corpus.read_text()))
+    return {word for word in words if word.lower() not in template}
+
+
+def test_name_pool_is_shared_by_every_seed(tmp_path: Path) -> None:
+    pool = set(learnable_names(30))
+    assert len(pool) == 30 and pool == set(learnable_names(30)) and pool < set(learnable_names())
+    toys = [make_toy_data(tmp_path / str(seed), seed=seed, num_entities=10, learnable=True, name_pool=30,
+                          distractors_per_entity=0) for seed in (1, 2)]
+    names = [_names(toy) for toy in toys]
+    # 10 entities take all 30 names in both corpora, each giving them other facts
+    assert names[0] == names[1] == pool
+    assert toys[0].corpus.read_text() != toys[1].corpus.read_text()
+
+
+def test_toy_demonstrations_pool_extra_corpora(tmp_path: Path) -> None:
+    options = dict(num_entities=10, test_fraction=0.5, distractors_per_entity=0, learnable=True, name_pool=30)
+    toy = make_toy_data(tmp_path / "toy", seed=4, **options)
+    prompt = tmp_path / "short.yaml"
+    prompt.write_text('system: ""\nuser: "Q: {question}\\n"\ntool_line: "- {name}"\n')
+    stats = write_toy_demonstrations(toy, tmp_path / "sft.jsonl", topk=1, flawed_fraction=0.5, seed=4,
+                                     extra_corpora=3, prompt_file=prompt, **options)
+    rows = _rows(stats.path)
+    # round(5 * 0.5) = 2 flawed demonstrations per corpus
+    assert stats.rows == len(rows) == 4 * 5 and stats.flawed == sum(row["flawed"] is not None for row in rows) == 4 * 2
+    # the toy set's own demonstrations come first, then those of the 3 extra corpora (gone: only demos remain)
+    assert [row["id"] for row in rows[:5]] == [row["id"] for row in _rows(toy.train)]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["sft.jsonl", "short.yaml", "toy"]
+    test_questions = {row["question"] for row in _rows(toy.test)}
+    assert all(row["messages"][0]["content"].startswith("Q: ") for row in rows)
+    assert not test_questions & {row["messages"][0]["content"][3:-1] for row in rows}
+    again = write_toy_demonstrations(toy, tmp_path / "again.jsonl", topk=1, flawed_fraction=0.5, seed=4,
+                                     extra_corpora=3, prompt_file=prompt, **options)
+    assert again.path.read_bytes() == stats.path.read_bytes()
