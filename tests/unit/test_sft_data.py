@@ -192,3 +192,20 @@ def test_toy_demonstrations_pool_extra_corpora(tmp_path: Path) -> None:
     again = write_toy_demonstrations(toy, tmp_path / "again.jsonl", topk=1, flawed_fraction=0.5, seed=4,
                                      extra_corpora=3, prompt_file=prompt, **options)
     assert again.path.read_bytes() == stats.path.read_bytes()
+
+
+def test_make_toy_data_command_writes_the_learnable_task(tmp_path: Path, capsys) -> None:
+    from rlsearch.cli import main
+
+    prompt = Path(__file__).resolve().parents[2] / "examples" / "prompts" / "search_r1_short.yaml"
+    code = main(["make-toy-data", "--out", str(tmp_path), "--seed", "5", "--learnable", "--name-pool", "60",
+                 "--num-entities", "20", "--distractors-per-entity", "0", "--test-fraction", "0.5",
+                 "--demo-corpora", "2", "--demo-topk", "1", "--flawed-fraction", "0", "--prompt-file", str(prompt)])
+    assert code == 0
+    assert f"{tmp_path / 'sft.jsonl'} (30 rows, 0 flawed)" in capsys.readouterr().out
+    train, test, demos = _rows(tmp_path / "train.jsonl"), _rows(tmp_path / "test.jsonl"), _rows(tmp_path / "sft.jsonl")
+    assert len(train) == len(test) == 10 and len(_rows(tmp_path / "corpus.jsonl")) == 20
+    instruction = SearchR1Protocol(prompt_file=prompt).instruction(train[0]["question"])
+    assert demos[0]["messages"][0]["content"] == instruction and len(instruction) < 150
+    assert {name for row in train + test for name in (row["metadata"]["entity"], row["golden_answers"][-1])} <= set(
+        learnable_names(60))
