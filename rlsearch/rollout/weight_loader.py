@@ -68,4 +68,24 @@ class WeightLoaderExtension:
 
         model = self.model_runner.get_model()
         finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
+        _reprocess_shared_parameter_layers(model)
         return sorted({name for name, _ in model.named_parameters()} - self._rlsearch_loaded)
+
+
+def _reprocess_shared_parameter_layers(model) -> None:
+    """Redo the post-load processing of layers that share a parameter with another layer.
+
+    A tied output layer (lm_head holding embed_tokens' weight) receives no weights of its own, so the reload does
+    not process it again, and what its processing derived from the old weight stays: on CPU a prepacked copy of the
+    weight for the logits GEMM, which left the engine sampling from the old output layer after every sync. The
+    processing of an unquantized layer is idempotent, so running it again on the embedding too is harmless."""
+    layers_by_parameter: dict[int, list] = {}
+    for layer in model.modules():
+        for parameter in layer.parameters(recurse=False):
+            layers_by_parameter.setdefault(id(parameter), []).append(layer)
+    for layers in layers_by_parameter.values():
+        if len(layers) > 1:
+            for layer in layers:
+                method = getattr(layer, "quant_method", None)
+                if method is not None:
+                    method.process_weights_after_loading(layer)
