@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
@@ -54,41 +53,38 @@ def retriever(toy_data, tmp_path_factory):
     process.stop()
 
 
-@contextlib.contextmanager
-def started_rollout_worker(ray, model_dir: Path, retriever_url: str):
-    """A real vLLM engine (Ray actor) with the agent loop over `model_dir`, talking HTTP to the retriever."""
-    from rlsearch.config import RetrieverConfig, RolloutConfig
-    from rlsearch.rollout import EngineSpec, RolloutWorker
+def engine_and_actor_fixtures(scope: str):
+    """The `rollout_worker` and `actor_group` fixtures over `tiny_model_dir`, at `scope`. conftest makes them per
+    session; a module that overrides `tiny_model_dir` makes its own per module (a session fixture already built
+    would otherwise be reused with the session's model)."""
 
-    worker = ray.remote(RolloutWorker).options(num_cpus=0).remote(
-        EngineSpec(str(model_dir), max_model_len=768), RolloutConfig(**TEST_ROLLOUT),
-        RetrieverConfig(topk=2, max_retries=1, backoff_s=0.05, timeout_s=2.0), retriever_url, 1,
-    )
-    yield worker
-    ray.kill(worker)
+    @pytest.fixture(scope=scope)
+    def rollout_worker(ray_local, tiny_model_dir, retriever):
+        """A real vLLM engine (Ray actor) with the agent loop, talking HTTP to the real BM25 server."""
+        from rlsearch.config import RetrieverConfig, RolloutConfig
+        from rlsearch.rollout import EngineSpec, RolloutWorker
 
-
-@contextlib.contextmanager
-def started_actor_group(model_dir: Path):
-    """One Megatron rank (gloo, CPU patches) as a Ray actor, initialised from the HF model at `model_dir`."""
-    from rlsearch.actor import ActorGroup, ActorWorkerSpec
-    from rlsearch.config import ActorConfig, AlgoConfig
-
-    group = ActorGroup(ActorWorkerSpec(
-        model_path=str(model_dir), dtype="float32", actor=ActorConfig(lr=1e-4),
-        algo=AlgoConfig(), temperature=1.0, total_steps=10, seed=1,
-    ))
-    yield group
-    group.shutdown()
-
-
-@pytest.fixture(scope="session")
-def rollout_worker(ray_local, tiny_model_dir, retriever):
-    with started_rollout_worker(ray_local, tiny_model_dir, retriever.url) as worker:
+        worker = ray_local.remote(RolloutWorker).options(num_cpus=0).remote(
+            EngineSpec(str(tiny_model_dir), max_model_len=768), RolloutConfig(**TEST_ROLLOUT),
+            RetrieverConfig(topk=2, max_retries=1, backoff_s=0.05, timeout_s=2.0), retriever.url, 1,
+        )
         yield worker
+        ray_local.kill(worker)
 
+    @pytest.fixture(scope=scope)
+    def actor_group(ray_local, tiny_model_dir):
+        """One Megatron rank (gloo, CPU patches) as a Ray actor, initialised from the tiny HF model."""
+        from rlsearch.actor import ActorGroup, ActorWorkerSpec
+        from rlsearch.config import ActorConfig, AlgoConfig
 
-@pytest.fixture(scope="session")
-def actor_group(ray_local, tiny_model_dir):
-    with started_actor_group(tiny_model_dir) as group:
+        group = ActorGroup(ActorWorkerSpec(
+            model_path=str(tiny_model_dir), dtype="float32", actor=ActorConfig(lr=1e-4),
+            algo=AlgoConfig(), temperature=1.0, total_steps=10, seed=1,
+        ))
         yield group
+        group.shutdown()
+
+    return rollout_worker, actor_group
+
+
+rollout_worker, actor_group = engine_and_actor_fixtures("session")

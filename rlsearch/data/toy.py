@@ -14,6 +14,7 @@ import os
 import random
 import re
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +56,7 @@ class _NameMaker:
     """Invents pronounceable names whose words are unique, so each name occurs in one passage only. With a
     ``vocabulary`` every name is one unused word of it instead (a person too), e.g. words that are one token."""
 
-    def __init__(self, rng: random.Random, reserved_words: set[str], vocabulary: Sequence[str] = ()) -> None:
+    def __init__(self, rng: random.Random, reserved_words: AbstractSet[str], vocabulary: Sequence[str] = ()) -> None:
         self._rng = rng
         self._used_words = set(reserved_words)
         self._from_vocabulary = bool(vocabulary)

@@ -7,7 +7,7 @@ sampling from a stale prepacked copy of it after every weight sync (probe mismat
 
 import pytest
 
-from tests.conftest import started_actor_group, started_rollout_worker
+from tests.conftest import engine_and_actor_fixtures
 from tests.integration.test_actor_engine import (  # noqa: F401  (collected here, with this module's fixtures)
     test_actor_matches_hf_and_engine_logprobs,
     test_grpo_step_changes_weights_and_engine_follows,
@@ -21,13 +21,4 @@ def tiny_model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tied") / "tiny-qwen2-tied", TinyModelSpec(tie_word_embeddings=True))
 
 
-@pytest.fixture(scope="module")
-def rollout_worker(ray_local, tiny_model_dir, retriever):
-    with started_rollout_worker(ray_local, tiny_model_dir, retriever.url) as worker:
-        yield worker
-
-
-@pytest.fixture(scope="module")
-def actor_group(ray_local, tiny_model_dir):
-    with started_actor_group(tiny_model_dir) as group:
-        yield group
+rollout_worker, actor_group = engine_and_actor_fixtures("module")
