@@ -78,6 +78,11 @@ def _evaluate(model: Path, data: Path, out: Path, args: argparse.Namespace) -> f
 
 
 def _grpo(model: Path, data: Path, out: Path, seed: int, args: argparse.Namespace, *extra: str) -> float:
+    """Train from `model` and return the held-out EM after the last step; a finished run's score is reused."""
+    summary = out / "eval" / f"step_{args.grpo_steps:06d}" / "summary.json"
+    if summary.is_file():
+        print(f"  train          reused {summary}", flush=True)
+        return _em(summary)
     _rlsearch(out.with_suffix(".log"), "train", "--config", "examples/configs/search_grpo_tiny.yaml",
               f"model.path={model}", f"trainer.output_dir={out}", f"trainer.total_steps={args.grpo_steps}",
               f"trainer.eval_interval={args.grpo_steps}", f"trainer.seed={seed}", "trainer.resume=none",
@@ -86,7 +91,7 @@ def _grpo(model: Path, data: Path, out: Path, seed: int, args: argparse.Namespac
               # a fine-tuned model's sharper distributions put fp32 engine-vs-actor logprob gaps near 1e-4 (1.05e-4
               # measured), the tiny config's limit for a random model; a broken sync is off by far more than 1e-3
               "bridge.max_logprob_mismatch=1e-3", *_common(data, args), *extra)
-    return _em(out / "eval" / f"step_{args.grpo_steps:06d}" / "summary.json")
+    return _em(summary)
 
 
 def run_seed(seed: int, root: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -132,7 +137,7 @@ def main() -> None:
     parser.add_argument("--flawed-fraction", type=float, default=0.5)
     parser.add_argument("--topk", type=int, default=1, help="passages per search (demonstrations and rollouts)")
     parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("--sft-steps", type=int, default=1000)
+    parser.add_argument("--sft-steps", type=int, default=1800)
     parser.add_argument("--sft-lr", type=float, default=3e-3)
     parser.add_argument("--grpo-steps", type=int, default=30)
     parser.add_argument("--grpo-lr", type=float, default=1e-3)
