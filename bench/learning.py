@@ -19,8 +19,8 @@ name often: the copy appears after a few hundred steps.
   ablate : the same GRPO run with algo.mask_observations=false (tool output trained as if sampled)
 Every eval samples at the rollout temperature (1.0) --eval-samples times per test question, so EM is the policy's
 expected exact match (mean@k), not a greedy decode that would hide the flawed demonstrations' share. The table shows
-every seed, then the mean and spread (sample standard deviation) over seeds; the last line prints the three EMs
-in the order random, SFT, GRPO (means over seeds).
+every seed with its paired gain (GRPO EM - SFT EM), then the mean and spread (sample standard deviation) over
+seeds; the last line prints the three EMs in the order random, SFT, GRPO (means over seeds).
 
   .venv/bin/python bench/learning.py                                   # 3 seeds (outside CI: ~1 hour a seed on 2 cores)
   .venv/bin/python bench/learning.py --seeds 1 --sft-steps 5 --grpo-steps 2 --num-entities 100   # mechanics only
@@ -151,6 +151,8 @@ def main() -> None:
 
     root = Path(args.out).resolve()
     results = [run_seed(seed, root, args) for seed in range(1, args.seeds + 1)]
+    for ems in results:  # the gain is paired: a seed's GRPO run starts from that seed's SFT model
+        ems["grpo-sft"] = ems["grpo"] - ems["sft"]
     keys = list(results[0])
     print("\n" + " ".join(f"{key:>14}" for key in ["seed", *keys]))
     for seed, ems in enumerate(results, start=1):
