@@ -103,7 +103,8 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> dict[str, float
     print(f"seed {seed}: {work}", flush=True)
     if not (data / "sft.jsonl").is_file():
         _rlsearch(work / "make-toy-data.log", "make-toy-data", "--out", str(data), "--seed", str(seed),
-                  "--learnable", "--name-pool", str(args.name_pool), "--num-entities", str(args.num_entities),
+                  "--learnable", "--name-pool", str(args.name_pool), "--answer-pool", str(args.answer_pool),
+                  "--num-entities", str(args.num_entities),
                   "--distractors-per-entity", "0", "--test-fraction", "0.5", "--demo-corpora", str(args.demo_corpora),
                   "--flawed-fraction", str(args.flawed_fraction), "--demo-topk", str(args.topk),
                   "--prompt-file", args.prompt_file)
@@ -130,6 +131,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny-4l")
     parser.add_argument("--name-pool", type=int, default=300, help="single-token names the toy data draws from")
+    parser.add_argument("--answer-pool", type=int, default=0,
+                        help="deal every answer from this many other fixed names (0: answers come from --name-pool)")
     parser.add_argument("--num-entities", type=int, default=95,
                         help="toy questions (half train, half test); each takes 3 names of the pool")
     parser.add_argument("--demo-corpora", type=int, default=150, help="more corpora whose demonstrations SFT sees")

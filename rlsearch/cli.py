@@ -133,7 +133,7 @@ def _make_toy_data(args: argparse.Namespace) -> int:
 
     toy_options = dict(num_entities=args.num_entities, test_fraction=args.test_fraction,
                        distractors_per_entity=args.distractors_per_entity, learnable=args.learnable,
-                       name_pool=args.name_pool)
+                       name_pool=args.name_pool, answer_pool=args.answer_pool)
     paths = make_toy_data(args.out, seed=args.seed, **toy_options)
     demos = write_toy_demonstrations(
         paths, paths.corpus.parent / "sft.jsonl", topk=args.demo_topk, flawed_fraction=args.flawed_fraction,
@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     toy.add_argument("--out", required=True, help="output dir (corpus.jsonl, train.jsonl, test.jsonl)")
     toy.add_argument("--seed", type=int, default=0)
     toy.add_argument("--num-entities", type=int, default=200, help="questions (one per entity); with --learnable "
-                     "each passage takes 3 different names, so entities * (1 + distractors) * 3 must fit the names")
+                     "each passage takes 3 different names (1 with --answer-pool), so entities * (1 + distractors) * "
+                     "names per passage must fit the names")
     toy.add_argument("--test-fraction", type=float, default=0.2, help="share of the questions in test.jsonl")
     toy.add_argument("--distractors-per-entity", type=int, default=2, help="look-alike passages per question "
                      "entity that mention it without giving its facts")
@@ -292,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "for a year, so searching and answering each copy one token (a simpler task for small models)")
     toy.add_argument("--name-pool", type=int, default=0, help="with --learnable: draw names from this many fixed "
                      "words (the same for every seed; default 0: all ~9,000), so a small model sees each name often")
+    toy.add_argument("--answer-pool", type=int, default=0, help="with --learnable: deal every name but the "
+                     "passage's title (so every answer) from this many other fixed words, repeating; titles stay "
+                     "unique, so each passage takes 1 name of --name-pool and answering copies an often-seen token")
     toy.add_argument("--demo-corpora", type=int, default=0, help="also write the demonstrations of this many more "
                      "toy datasets (other seeds, same options; their corpora are not kept): more demonstrations, "
                      "none about the test questions")

@@ -84,21 +84,42 @@ class _NameMaker:
         if self._vocabulary:
             return self._vocabulary.pop()
         raise ValueError(
-            f"the {self._vocabulary_size:,} single-token names ran out (each passage takes 3): lower num_entities or "
-            "distractors_per_entity so that num_entities * (1 + distractors_per_entity) * 3 stays within "
-            f"{self._vocabulary_size:,}, or raise name_pool"
+            f"the {self._vocabulary_size:,} single-token names ran out (each passage takes 3, 1 with an answer_pool):"
+            " lower num_entities or distractors_per_entity so that num_entities * (1 + distractors_per_entity) * "
+            f"names per passage stays within {self._vocabulary_size:,}, or raise name_pool"
         )
 
     def _syllable(self) -> str:
         return self._rng.choice(_ONSETS) + self._rng.choice(_VOWELS) + self._rng.choice(_CODAS)
 
 
-# Each kind builds an entity from (names, rng, year, name of the question entity it distracts from or None).
-_EntityBuilder = Callable[[_NameMaker, random.Random, int, str | None], _Entity]
+class _PooledNames:
+    """Fact names from a fixed pool: each name once in a shuffle of the pool, and so on with a new shuffle. A name
+    recurs in other passages (so an answer may be in other passages too), seldom in the same one."""
+
+    def __init__(self, rng: random.Random, pool: Sequence[str]) -> None:
+        self._rng = rng
+        self._pool = list(pool)
+        self._unused: list[str] = []
+
+    def word(self) -> str:
+        if not self._unused:
+            self._unused = list(self._pool)
+            self._rng.shuffle(self._unused)
+        return self._unused.pop()
+
+    person = word
 
 
-def _town(names: _NameMaker, rng: random.Random, year: int, rival: str | None) -> _Entity:
-    town, river, mayor = names.word(), names.word(), names.person()
+_FactNames = _NameMaker | _PooledNames
+# Each kind builds an entity from (names of the title, names of facts, rng, year, name of the question entity it
+# distracts from or None). The title is drawn first, so that with one _NameMaker for all the names stay the same.
+_EntityBuilder = Callable[[_NameMaker, _FactNames, random.Random, int, str | None], _Entity]
+
+
+def _town(names: _NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
+    town = names.word()
+    river, mayor = facts.word(), facts.person()
     text = f"{town} is a town on the river {river}. Its mayor is {mayor}. It was founded in {year}."
     if rival:
         text += f" It is twinned with {rival}."
@@ -112,8 +133,9 @@ def _town(names: _NameMaker, rng: random.Random, year: int, rival: str | None) -
     )
 
 
-def _inventor(names: _NameMaker, rng: random.Random, year: int, rival: str | None) -> _Entity:
-    inventor, birthplace, machine = names.person(), names.word(), names.word()
+def _inventor(names: _NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
+    inventor = names.person()
+    birthplace, machine = facts.word(), facts.word()
     text = (
         f"{inventor} was an inventor born in the town of {birthplace}. "
         f"In {year} {inventor} built the {machine}, a machine for {rng.choice(_PURPOSES)}."
@@ -130,8 +152,9 @@ def _inventor(names: _NameMaker, rng: random.Random, year: int, rival: str | Non
     )
 
 
-def _river(names: _NameMaker, rng: random.Random, year: int, rival: str | None) -> _Entity:
-    river, mountain, lake = names.word(), names.word(), names.word()
+def _river(names: _NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
+    river = names.word()
+    mountain, lake = facts.word(), facts.word()
     text = (
         f"The {river} is a river that rises on Mount {mountain} and flows into Lake {lake}. "
         f"Its oldest bridge was built in {year}."
@@ -148,8 +171,9 @@ def _river(names: _NameMaker, rng: random.Random, year: int, rival: str | None) 
     )
 
 
-def _invention(names: _NameMaker, rng: random.Random, year: int, rival: str | None) -> _Entity:
-    invention, inventor, workshop_town = names.word(), names.person(), names.word()
+def _invention(names: _NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
+    invention = names.word()
+    inventor, workshop_town = facts.person(), facts.word()
     text = (
         f"The {invention} is a device for {rng.choice(_PURPOSES)} invented by {inventor} in {year}. "
         f"It was first made in the workshops of {workshop_town}."
@@ -212,25 +236,42 @@ def single_token_names() -> tuple[str, ...]:
     return tuple(sorted(token[1:] for token in vocabulary if re.fullmatch(space + r"[A-Z][a-z]{3,8}", token)))
 
 
-def learnable_names(name_pool: int = 0) -> list[str]:
-    """The names of the learnable variant: single-token words that are no template word. ``name_pool`` > 0 keeps
-    that many of them, the same ones whatever the data seed (a fixed shuffle), so that corpora made with different
-    seeds share their name tokens and a model trained on many of them sees every name often."""
-    template_words = _template_words()
-    names = [word for word in single_token_names() if word.lower() not in template_words]
-    if name_pool <= 0:
-        return names
-    if name_pool > len(names):
-        raise ValueError(f"name_pool must be at most {len(names):,} (the single-token names), got {name_pool}")
+@functools.cache
+def _shuffled_learnable_names() -> tuple[str, ...]:
+    """The single-token names that are no template word, in one fixed shuffle (the same whatever the data seed)."""
+    names = [word for word in single_token_names() if word.lower() not in _template_words()]
     random.Random(0).shuffle(names)
-    return sorted(names[:name_pool])
+    return tuple(names)
+
+
+def learnable_names(name_pool: int = 0, answer_pool: int = 0) -> list[str]:
+    """The names of the learnable variant: single-token words that are no template word. ``name_pool`` > 0 keeps
+    the first that many of a fixed shuffle, the same ones whatever the data seed, so that corpora made with
+    different seeds share their name tokens and a model trained on many of them sees every name often.
+    ``answer_pool`` > 0 keeps out the last that many of the shuffle: the `answer_names`."""
+    names = _shuffled_learnable_names()
+    if name_pool + answer_pool > len(names):
+        raise ValueError(
+            f"name_pool + answer_pool must be at most {len(names):,} (the single-token names), got "
+            f"{name_pool} + {answer_pool}"
+        )
+    return sorted(names[: name_pool or len(names) - answer_pool])
+
+
+def answer_names(answer_pool: int) -> list[str]:
+    """The ``answer_pool`` names every fact of the learnable variant is drawn from: the last of `learnable_names`'
+    fixed shuffle, so never the name of a title."""
+    names = _shuffled_learnable_names()
+    return sorted(names[len(names) - answer_pool:])
 
 
 def _generate(
-    rng: random.Random, num_entities: int, distractors_per_entity: int, learnable: bool, name_pool: int
+    rng: random.Random, num_entities: int, distractors_per_entity: int, learnable: bool, name_pool: int,
+    answer_pool: int,
 ) -> tuple[list[_Passage], list[tuple[_Passage, _Question]]]:
     """All passages, and for each question entity its passage and the one question asked about it."""
-    names = _NameMaker(rng, _template_words(), learnable_names(name_pool) if learnable else ())
+    names = _NameMaker(rng, _template_words(), learnable_names(name_pool, answer_pool) if learnable else ())
+    facts: _FactNames = _PooledNames(rng, answer_names(answer_pool)) if answer_pool else names
     num_passages = num_entities * (1 + distractors_per_entity)
     # Every passage gets its own year; they stay within 1000-1999 unless there are more passages than that.
     last_year = max(_FIRST_YEAR + 999, _FIRST_YEAR + num_passages - 1)
@@ -239,13 +280,14 @@ def _generate(
     asked: list[tuple[_Passage, _Question]] = []
     for _ in range(num_entities):
         kind = rng.choice(_KINDS)
-        entity = kind(names, rng, next(years), None)
+        entity = kind(names, facts, rng, next(years), None)
         # the learnable variant asks only for names (one token each), never for a year (four digit tokens)
         questions = [q for q in entity.questions if not (learnable and q.golden_answers[0].isdigit())]
         asked.append((entity.passage, rng.choice(questions)))
         passages.append(entity.passage)
         passages.extend(
-            kind(names, rng, next(years), entity.passage.title).passage for _ in range(distractors_per_entity)
+            kind(names, facts, rng, next(years), entity.passage.title).passage
+            for _ in range(distractors_per_entity)
         )
     return passages, asked
 
@@ -258,6 +300,7 @@ def make_toy_data(
     distractors_per_entity: int = 2,
     learnable: bool = False,
     name_pool: int = 0,
+    answer_pool: int = 0,
 ) -> ToyDataPaths:
     """Write corpus.jsonl, train.jsonl, test.jsonl and README.txt to ``out_dir``; same seed, same bytes.
 
@@ -266,13 +309,18 @@ def make_toy_data(
     encodes as a single token and no question asks for a year, so searching means copying one token from the
     question and answering means copying one token from the passage, a simpler task for small models (the facts
     are still invented, so a pretrained model cannot answer from memory either). ``name_pool`` (learnable only):
-    draw the names from a fixed set of that many words (see `learnable_names`).
+    draw the names from a fixed set of that many words (see `learnable_names`). ``answer_pool`` (learnable only):
+    every name but the passage's title (so every answer) is drawn, with repeats, from another fixed set of that
+    many words (`answer_names`), and each title is unique: a passage is still retrieved by its title, but its
+    answer may be in other passages too. So answering is to name one of a few frequent tokens, which a small model
+    learns far sooner, while there can be more unique entity names than a run memorises.
     """
-    if name_pool and not learnable:
-        raise ValueError("name_pool applies to the learnable variant only (learnable=True)")
+    for pool_name, pool_size in (("name_pool", name_pool), ("answer_pool", answer_pool)):
+        if pool_size and not learnable:
+            raise ValueError(f"{pool_name} applies to the learnable variant only (learnable=True)")
     _check_arguments(num_entities, test_fraction, distractors_per_entity)
     rng = random.Random(seed)
-    passages, asked = _generate(rng, num_entities, distractors_per_entity, learnable, name_pool)
+    passages, asked = _generate(rng, num_entities, distractors_per_entity, learnable, name_pool, answer_pool)
     rng.shuffle(passages)
     passage_ids = {passage.title: str(index) for index, passage in enumerate(passages)}
     qa_rows = [
@@ -295,18 +343,24 @@ def make_toy_data(
     _write_jsonl(paths.corpus, [_passage_row(passage_ids[passage.title], passage) for passage in passages])
     _write_jsonl(paths.train, qa_rows[num_test:])
     _write_jsonl(paths.test, qa_rows[:num_test])
-    (out / "README.txt").write_text(_readme(seed, num_entities, len(passages), num_test), encoding="utf-8")
+    readme = _readme(seed, num_entities, len(passages), num_test, answer_pool)
+    (out / "README.txt").write_text(readme, encoding="utf-8")
     return paths
 
 
-def _readme(seed: int, num_entities: int, num_passages: int, num_test: int) -> str:
+def _readme(seed: int, num_entities: int, num_passages: int, num_test: int, answer_pool: int) -> str:
+    where_answers_are = (
+        f"Every answer appears in that passage; answers are drawn from a pool of {answer_pool} names, so one may "
+        "appear in other passages too, but every passage has its own title (the entity asked about), "
+        if answer_pool else "Every answer appears in that passage and in no other, and the remaining passages are "
+        "distractors that mention a question entity without stating its facts, "
+    )
     return (
         f"Synthetic QA data made by rlsearch.data.make_toy_data (seed {seed}). corpus.jsonl holds {num_passages} "
         'passages in the Search-R1 corpus format {"id", "contents"}, where contents is the quoted title, a '
         "newline and the text; each passage describes an invented town, inventor, river or invention. "
         f"train.jsonl ({num_entities - num_test} rows) and test.jsonl ({num_test} rows) hold one question per "
         'question entity as {"id", "question", "golden_answers", "data_source": "toy", "metadata"}, where '
-        "metadata.passage_id is the id of the passage holding the answer. Every answer appears in that passage "
-        "and in no other, and the remaining passages are distractors that mention a question entity without "
-        "stating its facts, so the questions can only be answered by retrieving the right passage.\n"
+        f"metadata.passage_id is the id of the passage holding the answer. {where_answers_are}"
+        "so the questions can only be answered by retrieving the right passage.\n"
     )

@@ -13,7 +13,7 @@ from rlsearch.data import toy as toy_module
 from rlsearch.data.chat import load_chat_dataset
 from rlsearch.data.demos import FLAW_KINDS, bm25_search, write_demonstrations, write_toy_demonstrations
 from rlsearch.data.tiny_model import build_qwen2_tokenizer
-from rlsearch.data.toy import learnable_names
+from rlsearch.data.toy import answer_names, learnable_names
 from rlsearch.tools.protocol import SearchR1Protocol
 
 
@@ -155,6 +155,15 @@ def test_learnable_toy_data_says_when_single_token_names_run_out(tmp_path: Path)
         make_toy_data(tmp_path, seed=0, name_pool=30)
 
 
+def test_learnable_names_stay_the_same() -> None:
+    # toy.py's own words are template words and never names: a new word in its source (a comment too) that is also
+    # a single-token name shrinks this set and changes every learnable corpus made with the same seed
+    names = learnable_names()
+    assert len(names) == 9007, "a word added to rlsearch/data/toy.py removed single-token names: reword it"
+    assert learnable_names(5) == ["Bols", "Defender", "Interest", "Quarry", "Tesla"]
+    assert answer_names(3) == ["Base", "Preferred", "Roch"]
+
+
 def _names(toy) -> set[str]:
     """Every capitalised word of the corpus that is no template word: the names it invents."""
     template = {word.lower() for word in re.findall(r"[A-Za-z]+", Path(toy_module.__file__).read_text())}
@@ -209,3 +218,38 @@ def test_make_toy_data_command_writes_the_learnable_task(tmp_path: Path, capsys)
     assert demos[0]["messages"][0]["content"] == instruction and len(instruction) < 150
     assert {name for row in train + test for name in (row["metadata"]["entity"], row["golden_answers"][-1])} <= set(
         learnable_names(60))
+
+
+def test_answer_pool_deals_every_answer_from_its_own_names(tmp_path: Path, capsys) -> None:
+    from rlsearch.cli import main
+
+    titles, answers = set(learnable_names(60)), set(answer_names(12))
+    assert len(answers) == 12 and not titles & answers
+    assert set(learnable_names(0, 12)) == set(learnable_names()) - answers
+    code = main(["make-toy-data", "--out", str(tmp_path), "--seed", "1", "--learnable", "--name-pool", "60",
+                 "--answer-pool", "12", "--num-entities", "40", "--distractors-per-entity", "0", "--test-fraction",
+                 "0.5", "--demo-topk", "1"])
+    assert code == 0 and "(20 rows, 10 flawed)" in capsys.readouterr().out
+    rows = _rows(tmp_path / "train.jsonl") + _rows(tmp_path / "test.jsonl")
+    corpus = {row["id"]: row["contents"] for row in _rows(tmp_path / "corpus.jsonl")}
+    entities = [row["metadata"]["entity"] for row in rows]
+    assert len(set(entities)) == 40 and set(entities) <= titles
+    for row in rows:
+        answer = row["golden_answers"][-1]
+        assert answer in answers and answer in corpus[row["metadata"]["passage_id"]]
+    # 40 passages x 2 fact names, each of the 12 once per shuffle of the pool: every name 6 or 7 times, never a title
+    text = "".join(corpus.values())
+    counts = [len(re.findall(rf"\b{name}\b", text)) for name in sorted(answers)]
+    assert sum(counts) == 80 and max(counts) - min(counts) <= 1
+    assert "answers are drawn from a pool of 12 names" in (tmp_path / "README.txt").read_text()
+
+
+def test_answer_pool_errors_name_the_option(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="answer_pool applies to the learnable variant only"):
+        make_toy_data(tmp_path, seed=0, answer_pool=30)
+    with pytest.raises(ValueError, match=r"name_pool \+ answer_pool must be at most 9,\d{3} .* got 9000 \+ 500"):
+        make_toy_data(tmp_path, seed=0, learnable=True, name_pool=9000, answer_pool=500)
+    with pytest.raises(ValueError, match=r"the 10 single-token names ran out \(each passage takes 3, 1 with an "
+                       r"answer_pool\)"):
+        make_toy_data(tmp_path, seed=0, num_entities=11, learnable=True, name_pool=10, answer_pool=5,
+                      distractors_per_entity=0)
