@@ -3,6 +3,9 @@
 A micro-batch is one row of sequences concatenated back to back (Megatron's `thd` packed format) up to
 `max_tokens` tokens, with no padding. Only response positions need logits: a micro-batch carries the flat
 index of the positions whose next token is a response token, and every per-token tensor is 1-D over them.
+A training step needs even fewer: with `trained_only` only the positions predicting a loss-masked token are
+selected (not the tool observations, which carry zero weight), since the vocabulary projection dominates the
+cost of a small model and observations are most of a search trajectory's response.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class MicroBatch:
     position_ids: torch.Tensor  # [1, total_tokens]: restarting at 0 for every sample
     cu_seqlens: torch.Tensor  # [num_samples + 1] int32 sequence boundaries
     max_seqlen: int
-    logit_index: torch.Tensor  # [n] packed positions whose next token is a response token
+    logit_index: torch.Tensor  # [n] packed positions whose next token is a (with trained_only: trained) response token
     labels: torch.Tensor  # [n] the response token predicted at each selected position
     loss_mask: torch.Tensor
     advantages: torch.Tensor
@@ -56,7 +59,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
     rollout_logprobs: torch.Tensor | None
-    response_lens: list[int]
+    response_lens: list[int]  # selected positions per sample
 
     @property
     def num_tokens(self) -> int:
@@ -76,16 +79,27 @@ class MicroBatch:
         )
 
 
-def _flat(samples: Sequence[TrainSample], name: str) -> torch.Tensor | None:
+def _flat(samples: Sequence[TrainSample], name: str, kept: Sequence[Sequence[int]]) -> torch.Tensor | None:
     values = [getattr(s, name) for s in samples]
     if any(v is None for v in values):
         return None
-    return torch.tensor([x for v in values for x in v], dtype=torch.float)
+    return torch.tensor([v[r] for v, rows in zip(values, kept) for r in rows], dtype=torch.float)
 
 
-def _flat_or_zeros(samples: Sequence[TrainSample], name: str, length: int) -> torch.Tensor:
-    values = _flat(samples, name)
-    return values if values is not None else torch.zeros(length)
+def _flat_or_zeros(samples: Sequence[TrainSample], name: str, kept: Sequence[Sequence[int]]) -> torch.Tensor:
+    values = _flat(samples, name, kept)
+    return values if values is not None else torch.zeros(sum(len(rows) for rows in kept))
+
+
+def _kept_positions(samples: Sequence[TrainSample], trained_only: bool) -> list[list[int]]:
+    """Per sample the response offsets that get logits: all of them, or with `trained_only` those whose loss mask is
+    set. A micro-batch without a trained token (an empty data-parallel shard's zero-weight stand-in) keeps all, so
+    the output layer still sees its input and takes part in the backward pass."""
+    every = [list(range(s.response_len)) for s in samples]
+    if not trained_only:
+        return every
+    trained = [[r for r in rows if s.loss_mask[r]] for s, rows in zip(samples, every)]
+    return trained if any(trained) else every
 
 
 def pack_indices(lengths: Sequence[int], max_tokens: int, min_bins: int = 1) -> list[list[int]]:
@@ -117,16 +131,17 @@ def pack_indices(lengths: Sequence[int], max_tokens: int, min_bins: int = 1) -> 
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
-def collate(samples: Sequence[TrainSample], sample_indices: Sequence[int]) -> MicroBatch:
-    """Pack `samples` into one row (thd)."""
+def collate(samples: Sequence[TrainSample], sample_indices: Sequence[int], trained_only: bool = False) -> MicroBatch:
+    """Pack `samples` into one row (thd); logits at every response position, or only at trained ones."""
+    kept = _kept_positions(samples, trained_only)
     tokens, positions, index, labels, boundaries = [], [], [], [], [0]
-    for sample in samples:
+    for sample, rows in zip(samples, kept):
         offset = boundaries[-1]
         tokens.extend(sample.token_ids)
         positions.extend(range(len(sample.token_ids)))
         # position t predicts token t + 1
-        index.extend(range(offset + sample.response_start - 1, offset + len(sample.token_ids) - 1))
-        labels.extend(sample.token_ids[sample.response_start :])
+        index.extend(offset + sample.response_start - 1 + r for r in rows)
+        labels.extend(sample.token_ids[sample.response_start + r] for r in rows)
         boundaries.append(offset + len(sample.token_ids))
     return MicroBatch(
         sample_indices=list(sample_indices),
@@ -136,19 +151,21 @@ def collate(samples: Sequence[TrainSample], sample_indices: Sequence[int]) -> Mi
         max_seqlen=max(len(s.token_ids) for s in samples),
         logit_index=torch.tensor(index, dtype=torch.long),
         labels=torch.tensor(labels, dtype=torch.long),
-        loss_mask=torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float),
-        advantages=torch.tensor([s.advantage for s in samples for _ in range(s.response_len)], dtype=torch.float),
-        token_weights=_flat_or_zeros(samples, "token_weights", len(labels)),
-        old_logprobs=_flat(samples, "old_logprobs"),
-        ref_logprobs=_flat(samples, "ref_logprobs"),
-        rollout_logprobs=_flat(samples, "rollout_logprobs"),
-        response_lens=[s.response_len for s in samples],
+        loss_mask=_flat(samples, "loss_mask", kept),
+        advantages=torch.tensor([s.advantage for s, rows in zip(samples, kept) for _ in rows], dtype=torch.float),
+        token_weights=_flat_or_zeros(samples, "token_weights", kept),
+        old_logprobs=_flat(samples, "old_logprobs", kept),
+        ref_logprobs=_flat(samples, "ref_logprobs", kept),
+        rollout_logprobs=_flat(samples, "rollout_logprobs", kept),
+        response_lens=[len(rows) for rows in kept],
     )
 
 
-def pack_micro_batches(samples: Sequence[TrainSample], max_tokens: int, min_micro_batches: int = 1) -> list[MicroBatch]:
+def pack_micro_batches(
+    samples: Sequence[TrainSample], max_tokens: int, min_micro_batches: int = 1, trained_only: bool = False
+) -> list[MicroBatch]:
     """Packed micro-batches on the rank's device: the current CUDA device when there is one (the model is there on
-    the nccl path), else CPU."""
+    the nccl path), else CPU. `trained_only`: logits only where the loss mask is set (a training step)."""
     device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
     bins = pack_indices([len(s.token_ids) for s in samples], max_tokens, min_micro_batches)
-    return [collate([samples[i] for i in indices], indices).to(device) for indices in bins]
+    return [collate([samples[i] for i in indices], indices, trained_only).to(device) for indices in bins]

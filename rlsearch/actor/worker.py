@@ -203,11 +203,14 @@ class MegatronActorWorker:
                 output_layer.register_forward_pre_hook(select_positions, with_kwargs=True)
 
     def _run_pipeline(self, model, samples: Sequence[TrainSample], loss_fn, forward_only: bool) -> list[dict]:
-        """Megatron's pipeline schedule over packed micro-batches; the loss dicts of the last stage, in order."""
+        """Megatron's pipeline schedule over packed micro-batches; the loss dicts of the last stage, in order. A
+        training pass (not `forward_only`) takes logits only at trained positions, whose weights are the only
+        non-zero ones; a forward pass gives every response token its logprob."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         micro_batches = pack_micro_batches(
-            samples, self.spec.actor.max_tokens_per_microbatch, min_micro_batches=self.spec.actor.pp
+            samples, self.spec.actor.max_tokens_per_microbatch, min_micro_batches=self.spec.actor.pp,
+            trained_only=not forward_only,
         )
         # the interleaved schedule reads micro-batches once per model chunk
         batches = iter(micro_batches) if len(model) == 1 else [iter(micro_batches) for _ in model]

@@ -56,3 +56,37 @@ def test_pack_micro_batches_covers_every_sample_once():
     assert sorted(i for mb in micro_batches for i in mb.sample_indices) == list(range(5))
     assert all(mb.num_tokens <= 12 for mb in micro_batches)
     assert sum(mb.num_tokens for mb in micro_batches) == 28  # no padding
+
+
+def test_trained_only_takes_logits_where_the_loss_mask_is_set():
+    samples = [
+        TrainSample([10, 11, 12, 13, 14], response_start=2, loss_mask=[1, 0, 1], advantage=0.5,
+                    token_weights=[0.25, 0.0, 0.25], old_logprobs=[-1.0, -2.0, -3.0],
+                    rollout_logprobs=[-1.5, 0.0, -3.5]),
+        TrainSample([20, 21, 22], response_start=1, loss_mask=[0, 1], advantage=-1.0, token_weights=[0.0, 0.5],
+                    old_logprobs=[-4.0, -5.0], rollout_logprobs=[0.0, -5.5]),
+    ]
+    full, trained = collate(samples, [0, 1]), collate(samples, [0, 1], trained_only=True)
+    # sample 0 trains on 12 and 14 (positions 1, 3), sample 1 on 22 (packed position 6); 13 and 21 are observations
+    assert trained.logit_index.tolist() == [1, 3, 6] and trained.labels.tolist() == [12, 14, 22]
+    assert trained.tokens[0, trained.logit_index + 1].tolist() == trained.labels.tolist()
+    assert trained.response_lens == [2, 1] and trained.loss_mask.tolist() == [1.0, 1.0, 1.0]
+    assert trained.advantages.tolist() == [0.5, 0.5, -1.0] and trained.token_weights.tolist() == [0.25, 0.25, 0.5]
+    assert trained.old_logprobs.tolist() == [-1.0, -3.0, -5.0]
+    assert trained.rollout_logprobs.tolist() == [-1.5, -3.5, -5.5]
+    assert trained.ref_logprobs is None
+    # the sequences themselves are packed as before; only the selected positions differ
+    assert torch.equal(trained.tokens, full.tokens) and torch.equal(trained.cu_seqlens, full.cu_seqlens)
+    selected = full.loss_mask.bool()
+    assert torch.equal(full.logit_index[selected], trained.logit_index)
+    assert torch.equal(full.token_weights[selected], trained.token_weights)
+    assert full.token_weights[~selected].abs().sum() == 0  # what is left out weighs nothing
+
+
+def test_trained_only_keeps_a_micro_batch_without_trained_tokens_whole():
+    # an empty data-parallel shard trains a zero-weight stand-in: its output layer must still see an input
+    stand_in = TrainSample([0, 0], 1, [0], token_weights=[0.0])
+    mb = collate([stand_in], [0], trained_only=True)
+    assert mb.logit_index.tolist() == [0] and mb.token_weights.tolist() == [0.0] and mb.response_lens == [1]
+    micro_batches = pack_micro_batches([stand_in, TrainSample([1, 2, 3], 1, [0, 1])], 2, trained_only=True)
+    assert [mb.labels.tolist() for mb in micro_batches] == [[0], [3]]
