@@ -22,7 +22,7 @@ expected exact match (mean@k), not a greedy decode that would hide the flawed de
 every seed with its paired gain (GRPO EM - SFT EM), then the mean and spread (sample standard deviation) over
 seeds; the last line prints the three EMs in the order random, SFT, GRPO (means over seeds).
 
-  .venv/bin/python bench/learning.py                                   # 3 seeds (outside CI: ~1 hour a seed on 2 cores)
+  .venv/bin/python bench/learning.py                                   # 3 seeds (outside CI: ~30 min a seed on 2 cores)
   .venv/bin/python bench/learning.py --seeds 1 --sft-steps 5 --grpo-steps 2 --num-entities 100   # mechanics only
 """
 
