@@ -134,7 +134,8 @@ def main() -> None:
     parser.add_argument("--answer-pool", type=int, default=0,
                         help="deal every answer from this many other fixed names (0: answers come from --name-pool)")
     parser.add_argument("--num-entities", type=int, default=95,
-                        help="toy questions (half train, half test); each takes 3 names of the pool")
+                        help="toy questions (half train, half test); each takes 3 names of the pool "
+                        "(1 with --answer-pool)")
     parser.add_argument("--demo-corpora", type=int, default=150, help="more corpora whose demonstrations SFT sees")
     parser.add_argument("--prompt-file", default="examples/prompts/search_r1_short.yaml")
     parser.add_argument("--flawed-fraction", type=float, default=0.5)

@@ -312,8 +312,7 @@ def make_toy_data(
     draw the names from a fixed set of that many words (see `learnable_names`). ``answer_pool`` (learnable only):
     every name but the passage's title (so every answer) is drawn, with repeats, from another fixed set of that
     many words (`answer_names`), and each title is unique: a passage is still retrieved by its title, but its
-    answer may be in other passages too. So answering is to name one of a few frequent tokens, which a small model
-    learns far sooner, while there can be more unique entity names than a run memorises.
+    answer may be in other passages too, and there can be more unique entity names than a run memorises.
     """
     for pool_name, pool_size in (("name_pool", name_pool), ("answer_pool", answer_pool)):
         if pool_size and not learnable:
