@@ -10,8 +10,9 @@ Per seed, through the real entry points (each a subprocess, as a user runs them)
 Why so: the task is two copies (the entity from the question into the query, the answer from the passage into the
 answer). A tiny model trained on one corpus's few hundred demonstrations memorises them; on thousands of
 demonstrations over ~9,000 rare names it learns the copy too slowly for a CPU. On demonstrations pooled from many
-corpora over a few hundred names it cannot memorise (each corpus gives every name other facts) and sees every
-name often: the copy appears after a few hundred steps.
+corpora over 1,000 names it cannot memorise (each corpus gives every name other facts) and sees every name often:
+the answer copy appears within 3,000 steps, and 165 train questions (each seen ~1.5 times in 30 GRPO steps) keep
+GRPO from memorising the train set instead of improving the copy.
   random : `rlsearch eval` of the random model
   sft    : `rlsearch sft` on the demonstrations (--sft-steps), then `rlsearch eval` of output_dir/hf
   grpo   : `rlsearch train` from the SFT model (--grpo-steps), scored on the test set after its last step through
@@ -19,10 +20,12 @@ name often: the copy appears after a few hundred steps.
   ablate : the same GRPO run with algo.mask_observations=false (tool output trained as if sampled)
 Every eval samples at the rollout temperature (1.0) --eval-samples times per test question, so EM is the policy's
 expected exact match (mean@k), not a greedy decode that would hide the flawed demonstrations' share. The table shows
-every seed with its paired gain (GRPO EM - SFT EM), then the mean and spread (sample standard deviation) over
-seeds; the last line prints the three EMs in the order random, SFT, GRPO (means over seeds).
+every seed with its paired gain (GRPO EM - SFT EM) and that gain's z over the seed's test questions (the mean of the
+per-question gains over their standard error: the eval's sampling noise), then the mean and spread (sample standard
+deviation) over seeds and the gain's paired t over seeds (seed noise); the last line prints the three EMs in the
+order random, SFT, GRPO (means over seeds).
 
-  .venv/bin/python bench/learning.py                                   # 3 seeds (outside CI: ~30 min a seed on 2 cores)
+  .venv/bin/python bench/learning.py                                   # 3 seeds (outside CI: ~45 min a seed on 2 cores)
   .venv/bin/python bench/learning.py --seeds 1 --sft-steps 5 --grpo-steps 2 --num-entities 100   # mechanics only
 """
 
@@ -72,14 +75,40 @@ def _common(data: Path, args: argparse.Namespace) -> list[str]:
 
 
 def _evaluate(model: Path, data: Path, out: Path, args: argparse.Namespace) -> float:
+    """Score `model` on the test set; a finished eval's score is reused."""
+    if (out / "summary.json").is_file():
+        print(f"  eval           reused {out / 'summary.json'}", flush=True)
+        return _em(out / "summary.json")
     _rlsearch(out.with_suffix(".log"), "eval", "--config", "examples/configs/eval_search.yaml",
               f"model.path={model}", f"output_dir={out}", *_common(data, args))
     return _em(out / "summary.json")
 
 
+def _final_eval(run: Path, args: argparse.Namespace) -> Path:
+    return run / "eval" / f"step_{args.grpo_steps:06d}"
+
+
+def _question_ems(eval_dir: Path) -> dict[str, float]:
+    """Each test question's EM averaged over its samples, from an eval's trajectories."""
+    samples: dict[str, list[float]] = {}
+    with (eval_dir / "trajectories.jsonl").open() as rows:
+        for line in rows:
+            row = json.loads(line)
+            samples.setdefault(row["example_id"], []).append(row["scores"]["em"])
+    return {question: statistics.fmean(ems) for question, ems in samples.items()}
+
+
+def _gain_z(sft_eval: Path, grpo_eval: Path) -> float:
+    """A seed's paired gain over its test questions in units of its standard error (the eval's sampling noise)."""
+    sft, grpo = _question_ems(sft_eval), _question_ems(grpo_eval)
+    gains = [grpo[question] - sft[question] for question in sft]
+    spread = statistics.stdev(gains)
+    return statistics.fmean(gains) / (spread / len(gains) ** 0.5) if spread else 0.0
+
+
 def _grpo(model: Path, data: Path, out: Path, seed: int, args: argparse.Namespace, *extra: str) -> float:
     """Train from `model` and return the held-out EM after the last step; a finished run's score is reused."""
-    summary = out / "eval" / f"step_{args.grpo_steps:06d}" / "summary.json"
+    summary = _final_eval(out, args) / "summary.json"
     if summary.is_file():
         print(f"  train          reused {summary}", flush=True)
         return _em(summary)
@@ -130,10 +159,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny-4l")
-    parser.add_argument("--name-pool", type=int, default=300, help="single-token names the toy data draws from")
+    parser.add_argument("--name-pool", type=int, default=1000, help="single-token names the toy data draws from")
     parser.add_argument("--answer-pool", type=int, default=0,
                         help="deal every answer from this many other fixed names (0: answers come from --name-pool)")
-    parser.add_argument("--num-entities", type=int, default=95,
+    parser.add_argument("--num-entities", type=int, default=330,
                         help="toy questions (half train, half test); each takes 3 names of the pool "
                         "(1 with --answer-pool)")
     parser.add_argument("--demo-corpora", type=int, default=150, help="more corpora whose demonstrations SFT sees")
@@ -141,7 +170,7 @@ def main() -> None:
     parser.add_argument("--flawed-fraction", type=float, default=0.5)
     parser.add_argument("--topk", type=int, default=1, help="passages per search (demonstrations and rollouts)")
     parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("--sft-steps", type=int, default=1800)
+    parser.add_argument("--sft-steps", type=int, default=3000)
     parser.add_argument("--sft-lr", type=float, default=3e-3)
     parser.add_argument("--grpo-steps", type=int, default=30)
     parser.add_argument("--grpo-lr", type=float, default=1e-3)
@@ -155,8 +184,9 @@ def main() -> None:
 
     root = Path(args.out).resolve()
     results = [run_seed(seed, root, args) for seed in range(1, args.seeds + 1)]
-    for ems in results:  # the gain is paired: a seed's GRPO run starts from that seed's SFT model
+    for seed, ems in enumerate(results, start=1):  # the gain is paired: a seed's GRPO run starts from its SFT model
         ems["grpo-sft"] = ems["grpo"] - ems["sft"]
+        ems["gain z"] = _gain_z(root / f"seed_{seed}" / "eval-sft", _final_eval(root / f"seed_{seed}" / "grpo", args))
     keys = list(results[0])
     print("\n" + " ".join(f"{key:>14}" for key in ["seed", *keys]))
     for seed, ems in enumerate(results, start=1):
@@ -165,6 +195,10 @@ def main() -> None:
     spreads = {key: statistics.stdev(r[key] for r in results) if len(results) > 1 else 0.0 for key in keys}
     print(" ".join([f"{'mean':>14}", *(f"{means[key]:>14.3f}" for key in keys)]))
     print(" ".join([f"{'std':>14}", *(f"{spreads[key]:>14.3f}" for key in keys)]))
+    if len(results) > 1 and spreads["grpo-sft"]:
+        t = means["grpo-sft"] / (spreads["grpo-sft"] / len(results) ** 0.5)
+        print(f"paired gain over seeds: t = {t:.2f} ({len(results) - 1} degrees of freedom); gain z: within a seed, "
+              "over its test questions")
     print(f"EM random {means['random']:.3f}, SFT {means['sft']:.3f}, GRPO {means['grpo']:.3f}")
 
 
