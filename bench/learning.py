@@ -74,11 +74,18 @@ def _common(data: Path, args: argparse.Namespace) -> list[str]:
     ]
 
 
+def _reused_em(summary: Path, step: str) -> float | None:
+    """The EM of a finished step found on disk, or None when it has to run."""
+    if not summary.is_file():
+        return None
+    print(f"  {step:<14} reused {summary}", flush=True)
+    return _em(summary)
+
+
 def _evaluate(model: Path, data: Path, out: Path, args: argparse.Namespace) -> float:
     """Score `model` on the test set; a finished eval's score is reused."""
-    if (out / "summary.json").is_file():
-        print(f"  eval           reused {out / 'summary.json'}", flush=True)
-        return _em(out / "summary.json")
+    if (reused := _reused_em(out / "summary.json", "eval")) is not None:
+        return reused
     _rlsearch(out.with_suffix(".log"), "eval", "--config", "examples/configs/eval_search.yaml",
               f"model.path={model}", f"output_dir={out}", *_common(data, args))
     return _em(out / "summary.json")
@@ -109,9 +116,8 @@ def _gain_z(sft_eval: Path, grpo_eval: Path) -> float:
 def _grpo(model: Path, data: Path, out: Path, seed: int, args: argparse.Namespace, *extra: str) -> float:
     """Train from `model` and return the held-out EM after the last step; a finished run's score is reused."""
     summary = _final_eval(out, args) / "summary.json"
-    if summary.is_file():
-        print(f"  train          reused {summary}", flush=True)
-        return _em(summary)
+    if (reused := _reused_em(summary, "train")) is not None:
+        return reused
     _rlsearch(out.with_suffix(".log"), "train", "--config", "examples/configs/search_grpo_tiny.yaml",
               f"model.path={model}", f"trainer.output_dir={out}", f"trainer.total_steps={args.grpo_steps}",
               f"trainer.eval_interval={args.grpo_steps}", f"trainer.seed={seed}", "trainer.resume=none",
@@ -152,6 +158,8 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> dict[str, float
         ems["grpo_unmasked"] = _grpo(sft / "hf", data, work / "grpo-unmasked", seed, args,
                                      "algo.mask_observations=false")
     print(f"seed {seed}: " + ", ".join(f"{key} EM {value:.3f}" for key, value in ems.items()), flush=True)
+    ems["grpo-sft"] = ems["grpo"] - ems["sft"]  # paired: the GRPO run starts from this seed's SFT model
+    ems["gain z"] = _gain_z(work / "eval-sft", _final_eval(work / "grpo", args))
     return ems
 
 
@@ -184,9 +192,6 @@ def main() -> None:
 
     root = Path(args.out).resolve()
     results = [run_seed(seed, root, args) for seed in range(1, args.seeds + 1)]
-    for seed, ems in enumerate(results, start=1):  # the gain is paired: a seed's GRPO run starts from its SFT model
-        ems["grpo-sft"] = ems["grpo"] - ems["sft"]
-        ems["gain z"] = _gain_z(root / f"seed_{seed}" / "eval-sft", _final_eval(root / f"seed_{seed}" / "grpo", args))
     keys = list(results[0])
     print("\n" + " ".join(f"{key:>14}" for key in ["seed", *keys]))
     for seed, ems in enumerate(results, start=1):
