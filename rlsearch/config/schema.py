@@ -79,6 +79,15 @@ class RolloutConfig:
     # model reach the tool path, e.g. {"</search>": 12.0}. Leave empty for a real model.
     logit_bias: dict[str, float] = field(default_factory=dict)
     assistant_prefix: str = ""  # text prefilled at the start of the assistant turn (part of the prompt)
+    # rollout engines (vLLM), each a Ray actor; a GRPO group's samples all run on one engine (its prefix cache), and
+    # engines pull groups from one queue. Seeds are per (question, sample, turn): the same trajectories for any N
+    num_engines: int = 1
+    tensor_parallel_size: int = 1  # GPUs (CPU: worker processes) per engine; > 1 runs vLLM's mp executor
+    # groups one engine runs at once (pulled from the shared queue as they finish); 0: spread every group at once
+    groups_per_engine: int = 0
+    # CPU only, engines with tensor_parallel_size > 1: VLLM_CPU_OMP_THREADS_BIND of their workers. Empty: nobind
+    # (vLLM's default binding asserts on a machine with one NUMA node); e.g. "0|1" pins worker i to core i
+    cpu_threads_bind: str = ""
     kv_cache_gib: float = 1.0  # vLLM KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.5  # vLLM KV cache share of GPU memory (GPU only)
     enforce_eager: bool = True
@@ -184,6 +193,11 @@ class ToolsConfig:
 @dataclass
 class BridgeConfig:
     bucket_mb: int = 256  # weight-sync bucket size
+    # how buckets reach the engines. shm: through the driver (Ray object store, then a shared-memory file per
+    # engine; one node). broadcast: a torch.distributed group per pipeline stage of that stage's sender and every
+    # engine worker (gloo on CPU, nccl on GPU); buckets never pass through the driver
+    transport: str = "shm"
+    timeout_s: float = 300.0  # a sync that cannot finish (a dead engine or rank) raises after this, engines paused
     max_logprob_mismatch: float = 1e-4  # abort when engine vs actor logprobs differ more (fp32); 0 disables
 
 

@@ -19,6 +19,7 @@ _CHOICES = {
     "rollout.protocol": ("search_r1", "call_tool"),
     "tools.retriever.backend": ("bm25", "dense", "hybrid"),
     "trainer.placement": ("colocated", "split"),
+    "bridge.transport": ("shm", "broadcast"),
 }
 BUILTIN_TOOLS = ("search", "browse", "web_search", "web_browse")  # the names tools.enabled accepts
 MIN_OBSERVATION_TOKENS = 16  # a smaller rollout.max_observation_tokens cannot hold the output tags
@@ -34,6 +35,7 @@ _POSITIVE = (
     "eval.n_samples", "eval.batch_size", "tools.retriever.batch_size", "tools.retriever.max_concurrency",
     "tools.mcp.timeout_s", "tools.mcp.max_concurrency", "tools.browse.timeout_s", "tools.browse.max_bytes",
     "tools.browse.max_concurrency", "tools.serper.num_results", "tools.serper.timeout_s", "tools.jina.timeout_s",
+    "rollout.num_engines", "rollout.tensor_parallel_size", "bridge.timeout_s",
 )
 
 
@@ -102,6 +104,10 @@ def validate_sft_config(config: SFTConfig) -> SFTConfig:
 
 
 def _check_agent_loop(config: TrainConfig | EvalConfig) -> None:
+    if config.rollout.groups_per_engine < 0:
+        raise ConfigError(
+            f"'rollout.groups_per_engine' must be >= 0 (0: every group at once); got {config.rollout.groups_per_engine}"
+        )
     if config.rollout.agent_loop not in ("per_sample", "turn_barrier"):
         raise ConfigError(f"'rollout.agent_loop' must be per_sample or turn_barrier; got {config.rollout.agent_loop!r}")
 

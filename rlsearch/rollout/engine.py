@@ -4,10 +4,9 @@ The engine is vLLM's AsyncLLM (the EngineCore runs in a subprocess): every metho
 the event loop the engine was created on (`RolloutWorker` owns that loop). Requests submitted together are
 batched by vLLM's scheduler, and a request submitted while others run joins the running batch.
 
-A weight update may land while requests are in flight: the scheduler is paused with the requests kept, the
-weights are loaded, every running request is preempted so that its KV cache is recomputed with the new weights,
-and the scheduler resumes. Tokens sampled after the update come from the new weights (their logprobs too), so a
-trajectory may hold tokens of two policy versions; ``weight_version`` counts the updates.
+With ``tensor_parallel_size`` > 1 the model is split over that many vLLM worker processes (the ``mp`` executor);
+otherwise it runs inside the EngineCore (``uni``). Weight updates are `rlsearch.weights`' business: ``weights`` is
+that folder's receiver on this engine; ``weight_version`` counts the updates it finished.
 """
 
 from __future__ import annotations
@@ -20,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..bridge.bucket import WeightBucket
 from ..config import ModelConfig, RolloutConfig
-from .weight_loader import stage_bucket
+from ..weights import VLLM_WORKER_EXTENSION, EngineWeightReceiver
 
 
 @dataclass
@@ -34,6 +32,9 @@ class EngineSpec:
     kv_cache_gib: float = 1.0
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
+    tensor_parallel_size: int = 1
+    cpu_threads_bind: str = ""  # VLLM_CPU_OMP_THREADS_BIND for tensor_parallel_size > 1 on CPU; empty: nobind
+    vllm_port: int = 0  # base of the ports vLLM's internal groups take (VLLM_PORT); 0: vLLM's default
 
     @classmethod
     def from_config(cls, model: ModelConfig, rollout: RolloutConfig, seed: int) -> EngineSpec:
@@ -41,23 +42,30 @@ class EngineSpec:
             model_path=model.path, dtype=model.dtype, seed=seed,
             max_model_len=rollout.max_prompt_tokens + rollout.max_response_tokens, kv_cache_gib=rollout.kv_cache_gib,
             gpu_memory_utilization=rollout.gpu_memory_utilization, enforce_eager=rollout.enforce_eager,
+            tensor_parallel_size=rollout.tensor_parallel_size, cpu_threads_bind=rollout.cpu_threads_bind,
         )
 
 
-def configure_vllm_environment(kv_cache_gib: float) -> None:
-    """Settings vLLM reads at import. With V1 multiprocessing off, vLLM on CPU keeps the uni executor: the model
-    runs inside the EngineCore process (which AsyncLLM always starts) instead of one more worker process."""
+def configure_vllm_environment(spec: EngineSpec) -> None:
+    """Settings vLLM reads from the environment. With V1 multiprocessing off the EngineCore runs in this process;
+    with tensor_parallel_size 1 the model runs there too (uni executor), otherwise in TP worker processes."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(spec.kv_cache_gib))))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if spec.tensor_parallel_size > 1 and not torch.cuda.is_available():
+        # vLLM's default binding wants a NUMA node per worker and asserts on a machine with one
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_threads_bind or "nobind"
+    if spec.vllm_port:
+        # engines on one node would otherwise race for the same internal ports (vLLM #39015)
+        os.environ["VLLM_PORT"] = str(spec.vllm_port)
 
 
 class VLLMEngine:
     """Owns one AsyncLLM; create it on the event loop that will call it."""
 
     def __init__(self, spec: EngineSpec) -> None:
-        configure_vllm_environment(spec.kv_cache_gib)
+        configure_vllm_environment(spec)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -74,14 +82,20 @@ class VLLMEngine:
             max_model_len=spec.max_model_len,
             enforce_eager=spec.enforce_eager,
             enable_prefix_caching=True,
-            distributed_executor_backend="uni",
-            worker_extension_cls="rlsearch.rollout.weight_loader.WeightLoaderExtension",
+            tensor_parallel_size=spec.tensor_parallel_size,
+            distributed_executor_backend="uni" if spec.tensor_parallel_size == 1 else "mp",
+            worker_extension_cls=VLLM_WORKER_EXTENSION,
             disable_log_stats=True,
             **extra,
         ))
         self.tokenizer = self.llm.get_tokenizer()
         self._request_ids = itertools.count()
-        self.weight_version = 0  # weight updates finished on this engine
+        self.weights = EngineWeightReceiver(self.llm)
+
+    @property
+    def weight_version(self) -> int:
+        """Weight updates finished on this engine."""
+        return self.weights.version
 
     async def generate(self, prompts: list[list[int]], sampling_params: list) -> list:
         """One finished `RequestOutput` per prompt (in order); the requests run concurrently."""
@@ -107,32 +121,6 @@ class VLLMEngine:
 
         output = await self._generate_one(token_ids, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))
         return [entry[token].logprob for token, entry in zip(token_ids[1:], output.prompt_logprobs[1:])]
-
-    async def begin_weight_update(self) -> None:
-        """Pause scheduling (requests in flight are kept, not aborted) and open a reload session."""
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
-        await self.llm.collective_rpc("rlsearch_begin_weight_update")
-
-    async def load_weight_bucket(self, bucket: WeightBucket) -> tuple[int, int]:
-        """Load one bucket (its checksum is verified inside the engine worker); returns (tensors, bytes)."""
-        staged = stage_bucket(bucket)
-        try:
-            (loaded,) = await self.llm.collective_rpc("rlsearch_load_weight_bucket", args=(staged,))
-        finally:
-            os.unlink(staged["path"])
-        return tuple(loaded)
-
-    async def finish_weight_update(self) -> None:
-        """Close the reload session; requests in flight continue with the new weights. A failed update leaves the
-        engine paused: nothing samples from half-loaded weights."""
-        (missing,) = await self.llm.collective_rpc("rlsearch_finish_weight_update")
-        if missing:
-            raise RuntimeError(f"weight update left {len(missing)} engine parameters unset, e.g. {missing[:3]}")
-        # KV blocks computed with the old weights, cached or held by running requests, would silently mix old and
-        # new weights: running requests are preempted (recomputed on resume) and the prefix cache is emptied
-        await self.llm.reset_prefix_cache(reset_running_requests=True)
-        self.weight_version += 1
-        await self.llm.resume_generation()
 
     async def reset_prefix_cache(self) -> None:
         await self.llm.reset_prefix_cache()

@@ -8,7 +8,6 @@ from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from ..bridge.bucket import WeightBucket
 from ..config import RetrieverConfig, RolloutConfig, ToolsConfig
 from ..tools import build_registry, make_protocol
 from ..tools.loop_thread import LoopThread
@@ -110,14 +109,10 @@ class RolloutWorker:
     def score(self, token_ids: list[int]) -> list[float]:
         return self._run(self.engine.score(token_ids))
 
-    def begin_weight_update(self) -> None:
-        self._run(self.engine.begin_weight_update())
-
-    def load_weight_bucket(self, bucket: WeightBucket) -> tuple[int, int]:
-        return self._run(self.engine.load_weight_bucket(bucket))
-
-    def finish_weight_update(self) -> None:
-        self._run(self.engine.finish_weight_update())
+    def weight_rpc(self, method: str, *args: Any) -> Any:
+        """Call `method` of the engine's weight receiver (`rlsearch.weights.EngineWeightReceiver`) with `args`: the
+        weight path drives a sync through this one door."""
+        return self._run(getattr(self.engine.weights, method)(*args))
 
     def shutdown(self) -> None:
         self.tools.close()

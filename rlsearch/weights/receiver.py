@@ -1,0 +1,80 @@
+"""The weight path's end inside a rollout engine: a sync's calls on one vLLM AsyncLLM, run in its rollout worker.
+
+A sync: `begin` (pause scheduling with requests kept, open the reload session in every TP worker), buckets by
+`load_bucket` (shm) or `receive_broadcast` (broadcast), then `finish` (close the session, check that every
+parameter got weights and no HF name came twice, reset the prefix cache with running requests, resume). Requests
+in flight go on with the new weights: their KV blocks are recomputed. A failed sync leaves the engine paused, so
+nothing samples from half-loaded weights.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from .bucket import WeightBucket, write_flat
+
+VLLM_WORKER_EXTENSION = "rlsearch.weights.vllm_extension.WeightLoaderExtension"
+_SHM_DIR = "/dev/shm"
+
+
+class EngineWeightReceiver:
+    """Create it on the event loop that runs the engine; every method is a coroutine there."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.version = 0  # syncs finished on this engine
+
+    async def begin(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        await self.llm.collective_rpc("rlsearch_begin_weight_update")
+
+    async def load_bucket(self, bucket: WeightBucket) -> tuple[int, int]:
+        """Stage the bucket in a shared-memory file (flat form, one copy) that every TP worker maps; returns
+        (tensors, payload bytes)."""
+        directory = _SHM_DIR if os.path.isdir(_SHM_DIR) else None
+        descriptor, path = tempfile.mkstemp(prefix="rlsearch-bucket-", dir=directory)
+        try:
+            with os.fdopen(descriptor, "wb") as staging:
+                layout = write_flat(bucket, staging)
+            loaded = await self.llm.collective_rpc("rlsearch_load_staged_bucket", args=(path, layout.to_wire()))
+        finally:
+            os.unlink(path)
+        return tuple(loaded[0])
+
+    async def join_group(
+        self, init_method: str, rank_offset: int, world_size: int, stage: int, backend: str, timeout_s: float
+    ) -> list[int]:
+        """Every TP worker joins stage `stage`'s broadcast group; returns their group ranks."""
+        return await self.llm.collective_rpc(
+            "rlsearch_join_weight_group", args=(init_method, rank_offset, world_size, stage, backend, timeout_s)
+        )
+
+    async def leave_groups(self) -> None:
+        await self.llm.collective_rpc("rlsearch_leave_weight_groups")
+
+    async def receive_broadcast(self, stage: int, wire: dict) -> tuple[int, int]:
+        loaded = await self.llm.collective_rpc("rlsearch_receive_broadcast_bucket", args=(stage, wire))
+        return tuple(loaded[0])
+
+    async def finish(self) -> None:
+        reports = await self.llm.collective_rpc("rlsearch_finish_weight_update")
+        problems = []
+        for rank, report in enumerate(reports):
+            if report["missing"]:
+                problems.append(f"TP rank {rank}: {len(report['missing'])} parameters got no weights, e.g. "
+                                f"{report['missing'][:3]}")
+            if report["repeated"]:
+                problems.append(f"TP rank {rank}: {len(report['repeated'])} HF tensors arrived more than once, e.g. "
+                                f"{report['repeated'][:3]}")
+        if problems:
+            raise RuntimeError("weight update failed (the engine stays paused): " + "; ".join(problems))
+        # KV blocks computed with the old weights, cached or held by running requests, would silently mix old and
+        # new weights: running requests are preempted (recomputed on resume) and the prefix cache is emptied
+        await self.llm.reset_prefix_cache(reset_running_requests=True)
+        self.version += 1
+        await self.llm.resume_generation()
+
+    async def digest(self) -> list[str]:
+        """One hash of the weights per TP worker (see `WeightLoaderExtension.rlsearch_weight_digest`)."""
+        return await self.llm.collective_rpc("rlsearch_weight_digest")

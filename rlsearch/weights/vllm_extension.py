@@ -1,0 +1,118 @@
+"""vLLM worker extension: weight buckets into every worker (TP rank) of an engine, in one layerwise-reload session.
+
+A vLLM layer is (re)processed once all of its elements have arrived (CPU repacks GEMM weights after load). Each
+call of vLLM's own `reload_weights` is a complete session, so a layer split across two calls would be processed
+with missing elements. Here one session spans all buckets of a sync: begin, load each bucket, finish. Each worker
+loads full HF tensors and keeps its own TP shard (vLLM's weight loaders slice them).
+
+Methods run in every worker through `collective_rpc`. A bucket arrives either as a shared-memory file (the shm
+transport: mapped zero-copy) or by `torch.distributed.broadcast` in a group of one actor stage's sender and every
+worker of every engine (the broadcast transport: gloo on CPU, nccl on GPU). Either way the worker verifies the
+checksum of the bytes it loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from .bucket import FlatLayout, unflatten_tensors
+from .group import new_weight_group
+
+
+class WeightLoaderExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); `self.model_runner` and `self.rank` are the
+    worker's."""
+
+    def rlsearch_begin_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model_runner.get_model())
+        self._rlsearch_loaded: set[str] = set()
+        self._rlsearch_received: dict[str, int] = {}
+
+    def rlsearch_load_staged_bucket(self, path: str, wire: dict) -> tuple[int, int]:
+        """Load a bucket staged in the file `path` (flat form); returns (tensors, payload bytes)."""
+        layout = FlatLayout.from_wire(wire)
+        if layout.total_bytes:
+            flat = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r", shape=(layout.total_bytes,)))
+        else:
+            flat = torch.empty(0, dtype=torch.uint8)
+        return self._rlsearch_load(layout, flat)
+
+    def rlsearch_join_weight_group(
+        self, init_method: str, rank_offset: int, world_size: int, stage: int, backend: str, timeout_s: float
+    ) -> int:
+        """Join the broadcast group of actor pipeline stage `stage` as rank `rank_offset` + this worker's rank."""
+        groups = self.__dict__.setdefault("_rlsearch_groups", {})
+        rank = rank_offset + self.rank
+        groups[stage] = new_weight_group(backend, init_method, world_size, rank, f"rlsearch-weights-{stage}",
+                                         timeout_s)
+        return rank
+
+    def rlsearch_leave_weight_groups(self) -> None:
+        import torch.distributed as dist
+
+        for group in self.__dict__.pop("_rlsearch_groups", {}).values():
+            dist.destroy_process_group(group)
+
+    def rlsearch_receive_broadcast_bucket(self, stage: int, wire: dict) -> tuple[int, int]:
+        """Receive one bucket broadcast by stage `stage`'s sender (group rank 0) and load it."""
+        import torch.distributed as dist
+
+        layout = FlatLayout.from_wire(wire)
+        group = self._rlsearch_groups[stage]
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+        dist.broadcast(flat, group_src=0, group=group)
+        return self._rlsearch_load(layout, flat)
+
+    def _rlsearch_load(self, layout: FlatLayout, flat: torch.Tensor) -> tuple[int, int]:
+        named_tensors = unflatten_tensors(layout, flat)
+        for name, _ in named_tensors:
+            self._rlsearch_received[name] = self._rlsearch_received.get(name, 0) + 1
+        loaded = self.model_runner.get_model().load_weights(iter(named_tensors))
+        self._rlsearch_loaded.update(loaded or ())
+        return len(named_tensors), layout.payload_bytes
+
+    def rlsearch_finish_weight_update(self) -> dict[str, list[str]]:
+        """Finalise the session. Returns the model parameters that received no weights ("missing") and the HF names
+        received more than once ("repeated"): both empty after a correct sync."""
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
+        _reprocess_shared_parameter_layers(model)
+        return {
+            "missing": sorted({name for name, _ in model.named_parameters()} - self._rlsearch_loaded),
+            "repeated": sorted(name for name, count in self._rlsearch_received.items() if count > 1),
+        }
+
+    def rlsearch_weight_digest(self) -> str:
+        """A hash of every parameter of this worker (its TP shard), in name order: equal digests, equal weights."""
+        digest = hashlib.blake2b(digest_size=16)
+        for name, parameter in sorted(self.model_runner.get_model().named_parameters()):
+            digest.update(name.encode())
+            digest.update(parameter.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+
+def _reprocess_shared_parameter_layers(model) -> None:
+    """Redo the post-load processing of layers that share a parameter with another layer.
+
+    A tied output layer (lm_head holding embed_tokens' weight) receives no weights of its own, so the reload does
+    not process it again, and what its processing derived from the old weight stays: on CPU a prepacked copy of the
+    weight for the logits GEMM, which left the engine sampling from the old output layer after every sync. The
+    processing of an unquantized layer is idempotent, so running it again on the embedding too is harmless."""
+    layers_by_parameter: dict[int, list] = {}
+    for layer in model.modules():
+        for parameter in layer.parameters(recurse=False):
+            layers_by_parameter.setdefault(id(parameter), []).append(layer)
+    for layers in layers_by_parameter.values():
+        if len(layers) > 1:
+            for layer in layers:
+                method = getattr(layer, "quant_method", None)
+                if method is not None:
+                    method.process_weights_after_loading(layer)
