@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import ray
 
 from .batch import TrainSample
 from .worker import ActorWorkerSpec, MegatronActorWorker, RankInfo
-
-# weight buckets rank 0 may have produced ahead of the engines: bounds the sender's extra memory
-_BUCKETS_IN_FLIGHT = 2
 
 
 class ActorGroup:
@@ -137,18 +134,14 @@ class ActorGroup:
             "actor/skipped_nonfinite": skipped,
         }
 
-    def export_weight_buckets(self, bucket_bytes: int) -> Iterator[ray.ObjectRef]:
-        """Object refs of weight buckets as rank 0 produces them; the other ranks run their part alongside."""
-        streams = [
-            worker.export_weight_buckets.options(
-                num_returns="streaming", _generator_backpressure_num_objects=_BUCKETS_IN_FLIGHT
-            ).remote(bucket_bytes)
-            for worker in self.workers
-        ]
-        yield from streams[0]
-        for stream in streams[1:]:
-            for _ in stream:
-                pass
+    def stage_workers(self) -> list[list]:
+        """Per pipeline stage, in stage order: the ranks of data-parallel replica 0 in TP order. The first is the
+        stage's weight sender; the weight path leaves DP > 0 ranks alone (their weights are the same)."""
+        stages: list[list] = [[] for _ in range(max(info.pp_rank for info in self.infos) + 1)]
+        for worker, info in sorted(zip(self.workers, self.infos), key=lambda pair: pair[1].tp_rank):
+            if info.dp_rank == 0:
+                stages[info.pp_rank].append(worker)
+        return stages
 
     def save_checkpoint(self, path: str) -> None:
         self._get([worker.save_checkpoint.remote(path) for worker in self.workers])

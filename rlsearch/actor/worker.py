@@ -19,8 +19,11 @@ import torch
 import torch.distributed as dist
 
 from ..algo import kl_estimate, ppo_clip_terms, truncated_importance_weights
-from ..bridge.bucket import WeightBucket, iter_buckets
 from ..config import ActorConfig, AlgoConfig
+from ..weights import broadcast, shm
+from ..weights.bucket import WeightBucket
+from ..weights.export import export_stage_weights
+from ..weights.group import new_weight_group
 from .batch import MicroBatch, TrainSample, pack_micro_batches
 from .cpu_compat import cuda_available
 from .model import build_model_chunks, export_hf_named, make_bridge, resolve_transformer_impl
@@ -112,14 +115,15 @@ class MegatronActorWorker:
 
         self.transformer_impl = resolve_transformer_impl(actor.transformer_impl)
         dtype = _DTYPES[self.spec.dtype]
-        self.bridge = make_bridge(self.spec.model_path, dtype, self.transformer_impl, on_cpu)
-        chunks = build_model_chunks(self.bridge, actor.virtual_pipeline_stages)
-        self.bridge.load_weights(chunks, self.spec.model_path)
+        # mbridge's HF <-> Megatron mapper (rlsearch.weights is the weight path that uses it)
+        self.mbridge = make_bridge(self.spec.model_path, dtype, self.transformer_impl, on_cpu)
+        chunks = build_model_chunks(self.mbridge, actor.virtual_pipeline_stages)
+        self.mbridge.load_weights(chunks, self.spec.model_path)
         self.model = self._wrap_for_training(chunks)
         self.reference = None
         if self.spec.algo.kl_coef > 0:
-            self.reference = build_model_chunks(self.bridge, actor.virtual_pipeline_stages)
-            self.bridge.load_weights(self.reference, self.spec.model_path)
+            self.reference = build_model_chunks(self.mbridge, actor.virtual_pipeline_stages)
+            self.mbridge.load_weights(self.reference, self.spec.model_path)
             for chunk in self.reference:
                 chunk.requires_grad_(False)
         self._logit_index: torch.Tensor | None = None
@@ -352,23 +356,46 @@ class MegatronActorWorker:
     # ---- weights --------------------------------------------------------------------------------------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors (PP gathered, TP merged), each name once. A collective: every rank must iterate it."""
-        return export_hf_named(self.bridge, self.model)
+        """HF-named full tensors (PP gathered, TP merged) on every rank, each name once. A collective over all ranks:
+        for checkpoint export; weight syncs use the rank-local `export_weight_buckets` / `broadcast_weights`."""
+        return export_hf_named(self.mbridge, self.model)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole HF state dict on global rank 0 (None elsewhere). A collective."""
         state = {name: tensor.cpu().clone() for name, tensor in self.export_hf_weights()}
         return state if self.rank == 0 else None
 
+    def _is_stage_sender(self) -> bool:
+        return self.info.tp_rank == 0 and self.info.dp_rank == 0
+
     def export_weight_buckets(self, bucket_bytes: int) -> Iterator[WeightBucket]:
-        """HF weights packed into buckets of about `bucket_bytes`, yielded by global rank 0. A collective: the
-        other ranks take part in the gathers and yield nothing."""
-        named = self.export_hf_weights()
-        if self.rank == 0:
-            yield from iter_buckets(named, bucket_bytes)
-        else:
-            for _ in named:
-                pass
+        """This pipeline stage's weights in buckets of about `bucket_bytes` (shm transport), yielded by the stage's
+        sender; its TP peers take part in the gathers and yield nothing. Called on DP-rank-0 ranks only."""
+        yield from shm.stream_buckets(export_stage_weights(self.mbridge, self.model), bucket_bytes,
+                                      self._is_stage_sender())
+
+    def export_weights_as_peer(self) -> None:
+        """A TP peer's part of its stage sender's `broadcast_weights`: its shards, gathered to the sender."""
+        for _ in export_stage_weights(self.mbridge, self.model):
+            pass
+
+    def join_weight_group(self, init_method: str, world_size: int, backend: str, timeout_s: float) -> None:
+        """As the stage's sender, rank 0 of the stage's broadcast group with every engine worker."""
+        self._weight_group = new_weight_group(
+            backend, init_method, world_size, 0, f"rlsearch-weights-{self.info.pp_rank}", timeout_s
+        )
+
+    def leave_weight_groups(self) -> None:
+        group, self._weight_group = getattr(self, "_weight_group", None), None
+        if group is not None:
+            dist.destroy_process_group(group)
+
+    def broadcast_weights(self, stage: int, engines: list, bucket_bytes: int, timeout_s: float) -> dict[str, int]:
+        """As the stage's sender: this stage's weights broadcast into every engine (broadcast transport)."""
+        return broadcast.broadcast_buckets(
+            export_stage_weights(self.mbridge, self.model), self._weight_group, stage, engines, bucket_bytes,
+            timeout_s,
+        )
 
     def save_checkpoint(self, path: str) -> None:
         """Megatron distributed checkpoint (torch_dist) of model, optimizer, LR scheduler and this rank's RNG

@@ -11,8 +11,6 @@ from typing import Any
 
 from ..actor import ActorGroup, ActorWorkerSpec, TrainSample
 from ..algo import grpo_advantages, loss_token_weights
-from ..bridge import logprob_mismatch, sync_weights
-from ..bridge.sync import nonfinite_logprobs
 from ..checkpoint import CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import MODEL_DIR
 from ..config import AlgoConfig, ConfigError, EvalConfig, TrainConfig, to_dict
@@ -20,6 +18,7 @@ from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate, score_trajectory
 from ..logging import RunLogger, format_step_line, plot_run
 from ..rollout import EngineSpec, PromptItem, RolloutWorker, Trajectory
+from ..weights import WeightSync, check_engines_match_actor
 from .metrics import trajectory_metrics
 from .placement import check_retriever_reachable, describe_placement, plan_placement
 from .ray_setup import init_ray
@@ -184,6 +183,10 @@ class GRPOTrainer:
             ),
             num_gpus_per_rank=gpus, **place.actor_options,
         )
+        bridge = config.bridge
+        self.weight_sync = WeightSync(
+            self.actor, bridge.bucket_mb, bridge.transport, bridge.timeout_s, config.rollout.tensor_parallel_size
+        )
         self.probe_ids = ray.get(self.rollout.probe_sequence.remote(self.examples[0].question, PROBE_CONTINUATION))
         line, rollout_ip = describe_placement(config.trainer.placement, self.actor.workers, self.rollout)
         print(line, flush=True)
@@ -223,7 +226,7 @@ class GRPOTrainer:
         self.sampler.restore(point.sampler)
         self.trained_sampler_state = point.sampler
         self.saved_checkpoints[point.step] = point.path
-        sync = sync_weights(self.actor, self.engines, self.config.bridge.bucket_mb)
+        sync = self.weight_sync.sync(self.engines)
         saved = point.layout
         layouts = "" if same_layout else (
             f", resharded from tp{saved['tp']} pp{saved['pp']} dp{saved['dp']} (per-rank RNG states start fresh)"
@@ -379,7 +382,7 @@ class GRPOTrainer:
         rollout_wait_s += time.perf_counter() - timer
         sync, parity = None, {}
         if not skipped:
-            sync = sync_weights(self.actor, self.engines, config.bridge.bucket_mb)
+            sync = self.weight_sync.sync(self.engines)
             self.weight_version += 1
             parity = self.check_parity()
         metrics = {
@@ -455,27 +458,10 @@ class GRPOTrainer:
             score_trajectory(trajectory, examples[trajectory.group_id], self.config.reward.format_score)
 
     def check_parity(self) -> dict[str, float]:
-        """Engine and actor score the probe sequence; abort when they disagree (stale or corrupt weights)."""
-        import ray
-
-        engine_logprobs = ray.get(self.rollout.score.remote(self.probe_ids))
-        probe = TrainSample(self.probe_ids, response_start=1, loss_mask=[1] * (len(self.probe_ids) - 1))
-        actor_logprobs = self.actor.compute_logprobs([probe], temperature=1.0)[0]
-        nonfinite = nonfinite_logprobs(engine_logprobs, actor_logprobs)
-        if nonfinite:  # whatever bridge.max_logprob_mismatch says: NaN/inf weights are never a tolerable mismatch
-            raise RuntimeError(
-                f"NaN/inf logprobs on the probe sequence after step {self.step} ({nonfinite}): the weights hold NaN "
-                f"or inf values; stopping before training on or sampling from them."
-            )
-        worst, mean = logprob_mismatch(engine_logprobs, actor_logprobs)
-        limit = self.config.bridge.max_logprob_mismatch
-        if limit and not worst <= limit:  # NaN fails too
-            raise RuntimeError(
-                f"rollout engine and actor disagree on the probe sequence after step {self.step}: max |logprob diff| "
-                f"{worst:.3e} > bridge.max_logprob_mismatch={limit:g}. The engine is running different weights than "
-                f"the actor (a broken weight sync); stopping before training on stale samples."
-            )
-        return {"bridge/logprob_mismatch_max": worst, "bridge/logprob_mismatch_mean": mean}
+        """Every engine and the actor score the probe sequence; abort when one disagrees (stale or corrupt weights)."""
+        return check_engines_match_actor(
+            self.actor, self.engines, self.probe_ids, self.config.bridge.max_logprob_mismatch, self.step
+        )
 
     def _trajectory_record(self, trajectory: Trajectory, examples: list[QAExample]) -> dict:
         record = trajectory.to_json()

@@ -1,7 +1,14 @@
 """The weight path, a bucket's whole life: rank-local export from the Megatron actor (export.py), the bucket format
-(bucket.py), the two transports into the rollout engines (shm.py, broadcast.py, group.py), the engine's end
-(receiver.py, vllm_extension.py inside vLLM's workers), the driver's sync (sync.py) and the probe check (probe.py)."""
+(bucket.py), the two transports into the rollout engines (shm.py; broadcast.py with group.py), the engine's end
+(receiver.py, and vllm_extension.py inside vLLM's workers), the driver's sync (sync.py), its deadline
+(deadline.py) and the probe check (probe.py)."""
 
+from .deadline import WeightSyncError
+from .probe import check_engines_match_actor, logprob_mismatch, nonfinite_logprobs
 from .receiver import VLLM_WORKER_EXTENSION, EngineWeightReceiver
+from .sync import SyncStats, WeightSync
 
-__all__ = ["VLLM_WORKER_EXTENSION", "EngineWeightReceiver"]
+__all__ = [
+    "VLLM_WORKER_EXTENSION", "EngineWeightReceiver", "SyncStats", "WeightSync", "WeightSyncError",
+    "check_engines_match_actor", "logprob_mismatch", "nonfinite_logprobs",
+]

@@ -18,8 +18,8 @@ import torch.distributed as dist
 def export_stage_weights(mbridge, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors of this rank's pipeline stage, yielded on its TP rank 0 (nothing elsewhere). A collective
     over the stage's TP group: every TP rank of the stage iterates it."""
-    from megatron.core import parallel_state as ps
     from mbridge.core.util import unwrap_model
+    from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
     tp_size = ps.get_tensor_model_parallel_world_size()

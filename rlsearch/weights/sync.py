@@ -1,55 +1,68 @@
-"""Move the actor's weights into the rollout engines after each step, then verify them on a probe."""
+"""The driver's side of a weight sync: one export of the actor's weights into every rollout engine.
+
+1. every engine pauses (requests kept) and opens a reload session;
+2. stage by stage in pipeline order, the stage's sender (DP rank 0, TP rank 0) sends its own layers through the
+   transport (`bridge.transport`): shm (through the object store) or broadcast (torch.distributed);
+3. every engine closes its session (each parameter loaded, no HF name twice), resets its prefix cache and resumes.
+Every wait is bounded by `bridge.timeout_s`; a sync that cannot finish raises `WeightSyncError` naming the engines
+that did not answer, and leaves the engines paused.
+"""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import ray
+from . import broadcast, shm
+from .deadline import Deadline
 
 
 @dataclass
 class SyncStats:
     seconds: float
     num_buckets: int
-    num_tensors: int
-    num_bytes: int  # bucket bytes received by each engine
+    num_tensors: int  # HF tensors each engine received
+    num_bytes: int  # payload bytes each engine received
+    stage_bytes: list[int] = field(default_factory=list)  # payload bytes each pipeline stage's sender sent
+    num_engines: int = 0
 
 
-def sync_weights(actor_group, engines: Sequence, bucket_mb: float) -> SyncStats:
-    """Stream HF-named weight buckets from the actor group into every engine (one reload session each)."""
-    started = time.perf_counter()
-    ray.get([engine.begin_weight_update.remote() for engine in engines])
-    num_buckets = num_tensors = num_bytes = 0
-    for bucket_ref in actor_group.export_weight_buckets(int(bucket_mb * 1024 * 1024)):
-        tensors, nbytes = ray.get([engine.load_weight_bucket.remote(bucket_ref) for engine in engines])[0]
-        num_buckets += 1
-        num_tensors += tensors
-        num_bytes += nbytes
-    ray.get([engine.finish_weight_update.remote() for engine in engines])
-    return SyncStats(time.perf_counter() - started, num_buckets, num_tensors, num_bytes)
+class WeightSync:
+    """Syncs ``actor_group``'s weights into engines (RolloutWorker handles) with the transport of `bridge`."""
 
+    def __init__(self, actor_group, bucket_mb: float, transport: str, timeout_s: float, engine_tp: int) -> None:
+        if transport not in ("shm", "broadcast"):
+            raise ValueError(f"unknown weight transport {transport!r} (shm | broadcast)")
+        self.actor = actor_group
+        self.bucket_bytes = int(bucket_mb * 1024 * 1024)
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.engine_tp = engine_tp
+        self._groups = broadcast.BroadcastGroups()
 
-def logprob_mismatch(engine_logprobs: Sequence[float], actor_logprobs: Sequence[float]) -> tuple[float, float]:
-    """(max, mean) absolute difference between two per-token logprob lists of the same sequence; both NaN when any
-    logprob is NaN or infinite (so a `mismatch < limit` check fails, and `max` cannot skip a NaN)."""
-    if len(engine_logprobs) != len(actor_logprobs) or not engine_logprobs:
-        raise ValueError(f"cannot compare {len(engine_logprobs)} engine and {len(actor_logprobs)} actor logprobs")
-    if nonfinite_logprobs(engine_logprobs, actor_logprobs):
-        return math.nan, math.nan
-    diffs = [abs(a - b) for a, b in zip(engine_logprobs, actor_logprobs)]
-    return max(diffs), sum(diffs) / len(diffs)
+    def sync(self, engines: Sequence) -> SyncStats:
+        started = time.perf_counter()
+        deadline = Deadline(self.timeout_s, engines)
+        stages = self.actor.stage_workers()
+        if self.transport == "broadcast":
+            self._groups.ensure([workers[0] for workers in stages], engines, self.engine_tp, deadline)
+        deadline.get([engine.weight_rpc.remote("begin") for engine in engines], "pausing the engines", engines)
+        sent = []
+        for stage, workers in enumerate(stages):
+            if self.transport == "broadcast":
+                sent.append(broadcast.send_stage(stage, workers, engines, self.bucket_bytes, deadline))
+            else:
+                sent.append(shm.send_stage(workers, engines, self.bucket_bytes, deadline))
+        deadline.get([engine.weight_rpc.remote("finish") for engine in engines], "finishing the update", engines)
+        return SyncStats(
+            seconds=time.perf_counter() - started, num_buckets=sum(s["buckets"] for s in sent),
+            num_tensors=sum(s["tensors"] for s in sent), num_bytes=sum(s["bytes"] for s in sent),
+            stage_bytes=[s["bytes"] for s in sent], num_engines=len(engines),
+        )
 
-
-def nonfinite_logprobs(engine_logprobs: Sequence[float], actor_logprobs: Sequence[float]) -> str:
-    """Which side has NaN/inf logprobs and at how many positions, e.g. 'actor: 11 of 11 positions NaN/inf';
-    empty when all are finite."""
-    parts = []
-    for side, values in (("engine", engine_logprobs), ("actor", actor_logprobs)):
-        bad = [index for index, value in enumerate(values) if not math.isfinite(value)]
-        if bad:
-            parts.append(f"{side}: {len(bad)} of {len(values)} positions NaN/inf (first at position {bad[0]}: "
-                         f"{values[bad[0]]})")
-    return "; ".join(parts)
+    def close(self, engines: Sequence) -> None:
+        """Leave the broadcast groups (before the engines or the actor go away)."""
+        if self.transport == "broadcast":
+            stages = self.actor.stage_workers()
+            self._groups.leave([workers[0] for workers in stages], engines, Deadline(self.timeout_s, engines))

@@ -5,9 +5,9 @@ import torch
 
 from rlsearch.actor import TrainSample
 from rlsearch.algo import grpo_advantages, loss_token_weights
-from rlsearch.bridge import logprob_mismatch, sync_weights
 from rlsearch.data import load_qa_dataset
 from rlsearch.rollout import PromptItem
+from rlsearch.weights import WeightSync, logprob_mismatch
 
 PROBE = "<search> who founded the town </search>"
 
@@ -64,7 +64,7 @@ def test_grpo_step_changes_weights_and_engine_follows(rollout_worker, actor_grou
     gain = objective(actor_group.compute_logprobs(samples)) - objective(before_logprobs)
     assert gain > 0.01
 
-    stats = sync_weights(actor_group, [rollout_worker], bucket_mb=1)
+    stats = WeightSync(actor_group, 1, "shm", 120.0, engine_tp=1).sync([rollout_worker])
     assert stats.num_buckets >= 3 and stats.num_tensors == len(after_weights)
     engine_after = ray.get(rollout_worker.score.remote(probe))
     assert logprob_mismatch(engine_after, _actor_logprobs(actor_group, probe))[0] < 1e-4

@@ -18,13 +18,13 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from rlsearch.bridge.bucket import pack_bucket
 from rlsearch.config import RetrieverConfig, RolloutConfig, ToolsConfig
 from rlsearch.data import load_qa_dataset
 from rlsearch.data.tiny_model import search_automaton_weights
 from rlsearch.rollout import AgentLoop, EngineSpec, PromptItem, Trajectory, VLLMEngine
 from rlsearch.tools import build_registry, make_protocol
 from rlsearch.tools.loop_thread import LoopThread
+from rlsearch.weights.bucket import pack_bucket
 from tests.conftest import TEST_ROLLOUT
 from tests.integration.threaded_server import serve_in_thread
 
@@ -59,11 +59,11 @@ class Engine:
         elif weights == "rescaled":  # another policy whose attention reads a different KV cache
             state = {name: tensor * 2.0 if name.endswith(("k_proj.weight", "v_proj.weight")) else tensor
                      for name, tensor in state.items()}
-        await self.engine.begin_weight_update()
-        assert await self.engine.load_weight_bucket(pack_bucket(list(state.items()))) == (
+        await self.engine.weights.begin()
+        assert await self.engine.weights.load_bucket(pack_bucket(list(state.items()))) == (
             len(state), sum(t.numel() * t.element_size() for t in state.values())
         )
-        await self.engine.finish_weight_update()
+        await self.engine.weights.finish()
         self.weights = weights
 
     def rollout(self, retriever_url: str, items: list[PromptItem], step: int, **rollout) -> list[Trajectory]:

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from rlsearch.actor import ActorGroup, TrainSample
-from rlsearch.bridge import logprob_mismatch, sync_weights
-from rlsearch.bridge.bucket import unpack_bucket
 from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+from rlsearch.weights import WeightSync, logprob_mismatch
+from rlsearch.weights.bucket import unpack_bucket
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
 
 # name -> (tp, pp, dp, extra actor settings)
@@ -32,11 +32,14 @@ PROBE_CONTINUATION = "<search> who founded the town </search>"
 
 
 def _bucket_tensors(group: ActorGroup, bucket_mb: int) -> dict[str, torch.Tensor]:
-    """What the bridge sends, received on the driver (the same object-store path the engines read)."""
-    received = [
-        (name, tensor.clone()) for ref in group.export_weight_buckets(bucket_mb * 1024 * 1024)
-        for name, tensor in unpack_bucket(ray.get(ref))
-    ]
+    """What the weight path sends (each stage's rank-local export), received on the driver (the same object-store
+    path the shm transport's engines read)."""
+    received = []
+    for workers in group.stage_workers():
+        streams = [worker.export_weight_buckets.options(num_returns="streaming").remote(bucket_mb * 1024 * 1024)
+                   for worker in workers]
+        received += [(name, tensor.clone()) for ref in streams[0] for name, tensor in unpack_bucket(ray.get(ref))]
+        assert all(not list(stream) for stream in streams[1:]), "a TP peer sent weights"
     tensors = dict(received)
     assert len(tensors) == len(received), "a tensor was sent twice"
     return tensors
@@ -79,7 +82,7 @@ def run_layout(ray_local, tiny_model_dir, rollout_worker, batch):
             actor_probe = group.compute_logprobs([probe_sample], temperature=1.0)[0]
             sweep = {}
             for bucket_mb in ((1, 16, 512) if name == "tp2pp2" else (64,)):
-                sync_weights(group, [rollout_worker], bucket_mb)
+                WeightSync(group, bucket_mb, "shm", 120.0, engine_tp=1).sync([rollout_worker])
                 sweep[bucket_mb] = ray.get(rollout_worker.score.remote(probe))
             engine_vs_actor = max(logprob_mismatch(engine, actor_probe)[0] for engine in sweep.values())
         finally:

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from rlsearch.bridge import logprob_mismatch
-from rlsearch.bridge.sync import nonfinite_logprobs
 from rlsearch.config import ConfigError, load_train_config
 from rlsearch.trainer import GRPOTrainer, SamplerState
 from rlsearch.trainer.skip_guard import NonFiniteStepsError, SkipGuard
+from rlsearch.weights import check_engines_match_actor, logprob_mismatch, nonfinite_logprobs
 
 
 def test_guard_counts_skips_and_stops_at_the_kth_in_a_row() -> None:
@@ -122,31 +121,29 @@ def test_nonfinite_probe_logprobs_never_pass_a_mismatch_limit(bad: float) -> Non
     assert logprob_mismatch(engine, [-1.0, -2.0, -0.75]) == (0.25, pytest.approx(0.25 / 3))
 
 
-def _parity_trainer(engine: list[float], actor: list[float], limit: float, monkeypatch) -> GRPOTrainer:
-    """check_parity with stand-ins for the engine and the actor (and ray.get passing values through)."""
+def _check(engines: list[list[float]], actor: list[float], limit: float, monkeypatch) -> dict[str, float]:
+    """The probe check with stand-ins for the engines and the actor (and ray.get passing values through)."""
     import ray
 
     monkeypatch.setattr(ray, "get", lambda value: value)
-    trainer = GRPOTrainer.__new__(GRPOTrainer)
-    trainer.config = load_train_config(None, [f"bridge.max_logprob_mismatch={limit}"])
-    trainer.step = 5
-    trainer.probe_ids = list(range(len(engine) + 1))
-    trainer.rollout = type("Engine", (), {"score": type("Call", (), {"remote": staticmethod(lambda ids: engine)})})
-    trainer.actor = type("Actor", (), {"compute_logprobs": lambda self, samples, temperature: [actor]})()
-    return trainer
+    handles = [type("Engine", (), {"score": type("Call", (), {"remote": staticmethod(lambda ids, lp=lp: lp)})})
+               for lp in engines]
+    actor_group = type("Actor", (), {"compute_logprobs": lambda self, samples, temperature: [actor]})()
+    return check_engines_match_actor(actor_group, handles, list(range(len(actor) + 1)), limit, step=5)
 
 
 @pytest.mark.parametrize("limit", [1e-4, 0.0], ids=["limit", "limit-disabled"])
 def test_parity_check_fails_on_nan_probe_logprobs(limit: float, monkeypatch) -> None:
     engine = [-1.0, -2.0, -0.5]
-    trainer = _parity_trainer(engine, [-1.0, math.nan, -0.5], limit, monkeypatch)
     with pytest.raises(RuntimeError, match=re.escape(
-        "NaN/inf logprobs on the probe sequence after step 5 (actor: 1 of 3 positions NaN/inf (first at position 1: "
-        "nan)): the weights hold NaN or inf values"
+        "NaN/inf logprobs on the probe sequence after step 5 (engine 0; actor: 1 of 3 positions NaN/inf (first at "
+        "position 1: nan)): the weights hold NaN or inf values"
     )):
-        trainer.check_parity()
-    ok = _parity_trainer(engine, [-1.0, -2.0, -0.50005], limit, monkeypatch).check_parity()
+        _check([engine], [-1.0, math.nan, -0.5], limit, monkeypatch)
+    ok = _check([engine, [-1.0, -2.0, -0.5001]], [-1.0, -2.0, -0.50005], limit, monkeypatch)
     assert ok["bridge/logprob_mismatch_max"] == pytest.approx(5e-5)
-    if limit:
-        with pytest.raises(RuntimeError, match="disagree on the probe sequence after step 5"):
-            _parity_trainer(engine, [-1.0, -2.0, -0.6], limit, monkeypatch).check_parity()
+    assert ok["bridge/logprob_mismatch_mean"] == pytest.approx(5e-5 / 3)
+    if limit:  # every engine is checked, not just the first
+        with pytest.raises(RuntimeError, match="rollout engine 1 and the actor disagree on the probe sequence after "
+                                               "step 5"):
+            _check([engine, [-1.0, -2.0, -0.6]], engine, limit, monkeypatch)

@@ -3,7 +3,7 @@ import pickle
 import pytest
 import torch
 
-from rlsearch.bridge.bucket import iter_buckets, pack_bucket, unpack_bucket
+from rlsearch.weights.bucket import iter_buckets, pack_bucket, unpack_bucket
 
 
 def _tensors():
@@ -48,7 +48,31 @@ def test_iter_buckets_respects_the_size_and_keeps_order():
     tensors = [(f"t{i}", torch.full((256,), float(i))) for i in range(10)]  # 1 KiB each
     buckets = list(iter_buckets(iter(tensors), bucket_bytes=3 * 1024))
     assert [len(b) for b in buckets] == [3, 3, 3, 1]
-    names = [name for b in buckets for name, _ in unpack_bucket(b)]
+    names = [name for b in buckets for name, _ in b]
     assert names == [name for name, _ in tensors]
     # a tensor larger than the bucket size travels alone
     assert [len(b) for b in iter_buckets(iter(tensors), bucket_bytes=100)] == [1] * 10
+
+
+def test_flat_form_round_trips_bit_exact_with_the_same_checksum_as_the_object_store_form():
+    import io
+
+    from rlsearch.weights.bucket import ALIGNMENT, FlatLayout, flatten_tensors, unflatten_tensors, write_flat
+
+    tensors = _tensors()
+    layout, flat = flatten_tensors(tensors, torch.device("cpu"))
+    assert all(offset % ALIGNMENT == 0 for offset in layout.offsets)
+    assert layout.checksum == pack_bucket(tensors).checksum  # the broadcast and shm forms verify alike
+    staged = io.BytesIO()
+    staged_layout = write_flat(pack_bucket(tensors), staged)
+    assert staged_layout.to_wire() == layout.to_wire() and staged.getvalue() == bytes(flat.numpy())
+    received = unflatten_tensors(FlatLayout.from_wire(layout.to_wire()), flat.clone())
+    for (name, original), (received_name, tensor) in zip(tensors, received):
+        assert received_name == name and tensor.dtype == original.dtype and torch.equal(tensor, original)
+    for position in (3, layout.offsets[1] + 1, layout.total_bytes - 1):  # a word, the bf16 tail, the last byte
+        corrupted = flat.clone()
+        corrupted[position] ^= 1
+        with pytest.raises(RuntimeError, match="checksum mismatch"):
+            unflatten_tensors(layout, corrupted)
+    with pytest.raises(RuntimeError, match="checksum mismatch"):
+        unflatten_tensors(layout, flat[:-8].clone())

@@ -1,0 +1,85 @@
+"""The broadcast transport: per pipeline stage, a torch.distributed group of that stage's sender (rank 0) and every
+worker of every engine (engine i's TP workers at `rank_offsets`), gloo on CPU and nccl on GPU: the same code.
+
+The sender drives its stage: for each bucket it asks every engine to receive (a Ray call that blocks in the
+engine workers' `broadcast`), broadcasts the flat buffer, and waits for every engine to have loaded it. Buckets
+never pass through the driver or the object store; the sender holds at most one flat buffer besides the tensors
+of the bucket being built. Stages run one after another (no two stages broadcast into the same engines at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import ray
+import torch
+
+from .bucket import flatten_tensors, iter_buckets
+from .deadline import Deadline
+from .group import rank_offsets
+
+
+def group_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class BroadcastGroups:
+    """The driver's view of the groups: made for one set of engines, made again when that set changes (an engine
+    restarted)."""
+
+    def __init__(self) -> None:
+        self._members: tuple | None = None
+
+    def ensure(self, senders: Sequence, engines: Sequence, engine_tp: int, deadline: Deadline) -> None:
+        """Create stage k's group for every k (in stage order: concurrent rendezvous across stages could
+        interleave), unless these engines are already members."""
+        members = tuple(engines)
+        if members == self._members:
+            return
+        if self._members is not None:
+            self.leave(senders, [engine for engine in self._members if engine in engines], deadline)
+        offsets = rank_offsets([engine_tp] * len(engines))
+        world = 1 + engine_tp * len(engines)
+        backend = group_backend()
+        for stage, sender in enumerate(senders):
+            host, port = ray.get(sender.node_address.remote(), timeout=deadline.remaining())
+            init = f"tcp://{host}:{port}"
+            joins = [
+                engine.weight_rpc.remote("join_group", init, offset, world, stage, backend, deadline.timeout_s)
+                for engine, offset in zip(engines, offsets)
+            ]
+            created = sender.join_weight_group.remote(init, world, backend, deadline.timeout_s)
+            deadline.get([*joins, created], f"forming the broadcast group of stage {stage}", [*engines, None])
+        self._members = members
+
+    def leave(self, senders: Sequence, engines: Sequence, deadline: Deadline) -> None:
+        refs = [engine.weight_rpc.remote("leave_groups") for engine in engines]
+        refs += [sender.leave_weight_groups.remote() for sender in senders]
+        deadline.get(refs, "leaving the broadcast groups")
+        self._members = None
+
+
+def send_stage(stage: int, stage_workers: Sequence, engines: Sequence, bucket_bytes: int,
+               deadline: Deadline) -> dict[str, int]:
+    """One stage's weights into every engine; ``stage_workers``: its DP-rank-0 ranks, the sender first."""
+    refs = [stage_workers[0].broadcast_weights.remote(stage, list(engines), bucket_bytes, deadline.remaining())]
+    refs += [worker.export_weights_as_peer.remote() for worker in stage_workers[1:]]
+    return deadline.get(refs, f"broadcasting stage {stage}'s weights")[0]
+
+
+def broadcast_buckets(named_tensors, group, stage: int, engines: Sequence, bucket_bytes: int,
+                      timeout_s: float) -> dict[str, int]:
+    """The sender's side (an actor rank): bucket, flatten, ask every engine to receive, broadcast, wait for them."""
+    device = torch.device("cuda", torch.cuda.current_device()) if group_backend() == "nccl" else torch.device("cpu")
+    deadline = Deadline(timeout_s, engines)
+    sent = {"buckets": 0, "tensors": 0, "bytes": 0}
+    for tensors in iter_buckets(named_tensors, bucket_bytes):
+        layout, flat = flatten_tensors(tensors, device)
+        receives = [engine.weight_rpc.remote("receive_broadcast", stage, layout.to_wire()) for engine in engines]
+        torch.distributed.broadcast(flat, group_src=0, group=group)
+        deadline.get(receives, "receiving a broadcast weight bucket", engines)
+        del flat
+        sent["buckets"] += 1
+        sent["tensors"] += len(tensors)
+        sent["bytes"] += layout.payload_bytes
+    return sent
