@@ -75,6 +75,15 @@ class EngineWeightReceiver:
         self.version += 1
         await self.llm.resume_generation()
 
+    async def finished_syncs(self) -> int:
+        return self.version
+
+    async def reload_from_files(self, model_dir: str) -> None:
+        """vLLM's own reload of the safetensors in `model_dir` (bench/weight_sync.py's baseline; tests reset an
+        engine with it)."""
+        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": model_dir})
+        await self.llm.reset_prefix_cache()
+
     async def digest(self) -> list[str]:
         """One hash of the weights per TP worker (see `WeightLoaderExtension.rlsearch_weight_digest`)."""
         return await self.llm.collective_rpc("rlsearch_weight_digest")

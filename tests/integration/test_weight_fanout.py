@@ -1,0 +1,163 @@
+"""The weight path into 2 engines x TP2: every actor layout, both transports, every engine and every engine rank.
+
+The engines start from model A; each actor loads model B (same shape, other random weights), so an engine holds
+the actor's weights only if the sync delivered them. Before each sync the engines are reset to A, and the probe
+shows it (a gap far above the tolerance).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import ray
+from safetensors.torch import load_file
+
+from rlsearch.actor import ActorGroup, TrainSample
+from rlsearch.config import RetrieverConfig, RolloutConfig
+from rlsearch.rollout import EngineSpec, RolloutWorker
+from rlsearch.weights import WeightSync, WeightSyncError, check_engines_match_actor, logprob_mismatch
+from tests.conftest import TEST_ROLLOUT
+from tests.integration.actor_helpers import actor_spec
+
+ENGINES, ENGINE_TP = 2, 2
+LAYOUTS = {"tp1pp1": (1, 1), "tp2pp1": (2, 1), "tp1pp2": (1, 2)}
+TRANSPORTS = ("shm", "broadcast")
+PROBE = ("Who is the mayor of Velmora?", "<search> who founded the town </search>")
+BUCKET_MB = 16  # several buckets per stage: the embedding alone is 74 MiB and travels alone
+
+
+@pytest.fixture(scope="module")
+def model_b(tmp_path_factory):
+    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("model-b") / "tiny-qwen2-b", TinyModelSpec(seed=7))
+
+
+@pytest.fixture(scope="module")
+def engines(ray_local, tiny_model_dir, retriever):
+    """Two RolloutWorkers with TP2 engines on model A, started one after another, each with its own port window."""
+    handles = []
+    try:
+        for index in range(ENGINES):
+            spec = EngineSpec(str(tiny_model_dir), max_model_len=768, seed=index, tensor_parallel_size=ENGINE_TP,
+                              vllm_port=29600 + 100 * index)
+            handle = ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=8).remote(
+                spec, RolloutConfig(**TEST_ROLLOUT), RetrieverConfig(topk=2), retriever.url, 1,
+            )
+            ray.get(handle.__ray_ready__.remote())
+            handles.append(handle)
+        yield handles
+    finally:
+        for handle in handles:
+            ray.kill(handle)
+
+
+@dataclass
+class LayoutSyncs:
+    stats: dict = field(default_factory=dict)  # transport -> SyncStats
+    before: dict = field(default_factory=dict)  # transport -> max probe gap per engine before the sync
+    parity: dict = field(default_factory=dict)  # transport -> check_engines_match_actor metrics
+    digests: dict = field(default_factory=dict)  # transport -> per engine, per TP rank weight hashes
+    versions: dict = field(default_factory=dict)  # transport -> weight_version per engine
+
+
+@pytest.fixture(scope="module")
+def probe_ids(engines):
+    return ray.get(engines[0].probe_sequence.remote(*PROBE))
+
+
+@pytest.fixture(scope="module")
+def synced(engines, tiny_model_dir, model_b, probe_ids):
+    cache: dict[str, LayoutSyncs] = {}
+
+    def run(layout: str) -> LayoutSyncs:
+        if layout in cache:
+            return cache[layout]
+        tp, pp = LAYOUTS[layout]
+        group = ActorGroup(actor_spec(model_b, tp, pp, 1, {}))
+        result = LayoutSyncs()
+        try:
+            probe = TrainSample(probe_ids, 1, [1] * (len(probe_ids) - 1))
+            actor_logprobs = group.compute_logprobs([probe], temperature=1.0)[0]
+            for transport in TRANSPORTS:
+                ray.get([engine.weight_rpc.remote("reload_from_files", str(tiny_model_dir)) for engine in engines])
+                result.before[transport] = [
+                    logprob_mismatch(ray.get(engine.score.remote(probe_ids)), actor_logprobs)[0] for engine in engines
+                ]
+                sync = WeightSync(group, BUCKET_MB, transport, timeout_s=120.0, engine_tp=ENGINE_TP)
+                result.stats[transport] = sync.sync(engines)
+                result.parity[transport] = check_engines_match_actor(group, engines, probe_ids, 1e-4, step=0)
+                result.digests[transport] = ray.get([engine.weight_rpc.remote("digest") for engine in engines])
+                result.versions[transport] = ray.get([engine.weight_rpc.remote("finished_syncs") for engine in engines])
+                sync.close(engines)
+        finally:
+            group.shutdown()
+        cache[layout] = result
+        return result
+
+    return run
+
+
+def _stage_shares(model_dir, pp: int) -> tuple[list[int], int]:
+    """Payload bytes of model B's HF tensors that belong to each pipeline stage, and the number of tensors."""
+    state = load_file(str(model_dir / "model.safetensors"))
+    num_layers = 1 + max(int(name.split(".")[2]) for name in state if name.startswith("model.layers."))
+    shares = [0] * pp
+    for name, tensor in state.items():
+        if name.startswith("model.layers."):
+            stage = int(name.split(".")[2]) * pp // num_layers
+        else:
+            stage = 0 if name.startswith("model.embed_tokens") else pp - 1
+        shares[stage] += tensor.numel() * tensor.element_size()
+    return shares, len(state)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fanout_every_engine_matches_the_actor_after_each_transport(synced, layout):
+    result = synced(layout)
+    for transport in TRANSPORTS:
+        assert min(result.before[transport]) > 1e-2, "the engines did not start from other weights"
+        assert result.parity[transport]["bridge/logprob_mismatch_max"] <= 1e-4
+        assert result.stats[transport].num_engines == ENGINES
+        versions = result.versions[transport]
+        assert len(set(versions)) == 1, f"engines ended with different weight versions: {versions}"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_broadcast_and_shm_leave_bit_identical_engine_weights(synced, layout):
+    result = synced(layout)
+    shm, broadcast = result.digests["shm"], result.digests["broadcast"]
+    assert len(shm) == ENGINES and all(len(ranks) == ENGINE_TP for ranks in shm)
+    assert all(len(set(ranks)) == ENGINE_TP for ranks in shm)  # each TP rank holds its own shard
+    assert broadcast == shm
+    assert shm[0] == shm[1]  # both engines hold the same weights
+    if layout != "tp1pp1":  # every actor layout delivers the same bits
+        assert shm == synced("tp1pp1").digests["shm"]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_stage_sender_sends_its_own_stage_share_once(synced, model_b, layout):
+    _, pp = LAYOUTS[layout]
+    shares, num_tensors = _stage_shares(model_b, pp)
+    for transport in TRANSPORTS:
+        stats = synced(layout).stats[transport]
+        assert stats.stage_bytes == shares
+        assert stats.num_tensors == num_tensors  # every HF name once (the engines reject repeats)
+        assert stats.num_buckets > pp
+
+
+def test_broadcast_sync_into_a_dead_engine_raises_within_the_timeout(engines, model_b):
+    """Run last in this module: it kills engine 1."""
+    group = ActorGroup(actor_spec(model_b, 1, 1, 1, {}))
+    try:
+        sync = WeightSync(group, BUCKET_MB, "broadcast", timeout_s=20.0, engine_tp=ENGINE_TP)
+        sync.sync(engines)
+        ray.kill(engines[1])
+        started = time.perf_counter()
+        with pytest.raises(WeightSyncError, match="engine 1"):
+            sync.sync(engines)
+        assert time.perf_counter() - started < 20.0 + 15.0
+    finally:
+        group.shutdown()
