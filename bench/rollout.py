@@ -9,8 +9,15 @@ tag's tokens are biased, so trajectories take several turns with real searches i
 Sampled tokens/s, best of --repeats each (the prefix cache is reset before every timed run).
 The last line is the figure: agent-loop tokens/s / bare generate tokens/s (goal >= 0.85).
 
+With --engines N (and/or --tp T) the bench is the engine pool instead: the same agent-loop rollout through an
+EnginePool of 1 engine x TP1 and then of N engines x TP T (Ray actors, one after the other, in one run): per-engine
+groups, trajectories and busy fraction, whether the trajectories are identical, and the throughput ratio of the
+N-engine pool against the 1-engine one. Each engine reserves T CPUs: on a machine with C cores, N x T <= C is the
+fair comparison.
+
   .venv/bin/python bench/rollout.py                       # tiny model, 16 prompts x 4 samples
   .venv/bin/python bench/rollout.py --shape 0.5b          # Qwen2.5-0.5B-shaped (slow on CPU: --prompts 4)
+  .venv/bin/python bench/rollout.py --engines 2           # 2 engines x TP1 against 1 engine
 """
 
 from __future__ import annotations
@@ -120,6 +127,56 @@ def bare_generate_params(loop, trajectories, step: int) -> list:
     ]
 
 
+def run_pool(model_path: Path, retriever_url: str, items: list, args, engines: int, tp: int):
+    """The rollout of ``items`` through a pool of ``engines`` x TP ``tp`` (best of --repeats after a warm-up):
+    (seconds, trajectories, last_metrics of the best run)."""
+    from rlsearch.config import ModelConfig, RetrieverConfig, RolloutConfig, ToolsConfig
+    from rlsearch.rollout import EnginePool, EngineSpec
+
+    rollout = RolloutConfig(**ROLLOUT, agent_loop=args.agent_loop, num_engines=engines, tensor_parallel_size=tp,
+                            groups_per_engine=args.groups_per_engine, cpu_threads_bind=args.cpu_threads_bind)
+    tools = ToolsConfig(retriever=RetrieverConfig(url=retriever_url, topk=3, timeout_s=60.0))
+    print(f"starting {engines} engine(s) x TP{tp} ...", flush=True)
+    spec = EngineSpec.from_config(ModelConfig(path=str(model_path)), rollout, seed=1)
+    pool = EnginePool(spec, rollout, tools, seed=1)
+    try:
+        pool.generate(items[: args.group_size * engines], 2)  # warm-up: a group per engine
+        best_s, trajectories, metrics = float("inf"), [], {}
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            run = pool.generate(items, 1)
+            elapsed = time.perf_counter() - started
+            if elapsed < best_s:
+                best_s, trajectories, metrics = elapsed, run, pool.last_metrics()
+    finally:
+        pool.shutdown()
+    return best_s, trajectories, metrics
+
+
+def bench_pool(args, model_path: Path, retriever_url: str, items: list) -> None:
+    """--engines / --tp: 1 engine x TP1, then --engines x --tp, in this run."""
+    from rlsearch.ray_setup import init_ray
+
+    init_ray(num_cpus=max(args.engines * args.tp, 1))
+    one_s, one, _ = run_pool(model_path, retriever_url, items, args, 1, 1)
+    many_s, many, metrics = run_pool(model_path, retriever_url, items, args, args.engines, args.tp)
+    sampled = sum(sum(t.loss_mask) for t in one)
+    print(f"1 engine x TP1: {len(one)} trajectories, {describe(one)}; {sampled} sampled tokens in {one_s:.2f} s = "
+          f"{sampled / one_s:.0f} tokens/s")
+    many_sampled = sum(sum(t.loss_mask) for t in many)
+    print(f"{args.engines} engine(s) x TP{args.tp}: {many_sampled} sampled tokens in {many_s:.2f} s = "
+          f"{many_sampled / many_s:.0f} tokens/s")
+    for engine in range(args.engines):
+        key = f"rollout/engine{engine}"
+        print(f"  engine {engine}: {metrics[f'{key}/groups']:.0f} groups, {metrics[f'{key}/trajectories']:.0f} "
+              f"trajectories, {metrics[f'{key}/sampled_tokens']:.0f} sampled tokens, busy "
+              f"{metrics[f'{key}/busy_fraction']:.0%}")
+    same = all(a.response_ids == b.response_ids for a, b in zip(one, many, strict=True))
+    print(f"trajectories identical to 1 engine x TP1: {same}")
+    ratio = (many_sampled / many_s) / (sampled / one_s)
+    print(f"{args.engines} x TP{args.tp} tokens/s / 1 x TP1 tokens/s: {ratio:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -128,6 +185,10 @@ def main() -> None:
     parser.add_argument("--agent-loop", choices=("per_sample", "turn_barrier"), default="per_sample")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per side; the best counts")
     parser.add_argument("--out", default="outputs/bench", help="where the random model and toy data are kept")
+    parser.add_argument("--engines", type=int, default=0, help="bench an EnginePool of this many engines (see above)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of each pooled engine")
+    parser.add_argument("--groups-per-engine", type=int, default=0, help="rollout.groups_per_engine of the pool")
+    parser.add_argument("--cpu-threads-bind", default="", help="rollout.cpu_threads_bind of TP engines, e.g. '0|1'")
     args = parser.parse_args()
 
     from rlsearch.tools import RetrieverProcess
@@ -137,6 +198,10 @@ def main() -> None:
     items = prompt_items(toy, args.prompts, args.group_size)
     step = 1
     with RetrieverProcess(str(toy.corpus), cache_dir=str(out / "bm25-cache")) as retriever:
+        if args.engines or args.tp > 1:
+            args.engines = max(args.engines, 1)
+            bench_pool(args, model_path, retriever.url, items)
+            return
         print("starting the engine ...", flush=True)
         host = BenchEngine(model_path, max_model_len=1024)
         try:

@@ -1,15 +1,18 @@
-"""Weight sync from Megatron layouts into vLLM, against vLLM reloading the same weights from memory.
+"""Weight sync from Megatron layouts into N vLLM engines, against vLLM reloading the same weights from memory.
 
 For a random model shaped like Qwen2.5-0.5B (tied embeddings, 494M parameters) this measures, in one run:
-  baseline : vLLM `reload_weights` from the model's safetensors files, already in the page cache (the engine is
-             vLLM's AsyncLLM: its model lives in the EngineCore process, where no state dict of ours can wait)
-  sync     : the bridge (gather TP/PP shards -> HF names -> buckets -> object store -> shared-memory staging file
-             -> engine), per layout
-and prints seconds, bytes moved and the sender's peak extra RSS (rank 0, the process that packs buckets). The
-last line is the figure: sync seconds / baseline seconds (goal <= 2.0).
+  baseline : vLLM `reload_weights` from the model's safetensors files, already in the page cache, on one engine
+  sync     : the weight path (each pipeline stage's sender gathers its own TP shards -> HF names -> buckets ->
+             transport -> every engine), per actor layout, number of engines and transport (bridge.transport)
+and prints a table: seconds, the ratio to the baseline, MiB each engine received, the senders' peak extra memory
+(private RSS, and shared memory: the object store's copies) in MiB and in buckets, and the engine-vs-actor probe
+gap. Then the fan-out cost (N engines over 1) and, last, the worst ratio of sync seconds to the baseline.
 
-  .venv/bin/python bench/weight_sync.py                    # 0.5B shape, TP1PP1 and TP2PP2, fp32
-  .venv/bin/python bench/weight_sync.py --shape tiny       # seconds-long smoke run
+  .venv/bin/python bench/weight_sync.py --layouts tp1pp1,tp2pp2 --engines 1,2 --transports shm,broadcast
+  .venv/bin/python bench/weight_sync.py --shape tiny --repeats 1           # a seconds-long smoke run
+
+Goals: TP1PP1 <= 1.2x and TP2PP2 <= 1.5x the baseline, 2 engines <= 1.3x one, sender peak extra <= 2 buckets
+(a tensor larger than a bucket travels alone, so a "bucket" here is max(bucket_mb, the largest tensor)).
 """
 
 from __future__ import annotations
@@ -26,82 +29,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import SHAPES, build_model  # noqa: E402
 
 
-class EngineHost:
-    """A Ray actor around one rollout engine (on its event loop thread, as a rollout worker holds it), with the
-    baseline: vLLM's own `reload_weights` from the model's safetensors files, already in the page cache."""
-
-    def __init__(self, model_path: str, dtype: str) -> None:
-        from rlsearch.rollout import EngineSpec
-        from rlsearch.rollout.engine import VLLMEngine
-        from rlsearch.tools.loop_thread import LoopThread
-
-        self.events = LoopThread("engine-host")
-
-        async def start() -> VLLMEngine:
-            return VLLMEngine(EngineSpec(model_path, dtype=dtype, max_model_len=256))
-
-        self.engine = self.events.run(start())
-        self.model_path = model_path
-        self.dtype = dtype
-
-    def model_bytes(self) -> int:
-        """The model's size in the engine's dtype (read from the safetensors headers, then the page cache warmed)."""
-        import torch
-        from safetensors import safe_open
-
-        element_size = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
-        numel = 0
-        for shard in sorted(Path(self.model_path).glob("*.safetensors")):
-            with safe_open(str(shard), "pt") as tensors:
-                for name in tensors.keys():
-                    shape = tensors.get_slice(name).get_shape()
-                    numel += int(torch.Size(shape).numel())
-            shard.read_bytes()
-        return numel * element_size
-
-    def timed_reload_from_files(self) -> float:
-        async def reload() -> float:
-            started = time.perf_counter()
-            await self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.model_path})
-            await self.engine.reset_prefix_cache()
-            return time.perf_counter() - started
-
-        return self.events.run(reload())
-
-    def begin_weight_update(self) -> None:
-        self.events.run(self.engine.begin_weight_update())
-
-    def load_weight_bucket(self, bucket) -> tuple[int, int]:
-        return self.events.run(self.engine.load_weight_bucket(bucket))
-
-    def finish_weight_update(self) -> None:
-        self.events.run(self.engine.finish_weight_update())
-
-    def score(self, token_ids: list[int]) -> list[float]:
-        return self.events.run(self.engine.score(token_ids))
-
-    def shutdown(self) -> None:
-        self.events.run(self.engine.shutdown())
-
-
 class PeakRss:
-    """Samples a process's private (anonymous) and shared resident memory in a thread; `peak_extra_*` is the rise
-    above the starting values. Shared pages are the object-store copies the sender writes."""
+    """Samples processes' private (anonymous) and shared resident memory in a thread; `peak_extra_*` is the largest
+    rise above the starting values over the processes. Shared pages are the object-store copies a sender writes."""
 
-    def __init__(self, pid: int, interval_s: float = 0.005) -> None:
-        self.status = Path(f"/proc/{pid}/status")
+    def __init__(self, pids: list[int], interval_s: float = 0.005) -> None:
+        self.statuses = [Path(f"/proc/{pid}/status") for pid in pids]
         self.interval_s = interval_s
-        self.start = self.peak = self._read()
+        self.start = [self._read(status) for status in self.statuses]
+        self.peak = list(self.start)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
-    def _read(self) -> tuple[int, int]:
-        fields = dict(line.split(":", 1) for line in self.status.read_text().splitlines() if ":" in line)
+    @staticmethod
+    def _read(status: Path) -> tuple[int, int]:
+        fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
         return tuple(int(fields[key].split()[0]) * 1024 for key in ("RssAnon", "RssShmem"))
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak = tuple(max(a, b) for a, b in zip(self.peak, self._read()))
+            for index, status in enumerate(self.statuses):
+                self.peak[index] = tuple(max(a, b) for a, b in zip(self.peak[index], self._read(status)))
             time.sleep(self.interval_s)
 
     def __enter__(self) -> PeakRss:
@@ -114,17 +62,34 @@ class PeakRss:
 
     @property
     def peak_extra_private(self) -> int:
-        return self.peak[0] - self.start[0]
+        return max(peak[0] - start[0] for peak, start in zip(self.peak, self.start))
 
     @property
     def peak_extra_shared(self) -> int:
-        return self.peak[1] - self.start[1]
+        return max(peak[1] - start[1] for peak, start in zip(self.peak, self.start))
+
+
+def _largest_tensor_bytes(model_path: Path, dtype: str) -> int:
+    import torch
+    from safetensors import safe_open
+
+    element_size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    largest = 0
+    for shard in sorted(model_path.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as tensors:
+            for name in tensors.keys():
+                largest = max(largest, int(torch.Size(tensors.get_slice(name).get_shape()).numel()))
+            shard.read_bytes()  # into the page cache, for the baseline
+    return largest * element_size
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
-    parser.add_argument("--layouts", default="tp1pp1,tp2pp2", help="comma-separated tpXppY layouts")
+    parser.add_argument("--layouts", default="tp1pp1,tp2pp2", help="comma-separated actor layouts tpXppY")
+    parser.add_argument("--engines", default="1,2", help="comma-separated numbers of engines to sync into")
+    parser.add_argument("--engine-tp", type=int, default=1, help="tensor_parallel_size of every engine")
+    parser.add_argument("--transports", default="shm,broadcast", help="comma-separated: shm, broadcast")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--bucket-mb", type=float, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="timed repetitions (the best is reported)")
@@ -134,49 +99,77 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import ray
 
-    from rlsearch.actor import ActorGroup, ActorWorkerSpec, TrainSample
-    from rlsearch.bridge import logprob_mismatch, sync_weights
-    from rlsearch.config import ActorConfig, AlgoConfig
-    from rlsearch.trainer import init_ray
+    from rlsearch.actor import ActorGroup, ActorWorkerSpec
+    from rlsearch.config import ActorConfig, AlgoConfig, RolloutConfig, ToolsConfig
+    from rlsearch.ray_setup import init_ray
+    from rlsearch.rollout import EnginePool, EngineSpec
+    from rlsearch.weights import WeightSync, check_engines_match_actor
 
+    engine_counts = [int(n) for n in args.engines.split(",")]
     model_path = build_model(args.shape, Path(args.out))
-    init_ray(num_cpus=8)
-    engine = ray.remote(EngineHost).options(num_cpus=0).remote(str(model_path), args.dtype)
-    model_bytes = ray.get(engine.model_bytes.remote())
-    baseline = min(ray.get(engine.timed_reload_from_files.remote()) for _ in range(args.repeats))
-    print(f"model: {args.shape} shape, {model_bytes / 2**20:.0f} MiB in {args.dtype}")
-    print(f"baseline  vLLM reload_weights from the safetensors files (page cache): {baseline:.2f} s")
-
-    probe = list(range(1000, 1064))
-    ratios = {}
-    for layout in args.layouts.split(","):
-        tp, pp = (int(part) for part in layout.removeprefix("tp").split("pp"))
-        actor = ActorConfig(tp=tp, pp=pp)
-        group = ActorGroup(ActorWorkerSpec(str(model_path), args.dtype, actor, AlgoConfig(), 1.0, 1, 1))
-        try:
-            sender_pid = ray.get(group.workers[0].__ray_call__.remote(lambda worker: os.getpid()))
-            timings, peak_private, peak_shared = [], 0, 0
-            for _ in range(args.repeats):
-                with PeakRss(sender_pid) as rss:
-                    stats = sync_weights(group, [engine], args.bucket_mb)
-                timings.append(stats.seconds)
-                peak_private = max(peak_private, rss.peak_extra_private)
-                peak_shared = max(peak_shared, rss.peak_extra_shared)
-            actor_logprobs = group.compute_logprobs([TrainSample(probe, 1, [1] * (len(probe) - 1))])[0]
-            mismatch = logprob_mismatch(ray.get(engine.score.remote(probe)), actor_logprobs)[0]
-        finally:
-            group.shutdown()
-        ratios[layout] = min(timings) / baseline
-        print(
-            f"sync      {layout.upper()}: {min(timings):.2f} s  "
-            f"({stats.num_buckets} buckets of <= {args.bucket_mb:g} MiB, "
-            f"{stats.num_bytes / 2**20:.0f} MiB moved; sender peak extra memory {peak_private / 2**20:.0f} MiB private "
-            f"+ {peak_shared / 2**20:.0f} MiB object store; "
-            f"engine vs actor max |dlogprob| {mismatch:.1e})"
-        )
-    ray.get(engine.shutdown.remote())
-    summary = ", ".join(f"{layout.upper()} {ratio:.2f}x" for layout, ratio in ratios.items())
-    print(f"weight sync / vLLM reload_weights from the page cache (goal <= 2.0): {summary}")
+    largest = _largest_tensor_bytes(model_path, args.dtype)
+    bucket_bytes = max(args.bucket_mb * 2**20, largest)
+    init_ray(num_cpus=8 + max(engine_counts) * args.engine_tp)
+    rollout = RolloutConfig(num_engines=max(engine_counts), tensor_parallel_size=args.engine_tp, max_prompt_tokens=128,
+                            max_response_tokens=128)
+    tools = ToolsConfig()
+    tools.retriever.url = "http://127.0.0.1:9"  # the agent's search client is built but never called here
+    pool = EnginePool(EngineSpec(str(model_path), dtype=args.dtype, max_model_len=256,
+                                 tensor_parallel_size=args.engine_tp), rollout, tools, seed=1)
+    try:
+        engine = pool.engines[0]
+        baselines = []
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            ray.get(engine.weight_rpc.remote("reload_from_files", str(model_path)))
+            baselines.append(time.perf_counter() - started)
+        baseline = min(baselines)
+        print(f"model: {args.shape} shape in {args.dtype}; engines TP{args.engine_tp}; buckets of "
+              f"{args.bucket_mb:g} MiB (largest tensor {largest / 2**20:.0f} MiB)")
+        print(f"baseline: vLLM reload_weights from the safetensors files (page cache), one engine: {baseline:.2f} s")
+        print(f"{'layout':<8} {'engines':>7} {'transport':<10} {'sync s':>7} {'/base':>6} {'MiB/eng':>8} "
+              f"{'peak MiB':>9} {'shm MiB':>8} {'buckets':>7} {'probe gap':>9}")
+        probe_ids = list(range(1000, 1064))
+        seconds: dict[tuple[str, int, str], float] = {}
+        for layout in args.layouts.split(","):
+            tp, pp = (int(part) for part in layout.removeprefix("tp").split("pp"))
+            group = ActorGroup(ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp), AlgoConfig(),
+                                               1.0, 1, 1))
+            try:
+                senders = [workers[0] for workers in group.stage_workers()]
+                pids = ray.get([sender.__ray_call__.remote(lambda worker: os.getpid()) for sender in senders])
+                for count in engine_counts:
+                    engines = pool.engines[:count]
+                    for transport in args.transports.split(","):
+                        sync = WeightSync(group, args.bucket_mb, transport, timeout_s=600.0,
+                                          engine_tp=args.engine_tp)
+                        timings, private, shared = [], 0, 0
+                        for _ in range(args.repeats):
+                            with PeakRss(pids) as rss:
+                                stats = sync.sync(engines)
+                            timings.append(stats.seconds)
+                            private = max(private, rss.peak_extra_private)
+                            shared = max(shared, rss.peak_extra_shared)
+                        gap = check_engines_match_actor(group, engines, probe_ids, 0.0, step=0)
+                        sync.close(engines)
+                        seconds[(layout, count, transport)] = min(timings)
+                        print(f"{layout.upper():<8} {count:>7} {transport:<10} {min(timings):>7.2f} "
+                              f"{min(timings) / baseline:>5.2f}x {stats.num_bytes / 2**20:>8.0f} "
+                              f"{private / 2**20:>9.0f} {shared / 2**20:>8.0f} {private / bucket_bytes:>7.2f} "
+                              f"{gap['bridge/logprob_mismatch_max']:>9.1e}", flush=True)
+            finally:
+                group.shutdown()
+    finally:
+        pool.shutdown()
+    if len(engine_counts) > 1:
+        one, most = min(engine_counts), max(engine_counts)
+        fanout = {(layout, transport): seconds[(layout, most, transport)] / seconds[(layout, one, transport)]
+                  for layout, count, transport in seconds if count == one}
+        print(f"fan-out {most} engines / {one} (goal <= 1.3): " + ", ".join(
+            f"{layout.upper()} {transport} {ratio:.2f}x" for (layout, transport), ratio in fanout.items()))
+    worst = max(seconds, key=seconds.get)
+    print(f"worst sync / vLLM reload from the page cache: {seconds[worst] / baseline:.2f}x "
+          f"({worst[0].upper()}, {worst[1]} engine(s), {worst[2]}; goals TP1PP1 <= 1.2, TP2PP2 <= 1.5)")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def toy_data(tmp_path_factory):
 def ray_local():
     import ray
 
-    from rlsearch.trainer import init_ray
+    from rlsearch.ray_setup import init_ray
 
     init_ray(num_cpus=8)  # logical CPUs: room for the 4-rank layouts' placement groups
     yield ray

@@ -14,13 +14,13 @@ from .runner import (
     GenerateFn,
     evaluate,
     load_eval_questions,
-    rollout_worker,
+    rollout_engines,
     run_eval,
     score_trajectory,
 )
 
 __all__ = [
     "EVAL_STEP", "OVERALL", "EvalQuestion", "EvalRun", "EvalSummary", "GenerateFn", "ResultsFile", "evaluate",
-    "load_eval_questions", "render_table", "result_key", "rollout_worker", "run_eval", "score_trajectory",
+    "load_eval_questions", "render_table", "result_key", "rollout_engines", "run_eval", "score_trajectory",
     "summarize",
 ]

@@ -1,8 +1,8 @@
 """Eval-only runs: a HuggingFace model as a search agent over eval files, scored, summarised and resumable.
 
 The same agent loop, tools and rewards as training. `evaluate` is the hook for any rollout-capable worker (the
-trainer's, every `eval_interval` steps); `run_eval` is `rlsearch eval`: it starts the tools and an in-process
-vLLM engine itself.
+trainer's, every `eval_interval` steps); `run_eval` is `rlsearch eval`: it starts the tools and the engines itself
+(one in-process vLLM engine, or `rollout.num_engines` x `rollout.tensor_parallel_size` under a local Ray).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ..config import ConfigError, EvalConfig, to_dict
 from ..data import DatasetError, QAExample, load_qa_dataset
 from ..reward import extract_answer, get_scorer, substring_match
-from ..rollout import EngineSpec, PromptItem, RolloutWorker, Trajectory
+from ..rollout import EnginePool, EngineSpec, PromptItem, Trajectory, new_rollout_worker
 from .metrics import OVERALL, render_table, summarize
 from .results import ResultKey, ResultsFile, result_key
 
@@ -45,6 +45,8 @@ _RESUME_NEUTRAL_KEYS = frozenset({
 _RESUME_NEUTRAL_NAMES = frozenset({
     "url", "batch_size", "timeout_s", "max_retries", "backoff_s", "max_concurrency", "index_cache_dir", "cache_dir",
     "kv_cache_gib", "gpu_memory_utilization", "enforce_eager",
+    # how many engines run the rollouts: sampling seeds are per request, the same on every engine
+    "num_engines", "tensor_parallel_size", "groups_per_engine", "cpu_threads_bind",
 })
 
 
@@ -217,35 +219,58 @@ def evaluate(generate: GenerateFn, config: EvalConfig) -> EvalSummary:
 
 
 def run_eval(config: EvalConfig) -> EvalSummary:
-    """`rlsearch eval`: the tools and the engine start only when some trajectories are still missing."""
+    """`rlsearch eval`: the tools and the engines start only when some trajectories are still missing."""
     run = EvalRun(config)
     if run.pending:
-        with rollout_worker(config) as worker:
-            run.generate_pending(worker.generate, worker.engine.tokenizer)
+        with rollout_engines(config) as (generate, tokenizer):
+            run.generate_pending(generate, tokenizer)
     return run.finish()
 
 
 @contextmanager
-def rollout_worker(config: EvalConfig) -> Iterator[RolloutWorker]:
-    """The rollout side of an eval run, built in this one place: tool servers, in-process vLLM, agent loop."""
+def rollout_engines(config: EvalConfig) -> Iterator[tuple[GenerateFn, PreTrainedTokenizerBase | None]]:
+    """The rollout side of an eval run, built in this one place: tool servers, then one in-process vLLM engine
+    (rollout.num_engines 1, tensor_parallel_size 1), or a local Ray instance with an EnginePool. Yields the generate
+    function and the engine's tokenizer (None with a pool: `generate_pending` loads it)."""
     from ..tools import ToolServers, ToolSetupError
 
     try:
         servers = ToolServers(config.tools).start()
     except ToolSetupError as error:
         raise ConfigError(str(error)) from error
-    worker = None
     try:
         engine_spec = EngineSpec.from_config(config.model, config.rollout, config.eval.seed)
         tools = servers.tools  # the config with the started servers' URLs filled in
-        worker = RolloutWorker(
-            engine_spec, config.rollout, tools.retriever, tools.retriever.url, config.eval.seed, tools=tools
-        )
-        yield worker
+        if config.rollout.num_engines == 1 and config.rollout.tensor_parallel_size == 1:
+            worker = new_rollout_worker(engine_spec, config.rollout, tools, config.eval.seed)
+            try:
+                yield worker.generate, worker.engine.tokenizer
+            finally:
+                worker.shutdown()
+        else:
+            from ..ray_setup import init_ray
+
+            rollout = config.rollout
+            own_ray = init_ray(num_cpus=rollout.num_engines * rollout.tensor_parallel_size)
+            try:
+                pool = EnginePool(engine_spec, rollout, tools, config.eval.seed, gpus_per_rank=_gpus_per_rank())
+                try:
+                    yield pool.generate, None
+                finally:
+                    pool.shutdown()
+            finally:
+                if own_ray:
+                    import ray
+
+                    ray.shutdown()
     finally:
-        if worker is not None:
-            worker.shutdown()
         servers.stop()
+
+
+def _gpus_per_rank() -> int:
+    import torch
+
+    return 1 if torch.cuda.is_available() else 0
 
 
 def _claim_output_dir(output_dir: Path, config: EvalConfig) -> None:

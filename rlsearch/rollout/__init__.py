@@ -2,10 +2,12 @@
 
 from .agent_loop import AgentLoop, PromptItem, request_seed
 from .engine import EngineSpec, VLLMEngine, configure_vllm_environment
+from .pool import EnginePool, NoEngineLeftError, dispatch_groups, new_rollout_worker
 from .trajectory import ToolCallRecord, Trajectory, Turn
 from .worker import RolloutWorker
 
 __all__ = [
-    "AgentLoop", "EngineSpec", "PromptItem", "RolloutWorker", "ToolCallRecord", "Trajectory", "Turn", "VLLMEngine",
-    "configure_vllm_environment", "request_seed",
+    "AgentLoop", "EnginePool", "EngineSpec", "NoEngineLeftError", "PromptItem", "RolloutWorker", "ToolCallRecord",
+    "Trajectory", "Turn", "VLLMEngine", "configure_vllm_environment", "dispatch_groups", "new_rollout_worker",
+    "request_seed",
 ]

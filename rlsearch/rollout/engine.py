@@ -56,6 +56,11 @@ def configure_vllm_environment(spec: EngineSpec) -> None:
     if spec.tensor_parallel_size > 1 and not torch.cuda.is_available():
         # vLLM's default binding wants a NUMA node per worker and asserts on a machine with one
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_threads_bind or "nobind"
+        if os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
+            # an unbound TP worker runs OMP_NUM_THREADS threads (a Ray actor's is its num_cpus): the workers share
+            # the engine's CPUs instead of each taking all of them (measured on 2 cores, TP2: 5x faster)
+            cpus = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+            os.environ["OMP_NUM_THREADS"] = str(max(1, cpus // spec.tensor_parallel_size))
     if spec.vllm_port:
         # engines on one node would otherwise race for the same internal ports (vLLM #39015)
         os.environ["VLLM_PORT"] = str(spec.vllm_port)
@@ -127,7 +132,7 @@ class VLLMEngine:
 
     async def shutdown(self) -> None:
         """Stop the EngineCore process. The engine is unusable afterwards."""
-        llm, self.llm = self.llm, None
+        llm, self.llm, self.weights = self.llm, None, None
         llm.shutdown()
         # dropped now, not at interpreter exit, where AsyncLLM.__del__ fails on torn-down module globals
         del llm

@@ -47,6 +47,7 @@ class Trajectory:
     tool_s: float = 0.0  # seconds it waited on its tool calls
     # the engine's weight versions in effect while it generated (two or more: a weight update landed mid-rollout)
     weight_versions: list[int] = field(default_factory=list)
+    engine: int = -1  # the rollout engine that ran it (EnginePool's index); -1: a single engine outside a pool
 
     def append_model_tokens(self, token_ids: list[int], logprobs: list[float]) -> None:
         self.response_ids.extend(token_ids)

@@ -1,7 +1,7 @@
 """The trainer composes actor, rollout, bridge, tools, reward and algo into the GRPO loop."""
 
+from ..ray_setup import init_ray
 from .grpo import GRPOTrainer, RunSummary, WorkerDiedError
-from .ray_setup import init_ray
 from .sampler import EpochSampler, SamplerState
 from .sft import SFTSummary, run_sft
 from .skip_guard import NonFiniteStepsError

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from concurrent import futures
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from ..actor import ActorGroup, ActorWorkerSpec, TrainSample
 from ..algo import grpo_advantages, loss_token_weights
@@ -17,11 +17,11 @@ from ..config import AlgoConfig, ConfigError, EvalConfig, TrainConfig, to_dict
 from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate, score_trajectory
 from ..logging import RunLogger, format_step_line, plot_run
-from ..rollout import EngineSpec, PromptItem, RolloutWorker, Trajectory
+from ..ray_setup import init_ray
+from ..rollout import EnginePool, EngineSpec, NoEngineLeftError, PromptItem, Trajectory
 from ..weights import WeightSync, check_engines_match_actor
 from .metrics import trajectory_metrics
 from .placement import check_retriever_reachable, describe_placement, plan_placement
-from .ray_setup import init_ray
 from .sampler import EpochSampler, SamplerState
 from .skip_guard import NonFiniteStepsError, SkipGuard
 
@@ -74,7 +74,7 @@ class ResumePoint:
 class PendingRollout:
     step: int  # the step that trains on it
     examples: list[QAExample]
-    trajectories: Any  # ray.ObjectRef of list[Trajectory]
+    trajectories: futures.Future  # of list[Trajectory], from the engine pool
     weight_version: int  # updates the engine's weights had seen when it was submitted
     sampler: SamplerState  # the data position after its batch: what a checkpoint after its step records
 
@@ -129,7 +129,8 @@ class GRPOTrainer:
         self.good_sampler_state = SamplerState()
         self.saved_checkpoints: dict[int, Path] = {}  # step -> a checkpoint of it (saved by this process, or resumed)
         self.tool_servers = None
-        self.rollout = None
+        self.pool: EnginePool | None = None
+        self.engine_restarts = 0  # rollout engines that died and were replaced
         self.actor = None
 
     def _load_examples(self) -> list[QAExample]:
@@ -163,18 +164,15 @@ class GRPOTrainer:
         tools = self.tool_servers.tools  # the config with the started servers' URLs filled in
         actor = config.actor
         world = actor.tp * actor.pp * actor.dp
-        init_ray(config.trainer.ray_address, num_cpus=world)
+        rollout = config.rollout
+        init_ray(config.trainer.ray_address, num_cpus=world + rollout.num_engines * rollout.tensor_parallel_size)
         import ray
 
         gpus = 1 if torch.cuda.is_available() else 0
-        place = plan_placement(config.trainer.placement, world, gpus, config.trainer.ray_address)
-        rollout_cls = ray.remote(RolloutWorker)
-        engine_spec = EngineSpec.from_config(config.model, config.rollout, config.trainer.seed)
-        # threaded: weight syncs and probes may run while a rollout is in flight (rollout.update_weights_in_flight)
-        self.rollout = rollout_cls.options(**place.rollout_options, num_gpus=gpus, max_concurrency=4).remote(
-            engine_spec, config.rollout, tools.retriever, tools.retriever.url, config.trainer.seed, tools=tools
-        )
-        self.engines = [self.rollout]
+        place = plan_placement(config.trainer.placement, world, gpus, config.trainer.ray_address,
+                               rollout.num_engines, rollout.tensor_parallel_size)
+        engine_spec = EngineSpec.from_config(config.model, rollout, config.trainer.seed)
+        self.pool = EnginePool(engine_spec, rollout, tools, config.trainer.seed, **place.pool_options)
         self.actor = ActorGroup(
             ActorWorkerSpec(
                 model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=config.algo,
@@ -187,10 +185,12 @@ class GRPOTrainer:
         self.weight_sync = WeightSync(
             self.actor, bridge.bucket_mb, bridge.transport, bridge.timeout_s, config.rollout.tensor_parallel_size
         )
-        self.probe_ids = ray.get(self.rollout.probe_sequence.remote(self.examples[0].question, PROBE_CONTINUATION))
-        line, rollout_ip = describe_placement(config.trainer.placement, self.actor.workers, self.rollout)
+        self.probe_ids = ray.get(
+            self.pool.engines[0].probe_sequence.remote(self.examples[0].question, PROBE_CONTINUATION)
+        )
+        line, engine_ips = describe_placement(config.trainer.placement, self.actor.workers, self.pool.engines)
         print(line, flush=True)
-        check_retriever_reachable(tools, rollout_ip)
+        check_retriever_reachable(tools, engine_ips)
         if resume_from is not None:
             self._resume(resume_from)
         self.logger = RunLogger(self.output_dir, config.trainer.log_trajectories, resumed_step=self.resumed_step)
@@ -226,7 +226,7 @@ class GRPOTrainer:
         self.sampler.restore(point.sampler)
         self.trained_sampler_state = point.sampler
         self.saved_checkpoints[point.step] = point.path
-        sync = self.weight_sync.sync(self.engines)
+        sync = self.weight_sync.sync(self.pool.engines)
         saved = point.layout
         layouts = "" if same_layout else (
             f", resharded from tp{saved['tp']} pp{saved['pp']} dp{saved['dp']} (per-rank RNG states start fresh)"
@@ -241,12 +241,11 @@ class GRPOTrainer:
         }
 
     def close(self, graceful: bool = True) -> None:
-        import ray
 
         if self.actor is not None:
             self.actor.shutdown(graceful)
-        if self.rollout is not None:
-            ray.kill(self.rollout)
+        if self.pool is not None:
+            self.pool.shutdown()
         if self.tool_servers is not None:
             self.tool_servers.stop()
         if hasattr(self, "logger"):
@@ -288,7 +287,8 @@ class GRPOTrainer:
                 last_metrics=metrics, resumed_step=self.resumed_step, curves=plot_run(self.output_dir),
             )
         except Exception as error:
-            died = self._dead_workers() if _is_ray_error(error) else []
+            # a Ray call failed, or the rollout lost its last engine: name the actors that died
+            died = self._dead_workers() if _is_ray_error(error) or isinstance(error, NoEngineLeftError) else []
             if died:
                 raise WorkerDiedError(self._died_message(died)) from error
             raise
@@ -300,7 +300,8 @@ class GRPOTrainer:
         answers (or is busy, which is not dead)."""
         import ray
 
-        workers = ([("rollout worker", self.rollout)] if self.rollout is not None else []) + (
+        engines = self.pool.engines if self.pool is not None else []
+        workers = [(f"rollout engine {index}", engine) for index, engine in enumerate(engines)] + (
             self.actor.named_workers() if self.actor is not None else []
         )
         pings = [handle.__ray_ready__.remote() for _, handle in workers]
@@ -339,19 +340,17 @@ class GRPOTrainer:
             ]
             self.rollouts.append(PendingRollout(
                 step=self.next_rollout_step, examples=examples,
-                trajectories=self.rollout.generate.remote(items, self.next_rollout_step),
+                trajectories=self.pool.submit(items, self.next_rollout_step),
                 weight_version=self.weight_version,
                 sampler=replace(self.sampler.state),
             ))
             self.next_rollout_step += 1
 
     def train_step(self, rollout: PendingRollout) -> dict[str, float]:
-        import ray
-
         config = self.config
         step_started = time.perf_counter()
         timer = time.perf_counter()
-        trajectories: list[Trajectory] = ray.get(rollout.trajectories)
+        trajectories: list[Trajectory] = rollout.trajectories.result()
         rollout_wait_s = time.perf_counter() - timer
         self.trained_sampler_state = rollout.sampler
         staleness = self.weight_version - rollout.weight_version
@@ -378,33 +377,49 @@ class GRPOTrainer:
         timer = time.perf_counter()
         if self.rollouts and not config.rollout.update_weights_in_flight and not skipped:
             # rollouts already submitted finish with the weights they were submitted under
-            ray.wait([pending.trajectories for pending in self.rollouts], num_returns=len(self.rollouts))
+            futures.wait([pending.trajectories for pending in self.rollouts])
         rollout_wait_s += time.perf_counter() - timer
+        # an engine that died (its groups already ran on the others) is replaced now; it starts with the weights on
+        # disk, so a sync follows even when the step changed none
+        restarted = self._replace_dead_engines()
         sync, parity = None, {}
-        if not skipped:
-            sync = self.weight_sync.sync(self.engines)
-            self.weight_version += 1
+        if not skipped or restarted:
+            sync = self.weight_sync.sync(self.pool.engines)
+            self.weight_version += not skipped
             parity = self.check_parity()
         metrics = {
             **trajectory_metrics(trajectories),
             **train_metrics,
             **parity,
+            **self.pool.last_metrics(rollout.step),
             "actor/skipped_steps_total": float(self.skip_guard.total + skipped),
-            "rollout/tool_failures_total": float(ray.get(self.rollout.tool_stats.remote())["failures"]),
+            "rollout/tool_failures_total": float(self.pool.tool_stats()["failures"]),
+            "rollout/engine_restarts_total": float(self.engine_restarts),
             "rollout/staleness": float(staleness),
             "time/rollout_s": rollout_wait_s,
             "time/reward_s": reward_s,
             "time/ref_logprob_s": ref_logprob_s,
             "time/train_s": train_s,
             "time/sync_s": sync.seconds if sync else 0.0,
-            "time/engine_idle_s": ray.get(self.rollout.idle_seconds.remote()),
+            "time/engine_idle_s": self.pool.idle_seconds(),
             "bridge/buckets": float(sync.num_buckets) if sync else 0.0,
+            "bridge/engines": float(sync.num_engines) if sync else 0.0,
             "bridge/sync_mib": sync.num_bytes / 2**20 if sync else 0.0,
             "time/step_s": time.perf_counter() - step_started,
         }
         self.logger.log_metrics(self.step, metrics)
         self.logger.log_trajectories(self.step, [self._trajectory_record(t, rollout.examples) for t in trajectories])
         return metrics
+
+    def _replace_dead_engines(self) -> int:
+        """Restart the rollout engines that died; returns how many."""
+        dead = self.pool.dead_engines()
+        for index in dead:
+            self.pool.restart(index)
+            print(f"[rlsearch] restarted rollout engine {index}, which died; the current weights are synced into it "
+                  "before the next rollout", flush=True)
+        self.engine_restarts += len(dead)
+        return len(dead)
 
     def _record_skip(self, metrics: dict[str, float]) -> None:
         """Count a step the actor skipped for a NaN/inf loss or grad norm; after trainer.max_consecutive_skips in a
@@ -438,14 +453,13 @@ class GRPOTrainer:
 
     def evaluate_policy(self) -> dict[str, float]:
         """Score the current policy on eval.files through the eval-only code path, with this run's engine."""
-        import ray
 
         config = self.config
         eval_config = EvalConfig(
             model=config.model, eval=config.eval, rollout=config.rollout, reward=config.reward, tools=config.tools,
             output_dir=str(self.output_dir / "eval" / f"step_{self.step:06d}"),
         )
-        summary = evaluate(lambda items, step: ray.get(self.rollout.generate.remote(items, step)), eval_config)
+        summary = evaluate(self.pool.generate, eval_config)
         scalars = summary.scalars()
         self.logger.log_metrics(self.step, scalars)
         overall = summary.metrics.get("overall", {})
@@ -460,7 +474,7 @@ class GRPOTrainer:
     def check_parity(self) -> dict[str, float]:
         """Every engine and the actor score the probe sequence; abort when one disagrees (stale or corrupt weights)."""
         return check_engines_match_actor(
-            self.actor, self.engines, self.probe_ids, self.config.bridge.max_logprob_mismatch, self.step
+            self.actor, self.pool.engines, self.probe_ids, self.config.bridge.max_logprob_mismatch, self.step
         )
 
     def _trajectory_record(self, trajectory: Trajectory, examples: list[QAExample]) -> dict:

@@ -1,5 +1,5 @@
-"""Where the actor ranks and the rollout worker run on the Ray cluster (`trainer.placement`), and a check that the
-rollout worker can reach the retriever from there."""
+"""Where the actor ranks and the rollout engines run on the Ray cluster (`trainer.placement`), and a check that the
+rollout engines can reach the retriever from there."""
 
 from __future__ import annotations
 
@@ -14,22 +14,28 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 @dataclass
 class Placement:
-    rollout_options: dict[str, Any]  # Ray options of the rollout worker
+    pool_options: dict[str, Any] = field(default_factory=dict)  # EnginePool keyword arguments (placement)
     actor_options: dict[str, Any] = field(default_factory=dict)  # ActorGroup keyword arguments
 
 
-def plan_placement(placement: str, world: int, gpus: int, ray_address: str) -> Placement:
-    """colocated: the rollout worker reserves no CPU and goes wherever Ray schedules it; ActorGroup packs the ranks.
+
+def plan_placement(
+    placement: str, world: int, gpus: int, ray_address: str, num_engines: int = 1, tensor_parallel_size: int = 1,
+) -> Placement:
+    """colocated: ActorGroup packs the ranks; the EnginePool makes its own placement group (one bundle of
+    `tensor_parallel_size` CPUs, and GPUs with `gpus`, per engine) wherever Ray finds room.
     split: one placement group of two bundles that Ray must put on two different nodes (STRICT_SPREAD): bundle 0
-    holds every actor rank (so TP/PP/DP peers share a node), bundle 1 the rollout worker, which asks a CPU there to
-    have a real home. Ray reserves both at once: no node picked by hand, no race with other jobs."""
+    holds every actor rank (so TP/PP/DP peers share a node), bundle 1 every rollout engine (num_engines x
+    tensor_parallel_size CPUs, and GPUs). Ray reserves both at once: no node picked by hand, no race with other
+    jobs."""
     import ray
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    pool_options: dict[str, Any] = {"gpus_per_rank": gpus}
     if placement != "split":
-        return Placement(rollout_options={"num_cpus": 0})
-    bundles = [{"CPU": world, "GPU": world * gpus}, {"CPU": 1, "GPU": gpus}]
+        return Placement(pool_options=pool_options)
+    engine_ranks = num_engines * tensor_parallel_size
+    bundles = [{"CPU": world, "GPU": world * gpus}, {"CPU": engine_ranks, "GPU": engine_ranks * gpus}]
     bundles = [{key: float(value) for key, value in bundle.items() if value} for bundle in bundles]
     nodes = [node for node in ray.nodes() if node["Alive"]]
     homes = [
@@ -44,9 +50,9 @@ def plan_placement(placement: str, world: int, gpus: int, ray_address: str) -> P
         )
         raise ConfigError(
             f"'trainer.placement' is split: it needs one node with {need[0]} for the {world} actor ranks and "
-            f"another node with {need[1]} for the rollout worker, but the Ray cluster at {ray_address} has "
-            f"{len(nodes)} node(s) ({have}). Add a node (ray start --address HEAD:6379) or set "
-            "trainer.placement=colocated"
+            f"another node with {need[1]} for the {num_engines} rollout engine(s) x TP{tensor_parallel_size}, but "
+            f"the Ray cluster at {ray_address} has {len(nodes)} node(s) ({have}). Add a node "
+            "(ray start --address HEAD:6379) or set trainer.placement=colocated"
         )
     split = placement_group(bundles, strategy="STRICT_SPREAD")
     try:
@@ -57,39 +63,46 @@ def plan_placement(placement: str, world: int, gpus: int, ray_address: str) -> P
             "(other jobs hold them?)"
         ) from error
     return Placement(
-        rollout_options={"num_cpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(split, 1)},
+        pool_options={**pool_options, "placement_group": split, "bundle_index": 1},
         actor_options={"placement_group": split, "bundle_index": 0},
     )
 
 
-def describe_placement(placement: str, actor_workers: list, rollout_worker) -> tuple[str, str]:
-    """A line saying where the actor ranks and the rollout worker run, and the rollout worker's node IP."""
+def describe_placement(placement: str, actor_workers: list, engines: list | Any) -> tuple[str, list[str]]:
+    """A line saying where the actor ranks and the rollout engines (`EnginePool.engines`, or one worker's handle)
+    run, and each engine's node IP."""
     import ray
 
+    engines = engines if isinstance(engines, list) else [engines]
     ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     actor_nodes = ray.get([worker.node_id.remote() for worker in actor_workers])
-    rollout_node = ray.get(rollout_worker.node_id.remote())
-    spans = []
-    for node in dict.fromkeys(actor_nodes):  # in rank order
-        ranks = [rank for rank, on in enumerate(actor_nodes) if on == node]
-        contiguous = len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1))
-        listed = f"{ranks[0]}-{ranks[-1]}" if contiguous else ",".join(map(str, ranks))
-        spans.append(f"{listed} on node {node[:8]} ({ips.get(node, '?')})")
-    rollout_ip = ips.get(rollout_node, "?")
-    line = (f"[rlsearch] placement {placement}: actor ranks {', ranks '.join(spans)}, rollout worker on node "
-            f"{rollout_node[:8]} ({rollout_ip})")
-    return line, rollout_ip
+    engine_nodes = ray.get([engine.node_id.remote() for engine in engines])
+
+    def spans(nodes: list[str]) -> str:
+        listed = []
+        for node in dict.fromkeys(nodes):  # in index order
+            indices = [index for index, on in enumerate(nodes) if on == node]
+            contiguous = len(indices) > 1 and indices == list(range(indices[0], indices[-1] + 1))
+            numbers = f"{indices[0]}-{indices[-1]}" if contiguous else ",".join(map(str, indices))
+            listed.append(f"{numbers} on node {node[:8]} ({ips.get(node, '?')})")
+        return ", ".join(listed)
+
+    line = f"[rlsearch] placement {placement}: actor ranks {spans(actor_nodes)}; rollout engines {spans(engine_nodes)}"
+    return line, [ips.get(node, "?") for node in engine_nodes]
 
 
-def check_retriever_reachable(tools: ToolsConfig, rollout_ip: str) -> None:
-    """A retriever on this machine's loopback is out of reach of a rollout worker on another machine."""
+def check_retriever_reachable(tools: ToolsConfig, rollout_ips: list[str] | str) -> None:
+    """A retriever on this machine's loopback is out of reach of a rollout engine on another machine."""
     import ray
 
+    rollout_ips = [rollout_ips] if isinstance(rollout_ips, str) else rollout_ips
     retriever_host = urlsplit(tools.retriever.url).hostname if "search" in tools.enabled else None
-    if retriever_host in _LOOPBACK and rollout_ip != ray.util.get_node_ip_address():
+    here = ray.util.get_node_ip_address()
+    elsewhere = sorted({ip for ip in rollout_ips if ip != here})
+    if retriever_host in _LOOPBACK and elsewhere:
         raise ConfigError(
             f"'tools.retriever.url' is {tools.retriever.url} (this machine's loopback: the trainer's local retriever "
-            f"when the key is empty), but the rollout worker runs on {rollout_ip} and cannot reach it. Run the "
+            f"when the key is empty), but rollout engines run on {', '.join(elsewhere)} and cannot reach it. Run the "
             "retriever where the workers can reach it (rlsearch serve-retriever --host 0.0.0.0) and set "
             "tools.retriever.url=http://NODE:PORT"
         )

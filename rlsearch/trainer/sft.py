@@ -18,7 +18,7 @@ from ..checkpoint import write_hf_model
 from ..config import AlgoConfig, ConfigError, SFTConfig, to_dict
 from ..data.chat import ChatExample, load_chat_dataset
 from ..logging import RunLogger, plot_run
-from .ray_setup import init_ray
+from ..ray_setup import init_ray
 from .sampler import EpochSampler
 
 HF_OUTPUT = "hf"

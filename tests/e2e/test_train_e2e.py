@@ -102,3 +102,25 @@ def test_train_cli_rejects_bad_input_with_a_clear_message(tmp_path, tiny_model_d
                    "examples/configs/search_grpo_tiny.yaml", *overrides], timeout=120)
     assert result.returncode == 2
     assert expected.format(bad=bad) in result.stderr
+
+
+def test_run_search_grpo_script_trains_with_two_tp2_engines_over_broadcast(tmp_path):
+    """2 rollout engines x TP2 (4 vLLM workers, nobind threads) on 2 cores; weights reach both engines by the
+    broadcast transport (gloo) after every step, and every engine passes the probe check."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    result = _run(["bash", "examples/run_search_grpo.sh", "rollout.num_engines=2", "rollout.tensor_parallel_size=2",
+                   "bridge.transport=broadcast", "trainer.total_steps=2", f"trainer.output_dir={out}"], timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "rollout engines: 2 x TP2; engine 0 on node" in result.stdout
+    assert "step 2/2 | reward" in result.stdout
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    for step in range(2):
+        groups = [events.Scalars(f"rollout/engine{engine}/groups")[step].value for engine in (0, 1)]
+        assert sum(groups) == 4 and min(groups) >= 1, groups  # batch_size 4: each group on one engine, both used
+        tokens = [events.Scalars(f"rollout/engine{engine}/sampled_tokens")[step].value for engine in (0, 1)]
+        assert min(tokens) > 0
+    assert [e.value for e in events.Scalars("bridge/engines")] == [2.0, 2.0]
+    assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-4

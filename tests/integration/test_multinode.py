@@ -107,8 +107,8 @@ def test_split_placement_multinode_trains_two_steps(tmp_path, tiny_model_dir, to
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 2/2 | reward" in result.stdout
 
-    placed = re.search(r"\[rlsearch\] placement split: actor ranks 0-1 on node (\w+) \(127\.0\.0\.1\), "
-                       r"rollout worker on node (\w+) \(127\.0\.0\.1\)", result.stdout)
+    placed = re.search(r"\[rlsearch\] placement split: actor ranks 0-1 on node (\w+) \(127\.0\.0\.1\); "
+                       r"rollout engines 0 on node (\w+) \(127\.0\.0\.1\)", result.stdout)
     assert placed, result.stdout[-3000:]
     print(placed.group(0))
     actor_node, rollout_node = placed.groups()

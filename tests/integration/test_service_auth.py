@@ -12,6 +12,7 @@ from threaded_server import serve_in_thread
 
 from rlsearch.cli import build_parser
 from rlsearch.config import MCPConfig, MCPServerConfig, RetrieverConfig, ToolsConfig
+from rlsearch.ray_setup import ray_env_defaults
 from rlsearch.tools import ErrorKind, RetrievalClient, SearchTool, ToolCall, ToolServers, ToolSetupError, build_registry
 from rlsearch.tools.client import MAX_QUERIES, MAX_QUERY_CHARS, MAX_TOPK
 from rlsearch.tools.http import MCP_TOKEN_ENV, RETRIEVER_TOKEN_ENV
@@ -19,7 +20,6 @@ from rlsearch.tools.mcp_client import MCPServerSpec, MCPToolset
 from rlsearch.tools.mcp_server import create_mcp_app
 from rlsearch.tools.retrieval import RequestLimits, build_retriever, create_app
 from rlsearch.tools.serving import ServiceGuard, exposure_warning, is_loopback
-from rlsearch.trainer.ray_setup import ray_env_defaults
 
 TOKEN = "s3cret-token"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}

@@ -19,24 +19,26 @@ WORKER_ENV = {
 }
 
 
-def init_ray(address: str = "", num_cpus: int = 0) -> None:
+def init_ray(address: str = "", num_cpus: int = 0) -> bool:
     """Join the cluster at `address`, or start a local instance with at least `num_cpus` logical CPUs (Megatron
-    ranks reserve one each in their placement group; threads per rank are set separately)."""
+    ranks reserve one each in their placement group, rollout engines their tensor_parallel_size each; threads per
+    rank are set separately). False: Ray was already initialised, and this call changed nothing."""
     # before importing ray: it reads some of these at import
     for key, value in ray_env_defaults(address).items():
         os.environ.setdefault(key, value)
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     runtime_env = {"env_vars": {**WORKER_ENV, **_passthrough_env()}}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-        return
+        return True
     ray.init(
         _node_ip_address="127.0.0.1", num_cpus=max(num_cpus, os.cpu_count() or 1), include_dashboard=False,
         runtime_env=runtime_env, log_to_driver=True, configure_logging=True, logging_level="WARNING",
     )
+    return True
 
 
 def ray_env_defaults(address: str) -> dict[str, str]:

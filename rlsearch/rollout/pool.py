@@ -1,0 +1,377 @@
+"""Many rollout engines: `rollout.num_engines` RolloutWorker Ray actors, each a vLLM engine split over
+`rollout.tensor_parallel_size` workers, fed GRPO groups from one queue.
+
+A group (every PromptItem of one group_id) is the unit of dispatch: all of its samples run on one engine, in one
+``generate`` call (they share the prompt's prefix cache). The first groups are dealt round robin, up to
+``rollout.groups_per_engine`` per engine; after that an engine gets the next queued group as soon as one of its own
+finishes, so a slow engine never holds a fast one idle. Sampling seeds are per (step, group, sample, turn) and the
+same on every engine, so the trajectories do not depend on how many engines there are or which one ran a group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import RolloutConfig, ToolsConfig
+from .agent_loop import PromptItem
+from .engine import EngineSpec
+from .trajectory import Trajectory
+from .worker import RolloutWorker
+
+SPREAD_LIMIT = 64  # groups in flight per engine when rollout.groups_per_engine is 0 (one actor thread each)
+CONTROL_SLOTS = 4  # actor threads beside the generate calls: weight syncs, probes, stats, pings
+PORT_WINDOW = 100  # VLLM_PORT of engine i: base + PORT_WINDOW * i
+KEPT_METRICS = 8  # steps whose rollout metrics last_metrics(step) still answers
+
+
+class NoEngineLeftError(RuntimeError):
+    """Every rollout engine of the pool died."""
+
+
+def new_rollout_worker(
+    engine_spec: EngineSpec, rollout: RolloutConfig, tools: ToolsConfig, seed: int,
+    ray_options: dict[str, Any] | None = None, worker_cls: type = RolloutWorker,
+) -> Any:
+    """A rollout worker over the started tools (`tools` with the servers' URLs filled in): in this process when
+    `ray_options` is None, else a Ray actor with those options (its handle). `seed` is the run's seed, which the
+    agent loop's per-request sampling seeds derive from; ``engine_spec.seed`` is vLLM's own."""
+    args = (engine_spec, rollout, tools.retriever, tools.retriever.url, seed)
+    if ray_options is None:
+        return worker_cls(*args, tools=tools)
+    import ray
+
+    return ray.remote(worker_cls).options(**ray_options).remote(*args, tools=tools)
+
+
+@dataclass
+class DispatchResult:
+    trajectories: list[Trajectory]  # in item order, each stamped with the engine that ran it
+    groups: dict[int, int] = field(default_factory=dict)  # engine -> groups it finished
+    busy_s: dict[int, float] = field(default_factory=dict)  # engine -> seconds with at least one group in flight
+    wall_s: float = 0.0
+    redispatched: int = 0  # groups sent again after their engine died
+    died: list[int] = field(default_factory=list)  # engines that died during the dispatch
+
+
+def dispatch_groups(
+    items: Sequence[PromptItem], engines: Sequence[int], submit: Callable[[int, list[PromptItem]], Future],
+    groups_per_engine: int, timeout_s: float,
+) -> DispatchResult:
+    """Run `items` group by group on `engines` (engine ids; `submit(engine, group_items)` starts one generate call
+    and returns its future). An engine whose call fails with Ray's RayActorError is dead: its unfinished groups go
+    to the others. Raises NoEngineLeftError when none is left, TimeoutError when no group finishes in `timeout_s`;
+    any other error of a call is raised as it is."""
+    from ray.exceptions import RayActorError
+
+    started = time.perf_counter()
+    positions: dict[int, list[int]] = {}  # group_id -> item positions, groups in order of first appearance
+    for position, item in enumerate(items):
+        positions.setdefault(item.group_id, []).append(position)
+    queue = deque(positions)
+    live = list(engines)
+    limit = groups_per_engine if groups_per_engine > 0 else SPREAD_LIMIT
+    load = dict.fromkeys(live, 0)
+    in_flight: dict[Future, tuple[int, int, float]] = {}  # future -> (engine, group_id, submitted at)
+    finished_at: dict[Future, float] = {}
+    spans: dict[int, list[tuple[float, float]]] = {engine: [] for engine in live}
+    result = DispatchResult(trajectories=[None] * len(items), groups=dict.fromkeys(live, 0))  # type: ignore[list-item]
+
+    def stamp(future: Future) -> None:
+        finished_at[future] = time.perf_counter()
+
+    def deal() -> None:
+        """Round robin over the live engines with room, one group each per round, until the queue is empty or
+        every engine is full."""
+        while queue:
+            dealt = False
+            for engine in live:
+                if queue and load[engine] < limit:
+                    group_id = queue.popleft()
+                    future = submit(engine, [items[p] for p in positions[group_id]])
+                    in_flight[future] = (engine, group_id, time.perf_counter())
+                    future.add_done_callback(stamp)
+                    load[engine] += 1
+                    dealt = True
+            if not dealt:
+                return
+
+    deal()
+    while in_flight:
+        done, _ = wait(list(in_flight), timeout=timeout_s, return_when=FIRST_COMPLETED)
+        if not done:
+            waiting = {}
+            for engine, group_id, _ in in_flight.values():
+                waiting.setdefault(engine, []).append(group_id)
+            raise TimeoutError(
+                f"no rollout group finished within {timeout_s:.0f} s; groups in flight per engine: {waiting}"
+            )
+        for future in sorted(done, key=lambda f: (in_flight[f][0], in_flight[f][1])):
+            engine, group_id, submitted = in_flight.pop(future)
+            load[engine] -= 1
+            spans[engine].append((submitted, finished_at.get(future, time.perf_counter())))
+            try:
+                trajectories = future.result()
+            except RayActorError:
+                if engine in live:
+                    live.remove(engine)
+                    result.died.append(engine)
+                queue.appendleft(group_id)
+                result.redispatched += 1
+                continue
+            _place(result.trajectories, positions[group_id], trajectories, items, engine)
+            result.groups[engine] += 1
+        if queue and not live:
+            raise NoEngineLeftError(
+                f"every rollout engine died (engines {sorted(result.died)} during this rollout); "
+                f"{len(queue)} group(s) were left unfinished"
+            )
+        deal()
+    result.wall_s = time.perf_counter() - started
+    result.busy_s = {engine: _covered(engine_spans) for engine, engine_spans in spans.items()}
+    return result
+
+
+def _place(
+    out: list[Trajectory], positions: list[int], trajectories: list[Trajectory], items: Sequence[PromptItem],
+    engine: int,
+) -> None:
+    if len(trajectories) != len(positions):
+        raise RuntimeError(f"engine {engine} returned {len(trajectories)} trajectories for {len(positions)} items")
+    for position, trajectory in zip(positions, trajectories):
+        item = items[position]
+        if (trajectory.example_id, trajectory.sample_index) != (item.example_id, item.sample_index):
+            raise RuntimeError(
+                f"engine {engine} returned trajectory ({trajectory.example_id}, {trajectory.sample_index}) for item "
+                f"({item.example_id}, {item.sample_index}): trajectories must come back in item order"
+            )
+        trajectory.engine = engine
+        out[position] = trajectory
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of the intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+class EnginePool:
+    """`rollout.num_engines` rollout workers as Ray actors (``engines``: their handles, index = engine id).
+
+    Each engine reserves ``tensor_parallel_size`` CPUs (and as many GPUs with ``gpus_per_rank`` 1) in one bundle of
+    a placement group the pool makes, or, given ``placement_group`` and ``bundle_index`` (the trainer's split
+    placement), all engines share that bundle. Engines start one after another (concurrent starts race on vLLM's
+    ports), each with its own vLLM seed (``engine_spec.seed + i``) and VLLM_PORT window; `seed` (the run's, which
+    sampling seeds derive from) is the same for all. `generate` calls may overlap (``rollout.async_steps`` + 1
+    rollouts and an eval), and calls to `engines` from outside (weight syncs, probes) may run while they are in
+    flight: every actor has a thread for each group it may be running and spare ones for those calls (a weight sync
+    pauses generation, so it must never queue behind the groups it paused).
+    """
+
+    def __init__(
+        self, engine_spec: EngineSpec, rollout: RolloutConfig, tools: ToolsConfig, seed: int, *,
+        gpus_per_rank: int = 0, placement_group: Any = None, bundle_index: int = 0,
+        group_timeout_s: float = 1800.0, start_timeout_s: float = 900.0, worker_cls: type = RolloutWorker,
+    ) -> None:
+        if rollout.num_engines < 1:
+            raise ValueError(f"rollout.num_engines is {rollout.num_engines}; it must be at least 1")
+        self.engine_spec, self.rollout, self.tools, self.seed = engine_spec, rollout, tools, seed
+        self.num_engines, self.tp = rollout.num_engines, engine_spec.tensor_parallel_size
+        self.gpus_per_rank = gpus_per_rank
+        self.group_timeout_s, self.start_timeout_s = group_timeout_s, start_timeout_s
+        self.worker_cls = worker_cls
+        self.groups_in_flight = rollout.groups_per_engine if rollout.groups_per_engine > 0 else SPREAD_LIMIT
+        self.base_port = engine_spec.vllm_port or 20000 + _free_port() % 20000
+        self.engines: list[Any] = []
+        self._dead: set[int] = set()
+        self._metrics: OrderedDict[int, dict[str, float]] = OrderedDict()  # step -> metrics of its rollout
+        self._last_step: int | None = None
+        self._submitter = ThreadPoolExecutor(max_workers=rollout.async_steps + 2, thread_name_prefix="engine-pool")
+        self._own_group = placement_group is None
+        if self._own_group:
+            placement_group, bundle_index = self._reserve(), None
+        self.placement_group, self._shared_bundle = placement_group, bundle_index
+        try:
+            for index in range(self.num_engines):
+                self.engines.append(self._start_engine(index))
+            print(self.describe(), flush=True)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def bundle(self) -> dict[str, float]:
+        """The resources of one engine."""
+        return {"CPU": float(self.tp), **({"GPU": float(self.tp * self.gpus_per_rank)} if self.gpus_per_rank else {})}
+
+    def _reserve(self) -> Any:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        group = placement_group([self.bundle()] * self.num_engines, strategy="PACK")
+        try:
+            ray.get(group.ready(), timeout=self.start_timeout_s)
+        except ray.exceptions.GetTimeoutError as error:
+            ray.util.remove_placement_group(group)
+            raise RuntimeError(
+                f"the Ray cluster did not free {self.num_engines} bundle(s) of {self.bundle()} for the rollout "
+                f"engines within {self.start_timeout_s:.0f} s (rollout.num_engines={self.num_engines}, "
+                f"tensor_parallel_size={self.tp}); start Ray with more CPUs/GPUs or use fewer engines"
+            ) from error
+        return group
+
+    def _start_engine(self, index: int) -> Any:
+        """Start engine `index` in its bundle and wait until it is up."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = index if self._shared_bundle is None else self._shared_bundle
+        spec = dataclasses.replace(
+            self.engine_spec, seed=self.engine_spec.seed + index, vllm_port=self.base_port + PORT_WINDOW * index
+        )
+        options = {
+            "num_cpus": self.tp, "num_gpus": self.tp * self.gpus_per_rank,
+            "max_concurrency": self.groups_in_flight * (self.rollout.async_steps + 2) + CONTROL_SLOTS,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement_group, bundle),
+        }
+        engine = new_rollout_worker(spec, self.rollout, self.tools, self.seed, options, self.worker_cls)
+        try:
+            ray.get(engine.__ray_ready__.remote(), timeout=self.start_timeout_s)
+        except ray.exceptions.GetTimeoutError as error:
+            ray.kill(engine)
+            raise RuntimeError(f"rollout engine {index} did not start within {self.start_timeout_s:.0f} s") from error
+        return engine
+
+    def describe(self) -> str:
+        """Which Ray node each engine runs on, e.g. for the start-up log."""
+        import ray
+
+        ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        nodes = self.node_ids()
+        where = ", ".join(f"engine {i} on node {node[:8]} ({ips.get(node, '?')})" for i, node in enumerate(nodes))
+        return f"[rlsearch] rollout engines: {self.num_engines} x TP{self.tp}; {where}"
+
+    def node_ids(self) -> list[str]:
+        import ray
+
+        return ray.get([engine.node_id.remote() for engine in self.engines], timeout=60)
+
+    def node_ips(self) -> list[str]:
+        """The IP address of each engine's node."""
+        import ray
+
+        ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        return [ips.get(node, "?") for node in self.node_ids()]
+
+    def live(self) -> list[int]:
+        return [index for index in range(len(self.engines)) if index not in self._dead]
+
+    def generate(self, items: Sequence[PromptItem], step: int) -> list[Trajectory]:
+        """One finished trajectory per item, in item order (each stamped with its ``engine``); see the module doc."""
+        live = self.live()
+        if not live:
+            raise NoEngineLeftError(f"every rollout engine is dead ({sorted(self._dead)}); restart them first")
+
+        def submit(engine: int, group: list[PromptItem]) -> Future:
+            return self.engines[engine].generate.remote(group, step).future()
+
+        result = dispatch_groups(items, live, submit, self.groups_in_flight, self.group_timeout_s)
+        self._dead.update(result.died)
+        for engine in result.died:
+            print(f"[rlsearch] warning: rollout engine {engine} died; its groups ran on the others", flush=True)
+        metrics = {"rollout/redispatched_groups": float(result.redispatched)}
+        for engine in range(len(self.engines)):
+            ran = [t for t in result.trajectories if t.engine == engine]
+            metrics[f"rollout/engine{engine}/groups"] = float(result.groups.get(engine, 0))
+            metrics[f"rollout/engine{engine}/trajectories"] = float(len(ran))
+            metrics[f"rollout/engine{engine}/sampled_tokens"] = float(sum(sum(t.loss_mask) for t in ran))
+            busy = result.busy_s.get(engine, 0.0)
+            metrics[f"rollout/engine{engine}/busy_fraction"] = busy / result.wall_s if result.wall_s > 0 else 0.0
+        self._metrics[step] = metrics
+        self._metrics.move_to_end(step)
+        while len(self._metrics) > KEPT_METRICS:
+            self._metrics.popitem(last=False)
+        self._last_step = step
+        return result.trajectories
+
+    def submit(self, items: Sequence[PromptItem], step: int) -> Future:
+        """`generate` on a thread of the pool: a future of its trajectories (a rollout that overlaps training)."""
+        return self._submitter.submit(self.generate, items, step)
+
+    def last_metrics(self, step: int | None = None) -> dict[str, float]:
+        """Per-engine groups, trajectories, sampled tokens and busy fraction of the rollout of `step` (default: the
+        last one finished; the last few steps are kept), and the groups it re-dispatched after an engine died."""
+        key = self._last_step if step is None else step
+        return dict(self._metrics.get(key, {})) if key is not None else {}
+
+    def idle_seconds(self) -> float:
+        """Seconds without any rollout in flight since the previous call, averaged over the live engines."""
+        import ray
+
+        live = self.live()
+        return sum(ray.get([self.engines[i].idle_seconds.remote() for i in live], timeout=60)) / max(1, len(live))
+
+    def tool_stats(self) -> dict[str, int]:
+        """Tool requests, retries and failures summed over the live engines."""
+        import ray
+
+        total: dict[str, int] = {}
+        for stats in ray.get([self.engines[i].tool_stats.remote() for i in self.live()], timeout=60):
+            for key, value in stats.items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    def dead_engines(self, timeout_s: float = 10.0) -> list[int]:
+        """Engines known dead, and those whose actor does not answer a ping because it is gone (a busy one is not
+        dead: a ping that times out leaves it live)."""
+        import ray
+
+        pings = {index: self.engines[index].__ray_ready__.remote() for index in self.live()}
+        for index, ping in pings.items():
+            try:
+                ray.get(ping, timeout=timeout_s)
+            except ray.exceptions.RayActorError:
+                self._dead.add(index)
+            except ray.exceptions.GetTimeoutError:
+                pass
+        return sorted(self._dead)
+
+    def restart(self, index: int) -> Any:
+        """Replace engine `index` (killed first if still alive) by a new one with the same spec, in the same bundle;
+        returns its handle. Its weights are the model's on disk: the caller syncs the current ones into it."""
+        import ray
+
+        ray.kill(self.engines[index], no_restart=True)
+        self.engines[index] = self._start_engine(index)
+        self._dead.discard(index)
+        return self.engines[index]
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Stop every engine (gracefully where it answers within `timeout_s`), then free the placement group."""
+        import ray
+
+        self._submitter.shutdown(wait=False, cancel_futures=True)
+        stops = [self.engines[index].shutdown.remote() for index in self.live()]
+        if stops:
+            ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
+        for engine in self.engines:
+            ray.kill(engine, no_restart=True)
+        self.engines = []
+        if self._own_group and self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

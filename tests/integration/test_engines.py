@@ -1,0 +1,197 @@
+"""EnginePool: N rollout engines, each tensor-parallel, give the same trajectories as one engine.
+
+Real vLLM engines (tiny model, real BM25 server over HTTP): 1 x TP1, 2 x TP1 and 1 x TP2 run the same items at the
+same step, one pool after another (4 engine starts in all). A pool of stand-in workers (no vLLM) checks the Ray side
+cheaply: placement, per-engine seeds and ports, a dying engine, restart, shutdown.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+import ray
+
+from rlsearch.config import RetrieverConfig, RolloutConfig, ToolsConfig
+from rlsearch.data import load_qa_dataset
+from rlsearch.rollout import EnginePool, EngineSpec, PromptItem, Trajectory
+from rlsearch.trainer.placement import check_retriever_reachable, describe_placement
+from tests.conftest import TEST_ROLLOUT
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (engines, tensor_parallel_size); the first is the reference
+GROUPS, GROUP_SIZE, STEP, SEED = 4, 3, 3, 11
+
+
+def _tools(retriever) -> ToolsConfig:
+    return ToolsConfig(retriever=RetrieverConfig(url=retriever.url, topk=2, max_retries=1, backoff_s=0.05, timeout_s=5))
+
+
+def _items(toy_data) -> list[PromptItem]:
+    examples = load_qa_dataset(toy_data.train)[:GROUPS]
+    return [PromptItem(e.id, e.question, group_id=g, sample_index=s) for g, e in enumerate(examples)
+            for s in range(GROUP_SIZE)]
+
+
+@pytest.fixture(scope="module")
+def runs(ray_local, tiny_model_dir, retriever, toy_data):
+    """layout -> (trajectories, last_metrics, start-up line, seconds to start, seconds to generate)"""
+    results = {}
+    for engines, tp in LAYOUTS:
+        rollout = RolloutConfig(**TEST_ROLLOUT, num_engines=engines, tensor_parallel_size=tp, groups_per_engine=1)
+        spec = EngineSpec(str(tiny_model_dir), max_model_len=768, tensor_parallel_size=tp)
+        started = time.perf_counter()
+        pool = EnginePool(spec, rollout, _tools(retriever), SEED)
+        start_s = time.perf_counter() - started
+        try:
+            started = time.perf_counter()
+            trajectories = pool.generate(_items(toy_data), STEP)
+            generate_s = time.perf_counter() - started
+            results[(engines, tp)] = (trajectories, pool.last_metrics(), pool.describe(), start_s, generate_s)
+        finally:
+            pool.shutdown()
+        summary = pool_summary(results[(engines, tp)][1])
+        print(f"\n{engines} x TP{tp}: start {start_s:.1f} s, generate {generate_s:.1f} s, {summary}")
+    return results
+
+
+def pool_summary(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{key.removeprefix('rollout/')}={value:.2f}" for key, value in sorted(metrics.items()))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=["2xTP1", "1xTP2"])
+def test_engines_and_tp_give_the_trajectories_of_one_engine(runs, layout):
+    reference, candidate = runs[LAYOUTS[0]][0], runs[layout][0]
+    assert len(candidate) == len(reference) == GROUPS * GROUP_SIZE
+    sampled = sum(sum(t.loss_mask) for t in reference)
+    assert sampled > GROUPS * GROUP_SIZE  # the trajectories really sampled something
+    assert sum(len(t.tool_calls) for t in reference) >= 1  # and went through the tool path
+    max_diff = 0.0
+    for ref, got in zip(reference, candidate):
+        assert (got.example_id, got.group_id, got.sample_index) == (ref.example_id, ref.group_id, ref.sample_index)
+        assert got.prompt_ids == ref.prompt_ids
+        assert got.response_ids == ref.response_ids
+        assert got.loss_mask == ref.loss_mask
+        assert len(got.rollout_logprobs) == len(ref.rollout_logprobs)
+        max_diff = max([max_diff, *(abs(a - b) for a, b in zip(got.rollout_logprobs, ref.rollout_logprobs))])
+    print(f"\n{layout[0]} x TP{layout[1]} vs 1 x TP1: {sampled} sampled tokens identical, "
+          f"max |rollout logprob diff| = {max_diff:.2e}")
+    assert max_diff <= 1e-5
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["1xTP1", "2xTP1", "1xTP2"])
+def test_each_group_runs_on_one_engine_and_every_engine_gets_work(runs, layout):
+    trajectories, metrics, line, _, _ = runs[layout]
+    engines, tp = layout
+    for group in range(GROUPS):
+        ran_on = {t.engine for t in trajectories if t.group_id == group}
+        assert len(ran_on) == 1 and ran_on <= set(range(engines)), (group, ran_on)
+    per_engine = [sum(t.engine == e for t in trajectories) for e in range(engines)]
+    assert all(count >= GROUP_SIZE for count in per_engine), per_engine  # every engine ran at least one group
+    assert [metrics[f"rollout/engine{e}/trajectories"] for e in range(engines)] == per_engine
+    for e in range(engines):
+        assert metrics[f"rollout/engine{e}/sampled_tokens"] == sum(sum(t.loss_mask) for t in trajectories
+                                                                   if t.engine == e)
+        assert 0.0 < metrics[f"rollout/engine{e}/busy_fraction"] <= 1.0
+    assert metrics["rollout/redispatched_groups"] == 0.0
+    assert re.fullmatch(rf"\[rlsearch\] rollout engines: {engines} x TP{tp}; "
+                        + ", ".join(rf"engine {e} on node \w{{8}} \([\d.]+\)" for e in range(engines)), line)
+    assert all(t.to_json()["engine"] == t.engine for t in trajectories)
+
+
+# ---- the Ray side with stand-in workers (no vLLM) -------------------------------------------------------------
+
+DIE_STEP = 99  # a stand-in with vLLM seed 100 (engine 0) exits mid-generate at this step
+
+
+def _stand_in_class():
+    """Defined in a function: Ray ships it by value to its workers."""
+
+    class StandInWorker:
+        def __init__(self, engine_spec, rollout, retriever, retriever_url, seed, tools=None) -> None:
+            self.spec, self.seed, self.url = engine_spec, seed, retriever_url
+            self.calls = 0
+
+        def generate(self, items, step):
+            self.calls += 1
+            time.sleep(0.05)
+            if step == DIE_STEP and self.spec.seed == 100:
+                os._exit(1)
+            return [Trajectory(i.example_id, i.group_id, i.sample_index, [self.seed], loss_mask=[1, 1])
+                    for i in items]
+
+        def setup(self):
+            return self.spec.seed, self.spec.vllm_port, self.seed, self.url, os.getpid()
+
+        def node_id(self):
+            return ray.get_runtime_context().get_node_id()
+
+        def idle_seconds(self):
+            return 1.0
+
+        def tool_stats(self):
+            return {"requests": self.calls, "failures": 0}
+
+        def shutdown(self):
+            pass
+
+    return StandInWorker
+
+
+def test_pool_places_seeds_redispatches_and_restarts(ray_local, tmp_path):
+    from ray.util import placement_group_table
+
+    items = [PromptItem(f"q{g}", "q", group_id=g, sample_index=s) for g in range(6) for s in range(2)]
+    rollout = RolloutConfig(num_engines=2, groups_per_engine=2)
+    tools = ToolsConfig(retriever=RetrieverConfig(url="http://127.0.0.1:9/retrieve"))
+    pool = EnginePool(EngineSpec("unused", seed=100), rollout, tools, SEED, worker_cls=_stand_in_class())
+    try:
+        table = placement_group_table(pool.placement_group)
+        assert table["state"] == "CREATED" and list(table["bundles"].values()) == [{"CPU": 1.0}, {"CPU": 1.0}]
+        setups = ray.get([engine.setup.remote() for engine in pool.engines])
+        assert [s[0] for s in setups] == [100, 101]  # vLLM seeds differ
+        assert setups[1][1] - setups[0][1] == 100 and setups[0][1] >= 20000  # disjoint VLLM_PORT windows
+        assert {s[2] for s in setups} == {SEED}  # one sampling seed for all
+        assert {s[3] for s in setups} == {"http://127.0.0.1:9/retrieve"}
+        line, ips = describe_placement("colocated", pool.engines[:1], pool.engines)
+        assert re.fullmatch(r"\[rlsearch\] placement colocated: actor ranks 0 on node (\w{8}) \(([\d.]+)\); "
+                            r"rollout engines 0-1 on node \1 \(\2\)", line), line
+        assert ips == [ips[0]] * 2 and ips[0] == ray.util.get_node_ip_address()
+        check_retriever_reachable(tools, ips)  # engines on this node reach its loopback
+
+        trajectories = pool.generate(items, 1)
+        metrics = pool.last_metrics()
+        groups = [metrics[f"rollout/engine{e}/groups"] for e in (0, 1)]
+        assert sum(groups) == 6 and min(groups) >= 2, groups  # the first deal gives each engine 2 groups
+        assert [metrics[f"rollout/engine{e}/sampled_tokens"] for e in (0, 1)] == [4 * g for g in groups]
+        assert metrics["rollout/redispatched_groups"] == 0.0
+        assert pool.tool_stats() == {"requests": 6, "failures": 0} and pool.idle_seconds() == 1.0
+
+        trajectories = pool.generate(items, DIE_STEP)  # engine 0 exits in its first group
+        metrics = pool.last_metrics()
+        assert [(t.example_id, t.sample_index) for t in trajectories] == [(i.example_id, i.sample_index)
+                                                                          for i in items]
+        assert {t.engine for t in trajectories} == {1}
+        assert metrics["rollout/engine1/groups"] == 6.0 and metrics["rollout/engine0/groups"] == 0.0
+        assert metrics["rollout/redispatched_groups"] == 2.0  # the two groups dealt to engine 0
+        assert pool.dead_engines() == [0]
+        assert pool.tool_stats()["requests"] == groups[1] + 6  # the survivor's calls only
+
+        old_pid = setups[0][4]
+        pool.restart(0)
+        assert pool.dead_engines() == []
+        seed, port, _, _, pid = ray.get(pool.engines[0].setup.remote())
+        assert (seed, port) == setups[0][:2] and pid != old_pid
+        pool.generate(items, 2)
+        assert pool.last_metrics()["rollout/engine0/groups"] >= 2.0  # the new engine 0 gets work
+
+        overlapping = [pool.submit(items, step) for step in (5, 6)]  # rollouts that overlap (async_steps)
+        for future in overlapping:
+            assert [t.sample_index for t in future.result(timeout=60)] == [i.sample_index for i in items]
+        assert [sum(pool.last_metrics(step)[f"rollout/engine{e}/groups"] for e in (0, 1)) for step in (5, 6)] == [6, 6]
+        assert pool.last_metrics(1)["rollout/engine0/groups"] == groups[0]  # a recent step's metrics are kept
+    finally:
+        group = pool.placement_group
+        pool.shutdown()
+    assert pool.engines == [] and placement_group_table(group)["state"] == "REMOVED"
