@@ -77,12 +77,12 @@ def test_split_placement_multinode_trains_two_steps(tmp_path, tiny_model_dir, to
     try:
         address, head_id = (helper.stdout.readline().split() + ["", ""])[:2]
         assert head_id, f"the cluster did not start:\n{cluster_log.read_text()[-3000:]}"
-        # one node: split cannot place the rollout worker apart from the actor; the trainer says so and stops
+        # one node: split cannot place the rollout engines apart from the actor; the trainer says so and stops
         # (no tools: the error comes right after joining the cluster)
         single = _train(address, tmp_path / "single", assets, env, "tools.enabled=[]")
         assert single.returncode == 2, single.stdout[-3000:] + single.stderr[-3000:]
         assert "'trainer.placement' is split: it needs one node with 2 CPU for the 2 actor ranks and another node " \
-               "with 1 CPU for the rollout worker" in single.stderr
+               "with 1 CPU for the 1 rollout engine(s) x TP1" in single.stderr
         assert "has 1 node(s) (127.0.0.1: 2 CPU, 0 GPU)" in single.stderr
 
         helper.stdin.write("add a node\n")
