@@ -368,11 +368,22 @@ class MegatronActorWorker:
     def _is_stage_sender(self) -> bool:
         return self.info.tp_rank == 0 and self.info.dp_rank == 0
 
-    def export_weight_buckets(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+    def export_weight_buckets(self, bucket_bytes: int, stage_in_shared_memory: bool = False) -> Iterator[
+            WeightBucket | dict]:
         """This pipeline stage's weights in buckets of about `bucket_bytes` (shm transport), yielded by the stage's
-        sender; its TP peers take part in the gathers and yield nothing. Called on DP-rank-0 ranks only."""
+        sender: as files it writes in /dev/shm for engines on its node (their path and layout), else as object-store
+        buckets. Its TP peers take part in the gathers and yield nothing. Called on DP-rank-0 ranks only."""
+        staged = None
+        if stage_in_shared_memory and self._is_stage_sender():
+            staged = self._staged_buckets = shm.StagedBuckets()
         yield from shm.stream_buckets(export_stage_weights(self.mbridge, self.model), bucket_bytes,
-                                      self._is_stage_sender())
+                                      self._is_stage_sender(), staged)
+
+    def release_staged_buckets(self) -> None:
+        """Remove the bucket files of the last `export_weight_buckets` (every engine has loaded them)."""
+        staged, self._staged_buckets = getattr(self, "_staged_buckets", None), None
+        if staged is not None:
+            staged.release()
 
     def export_weights_as_peer(self) -> None:
         """A TP peer's part of its stage sender's `broadcast_weights`: its shards, gathered to the sender."""

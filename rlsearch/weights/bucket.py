@@ -136,13 +136,17 @@ def flat_layout(entries: list[TensorEntry], sizes: list[int], checksum: tuple[in
     return FlatLayout(list(entries), offsets, list(sizes), checksum)
 
 
-def flatten_tensors(named_tensors: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[FlatLayout,
-                                                                                                  torch.Tensor]:
-    """The tensors copied into one flat uint8 buffer on `device`, and its layout (checksum of the buffer)."""
+def flatten_tensors(named_tensors: list[tuple[str, torch.Tensor]], device: torch.device,
+                    allocate=None) -> tuple[FlatLayout, torch.Tensor]:
+    """The tensors copied into one flat uint8 buffer and its layout (checksum of the buffer). The buffer is a new
+    zeroed tensor on `device`, or ``allocate(total_bytes)``: a zero-filled uint8 tensor (e.g. a mapped file)."""
     entries = [_entry(name, tensor) for name, tensor in named_tensors]
     sizes = [tensor.numel() * tensor.element_size() for _, tensor in named_tensors]
     layout = flat_layout(entries, sizes, (0, 0))
-    flat = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
+    if allocate is None:
+        flat = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
+    else:
+        flat = allocate(layout.total_bytes)
     for (_, tensor), offset, size in zip(named_tensors, layout.offsets, sizes):
         if size:
             flat[offset:offset + size].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))

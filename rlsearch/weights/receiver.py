@@ -13,9 +13,9 @@ import os
 import tempfile
 
 from .bucket import WeightBucket, write_flat
+from .shm import STAGING_DIR
 
 VLLM_WORKER_EXTENSION = "rlsearch.weights.vllm_extension.WeightLoaderExtension"
-_SHM_DIR = "/dev/shm"
 
 
 class EngineWeightReceiver:
@@ -30,16 +30,20 @@ class EngineWeightReceiver:
         await self.llm.collective_rpc("rlsearch_begin_weight_update")
 
     async def load_bucket(self, bucket: WeightBucket) -> tuple[int, int]:
-        """Stage the bucket in a shared-memory file (flat form, one copy) that every TP worker maps; returns
-        (tensors, payload bytes)."""
-        directory = _SHM_DIR if os.path.isdir(_SHM_DIR) else None
-        descriptor, path = tempfile.mkstemp(prefix="rlsearch-bucket-", dir=directory)
+        """Stage an object-store bucket in a shared-memory file (flat form, one copy) that every TP worker maps;
+        returns (tensors, payload bytes)."""
+        descriptor, path = tempfile.mkstemp(prefix="rlsearch-bucket-", dir=STAGING_DIR)
         try:
             with os.fdopen(descriptor, "wb") as staging:
                 layout = write_flat(bucket, staging)
-            loaded = await self.llm.collective_rpc("rlsearch_load_staged_bucket", args=(path, layout.to_wire()))
+            return await self.load_staged({"path": path, "layout": layout.to_wire()})
         finally:
             os.unlink(path)
+
+    async def load_staged(self, staged: dict) -> tuple[int, int]:
+        """Load a bucket the sender staged in a shared-memory file on this node (path and layout); returns
+        (tensors, payload bytes)."""
+        loaded = await self.llm.collective_rpc("rlsearch_load_staged_bucket", args=(staged["path"], staged["layout"]))
         return tuple(loaded[0])
 
     async def join_group(

@@ -1,26 +1,43 @@
-"""The shm transport (one node): each stage's sender streams buckets into Ray's object store; the driver hands every
-bucket to every engine, whose host process stages it in a shared-memory file that all of its TP workers map."""
+"""The shm transport: buckets in shared memory, mapped by every engine.
+
+Where a stage's sender and the engines share a node (a one-node run), the sender writes each bucket once, in the
+flat form, to a file in /dev/shm, and the TP workers of every engine map that same file: one copy per bucket
+whatever the number of engines. Where they do not (trainer.placement=split), buckets travel through Ray's object
+store and each engine's host stages them in a /dev/shm file of its own.
+"""
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections import deque
 from collections.abc import Sequence
 
-from .bucket import iter_buckets, pack_bucket
+import numpy as np
+import torch
+
+from .bucket import flatten_tensors, iter_buckets, pack_bucket
 from .deadline import Deadline
 
+STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 # weight buckets a sender may have produced ahead of the engines: bounds its extra memory
 BUCKETS_IN_FLIGHT = 2
+# a sender's staged files kept: when it stages bucket j the driver has taken bucket j-2 from the stream, which it
+# does only once every engine loaded bucket j-3; older files are no longer read
+STAGED_FILES_KEPT = BUCKETS_IN_FLIGHT + 1
 
 
-def send_stage(stage_workers: Sequence, engines: Sequence, bucket_bytes: int, deadline: Deadline) -> dict[str, int]:
+def send_stage(stage_workers: Sequence, engines: Sequence, bucket_bytes: int, deadline: Deadline,
+               same_node: bool) -> dict[str, int]:
     """Every bucket of one pipeline stage into every engine. ``stage_workers``: the stage's DP-rank-0 ranks, its
     sender (TP rank 0) first; each runs `stream_buckets`. Returns the stage's buckets, tensors and payload bytes."""
     streams = [
         worker.export_weight_buckets.options(
             num_returns="streaming", _generator_backpressure_num_objects=BUCKETS_IN_FLIGHT
-        ).remote(bucket_bytes)
+        ).remote(bucket_bytes, same_node)
         for worker in stage_workers
     ]
+    load = "load_staged" if same_node else "load_bucket"
     sent = {"buckets": 0, "tensors": 0, "bytes": 0}
     while True:
         deadline.wait([streams[0]], "the actor stage's sender to export its next weight bucket")
@@ -28,7 +45,7 @@ def send_stage(stage_workers: Sequence, engines: Sequence, bucket_bytes: int, de
             bucket_ref = next(streams[0])
         except StopIteration:
             break
-        loads = [engine.weight_rpc.remote("load_bucket", bucket_ref) for engine in engines]
+        loads = [engine.weight_rpc.remote(load, bucket_ref) for engine in engines]
         tensors, nbytes = deadline.get(loads, "loading a weight bucket", engines)[0]
         sent["buckets"] += 1
         sent["tensors"] += tensors
@@ -37,14 +54,46 @@ def send_stage(stage_workers: Sequence, engines: Sequence, bucket_bytes: int, de
         deadline.wait([stream], "the actor stage's TP peers to finish the export")
         for _ in stream:
             pass
+    if same_node:
+        deadline.get([stage_workers[0].release_staged_buckets.remote()], "removing the staged bucket files")
     return sent
 
 
-def stream_buckets(named_tensors, bucket_bytes: int, is_sender: bool):
-    """The actor rank's side: buckets of its stage's HF tensors (the sender yields them, TP peers only take part)."""
-    if is_sender:
-        for tensors in iter_buckets(named_tensors, bucket_bytes):
-            yield pack_bucket(tensors)
-    else:
+class StagedBuckets:
+    """A sender's bucket files in shared memory (flat form), the newest `STAGED_FILES_KEPT` kept."""
+
+    def __init__(self) -> None:
+        self.paths: deque[str] = deque()
+
+    def stage(self, tensors: list[tuple[str, torch.Tensor]]) -> dict:
+        """Write one bucket to a new file; returns what an engine needs to map it (path and layout)."""
+        descriptor, path = tempfile.mkstemp(prefix="rlsearch-bucket-", dir=STAGING_DIR)
+        os.close(descriptor)
+        self.paths.append(path)
+
+        def mapped(total_bytes: int) -> torch.Tensor:
+            if not total_bytes:
+                return torch.empty(0, dtype=torch.uint8)
+            return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="w+", shape=(total_bytes,)))
+
+        layout, _ = flatten_tensors(tensors, torch.device("cpu"), allocate=mapped)
+        while len(self.paths) > STAGED_FILES_KEPT:
+            os.unlink(self.paths.popleft())
+        return {"path": path, "layout": layout.to_wire()}
+
+    def release(self) -> None:
+        while self.paths:
+            path = self.paths.popleft()
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def stream_buckets(named_tensors, bucket_bytes: int, is_sender: bool, staged: StagedBuckets | None):
+    """The actor rank's side: its stage's HF tensors in buckets, yielded by the sender (as staged files when
+    ``staged`` is given, else as object-store buckets); TP peers only take part in the gathers."""
+    if not is_sender:
         for _ in named_tensors:
             pass
+        return
+    for tensors in iter_buckets(named_tensors, bucket_bytes):
+        yield staged.stage(tensors) if staged is not None else pack_bucket(tensors)

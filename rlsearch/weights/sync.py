@@ -40,6 +40,7 @@ class WeightSync:
         self.timeout_s = timeout_s
         self.engine_tp = engine_tp
         self._groups = broadcast.BroadcastGroups()
+        self._placement: tuple[tuple, bool] | None = None  # (engines, whether they share every sender's node)
 
     def sync(self, engines: Sequence) -> SyncStats:
         started = time.perf_counter()
@@ -53,13 +54,22 @@ class WeightSync:
             if self.transport == "broadcast":
                 sent.append(broadcast.send_stage(stage, workers, engines, self.bucket_bytes, deadline))
             else:
-                sent.append(shm.send_stage(workers, engines, self.bucket_bytes, deadline))
+                same_node = self._on_senders_node(stages, engines, deadline)
+                sent.append(shm.send_stage(workers, engines, self.bucket_bytes, deadline, same_node))
         deadline.get([engine.weight_rpc.remote("finish") for engine in engines], "finishing the update", engines)
         return SyncStats(
             seconds=time.perf_counter() - started, num_buckets=sum(s["buckets"] for s in sent),
             num_tensors=sum(s["tensors"] for s in sent), num_bytes=sum(s["bytes"] for s in sent),
             stage_bytes=[s["bytes"] for s in sent], num_engines=len(engines),
         )
+
+    def _on_senders_node(self, stages: list[list], engines: Sequence, deadline: Deadline) -> bool:
+        """Whether every engine runs on the node of every stage's sender (then buckets are staged there once)."""
+        if self._placement is None or self._placement[0] != tuple(engines):
+            refs = [workers[0].node_id.remote() for workers in stages] + [e.node_id.remote() for e in engines]
+            nodes = set(deadline.get(refs, "asking where the senders and engines run"))
+            self._placement = (tuple(engines), len(nodes) == 1)
+        return self._placement[1]
 
     def close(self, engines: Sequence) -> None:
         """Leave the broadcast groups (before the engines or the actor go away)."""
