@@ -43,8 +43,12 @@ class PeakRss:
 
     @staticmethod
     def _read(status: Path) -> tuple[int, int]:
-        fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-        return tuple(int(fields[key].split()[0]) * 1024 for key in ("RssAnon", "RssShmem"))
+        """(private, shared) resident bytes; zeros once the process is gone."""
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        except OSError:
+            fields = {}
+        return tuple(int(fields[key].split()[0]) * 1024 if key in fields else 0 for key in ("RssAnon", "RssShmem"))
 
     def _sample(self) -> None:
         while not self._stop.is_set():

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
+import ray
 import torch
 
 from .bucket import flatten_tensors, iter_buckets, pack_bucket
@@ -27,35 +28,47 @@ BUCKETS_IN_FLIGHT = 2
 STAGED_FILES_KEPT = BUCKETS_IN_FLIGHT + 1
 
 
-def send_stage(stage_workers: Sequence, engines: Sequence, bucket_bytes: int, deadline: Deadline,
-               same_node: bool) -> dict[str, int]:
-    """Every bucket of one pipeline stage into every engine. ``stage_workers``: the stage's DP-rank-0 ranks, its
-    sender (TP rank 0) first; each runs `stream_buckets`. Returns the stage's buckets, tensors and payload bytes."""
+def send_stages(stages: Sequence[Sequence], engines: Sequence, bucket_bytes: int, deadline: Deadline,
+                same_node: bool) -> list[dict[str, int]]:
+    """Every bucket of every pipeline stage into every engine. ``stages[k]``: stage k's DP-rank-0 ranks, its sender
+    (TP rank 0) first; each runs `stream_buckets`. The stages export at the same time (each sender at most
+    BUCKETS_IN_FLIGHT buckets ahead) and the engines load whichever bucket is ready first: a reload session takes
+    a layer's tensors in any order. Returns each stage's buckets, tensors and payload bytes."""
     streams = [
-        worker.export_weight_buckets.options(
-            num_returns="streaming", _generator_backpressure_num_objects=BUCKETS_IN_FLIGHT
-        ).remote(bucket_bytes, same_node)
-        for worker in stage_workers
+        [
+            worker.export_weight_buckets.options(
+                num_returns="streaming", _generator_backpressure_num_objects=BUCKETS_IN_FLIGHT
+            ).remote(bucket_bytes, same_node)
+            for worker in workers
+        ]
+        for workers in stages
     ]
     load = "load_staged" if same_node else "load_bucket"
-    sent = {"buckets": 0, "tensors": 0, "bytes": 0}
-    while True:
-        deadline.wait([streams[0]], "the actor stage's sender to export its next weight bucket")
+    sent = [{"buckets": 0, "tensors": 0, "bytes": 0} for _ in stages]
+    exporting = {stage: stage_streams[0] for stage, stage_streams in enumerate(streams)}
+    while exporting:
+        ready, _ = ray.wait(list(exporting.values()), num_returns=1, timeout=deadline.remaining())
+        if not ready:
+            deadline.wait(list(exporting.values()), "the actor stages' senders to export their next weight bucket")
+        stage = next(stage for stage, stream in exporting.items() if stream is ready[0])
         try:
-            bucket_ref = next(streams[0])
+            bucket_ref = next(exporting[stage])
         except StopIteration:
-            break
+            del exporting[stage]
+            continue
         loads = [engine.weight_rpc.remote(load, bucket_ref) for engine in engines]
         tensors, nbytes = deadline.get(loads, "loading a weight bucket", engines)[0]
-        sent["buckets"] += 1
-        sent["tensors"] += tensors
-        sent["bytes"] += nbytes
-    for stream in streams[1:]:  # the TP peers yield nothing; their end says they finished cleanly
-        deadline.wait([stream], "the actor stage's TP peers to finish the export")
-        for _ in stream:
-            pass
+        sent[stage]["buckets"] += 1
+        sent[stage]["tensors"] += tensors
+        sent[stage]["bytes"] += nbytes
+    for stage_streams in streams:  # the TP peers yield nothing; their end says they finished cleanly
+        for stream in stage_streams[1:]:
+            deadline.wait([stream], "the actor stages' TP peers to finish the export")
+            for _ in stream:
+                pass
     if same_node:
-        deadline.get([stage_workers[0].release_staged_buckets.remote()], "removing the staged bucket files")
+        releases = [workers[0].release_staged_buckets.remote() for workers in stages]
+        deadline.get(releases, "removing the staged bucket files")
     return sent
 
 

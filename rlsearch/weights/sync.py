@@ -1,8 +1,9 @@
 """The driver's side of a weight sync: one export of the actor's weights into every rollout engine.
 
 1. every engine pauses (requests kept) and opens a reload session;
-2. stage by stage in pipeline order, the stage's sender (DP rank 0, TP rank 0) sends its own layers through the
-   transport (`bridge.transport`): shm (through the object store) or broadcast (torch.distributed);
+2. each pipeline stage's sender (DP rank 0, TP rank 0) sends its own layers through the transport
+   (`bridge.transport`): shm (shared-memory files, the stages at once) or broadcast (torch.distributed, stage by
+   stage in pipeline order);
 3. every engine closes its session (each parameter loaded, no HF name twice), resets its prefix cache and resumes.
 Every wait is bounded by `bridge.timeout_s`; a sync that cannot finish raises `WeightSyncError` naming the engines
 that did not answer, and leaves the engines paused.
@@ -49,13 +50,12 @@ class WeightSync:
         if self.transport == "broadcast":
             self._groups.ensure([workers[0] for workers in stages], engines, self.engine_tp, deadline)
         deadline.get([engine.weight_rpc.remote("begin") for engine in engines], "pausing the engines", engines)
-        sent = []
-        for stage, workers in enumerate(stages):
-            if self.transport == "broadcast":
-                sent.append(broadcast.send_stage(stage, workers, engines, self.bucket_bytes, deadline))
-            else:
-                same_node = self._on_senders_node(stages, engines, deadline)
-                sent.append(shm.send_stage(workers, engines, self.bucket_bytes, deadline, same_node))
+        if self.transport == "broadcast":  # stage by stage: two stages never broadcast into the same engines at once
+            sent = [broadcast.send_stage(stage, workers, engines, self.bucket_bytes, deadline)
+                    for stage, workers in enumerate(stages)]
+        else:
+            same_node = self._on_senders_node(stages, engines, deadline)
+            sent = shm.send_stages(stages, engines, self.bucket_bytes, deadline, same_node)
         deadline.get([engine.weight_rpc.remote("finish") for engine in engines], "finishing the update", engines)
         return SyncStats(
             seconds=time.perf_counter() - started, num_buckets=sum(s["buckets"] for s in sent),
