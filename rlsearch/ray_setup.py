@@ -53,3 +53,23 @@ def _passthrough_env() -> dict[str, str]:
     """Sent to every worker (needed when joining a cluster, whose workers do not inherit this environment): the
     VLLM_* settings and the RLSEARCH_* variables, the default tool-server token variables among them."""
     return {key: value for key, value in os.environ.items() if key.startswith(("VLLM_", "RLSEARCH_"))}
+
+
+def actor_states(handles: list, timeout_s: float) -> list[str]:
+    """Per Ray actor handle: "live" (it answered a ping), "dead" (its process is gone: a call to it fails at once) or
+    "silent" (no answer within `timeout_s`: busy or hung, not known dead)."""
+    import ray
+
+    pings = [handle.__ray_ready__.remote() for handle in handles]
+    ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+    states = []
+    for ping in pings:
+        if ping not in ready:
+            states.append("silent")
+            continue
+        try:
+            ray.get(ping)
+            states.append("live")
+        except ray.exceptions.RayActorError:
+            states.append("dead")
+    return states

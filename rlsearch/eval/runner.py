@@ -253,7 +253,7 @@ def rollout_engines(config: EvalConfig) -> Iterator[tuple[GenerateFn, PreTrained
             rollout = config.rollout
             own_ray = init_ray(num_cpus=rollout.num_engines * rollout.tensor_parallel_size)
             try:
-                pool = EnginePool(engine_spec, rollout, tools, config.eval.seed, gpus_per_rank=_gpus_per_rank())
+                pool = EnginePool(engine_spec, rollout, tools, config.eval.seed)
                 try:
                     yield pool.generate, None
                 finally:
@@ -265,12 +265,6 @@ def rollout_engines(config: EvalConfig) -> Iterator[tuple[GenerateFn, PreTrained
                     ray.shutdown()
     finally:
         servers.stop()
-
-
-def _gpus_per_rank() -> int:
-    import torch
-
-    return 1 if torch.cuda.is_available() else 0
 
 
 def _claim_output_dir(output_dir: Path, config: EvalConfig) -> None:

@@ -180,13 +180,17 @@ class EnginePool:
 
     def __init__(
         self, engine_spec: EngineSpec, rollout: RolloutConfig, tools: ToolsConfig, seed: int, *,
-        gpus_per_rank: int = 0, placement_group: Any = None, bundle_index: int = 0,
+        gpus_per_rank: int | None = None, placement_group: Any = None, bundle_index: int = 0,
         group_timeout_s: float = 1800.0, start_timeout_s: float = 900.0, worker_cls: type = RolloutWorker,
     ) -> None:
         if rollout.num_engines < 1:
             raise ValueError(f"rollout.num_engines is {rollout.num_engines}; it must be at least 1")
         self.engine_spec, self.rollout, self.tools, self.seed = engine_spec, rollout, tools, seed
         self.num_engines, self.tp = rollout.num_engines, engine_spec.tensor_parallel_size
+        if gpus_per_rank is None:  # a GPU per TP worker where there are GPUs
+            import torch
+
+            gpus_per_rank = 1 if torch.cuda.is_available() else 0
         self.gpus_per_rank = gpus_per_rank
         self.group_timeout_s, self.start_timeout_s = group_timeout_s, start_timeout_s
         self.worker_cls = worker_cls
@@ -265,13 +269,6 @@ class EnginePool:
 
         return ray.get([engine.node_id.remote() for engine in self.engines], timeout=60)
 
-    def node_ips(self) -> list[str]:
-        """The IP address of each engine's node."""
-        import ray
-
-        ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
-        return [ips.get(node, "?") for node in self.node_ids()]
-
     def live(self) -> list[int]:
         return [index for index in range(len(self.engines)) if index not in self._dead]
 
@@ -333,16 +330,11 @@ class EnginePool:
     def dead_engines(self, timeout_s: float = 10.0) -> list[int]:
         """Engines known dead, and those whose actor does not answer a ping because it is gone (a busy one is not
         dead: a ping that times out leaves it live)."""
-        import ray
+        from ..ray_setup import actor_states
 
-        pings = {index: self.engines[index].__ray_ready__.remote() for index in self.live()}
-        for index, ping in pings.items():
-            try:
-                ray.get(ping, timeout=timeout_s)
-            except ray.exceptions.RayActorError:
-                self._dead.add(index)
-            except ray.exceptions.GetTimeoutError:
-                pass
+        live = self.live()
+        states = actor_states([self.engines[index] for index in live], timeout_s)
+        self._dead.update(index for index, state in zip(live, states) if state == "dead")
         return sorted(self._dead)
 
     def restart(self, index: int) -> Any:

@@ -17,7 +17,7 @@ from ..config import AlgoConfig, ConfigError, EvalConfig, TrainConfig, to_dict
 from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate, score_trajectory
 from ..logging import RunLogger, format_step_line, plot_run
-from ..ray_setup import init_ray
+from ..ray_setup import actor_states, init_ray
 from ..rollout import EnginePool, EngineSpec, NoEngineLeftError, PromptItem, Trajectory
 from ..weights import WeightSync, check_engines_match_actor
 from .metrics import trajectory_metrics
@@ -241,7 +241,6 @@ class GRPOTrainer:
         }
 
     def close(self, graceful: bool = True) -> None:
-
         if self.actor is not None:
             self.actor.shutdown(graceful)
         if self.pool is not None:
@@ -298,22 +297,12 @@ class GRPOTrainer:
     def _dead_workers(self, timeout_s: float = 10.0) -> list[str]:
         """Names of the run's Ray actors whose process is gone: a call to a dead actor fails at once, a live one
         answers (or is busy, which is not dead)."""
-        import ray
-
         engines = self.pool.engines if self.pool is not None else []
         workers = [(f"rollout engine {index}", engine) for index, engine in enumerate(engines)] + (
             self.actor.named_workers() if self.actor is not None else []
         )
-        pings = [handle.__ray_ready__.remote() for _, handle in workers]
-        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
-        dead = []
-        for (name, _), ping in zip(workers, pings):
-            if ping in ready:
-                try:
-                    ray.get(ping)
-                except ray.exceptions.RayActorError:
-                    dead.append(name)
-        return dead
+        states = actor_states([handle for _, handle in workers], timeout_s)
+        return [name for (name, _), state in zip(workers, states) if state == "dead"]
 
     def _died_message(self, dead: list[str]) -> str:
         checkpoint, _ = self.checkpoints.newest_complete()
@@ -452,8 +441,7 @@ class GRPOTrainer:
         return self.save_checkpoint(step=step, sampler=sampler)
 
     def evaluate_policy(self) -> dict[str, float]:
-        """Score the current policy on eval.files through the eval-only code path, with this run's engine."""
-
+        """Score the current policy on eval.files through the eval-only code path, with this run's engines."""
         config = self.config
         eval_config = EvalConfig(
             model=config.model, eval=config.eval, rollout=config.rollout, reward=config.reward, tools=config.tools,

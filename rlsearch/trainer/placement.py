@@ -18,7 +18,6 @@ class Placement:
     actor_options: dict[str, Any] = field(default_factory=dict)  # ActorGroup keyword arguments
 
 
-
 def plan_placement(
     placement: str, world: int, gpus: int, ray_address: str, num_engines: int = 1, tensor_parallel_size: int = 1,
 ) -> Placement:
@@ -68,12 +67,11 @@ def plan_placement(
     )
 
 
-def describe_placement(placement: str, actor_workers: list, engines: list | Any) -> tuple[str, list[str]]:
-    """A line saying where the actor ranks and the rollout engines (`EnginePool.engines`, or one worker's handle)
-    run, and each engine's node IP."""
+def describe_placement(placement: str, actor_workers: list, engines: list) -> tuple[str, list[str]]:
+    """A line saying where the actor ranks and the rollout engines (`EnginePool.engines`) run, and each engine's
+    node IP."""
     import ray
 
-    engines = engines if isinstance(engines, list) else [engines]
     ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     actor_nodes = ray.get([worker.node_id.remote() for worker in actor_workers])
     engine_nodes = ray.get([engine.node_id.remote() for engine in engines])
@@ -91,11 +89,10 @@ def describe_placement(placement: str, actor_workers: list, engines: list | Any)
     return line, [ips.get(node, "?") for node in engine_nodes]
 
 
-def check_retriever_reachable(tools: ToolsConfig, rollout_ips: list[str] | str) -> None:
+def check_retriever_reachable(tools: ToolsConfig, rollout_ips: list[str]) -> None:
     """A retriever on this machine's loopback is out of reach of a rollout engine on another machine."""
     import ray
 
-    rollout_ips = [rollout_ips] if isinstance(rollout_ips, str) else rollout_ips
     retriever_host = urlsplit(tools.retriever.url).hostname if "search" in tools.enabled else None
     here = ray.util.get_node_ip_address()
     elsewhere = sorted({ip for ip in rollout_ips if ip != here})

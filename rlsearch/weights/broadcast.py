@@ -16,7 +16,7 @@ import torch
 
 from .bucket import flatten_tensors, iter_buckets
 from .deadline import Deadline
-from .group import rank_offsets
+from .group import group_device, rank_offsets
 
 
 def group_backend() -> str:
@@ -70,7 +70,7 @@ def send_stage(stage: int, stage_workers: Sequence, engines: Sequence, bucket_by
 def broadcast_buckets(named_tensors, group, stage: int, engines: Sequence, bucket_bytes: int,
                       timeout_s: float) -> dict[str, int]:
     """The sender's side (an actor rank): bucket, flatten, ask every engine to receive, broadcast, wait for them."""
-    device = torch.device("cuda", torch.cuda.current_device()) if group_backend() == "nccl" else torch.device("cpu")
+    device = group_device(group_backend())
     deadline = Deadline(timeout_s, engines)
     sent = {"buckets": 0, "tensors": 0, "bytes": 0}
     for tensors in iter_buckets(named_tensors, bucket_bytes):

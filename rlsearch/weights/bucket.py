@@ -37,13 +37,6 @@ class WeightBucket:
     arrays: list[np.ndarray]  # uint8, one per entry
     checksum: tuple[int, int]  # (CRC32 of the index, 64-bit word sum of the bytes)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(int(array.nbytes) for array in self.arrays)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
 
 @dataclass
 class FlatLayout:

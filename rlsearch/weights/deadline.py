@@ -45,15 +45,9 @@ class Deadline:
 
     def _engine_health(self) -> str:
         """Which engines are dead or not answering (a live engine answers a ping within seconds)."""
-        pings = [engine.__ray_ready__.remote() for engine in self.engines]
-        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=5.0)
-        states = []
-        for index, ping in enumerate(pings):
-            if ping not in ready:
-                states.append(f"engine {index} is not answering")
-                continue
-            try:
-                ray.get(ping)
-            except ray.exceptions.RayActorError:
-                states.append(f"engine {index} died")
+        from ..ray_setup import actor_states
+
+        described = {"dead": "died", "silent": "is not answering"}
+        states = [f"engine {index} {described[state]}"
+                  for index, state in enumerate(actor_states(self.engines, 5.0)) if state in described]
         return "; ".join(states) if states else "every engine answers (an actor rank failed?)"

@@ -7,7 +7,6 @@ the same time: the rendezvous waits (at most ``timeout_s``) for all of them.
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 
@@ -20,11 +19,11 @@ def rank_offsets(engine_sizes: list[int]) -> list[int]:
     return offsets
 
 
-def free_address(host: str) -> str:
-    """A tcp:// rendezvous address with a port free on `host` now (the sender's node)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return f"tcp://{host}:{sock.getsockname()[1]}"
+def group_device(backend: str):
+    """Where a group's buffers live: the current GPU for nccl, the CPU for gloo."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def new_weight_group(backend: str, init_method: str, world_size: int, rank: int, name: str, timeout_s: float):

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .bucket import FlatLayout, unflatten_tensors
-from .group import new_weight_group
+from .group import group_device, new_weight_group
 
 
 class WeightLoaderExtension:
@@ -64,8 +64,7 @@ class WeightLoaderExtension:
 
         layout = FlatLayout.from_wire(wire)
         group = self._rlsearch_groups[stage]
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-        flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+        flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=group_device(dist.get_backend(group)))
         dist.broadcast(flat, group_src=0, group=group)
         return self._rlsearch_load(layout, flat)
 
