@@ -59,7 +59,8 @@ def main() -> None:
 
     from rlsearch.data import make_toy_data
     from rlsearch.tools import RetrievalClient, RetrieverProcess
-    from rlsearch.tools.retrieval import BM25Retriever, Corpus, HybridRetriever
+    from rlsearch.tools.servers.corpus import Corpus
+    from rlsearch.tools.servers.retrieval import BM25Retriever, HybridRetriever
 
     with tempfile.TemporaryDirectory(prefix="bench-retrieval-") as scratch:
         big = make_toy_data(Path(scratch) / "big", seed=0, num_entities=args.entities)
@@ -82,7 +83,7 @@ def main() -> None:
               f"({args.batch_size} queries/request, {args.concurrency} in flight)", flush=True)
 
         if not args.skip_dense:
-            from rlsearch.tools.dense import DenseRetriever
+            from rlsearch.tools.servers.dense import DenseRetriever
 
             toy = make_toy_data(Path(scratch) / "toy", seed=0)
             rows, toy_corpus = toy_questions(toy), Corpus.read(toy.corpus)

@@ -46,8 +46,8 @@ class BenchEngine:
     """One rollout engine on its own event loop thread, as a rollout worker holds it."""
 
     def __init__(self, model_path: Path, max_model_len: int) -> None:
+        from rlsearch.loop_thread import LoopThread
         from rlsearch.rollout import EngineSpec, VLLMEngine
-        from rlsearch.tools.loop_thread import LoopThread
 
         self.events = LoopThread("bench-engine")
 

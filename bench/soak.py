@@ -4,7 +4,8 @@ The run is `rlsearch train` (examples/configs/search_grpo_tiny.yaml: tiny random
 retriever) as a subprocess, on CPU, with checkpoints every --save-interval steps as a real run has them. This
 script samples the driver and all its descendants every --interval seconds and at every `step K/N` line the driver
 prints: the Ray GCS, raylet and agents, the Megatron ranks (`ray::MegatronActorWorker`), the rollout worker
-(`ray::RolloutWorker`) and its vLLM EngineCore, the BM25 retrieval server (`python -m rlsearch.tools.retrieval`).
+(`ray::RolloutWorker`) and its vLLM EngineCore, the BM25 retrieval server
+(`python -m rlsearch.tools.servers.retrieval`).
 Per process it records RSS, open file descriptors (`num_fds`) and inet sockets (`net_connections`).
 
 Warm-up is the first --warmup steps (default: 10% of the steps and at least through the first checkpoint, 51 of the

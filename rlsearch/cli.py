@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from .tools.server_process import add_mcp_server_arguments, add_retriever_server_arguments
+from .tools.servers.options import add_mcp_server_arguments, add_retriever_server_arguments
 
 DESCRIPTION = """\
 rlsearch trains LLM search agents with reinforcement learning (GRPO): a Megatron-core actor,
@@ -145,14 +145,14 @@ def _make_toy_data(args: argparse.Namespace) -> int:
 
 
 def _serve_retriever(args: argparse.Namespace) -> int:
-    from .tools.retrieval import serve_from_args
+    from .tools.servers.retrieval import serve_from_args
 
     serve_from_args(args)
     return 0
 
 
 def _serve_mcp(args: argparse.Namespace) -> int:
-    from .tools.mcp_server import serve_from_args
+    from .tools.servers.mcp import serve_from_args
 
     serve_from_args(args)
     return 0

@@ -64,7 +64,8 @@ class RolloutConfig:
     # tool-call format: search_r1 (<search>q</search>, <information>) | call_tool (DR Tulu's
     # <call_tool name="TOOL">q</call_tool>, <tool_output> with <snippet>/<webpage> items)
     protocol: str = "search_r1"
-    prompt_file: str = ""  # YAML prompt (system, user, tool_line); empty: rlsearch/tools/prompts/<protocol>.yaml
+    # YAML prompt (system, user, tool_line); empty: rlsearch/tools/protocols/prompts/<protocol>.yaml
+    prompt_file: str = ""
     group_size: int = 4  # samples per prompt (the GRPO group)
     temperature: float = 1.0
     top_p: float = 1.0

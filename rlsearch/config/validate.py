@@ -23,7 +23,7 @@ _CHOICES = {
 }
 BUILTIN_TOOLS = ("search", "browse", "web_search", "web_browse")  # the names tools.enabled accepts
 MIN_OBSERVATION_TOKENS = 16  # a smaller rollout.max_observation_tokens cannot hold the output tags
-# the retrieval server's default request limits (rlsearch.tools.client.MAX_QUERIES, MAX_TOPK)
+# the retrieval server's default request limits (rlsearch.tools.search_api.MAX_QUERIES, MAX_TOPK)
 RETRIEVER_MAX_QUERIES = 512
 RETRIEVER_MAX_TOPK = 100
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

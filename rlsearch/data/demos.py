@@ -78,7 +78,7 @@ def write_demonstrations(
     the instruction's prompt YAML (as rollout.prompt_file; default the protocol's). ``append``: add to ``out_path``.
     """
     from ..tools import Document
-    from ..tools.protocol import SearchR1Protocol
+    from ..tools.protocols import SearchR1Protocol
 
     if protocol_name != SearchR1Protocol.name:
         raise ValueError(f"demonstrations are written for the search_r1 protocol only, not '{protocol_name}'")
@@ -142,7 +142,7 @@ def write_toy_demonstrations(
 
 def bm25_search(corpus_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> SearchFunction:
     """The local retriever's BM25 index as a SearchFunction (the same index the retrieval server builds)."""
-    from ..tools.retrieval import BM25Retriever
+    from ..tools.servers.retrieval import BM25Retriever
 
     retriever = BM25Retriever.from_corpus(corpus_path, cache_dir)
 

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from ..config import RetrieverConfig, RolloutConfig, ToolsConfig
+from ..loop_thread import LoopThread
 from ..tools import build_registry, make_protocol
-from ..tools.loop_thread import LoopThread
 from .agent_loop import AgentLoop, PromptItem
 from .engine import EngineSpec, VLLMEngine
 from .trajectory import Trajectory

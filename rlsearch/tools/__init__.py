@@ -1,5 +1,13 @@
-"""Tools for search agents: tool-call protocols (Search-R1, DR Tulu's call_tool), the tool registry, the retrieval
-server and client, MCP client and server, browse with an SSRF guard, web search/reader adapters, a result cache."""
+"""Tools for search agents, by what runs where:
+
+- ``protocols/``: tag formats (Search-R1, DR Tulu's call_tool): prompts, turn parsing, observation text;
+- ``clients/``: the tools the agent calls, in the rollout process (retrieval, MCP, browse, web search and
+  reader), the registry that dispatches calls, the result cache;
+- ``servers/``: the tool servers, each run as its own process (retrieval, MCP);
+- ``launch/``: starting and stopping those servers for a run.
+
+``base.py`` holds the plain data they share (calls, results, documents, error kinds).
+"""
 
 from __future__ import annotations
 
@@ -19,23 +27,19 @@ from rlsearch.tools.base import (
     ToolTimeout,
     TurnKind,
 )
-from rlsearch.tools.cache import ToolCache
-from rlsearch.tools.call_tool import CallToolProtocol
-from rlsearch.tools.client import RetrievalClient, SearchTool
-from rlsearch.tools.protocol import SearchR1Protocol, ToolProtocol
-from rlsearch.tools.registry import ToolRegistry
-from rlsearch.tools.server_process import MCPServerProcess, RetrieverProcess
-from rlsearch.tools.toolbox import PROTOCOLS, ToolServers, build_registry, make_protocol
+from rlsearch.tools.clients import RetrievalClient, SearchTool, ToolCache, ToolRegistry, build_registry
+from rlsearch.tools.launch import MCPServerProcess, RetrieverProcess, ToolServers
+from rlsearch.tools.protocols import PROTOCOLS, CallToolProtocol, SearchR1Protocol, ToolProtocol, make_protocol
 
-# The server side pulls in bm25s, fastapi and mcp (a second or more to import); load it only when used, so
+# The servers pull in bm25s, fastapi and mcp (a second or more to import); load them only when used, so
 # rollout workers that just parse turns and call the tools stay light.
 _LAZY_NAMES = {
-    "BM25Retriever": "rlsearch.tools.retrieval",
-    "build_retriever": "rlsearch.tools.retrieval",
-    "create_app": "rlsearch.tools.retrieval",
-    "serve_retriever": "rlsearch.tools.retrieval",
-    "create_mcp_server": "rlsearch.tools.mcp_server",
-    "serve_mcp": "rlsearch.tools.mcp_server",
+    "BM25Retriever": "rlsearch.tools.servers.retrieval",
+    "build_retriever": "rlsearch.tools.servers.retrieval",
+    "create_app": "rlsearch.tools.servers.retrieval",
+    "serve_retriever": "rlsearch.tools.servers.retrieval",
+    "create_mcp_server": "rlsearch.tools.servers.mcp",
+    "serve_mcp": "rlsearch.tools.servers.mcp",
 }
 
 

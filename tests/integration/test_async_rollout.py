@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 from rlsearch.config import RetrieverConfig, RolloutConfig, ToolsConfig
 from rlsearch.data import load_qa_dataset
 from rlsearch.data.tiny_model import search_automaton_weights
+from rlsearch.loop_thread import LoopThread
 from rlsearch.rollout import AgentLoop, EngineSpec, PromptItem, Trajectory, VLLMEngine
 from rlsearch.tools import build_registry, make_protocol
-from rlsearch.tools.loop_thread import LoopThread
 from rlsearch.weights.bucket import pack_bucket
 from tests.conftest import TEST_ROLLOUT
 from tests.integration.threaded_server import serve_in_thread

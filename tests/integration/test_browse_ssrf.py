@@ -13,7 +13,7 @@ from starlette.routing import Route
 from threaded_server import serve_in_thread
 
 from rlsearch.tools import ErrorKind, ToolCall, ToolError
-from rlsearch.tools.browse import BlockedURL, BrowseTool, SafeFetcher, URLGuard, html_to_text
+from rlsearch.tools.clients.browse import BlockedURL, BrowseTool, SafeFetcher, URLGuard, html_to_text
 
 PAGE = "<html><head><title>Velmora</title><style>p{}</style></head><body><p>Velmora is a <b>town</b>.</p>" \
        "<script>alert(1)</script></body></html>"

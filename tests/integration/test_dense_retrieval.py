@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from rlsearch.tools import RetrievalClient, RetrieverProcess
-from rlsearch.tools.retrieval import BM25Retriever, Corpus, HybridRetriever, MicroBatcher, build_retriever
+from rlsearch.tools.servers.corpus import Corpus
+from rlsearch.tools.servers.retrieval import BM25Retriever, HybridRetriever, MicroBatcher, build_retriever
 
 PASSAGES = [
     ("cat", "Cats", "The domestic cat is a small carnivorous mammal kept as a pet."),

@@ -9,7 +9,7 @@ import pytest
 
 from rlsearch.cli import build_parser
 from rlsearch.tools import ErrorKind, MCPServerProcess, ToolCall, ToolSetupError
-from rlsearch.tools.mcp_client import MCPServerSpec, MCPToolset, tool_arguments
+from rlsearch.tools.clients.mcp import MCPServerSpec, MCPToolset, tool_arguments
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,12 @@ from rlsearch.cli import build_parser
 from rlsearch.config import MCPConfig, MCPServerConfig, RetrieverConfig, ToolsConfig
 from rlsearch.ray_setup import ray_env_defaults
 from rlsearch.tools import ErrorKind, RetrievalClient, SearchTool, ToolCall, ToolServers, ToolSetupError, build_registry
-from rlsearch.tools.client import MAX_QUERIES, MAX_QUERY_CHARS, MAX_TOPK
+from rlsearch.tools.clients.mcp import MCPServerSpec, MCPToolset
 from rlsearch.tools.http import MCP_TOKEN_ENV, RETRIEVER_TOKEN_ENV
-from rlsearch.tools.mcp_client import MCPServerSpec, MCPToolset
-from rlsearch.tools.mcp_server import create_mcp_app
-from rlsearch.tools.retrieval import RequestLimits, build_retriever, create_app
-from rlsearch.tools.serving import ServiceGuard, exposure_warning, is_loopback
+from rlsearch.tools.search_api import MAX_QUERIES, MAX_QUERY_CHARS, MAX_TOPK
+from rlsearch.tools.servers.mcp import create_mcp_app
+from rlsearch.tools.servers.retrieval import RequestLimits, build_retriever, create_app
+from rlsearch.tools.servers.serving import ServiceGuard, exposure_warning, is_loopback
 
 TOKEN = "s3cret-token"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}

@@ -9,7 +9,7 @@ from threaded_server import serve_in_thread
 
 from rlsearch.config import RetrieverConfig, ToolsConfig
 from rlsearch.tools import ErrorKind, ToolCall, ToolSetupError, build_registry
-from rlsearch.tools.web import JinaReaderTool, SerperSearchTool
+from rlsearch.tools.clients.web import JinaReaderTool, SerperSearchTool
 
 KEY = "test-key-123"
 ATTEMPTS: dict[str, int] = {}

@@ -3,7 +3,7 @@
 import pytest
 
 from rlsearch.tools import CallToolProtocol, Document, ErrorKind, ParsedTurn, ToolCall, ToolSpec, TurnKind
-from rlsearch.tools.protocol import PromptTemplate
+from rlsearch.tools.protocols import PromptTemplate
 
 TOOLS = [ToolSpec("search", "search the collection"), ToolSpec("browse", "read a page")]
 PROTOCOL = CallToolProtocol(TOOLS)

@@ -61,8 +61,8 @@ def test_example_config_loads():
 
 def test_tool_server_token_variables_and_request_limits():
     from rlsearch.config import validate
-    from rlsearch.tools.client import MAX_QUERIES, MAX_TOPK
     from rlsearch.tools.http import MCP_TOKEN_ENV, RETRIEVER_TOKEN_ENV
+    from rlsearch.tools.search_api import MAX_QUERIES, MAX_TOPK
 
     config = load_train_config(None, ["tools.mcp.servers=[{url: 'http://127.0.0.1:8001/mcp'}]"])
     assert config.tools.retriever.token_env == RETRIEVER_TOKEN_ENV == "RLSEARCH_RETRIEVER_TOKEN"

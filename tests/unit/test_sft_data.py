@@ -14,7 +14,7 @@ from rlsearch.data.chat import load_chat_dataset
 from rlsearch.data.demos import FLAW_KINDS, bm25_search, write_demonstrations, write_toy_demonstrations
 from rlsearch.data.tiny_model import build_qwen2_tokenizer
 from rlsearch.data.toy import answer_names, learnable_names
-from rlsearch.tools.protocol import SearchR1Protocol
+from rlsearch.tools.protocols import SearchR1Protocol
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from rlsearch.tools import (
     make_protocol,
 )
 from rlsearch.tools.base import PerCallTool
-from rlsearch.tools.toolbox import _BUILDERS
+from rlsearch.tools.clients.build import _BUILDERS
 
 
 class EchoTool(Tool):

@@ -14,7 +14,7 @@ import sys
 
 import uvicorn
 
-from .http import DEFAULT_MAX_BODY_BYTES, read_token
+from ..http import DEFAULT_MAX_BODY_BYTES, read_token
 
 _JSONRPC_UNAUTHORIZED = -32001  # server-defined JSON-RPC error codes lie in -32000..-32099
 _JSONRPC_INVALID_REQUEST = -32600

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from .base import ErrorKind, Tool, ToolCall, ToolResult, ToolSetupError, ToolSpec
+from ..base import ErrorKind, Tool, ToolCall, ToolResult, ToolSetupError, ToolSpec
 from .cache import ToolCache
 
 

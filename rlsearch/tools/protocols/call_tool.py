@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from .base import Document, ErrorKind, ParsedTurn, ToolCall, TurnKind
-from .protocol import ANSWER_CLOSE, ToolProtocol, invalid, parse_answer
+from ..base import Document, ErrorKind, ParsedTurn, ToolCall, TurnKind
+from .base import ANSWER_CLOSE, ToolProtocol, invalid, parse_answer
 
 CALL_OPEN, CALL_CLOSE = "<call_tool", "</call_tool>"
 OUTPUT_OPEN, OUTPUT_CLOSE = "<tool_output>", "</tool_output>"

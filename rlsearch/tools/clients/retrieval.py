@@ -9,14 +9,9 @@ from typing import Any
 
 import httpx
 
-from .base import Document, ErrorKind, Tool, ToolCall, ToolError, ToolResult, ToolSpec
-from .http import RETRIEVER_TOKEN_ENV, auth_hint, bearer_headers, send_with_retries
-
-SEARCH_DESCRIPTION = "search the document collection; the query is a short keyword query, results are passages"
-# the retrieval server's default request limits (rlsearch serve-retriever --max-topk, --max-queries, --max-query-chars)
-MAX_TOPK = 100
-MAX_QUERIES = 512  # queries per request; the client's batch_size is capped to it
-MAX_QUERY_CHARS = 4096
+from ..base import Document, ErrorKind, Tool, ToolCall, ToolError, ToolResult, ToolSpec
+from ..http import RETRIEVER_TOKEN_ENV, auth_hint, bearer_headers, send_with_retries
+from ..search_api import MAX_QUERIES, MAX_QUERY_CHARS, MAX_TOPK, SEARCH_DESCRIPTION
 
 
 class RetrievalClient:

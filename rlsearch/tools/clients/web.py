@@ -11,9 +11,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from .base import Document, PerCallTool, ToolCall, ToolError, ToolSetupError, ToolSpec
+from ..base import Document, PerCallTool, ToolCall, ToolError, ToolSetupError, ToolSpec
+from ..http import send_with_retries
 from .browse import BlockedURL
-from .http import send_with_retries
 
 WEB_SEARCH_DESCRIPTION = "search the web (Google via Serper); the query is a search query, results are snippets"
 WEB_BROWSE_DESCRIPTION = "read a web page as text (via Jina Reader); the query is the page's http(s) URL"

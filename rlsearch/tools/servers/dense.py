@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .retrieval import Corpus, Hits
+from .corpus import Corpus, Hits
 
 ENCODE_BATCH_SIZE = 64
 

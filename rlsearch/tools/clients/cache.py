@@ -9,7 +9,7 @@ import os
 import threading
 from pathlib import Path
 
-from .base import Document, ToolCall
+from ..base import Document, ToolCall
 
 
 class ToolCache:

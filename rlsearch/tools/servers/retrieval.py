@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import shutil
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -24,45 +23,15 @@ import fastapi
 import numpy as np
 from pydantic import BaseModel, Field, StrictBool, StrictStr
 
-from .client import MAX_QUERIES, MAX_QUERY_CHARS, MAX_TOPK
-from .http import DEFAULT_MAX_BODY_BYTES, RETRIEVER_TOKEN_ENV
-from .server_process import BACKENDS, add_retriever_server_arguments
+from ..http import DEFAULT_MAX_BODY_BYTES, RETRIEVER_TOKEN_ENV
+from ..search_api import MAX_QUERIES, MAX_QUERY_CHARS, MAX_TOPK
+from .corpus import Corpus, Hits
+from .options import BACKENDS, add_retriever_server_arguments
 from .serving import guard, serve_app
 
 STOPWORDS = "en"
 RRF_K = 60  # reciprocal rank fusion constant (Cormack et al.): score = sum over rankings of 1 / (RRF_K + rank)
 MAX_BATCH_QUERIES = 512  # queries per index call when concurrent requests are merged
-
-Hits = list[tuple[dict, float]]  # best-first ({"id", "contents"}, score) pairs of one query
-
-
-@dataclass
-class Corpus:
-    """Passages ``{"id", "contents"}`` of a JSONL file, with the SHA-256 of its bytes (the cache key)."""
-
-    ids: list
-    contents: list[str]
-    digest: str
-    _positions: dict[str, int] = field(default_factory=dict, repr=False)
-
-    @classmethod
-    def read(cls, path: str | Path) -> Corpus:
-        ids, contents, digest = _read_corpus(Path(path))
-        return cls(ids, contents, digest)
-
-    def __len__(self) -> int:
-        return len(self.contents)
-
-    def document(self, index: int) -> dict:
-        return {"id": self.ids[index], "contents": self.contents[index]}
-
-    def find(self, doc_id: str) -> dict | None:
-        """The passage with this id (compared as text), or None."""
-        if not self._positions:
-            self._positions = {str(passage_id): index for index, passage_id in enumerate(self.ids)}
-        index = self._positions.get(str(doc_id))
-        return None if index is None else self.document(index)
-
 
 class Retriever(Protocol):
     corpus: Corpus
@@ -161,26 +130,6 @@ def build_retriever(
 
 def _index_dir_name(corpus_digest: str) -> str:
     return f"bm25s-{bm25s.__version__}-{STOPWORDS}-{corpus_digest}"
-
-
-def _read_corpus(path: Path) -> tuple[list, list[str], str]:
-    """Parse the JSONL corpus and hash its bytes in the same single pass."""
-    digest = hashlib.sha256()
-    ids, contents = [], []
-    with path.open("rb") as corpus_file:
-        for line_number, line in enumerate(corpus_file, start=1):
-            digest.update(line)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                ids.append(record["id"])
-                contents.append(record["contents"])
-            except (ValueError, KeyError, TypeError) as error:
-                raise ValueError(f'{path}:{line_number}: expected {{"id", "contents"}}: {error}') from error
-    if not contents:
-        raise ValueError(f"{path}: the corpus has no passages")
-    return ids, contents, digest.hexdigest()
 
 
 def _build_index(contents: list[str]) -> bm25s.BM25:

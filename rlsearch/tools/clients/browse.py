@@ -19,7 +19,7 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
-from .base import Document, PerCallTool, ToolCall, ToolError, ToolSpec, ToolTimeout
+from ..base import Document, PerCallTool, ToolCall, ToolError, ToolSpec, ToolTimeout
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[[str, int], list[str]]

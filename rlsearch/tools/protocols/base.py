@@ -1,11 +1,11 @@
-"""Tool-call protocols: the prompt, how a generated turn becomes an action, and how tool output is rendered.
+"""What a tool-call protocol is: the prompt, how a generated turn becomes an action, how tool output is rendered.
 
 A protocol is chosen by ``rollout.protocol``:
 - ``search_r1``: ``<search>query</search>`` answered with ``<information>...</information>``; ``<answer>`` ends.
 - ``call_tool``: DR Tulu's unified format ``<call_tool name="NAME" attr="...">query</call_tool>`` answered with
   ``<tool_output>`` wrapping ``<snippet id=...>`` / ``<webpage id=...>`` items (see call_tool.py).
 Generation stops at the protocol's ``stop_strings``; the earliest closing tag in a turn decides the action.
-Prompts come from a YAML file per protocol (rlsearch/tools/prompts/NAME.yaml, or ``rollout.prompt_file``).
+Prompts come from a YAML file per protocol (rlsearch/tools/protocols/prompts/NAME.yaml, or ``rollout.prompt_file``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from pathlib import Path
 
 import yaml
 
-from .base import Document, ErrorKind, ParsedTurn, ToolCall, ToolSpec, TurnKind
+from ..base import Document, ErrorKind, ParsedTurn, ToolSpec, TurnKind
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
-SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
 
 
 @dataclass(frozen=True)
@@ -84,30 +83,6 @@ class ToolProtocol(ABC):
         return template.format(question=question, tools=tool_list)
 
 
-class SearchR1Protocol(ToolProtocol):
-    """Search-R1 tags: ``<search>query</search>`` calls the ``search`` tool, ``<answer>...</answer>`` ends."""
-
-    name = "search_r1"
-    stop_strings: tuple[str, ...] = (SEARCH_CLOSE, ANSWER_CLOSE)
-    required_tools = ("search",)
-
-    def parse_turn(self, text: str) -> ParsedTurn:
-        """The earliest closing tag decides the action (generation stops there); anything after it is spill-over."""
-        answer_end = text.find(ANSWER_CLOSE)
-        search_end = text.find(SEARCH_CLOSE)
-        if answer_end >= 0 and (search_end < 0 or answer_end < search_end):
-            return parse_answer(text[:answer_end])
-        if search_end >= 0:
-            return _parse_search(text[:search_end])
-        return ParsedTurn(TurnKind.NONE)
-
-    def render_documents(self, documents: Sequence[Document]) -> str:
-        return "\n".join(f"Doc {rank}(Title: {doc.title}) {doc.text}" for rank, doc in enumerate(documents, start=1))
-
-    def wrap(self, body: str) -> str:
-        return f"\n\n<information>{body}</information>\n\n"
-
-
 def parse_answer(before_close: str) -> ParsedTurn:
     """The answer block closed at the end of ``before_close``: the text after its last ``<answer>``."""
     start = before_close.rfind(ANSWER_OPEN)
@@ -118,15 +93,3 @@ def parse_answer(before_close: str) -> ParsedTurn:
 
 def invalid(message: str, kind: ErrorKind) -> ParsedTurn:
     return ParsedTurn(TurnKind.INVALID_CALL, error=message, error_kind=kind)
-
-
-def _parse_search(before_close: str) -> ParsedTurn:
-    start = before_close.rfind(SEARCH_OPEN)
-    if start < 0:
-        return invalid(
-            f"missing {SEARCH_OPEN} opening tag; write {SEARCH_OPEN} query {SEARCH_CLOSE}", ErrorKind.UNPARSEABLE
-        )
-    query = before_close[start + len(SEARCH_OPEN) :].strip()
-    if not query:
-        return invalid("empty search query", ErrorKind.EMPTY_QUERY)
-    return ParsedTurn(TurnKind.TOOL_CALL, call=ToolCall("search", query))

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .base import Document, ErrorKind, Tool, ToolCall, ToolError, ToolResult, ToolSetupError, ToolSpec
-from .http import MCP_TOKEN_ENV, auth_hint, bearer_headers
-from .loop_thread import LoopThread
+from ...loop_thread import LoopThread
+from ..base import Document, ErrorKind, Tool, ToolCall, ToolError, ToolResult, ToolSetupError, ToolSpec
+from ..http import MCP_TOKEN_ENV, auth_hint, bearer_headers
 
 _SCHEMA_TYPES = {"integer": int, "number": float, "string": str}
 

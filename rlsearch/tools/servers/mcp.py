@@ -17,10 +17,10 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from .client import SEARCH_DESCRIPTION
-from .http import DEFAULT_MAX_BODY_BYTES, MCP_TOKEN_ENV
-from .retrieval import MAX_TOPK, Retriever, build_retriever
-from .server_process import add_mcp_server_arguments
+from ..http import DEFAULT_MAX_BODY_BYTES, MCP_TOKEN_ENV
+from ..search_api import MAX_TOPK, SEARCH_DESCRIPTION
+from .options import add_mcp_server_arguments
+from .retrieval import Retriever, build_retriever
 from .serving import ServiceGuard, guard, serve_app
 
 LOCAL_URL_PREFIX = "local://corpus/"

@@ -1,0 +1,70 @@
+"""The local tool servers a run starts (the retriever, ``rlsearch serve-mcp``); their URLs go into the config."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ...config import MCPServerConfig, RetrieverConfig, ToolsConfig
+from ..base import ToolSetupError
+from .process import MCPServerProcess, RetrieverProcess
+
+if TYPE_CHECKING:
+    from typing import Self
+
+
+class ToolServers:
+    """The local servers a run needs: the retriever (for ``search`` when ``tools.retriever.url`` is empty) and
+    ``rlsearch serve-mcp`` (when ``tools.mcp.start_local``). ``tools`` is the config with their URLs filled in.
+
+    Both bind 127.0.0.1 and inherit this process's environment: the retriever requires the token in
+    ``tools.retriever.token_env`` when that variable is set, the MCP server the one in RLSEARCH_MCP_TOKEN."""
+
+    def __init__(self, tools: ToolsConfig) -> None:
+        self.config = tools
+        self.tools = tools
+        self.retriever: RetrieverProcess | None = None
+        self.mcp: MCPServerProcess | None = None
+
+    @property
+    def retriever_url(self) -> str:
+        return self.tools.retriever.url
+
+    def start(self) -> Self:
+        retriever = self.config.retriever
+        needs_retriever = "search" in self.config.enabled and not retriever.url
+        if needs_retriever or self.config.mcp.start_local:
+            if not Path(retriever.corpus).is_file():
+                raise ToolSetupError(f"'tools.retriever.corpus' not found: {retriever.corpus}")
+        try:
+            if needs_retriever:
+                self.retriever = RetrieverProcess(
+                    retriever.corpus, token_env=retriever.token_env, **_server_options(retriever)
+                ).start()
+                retriever = dataclasses.replace(retriever, url=self.retriever.url)
+            mcp = self.config.mcp
+            if mcp.start_local:
+                token_env = MCPServerConfig().token_env  # the local server's entry keeps the default variable
+                self.mcp = MCPServerProcess(retriever.corpus, token_env=token_env, **_server_options(retriever)).start()
+                mcp = dataclasses.replace(mcp, servers=[*mcp.servers, MCPServerConfig(url=self.mcp.url)])
+        except BaseException:
+            self.stop()
+            raise
+        self.tools = dataclasses.replace(self.config, retriever=retriever, mcp=mcp)
+        return self
+
+    def stop(self) -> None:
+        for process in (self.mcp, self.retriever):
+            if process is not None:
+                process.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _server_options(retriever: RetrieverConfig) -> dict:
+    return {"cache_dir": retriever.index_cache_dir, "backend": retriever.backend, "encoder": retriever.encoder}
