@@ -62,8 +62,14 @@ class AlgoConfig:
 @dataclass
 class RolloutConfig:
     # tool-call format: search_r1 (<search>q</search>, <information>) | call_tool (DR Tulu's
-    # <call_tool name="TOOL">q</call_tool>, <tool_output> with <snippet>/<webpage> items)
+    # <call_tool name="TOOL">q</call_tool>, <tool_output> with <snippet>/<webpage> items) | chat_tools (the model's
+    # own chat-template tool calls, Qwen's <tool_call>{json}</tool_call> answered by <tool_response> turns)
     protocol: str = "search_r1"
+    # who drives a trajectory: builtin (the loop of rollout.protocol) or "package.module:function", an
+    # `async def agent(session, example)` that talks to an OpenAI-compatible endpoint at session.base_url (every
+    # call's tokens recorded) and returns its final answer (scored by the data source's scorer) or a reward (float)
+    agent: str = "builtin"
+    agent_timeout_s: float = 600.0  # a user agent running longer fails its trajectory (left out of training)
     # YAML prompt (system, user, tool_line); empty: rlsearch/tools/protocols/prompts/<protocol>.yaml
     prompt_file: str = ""
     group_size: int = 4  # samples per prompt (the GRPO group)
@@ -129,7 +135,10 @@ class RetrieverConfig:
 
 @dataclass
 class MCPServerConfig:
-    url: str = ""  # streamable HTTP endpoint, e.g. http://127.0.0.1:8001/mcp
+    url: str = ""  # streamable HTTP endpoint, e.g. http://127.0.0.1:8001/mcp; or give command (stdio)
+    # a stdio server rlsearch starts and stops, e.g. [python, -m, mcp_server_time]; restarted when it dies
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment variables of the stdio server
     allow: list[str] = field(default_factory=list)  # tools to give the agent; empty: all the server lists
     # environment variable holding this server's bearer token; when set, requests send `Authorization: Bearer ...`
     # (the server started by start_local requires RLSEARCH_MCP_TOKEN when that is set). Empty name: no token

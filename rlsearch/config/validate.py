@@ -16,7 +16,7 @@ _CHOICES = {
     "actor.lr_decay_style": ("constant", "linear", "cosine"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean"),
-    "rollout.protocol": ("search_r1", "call_tool"),
+    "rollout.protocol": ("search_r1", "call_tool", "chat_tools"),
     "tools.retriever.backend": ("bm25", "dense", "hybrid"),
     "trainer.placement": ("colocated", "split"),
     "bridge.transport": ("shm", "broadcast"),
@@ -35,7 +35,7 @@ _POSITIVE = (
     "eval.n_samples", "eval.batch_size", "tools.retriever.batch_size", "tools.retriever.max_concurrency",
     "tools.mcp.timeout_s", "tools.mcp.max_concurrency", "tools.browse.timeout_s", "tools.browse.max_bytes",
     "tools.browse.max_concurrency", "tools.serper.num_results", "tools.serper.timeout_s", "tools.jina.timeout_s",
-    "rollout.num_engines", "rollout.tensor_parallel_size", "bridge.timeout_s",
+    "rollout.num_engines", "rollout.tensor_parallel_size", "bridge.timeout_s", "rollout.agent_timeout_s",
 )
 
 
@@ -104,6 +104,7 @@ def validate_sft_config(config: SFTConfig) -> SFTConfig:
 
 
 def _check_agent_loop(config: TrainConfig | EvalConfig) -> None:
+    _check_agent(config.rollout.agent)
     if config.rollout.groups_per_engine < 0:
         raise ConfigError(
             f"'rollout.groups_per_engine' must be >= 0 (0: every group at once); got {config.rollout.groups_per_engine}"
@@ -170,7 +171,12 @@ def _check_tools(config: TrainConfig | EvalConfig) -> None:
             f"'rollout.max_observation_tokens' must be 0 (no cap) or >= {MIN_OBSERVATION_TOKENS}; got {tokens}"
         )
     for index, server in enumerate(tools.mcp.servers):
-        if not server.url.startswith(("http://", "https://")):
+        if bool(server.url) == bool(server.command):
+            raise ConfigError(
+                f"'tools.mcp.servers[{index}]' needs exactly one of url (a streamable HTTP server) and command (a "
+                "stdio server rlsearch starts, e.g. [python, -m, mcp_server_time])"
+            )
+        if server.url and not server.url.startswith(("http://", "https://")):
             raise ConfigError(f"'tools.mcp.servers[{index}].url' must be an http(s) URL; got {server.url!r}")
         _check_env_name(f"tools.mcp.servers[{index}].token_env", server.token_env)
     retriever = tools.retriever
@@ -187,6 +193,16 @@ def _check_tools(config: TrainConfig | EvalConfig) -> None:
         )
     if tools.mcp.max_retries < 0:
         raise ConfigError(f"'tools.mcp.max_retries' must be >= 0; got {tools.mcp.max_retries}")
+
+
+def _check_agent(agent: str) -> None:
+    """``builtin`` or ``package.module:function`` (imported when the rollout workers start)."""
+    module, _, function = agent.partition(":")
+    if agent != "builtin" and not (module and function.isidentifier()):
+        raise ConfigError(
+            f"'rollout.agent' must be builtin or \"package.module:function\" (an async def agent(session, example)); "
+            f"got {agent!r}"
+        )
 
 
 def _check_env_name(key: str, name: str) -> None:

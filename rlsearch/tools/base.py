@@ -28,6 +28,8 @@ class ToolCall:
     name: str
     query: str
     attrs: dict[str, str] = field(default_factory=dict)  # extra attributes of a <call_tool> tag, as written
+    # typed JSON arguments (a native tool call, a JSON <call_tool> body); None: the call is query + attrs
+    arguments: dict | None = None
 
 
 class TurnKind(str, Enum):
@@ -57,10 +59,17 @@ class ParsedTurn:
     error_kind: ErrorKind | None = None
 
 
+def query_parameters(description: str = "the query") -> dict:
+    """The JSON schema of a tool whose only parameter is a string ``query``."""
+    return {"type": "object", "properties": {"query": {"type": "string", "description": description}},
+            "required": ["query"]}
+
+
 @dataclass(frozen=True)
 class ToolSpec:
     name: str
     description: str
+    parameters: dict = field(default_factory=query_parameters)  # JSON schema of the arguments (native tool calls)
 
 
 @dataclass
