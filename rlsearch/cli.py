@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve_retriever)
 
     serve_mcp = commands.add_parser(
-        "serve-mcp", help="MCP server (streamable HTTP at /mcp) with search and browse over a local corpus",
+        "serve-mcp", help="MCP server (streamable HTTP at /mcp, or stdio) with search and browse over a local corpus",
         description="Serve the corpus over MCP, fully offline: `search` (the local retriever) and `browse` (a whole "
         "document by the URL or id search results show). Agents reach it with tools.mcp.servers: [{url: "
         "http://127.0.0.1:PORT/mcp}], or the trainer starts one itself with tools.mcp.start_local=true. "

@@ -107,9 +107,10 @@ def test_mcp_server_restart_is_survived_by_the_same_client(mcp_server) -> None:
 
 def test_serve_mcp_subcommand_parses_its_options() -> None:
     args = build_parser().parse_args(["serve-mcp", "--corpus", "c.jsonl", "--backend", "hybrid", "--port", "0"])
-    assert (args.corpus, args.backend, args.port, args.host, args.func.__name__) == (
-        "c.jsonl", "hybrid", 0, "127.0.0.1", "_serve_mcp"
+    assert (args.corpus, args.backend, args.port, args.host, args.transport, args.func.__name__) == (
+        "c.jsonl", "hybrid", 0, "127.0.0.1", "http", "_serve_mcp"
     )
+    assert build_parser().parse_args(["serve-mcp", "--corpus", "c.jsonl", "--transport", "stdio"]).transport == "stdio"
 
 
 def test_tool_servers_start_local_mcp_and_fill_in_its_url(toy_data, tmp_path) -> None:

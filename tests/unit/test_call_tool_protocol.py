@@ -131,3 +131,35 @@ def test_call_tool_prompt_file_is_configurable(tmp_path) -> None:
     path.write_text("system: hi\n")
     with pytest.raises(ValueError, match="missing string key\\(s\\) user, tool_line"):
         PromptTemplate.load(path)
+
+
+def test_call_tool_json_object_body_is_the_typed_arguments() -> None:
+    body = '{"source_timezone": "UTC", "time": "12:00", "target_timezone": "Asia/Tokyo", "n": 3, "deep": true}'
+    turn = parse(f'<call_tool name="convert_time">\n  {body}  \n</call_tool>')
+    arguments = {"source_timezone": "UTC", "time": "12:00", "target_timezone": "Asia/Tokyo", "n": 3, "deep": True}
+    assert turn == ParsedTurn(TurnKind.TOOL_CALL, call=ToolCall("convert_time", body, {}, arguments))
+    assert parse('<call_tool name="list_files">{}</call_tool>').call.arguments == {}  # a tool without parameters
+
+
+def test_call_tool_json_body_gets_the_tag_attributes_it_lacks_as_strings() -> None:
+    text = '<call_tool name="convert_time" target_timezone="Asia/Kolkata" time="09:00">{"time": "12:00"}</call_tool>'
+    call_made = parse(text).call
+    assert call_made.attrs == {"target_timezone": "Asia/Kolkata", "time": "09:00"}  # attributes stay as written
+    assert call_made.arguments == {"target_timezone": "Asia/Kolkata", "time": "12:00"}  # the JSON wins
+    assert call_made.query == '{"time": "12:00"}'
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "{capital} of Velmora",  # braces in a search query
+        '{"time": "12:00"} and more',  # JSON followed by text
+        '{"time": "12:00"',  # unterminated
+        '["UTC", "12:00"]',  # JSON, but not an object
+        '"12:00"',
+        '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}",  # too deep for the decoder
+    ],
+)
+def test_call_tool_body_that_is_not_a_json_object_stays_a_plain_query(body: str) -> None:
+    turn = parse(f'<call_tool name="search" topk="2">{body}</call_tool>')
+    assert turn == ParsedTurn(TurnKind.TOOL_CALL, call=ToolCall("search", body, {"topk": "2"}, None))

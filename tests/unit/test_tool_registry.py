@@ -187,3 +187,12 @@ def test_tools_config_errors_name_the_key(sections: dict, message: str) -> None:
     with pytest.raises(ConfigError) as error:
         config(**sections)
     assert message in str(error.value)
+
+
+def test_cache_keys_typed_calls_by_their_arguments(tmp_path) -> None:
+    registry = ToolRegistry([EchoTool()], cache=ToolCache(tmp_path))
+    registry.run([ToolCall("echo", "", arguments={"x": 1}), ToolCall("echo", "", arguments={"x": 2})])
+    repeated = registry.run([ToolCall("echo", "", arguments={"x": 2})])
+    assert repeated[0].cached
+    assert (registry.cache.hits, registry.cache.misses) == (1, 2)
+    assert len(list(tmp_path.rglob("*.json"))) == 2

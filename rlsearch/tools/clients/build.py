@@ -11,7 +11,8 @@ from .registry import ToolRegistry
 
 
 def build_registry(tools: ToolsConfig, retriever: RetrieverConfig, retriever_url: str) -> ToolRegistry:
-    """The registry of ``tools.enabled`` plus the tools of ``tools.mcp.servers`` (URLs already resolved)."""
+    """The registry of ``tools.enabled`` plus the tools of ``tools.mcp.servers`` (URLs already resolved;
+    stdio servers are started here and stopped by the registry's ``close``)."""
     built: list[Tool] = []
     try:
         for name in tools.enabled:
@@ -21,7 +22,12 @@ def build_registry(tools: ToolsConfig, retriever: RetrieverConfig, retriever_url
         if tools.mcp.servers:
             from .mcp import MCPServerSpec, MCPToolset
 
-            specs = [MCPServerSpec(server.url, tuple(server.allow), server.token_env) for server in tools.mcp.servers]
+            specs = [
+                MCPServerSpec(
+                    server.url, tuple(server.allow), server.token_env, tuple(server.command), dict(server.env)
+                )
+                for server in tools.mcp.servers
+            ]
             mcp = tools.mcp
             built.extend(MCPToolset(specs, mcp.timeout_s, mcp.max_retries, mcp.backoff_s, mcp.max_concurrency).tools)
         return ToolRegistry(built, ToolCache(tools.cache_dir) if tools.cache_dir else None)

@@ -50,4 +50,7 @@ class ToolCache:
 
 
 def _key_fields(call: ToolCall) -> dict:
-    return {"tool": call.name, "query": call.query, "attrs": dict(sorted(call.attrs.items()))}
+    fields = {"tool": call.name, "query": call.query, "attrs": dict(sorted(call.attrs.items()))}
+    if call.arguments is not None:  # typed calls differ by their arguments (the query may be empty)
+        fields["arguments"] = call.arguments
+    return fields

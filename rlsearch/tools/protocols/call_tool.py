@@ -6,11 +6,16 @@ items (fetched pages); ``<answer>...</answer>`` ends the trajectory. Parsing rul
 - the call is the last ``<call_tool`` opening tag before that closing tag (an earlier unclosed or enclosing
   opening tag is part of the model's reasoning);
 - attributes are ``key="value"``, ``key='value'`` (either quote may appear inside the other) or ``key=bare``;
-- a missing ``name``, a repeated attribute, or an opening tag that never ends in ``>`` is unparseable.
+- a missing ``name``, a repeated attribute, or an opening tag that never ends in ``>`` is unparseable;
+- a body that is a JSON object (``{"time": "12:00", "target_timezone": "Asia/Tokyo"}``, after stripping) is the
+  call's typed ``arguments``; the tag's other attributes stay in ``attrs`` and are added to the arguments as strings
+  where the JSON has no such key (the JSON wins). ``query`` is the raw body either way. A body that starts with
+  ``{`` but is not a JSON object (a search query with braces) is a plain query.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 
@@ -72,7 +77,21 @@ def _parse_call(before_close: str) -> ParsedTurn:
     query = before_close[position:].strip()
     if not query:
         return invalid(f"empty query for tool '{name}'", ErrorKind.EMPTY_QUERY)
-    return ParsedTurn(TurnKind.TOOL_CALL, call=ToolCall(name, query, attrs))
+    arguments = _json_object(query)
+    if arguments is not None:
+        arguments = {**attrs, **arguments}
+    return ParsedTurn(TurnKind.TOOL_CALL, call=ToolCall(name, query, attrs, arguments))
+
+
+def _json_object(body: str) -> dict | None:
+    """The body as typed arguments when it is a JSON object, else None (it is a plain query)."""
+    if not body.startswith("{"):
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):  # RecursionError: nesting too deep for the decoder
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _last_opening_tag(text: str) -> int:

@@ -1,15 +1,18 @@
-"""``rlsearch serve-mcp``: an MCP server (streamable HTTP at /mcp) over the local corpus, fully offline.
+"""``rlsearch serve-mcp``: an MCP server (streamable HTTP at /mcp, or stdio) over the local corpus, fully offline.
 
 Tools: ``search`` (the local retriever: BM25, dense or hybrid) and ``browse`` (a whole passage by the URL or id
 that search results show). Results are structured items ``{id, title, url, text, kind}``, which the MCP client
 renders as ``<snippet>`` / ``<webpage>`` items. When the token variable (``--token-env``, default
 RLSEARCH_MCP_TOKEN) is set where the server starts, every request must carry ``Authorization: Bearer <token>``;
-request bodies are bounded (413).
+request bodies are bounded (413). With ``--transport stdio`` the server speaks JSON-RPC over its stdin/stdout
+instead, for a client that starts it as a process (no network, no token).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from contextlib import redirect_stdout
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -76,9 +79,17 @@ def serve_mcp(
     encoder: str = "",
     token_env: str = MCP_TOKEN_ENV,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    transport: str = "http",
 ) -> None:
     """Serve the corpus over MCP until interrupted. ``port=0`` picks a free port (printed). When the variable
-    ``token_env`` is set, requests need its token."""
+    ``token_env`` is set, requests need its token. ``transport="stdio"``: serve on stdin/stdout until stdin closes
+    (host, port, token and body limit do not apply)."""
+    if transport == "stdio":
+        with redirect_stdout(sys.stderr):  # stdout carries the protocol: whatever indexing prints goes to stderr
+            retriever = build_retriever(corpus, backend, cache_dir, encoder)
+        print(f"mcp server on stdio ({len(retriever.corpus)} documents, {backend})", file=sys.stderr, flush=True)
+        create_mcp_server(retriever).run("stdio")
+        return
     retriever = build_retriever(corpus, backend, cache_dir, encoder)
     app = create_mcp_app(retriever, host, token_env, max_body_bytes)
     secured = ", bearer token required" if app.requires_token else ""
@@ -105,7 +116,7 @@ def serve_from_args(args: argparse.Namespace) -> None:
     """``serve_mcp`` with the options of ``add_mcp_server_arguments``."""
     serve_mcp(
         args.corpus, args.host, args.port, args.cache_dir, args.backend, args.encoder, args.token_env,
-        args.max_body_bytes,
+        args.max_body_bytes, args.transport,
     )
 
 

@@ -35,6 +35,11 @@ def add_mcp_server_arguments(parser: argparse.ArgumentParser) -> None:
     add_retriever_arguments(parser)
     parser.add_argument("--port", type=int, default=8001, help="0 picks a free port")
     add_access_arguments(parser, MCP_TOKEN_ENV)
+    parser.add_argument(
+        "--transport", default="http", choices=("http", "stdio"),
+        help="http: streamable HTTP at /mcp (default). stdio: JSON-RPC over stdin/stdout, for a client that starts "
+        "the server itself (tools.mcp.servers: [{command: [...]}]); --host, --port and the token do not apply",
+    )
 
 
 def add_access_arguments(parser: argparse.ArgumentParser, default_token_env: str) -> None:
