@@ -19,8 +19,47 @@ QWEN2_PRETOKENIZE_PATTERN = (
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 QWEN2_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# ChatML, plus Qwen2.5's tool-calling format when tools are given: their JSON schemas in the system turn, an
+# assistant's calls as <tool_call>{"name", "arguments"}</tool_call> blocks, consecutive tool results as
+# <tool_response> blocks of one user turn. Without tools and tool turns it renders plain ChatML (no default system).
+# (transformers renders with trim_blocks: a newline right after a block tag is written as {{ '\n' }}.)
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function "
+    "signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call>"
+)
 CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% set ns = namespace(start=0) %}"
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] }}\n\n{% set ns.start = 1 %}"
+    "{% endif %}"
+    "{{ '" + TOOLS_PREAMBLE.replace("\n", "\\n") + "' }}"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '" + TOOLS_POSTAMBLE.replace("\n", "\\n") + "' }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages[ns.start:] %}"
+    "{% if m['role'] == 'tool' %}"
+    "{% if loop.first or loop.previtem['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or loop.nextitem['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif m['role'] == 'assistant' and m.get('tool_calls') %}"
+    "<|im_start|>assistant{% if m['content'] %}{{ '\\n' }}{{ m['content'] }}{% endif %}"
+    "{% for call in m['tool_calls'] %}"
+    "{% set call = call['function'] if call.get('function') else call %}"
+    "{{ '\\n' }}"
+    '<tool_call>\n{"name": "{{ call[\'name\'] }}", "arguments": {{ call[\'arguments\'] | tojson }}}\n</tool_call>'
+    "{% endfor %}"
+    "<|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

@@ -65,7 +65,7 @@ def _group_metrics(records: Sequence[Mapping], n_samples: int) -> dict[str, floa
 
 
 def _num_tool_calls(record: Mapping) -> int:
-    return sum(turn["tool_call"] is not None for turn in record["turns"])
+    return sum(len(turn["tool_calls"]) for turn in record["turns"])
 
 
 def _mean(values) -> float:

@@ -1,4 +1,5 @@
-"""The multi-turn agent loop: generate until a tool call's closing tag, run the tool, append, continue.
+"""The multi-turn agent loop: generate a turn (until a tool call's closing tag, or the end of the turn for native
+tool calls), run its tool calls, append their output, continue.
 
 Token ids are the source of truth: the engine's sampled ids are appended as they are (loss mask 1), an
 observation is the tokenisation of the observation text alone (loss mask 0), and the next turn continues
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -31,6 +33,8 @@ class PromptItem:
     question: str
     group_id: int
     sample_index: int
+    data_source: str = ""  # what a user agent (rollout.agent) sees of the example besides the question
+    golden_answers: tuple[str, ...] = ()
 
 
 def request_seed(base_seed: int, step: int, group_id: int, sample_index: int, turn: int) -> int:
@@ -43,8 +47,9 @@ class AgentLoop:
     """Runs prompts to finished trajectories: the protocol parses each turn, the registry runs the calls.
 
     Limits: ``rollout.max_turns``, ``rollout.max_tool_calls`` (per trajectory) and ``rollout.max_calls_per_tool``
-    refuse further calls with an error observation; ``rollout.max_observation_tokens`` cuts long tool output
-    (keeping the closing tags). Every failure the model causes or meets is an observation, never an exception.
+    refuse further calls with an error observation (counted per call: a turn may hold several);
+    ``rollout.max_observation_tokens`` cuts long tool output (keeping the closing tags). Every failure the model
+    causes or meets is an observation, never an exception.
     """
 
     def __init__(self, engine, protocol: ToolProtocol, tools: ToolRegistry, config: RolloutConfig, seed: int) -> None:
@@ -56,11 +61,18 @@ class AgentLoop:
         self.seed = seed
         self.logit_bias = self._token_logit_bias(config.logit_bias) or None
 
-    def prompt_ids(self, question: str) -> list[int]:
+    def prompt_messages(self, question: str) -> list[dict]:
+        """The conversation a trajectory starts from: the protocol's system prompt (if any) and instruction."""
         system = self.protocol.system_prompt()
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": self.protocol.instruction(question)})
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return messages
+
+    def prompt_ids(self, question: str) -> list[int]:
+        messages = self.prompt_messages(question)
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **self.protocol.template_kwargs
+        )
         return self.tokenizer.encode(text + self.config.assistant_prefix, add_special_tokens=False)
 
     async def run(self, items: Sequence[PromptItem], step: int) -> list[Trajectory]:
@@ -78,10 +90,10 @@ class AgentLoop:
         async def run_one(trajectory: Trajectory) -> None:
             for turn_index in range(self.config.max_turns):
                 (completion,) = await self._generate([trajectory], step, turn_index)
-                call = self._after_turn(trajectory, completion, turn_index)
+                turn = self._after_turn(trajectory, completion, turn_index)
                 if trajectory.finish_reason:
                     return
-                await self._run_tool_calls(pool, [(trajectory, call)] if call else [])
+                await self._run_tool_calls(pool, [(trajectory, turn)] if turn else [])
                 if not self._append_observation(trajectory):
                     return
 
@@ -100,12 +112,12 @@ class AgentLoop:
             if not active:
                 break
             completions = await self._generate(active, step, turn_index)
-            calls = []
+            calling = []
             for trajectory, completion in zip(active, completions):
-                if call := self._after_turn(trajectory, completion, turn_index):
-                    calls.append((trajectory, call))
+                if turn := self._after_turn(trajectory, completion, turn_index):
+                    calling.append((trajectory, turn))
             active = [t for t in active if not t.finish_reason]
-            await self._run_tool_calls(pool, calls)
+            await self._run_tool_calls(pool, calling)
             active = [t for t in active if self._append_observation(t)]
 
     def _new_trajectory(self, item: PromptItem) -> Trajectory:
@@ -132,8 +144,8 @@ class AgentLoop:
         return [output.outputs[0] for output in outputs]
 
     def _after_turn(self, trajectory: Trajectory, completion, turn_index: int) -> Turn | None:
-        """Record a generated turn and decide what follows: returns the turn if its tool call is to run; otherwise
-        the trajectory is finished or the turn already holds its (error) observation."""
+        """Record a generated turn and decide what follows: returns the turn if any of its tool calls is to run;
+        otherwise the trajectory is finished or the turn already holds its (error) observation."""
         turn = self._record_turn(trajectory, completion, turn_index)
         if trajectory.finish_reason:
             return None
@@ -141,11 +153,15 @@ class AgentLoop:
             trajectory.finish_reason = "max_turns"
             return None
         if turn.kind != TurnKind.TOOL_CALL.value:
-            turn.observation = self.protocol.error_observation(turn.error or "invalid tool call")
-        elif refusal := self._over_limit(trajectory, turn.tool_call.name):
-            self._refuse(turn, refusal)
+            turn.tool_outputs = [self.protocol.error_observation(turn.error or "invalid tool call")]
         else:
-            return turn
+            turn.tool_outputs = [""] * len(turn.tool_calls)  # each call's, set when it is refused or answered
+            for index, record in enumerate(turn.tool_calls):
+                if refusal := self._over_limit(trajectory, record):
+                    self._fail(turn, index, ErrorKind.OVER_LIMIT, refusal, refusal)
+            if any(record.error_kind is None for record in turn.tool_calls):
+                return turn
+        self._set_observation(trajectory, turn)
         return None
 
     def _sampling_params(self, trajectory: Trajectory, step: int, turn_index: int):
@@ -157,6 +173,7 @@ class AgentLoop:
             temperature=self.config.temperature,
             top_p=self.config.top_p,
             stop=list(self.protocol.stop_strings),
+            stop_token_ids=list(self.protocol.stop_token_ids),
             include_stop_str_in_output=True,
             logprobs=0,
             seed=request_seed(self.seed, step, trajectory.group_id, trajectory.sample_index, turn_index),
@@ -167,76 +184,83 @@ class AgentLoop:
         token_ids = list(completion.token_ids)
         logprobs = [entry[token].logprob for token, entry in zip(token_ids, completion.logprobs)]
         trajectory.append_model_tokens(token_ids, logprobs)
-        stopped_on_tag = completion.finish_reason == "stop" and completion.stop_reason in self.protocol.stop_strings
         # a prefilled opening tag belongs to the first turn's call even though it sits in the prompt
         text = (trajectory.assistant_prefix if turn_index == 0 else "") + completion.text
-        parsed = self.protocol.parse_turn(text) if stopped_on_tag else None
-        kind = parsed.kind.value if parsed else TurnKind.NONE.value
-        turn = Turn(text=completion.text, num_tokens=len(token_ids), kind=kind)
-        if parsed and parsed.error_kind:
-            turn.error, turn.error_kind = parsed.error, parsed.error_kind.value
-        if parsed and parsed.call:
-            call = parsed.call
-            turn.tool_call = ToolCallRecord(name=call.name, query=call.query, ok=True, attrs=dict(call.attrs))
+        action = self.protocol.parse_completion(text, completion.finish_reason, completion.stop_reason)
+        turn = Turn(text=completion.text, num_tokens=len(token_ids), kind=action.kind.value, error=action.error,
+                    error_kind=action.error_kind.value if action.error_kind else None)
+        turn.tool_calls = [
+            ToolCallRecord(name=call.name, query=call.query, ok=True, attrs=dict(call.attrs), arguments=call.arguments)
+            for call in action.calls
+        ]
         trajectory.turns.append(turn)
-        if parsed and parsed.kind == TurnKind.ANSWER:
+        if action.kind == TurnKind.ANSWER:
             trajectory.finish_reason = "answer"
-        elif not stopped_on_tag:
+        elif action.kind == TurnKind.NONE:
             trajectory.finish_reason = "eos" if completion.finish_reason == "stop" else "length"
         elif len(trajectory.response_ids) >= self.config.max_response_tokens:
             trajectory.finish_reason = "length"
         return turn
 
-    def _over_limit(self, trajectory: Trajectory, tool_name: str) -> str | None:
-        """Why this call (the last turn's) may not run, or None. Earlier refused calls do not count."""
+    def _over_limit(self, trajectory: Trajectory, record: ToolCallRecord) -> str | None:
+        """Why this call may not run, or None. The calls before it (in earlier turns and earlier in its own) count,
+        except those refused for a limit."""
         earlier = [
-            turn.tool_call for turn in trajectory.turns[:-1]
-            if turn.tool_call is not None and turn.error_kind != ErrorKind.OVER_LIMIT.value
+            call for call in itertools.takewhile(lambda call: call is not record, trajectory.tool_calls)
+            if call.error_kind != ErrorKind.OVER_LIMIT.value
         ]
         limit = self.config.max_tool_calls
         if limit and len(earlier) >= limit:
             return f"the limit of {limit} tool calls is reached; answer with what you know"
-        tool_limit = self.config.max_calls_per_tool.get(tool_name, 0)
-        if tool_limit and sum(call.name == tool_name for call in earlier) >= tool_limit:
-            return f"the limit of {tool_limit} calls to '{tool_name}' is reached; use another tool or answer"
+        tool_limit = self.config.max_calls_per_tool.get(record.name, 0)
+        if tool_limit and sum(call.name == record.name for call in earlier) >= tool_limit:
+            return f"the limit of {tool_limit} calls to '{record.name}' is reached; use another tool or answer"
         return None
 
-    def _refuse(self, turn: Turn, message: str) -> None:
-        turn.tool_call.ok = False
-        turn.tool_call.error = message
-        turn.error_kind = ErrorKind.OVER_LIMIT.value
-        turn.observation = self.protocol.error_observation(message)
+    def _fail(self, turn: Turn, index: int, kind: ErrorKind, error: str, shown: str) -> None:
+        """Call ``index`` of ``turn`` is not answered: ``error`` is recorded, its output shows ``shown``."""
+        record = turn.tool_calls[index]
+        record.ok, record.error, record.error_kind = False, error, kind.value
+        turn.error_kind = turn.error_kind or kind.value
+        turn.tool_outputs[index] = self.protocol.error_observation(shown)
 
-    async def _run_tool_calls(self, pool: Executor, calls: list[tuple[Trajectory, Turn]]) -> None:
-        """The calls go to the registry together (each tool gets its calls as one batch) on a thread of ``pool``;
-        the wait counts into each caller's ``tool_s``."""
-        if not calls:
+    async def _run_tool_calls(self, pool: Executor, calling: list[tuple[Trajectory, Turn]]) -> None:
+        """The calls of these turns not refused go to the registry together (each tool gets its calls as one batch,
+        different tools run at once) on a thread of ``pool``; the wait counts into each trajectory's ``tool_s``.
+        Each turn then gets its observation."""
+        if not calling:
             return
-        records = [turn.tool_call for _, turn in calls]
+        pending = [
+            (turn, index) for _, turn in calling for index, record in enumerate(turn.tool_calls)
+            if record.error_kind is None
+        ]
+        records = [turn.tool_calls[index] for turn, index in pending]
+        calls = [ToolCall(record.name, record.query, record.attrs, record.arguments) for record in records]
         started = time.perf_counter()
-        results = await asyncio.get_running_loop().run_in_executor(
-            pool, self.tools.run, [ToolCall(record.name, record.query, record.attrs) for record in records]
-        )
+        results = await asyncio.get_running_loop().run_in_executor(pool, self.tools.run, calls)
         waited = time.perf_counter() - started
-        for (trajectory, turn), result in zip(calls, results):
+        for (turn, index), result in zip(pending, results):
+            self._record_result(turn, index, result)
+        for trajectory, turn in calling:
             trajectory.tool_s += waited
-            self._record_result(turn, result)
+            self._set_observation(trajectory, turn)
 
-    def _record_result(self, turn: Turn, result: ToolResult) -> None:
-        record = turn.tool_call
+    def _record_result(self, turn: Turn, index: int, result: ToolResult) -> None:
+        record = turn.tool_calls[index]
         record.latency_s = result.latency_s
         record.cached = result.cached
         if result.ok:
-            turn.observation = fit_observation(
+            turn.tool_outputs[index] = fit_observation(
                 self.protocol, result.documents, self.config.max_observation_tokens, self.tokenizer
             )
             return
-        record.ok = False
-        record.error = result.error
-        turn.error_kind = result.error_kind.value
         unknown = result.error_kind == ErrorKind.UNKNOWN_TOOL
-        message = result.error if unknown else f"{record.name} failed: {result.error}"
-        turn.observation = self.protocol.error_observation(message)
+        shown = result.error if unknown else f"{record.name} failed: {result.error}"
+        self._fail(turn, index, result.error_kind, result.error, shown)
+
+    def _set_observation(self, trajectory: Trajectory, turn: Turn) -> None:
+        """The turn's observation from its outputs; its sampled tokens are the trajectory's last ones."""
+        turn.observation = self.protocol.turn_observation(turn.tool_outputs, trajectory.response_ids[-1])
 
     def _append_observation(self, trajectory: Trajectory) -> bool:
         """Append the last turn's observation; False (finished for length) when it does not fit."""

@@ -9,11 +9,13 @@ from dataclasses import asdict, dataclass, field
 class ToolCallRecord:
     name: str
     query: str
-    ok: bool  # False: not answered (tool failed or timed out, unknown tool, over a limit); see Turn.error_kind
+    ok: bool  # False: not answered (tool failed or timed out, unknown tool, over a limit); see error_kind
     error: str | None = None
     latency_s: float = 0.0
     attrs: dict[str, str] = field(default_factory=dict)  # extra attributes of a <call_tool> tag
     cached: bool = False  # answered from tools.cache_dir
+    arguments: dict | None = None  # typed JSON arguments (a native tool call, a JSON <call_tool> body)
+    error_kind: str | None = None  # why it was not answered (tools.ErrorKind); None when it was
 
 
 @dataclass
@@ -21,12 +23,26 @@ class Turn:
     text: str  # what the model produced in this turn (the engine's text, cut at the stop string)
     num_tokens: int
     kind: str  # tool_call | answer | invalid_call | none (see tools.TurnKind)
-    tool_call: ToolCallRecord | None = None
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)  # in the order written; tag protocols: one
     observation: str | None = None  # text appended after this turn (tool output or error), if any
+    # what the observation shows, one per call in call order (documents or an error), or one error for an invalid
+    # call; a tag protocol's one output is its whole observation, chat_tools renders them as tool messages
+    tool_outputs: list[str] = field(default_factory=list)
     error: str | None = None  # why an invalid call was invalid
-    # what went wrong with this turn's call, if anything (tools.ErrorKind): unparseable | empty_query |
-    # unknown_tool | over_limit | timeout | tool_error
+    # what went wrong with this turn, if anything (tools.ErrorKind): unparseable | empty_query for an invalid call;
+    # else the first failed call's unknown_tool | over_limit | timeout | tool_error (each call's is on its record)
     error_kind: str | None = None
+
+
+@dataclass
+class Segment:
+    """Tokens of one prompt-extending run of model calls. A user agent that rewrites its history (drops or edits
+    turns) starts a new segment; every segment of a trajectory is trained with that trajectory's advantage."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
 
 
 @dataclass
@@ -48,6 +64,12 @@ class Trajectory:
     # the engine's weight versions in effect while it generated (two or more: a weight update landed mid-rollout)
     weight_versions: list[int] = field(default_factory=list)
     engine: int = -1  # the rollout engine that ran it (EnginePool's index); -1: a single engine outside a pool
+    # a user agent (rollout.agent): the segments before the last one (the fields above hold the last), the answer
+    # or reward it returned, and why it failed (raised, timed out): a failed trajectory is left out of training
+    earlier_segments: list[Segment] = field(default_factory=list)
+    agent_answer: str | None = None
+    agent_reward: float | None = None
+    failed: str = ""
 
     def append_model_tokens(self, token_ids: list[int], logprobs: list[float]) -> None:
         self.response_ids.extend(token_ids)
@@ -60,6 +82,12 @@ class Trajectory:
         self.rollout_logprobs.extend([0.0] * len(token_ids))
 
     @property
+    def segments(self) -> list[Segment]:
+        """Every segment, the last one (this trajectory's own fields) included."""
+        last = Segment(self.prompt_ids, self.response_ids, self.loss_mask, self.rollout_logprobs)
+        return [*self.earlier_segments, last]
+
+    @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
@@ -70,13 +98,13 @@ class Trajectory:
 
     @property
     def tool_calls(self) -> list[ToolCallRecord]:
-        return [turn.tool_call for turn in self.turns if turn.tool_call is not None]
+        return [call for turn in self.turns for call in turn.tool_calls]
 
     @property
     def dispatched_calls(self) -> list[ToolCallRecord]:
         """Calls that reached their tool (not refused as unknown or over a limit)."""
         refused = ("unknown_tool", "over_limit")
-        return [turn.tool_call for turn in self.turns if turn.tool_call is not None and turn.error_kind not in refused]
+        return [call for call in self.tool_calls if call.error_kind not in refused]
 
     @property
     def num_invalid_calls(self) -> int:

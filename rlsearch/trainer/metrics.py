@@ -34,6 +34,9 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "time/tool_wait_s_mean": _mean([t.tool_s for t in trajectories]),
         # trajectories a weight update landed on while they generated (rollout.update_weights_in_flight)
         "rollout/mixed_policy_fraction": _mean([len(t.weight_versions) > 1 for t in trajectories]),
+        # user agents (rollout.agent): trajectories that failed (left out of training), segments per trajectory
+        "rollout/agent_failures": float(sum(bool(t.failed) for t in trajectories)),
+        "rollout/segments_mean": _mean([len(t.segments) for t in trajectories]),
     }
     for reason in ("answer", "eos", "length", "max_turns"):
         metrics[f"rollout/finish_{reason}"] = _mean([t.finish_reason == reason for t in trajectories])
@@ -41,7 +44,10 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     per_tool = Counter(call.name for t in trajectories for call in t.dispatched_calls)
     for name, count in sorted(per_tool.items()):
         metrics[f"rollout/tool_calls/{name}"] = float(count)
-    per_kind = Counter(turn.error_kind for t in trajectories for turn in t.turns if turn.error_kind)
+    # every call's error, and every invalid call's (its turn holds no calls)
+    per_kind = Counter(call.error_kind for t in trajectories for call in t.tool_calls if call.error_kind)
+    turns_without_calls = [turn for t in trajectories for turn in t.turns if not turn.tool_calls]
+    per_kind.update(turn.error_kind for turn in turns_without_calls if turn.error_kind)
     for kind in ErrorKind:
         metrics[f"rollout/errors/{kind.value}"] = float(per_kind[kind.value])
     return metrics

@@ -31,7 +31,7 @@ def test_a_rollout_survives_a_retriever_restart_and_the_next_one_uses_it(rollout
     assert retriever.port == port
     during = ray.get(pending, timeout=300)
 
-    failed = [turn for t in during for turn in t.turns if turn.tool_call and not turn.tool_call.ok]
+    failed = [turn for t in during for turn in t.turns if turn.tool_calls and not turn.tool_calls[0].ok]
     assert failed, "no search met the dead server"
     assert all(turn.error_kind in ("tool_error", "timeout") for turn in failed)
     assert all(turn.observation.startswith("\n\n<information>") and "search failed" in turn.observation

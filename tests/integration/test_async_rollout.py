@@ -107,9 +107,8 @@ def assert_same_trajectories(first: list[Trajectory], second: list[Trajectory]) 
 
 
 def turn_record(turn) -> tuple:
-    call = turn.tool_call
     return (turn.text, turn.num_tokens, turn.kind, turn.observation, turn.error_kind,
-            call and (call.name, call.query, call.ok, call.error))
+            [(call.name, call.query, call.ok, call.error) for call in turn.tool_calls])
 
 
 @pytest.mark.parametrize("weights,temperature", [("random", 1.0), ("automaton", 0.0)], ids=["sampled", "greedy"])
@@ -124,7 +123,7 @@ def test_per_sample_and_turn_barrier_loops_give_identical_trajectories(
 
     searched = [t for t in per_sample if t.dispatched_calls]
     assert searched and all(call.ok for t in searched for call in t.dispatched_calls)
-    observations = [turn.observation for t in searched for turn in t.turns if turn.tool_call and turn.observation]
+    observations = [turn.observation for t in searched for turn in t.turns if turn.tool_calls and turn.observation]
     assert all(o.startswith("\n\n<information>") and "Error:" not in o for o in observations)
     assert max(len(t.turns) for t in per_sample) >= 2
     if weights == "automaton":

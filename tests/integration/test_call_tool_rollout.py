@@ -81,7 +81,7 @@ def test_call_tool_rollout_through_mcp_records_outputs_masks_and_metrics(call_to
     trajectories = ray.get(call_tool_worker.generate.remote(items(toy_data), 1))
     assert len(trajectories) == 8
     assert sum(assert_masks_follow_turns(t, tokenizer) for t in trajectories) >= 1
-    answered = [turn for t in trajectories for turn in t.turns if turn.tool_call and turn.tool_call.ok]
+    answered = [turn for t in trajectories for turn in t.turns if turn.tool_calls and turn.tool_calls[0].ok]
     assert answered, "the prefilled <call_tool name=\"search\"> must reach the MCP server at least once"
     for turn in answered:
         assert turn.observation.startswith("\n<tool_output>\n") and turn.observation.endswith("</tool_output>\n")
@@ -108,7 +108,7 @@ def test_call_tool_rollout_survives_mcp_server_kill_and_recovers_after_restart(c
         killed = ray.get(in_flight, timeout=120)
     finally:
         mcp_server.start()  # same port
-    failed = [turn for t in killed for turn in t.turns if turn.tool_call and not turn.tool_call.ok]
+    failed = [turn for t in killed for turn in t.turns if turn.tool_calls and not turn.tool_calls[0].ok]
     assert len(failed) == len(calls_when_healthy)
     for turn in failed:
         assert turn.error_kind == "tool_error"

@@ -110,7 +110,7 @@ def test_oracle_scores_em_1_on_jsonl_and_parquet_with_pass_at_k(oracle, tiny_mod
     assert len(records) == 4 * oracle.num_questions
     first = records[0]
     assert first["question"] in first["prompt"] and first["answer"] in first["golden_answers"]
-    assert first["turns"][0]["tool_call"]["query"] == first["question"]
+    assert [call["query"] for call in first["turns"][0]["tool_calls"]] == [first["question"]]
     assert first["turns"][0]["observation"].startswith("\n\n<information>Doc 1(Title:")
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["metrics"] == summary.metrics
 

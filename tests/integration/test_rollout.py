@@ -42,7 +42,7 @@ def test_rollout_masks_observations_and_keeps_engine_tokens(rollout_worker, toy_
         assert position == len(t.response_ids)
     assert observed >= 1
     # an executed search shows the retrieved passages (possibly none for a junk query), never an error
-    executed = [turn for t in trajectories for turn in t.turns if turn.tool_call is not None]
+    executed = [turn for t in trajectories for turn in t.turns if turn.tool_calls]
     assert all(turn.observation.startswith("\n\n<information>") for turn in executed)
     assert not any("Error:" in turn.observation for turn in executed)
 
@@ -62,7 +62,7 @@ def test_dead_retriever_becomes_error_observation(rollout_worker, retriever, toy
     try:
         failures_before = ray.get(rollout_worker.tool_stats.remote())["failures"]
         trajectories = ray.get(rollout_worker.generate.remote(_items(toy_data), 1))
-        failed = [turn for t in trajectories for turn in t.turns if turn.tool_call and not turn.tool_call.ok]
+        failed = [turn for t in trajectories for turn in t.turns if turn.tool_calls and not turn.tool_calls[0].ok]
         assert failed, "the same seeds made tool calls above; with the server down they must fail"
         assert all(turn.observation.startswith("\n\n<information>Error: search failed:") for turn in failed)
         assert ray.get(rollout_worker.tool_stats.remote())["failures"] > failures_before

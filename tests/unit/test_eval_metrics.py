@@ -7,7 +7,7 @@ from rlsearch.eval import OVERALL, ResultsFile, render_table, summarize
 
 
 def _record(source, example_id, sample=0, em=0.0, kinds=("tool_call", "answer"), tokens=10, time_s=1.0):
-    turns = [{"kind": kind, "tool_call": {"name": "search"} if kind == "tool_call" else None} for kind in kinds]
+    turns = [{"kind": kind, "tool_calls": [{"name": "search"}] if kind == "tool_call" else []} for kind in kinds]
     return {
         "eval_file": f"{source}.jsonl", "data_source": source, "example_id": example_id, "sample_index": sample,
         "scores": {"em": em, "f1": em / 2, "substring_em": em, "has_answer": float("answer" in kinds)},

@@ -183,9 +183,15 @@ def html_to_text(html: str) -> tuple[str, str]:
     return " ".join(extractor.title.split()), " ".join(" ".join(extractor.parts).split())
 
 
+def url_parameters() -> dict:
+    """The JSON schema of a tool whose only parameter is a page's ``url`` (a native call's; a tag call's query)."""
+    return {"type": "object", "properties": {"url": {"type": "string", "description": "the page's http(s) URL"}},
+            "required": ["url"]}
+
+
 class BrowseTool(PerCallTool):
     def __init__(self, fetcher: SafeFetcher, max_chars: int = 8000, max_concurrency: int = 4) -> None:
-        super().__init__(ToolSpec("browse", BROWSE_DESCRIPTION), max_concurrency)
+        super().__init__(ToolSpec("browse", BROWSE_DESCRIPTION, url_parameters()), max_concurrency)
         self.fetcher = fetcher
         self.max_chars = max_chars
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from ..base import ErrorKind, Tool, ToolCall, ToolResult, ToolSetupError, ToolSpec
 from .cache import ToolCache
@@ -15,7 +17,9 @@ class ToolRegistry:
 
     ``run`` takes every call of one agent turn: each tool gets its calls as one batch (different tools run at the
     same time), unknown names get an ``unknown_tool`` result, and a tool that raises gives every call of its batch
-    an error result. ``run`` may be called from several threads at once (the tools' clients are thread-safe).
+    an error result. A native tool call (typed ``arguments``, no query) first gets the query and attributes the
+    built-in tools read (``with_query``). ``run`` may be called from several threads at once (the tools' clients
+    are thread-safe).
     """
 
     def __init__(self, tools: Sequence[Tool], cache: ToolCache | None = None) -> None:
@@ -41,6 +45,7 @@ class ToolRegistry:
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         results: list[ToolResult | None] = [None] * len(calls)
         pending: dict[str, list[int]] = {}
+        calls = list(calls)
         for index, call in enumerate(calls):
             if call.name not in self._tools:
                 available = ", ".join(self._tools) or "none"
@@ -48,6 +53,7 @@ class ToolRegistry:
                     ErrorKind.UNKNOWN_TOOL, f"unknown tool '{call.name}'; available tools: {available}"
                 )
                 continue
+            call = calls[index] = with_query(call, self._tools[call.name].spec.parameters)
             cached = self.cache.get(call) if self.cache else None
             if cached is not None:
                 results[index] = ToolResult(documents=cached, cached=True)
@@ -94,3 +100,26 @@ class ToolRegistry:
         for result in results:
             result.latency_s = latency
         return results
+
+
+def with_query(call: ToolCall, parameters: dict) -> ToolCall:
+    """A native call (typed ``arguments``, empty query) in the form the built-in tools read: the tool's main parameter
+    (its first required string parameter, else its first string parameter) is the query (empty when not given),
+    every other argument an attribute (JSON text when not a string). The arguments stay, for tools that take them
+    whole (MCP). Other calls come back as they are."""
+    if call.arguments is None or call.query:
+        return call
+    main = _main_parameter(parameters)
+    query = _as_text(call.arguments[main]) if main in call.arguments else ""
+    attrs = {name: _as_text(value) for name, value in call.arguments.items() if name != main}
+    return replace(call, query=query, attrs=attrs)
+
+
+def _main_parameter(parameters: dict) -> str | None:
+    properties = parameters.get("properties") or {}
+    names = [*parameters.get("required", []), *properties]
+    return next((name for name in names if (properties.get(name) or {}).get("type") == "string"), None)
+
+
+def _as_text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)

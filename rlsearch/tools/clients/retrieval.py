@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from ..base import Document, ErrorKind, Tool, ToolCall, ToolError, ToolResult, ToolSpec
+from ..base import Document, ErrorKind, Tool, ToolCall, ToolError, ToolResult, ToolSpec, query_parameters
 from ..http import RETRIEVER_TOKEN_ENV, auth_hint, bearer_headers, send_with_retries
 from ..search_api import MAX_QUERIES, MAX_QUERY_CHARS, MAX_TOPK, SEARCH_DESCRIPTION
 
@@ -112,12 +112,18 @@ def _documents_per_query(body: Any, num_queries: int, endpoint: str) -> list[lis
 class SearchTool(Tool):
     """``search`` backed by the retrieval server: a turn's queries go out batched (one request per ``topk``).
 
-    The only attribute is ``topk`` (1 to MAX_TOPK), as for the MCP server's search. A query longer than the
-    server's default limit (MAX_QUERY_CHARS) gets an error result of its own instead of failing the batch.
+    The only attribute is ``topk`` (1 to MAX_TOPK), as for the MCP server's search (a native call's typed
+    arguments arrive as query and attributes, see ``ToolRegistry``). An empty query (a native call without one), or
+    one longer than the server's default limit (MAX_QUERY_CHARS), gets an error result of its own instead of failing
+    the batch.
     """
 
     def __init__(self, client: RetrievalClient) -> None:
-        self.spec = ToolSpec("search", SEARCH_DESCRIPTION)
+        parameters = query_parameters("a short keyword query")
+        parameters["properties"]["topk"] = {
+            "type": "integer", "minimum": 1, "maximum": MAX_TOPK, "description": "how many passages to return",
+        }
+        self.spec = ToolSpec("search", SEARCH_DESCRIPTION, parameters)
         self.client = client
 
     def run_batch(self, calls: list[ToolCall]) -> list[ToolResult]:
@@ -125,6 +131,8 @@ class SearchTool(Tool):
         by_topk: dict[int, list[int]] = {}
         for index, call in enumerate(calls):
             try:
+                if not call.query.strip():
+                    raise ToolError("tool 'search': the query is empty")
                 if len(call.query) > MAX_QUERY_CHARS:
                     raise ToolError(f"tool 'search': the query is longer than {MAX_QUERY_CHARS} characters")
                 by_topk.setdefault(self._topk(call), []).append(index)

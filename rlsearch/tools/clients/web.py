@@ -13,7 +13,7 @@ import httpx
 
 from ..base import Document, PerCallTool, ToolCall, ToolError, ToolSetupError, ToolSpec
 from ..http import send_with_retries
-from .browse import BlockedURL
+from .browse import BlockedURL, url_parameters
 
 WEB_SEARCH_DESCRIPTION = "search the web (Google via Serper); the query is a search query, results are snippets"
 WEB_BROWSE_DESCRIPTION = "read a web page as text (via Jina Reader); the query is the page's http(s) URL"
@@ -95,8 +95,8 @@ class JinaReaderTool(_WebTool):
     ) -> None:
         headers = {"Authorization": f"Bearer {key}", "Accept": "application/json"}
         super().__init__(
-            ToolSpec("web_browse", WEB_BROWSE_DESCRIPTION), url, headers, timeout_s, max_retries, backoff_s,
-            max_concurrency,
+            ToolSpec("web_browse", WEB_BROWSE_DESCRIPTION, url_parameters()), url, headers, timeout_s, max_retries,
+            backoff_s, max_concurrency,
         )
         self.max_chars = max_chars
 

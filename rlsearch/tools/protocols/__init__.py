@@ -3,21 +3,32 @@ output is rendered. Text in, text out: nothing here talks to a tool."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import Any
 
 from ..base import ToolSetupError, ToolSpec
-from .base import ANSWER_CLOSE, ANSWER_OPEN, PromptTemplate, ToolProtocol
+from .base import ANSWER_CLOSE, ANSWER_OPEN, PromptTemplate, ToolProtocol, TurnAction
 from .call_tool import CallToolProtocol
+from .chat_tools import ChatToolsProtocol
 from .search_r1 import SearchR1Protocol
 
-PROTOCOLS: dict[str, type[ToolProtocol]] = {"search_r1": SearchR1Protocol, "call_tool": CallToolProtocol}
+PROTOCOLS: dict[str, type[ToolProtocol]] = {
+    "search_r1": SearchR1Protocol, "call_tool": CallToolProtocol, "chat_tools": ChatToolsProtocol,
+}
 
 
-def make_protocol(name: str, tools: Sequence[ToolSpec], prompt_file: str = "") -> ToolProtocol:
-    """The protocol ``name`` listing ``tools`` in its prompt; a tool its tags name must be among them."""
+def make_protocol(name: str, tools: Sequence[ToolSpec], prompt_file: str = "", tokenizer: Any = None) -> ToolProtocol:
+    """The protocol ``name`` listing ``tools`` in its prompt; a tool its tags name must be among them. ``tokenizer``:
+    the model's, or the path to load it from, for a protocol that renders with its chat template
+    (``needs_tokenizer``: chat_tools); the others ignore it (a path is then not loaded)."""
     if name not in PROTOCOLS:
         raise ToolSetupError(f"unknown protocol {name!r}; choose one of {', '.join(PROTOCOLS)}")
-    protocol = PROTOCOLS[name](tools, prompt_file or None)
+    if PROTOCOLS[name].needs_tokenizer and isinstance(tokenizer, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    protocol = PROTOCOLS[name](tools, prompt_file or None, tokenizer)
     available = {tool.name for tool in tools}
     missing = [tool for tool in protocol.required_tools if tool not in available]
     if missing:
@@ -34,8 +45,10 @@ __all__ = [
     "ANSWER_OPEN",
     "PROTOCOLS",
     "CallToolProtocol",
+    "ChatToolsProtocol",
     "PromptTemplate",
     "SearchR1Protocol",
     "ToolProtocol",
+    "TurnAction",
     "make_protocol",
 ]
