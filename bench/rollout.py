@@ -9,6 +9,11 @@ tag's tokens are biased, so trajectories take several turns with real searches i
 Sampled tokens/s, best of --repeats each (the prefix cache is reset before every timed run).
 The last line is the figure: agent-loop tokens/s / bare generate tokens/s (goal >= 0.85).
 
+With --endpoint the bench is the user-agent path instead: the same batch through the built-in loop and through
+examples/agents/search_r1.py (the `openai` client against the rollout worker's session endpoint, every call over
+HTTP on 127.0.0.1), on one engine; whether the two sample the same tokens, and the endpoint path's sampled
+tokens/s against the built-in loop's (goal >= 0.9).
+
 With --engines N (and/or --tp T) the bench is the engine pool instead: the same agent-loop rollout through an
 EnginePool of 1 engine x TP1 and then of N engines x TP T (Ray actors, one after the other, in one run): per-engine
 groups, trajectories and busy fraction, whether the trajectories are identical, and the throughput ratio of the
@@ -18,6 +23,7 @@ fair comparison.
   .venv/bin/python bench/rollout.py                       # tiny model, 16 prompts x 4 samples
   .venv/bin/python bench/rollout.py --shape 0.5b          # Qwen2.5-0.5B-shaped (slow on CPU: --prompts 4)
   .venv/bin/python bench/rollout.py --engines 2           # 2 engines x TP1 against 1 engine
+  .venv/bin/python bench/rollout.py --endpoint            # user agent through the endpoint against the built-in loop
 """
 
 from __future__ import annotations
@@ -61,12 +67,12 @@ class BenchEngine:
 
     def load_weights(self, state: dict) -> None:
         """Replace the engine's weights (HF names) through the weight-sync path."""
-        from rlsearch.bridge.bucket import pack_bucket
+        from rlsearch.weights.bucket import pack_bucket
 
         async def load() -> None:
-            await self.engine.begin_weight_update()
-            await self.engine.load_weight_bucket(pack_bucket(list(state.items())))
-            await self.engine.finish_weight_update()
+            await self.engine.weights.begin()
+            await self.engine.weights.load_bucket(pack_bucket(list(state.items())))
+            await self.engine.weights.finish()
 
         self.run(load())
 
@@ -127,6 +133,45 @@ def bare_generate_params(loop, trajectories, step: int) -> list:
     ]
 
 
+def bench_endpoint(args, host: BenchEngine, retriever_url: str, items: list, step: int) -> None:
+    """The built-in loop and the Search-R1 agent through the session endpoint, on the same batch and engine."""
+    from examples.agents.search_r1 import agent
+    from rlsearch.rollout.session import AgentRunner, SessionEndpoint
+
+    loop = make_agent_loop(host.engine, retriever_url, args.agent_loop)
+    endpoint = SessionEndpoint(host.engine, loop.tools, loop.config, loop.seed, loop.logit_bias)
+    runner = AgentRunner(endpoint, agent, loop.prompt_messages, loop.config)
+    try:
+        timings = {}
+        for name, driver in (("built-in loop", loop), ("endpoint agent", runner)):
+            driver_s, trajectories = timed(host, driver, items, step, args.repeats)
+            timings[name] = (driver_s, trajectories)
+            sampled = sum(sum(t.loss_mask) for t in trajectories)
+            print(f"{name}: {len(items)} trajectories, {describe(trajectories)}; {sampled} sampled tokens in "
+                  f"{driver_s:.2f} s = {sampled / driver_s:.0f} tokens/s", flush=True)
+        (loop_s, builtin), (endpoint_s, agents) = timings.values()
+        same = all(a.token_ids == b.token_ids and a.loss_mask == b.loss_mask for a, b in zip(builtin, agents))
+        print(f"token ids and loss masks identical: {same}")
+    finally:
+        host.run(endpoint.stop())
+        runner.stop()
+        loop.tools.close()
+    ratio = loop_s / endpoint_s  # the same tokens either way (checked above)
+    print(f"endpoint tokens/s / built-in loop tokens/s (goal >= 0.9): {ratio:.2f}")
+
+
+def timed(host: BenchEngine, driver, items: list, step: int, repeats: int) -> tuple[float, list]:
+    """Best wall time of ``repeats`` runs of ``driver`` (after a warm-up), and the trajectories."""
+    host.run(driver.run(items[:4], step + 1))
+    best, trajectories = float("inf"), []
+    for _ in range(repeats):
+        host.run(host.engine.reset_prefix_cache())
+        started = time.perf_counter()
+        trajectories = host.run(driver.run(items, step))
+        best = min(best, time.perf_counter() - started)
+    return best, trajectories
+
+
 def run_pool(model_path: Path, retriever_url: str, items: list, args, engines: int, tp: int):
     """The rollout of ``items`` through a pool of ``engines`` x TP ``tp`` (best of --repeats after a warm-up):
     (seconds, trajectories, last_metrics of the best run)."""
@@ -185,6 +230,7 @@ def main() -> None:
     parser.add_argument("--agent-loop", choices=("per_sample", "turn_barrier"), default="per_sample")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per side; the best counts")
     parser.add_argument("--out", default="outputs/bench", help="where the random model and toy data are kept")
+    parser.add_argument("--endpoint", action="store_true", help="bench the user-agent endpoint path (see above)")
     parser.add_argument("--engines", type=int, default=0, help="bench an EnginePool of this many engines (see above)")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of each pooled engine")
     parser.add_argument("--groups-per-engine", type=int, default=0, help="rollout.groups_per_engine of the pool")
@@ -204,6 +250,12 @@ def main() -> None:
             return
         print("starting the engine ...", flush=True)
         host = BenchEngine(model_path, max_model_len=1024)
+        if args.endpoint:
+            try:
+                bench_endpoint(args, host, retriever.url, items, step)
+            finally:
+                host.close()
+            return
         try:
             loop = make_agent_loop(host.engine, retriever.url, args.agent_loop)
             host.run(loop.run(items[: args.group_size], step + 1))  # warm-up

@@ -80,10 +80,12 @@ def load_eval_questions(files: Sequence[str], max_examples: int = 0) -> list[Eva
 
 
 def score_trajectory(trajectory: Trajectory, example: QAExample, format_score: float) -> None:
-    """Reward and scores (em, f1, substring_em, has_answer) with the scorer of the example's data_source."""
-    result = get_scorer(example.data_source)(trajectory.model_text, example.golden_answers, format_score)
-    answer = extract_answer(trajectory.model_text)
-    trajectory.reward = result.reward
+    """Reward and scores (em, f1, substring_em, has_answer) with the scorer of the example's data_source. A user
+    agent's returned answer is scored as the response's answer block; a reward it returned replaces the scorer's."""
+    text = trajectory.model_text if trajectory.agent_answer is None else f"<answer>{trajectory.agent_answer}</answer>"
+    result = get_scorer(example.data_source)(text, example.golden_answers, format_score)
+    answer = extract_answer(text)
+    trajectory.reward = result.reward if trajectory.agent_reward is None else trajectory.agent_reward
     trajectory.scores = {
         "em": result.em, "f1": result.f1, "substring_em": substring_match(answer or "", example.golden_answers),
         "has_answer": float(result.has_answer),
@@ -159,7 +161,8 @@ class EvalRun:
         batch_size = self.config.eval.batch_size
         for start in range(0, len(self.pending), batch_size):
             batch = self.pending[start : start + batch_size]
-            items = [PromptItem(q.example.id, q.example.question, group_id=q.seed_group, sample_index=sample)
+            items = [PromptItem(q.example.id, q.example.question, group_id=q.seed_group, sample_index=sample,
+                                data_source=q.example.data_source, golden_answers=tuple(q.example.golden_answers))
                      for q, sample in batch]
             batch_started = time.perf_counter()
             trajectories = generate(items, EVAL_STEP)

@@ -52,6 +52,7 @@ class IdleClock:
 class RolloutWorker:
     """``retriever`` and ``retriever_url`` set up the ``search`` tool's client; ``tools`` says which tools the
     agent gets (built-in names, MCP servers with their URLs, web tools, the result cache); None: search only.
+    ``rollout.agent`` picks the driver: the built-in loop, or a user agent run against the worker's session endpoint.
 
     The engine and the agent loop live on an event loop thread owned by the worker. Every public method is
     synchronous and thread-safe: as a threaded Ray actor (``max_concurrency`` > 1) a weight sync or a probe may run
@@ -64,12 +65,17 @@ class RolloutWorker:
         self, engine_spec: EngineSpec, rollout: RolloutConfig, retriever: RetrieverConfig, retriever_url: str,
         seed: int, tools: ToolsConfig | None = None,
     ) -> None:
-        # tools first: a bad tool set-up fails in a second, before the engine spends its start-up time
+        # the agent and the tools first: a bad set-up fails in a second, before the engine spends its start-up time
+        agent = None
+        if rollout.agent != "builtin":
+            from .session import load_agent  # the endpoint's web stack is loaded only for user agents
+
+            agent = load_agent(rollout.agent)
         self.tools = build_registry(tools or ToolsConfig(), retriever, retriever_url)
         self._events = LoopThread("rollout-engine")
         self._idle = IdleClock()
         try:
-            protocol = make_protocol(rollout.protocol, self.tools.specs, rollout.prompt_file)
+            protocol = make_protocol(rollout.protocol, self.tools.specs, rollout.prompt_file, engine_spec.model_path)
 
             async def start_engine():  # on the loop: AsyncLLM binds to the loop it is first used on
                 return VLLMEngine(engine_spec)
@@ -80,13 +86,19 @@ class RolloutWorker:
             self._events.stop()
             raise
         self.loop = AgentLoop(self.engine, protocol, self.tools, rollout, seed)
+        self.driver = self.loop
+        if agent is not None:
+            from .session import AgentRunner, SessionEndpoint
+
+            endpoint = SessionEndpoint(self.engine, self.tools, rollout, seed, self.loop.logit_bias)
+            self.driver = AgentRunner(endpoint, agent, self.loop.prompt_messages, rollout)
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return self._events.run(coroutine)
 
     def generate(self, items: Sequence[PromptItem], step: int) -> list[Trajectory]:
         with self._idle.busy():
-            return self._run(self.loop.run(items, step))
+            return self._run(self.driver.run(items, step))
 
     def node_id(self) -> str:
         """The Ray node this worker runs on (the trainer reports the placement at start-up)."""
@@ -115,6 +127,9 @@ class RolloutWorker:
         return self._run(getattr(self.engine.weights, method)(*args))
 
     def shutdown(self) -> None:
+        if self.driver is not self.loop:
+            self._run(self.driver.endpoint.stop())
+            self.driver.stop()
         self.tools.close()
         self._run(self.engine.shutdown())
         self._events.stop()

@@ -81,24 +81,31 @@ class PendingRollout:
 
 def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[TrainSample]:
     """What the actor trains on: GRPO advantages per group and loss-aggregation weights per token, over the tokens the
-    policy sampled (all response tokens with algo.mask_observations false)."""
+    policy sampled (all response tokens with algo.mask_observations false). Trajectories a user agent failed are left
+    out (also of their group's statistics); each segment of a trajectory is a sample with the trajectory's advantage.
+    """
     import torch
 
+    trained = [t for t in trajectories if not t.failed]
+    if not trained:
+        return []
     advantages = grpo_advantages(
-        torch.tensor([t.reward for t in trajectories]), [t.group_id for t in trajectories],
+        torch.tensor([t.reward for t in trained]), [t.group_id for t in trained],
         norm_by_std=algo.norm_adv_by_std, eps=algo.adv_eps,
     )
+    segments = [(segment, advantage) for t, advantage in zip(trained, advantages.tolist()) for segment in t.segments]
     if algo.mask_observations:
-        masks = [t.loss_mask for t in trajectories]
+        masks = [segment.loss_mask for segment, _ in segments]
     else:  # the ablation: tool output trained as if sampled (it has no rollout logprobs, so no TIS or drift)
-        masks = [[1] * len(t.loss_mask) for t in trajectories]
+        masks = [[1] * len(segment.loss_mask) for segment, _ in segments]
     weights = loss_token_weights(masks, algo.loss_agg)
     return [
         TrainSample(
-            token_ids=t.token_ids, response_start=len(t.prompt_ids), loss_mask=mask, advantage=float(advantage),
-            token_weights=w, rollout_logprobs=t.rollout_logprobs if algo.mask_observations else None,
+            token_ids=segment.prompt_ids + segment.response_ids, response_start=len(segment.prompt_ids),
+            loss_mask=mask, advantage=float(advantage), token_weights=w,
+            rollout_logprobs=segment.rollout_logprobs if algo.mask_observations else None,
         )
-        for t, advantage, mask, w in zip(trajectories, advantages.tolist(), masks, weights)
+        for (segment, advantage), mask, w in zip(segments, masks, weights)
     ]
 
 
@@ -323,7 +330,8 @@ class GRPOTrainer:
         while self.next_rollout_step <= last:
             examples = self.sampler.next_batch(config.data.batch_size)
             items = [
-                PromptItem(example.id, example.question, group_id=index, sample_index=sample)
+                PromptItem(example.id, example.question, group_id=index, sample_index=sample,
+                           data_source=example.data_source, golden_answers=tuple(example.golden_answers))
                 for index, example in enumerate(examples)
                 for sample in range(config.rollout.group_size)
             ]
@@ -347,6 +355,11 @@ class GRPOTrainer:
         timer = time.perf_counter()
         self._score(trajectories, rollout.examples)
         samples = train_samples(trajectories, self.config.algo)
+        if not samples:
+            raise RuntimeError(
+                f"every trajectory of step {rollout.step} failed in the agent ({config.rollout.agent}); the first: "
+                f"{trajectories[0].failed}"
+            )
         reward_s = time.perf_counter() - timer
         # one update per step: the old policy is the current one, so its logprobs come from the training forward
         # pass itself (ratio 1) instead of a separate pass; rollouts sampled with older weights are corrected by

@@ -124,3 +124,30 @@ def test_run_search_grpo_script_trains_with_two_tp2_engines_over_broadcast(tmp_p
         assert min(tokens) > 0
     assert [e.value for e in events.Scalars("bridge/engines")] == [2.0, 2.0]
     assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-4
+
+
+def test_train_and_eval_run_a_user_agent_through_the_endpoint(tmp_path):
+    """`rollout.agent=examples.agents.search_r1:agent`: the agent drives every trajectory through the rollout
+    worker's OpenAI-compatible endpoint, in training and in eval; none fails, and what trains is token-exact."""
+    agent = "rollout.agent=examples.agents.search_r1:agent"
+    out = tmp_path / "run"
+    result = _run(["bash", "examples/run_search_grpo.sh", agent, "trainer.total_steps=2", f"trainer.output_dir={out}"],
+                  timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "step 2/2 | reward" in result.stdout
+    searched = 0
+    for step in (1, 2):
+        rows = [json.loads(line) for line in (out / "trajectories" / f"step_{step:06d}.jsonl").open()]
+        assert len(rows) == 16 and not any(row["failed"] for row in rows)
+        for row in rows:
+            assert len(row["response_ids"]) == len(row["loss_mask"]) == len(row["rollout_logprobs"])
+            assert all(lp == 0.0 for lp, mask in zip(row["rollout_logprobs"], row["loss_mask"]) if not mask)
+        searched += sum(len(turn["tool_calls"]) for row in rows for turn in row["turns"])
+    assert searched > 0
+
+    evaluated = tmp_path / "eval"
+    result = _run(["bash", "examples/run_search_eval.sh", agent, f"output_dir={evaluated}", "eval.max_examples=4"],
+                  timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (evaluated / "trajectories.jsonl").open()]
+    assert len(rows) == 4 and not any(row["failed"] for row in rows)

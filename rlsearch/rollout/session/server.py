@@ -1,0 +1,290 @@
+"""The OpenAI-compatible endpoint of a rollout worker, scoped per trajectory: ``/sessions/{id}/v1``.
+
+Routes: ``POST chat/completions`` (with ``tools``; vLLM's ``continue_final_message``, ``add_generation_prompt`` and
+``chat_template_kwargs`` extensions), ``POST completions`` (a text prompt or token ids), ``GET models``. Every call
+runs on the worker's engine with the rollout's sampling settings: a per-(example, sample, call) seed, the
+configured logit bias, ``rollout.temperature``/``top_p`` unless the request sets them, at most
+``rollout.max_tokens_per_turn`` tokens and never past the trajectory's ``rollout.max_response_tokens``. The text
+returned always includes the stop string that ended it (its tokens were sampled). Responses also carry
+``prompt_token_ids`` and ``token_ids``.
+
+Errors: an unknown session is 404; a prompt over ``rollout.max_prompt_tokens``, a trajectory whose response budget
+is used up, ``n`` > 1 or ``stream`` are 400 with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from ...config import RolloutConfig
+from ...tools.protocols.chat_tools import parse_tool_calls, template_end_of_turn
+from ..agent_loop import PromptItem, request_seed
+from .render import ChatRenderer, RequestError, normalise_message
+from .session import AgentSession, ModelCall
+from .tokens import PlannedPrompt, SessionTokens
+
+MODEL_NAME = "rlsearch-policy"
+
+
+class SessionNotFound(LookupError):
+    pass
+
+
+class SessionEndpoint:
+    """Owns the sessions and answers their calls with ``engine``; ``app`` is the ASGI app, ``serve`` runs it on
+    127.0.0.1 on the current event loop (the engine's)."""
+
+    def __init__(self, engine, tools, config: RolloutConfig, seed: int, logit_bias: dict[int, float] | None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.renderer = ChatRenderer(self.tokenizer)
+        self.end_of_turn, _ = template_end_of_turn(self.tokenizer)
+        self.tools = tools
+        self.config = config
+        self.seed = seed
+        self.logit_bias = logit_bias or {}
+        self.base_url = ""
+        self._sessions: dict[str, tuple[AgentSession, PromptItem, int]] = {}
+        self._server = None
+        self._serving: asyncio.Task | None = None
+        self._starting = asyncio.Lock()
+        self._response_ids = itertools.count()
+        self.app = self._build_app()
+
+    async def serve(self, timeout_s: float = 30.0) -> str:
+        """Start serving (once, however many rollouts start at the same time); returns the base URL."""
+        async with self._starting:
+            if self._serving is None:
+                await self._start(timeout_s)
+        return self.base_url
+
+    async def _start(self, timeout_s: float) -> None:
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._serving = asyncio.get_running_loop().create_task(self._server.serve())
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if self._serving.done() or time.monotonic() > deadline:
+                raise RuntimeError("the agent session endpoint did not start on 127.0.0.1")
+            await asyncio.sleep(0.01)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        if self._serving is not None:
+            self._server.should_exit = True
+            await asyncio.wait_for(self._serving, timeout=10)
+            self._serving = None
+
+    def open(self, item: PromptItem, step: int) -> AgentSession:
+        session_id = uuid.uuid4().hex
+        tokens = SessionTokens(self.tokenizer, self.end_of_turn)
+        session = AgentSession(
+            session_id, f"{self.base_url}/sessions/{session_id}/v1", MODEL_NAME, tokens, self.tools,
+            self.config.max_turns, self.config.assistant_prefix,
+        )
+        self._sessions[session_id] = (session, item, step)
+        return session
+
+    def close(self, session: AgentSession) -> None:
+        self._sessions.pop(session.id, None)
+
+    def _lookup(self, session_id: str) -> tuple[AgentSession, PromptItem, int]:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise SessionNotFound(f"no agent session {session_id!r} (finished, or never opened)") from None
+
+    async def chat(self, session_id: str, body: dict) -> dict:
+        session, item, step = self._lookup(session_id)
+        _check_single_choice(body)
+        messages = [normalise_message(message) for message in _required(body, "messages", list)]
+        tools = body.get("tools") or None
+        continue_final = bool(body.get("continue_final_message", False))
+        add_generation_prompt = bool(body.get("add_generation_prompt", not continue_final))
+        template_kwargs = body.get("chat_template_kwargs") or {}
+
+        def render(conversation: list[dict], generation_prompt: bool) -> str:
+            return self.renderer.render(conversation, generation_prompt, tools, template_kwargs=template_kwargs)
+
+        text = self.renderer.render(messages, add_generation_prompt, tools, continue_final, template_kwargs)
+        prompt = session.tokens.plan_text(text, None if continue_final else messages, render)
+        call, sampled, logprobs = await self._generate(session, item, step, prompt, body)
+        message: dict[str, Any] = {"role": "assistant", "content": call.text}
+        finish = call.finish_reason
+        if tools and not continue_final:  # a continued message is the agent's raw text: it parses it itself
+            parsed, error = parse_tool_calls(call.text)
+            if parsed and error is None:
+                message["content"] = call.text[: call.text.find("<tool_call>")].strip()
+                message["tool_calls"] = [
+                    {"id": f"call_{len(session.calls)}_{index}", "type": "function",
+                     "function": {"name": c.name, "arguments": _json(c.arguments or {})}}
+                    for index, c in enumerate(parsed)
+                ]
+                call.answered_tool_calls = True
+                finish = "tool_calls"
+        if continue_final:  # the open assistant message now ends with the text sampled
+            returned = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + call.text}]
+        else:
+            returned = [*messages, normalise_message(message)]
+        session.tokens.record(prompt, text, sampled, logprobs, returned)
+        choice = {"index": 0, "message": message, "finish_reason": finish, "token_ids": sampled}
+        if body.get("logprobs"):
+            choice["logprobs"] = {"content": self._logprob_entries(sampled, logprobs)}
+        return self._response("chat.completion", choice, prompt.ids, sampled)
+
+    async def completion(self, session_id: str, body: dict) -> dict:
+        session, item, step = self._lookup(session_id)
+        _check_single_choice(body)
+        given = body.get("prompt")
+        if isinstance(given, list) and len(given) == 1 and isinstance(given[0], (str, list)):
+            given = given[0]  # the client's batch form with one prompt
+        if isinstance(given, str):
+            prompt, text = session.tokens.plan_text(given), given
+        elif isinstance(given, list) and given and all(isinstance(token, int) for token in given):
+            prompt, text = session.tokens.plan_ids(given), self.tokenizer.decode(given, skip_special_tokens=False)
+        else:
+            raise RequestError("'prompt' must be a string or a list of token ids")
+        call, sampled, logprobs = await self._generate(session, item, step, prompt, body)
+        session.tokens.record(prompt, text, sampled, logprobs)
+        choice = {"index": 0, "text": call.text, "finish_reason": call.finish_reason, "token_ids": sampled}
+        if body.get("logprobs") is not None:
+            choice["logprobs"] = {
+                "tokens": [self.tokenizer.decode([token]) for token in sampled], "token_logprobs": logprobs,
+            }
+        return self._response("text_completion", choice, prompt.ids, sampled)
+
+    async def _generate(
+        self, session: AgentSession, item: PromptItem, step: int, prompt: PlannedPrompt, body: dict
+    ) -> tuple[ModelCall, list[int], list[float]]:
+        config = self.config
+        if not prompt.extends and len(prompt.ids) > config.max_prompt_tokens:
+            raise RequestError(
+                f"the prompt has {len(prompt.ids)} tokens, over the limit of rollout.max_prompt_tokens="
+                f"{config.max_prompt_tokens}"
+            )
+        budget = config.max_response_tokens - session.tokens.response_len_after(prompt)
+        if budget <= 0:
+            session.over_budget = True
+            raise RequestError(
+                f"the trajectory's token budget is used up: rollout.max_response_tokens={config.max_response_tokens} "
+                "tokens after the first prompt (model and tool tokens); finish the trajectory"
+            )
+        params = self._sampling_params(body, budget, request_seed(
+            self.seed, step, item.group_id, item.sample_index, len(session.calls)
+        ))
+        started, version_before = time.perf_counter(), self.engine.weight_version
+        (output,) = await self.engine.generate([prompt.ids], [params])
+        session.generate_s += time.perf_counter() - started
+        session.weight_versions.update((version_before, self.engine.weight_version))
+        completion = output.outputs[0]
+        sampled = list(completion.token_ids)
+        logprobs = [entry[token].logprob for token, entry in zip(sampled, completion.logprobs)]
+        shown = sampled[:-1] if sampled and sampled[-1] == session.tokens.end_of_turn_id else sampled
+        finish = "length" if completion.finish_reason == "length" else "stop"
+        segment = len(session.tokens.segments) - (0 if not prompt.extends else 1)
+        call = ModelCall(self.tokenizer.decode(shown, skip_special_tokens=False), len(sampled), finish, segment)
+        session.calls.append(call)
+        return call, sampled, logprobs
+
+    def _sampling_params(self, body: dict, budget: int, seed: int):
+        from vllm import SamplingParams
+
+        config = self.config
+        requested = body.get("max_completion_tokens") or body.get("max_tokens") or config.max_tokens_per_turn
+        stop = body.get("stop") or []
+        bias = dict(self.logit_bias)
+        bias.update({int(token): float(value) for token, value in (body.get("logit_bias") or {}).items()})
+        return SamplingParams(
+            max_tokens=max(1, min(int(requested), budget)),
+            temperature=float(_setting(body, "temperature", config.temperature)),
+            top_p=float(_setting(body, "top_p", config.top_p)),
+            stop=[stop] if isinstance(stop, str) else list(stop),
+            include_stop_str_in_output=True,
+            logprobs=0,
+            seed=seed,
+            logit_bias=bias or None,
+        )
+
+    def _logprob_entries(self, sampled: list[int], logprobs: list[float]) -> list[dict]:
+        return [
+            {"token": self.tokenizer.decode([token]), "logprob": logprob, "top_logprobs": []}
+            for token, logprob in zip(sampled, logprobs)
+        ]
+
+    def _response(self, kind: str, choice: dict, prompt_ids: list[int], sampled: list[int]) -> dict:
+        return {
+            "id": f"rlsearch-{next(self._response_ids)}", "object": kind, "created": int(time.time()),
+            "model": MODEL_NAME, "choices": [choice], "prompt_token_ids": prompt_ids,
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(sampled),
+                      "total_tokens": len(prompt_ids) + len(sampled)},
+        }
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="rlsearch agent sessions")
+
+        def error(status: int, message: str, kind: str) -> JSONResponse:
+            return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+        async def answer(handler, session_id: str, request: Request) -> JSONResponse:
+            try:
+                body = await request.json()
+                if not isinstance(body, dict):
+                    raise RequestError("the request body must be a JSON object")
+                return JSONResponse(await handler(session_id, body))
+            except SessionNotFound as missing:
+                return error(404, str(missing), "not_found_error")
+            except RequestError as bad:
+                return error(400, str(bad), "invalid_request_error")
+            except ValueError as bad:  # a body that is not JSON
+                return error(400, f"invalid request: {bad}", "invalid_request_error")
+
+        @app.post("/sessions/{session_id}/v1/chat/completions")
+        async def chat(session_id: str, request: Request) -> JSONResponse:
+            return await answer(self.chat, session_id, request)
+
+        @app.post("/sessions/{session_id}/v1/completions")
+        async def completions(session_id: str, request: Request) -> JSONResponse:
+            return await answer(self.completion, session_id, request)
+
+        @app.get("/sessions/{session_id}/v1/models")
+        async def models(session_id: str) -> JSONResponse:
+            if session_id not in self._sessions:
+                return error(404, f"no agent session {session_id!r} (finished, or never opened)", "not_found_error")
+            model = {"id": MODEL_NAME, "object": "model", "owned_by": "rlsearch"}
+            return JSONResponse({"object": "list", "data": [model]})
+
+        return app
+
+
+def _check_single_choice(body: dict) -> None:
+    if body.get("stream"):
+        raise RequestError("streaming is not supported by the rollout endpoint; call without stream")
+    if int(body.get("n") or 1) != 1:
+        raise RequestError("n must be 1: each sample of a group is its own session")
+
+
+def _required(body: dict, key: str, kind: type):
+    value = body.get(key)
+    if not isinstance(value, kind):
+        raise RequestError(f"'{key}' is required ({kind.__name__})")
+    return value
+
+
+def _setting(body: dict, key: str, default: float) -> float:
+    value = body.get(key)
+    return default if value is None else value
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value, ensure_ascii=False)
