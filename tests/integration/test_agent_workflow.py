@@ -9,6 +9,7 @@ the sampled ids, with the template's seam after `<|im_end|>` as a loss-mask-0 to
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import openai
@@ -20,7 +21,7 @@ from rlsearch.data import load_qa_dataset
 from rlsearch.loop_thread import LoopThread
 from rlsearch.rollout import AgentLoop, EngineSpec, PromptItem, VLLMEngine
 from rlsearch.rollout.session import AgentRunner, SessionEndpoint
-from rlsearch.tools import build_registry, make_protocol
+from rlsearch.tools import ToolCall, build_registry, make_protocol
 from rlsearch.trainer.grpo import train_samples
 from tests.conftest import TEST_ROLLOUT
 
@@ -231,3 +232,67 @@ def test_bad_requests_get_4xx_and_failing_agents_fail_only_their_trajectory(benc
     assert "rollout.max_response_tokens=16" in seen["budget"]
     # failed trajectories are left out of training (and of their group's statistics)
     assert len(train_samples(trajectories, AlgoConfig())) == 1
+
+
+PREFILLED_CALLS = (
+    '<tool_call>\n{"name": "search", "arguments": {"query": "QUERY"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "search", "arguments": {"query": "QUERY", "topk": 1}}\n</tool_call>'
+)
+
+
+def native_tool_agent(records: dict):
+    """Native tool calls through the endpoint: the first turn's two calls are prefilled (a random model never writes
+    them), the endpoint returns them as OpenAI tool_calls, both run concurrently, and their results go back as tool
+    messages for a second turn."""
+
+    async def agent(session, example) -> None:
+        client, tools = session.openai(), session.tools.openai_schemas()
+        messages = [{"role": "user", "content": example.question}]
+        calls = PREFILLED_CALLS.replace("QUERY", example.question)
+        first = await client.chat.completions.create(
+            model=session.model, messages=[*messages, {"role": "assistant", "content": calls}], tools=tools,
+            max_tokens=4, extra_body={"continue_final_message": True, "add_generation_prompt": False},
+        )
+        reply = first.choices[0].message
+        messages.append(reply.model_dump(exclude_none=True))
+        results = await session.tools.run([
+            ToolCall(call.function.name, "", arguments=json.loads(call.function.arguments)) for call in reply.tool_calls
+        ])
+        for call, result in zip(reply.tool_calls, results):
+            content = "\n".join(document.text for document in result.documents)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+        second = await client.chat.completions.create(model=session.model, messages=messages, tools=tools, max_tokens=6)
+        records[example.group_id] = (messages, first, second, results)
+
+    return agent
+
+
+def test_native_tool_calls_come_back_as_tool_calls_and_their_results_continue_the_sampled_ids(bench, toy_data):
+    records: dict = {}
+    tokenizer = bench.engine.tokenizer
+    trajectories = bench.agent(native_tool_agent(records), prompt_items(toy_data, prompts=4, samples=1), step=4,
+                               logit_bias={"<|im_end|>": 9.0}, assistant_prefix="")
+    for trajectory in trajectories:
+        messages, first, second, results = records[trajectory.group_id]
+        assert not trajectory.failed and len(trajectory.segments) == 1
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("search", {"query": messages[0]["content"]}), ("search", {"query": messages[0]["content"], "topk": 1})
+        ]
+        assert [len(result.documents) for result in results] == [2, 1]  # tools.retriever.topk, then the typed topk
+        records_of_turn = trajectory.turns[0].tool_calls
+        assert [record.arguments for record in records_of_turn] == [json.loads(c.function.arguments)
+                                                                    for c in choice.message.tool_calls]
+        assert all(record.ok for record in records_of_turn)
+        first_ids = choice.model_extra["token_ids"]
+        prompt = first.model_extra["prompt_token_ids"]
+        second_prompt = second.model_extra["prompt_token_ids"]
+        assert second_prompt[: len(prompt) + len(first_ids)] == prompt + first_ids
+        inserted = second_prompt[len(prompt) + len(first_ids):]
+        assert trajectory.loss_mask == [1] * len(first_ids) + [0] * len(inserted) + [1] * len(
+            second.choices[0].model_extra["token_ids"])
+        ended = first_ids[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+        tool_turn = "".join(f"\n<tool_response>\n{m['content']}\n</tool_response>" for m in messages[2:])
+        seam = "\n" if ended else "<|im_end|>\n"
+        assert tokenizer.decode(inserted) == f"{seam}<|im_start|>user{tool_turn}<|im_end|>\n<|im_start|>assistant\n"

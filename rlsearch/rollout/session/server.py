@@ -6,7 +6,8 @@ runs on the worker's engine with the rollout's sampling settings: a per-(example
 configured logit bias, ``rollout.temperature``/``top_p`` unless the request sets them, at most
 ``rollout.max_tokens_per_turn`` tokens and never past the trajectory's ``rollout.max_response_tokens``. The text
 returned always includes the stop string that ended it (its tokens were sampled). Responses also carry
-``prompt_token_ids`` and ``token_ids``.
+``prompt_token_ids`` and ``token_ids``. With ``tools``, ``<tool_call>`` blocks come back as ``tool_calls`` (of the
+whole message when it was continued, its ``content`` then being the text before the first call).
 
 Errors: an unknown session is 404; a prompt over ``rollout.max_prompt_tokens``, a trajectory whose response budget
 is used up, ``n`` > 1 or ``stream`` are 400 with the reason.
@@ -118,23 +119,22 @@ class SessionEndpoint:
         text = self.renderer.render(messages, add_generation_prompt, tools, continue_final, template_kwargs)
         prompt = session.tokens.plan_text(text, None if continue_final else messages, render)
         call, sampled, logprobs = await self._generate(session, item, step, prompt, body)
+        # a continued message's text is its earlier content plus what was sampled: it is parsed, and kept, whole
+        written = messages[-1]["content"] + call.text if continue_final else call.text
         message: dict[str, Any] = {"role": "assistant", "content": call.text}
+        kept = {"role": "assistant", "content": written}
         finish = call.finish_reason
-        if tools and not continue_final:  # a continued message is the agent's raw text: it parses it itself
-            parsed, error = parse_tool_calls(call.text)
-            if parsed and error is None:
-                message["content"] = call.text[: call.text.find("<tool_call>")].strip()
-                message["tool_calls"] = [
-                    {"id": f"call_{len(session.calls)}_{index}", "type": "function",
-                     "function": {"name": c.name, "arguments": _json(c.arguments or {})}}
-                    for index, c in enumerate(parsed)
-                ]
-                call.answered_tool_calls = True
-                finish = "tool_calls"
-        if continue_final:  # the open assistant message now ends with the text sampled
-            returned = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + call.text}]
-        else:
-            returned = [*messages, normalise_message(message)]
+        parsed, error = parse_tool_calls(written) if tools else ([], None)
+        if parsed and error is None:
+            kept["content"] = message["content"] = written[: written.find("<tool_call>")].strip()
+            kept["tool_calls"] = message["tool_calls"] = [
+                {"id": f"call_{len(session.calls)}_{index}", "type": "function",
+                 "function": {"name": c.name, "arguments": _json(c.arguments or {})}}
+                for index, c in enumerate(parsed)
+            ]
+            call.answered_tool_calls = True
+            finish = "tool_calls"
+        returned = [*messages[:-1], kept] if continue_final else [*messages, kept]
         session.tokens.record(prompt, text, sampled, logprobs, returned)
         choice = {"index": 0, "message": message, "finish_reason": finish, "token_ids": sampled}
         if body.get("logprobs"):
