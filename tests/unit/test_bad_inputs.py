@@ -115,3 +115,15 @@ def test_ten_megabyte_tool_output_without_a_budget_is_cut_by_characters(protocol
     # an output within the limit is rendered whole, as before
     small = [Document(text="word " * 300, title="Doc", id="1")]
     assert fit_observation(protocol, small, 0, tokenizer) == protocol.observation(small)
+
+
+def test_a_user_agent_that_cannot_be_loaded_says_what_to_fix():
+    from rlsearch.rollout.session import load_agent
+
+    with pytest.raises(ValueError, match=r"cannot import 'no_such_package\.agents'.*importable from the directory"):
+        load_agent("no_such_package.agents:agent")
+    with pytest.raises(ValueError, match=r"has no `async def prompt_messages\(session, example\)`"):
+        load_agent("rlsearch.rollout.agent_loop:prompt_messages")
+    with pytest.raises(ValueError, match=r"has no `async def render\(session, example\)`"):
+        load_agent("examples.agents.multi_tool:render")  # a plain function, not a coroutine function
+    assert load_agent("examples.agents.search_r1:agent").__name__ == "agent"

@@ -39,6 +39,11 @@ def test_unknown_key_in_yaml(tmp_path):
         ("rollout.group_size=1", r"'rollout\.group_size' must be >= 2"),
         ("trainer.total_steps", r"bad override 'trainer\.total_steps'"),
         ("trainer=3", r"'trainer' must be a mapping of keys \(a section\), got 3"),
+        ("rollout.agent=my_agents", r"'rollout\.agent' must be builtin or \"package\.module:function\""),
+        ("rollout.agent_timeout_s=0", r"'rollout\.agent_timeout_s' must be > 0"),
+        ("rollout.protocol=hermes", r"'rollout\.protocol' must be one of search_r1, call_tool, chat_tools"),
+        ("tools.mcp.servers=[{allow: [x]}]", r"'tools\.mcp\.servers\[0\]' needs exactly one of url .* and command"),
+        ("tools.mcp.servers=[{url: 'http://h/mcp', command: [x]}]", r"needs exactly one of url"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
