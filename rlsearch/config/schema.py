@@ -54,7 +54,8 @@ class AlgoConfig:
     norm_adv_by_std: bool = True  # GRPO: (r - mean) / (std + eps); false gives Dr. GRPO's r - mean
     adv_eps: float = 1e-6
     # truncated importance sampling: the policy-gradient term of each token is weighted by
-    # min(pi_actor / pi_rollout, tis_cap), correcting for rollouts sampled with older weights (rollout.async_steps)
+    # min(pi_old / pi_rollout, tis_cap), pi_old the actor before the step's first update, correcting for rollouts
+    # sampled with older weights (rollout.async_steps)
     # or other numerics (bf16 engine kernels); about 1 on-policy in fp32. 0 disables it.
     tis_cap: float = 2.0
     # true: only tokens the policy sampled are trained (observation tokens have loss mask 0). false trains on tool
