@@ -101,6 +101,9 @@ class GRPOTrainer:
         self.sampler = EpochSampler(self.examples, seed=config.trainer.seed, shuffle=config.data.shuffle)
         self.step = 0
         self.resumed_step = 0
+        # whether the actor's weights and optimizer have been updated (in this run, or in the one it resumes): an
+        # optimizer that never stepped has no state to checkpoint
+        self.weights_updated = False
         self.weight_version = 0  # optimizer updates synced into the engine (this process's)
         self.rollouts: deque[PendingRollout] = deque()
         self.next_rollout_step = 1
@@ -204,6 +207,7 @@ class GRPOTrainer:
         same_layout = point.layout == self._layout()
         self.actor.load_checkpoint(str(point.path / MODEL_DIR), restore_rng=same_layout)
         self.step = self.resumed_step = point.step
+        self.weights_updated = True
         self.next_rollout_step = point.step + 1
         self.sampler.restore(point.sampler)
         self.trained_sampler_state = point.sampler
@@ -257,7 +261,7 @@ class GRPOTrainer:
                 self._record_skip(metrics)
                 interval = self.config.trainer.save_interval
                 if self.step == self.config.trainer.total_steps or (interval and self.step % interval == 0):
-                    last_checkpoint = self.save_checkpoint()
+                    last_checkpoint = self._checkpoint_if_updated()
                 interval = self.config.trainer.eval_interval
                 if interval and (self.step % interval == 0 or self.step == self.config.trainer.total_steps):
                     self.evaluate_policy()
@@ -347,7 +351,9 @@ class GRPOTrainer:
             update = policy_update(self.actor, samples, config.algo) if samples else None
 
         # 6. weights: the engines get the new weights (none when nothing changed) and must match the actor
-        sync_metrics = self._sync_weights(update is not None and update.changed_weights, timings)
+        changed = update is not None and update.changed_weights
+        self.weights_updated |= changed
+        sync_metrics = self._sync_weights(changed, timings)
 
         # 7. log
         metrics = {
@@ -410,6 +416,15 @@ class GRPOTrainer:
             "time/engine_idle_s": self.pool.idle_seconds(),
         }
 
+    def _checkpoint_if_updated(self) -> Path | None:
+        """A checkpoint of the current step, unless no step has updated the weights yet (algo.filter_groups dropped
+        every group so far): the weights are still model.path's and the optimizer has no state to save."""
+        if not self.weights_updated:
+            print(f"[rlsearch] no checkpoint after step {self.step}: no step has updated the weights yet, they are "
+                  f"model.path's ({self.config.model.path})", flush=True)
+            return None
+        return self.save_checkpoint()
+
     def _replace_dead_engines(self) -> int:
         """Restart the rollout engines that died; returns how many."""
         dead = self.pool.dead_engines()
@@ -435,7 +450,7 @@ class GRPOTrainer:
         try:
             self.skip_guard.record(self.step, skipped)
         except NonFiniteStepsError as error:
-            if error.last_good_step:
+            if error.last_good_step and self.weights_updated:
                 error.checkpoint = self._checkpoint_of_step(error.last_good_step, self.good_sampler_state)
             else:  # a fresh run that never updated: the model is model.path's and the optimizer has no state to save
                 error.initial_model = self.config.model.path

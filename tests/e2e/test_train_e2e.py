@@ -174,3 +174,6 @@ def test_filter_groups_drops_every_group_of_a_random_model_and_the_run_goes_on(t
     assert [e.value for e in events.Scalars("bridge/engines")] == [0.0, 0.0]  # no new weights, no sync
     assert [e.value for e in events.Scalars("reward/em")] == [0.0, 0.0]
     assert len((out / "trajectories" / "step_000001.jsonl").read_text().splitlines()) == 12  # 3 prompts x 4
+    # weights never changed: nothing to checkpoint (an optimizer that never stepped has no state)
+    assert "no checkpoint after step 2: no step has updated the weights yet" in result.stdout
+    assert not list((out / "checkpoints").glob("step_*"))
