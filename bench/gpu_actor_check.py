@@ -32,6 +32,7 @@ import os
 import socket
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -40,7 +41,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from bench.common import SHAPES, build_model  # noqa: E402
+from rlsearch.algo import grpo_objective  # noqa: E402
 
+
+def _grpo_step(worker, samples) -> dict[str, float]:
+    """One GRPO optimizer step of a single-rank worker (no data parallelism)."""
+    return worker.train_step(samples, 1, partial(grpo_objective, algo=worker.spec.algo))
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -94,7 +100,7 @@ def profile(worker, samples, steps: int, on_gpu: bool) -> None:
         sync()
         t0 = time.perf_counter()
         for _ in range(steps):
-            worker.train_step(samples, dp_size=1)
+            _grpo_step(worker, samples)
         sync()
         wall = time.perf_counter() - t0
     finally:
@@ -105,7 +111,7 @@ def profile(worker, samples, steps: int, on_gpu: bool) -> None:
         + f", other {other / steps * 1e3:.1f} ms", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with torch_profile(activities=activities) as prof:
-        worker.train_step(samples, dp_size=1)
+        _grpo_step(worker, samples)
         sync()
     key = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60), flush=True)
@@ -188,7 +194,7 @@ def main() -> None:
     # ---- train --------------------------------------------------------------------------------------------------
     for step in range(args.train_steps):
         t0 = time.perf_counter()
-        stats = worker.train_step(samples, dp_size=1)
+        stats = _grpo_step(worker, samples)
         elapsed = time.perf_counter() - t0
         print(f"train step {step + 1}: {elapsed:.2f} s, policy loss {stats['policy_loss']:+.5f}, kl loss "
               f"{stats['kl_loss']:.3e}, grad norm {stats['grad_norm']:.4f}, update_ok {stats['update_ok']:.0f}, "
@@ -205,7 +211,7 @@ def main() -> None:
     # ---- timing -------------------------------------------------------------------------------------------------
     if args.time_steps:
         trainer = HFTrainer(str(model_path), args.dtype, torch.get_num_threads(), args.hf_micro_batch, "trl")
-        sides = {"hf": lambda: trainer.train_step(samples), "megatron": lambda: worker.train_step(samples, 1)}
+        sides = {"hf": lambda: trainer.train_step(samples), "megatron": lambda: _grpo_step(worker, samples)}
         seconds: dict[str, list[float]] = {name: [] for name in sides}
         order = ["hf", "megatron"]
         for step in range(args.time_steps + 1):

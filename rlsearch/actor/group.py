@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import ray
 
+from ..algo import Objective, grpo_objective, sft_objective
 from .batch import TrainSample
 from .worker import ActorWorkerSpec, MegatronActorWorker, RankInfo
 
@@ -24,6 +26,7 @@ class ActorGroup:
         from ray.util.placement_group import placement_group as new_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self.spec = spec
         actor = spec.actor
         self.world_size = actor.tp * actor.pp * actor.dp
         self.dp_size = actor.dp
@@ -87,11 +90,13 @@ class ActorGroup:
         ])
         return [row for shard in self._output_by_dp_rank(results) for row in shard]
 
-    def _train(self, samples: Sequence[TrainSample], objective: str) -> tuple[list[dict[str, float]], float]:
+    def _train(
+        self, samples: Sequence[TrainSample], objective: Objective, temperature: float | None = None
+    ) -> tuple[list[dict[str, float]], float]:
         """One optimizer step on every rank: the output ranks' results by DP rank, and whether it was skipped."""
         shards = self._shards(samples)
         results = self._get([
-            worker.train_step.remote(shards[info.dp_rank], self.dp_size, objective)
+            worker.train_step.remote(shards[info.dp_rank], self.dp_size, objective, temperature)
             for worker, info in zip(self.workers, self.infos)
         ])
         skipped = {result["skipped_nonfinite"] for result in results}
@@ -102,7 +107,7 @@ class ActorGroup:
 
     def sft_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """One supervised step: the mean negative log-likelihood of the loss-masked tokens (token weights sum to 1)."""
-        per_dp, skipped = self._train(samples, "sft")
+        per_dp, skipped = self._train(samples, sft_objective, temperature=1.0)
         tokens = max(sum(r["tokens"] for r in per_dp), 1.0)
         return {
             "sft/loss": sum(r["nll_sum"] for r in per_dp) / tokens,
@@ -112,8 +117,9 @@ class ActorGroup:
             "actor/skipped_nonfinite": skipped,
         }
 
-    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        per_dp, skipped = self._train(samples, "grpo")
+    def train_step(self, samples: Sequence[TrainSample], objective: Objective | None = None) -> dict[str, float]:
+        """One optimizer step of `objective` (default: GRPO with the group's algo config) over `samples`."""
+        per_dp, skipped = self._train(samples, objective or partial(grpo_objective, algo=self.spec.algo))
         summed = {key: sum(r[key] for r in per_dp) for key in (
             "policy_loss", "kl_loss", "clip_tokens", "approx_kl_sum", "rollout_drift_sum", "tis_weight_sum",
             "tis_capped_tokens", "tokens",

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..algo import kl_estimate, ppo_clip_terms, truncated_importance_weights
+from ..algo import Objective
 from ..config import ActorConfig, AlgoConfig
 from ..weights import broadcast, shm
 from ..weights.bucket import WeightBucket
@@ -259,58 +259,25 @@ class MegatronActorWorker:
         by_index = {index: row for out in outputs for index, row in zip(out["indices"], out["logprobs"])}
         return [by_index[index] for index in range(len(samples))]
 
-    def train_step(self, samples: Sequence[TrainSample], dp_size: int, objective: str = "grpo") -> dict[str, float]:
-        """One optimizer step over `samples` (this rank's data-parallel shard). `objective` grpo: PPO-clip (+ KL) with
-        the samples' advantages; sft: the negative log-likelihood of the loss-masked tokens at temperature 1 (a
-        supervised warm start). When the loss or the gradients are NaN/inf on any rank, every rank skips the
-        optimizer and LR-scheduler steps instead (`skipped_nonfinite` 1.0, `update_ok` 0.0, `grad_norm` NaN): nothing
-        changes but zeroed gradients."""
-        loss_fns = {"grpo": self._grpo_loss, "sft": self._sft_loss}
-        if objective not in loss_fns:
-            raise ValueError(f"unknown training objective '{objective}' (expected {' or '.join(loss_fns)})")
-        algo = self.spec.algo
+    def train_step(
+        self, samples: Sequence[TrainSample], dp_size: int, objective: Objective, temperature: float | None = None
+    ) -> dict[str, float]:
+        """One optimizer step over `samples` (this rank's data-parallel shard), minimising `objective` (an
+        `rlsearch.algo` objective: loss and stats from the logprobs at `temperature`, default the rollout's). When
+        the loss or the gradients are NaN/inf on any rank, every rank skips the optimizer and LR-scheduler steps
+        instead (`skipped_nonfinite` 1.0, `update_ok` 0.0, `grad_norm` NaN): nothing changes but zeroed gradients."""
         if not samples:
             # an empty shard still joins the gradient all-reduce and the optimizer step: a zero-weight token
-            samples = [TrainSample([0, 0], 1, [0], token_weights=[0.0], ref_logprobs=[0.0] if algo.kl_coef else None)]
-        return self._optimizer_step(samples, partial(loss_fns[objective], dp_size))
+            reference = [0.0] if self.spec.algo.kl_coef else None
+            samples = [TrainSample([0, 0], 1, [0], token_weights=[0.0], ref_logprobs=reference)]
 
-    def _grpo_loss(self, dp_size: int, mb: MicroBatch, num_micro_batches: int, logits: torch.Tensor):
-        algo = self.spec.algo
-        logprobs = self._token_logprobs(logits, mb.labels)
-        old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
-        terms = ppo_clip_terms(logprobs, old_logprobs, mb.advantages, algo.clip_ratio_low, algo.clip_ratio_high)
-        tis = torch.ones_like(logprobs)
-        if algo.tis_cap > 0 and mb.rollout_logprobs is not None:
-            tis = truncated_importance_weights(logprobs, mb.rollout_logprobs, algo.tis_cap)
-        policy_per_token = terms.per_token_loss * tis
-        kl = torch.zeros_like(logprobs)
-        if algo.kl_coef > 0:
-            kl = kl_estimate(logprobs, mb.ref_logprobs, algo.kl_estimator)
-        mask = mb.loss_mask
-        loss = ((policy_per_token + algo.kl_coef * kl) * mb.token_weights).sum()
-        drift = torch.zeros_like(kl)
-        if mb.rollout_logprobs is not None:
-            drift = (logprobs.detach() - mb.rollout_logprobs).abs()
-        stats = {
-            "loss": loss.detach(),
-            "policy_loss": (policy_per_token * mb.token_weights).sum().detach(),
-            "kl_loss": (kl * mb.token_weights).sum().detach(),
-            "clip_tokens": (terms.clipped * mask).sum(),
-            "approx_kl_sum": (terms.approx_kl * mask).sum(),
-            "rollout_drift_sum": (drift.detach() * mask).sum(),
-            "tis_weight_sum": (tis * mask).sum(),
-            "tis_capped_tokens": ((tis >= algo.tis_cap) * mask).sum() if algo.tis_cap > 0 else mask.new_zeros(()),
-            "tokens": mask.sum(),
-        }
-        # the schedule divides by the number of micro-batches and DDP averages over DP ranks; the token
-        # weights already normalise over the whole global batch, so undo both
-        return loss * num_micro_batches * dp_size, stats
+        def loss_fn(mb: MicroBatch, num_micro_batches: int, logits: torch.Tensor):
+            loss, stats = objective(self._token_logprobs(logits, mb.labels, temperature), mb)
+            # the schedule divides by the number of micro-batches and DDP averages over DP ranks; the token
+            # weights already normalise over the whole global batch, so undo both
+            return loss * num_micro_batches * dp_size, stats
 
-    def _sft_loss(self, dp_size: int, mb: MicroBatch, num_micro_batches: int, logits: torch.Tensor):
-        nll = -self._token_logprobs(logits, mb.labels, temperature=1.0)
-        loss = (nll * mb.token_weights).sum()
-        stats = {"loss": loss.detach(), "nll_sum": (nll.detach() * mb.loss_mask).sum(), "tokens": mb.loss_mask.sum()}
-        return loss * num_micro_batches * dp_size, stats
+        return self._optimizer_step(samples, loss_fn)
 
     def _optimizer_step(self, samples: Sequence[TrainSample], loss_fn) -> dict[str, float]:
         for chunk in self.model:

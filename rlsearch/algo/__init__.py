@@ -1,10 +1,12 @@
 """RL math as pure functions: GRPO advantages, PPO-clip policy loss, KL estimators, truncated importance weights,
-loss aggregation."""
+loss aggregation, the training objectives the actor runs, group filtering and mini-batch bounds."""
 
 from .advantages import grpo_advantages
+from .batching import groups_with_signal, minibatch_bounds
 from .loss import PolicyLossTerms, kl_estimate, loss_token_weights, ppo_clip_terms, truncated_importance_weights
+from .objectives import Objective, grpo_objective, sft_objective
 
 __all__ = [
-    "PolicyLossTerms", "grpo_advantages", "kl_estimate", "loss_token_weights", "ppo_clip_terms",
-    "truncated_importance_weights",
+    "Objective", "PolicyLossTerms", "grpo_advantages", "grpo_objective", "groups_with_signal", "kl_estimate",
+    "loss_token_weights", "minibatch_bounds", "ppo_clip_terms", "sft_objective", "truncated_importance_weights",
 ]

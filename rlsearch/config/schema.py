@@ -16,6 +16,9 @@ class DataConfig:
     train_files: list[str] = field(default_factory=lambda: ["outputs/assets/toy/train.jsonl"])
     batch_size: int = 4  # prompts per step; each is sampled rollout.group_size times
     shuffle: bool = True  # reshuffled every epoch from trainer.seed
+    # >= 1: a step rolls out ceil(batch_size * oversample) prompts and trains the first batch_size groups that
+    # algo.filter_groups keeps, so dropped groups are replaced
+    oversample: float = 1.0
 
 
 @dataclass
@@ -51,12 +54,27 @@ class AlgoConfig:
     norm_adv_by_std: bool = True  # GRPO: (r - mean) / (std + eps); false gives Dr. GRPO's r - mean
     adv_eps: float = 1e-6
     # truncated importance sampling: the policy-gradient term of each token is weighted by
-    # min(pi_actor / pi_rollout, tis_cap), correcting for rollouts sampled with older weights (rollout.async_steps)
+    # min(pi_old / pi_rollout, tis_cap), pi_old the actor before the step's first update, correcting for rollouts
+    # sampled with older weights (rollout.async_steps)
     # or other numerics (bf16 engine kernels); about 1 on-policy in fp32. 0 disables it.
     tis_cap: float = 2.0
     # true: only tokens the policy sampled are trained (observation tokens have loss mask 0). false trains on tool
     # output too, as if the model had written it: an ablation switch (Search-R1's finding: worse), not for real runs
     mask_observations: bool = True
+    # PPO updates per step: the step's samples are split into num_minibatches contiguous parts of near-equal sample
+    # counts, each one optimizer (and LR-scheduler) step with its loss normalised over its own tokens, repeated for
+    # ppo_epochs passes. With more than one update the old logprobs come from a forward pass before the first, and
+    # the clip acts from the second update on; 1 and 1: one on-policy update (ratio 1)
+    num_minibatches: int = 1
+    ppo_epochs: int = 1
+    # drop the groups whose samples all have the same outcome (the correctness score: scores["correct"] when the
+    # scorer sets it, else "em"; not the shaped reward, where a format bonus gives variance without signal). See
+    # data.oversample; a step where every group is dropped takes no update
+    filter_groups: bool = False
+    # keep | mask: with mask, trajectories cut by the length budget or rollout.max_turns (finish_reason length or
+    # max_turns) get loss mask 0, so a truncated answer is not punished for its length; they still count in their
+    # group's mean and std (their reward is a real outcome of the prompt)
+    overlong: str = "keep"
 
 
 @dataclass

@@ -16,6 +16,7 @@ _CHOICES = {
     "actor.lr_decay_style": ("constant", "linear", "cosine"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean"),
+    "algo.overlong": ("keep", "mask"),
     "rollout.protocol": ("search_r1", "call_tool", "chat_tools"),
     "tools.retriever.backend": ("bm25", "dense", "hybrid"),
     "trainer.placement": ("colocated", "split"),
@@ -57,6 +58,11 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
         raise ConfigError("'actor.virtual_pipeline_stages' must be 0 (off) or >= 2")
     if config.actor.virtual_pipeline_stages and config.actor.pp < 2:
         raise ConfigError("'actor.virtual_pipeline_stages' needs 'actor.pp' >= 2")
+    for key in ("algo.num_minibatches", "algo.ppo_epochs"):
+        if _get(config, key) < 1:
+            raise ConfigError(f"'{key}' must be >= 1; got {_get(config, key)!r}")
+    if config.data.oversample < 1:
+        raise ConfigError(f"'data.oversample' must be >= 1 (1: no extra prompts); got {config.data.oversample!r}")
     if config.trainer.save_interval < 0:
         raise ConfigError("'trainer.save_interval' must be >= 0")
     if config.trainer.eval_interval < 0:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..actor import ActorGroup, ActorWorkerSpec, TrainSample
-from ..algo import grpo_advantages, loss_token_weights
 from ..checkpoint import CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import MODEL_DIR
-from ..config import AlgoConfig, ConfigError, EvalConfig, TrainConfig, to_dict
+from ..config import ConfigError, EvalConfig, TrainConfig, to_dict
 from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate, score_trajectory
 from ..logging import RunLogger, format_step_line, plot_run
@@ -23,7 +25,9 @@ from ..weights import WeightSync, check_engines_match_actor
 from .metrics import trajectory_metrics
 from .placement import check_retriever_reachable, describe_placement, plan_placement
 from .sampler import EpochSampler, SamplerState
+from .samples import StepBatch, overlong_masked, select_groups, train_samples
 from .skip_guard import NonFiniteStepsError, SkipGuard
+from .update import PolicyUpdate, policy_update
 
 PROBE_CONTINUATION = "<search> who founded the town </search>"
 
@@ -79,36 +83,6 @@ class PendingRollout:
     sampler: SamplerState  # the data position after its batch: what a checkpoint after its step records
 
 
-def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[TrainSample]:
-    """What the actor trains on: GRPO advantages per group and loss-aggregation weights per token, over the tokens the
-    policy sampled (all response tokens with algo.mask_observations false). Trajectories a user agent failed are left
-    out (also of their group's statistics); each segment of a trajectory is a sample with the trajectory's advantage.
-    """
-    import torch
-
-    trained = [t for t in trajectories if not t.failed]
-    if not trained:
-        return []
-    advantages = grpo_advantages(
-        torch.tensor([t.reward for t in trained]), [t.group_id for t in trained],
-        norm_by_std=algo.norm_adv_by_std, eps=algo.adv_eps,
-    )
-    segments = [(segment, advantage) for t, advantage in zip(trained, advantages.tolist()) for segment in t.segments]
-    if algo.mask_observations:
-        masks = [segment.loss_mask for segment, _ in segments]
-    else:  # the ablation: tool output trained as if sampled (it has no rollout logprobs, so no TIS or drift)
-        masks = [[1] * len(segment.loss_mask) for segment, _ in segments]
-    weights = loss_token_weights(masks, algo.loss_agg)
-    return [
-        TrainSample(
-            token_ids=segment.prompt_ids + segment.response_ids, response_start=len(segment.prompt_ids),
-            loss_mask=mask, advantage=float(advantage), token_weights=w,
-            rollout_logprobs=segment.rollout_logprobs if algo.mask_observations else None,
-        )
-        for (segment, advantage), mask, w in zip(segments, masks, weights)
-    ]
-
-
 class WorkerDiedError(RuntimeError):
     """A Ray actor of the run (a Megatron rank or the rollout worker) died: its process exited or was killed."""
 
@@ -127,6 +101,9 @@ class GRPOTrainer:
         self.sampler = EpochSampler(self.examples, seed=config.trainer.seed, shuffle=config.data.shuffle)
         self.step = 0
         self.resumed_step = 0
+        # whether the actor's weights and optimizer have been updated (in this run, or in the one it resumes): an
+        # optimizer that never stepped has no state to checkpoint
+        self.weights_updated = False
         self.weight_version = 0  # optimizer updates synced into the engine (this process's)
         self.rollouts: deque[PendingRollout] = deque()
         self.next_rollout_step = 1
@@ -183,8 +160,9 @@ class GRPOTrainer:
         self.actor = ActorGroup(
             ActorWorkerSpec(
                 model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=config.algo,
-                temperature=config.rollout.temperature, total_steps=config.trainer.total_steps,
-                seed=config.trainer.seed,
+                temperature=config.rollout.temperature, seed=config.trainer.seed,
+                # the LR schedule counts optimizer updates
+                total_steps=config.trainer.total_steps * config.algo.num_minibatches * config.algo.ppo_epochs,
             ),
             num_gpus_per_rank=gpus, **place.actor_options,
         )
@@ -229,6 +207,7 @@ class GRPOTrainer:
         same_layout = point.layout == self._layout()
         self.actor.load_checkpoint(str(point.path / MODEL_DIR), restore_rng=same_layout)
         self.step = self.resumed_step = point.step
+        self.weights_updated = True
         self.next_rollout_step = point.step + 1
         self.sampler.restore(point.sampler)
         self.trained_sampler_state = point.sampler
@@ -282,7 +261,7 @@ class GRPOTrainer:
                 self._record_skip(metrics)
                 interval = self.config.trainer.save_interval
                 if self.step == self.config.trainer.total_steps or (interval and self.step % interval == 0):
-                    last_checkpoint = self.save_checkpoint()
+                    last_checkpoint = self._checkpoint_if_updated()
                 interval = self.config.trainer.eval_interval
                 if interval and (self.step % interval == 0 or self.step == self.config.trainer.total_steps):
                     self.evaluate_policy()
@@ -328,7 +307,7 @@ class GRPOTrainer:
         config = self.config
         last = min(self.step + config.rollout.async_steps, config.trainer.total_steps)
         while self.next_rollout_step <= last:
-            examples = self.sampler.next_batch(config.data.batch_size)
+            examples = self.sampler.next_batch(math.ceil(config.data.batch_size * config.data.oversample))
             items = [
                 PromptItem(example.id, example.question, group_id=index, sample_index=sample,
                            data_source=example.data_source, golden_answers=tuple(example.golden_answers))
@@ -344,74 +323,107 @@ class GRPOTrainer:
             self.next_rollout_step += 1
 
     def train_step(self, rollout: PendingRollout) -> dict[str, float]:
-        config = self.config
-        step_started = time.perf_counter()
-        timer = time.perf_counter()
-        trajectories: list[Trajectory] = rollout.trajectories.result()
-        rollout_wait_s = time.perf_counter() - timer
-        self.trained_sampler_state = rollout.sampler
+        """One GRPO step on a submitted rollout; returns the step's metrics (also logged)."""
+        config, timings = self.config, {}
+        started = time.perf_counter()
         staleness = self.weight_version - rollout.weight_version
+        self.trained_sampler_state = rollout.sampler
 
-        timer = time.perf_counter()
-        self._score(trajectories, rollout.examples)
-        samples = train_samples(trajectories, self.config.algo)
-        if not samples:
-            raise RuntimeError(
-                f"every trajectory of step {rollout.step} failed in the agent ({config.rollout.agent}); the first: "
-                f"{trajectories[0].failed}"
-            )
-        reward_s = time.perf_counter() - timer
-        # one update per step: the old policy is the current one, so its logprobs come from the training forward
-        # pass itself (ratio 1) instead of a separate pass; rollouts sampled with older weights are corrected by
-        # truncated importance weights against their rollout logprobs (algo.tis_cap)
-        timer = time.perf_counter()
-        if config.algo.kl_coef > 0:
-            for sample, logprobs in zip(samples, self.actor.compute_logprobs(samples, reference=True)):
-                sample.ref_logprobs = logprobs
-        ref_logprob_s = time.perf_counter() - timer
-        timer = time.perf_counter()
-        train_metrics = self.actor.train_step(samples)
-        train_s = time.perf_counter() - timer
-        # a NaN/inf loss or grad norm: the actor skipped the optimizer step, so there are no new weights to sync or
-        # check (the engine keeps the same ones); _record_skip counts it and stops the run after too many in a row
-        skipped = train_metrics.get("actor/skipped_nonfinite", 0.0) > 0
+        # 1. rollout: the step's trajectories (submitted up to rollout.async_steps steps ago)
+        with _timed(timings, "time/rollout_s"):
+            trajectories: list[Trajectory] = rollout.trajectories.result()
 
-        timer = time.perf_counter()
-        if self.rollouts and not config.rollout.update_weights_in_flight and not skipped:
-            # rollouts already submitted finish with the weights they were submitted under
-            futures.wait([pending.trajectories for pending in self.rollouts])
-        rollout_wait_s += time.perf_counter() - timer
-        # an engine that died (its groups already ran on the others) is replaced now; it starts with the weights on
-        # disk, so a sync follows even when the step changed none
-        restarted = self._replace_dead_engines()
-        sync, parity = None, {}
-        if not skipped or restarted:
-            sync = self.weight_sync.sync(self.pool.engines)
-            self.weight_version += not skipped
-            parity = self.check_parity()
+        with _timed(timings, "time/reward_s"):
+            # 2. reward: every trajectory scored against its example
+            self._score(trajectories, rollout.examples)
+            # 3. algo: the groups to train (algo.filter_groups, data.batch_size), advantages and token weights
+            batch = select_groups(trajectories, config.algo, config.data.batch_size)
+            samples = self._samples_to_train(rollout.step, trajectories, batch)
+
+        # 4. actor: reference logprobs for the KL penalty (algo.kl_coef)
+        with _timed(timings, "time/ref_logprob_s"):
+            if samples and config.algo.kl_coef > 0:
+                for sample, logprobs in zip(samples, self.actor.compute_logprobs(samples, reference=True)):
+                    sample.ref_logprobs = logprobs
+
+        # 5. actor: the policy update, algo.ppo_epochs x algo.num_minibatches optimizer steps
+        with _timed(timings, "time/train_s"):
+            update = policy_update(self.actor, samples, config.algo) if samples else None
+
+        # 6. weights: the engines get the new weights (none when nothing changed) and must match the actor
+        changed = update is not None and update.changed_weights
+        self.weights_updated |= changed
+        sync_metrics = self._sync_weights(changed, timings)
+
+        # 7. log
         metrics = {
             **trajectory_metrics(trajectories),
-            **train_metrics,
-            **parity,
-            **self.pool.last_metrics(rollout.step),
-            "actor/skipped_steps_total": float(self.skip_guard.total + skipped),
-            "rollout/tool_failures_total": float(self.pool.tool_stats()["failures"]),
-            "rollout/engine_restarts_total": float(self.engine_restarts),
-            "rollout/staleness": float(staleness),
-            "time/rollout_s": rollout_wait_s,
-            "time/reward_s": reward_s,
-            "time/ref_logprob_s": ref_logprob_s,
-            "time/train_s": train_s,
-            "time/sync_s": sync.seconds if sync else 0.0,
-            "time/engine_idle_s": self.pool.idle_seconds(),
-            "bridge/buckets": float(sync.num_buckets) if sync else 0.0,
-            "bridge/engines": float(sync.num_engines) if sync else 0.0,
-            "bridge/sync_mib": sync.num_bytes / 2**20 if sync else 0.0,
-            "time/step_s": time.perf_counter() - step_started,
+            **batch.metrics(),
+            "rollout/overlong_masked": float(overlong_masked(batch.trajectories, config.algo)),
+            **(update.metrics if update else {"actor/updates": 0.0}),
+            **sync_metrics,
+            **self._run_metrics(rollout.step, update, staleness),
+            **timings,
+            "time/step_s": time.perf_counter() - started,
         }
         self.logger.log_metrics(self.step, metrics)
         self.logger.log_trajectories(self.step, [self._trajectory_record(t, rollout.examples) for t in trajectories])
         return metrics
+
+    def _samples_to_train(self, step: int, trajectories: list[Trajectory], batch: StepBatch) -> list[TrainSample]:
+        """The step's train samples; none (and a line saying why) when algo.filter_groups dropped every group. Raises
+        when every trajectory failed in the user agent (a broken agent, not a data property)."""
+        if all(t.failed for t in trajectories):
+            raise RuntimeError(
+                f"every trajectory of step {step} failed in the agent ({self.config.rollout.agent}); the first: "
+                f"{trajectories[0].failed}"
+            )
+        if not batch.trajectories:
+            print(f"[rlsearch] step {self.step}: all {batch.groups_dropped} groups had the same outcome for every "
+                  f"sample ({batch.describe_dropped()}): nothing to learn from, no update", flush=True)
+            return []
+        return train_samples(batch.trajectories, self.config.algo)
+
+    def _sync_weights(self, changed: bool, timings: dict[str, float]) -> dict[str, float]:
+        """New weights into every engine, then the probe check. Without new weights (no update, or every update
+        skipped for NaN/inf) the engines keep theirs, unless one was restarted: it starts from the weights on disk."""
+        with _timed(timings, "time/rollout_s"):
+            if changed and self.rollouts and not self.config.rollout.update_weights_in_flight:
+                # rollouts already submitted finish with the weights they were submitted under
+                futures.wait([pending.trajectories for pending in self.rollouts])
+        restarted = self._replace_dead_engines()
+        if not (changed or restarted):
+            return {"time/sync_s": 0.0, "bridge/buckets": 0.0, "bridge/engines": 0.0, "bridge/sync_mib": 0.0}
+        sync = self.weight_sync.sync(self.pool.engines)
+        self.weight_version += changed
+        return {
+            **self.check_parity(),
+            "time/sync_s": sync.seconds,
+            "bridge/buckets": float(sync.num_buckets),
+            "bridge/engines": float(sync.num_engines),
+            "bridge/sync_mib": sync.num_bytes / 2**20,
+        }
+
+    def _run_metrics(self, step: int, update: PolicyUpdate | None, staleness: int) -> dict[str, float]:
+        """Counters over the run and the rollout pool's view of the step."""
+        skipped = update is not None and not update.changed_weights
+        return {
+            **self.pool.last_metrics(step),
+            "actor/skipped_steps_total": float(self.skip_guard.total + skipped),
+            "rollout/tool_failures_total": float(self.pool.tool_stats()["failures"]),
+            "rollout/engine_restarts_total": float(self.engine_restarts),
+            "rollout/staleness": float(staleness),
+            "time/engine_idle_s": self.pool.idle_seconds(),
+        }
+
+    def _checkpoint_if_updated(self) -> Path | None:
+        """A checkpoint of the current step, unless no step has updated the weights yet (algo.filter_groups dropped
+        every group so far): the weights are still model.path's and the optimizer has no state to save."""
+        if not self.weights_updated:
+            print(f"[rlsearch] no checkpoint after step {self.step}: no step has updated the weights yet, they are "
+                  f"model.path's ({self.config.model.path})", flush=True)
+            return None
+        return self.save_checkpoint()
 
     def _replace_dead_engines(self) -> int:
         """Restart the rollout engines that died; returns how many."""
@@ -438,7 +450,7 @@ class GRPOTrainer:
         try:
             self.skip_guard.record(self.step, skipped)
         except NonFiniteStepsError as error:
-            if error.last_good_step:
+            if error.last_good_step and self.weights_updated:
                 error.checkpoint = self._checkpoint_of_step(error.last_good_step, self.good_sampler_state)
             else:  # a fresh run that never updated: the model is model.path's and the optimizer has no state to save
                 error.initial_model = self.config.model.path
@@ -509,3 +521,13 @@ class GRPOTrainer:
         self.saved_checkpoints[step] = path
         print(f"[rlsearch] checkpoint saved: {path}", flush=True)
         return path
+
+
+@contextmanager
+def _timed(timings: dict[str, float], key: str) -> Iterator[None]:
+    """Adds the seconds the block takes to timings[key]."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - started

@@ -151,3 +151,29 @@ def test_train_and_eval_run_a_user_agent_through_the_endpoint(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in (evaluated / "trajectories.jsonl").open()]
     assert len(rows) == 4 and not any(row["failed"] for row in rows)
+
+
+def test_filter_groups_drops_every_group_of_a_random_model_and_the_run_goes_on(tmp_path):
+    """`algo.filter_groups=true` on the random-init model: no sample is ever correct (a format bonus may still vary
+    the reward), so every group is dropped, the steps take no update and sync nothing, and the run finishes."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    result = _run(["bash", "examples/run_search_grpo.sh", "algo.filter_groups=true", "data.batch_size=2",
+                   "data.oversample=1.5", "trainer.total_steps=2", f"trainer.output_dir={out}"], timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for step in (1, 2):
+        assert (f"step {step}: all 3 groups had the same outcome for every sample (none correct): nothing to learn "
+                "from, no update") in result.stdout
+        assert f"step {step}/2 | reward" in result.stdout
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("rollout/groups_dropped")] == [(1, 3.0), (2, 3.0)]  # ceil(2*1.5)
+    assert [e.value for e in events.Scalars("rollout/groups_kept")] == [0.0, 0.0]
+    assert [e.value for e in events.Scalars("actor/updates")] == [0.0, 0.0]
+    assert [e.value for e in events.Scalars("bridge/engines")] == [0.0, 0.0]  # no new weights, no sync
+    assert [e.value for e in events.Scalars("reward/em")] == [0.0, 0.0]
+    assert len((out / "trajectories" / "step_000001.jsonl").read_text().splitlines()) == 12  # 3 prompts x 4
+    # weights never changed: nothing to checkpoint (an optimizer that never stepped has no state)
+    assert "no checkpoint after step 2: no step has updated the weights yet" in result.stdout
+    assert not list((out / "checkpoints").glob("step_*"))

@@ -22,7 +22,7 @@ from rlsearch.loop_thread import LoopThread
 from rlsearch.rollout import AgentLoop, EngineSpec, PromptItem, VLLMEngine
 from rlsearch.rollout.session import AgentRunner, SessionEndpoint
 from rlsearch.tools import ToolCall, build_registry, make_protocol
-from rlsearch.trainer.grpo import train_samples
+from rlsearch.trainer.samples import train_samples
 from tests.conftest import TEST_ROLLOUT
 
 LOGPROB_TOLERANCE = 1e-5  # two batchings of one engine may reorder float32 sums: a few ulps, never another token

@@ -55,6 +55,7 @@ def _trainer(limit: int, saved: list) -> GRPOTrainer:
     trainer.skip_guard = SkipGuard(limit)
     trainer.good_sampler_state = SamplerState()
     trainer.saved_checkpoints = {}
+    trainer.weights_updated = True  # the steps that are not skipped below update the weights
 
     def save_checkpoint(step: int, sampler: SamplerState) -> Path:
         saved.append((step, sampler))

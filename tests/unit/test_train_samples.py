@@ -7,7 +7,7 @@ import pytest
 
 from rlsearch.config import AlgoConfig
 from rlsearch.rollout import Trajectory
-from rlsearch.trainer.grpo import train_samples
+from rlsearch.trainer.samples import train_samples
 
 
 def _trajectory(group_id: int, reward: float) -> Trajectory:

@@ -1,0 +1,70 @@
+"""Training objectives: per-micro-batch loss and stats from the policy's logprobs. Pure tensor math.
+
+The actor calls the objective it is given with the logprobs of the micro-batch's selected positions and the
+micro-batch (`rlsearch.actor.batch.MicroBatch`: loss_mask, token_weights, advantages and the optional old,
+reference and rollout logprobs, all 1-D over those positions). It returns the aggregated loss (token weights
+applied: summed over every micro-batch of a step it is the step's loss) and sums that the actor group reduces.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from ..config import AlgoConfig
+from .loss import kl_estimate, ppo_clip_terms, truncated_importance_weights
+
+if TYPE_CHECKING:
+    from ..actor.batch import MicroBatch
+
+
+class Objective(Protocol):
+    def __call__(self, logprobs: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ...
+
+
+def grpo_objective(
+    logprobs: torch.Tensor, batch: MicroBatch, algo: AlgoConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip with the samples' advantages (+ KL to the reference when algo.kl_coef > 0).
+
+    The ratio is against `batch.old_logprobs` (the policy before the step's first update), or 1 when there are
+    none (a single update per step: old policy = current). Truncated importance weights correct for the engine
+    having sampled with other weights or numerics: min(pi_old / pi_rollout, tis_cap), the old policy being the
+    one the PPO ratio starts from, so a token's policy change is not counted twice.
+    """
+    old_logprobs = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+    terms = ppo_clip_terms(logprobs, old_logprobs, batch.advantages, algo.clip_ratio_low, algo.clip_ratio_high)
+    tis = torch.ones_like(logprobs)
+    if algo.tis_cap > 0 and batch.rollout_logprobs is not None:
+        tis = truncated_importance_weights(old_logprobs, batch.rollout_logprobs, algo.tis_cap)
+    policy_per_token = terms.per_token_loss * tis
+    kl = torch.zeros_like(logprobs)
+    if algo.kl_coef > 0:
+        kl = kl_estimate(logprobs, batch.ref_logprobs, algo.kl_estimator)
+    mask, weights = batch.loss_mask, batch.token_weights
+    loss = ((policy_per_token + algo.kl_coef * kl) * weights).sum()
+    drift = torch.zeros_like(kl)
+    if batch.rollout_logprobs is not None:
+        drift = (old_logprobs.detach() - batch.rollout_logprobs).abs()
+    stats = {
+        "loss": loss.detach(),
+        "policy_loss": (policy_per_token * weights).sum().detach(),
+        "kl_loss": (kl * weights).sum().detach(),
+        "clip_tokens": (terms.clipped * mask).sum(),
+        "approx_kl_sum": (terms.approx_kl * mask).sum(),
+        "rollout_drift_sum": (drift.detach() * mask).sum(),
+        "tis_weight_sum": (tis * mask).sum(),
+        "tis_capped_tokens": ((tis >= algo.tis_cap) * mask).sum() if algo.tis_cap > 0 else mask.new_zeros(()),
+        "tokens": mask.sum(),
+    }
+    return loss, stats
+
+
+def sft_objective(logprobs: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The negative log-likelihood of the loss-masked tokens (a supervised warm start; logprobs at temperature 1)."""
+    nll = -logprobs
+    loss = (nll * batch.token_weights).sum()
+    stats = {"loss": loss.detach(), "nll_sum": (nll.detach() * batch.loss_mask).sum(), "tokens": batch.loss_mask.sum()}
+    return loss, stats

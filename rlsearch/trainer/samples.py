@@ -1,0 +1,120 @@
+"""From scored trajectories to what the actor trains on: the groups a step keeps (algo.filter_groups,
+data.oversample), overlong masking (algo.overlong), advantages and loss-aggregation weights, and the mini-batches of
+the step's PPO updates (algo.num_minibatches)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from ..actor import TrainSample
+from ..algo import groups_with_signal, grpo_advantages, loss_token_weights, minibatch_bounds
+from ..config import AlgoConfig
+from ..rollout import Trajectory
+
+OVERLONG_FINISH = ("length", "max_turns")  # cut by rollout.max_response_tokens or rollout.max_turns
+
+
+def outcome(trajectory: Trajectory) -> float:
+    """The correctness score: scores["correct"] when the scorer sets one (an LLM judge), else exact match."""
+    scores = trajectory.scores
+    return scores.get("correct", scores["em"])
+
+
+def is_overlong(trajectory: Trajectory) -> bool:
+    return trajectory.finish_reason in OVERLONG_FINISH
+
+
+@dataclass
+class StepBatch:
+    """The trajectories a step trains on, and what was left out of the rolled-out ones."""
+
+    trajectories: list[Trajectory]  # not failed, in a kept group, within data.batch_size groups; rollout order
+    groups_kept: int = 0  # groups with a learning signal (all of them with algo.filter_groups off)
+    groups_dropped: int = 0  # same outcome for every sample (algo.filter_groups)
+    groups_trained: int = 0  # the first data.batch_size kept groups
+    dropped_by_outcome: Counter = field(default_factory=Counter)  # "none correct" / "all correct" -> groups
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollout/groups_kept": float(self.groups_kept),
+            "rollout/groups_dropped": float(self.groups_dropped),
+            "rollout/groups_trained": float(self.groups_trained),
+        }
+
+    def describe_dropped(self) -> str:
+        """e.g. "none correct" or "3 none correct, 1 all correct"."""
+        if len(self.dropped_by_outcome) == 1:
+            return next(iter(self.dropped_by_outcome))
+        return ", ".join(f"{count} {kind}" for kind, count in sorted(self.dropped_by_outcome.items()))
+
+
+def select_groups(trajectories: list[Trajectory], algo: AlgoConfig, max_groups: int) -> StepBatch:
+    """The first `max_groups` groups (in rollout order) that algo.filter_groups keeps. Failed trajectories (a user
+    agent raised or timed out) are left out first, also of their group's outcome."""
+    usable = [t for t in trajectories if not t.failed]
+    order = list(dict.fromkeys(t.group_id for t in usable))
+    kept = order
+    dropped_by_outcome: Counter = Counter()
+    if algo.filter_groups:
+        kept = groups_with_signal([outcome(t) for t in usable], [t.group_id for t in usable])
+        for group in set(order) - set(kept):
+            correct = next(outcome(t) for t in usable if t.group_id == group) > 0
+            dropped_by_outcome["all correct" if correct else "none correct"] += 1
+    trained = set(kept[:max_groups])
+    return StepBatch(
+        trajectories=[t for t in usable if t.group_id in trained], groups_kept=len(kept),
+        groups_dropped=len(order) - len(kept), groups_trained=len(trained), dropped_by_outcome=dropped_by_outcome,
+    )
+
+
+def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[TrainSample]:
+    """What the actor trains on: GRPO advantages per group and loss-aggregation weights per token (over the whole
+    list; `minibatches` re-weights per update), over the tokens the policy sampled (all response tokens with
+    algo.mask_observations false). Trajectories a user agent failed are left out (also of their group's statistics);
+    each segment of a trajectory is a sample with the trajectory's advantage. With algo.overlong=mask a trajectory cut
+    by a length or turn limit keeps its place in its group's statistics but trains no token.
+    """
+    import torch
+
+    trained = [t for t in trajectories if not t.failed]
+    if not trained:
+        return []
+    advantages = grpo_advantages(
+        torch.tensor([t.reward for t in trained]), [t.group_id for t in trained],
+        norm_by_std=algo.norm_adv_by_std, eps=algo.adv_eps,
+    )
+    segments = [(t, segment, advantage) for t, advantage in zip(trained, advantages.tolist()) for segment in t.segments]
+    masks = []
+    for trajectory, segment, _ in segments:
+        if algo.overlong == "mask" and is_overlong(trajectory):
+            masks.append([0] * len(segment.loss_mask))
+        elif algo.mask_observations:
+            masks.append(segment.loss_mask)
+        else:  # the ablation: tool output trained as if sampled (it has no rollout logprobs, so no TIS or drift)
+            masks.append([1] * len(segment.loss_mask))
+    weights = loss_token_weights(masks, algo.loss_agg)
+    return [
+        TrainSample(
+            token_ids=segment.prompt_ids + segment.response_ids, response_start=len(segment.prompt_ids),
+            loss_mask=mask, advantage=float(advantage), token_weights=w,
+            rollout_logprobs=segment.rollout_logprobs if algo.mask_observations else None,
+        )
+        for (_, segment, advantage), mask, w in zip(segments, masks, weights)
+    ]
+
+
+def overlong_masked(trajectories: list[Trajectory], algo: AlgoConfig) -> int:
+    """Trajectories that train no token because of algo.overlong=mask."""
+    return sum(is_overlong(t) for t in trajectories if not t.failed) if algo.overlong == "mask" else 0
+
+
+def minibatches(samples: list[TrainSample], algo: AlgoConfig) -> list[list[TrainSample]]:
+    """The step's samples in algo.num_minibatches contiguous parts (see `rlsearch.algo.minibatch_bounds`), each
+    with loss-aggregation weights over its own tokens: every update's loss is a mean over what it trains on."""
+    parts = [samples[start:end] for start, end in minibatch_bounds(len(samples), algo.num_minibatches)]
+    return [
+        [replace(sample, token_weights=w) for sample, w in zip(part, loss_token_weights(
+            [sample.loss_mask for sample in part], algo.loss_agg))]
+        for part in parts
+    ]

@@ -1,0 +1,49 @@
+"""The policy update of a GRPO step: algo.ppo_epochs passes over algo.num_minibatches mini-batches, each one
+optimizer step on the actor group."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from ..actor import ActorGroup, TrainSample
+from ..config import AlgoConfig
+from .samples import minibatches
+
+
+@dataclass
+class PolicyUpdate:
+    metrics: dict[str, float]  # actor/* averaged over the updates, actor/updates, time/old_logprob_s
+    per_update: list[dict[str, float]]  # the actor group's metrics of each optimizer step, in order
+
+    @property
+    def changed_weights(self) -> bool:
+        """False when every update was skipped for a NaN/inf loss or grad norm."""
+        return any(update["actor/skipped_nonfinite"] == 0.0 for update in self.per_update)
+
+
+def policy_update(actor: ActorGroup, samples: list[TrainSample], algo: AlgoConfig) -> PolicyUpdate:
+    """With more than one update, the old policy's logprobs are computed once before the first (the PPO ratio of
+    the first update is 1, later ones clip); with one, the training pass itself is the old policy (ratio 1). Later
+    epochs take the mini-batches in the same order."""
+    if not samples:
+        raise ValueError("a policy update needs samples")
+    parts = minibatches(samples, algo)
+    started = time.perf_counter()
+    if len(parts) * algo.ppo_epochs > 1:
+        in_order = [sample for part in parts for sample in part]
+        for sample, logprobs in zip(in_order, actor.compute_logprobs(in_order)):
+            sample.old_logprobs = logprobs
+    old_logprob_s = time.perf_counter() - started
+    per_update = [actor.train_step(part) for _ in range(algo.ppo_epochs) for part in parts]
+    metrics = {key: statistics.fmean(update[key] for update in per_update) for key in per_update[0]}
+    skipped = [update["actor/skipped_nonfinite"] for update in per_update]
+    metrics.update({
+        # 1.0 only when no update changed the weights (the step's weights, and the engine's, stay as they were)
+        "actor/skipped_nonfinite": min(skipped),
+        "actor/skipped_updates": sum(skipped),
+        "actor/updates": float(len(per_update)),
+        "time/old_logprob_s": old_logprob_s,
+    })
+    return PolicyUpdate(metrics, per_update)
