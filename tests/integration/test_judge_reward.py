@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import httpx
+import pytest
 
 from rlsearch.config import JudgeConfig, RewardConfig
 from rlsearch.reward import RewardScorer
 from tests.integration.judge_stub import Scripted, answered, row, stub_judge
 
 _ANSWER = re.compile(r"Agent's answer: (.*)")
+VLLM_START_TIMEOUT_S = 240
 
 
 def _by_answer(replies: dict[str, str]):
@@ -138,3 +148,58 @@ def test_custom_prompt_file_with_json_braces(tmp_path) -> None:
         scorer.close()
     assert stub.prompts == ['Q=What is the capital of France? G=Paris; City of Light A=Paris\n'
                             'Reply as JSON: {"correct": true|false}\n']
+
+
+@pytest.fixture(scope="module")
+def vllm_judge_url(tiny_model_dir) -> Iterator[str]:
+    """The tiny random model served by vLLM's OpenAI server (CPU, in-process engine core) as a judge."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
+        "--served-model-name", "tiny-judge", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024",
+        "--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048",
+        "--disable-log-stats",
+    ]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + VLLM_START_TIMEOUT_S
+        while True:
+            try:
+                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f"the vLLM judge did not start:\n{server.stdout.read()[-4000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def test_vllm_served_model_as_the_judge(vllm_judge_url, tmp_path) -> None:
+    """A random model's replies are classified: a verdict (scored 0/1) or none (failed, counted), never a crash."""
+    scorer = _scorer(vllm_judge_url, tmp_path / "cache", model="tiny-judge", max_tokens=8, max_concurrency=4)
+    texts = [f"<answer>{answer}</answer>" for answer in ("Paris", "Lyon", "Marseille", "the capital")]
+    trajectories = [answered(text, i) for i, text in enumerate(texts)]
+    stats = scorer.score(trajectories, [row()] * 4)
+    judged = [t for t in trajectories if not t.failed]
+    assert stats["reward/judge_requests"] == 4 and stats["reward/judge_failures"] == 4 - len(judged)
+    assert all(t.scores["correct"] in (0.0, 1.0) for t in judged)
+    assert all(t.failed.startswith("judge: no verdict in the reply") for t in trajectories if t.failed)
+    records = [json.loads(path.read_text()) for path in (tmp_path / "cache").glob("*/*.json")]
+    assert len(records) == 4 and {record["model"] for record in records} == {"tiny-judge"}
+    again = [answered(text, i) for i, text in enumerate(texts)]
+    stats = scorer.score(again, [row()] * 4)  # greedy replies, cached: the same classification, no request
+    assert stats["reward/judge_requests"] == 0 and [t.failed for t in again] == [t.failed for t in trajectories]
+    scorer.close()
