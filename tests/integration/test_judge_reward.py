@@ -28,9 +28,9 @@ def _by_answer(replies: dict[str, str]):
     return lambda prompt, attempt: Scripted(replies[_ANSWER.search(prompt)[1].strip()])
 
 
-def _scorer(url: str, cache_dir: Path | str = "", **judge) -> RewardScorer:
+def _scorer(url: str, cache_dir: Path | str = "", model: str = "stub-judge", **judge) -> RewardScorer:
     config = RewardConfig(format_score=0.1, scorers={"judged": "judge"},
-                          judge=JudgeConfig(base_url=url, model="stub-judge", cache_dir=str(cache_dir), **judge))
+                          judge=JudgeConfig(base_url=url, model=model, cache_dir=str(cache_dir), **judge))
     return RewardScorer(config)
 
 
