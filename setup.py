@@ -13,7 +13,7 @@ setup(
     version="0.1.0",
     description="Train LLM search agents with RL: Megatron-core actor, vLLM rollout, Ray orchestration",
     packages=find_packages(include=["rlsearch", "rlsearch.*"]),
-    package_data={"rlsearch": ["data/templates/*.txt", "tools/protocols/prompts/*.yaml"]},
+    package_data={"rlsearch": ["data/templates/*.txt", "tools/protocols/prompts/*.yaml", "reward/prompts/*.txt"]},
     python_requires=">=3.10",
     install_requires=[],
     extras_require={"cpu": requirements("cpu"), "gpu": requirements("gpu"), "test": requirements("test")},

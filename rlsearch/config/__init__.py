@@ -10,12 +10,14 @@ from .schema import (
     EvalConfig,
     EvalSettings,
     JinaConfig,
+    JudgeConfig,
     MCPConfig,
     MCPServerConfig,
     ModelConfig,
     RetrieverConfig,
     RewardConfig,
     RolloutConfig,
+    RubricConfig,
     SerperConfig,
     SFTConfig,
     SFTDataConfig,
@@ -40,8 +42,9 @@ def load_eval_config(path: str | None, overrides: list[str] | None = None) -> Ev
 
 __all__ = [
     "ActorConfig", "AlgoConfig", "BridgeConfig", "BrowseConfig", "ConfigError", "DataConfig", "EvalConfig",
-    "EvalSettings", "JinaConfig", "MCPConfig", "MCPServerConfig", "ModelConfig", "RetrieverConfig", "RewardConfig",
-    "RolloutConfig", "SerperConfig", "SFTConfig", "SFTDataConfig", "ToolsConfig", "TrainConfig", "TrainerConfig",
+    "EvalSettings", "JinaConfig", "JudgeConfig", "MCPConfig", "MCPServerConfig", "ModelConfig", "RetrieverConfig",
+    "RewardConfig", "RolloutConfig", "RubricConfig", "SerperConfig", "SFTConfig", "SFTDataConfig", "ToolsConfig",
+    "TrainConfig", "TrainerConfig",
     "from_dict", "load_config", "load_eval_config", "load_sft_config", "load_train_config", "to_dict",
     "validate_eval_config", "validate_sft_config", "validate_train_config",
 ]

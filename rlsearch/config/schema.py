@@ -129,8 +129,46 @@ class RolloutConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """An LLM judge behind any OpenAI-compatible endpoint (chat/completions), for the judge and rubric scorers."""
+
+    base_url: str = ""  # e.g. http://127.0.0.1:8000/v1 (a vLLM server) or https://api.openai.com/v1
+    model: str = ""  # the model name the endpoint serves
+    api_key_env: str = ""  # environment variable holding the API key; empty: no key (a local server)
+    # templates with {question}, {golden_answers}, {response} (judge) and {question}, {response}, {rubric} (rubric)
+    # placeholders; other braces are kept as written. Empty: the defaults in rlsearch/reward/prompts/
+    prompt_file: str = ""
+    rubric_prompt_file: str = ""
+    max_tokens: int = 256  # of the judge's reply
+    max_concurrency: int = 8  # requests in flight at once (over all trajectories being scored)
+    requests_per_minute: float = 0.0  # request starts are spaced at least 60/requests_per_minute s apart; 0: no limit
+    timeout_s: float = 60.0  # per request
+    max_retries: int = 3  # more attempts after a timeout, a connection error, HTTP 408, 429 or 5xx
+    backoff_s: float = 1.0  # wait before retry k (1, 2, ...): backoff_s * 2**(k-1)
+    # replies cached on disk by hash(model, max_tokens, prompt) (the prompt holds the response): re-scoring the same
+    # response asks nothing. Empty: no cache
+    cache_dir: str = "outputs/judge_cache"
+
+
+@dataclass
+class RubricConfig:
+    """Extra terms of the rubric scorer's reward: weighted rubric mean + the weights below times their terms."""
+
+    format_weight: float = 0.0  # term: 1 when the response has an <answer> block
+    citation_weight: float = 0.0  # term: 1 when the answer cites (<cite id=...>) a snippet id the tools returned
+    search_weight: float = 0.0  # term: min(tool calls, max_searches) / max_searches
+    max_searches: int = 3
+
+
+@dataclass
 class RewardConfig:
-    format_score: float = 0.0  # reward for a well-formed but wrong <answer>
+    format_score: float = 0.0  # reward for a well-formed but wrong <answer> (em and judge scorers)
+    # data_source -> scorer: em (Search-R1 exact match), f1, judge, rubric, a name given to register_scorer, or
+    # package.module:function. A row's own `scorer` field wins. Search-R1's sources (nq, triviaqa, popqa, hotpotqa,
+    # 2wikimultihopqa, musique, bamboogle, toy) default to em; any other source in the data needs an entry
+    scorers: dict[str, str] = field(default_factory=dict)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    rubric: RubricConfig = field(default_factory=RubricConfig)
 
 
 @dataclass

@@ -37,6 +37,7 @@ _POSITIVE = (
     "tools.mcp.timeout_s", "tools.mcp.max_concurrency", "tools.browse.timeout_s", "tools.browse.max_bytes",
     "tools.browse.max_concurrency", "tools.serper.num_results", "tools.serper.timeout_s", "tools.jina.timeout_s",
     "rollout.num_engines", "rollout.tensor_parallel_size", "bridge.timeout_s", "rollout.agent_timeout_s",
+    "reward.judge.max_tokens", "reward.judge.max_concurrency", "reward.judge.timeout_s", "reward.rubric.max_searches",
 )
 
 
@@ -44,6 +45,7 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
     _check_tables(config)
     _check_agent_loop(config)
     _check_tools(config)
+    _check_reward(config)
     if config.rollout.group_size < 2:
         raise ConfigError("'rollout.group_size' must be >= 2: GRPO normalises rewards within a group")
     if not config.data.train_files:
@@ -124,6 +126,7 @@ def validate_eval_config(config: EvalConfig) -> EvalConfig:
     _check_tables(config)
     _check_agent_loop(config)
     _check_tools(config)
+    _check_reward(config)
     if config.eval.max_examples < 0:
         raise ConfigError(f"'eval.max_examples' must be >= 0 (0: all); got {config.eval.max_examples}")
     if config.eval.n_samples > 1 and config.rollout.temperature == 0:
@@ -199,6 +202,31 @@ def _check_tools(config: TrainConfig | EvalConfig) -> None:
         )
     if tools.mcp.max_retries < 0:
         raise ConfigError(f"'tools.mcp.max_retries' must be >= 0; got {tools.mcp.max_retries}")
+
+
+def _check_reward(config: TrainConfig | EvalConfig) -> None:
+    """Scorer names, the judge's limits and key name, and the rubric weights; which rows need which scorer is
+    checked when the data is loaded (rlsearch.reward.check_scorers)."""
+    from ..reward import ScorerError, check_scorer_name
+
+    reward = config.reward
+    for source, name in reward.scorers.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"'reward.scorers.{source}' must be a scorer name; got {name!r}")
+        try:
+            check_scorer_name(name)
+        except ScorerError as error:
+            raise ConfigError(f"'reward.scorers.{source}': {error}") from None
+    judge = reward.judge
+    for key in ("max_retries", "backoff_s", "requests_per_minute"):
+        if getattr(judge, key) < 0:
+            raise ConfigError(f"'reward.judge.{key}' must be >= 0; got {getattr(judge, key)!r}")
+    if judge.base_url and not judge.base_url.startswith(("http://", "https://")):
+        raise ConfigError(f"'reward.judge.base_url' must be an http(s) URL; got {judge.base_url!r}")
+    _check_env_name("reward.judge.api_key_env", judge.api_key_env)
+    for key in ("format_weight", "citation_weight", "search_weight"):
+        if getattr(reward.rubric, key) < 0:
+            raise ConfigError(f"'reward.rubric.{key}' must be >= 0; got {getattr(reward.rubric, key)!r}")
 
 
 def _check_agent(agent: str) -> None:

@@ -1,6 +1,6 @@
 """QA datasets: loading Search-R1 style files and generating the embedded toy dataset."""
 
-from rlsearch.data.dataset import DatasetError, QAExample, load_qa_dataset
+from rlsearch.data.dataset import DatasetError, QAExample, Rubric, load_qa_dataset
 from rlsearch.data.toy import ToyDataPaths, make_toy_data
 
-__all__ = ["DatasetError", "QAExample", "ToyDataPaths", "load_qa_dataset", "make_toy_data"]
+__all__ = ["DatasetError", "QAExample", "Rubric", "ToyDataPaths", "load_qa_dataset", "make_toy_data"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +19,22 @@ MAX_QUESTION_CHARS = 32_768
 
 
 @dataclass(frozen=True)
+class Rubric:
+    """One criterion of a long-form answer (the rubric scorer): judged on its own, weighted in the mean."""
+
+    text: str
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class QAExample:
     id: str
     question: str
-    golden_answers: tuple[str, ...]
+    golden_answers: tuple[str, ...]  # empty only in rows that carry rubrics
     data_source: str
+    scorer: str = ""  # the row's own scorer name (AgentRL rows); wins over reward.scorers for this row
+    rubrics: tuple[Rubric, ...] = ()
+    location: str = field(default="", compare=False)  # file:line (or file: row N), for errors naming the row
 
 
 class DatasetError(ValueError):
@@ -36,7 +47,9 @@ def load_qa_dataset(
     """Read QA examples from a ``.jsonl`` (UTF-8) or ``.parquet`` file.
 
     Rows are either raw Search-R1 rows (``question``, ``golden_answers``) or processed ones whose answers
-    live in ``reward_model.ground_truth.target`` and whose question may be in ``extra_info.question``.
+    live in ``reward_model.ground_truth.target`` and whose question may be in ``extra_info.question``. Optional:
+    ``scorer`` (a scorer name for this row) and ``rubrics`` (``[{"text": ..., "weight": ...}]``; a row with rubrics
+    needs no golden answers).
     An empty file, a malformed row, bytes that are not UTF-8 and a question over ``max_question_chars`` characters
     are `DatasetError`s naming the file (and line or row).
     """
@@ -101,12 +114,47 @@ def _parse_row(
         raise DatasetError(f"{location}: expected a JSON object, got {type(row).__name__}")
     row_id = row.get("id")
     data_source = row.get("data_source")
+    rubrics = _parse_rubrics(row.get("rubrics"), location)
     return QAExample(
         id=fallback_id if row_id is None else str(row_id),
         question=_parse_question(row, location, max_question_chars),
-        golden_answers=_parse_golden_answers(row, location),
+        golden_answers=_parse_golden_answers(row, location, required=not rubrics),
         data_source=default_data_source if data_source is None else str(data_source),
+        scorer=_parse_scorer(row.get("scorer"), location),
+        rubrics=rubrics,
+        location=location,
     )
+
+
+def _parse_scorer(scorer: Any, location: str) -> str:
+    if scorer is None:
+        return ""
+    if not isinstance(scorer, str) or not scorer.strip():
+        raise DatasetError(f"{location}: 'scorer' must be a scorer name (e.g. em, f1, judge, rubric); got {scorer!r}")
+    return scorer.strip()
+
+
+def _parse_rubrics(rubrics: Any, location: str) -> tuple[Rubric, ...]:
+    if rubrics is None:
+        return ()
+    if not isinstance(rubrics, (list, tuple)) or not rubrics:
+        raise DatasetError(f"{location}: 'rubrics' must be a non-empty list of {{\"text\", \"weight\"}} objects")
+    return tuple(_parse_rubric(rubric, f"{location}: rubrics[{index}]") for index, rubric in enumerate(rubrics))
+
+
+def _parse_rubric(rubric: Any, where: str) -> Rubric:
+    if not isinstance(rubric, dict):
+        raise DatasetError(f"{where}: expected an object {{\"text\": ..., \"weight\": ...}}, got {rubric!r}")
+    unknown = sorted(set(rubric) - {"text", "weight"})
+    if unknown:
+        raise DatasetError(f"{where}: unknown key {unknown[0]!r}; a rubric has 'text' and 'weight'")
+    text = rubric.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise DatasetError(f"{where}: missing or empty 'text'; give the criterion as a non-empty string")
+    weight = rubric.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+        raise DatasetError(f"{where}: 'weight' must be a number > 0; got {weight!r}")
+    return Rubric(text=text.strip(), weight=float(weight))
 
 
 def _parse_question(row: dict[str, Any], location: str, max_chars: int) -> str:
@@ -128,13 +176,16 @@ def _parse_question(row: dict[str, Any], location: str, max_chars: int) -> str:
     return question
 
 
-def _parse_golden_answers(row: dict[str, Any], location: str) -> tuple[str, ...]:
+def _parse_golden_answers(row: dict[str, Any], location: str, required: bool) -> tuple[str, ...]:
     answers = row.get("golden_answers")
     if answers is None:
         answers = _processed_target(row)
+    if answers is None and not required:
+        return ()
     if answers is None:
         raise DatasetError(
-            f"{location}: missing golden answers; give 'golden_answers' or 'reward_model.ground_truth.target'"
+            f"{location}: missing golden answers; give 'golden_answers' or 'reward_model.ground_truth.target' "
+            "(or 'rubrics', for the rubric scorer)"
         )
     if isinstance(answers, str):
         return (answers,)

@@ -4,6 +4,7 @@
 trainer's periodic eval). Results are resumable: re-running into the same output dir skips what is scored.
 """
 
+from ..reward import score_trajectory
 from .metrics import OVERALL, render_table, summarize
 from .results import ResultsFile, result_key
 from .runner import (
@@ -16,7 +17,6 @@ from .runner import (
     load_eval_questions,
     rollout_engines,
     run_eval,
-    score_trajectory,
 )
 
 __all__ = [

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..config import ConfigError, EvalConfig, to_dict
 from ..data import DatasetError, QAExample, load_qa_dataset
-from ..reward import extract_answer, get_scorer, substring_match
+from ..reward import check_scorers, extract_answer, score_trajectories
 from ..rollout import EnginePool, EngineSpec, PromptItem, Trajectory, new_rollout_worker
 from .metrics import OVERALL, render_table, summarize
 from .results import ResultKey, ResultsFile, result_key
@@ -79,19 +79,6 @@ def load_eval_questions(files: Sequence[str], max_examples: int = 0) -> list[Eva
     return questions
 
 
-def score_trajectory(trajectory: Trajectory, example: QAExample, format_score: float) -> None:
-    """Reward and scores (em, f1, substring_em, has_answer) with the scorer of the example's data_source. A user
-    agent's returned answer is scored as the response's answer block; a reward it returned replaces the scorer's."""
-    text = trajectory.model_text if trajectory.agent_answer is None else f"<answer>{trajectory.agent_answer}</answer>"
-    result = get_scorer(example.data_source)(text, example.golden_answers, format_score)
-    answer = extract_answer(text)
-    trajectory.reward = result.reward if trajectory.agent_reward is None else trajectory.agent_reward
-    trajectory.scores = {
-        "em": result.em, "f1": result.f1, "substring_em": substring_match(answer or "", example.golden_answers),
-        "has_answer": float(result.has_answer),
-    }
-
-
 @dataclass
 class EvalSummary:
     output_dir: Path
@@ -139,6 +126,7 @@ class EvalRun:
         self.started = time.perf_counter()
         self.output_dir = Path(config.output_dir)
         self.questions = load_eval_questions(config.eval.files, config.eval.max_examples)
+        check_scorers([question.example for question in self.questions], config.reward)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         _claim_output_dir(self.output_dir, config)
         self.results = ResultsFile(self.output_dir / TRAJECTORIES_FILE)
@@ -166,6 +154,7 @@ class EvalRun:
                      for q, sample in batch]
             batch_started = time.perf_counter()
             trajectories = generate(items, EVAL_STEP)
+            score_trajectories(trajectories, [question.example for question, _ in batch], self.config.reward)
             time_share = (time.perf_counter() - batch_started) / len(batch)
             records = [self._record(question, trajectory, tokenizer.decode(trajectory.prompt_ids), time_share)
                        for (question, _), trajectory in zip(batch, trajectories, strict=True)]
@@ -202,7 +191,6 @@ class EvalRun:
         if (trajectory.example_id, trajectory.group_id) != (example.id, question.seed_group):
             raise RuntimeError(f"generate returned trajectory '{trajectory.example_id}' for question '{example.id}': "
                                "trajectories must come back in the order of the prompt items")
-        score_trajectory(trajectory, example, self.config.reward.format_score)
         return {
             "eval_file": question.eval_file, "data_source": example.data_source, "example_id": example.id,
             "question": example.question, "golden_answers": list(example.golden_answers), "prompt": prompt,

@@ -1,4 +1,4 @@
-"""Rule-based rewards for QA search agents: answer extraction, EM/F1 metrics, per-dataset scorers."""
+"""Rewards for search agents: answer extraction, EM/F1 metrics, scorers by name (rule, LLM judge, rubrics)."""
 
 from rlsearch.reward.qa import (
     RewardResult,
@@ -9,16 +9,47 @@ from rlsearch.reward.qa import (
     score_response,
     substring_match,
 )
-from rlsearch.reward.registry import get_scorer, register_scorer
+from rlsearch.reward.registry import (
+    DEFAULT_SCORERS,
+    JUDGED_SCORERS,
+    ScorerError,
+    check_scorer_name,
+    get_scorer,
+    register_scorer,
+    score_f1,
+    scorer_name_for,
+    scorer_names,
+)
+from rlsearch.reward.score import (
+    RewardScorer,
+    check_scorers,
+    reward_scorer,
+    score_trajectories,
+    score_trajectory,
+)
+from rlsearch.reward.verdict import parse_verdict
 
 __all__ = [
+    "DEFAULT_SCORERS",
+    "JUDGED_SCORERS",
     "RewardResult",
+    "RewardScorer",
+    "ScorerError",
+    "check_scorer_name",
+    "check_scorers",
     "exact_match",
     "extract_answer",
     "f1_score",
     "get_scorer",
     "normalize_answer",
+    "parse_verdict",
     "register_scorer",
+    "reward_scorer",
+    "score_f1",
     "score_response",
+    "score_trajectories",
+    "score_trajectory",
+    "scorer_name_for",
+    "scorer_names",
     "substring_match",
 ]

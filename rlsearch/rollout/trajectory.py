@@ -64,11 +64,13 @@ class Trajectory:
     # the engine's weight versions in effect while it generated (two or more: a weight update landed mid-rollout)
     weight_versions: list[int] = field(default_factory=list)
     engine: int = -1  # the rollout engine that ran it (EnginePool's index); -1: a single engine outside a pool
-    # a user agent (rollout.agent): the segments before the last one (the fields above hold the last), the answer
-    # or reward it returned, and why it failed (raised, timed out): a failed trajectory is left out of training
+    # a user agent (rollout.agent): the segments before the last one (the fields above hold the last), and the
+    # answer or reward it returned
     earlier_segments: list[Segment] = field(default_factory=list)
     agent_answer: str | None = None
     agent_reward: float | None = None
+    # why it is left out of training, empty when it is not: an agent failure (raised, timed out), a judge failure
+    # ("judge: ...": no verdict after retries, rlsearch.reward.score); its reward then means nothing
     failed: str = ""
 
     def append_model_tokens(self, token_ids: list[int], logprobs: list[float]) -> None:

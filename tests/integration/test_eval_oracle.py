@@ -21,12 +21,14 @@ from rlsearch.config import (
     EvalSettings,
     ModelConfig,
     RetrieverConfig,
+    RewardConfig,
     RolloutConfig,
     ToolsConfig,
     validate_eval_config,
 )
 from rlsearch.data import load_qa_dataset
 from rlsearch.eval import OVERALL, run_eval
+from rlsearch.reward import ScorerError
 
 
 class OracleEngine:
@@ -87,8 +89,10 @@ def oracle(monkeypatch, tokenizer, toy_data, tmp_path):
     return SimpleNamespace(engines=engines, files=[str(toy_data.test), str(parquet_file)], num_questions=len(rows))
 
 
-def _config(oracle, tiny_model_dir, retriever, output_dir, max_turns=3, **eval_settings) -> EvalConfig:
+def _config(oracle, tiny_model_dir, retriever, output_dir, max_turns=3, scorers=None, **eval_settings
+            ) -> EvalConfig:
     return validate_eval_config(EvalConfig(
+        reward=RewardConfig(scorers={"toy_parquet": "em"} if scorers is None else scorers),
         eval=EvalSettings(files=oracle.files, batch_size=4, **eval_settings),
         model=ModelConfig(path=str(tiny_model_dir)),
         rollout=RolloutConfig(temperature=1.0, max_turns=max_turns, max_response_tokens=512),
@@ -113,6 +117,12 @@ def test_oracle_scores_em_1_on_jsonl_and_parquet_with_pass_at_k(oracle, tiny_mod
     assert [call["query"] for call in first["turns"][0]["tool_calls"]] == [first["question"]]
     assert first["turns"][0]["observation"].startswith("\n\n<information>Doc 1(Title:")
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["metrics"] == summary.metrics
+
+
+def test_a_source_without_scorer_stops_the_eval_before_any_engine(oracle, tiny_model_dir, retriever, tmp_path):
+    with pytest.raises(ScorerError, match=r"toy_test.parquet: row 1: data_source 'toy_parquet' has no scorer"):
+        run_eval(_config(oracle, tiny_model_dir, retriever, tmp_path / "out", scorers={}))
+    assert oracle.engines == []
 
 
 def test_rerun_generates_only_what_is_missing(oracle, tiny_model_dir, retriever, tmp_path):

@@ -1,16 +1,25 @@
 import pytest
 
+from rlsearch.config import ConfigError, RewardConfig
+from rlsearch.data import QAExample
 from rlsearch.reward import (
     RewardResult,
+    ScorerError,
+    check_scorer_name,
+    check_scorers,
     exact_match,
     extract_answer,
     f1_score,
     get_scorer,
     normalize_answer,
+    parse_verdict,
     register_scorer,
     score_response,
+    score_trajectories,
+    scorer_name_for,
     substring_match,
 )
+from rlsearch.rollout import Trajectory
 
 
 @pytest.mark.parametrize(
@@ -117,9 +126,67 @@ def test_score_response_without_answer_gets_nothing() -> None:
     assert result == RewardResult(reward=0.0, em=0.0, f1=0.0, has_answer=False)
 
 
-@pytest.mark.parametrize("data_source", ["nq", "hotpotqa", "toy", "some-unknown-source"])
-def test_get_scorer_defaults_to_exact_match(data_source: str) -> None:
-    assert get_scorer(data_source) is score_response
+@pytest.mark.parametrize("data_source", ["nq", "hotpotqa", "toy"])
+def test_search_r1_sources_default_to_exact_match(data_source: str) -> None:
+    assert scorer_name_for(data_source, "", {}) == "em"
+    assert get_scorer("em") is score_response
+
+
+def test_configured_scorer_overrides_the_default_and_the_row_wins_over_both() -> None:
+    assert scorer_name_for("nq", "", {"nq": "f1"}) == "f1"
+    assert scorer_name_for("nq", "judge", {"nq": "f1"}) == "judge"
+    assert scorer_name_for("mine", "rubric", {}) == "rubric"
+
+
+def test_a_source_without_scorer_is_an_error_naming_it() -> None:
+    with pytest.raises(ScorerError, match=r"data_source 'some-unknown-source' has no scorer: set "
+                                          r"reward.scorers.some-unknown-source="):
+        scorer_name_for("some-unknown-source", "", {"nq": "em"})
+
+
+def test_an_unknown_scorer_name_is_an_error_listing_the_known_ones() -> None:
+    with pytest.raises(ScorerError, match=r"unknown scorer 'exact'; known scorers: em, f1, .*judge, rubric"):
+        check_scorer_name("exact")
+    with pytest.raises(ScorerError, match=r"scorer 'no_such_module:fn' cannot be loaded"):
+        get_scorer("no_such_module:fn")
+    check_scorer_name("judge")  # judged scorers have no rule function, and are known
+    assert get_scorer("rlsearch.reward.qa:score_response") is score_response
+
+
+def test_f1_scorer_rewards_token_overlap() -> None:
+    result = get_scorer("f1")("<answer>red cat</answer>", ["red dog"], 0.5)
+    assert result == RewardResult(reward=0.5, em=0.0, f1=0.5, has_answer=True)
+    assert get_scorer("f1")("red cat", ["red cat"], 0.5).reward == 0.0
+
+
+def _example(data_source: str, scorer: str = "", rubrics: tuple = (), location: str = "data.jsonl:7") -> QAExample:
+    return QAExample(id="q1", question="q?", golden_answers=("Paris",), data_source=data_source, scorer=scorer,
+                     rubrics=rubrics, location=location)
+
+
+def test_check_scorers_names_the_row_file_and_line() -> None:
+    with pytest.raises(ScorerError, match=r"^data.jsonl:7: data_source 'mine' has no scorer"):
+        check_scorers([_example("nq"), _example("mine")], RewardConfig())
+    with pytest.raises(ScorerError, match=r"^data.jsonl:7: unknown scorer 'bogus'"):
+        check_scorers([_example("nq", scorer="bogus")], RewardConfig())
+    with pytest.raises(ScorerError, match=r"^data.jsonl:7: the rubric scorer needs the row's 'rubrics'"):
+        check_scorers([_example("nq", scorer="rubric")], RewardConfig())
+    check_scorers([_example("mine")], RewardConfig(scorers={"mine": "f1"}))
+
+
+def test_judge_scorer_without_judge_settings_fails_at_the_check() -> None:
+    with pytest.raises(ConfigError, match=r"'reward.judge.base_url' and 'reward.judge.model' are needed"):
+        check_scorers([_example("mine")], RewardConfig(scorers={"mine": "judge"}))
+
+
+def test_row_level_scorer_is_used_for_that_row_only() -> None:
+    rows = [_example("nq", scorer="f1"), _example("nq")]
+    trajectories = [Trajectory(example_id="q1", group_id=0, sample_index=i, prompt_ids=[1]) for i in range(2)]
+    for trajectory in trajectories:
+        trajectory.assistant_prefix = "<answer>Paris France</answer>"
+    stats = score_trajectories(trajectories, rows, RewardConfig(format_score=0.1))
+    assert [t.reward for t in trajectories] == [pytest.approx(2 / 3), 0.1]  # f1 of "paris france"; em's format score
+    assert stats["reward/judged"] == 0 and stats["reward/judge_requests"] == 0
 
 
 def test_register_custom_scorer() -> None:
@@ -133,18 +200,55 @@ def test_register_custom_scorer() -> None:
     assert get_scorer("test-lenient-b") is lenient
     assert get_scorer("test-lenient-a")("<answer>in Paris</answer>", ["Paris"], 0.0).reward == 1.0
     assert score_response("<answer>in Paris</answer>", ["Paris"]).reward == 0.0
+    assert scorer_name_for("mine", "", {"mine": "test-lenient-a"}) == "test-lenient-a"
 
 
-def test_register_conflicting_scorer_raises_and_changes_nothing() -> None:
+@pytest.mark.parametrize("taken", ["em", "judge"])
+def test_register_conflicting_scorer_raises_and_changes_nothing(taken: str) -> None:
     def other(response_text: str, golden_answers, format_score: float) -> RewardResult:
         return RewardResult(reward=0.0, em=0.0, f1=0.0, has_answer=False)
 
-    with pytest.raises(ValueError, match="'nq' already has a scorer"):
-        register_scorer("test-new-source", "nq")(other)
-    assert get_scorer("nq") is score_response
-    assert get_scorer("test-new-source") is score_response
+    with pytest.raises(ValueError, match=f"scorer name '{taken}' is taken"):
+        register_scorer("test-new-name", taken)(other)
+    assert get_scorer("em") is score_response
+    with pytest.raises(ScorerError):
+        get_scorer("test-new-name")
 
 
-def test_register_scorer_needs_a_source() -> None:
-    with pytest.raises(ValueError, match="at least one data_source"):
+def test_register_scorer_needs_a_name() -> None:
+    with pytest.raises(ValueError, match="at least one scorer name"):
         register_scorer()
+
+
+@pytest.mark.parametrize(
+    ("reply", "scale", "expected"),
+    [
+        ("Verdict: correct", None, 1.0),
+        ("The answer names the same city.\nVerdict: **Incorrect**.", None, 0.0),
+        ("CORRECT", None, 1.0),
+        ("yes", None, 1.0),
+        ("No.", None, 0.0),
+        ('{"correct": true}', None, 1.0),
+        ('Here you go: {"verdict": "wrong", "why": "other city"}', None, 0.0),
+        ('{"score": 7}', None, 0.7),
+        ("Score: 0.8", None, 0.8),
+        ("8/10", None, 0.8),
+        ("3 out of 10", None, 0.3),
+        ("<think>maybe it is correct</think>\nVerdict: incorrect", None, 0.0),
+        ("Score: 2", 2.0, 1.0),
+        ("Score: 1", 2.0, 0.5),
+        ("partially correct", 2.0, 0.5),
+        ("Verdict: correct\nVerdict: wrong", None, 0.0),  # the last labelled line wins
+    ],
+)
+def test_parse_verdict_accepts(reply: str, scale: float | None, expected: float) -> None:
+    assert parse_verdict(reply, scale) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("reply", "scale"),
+    [("", None), ("I think the agent did fine overall", None), ("Score: 11", None), ("Score: 3", 2.0),
+     ("12/10", None), ('{"reason": "no verdict key"} maybe', None), ("ERROR", None)],
+)
+def test_parse_verdict_rejects(reply: str, scale: float | None) -> None:
+    assert parse_verdict(reply, scale) is None

@@ -1,0 +1,162 @@
+"""An LLM judge behind an OpenAI-compatible endpoint: bounded concurrency, a request-rate limit, a timeout, retries
+with exponential backoff on transient errors, and an on-disk cache of replies. Lives on one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+
+from rlsearch.config import ConfigError, JudgeConfig
+from rlsearch.reward.verdict import parse_verdict
+
+PROMPTS_DIR = Path(__file__).parent / "prompts"
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+_RETRYABLE_STATUS = frozenset({408, 429})
+
+
+class JudgeError(Exception):
+    """The judge gave no usable verdict (retries exhausted, a refused request, an unparseable reply)."""
+
+
+@dataclass
+class JudgeCounters:
+    requests: int = 0  # HTTP requests sent (each retry is one)
+    cache_hits: int = 0
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """A prompt file whose ``{name}`` placeholders are filled in; other braces (JSON examples) stay as written."""
+
+    path: Path
+    text: str
+
+    @classmethod
+    def load(cls, path: str, default_name: str, required: tuple[str, ...], key: str) -> PromptTemplate:
+        resolved = Path(path) if path else PROMPTS_DIR / default_name
+        if not resolved.is_file():
+            raise ConfigError(f"'{key}' not found: {resolved}")
+        text = resolved.read_text(encoding="utf-8")
+        missing = [name for name in required if f"{{{name}}}" not in text]
+        if missing:
+            raise ConfigError(f"'{key}' ({resolved}) lacks the placeholder {{{missing[0]}}}; it needs "
+                              + ", ".join(f"{{{name}}}" for name in required))
+        return cls(resolved, text)
+
+    def render(self, **values: str) -> str:
+        return _PLACEHOLDER.sub(lambda match: values.get(match[1], match[0]), self.text)
+
+
+class ReplyCache:
+    """Judge replies as files ``<dir>/<key[:2]>/<key>.json``, written atomically (a reader sees whole files only)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory) if directory else None
+
+    def get(self, key: str) -> str | None:
+        if self.directory is None:
+            return None
+        try:
+            return json.loads((self.directory / key[:2] / f"{key}.json").read_text(encoding="utf-8"))["reply"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # absent, or damaged: asked again and rewritten
+
+    def put(self, key: str, record: dict) -> None:
+        if self.directory is None:
+            return
+        path = self.directory / key[:2] / f"{key}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f"{path.name}.tmp-{os.getpid()}-{id(record)}")
+        staging.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8")
+        os.replace(staging, path)
+
+
+class RateLimiter:
+    """Request starts at least 60 / requests_per_minute seconds apart (no bursts); 0 per minute: no limit."""
+
+    def __init__(self, requests_per_minute: float) -> None:
+        self.interval = 60.0 / requests_per_minute if requests_per_minute > 0 else 0.0
+        self._next_start = 0.0
+        self._lock = asyncio.Lock()
+
+    async def wait(self) -> None:
+        if not self.interval:
+            return
+        async with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next_start)
+            self._next_start = start + self.interval
+        await asyncio.sleep(start - now)
+
+
+class Judge:
+    """Asks the judge model one prompt at a time (many in flight); every coroutine runs on the loop that made it."""
+
+    def __init__(self, config: JudgeConfig) -> None:
+        if not config.base_url or not config.model:
+            raise ConfigError("'reward.judge.base_url' and 'reward.judge.model' are needed by the judge and rubric "
+                              "scorers")
+        api_key = "EMPTY"  # the client needs one; a local server ignores it
+        if config.api_key_env:
+            api_key = os.environ.get(config.api_key_env, "")
+            if not api_key:
+                raise ConfigError(f"'reward.judge.api_key_env' names {config.api_key_env}, which is not set")
+        self.config = config
+        self.client = openai.AsyncOpenAI(
+            base_url=config.base_url, api_key=api_key, timeout=config.timeout_s, max_retries=0
+        )
+        self.cache = ReplyCache(config.cache_dir)
+        self.limiter = RateLimiter(config.requests_per_minute)
+        self.in_flight = asyncio.Semaphore(config.max_concurrency)
+
+    async def score(self, prompt: str, counters: JudgeCounters, scale: float | None = None) -> float:
+        """The verdict on ``prompt`` as a score in [0, 1] (`parse_verdict`); `JudgeError` when there is none."""
+        reply = await self.reply(prompt, counters)
+        score = parse_verdict(reply, scale)
+        if score is None:
+            raise JudgeError(f"no verdict in the reply {reply[:200]!r}")
+        return score
+
+    async def reply(self, prompt: str, counters: JudgeCounters) -> str:
+        """The judge's reply to ``prompt``, from the cache when it was asked before."""
+        key = hashlib.sha256(json.dumps([self.config.model, self.config.max_tokens, prompt]).encode()).hexdigest()
+        cached = self.cache.get(key)
+        if cached is not None:
+            counters.cache_hits += 1
+            return cached
+        reply = await self._ask_with_retries(prompt, counters)
+        self.cache.put(key, {"model": self.config.model, "prompt": prompt, "reply": reply})
+        return reply
+
+    async def _ask_with_retries(self, prompt: str, counters: JudgeCounters) -> str:
+        attempts = self.config.max_retries + 1
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(self.config.backoff_s * 2 ** (attempt - 1))
+            await self.limiter.wait()
+            async with self.in_flight:
+                counters.requests += 1
+                try:
+                    response = await self.client.chat.completions.create(
+                        model=self.config.model, messages=[{"role": "user", "content": prompt}],
+                        max_tokens=self.config.max_tokens, temperature=0.0,
+                    )
+                    return response.choices[0].message.content or ""
+                except openai.APIStatusError as error:
+                    transient = error.status_code in _RETRYABLE_STATUS or error.status_code >= 500
+                    if not transient:
+                        raise JudgeError(f"HTTP {error.status_code}: {error.message}") from error
+                    last_error = f"HTTP {error.status_code}"
+                except openai.APITimeoutError:
+                    last_error = f"timed out after {self.config.timeout_s} s"
+                except openai.APIConnectionError as error:
+                    last_error = f"connection error ({error.__cause__ or error})"
+        raise JudgeError(f"{attempts} attempt(s) failed, the last: {last_error}")

@@ -1,0 +1,205 @@
+"""Scoring trajectories: each with its row's scorer (registry.py decides which). Rule scorers run inline; the judge
+and rubric scorers ask an LLM judge, every judged trajectory's requests in flight together (bounded by
+reward.judge.max_concurrency), so one slow reply does not serialise a step.
+
+A trajectory the judge cannot score (retries exhausted, a refused request, a reply with no verdict) gets
+``failed = "judge: ..."``: it is left out of training and counted in ``reward/judge_failures``, never scored 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from rlsearch.config import RewardConfig
+from rlsearch.data import QAExample
+from rlsearch.loop_thread import LoopThread
+from rlsearch.reward.judge import Judge, JudgeCounters, JudgeError, PromptTemplate
+from rlsearch.reward.qa import extract_answer, score_response, substring_match
+from rlsearch.reward.registry import (
+    JUDGED_SCORERS,
+    RuleScorer,
+    ScorerError,
+    check_scorer_name,
+    get_scorer,
+    scorer_name_for,
+)
+from rlsearch.reward.rubric import rubric_reward, rubric_terms, weighted_rubric_mean
+
+if TYPE_CHECKING:
+    from rlsearch.rollout import Trajectory
+
+RUBRIC_SCALE = 2.0  # the rubric prompt asks for 0, 1 or 2 per criterion; a bare number is read on this scale
+
+
+class RewardScorer:
+    """Scores trajectories under one RewardConfig; owns the judge client and its event loop (made when needed)."""
+
+    def __init__(self, config: RewardConfig) -> None:
+        self.config = config
+        self._judge: Judge | None = None
+        self._loop: LoopThread | None = None
+        self._judge_prompt: PromptTemplate | None = None
+        self._rubric_prompt: PromptTemplate | None = None
+
+    def check(self, examples: Sequence[QAExample]) -> None:
+        """The start-up check: every row has a known scorer (`ScorerError` naming the row's file:line otherwise),
+        and the judge's settings, key and prompt files are usable when a row needs the judge (`ConfigError`)."""
+        if set(self._scorer_names(examples)) & set(JUDGED_SCORERS):
+            self._start_judge()
+
+    def score(self, trajectories: Sequence[Trajectory], examples: Sequence[QAExample]) -> dict[str, float]:
+        """Set each trajectory's reward and scores (em, f1, substring_em, has_answer; correct for the judge;
+        rubric, format, citation, search for rubrics). ``examples[i]`` is the row of ``trajectories[i]``.
+        Returns reward/judged, reward/judge_requests, reward/judge_cache_hits and reward/judge_failures."""
+        if len(trajectories) != len(examples):
+            raise ValueError(f"{len(trajectories)} trajectories but {len(examples)} examples; give one per trajectory")
+        names = self._scorer_names(examples)  # every row's scorer is known before anything is scored
+        judged = []
+        for trajectory, example, name in zip(trajectories, examples, names, strict=True):
+            _score_by_rule(trajectory, example, score_response if name in JUDGED_SCORERS else get_scorer(name),
+                           self.config.format_score)
+            # a failed agent is not trained anyway, and a reward the agent returned replaces the scorer's
+            if name in JUDGED_SCORERS and not trajectory.failed and trajectory.agent_reward is None:
+                judged.append((trajectory, example, name))
+        counters = JudgeCounters()
+        failures = 0
+        if judged:
+            loop = self._start_judge()
+            failures = loop.run(self._judge_all(judged, counters))
+        return {
+            "reward/judged": float(len(judged)), "reward/judge_requests": float(counters.requests),
+            "reward/judge_cache_hits": float(counters.cache_hits), "reward/judge_failures": float(failures),
+        }
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.run(self._judge.client.close())
+            self._loop.stop()
+            self._loop = self._judge = None
+
+    def _scorer_names(self, examples: Sequence[QAExample]) -> list[str]:
+        names, checked = [], set()
+        for example in examples:
+            where = example.location or f"row {example.id!r}"
+            try:
+                name = scorer_name_for(example.data_source, example.scorer, self.config.scorers)
+                if name not in checked:
+                    check_scorer_name(name)
+                    checked.add(name)
+            except ScorerError as error:
+                raise ScorerError(f"{where}: {error}") from None
+            if name == "rubric" and not example.rubrics:
+                raise ScorerError(f"{where}: the rubric scorer needs the row's 'rubrics' ([{{\"text\", \"weight\"}}])")
+            names.append(name)
+        return names
+
+    def _start_judge(self) -> LoopThread:
+        if self._loop is None:
+            judge = self.config.judge
+            self._judge_prompt = PromptTemplate.load(
+                judge.prompt_file, "judge.txt", ("question", "golden_answers", "response"), "reward.judge.prompt_file")
+            self._rubric_prompt = PromptTemplate.load(
+                judge.rubric_prompt_file, "rubric.txt", ("question", "response", "rubric"),
+                "reward.judge.rubric_prompt_file")
+            self._judge = Judge(judge)
+            self._loop = LoopThread("rlsearch-judge")
+        return self._loop
+
+    async def _judge_all(self, judged: list[tuple[Trajectory, QAExample, str]], counters: JudgeCounters) -> int:
+        failed = await asyncio.gather(*(self._judge_one(*job, counters) for job in judged))
+        return sum(failed)
+
+    async def _judge_one(self, trajectory: Trajectory, example: QAExample, name: str, counters: JudgeCounters) -> bool:
+        """Judge one trajectory; True when the judge failed it (it is then marked failed)."""
+        text = _response_text(trajectory)
+        try:
+            if name == "judge":
+                await self._judge_answer(trajectory, example, text, counters)
+            else:
+                await self._judge_rubrics(trajectory, example, text, counters)
+        except JudgeError as error:
+            trajectory.failed = f"judge: {error}"
+            trajectory.reward = 0.0  # never trained (failed); a number only so that step means stay finite
+            return True
+        return False
+
+    async def _judge_answer(self, trajectory: Trajectory, example: QAExample, text: str,
+                            counters: JudgeCounters) -> None:
+        answer = extract_answer(text)
+        if answer is None:  # nothing to judge: wrong, as with em (reward 0)
+            trajectory.scores["correct"] = 0.0
+            return
+        prompt = self._judge_prompt.render(
+            question=example.question, golden_answers="; ".join(example.golden_answers), response=answer)
+        correct = float(await self._judge.score(prompt, counters) >= 0.5)
+        trajectory.scores["correct"] = correct
+        trajectory.reward = 1.0 if correct else self.config.format_score
+
+    async def _judge_rubrics(self, trajectory: Trajectory, example: QAExample, text: str,
+                             counters: JudgeCounters) -> None:
+        response = extract_answer(text) or text
+        prompts = [self._rubric_prompt.render(question=example.question, response=response, rubric=rubric.text)
+                   for rubric in example.rubrics]
+        results = await asyncio.gather(*(self._judge.score(prompt, counters, scale=RUBRIC_SCALE)
+                                         for prompt in prompts), return_exceptions=True)
+        for index, result in enumerate(results):
+            if isinstance(result, JudgeError):
+                raise JudgeError(f"rubric {index}: {result}") from result
+            if isinstance(result, BaseException):
+                raise result
+        mean = weighted_rubric_mean(example.rubrics, results)
+        terms = rubric_terms(text, trajectory, self.config.rubric)
+        trajectory.scores.update(rubric=mean, **terms)
+        trajectory.reward = rubric_reward(mean, terms, self.config.rubric)
+
+
+def _response_text(trajectory: Trajectory) -> str:
+    """What is scored: the model's text, or a user agent's returned answer as an answer block."""
+    if trajectory.agent_answer is None:
+        return trajectory.model_text
+    return f"<answer>{trajectory.agent_answer}</answer>"
+
+
+def _score_by_rule(trajectory: Trajectory, example: QAExample, rule: RuleScorer, format_score: float) -> None:
+    text = _response_text(trajectory)
+    result = rule(text, example.golden_answers, format_score)
+    trajectory.reward = result.reward if trajectory.agent_reward is None else trajectory.agent_reward
+    trajectory.scores = {
+        "em": result.em, "f1": result.f1,
+        "substring_em": substring_match(extract_answer(text) or "", example.golden_answers),
+        "has_answer": float(result.has_answer),
+    }
+
+
+_SCORERS: dict[str, RewardScorer] = {}
+
+
+def reward_scorer(config: RewardConfig) -> RewardScorer:
+    """The process's scorer of ``config`` (one judge client, cache and rate limit per config across calls)."""
+    key = json.dumps(dataclasses.asdict(config), sort_keys=True)
+    if key not in _SCORERS:
+        _SCORERS[key] = RewardScorer(config)
+    return _SCORERS[key]
+
+
+def check_scorers(examples: Sequence[QAExample], config: RewardConfig) -> None:
+    """Start-up check of ``examples`` against ``config`` (see `RewardScorer.check`)."""
+    reward_scorer(config).check(examples)
+
+
+def score_trajectories(
+    trajectories: Sequence[Trajectory], examples: Sequence[QAExample], config: RewardConfig
+) -> dict[str, float]:
+    """Score ``trajectories`` (``examples[i]`` is the row of ``trajectories[i]``); returns the reward/judge_* stats."""
+    return reward_scorer(config).score(trajectories, examples)
+
+
+def score_trajectory(trajectory: Trajectory, example: QAExample, config: RewardConfig | float) -> None:
+    """Score one trajectory. A float is the format_score of the default scorers (the form older callers use)."""
+    if not isinstance(config, RewardConfig):
+        config = RewardConfig(format_score=config)
+    score_trajectories([trajectory], [example], config)
