@@ -57,8 +57,8 @@ def _group_metrics(records: Sequence[Mapping], n_samples: int) -> dict[str, floa
         "invalid_call_rate": invalid_calls / (tool_calls + invalid_calls) if invalid_calls else 0.0,
         "response_tokens": _mean(len(record["response_ids"]) for record in records),
         "time_s": sum(record["time_s"] for record in records),
-        # trajectories a user agent (rollout.agent) failed: they count as unanswered
-        "agent_failures": float(sum(bool(record.get("failed")) for record in records)),
+        # trajectories a user agent or the reward judge failed: they count as unanswered
+        "failed": float(sum(bool(record.get("failed")) for record in records)),
     }
     if n_samples > 1:
         metrics[f"pass@{n_samples}"] = _mean(float(max(ems)) for ems in em_by_question.values())

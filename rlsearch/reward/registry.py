@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 
+from rlsearch.config import ConfigError
 from rlsearch.reward.qa import RewardResult, extract_answer, score_response
 
 RuleScorer = Callable[[str, Sequence[str], float], RewardResult]
@@ -25,8 +26,9 @@ DEFAULT_SCORERS = dict.fromkeys(SEARCH_R1_DATA_SOURCES, "em")
 JUDGED_SCORERS = ("judge", "rubric")  # scored by an LLM judge (rlsearch.reward.score), not by a RuleScorer
 
 
-class ScorerError(ValueError):
-    """An unknown scorer name, or data with no scorer; the message names the source, the scorer and where."""
+class ScorerError(ConfigError):
+    """An unknown scorer name, or data with no scorer; the message names the source, the scorer and where (bad
+    input: the CLI exits 2 with the message)."""
 
 
 def score_f1(response_text: str, golden_answers: Sequence[str], format_score: float = 0.0) -> RewardResult:

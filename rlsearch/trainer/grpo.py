@@ -17,9 +17,10 @@ from ..checkpoint import CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import MODEL_DIR
 from ..config import ConfigError, EvalConfig, TrainConfig, to_dict
 from ..data import QAExample, load_qa_dataset
-from ..eval import evaluate, score_trajectory
+from ..eval import evaluate
 from ..logging import RunLogger, format_step_line, plot_run
 from ..ray_setup import actor_states, init_ray
+from ..reward import check_scorers, score_trajectories
 from ..rollout import EnginePool, EngineSpec, NoEngineLeftError, PromptItem, Trajectory
 from ..weights import WeightSync, check_engines_match_actor
 from .metrics import trajectory_metrics
@@ -127,6 +128,7 @@ class GRPOTrainer:
         examples = []
         for path in config.data.train_files:
             examples.extend(load_qa_dataset(path))
+        check_scorers(examples, config.reward)  # every data source has a scorer, every judge its settings
         return examples
 
     # ---- set-up ---------------------------------------------------------------------------------------
@@ -334,8 +336,9 @@ class GRPOTrainer:
             trajectories: list[Trajectory] = rollout.trajectories.result()
 
         with _timed(timings, "time/reward_s"):
-            # 2. reward: every trajectory scored against its example
-            self._score(trajectories, rollout.examples)
+            # 2. reward: every trajectory scored against its example (judge calls concurrently)
+            examples = [rollout.examples[t.group_id] for t in trajectories]
+            reward_stats = score_trajectories(trajectories, examples, config.reward)
             # 3. algo: the groups to train (algo.filter_groups, data.batch_size), advantages and token weights
             batch = select_groups(trajectories, config.algo, config.data.batch_size)
             samples = self._samples_to_train(rollout.step, trajectories, batch)
@@ -358,6 +361,7 @@ class GRPOTrainer:
         # 7. log
         metrics = {
             **trajectory_metrics(trajectories),
+            **reward_stats,
             **batch.metrics(),
             "rollout/overlong_masked": float(overlong_masked(batch.trajectories, config.algo)),
             **(update.metrics if update else {"actor/updates": 0.0}),
@@ -375,8 +379,8 @@ class GRPOTrainer:
         when every trajectory failed in the user agent (a broken agent, not a data property)."""
         if all(t.failed for t in trajectories):
             raise RuntimeError(
-                f"every trajectory of step {step} failed in the agent ({self.config.rollout.agent}); the first: "
-                f"{trajectories[0].failed}"
+                f"every trajectory of step {step} failed (the agent {self.config.rollout.agent}, or the reward judge) "
+                f"and none can be trained on; the first: {trajectories[0].failed}"
             )
         if not batch.trajectories:
             print(f"[rlsearch] step {self.step}: all {batch.groups_dropped} groups had the same outcome for every "
@@ -479,10 +483,6 @@ class GRPOTrainer:
         print(f"[rlsearch] eval after step {self.step}: EM {overall.get('em', 0):.3f}, F1 {overall.get('f1', 0):.3f} "
               f"({summary.output_dir})", flush=True)
         return scalars
-
-    def _score(self, trajectories: list[Trajectory], examples: list[QAExample]) -> None:
-        for trajectory in trajectories:
-            score_trajectory(trajectory, examples[trajectory.group_id], self.config.reward.format_score)
 
     def check_parity(self) -> dict[str, float]:
         """Every engine and the actor score the probe sequence; abort when one disagrees (stale or corrupt weights)."""

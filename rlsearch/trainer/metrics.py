@@ -15,7 +15,7 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    rewards = [t.reward for t in trajectories]
+    rewards = [t.reward for t in trajectories if not t.failed]  # a failed one has no reward, only a reason
     tool_calls = [t.tool_calls for t in trajectories]
     metrics = {
         "reward/mean": _mean(rewards),
@@ -34,8 +34,8 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "time/tool_wait_s_mean": _mean([t.tool_s for t in trajectories]),
         # trajectories a weight update landed on while they generated (rollout.update_weights_in_flight)
         "rollout/mixed_policy_fraction": _mean([len(t.weight_versions) > 1 for t in trajectories]),
-        # user agents (rollout.agent): trajectories that failed (left out of training), segments per trajectory
-        "rollout/agent_failures": float(sum(bool(t.failed) for t in trajectories)),
+        # trajectories left out of training (a user agent or the reward judge failed), segments per trajectory
+        "rollout/failed_trajectories": float(sum(bool(t.failed) for t in trajectories)),
         "rollout/segments_mean": _mean([len(t.segments) for t in trajectories]),
     }
     for reason in ("answer", "eos", "length", "max_turns"):

@@ -108,7 +108,7 @@ def _recompute(records):
                 "invalid_call")),
             "response_tokens": sum(len(record["response_ids"]) for record, _ in members) / count,
             "time_s": sum(record["time_s"] for record, _ in members),
-            "agent_failures": sum(bool(record["failed"]) for record, _ in members),
+            "failed": sum(bool(record["failed"]) for record, _ in members),
             f"pass@{SAMPLES}": sum(max(ems) for ems in em_per_question.values()) / len(em_per_question),
             f"mean@{SAMPLES}": sum(sum(ems) / len(ems) for ems in em_per_question.values()) / len(em_per_question),
         }

@@ -35,9 +35,9 @@ def test_metrics_per_data_source_and_overall():
     assert metrics["hotpotqa"]["invalid_call_rate"] == 0.0 and metrics["hotpotqa"]["tool_calls"] == 0.0
     assert metrics[OVERALL]["questions"] == 3 and metrics[OVERALL]["time_s"] == pytest.approx(2.5)
     assert "pass@1" not in nq
-    assert metrics[OVERALL]["agent_failures"] == 0.0
+    assert metrics[OVERALL]["failed"] == 0.0
     failed = summarize([*records, {**_record("nq", "d"), "failed": "the agent raised RuntimeError: x"}], n_samples=1)
-    assert failed["nq"]["agent_failures"] == failed[OVERALL]["agent_failures"] == 1.0
+    assert failed["nq"]["failed"] == failed[OVERALL]["failed"] == 1.0
 
 
 def test_pass_at_k_and_mean_at_k():
