@@ -14,8 +14,8 @@ from rlsearch.trainer.update import policy_update
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
 
 LAYOUTS = {"tp1pp1": (1, 1), "tp2pp1": (2, 1), "tp1pp2": (1, 2)}
-# a large step and a narrow clip range: the second update's ratios certainly leave [1 - 0.01, 1 + 0.01]
-ALGO = AlgoConfig(num_minibatches=2, clip_ratio_low=0.01, clip_ratio_high=0.01)
+# a large step and a narrow clip range: many of the second update's ratios leave [1 - 0.001, 1 + 0.001]
+ALGO = AlgoConfig(num_minibatches=2, clip_ratio_low=0.001, clip_ratio_high=0.001)
 LR = 1e-4
 
 
