@@ -27,6 +27,7 @@ order random, SFT, GRPO (means over seeds).
 
   .venv/bin/python bench/learning.py                                   # 3 seeds (outside CI: ~45 min a seed on 2 cores)
   .venv/bin/python bench/learning.py --seeds 1 --sft-steps 5 --grpo-steps 2 --num-entities 100   # mechanics only
+  .venv/bin/python bench/learning.py --seeds 1 --grpo-override algo.num_minibatches=2 --out outputs/bench/learning-mb2
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def _grpo(model: Path, data: Path, out: Path, seed: int, args: argparse.Namespac
               f"rollout.group_size={args.group_size}", f"actor.lr={args.grpo_lr}", "trainer.log_trajectories=false",
               # a fine-tuned model's sharper distributions put fp32 engine-vs-actor logprob gaps near 1e-4 (1.05e-4
               # measured), the tiny config's limit for a random model; a broken sync is off by far more than 1e-3
-              "bridge.max_logprob_mismatch=1e-3", *_common(data, args), *extra)
+              "bridge.max_logprob_mismatch=1e-3", *_common(data, args), *args.grpo_override, *extra)
     return _em(summary)
 
 
@@ -185,6 +186,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per GRPO step")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--eval-samples", type=int, default=4, help="samples per test question (mean@k is the EM)")
+    parser.add_argument("--grpo-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="an extra override of the GRPO runs, e.g. algo.num_minibatches=2 (repeatable)")
     parser.add_argument("--no-ablation", dest="ablation", action="store_false",
                         help="skip the GRPO run without observation masking")
     parser.add_argument("--out", default="outputs/bench/learning")
