@@ -325,7 +325,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_mcp_server_arguments(serve_mcp)
     serve_mcp.set_defaults(func=_serve_mcp)
+
+    doctor = commands.add_parser(
+        "doctor", help="check that this machine can train: the stack, devices, a process group, Ray, the retriever",
+        description="Print one line per check: Python, torch (CUDA or CPU build), the devices, vLLM, megatron-core, "
+        "mbridge, transformers, Ray, mcp, Transformer Engine (optional), whether two processes form a gloo group "
+        "(nccl with 2+ GPUs) and all-reduce, and, when given, whether a Ray cluster and a retrieval server answer. "
+        "Exits with the number of failed checks, each saying what to do.",
+    )
+    doctor.add_argument("--ray-address", default="", help="a Ray cluster to join (as trainer.ray_address)")
+    doctor.add_argument("--retriever-url", default="", help="a retrieval server to reach (as tools.retriever.url)")
+    doctor.set_defaults(func=_doctor)
     return parser
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import run_doctor
+
+    checks = run_doctor(args.ray_address, args.retriever_url)
+    for check in checks:
+        print(check.line(), flush=True)
+    failed = [check.name for check in checks if check.status == "FAIL"]
+    print(f"\nrlsearch doctor: {len(checks)} checks, " + (f"{len(failed)} failed: {', '.join(failed)}" if failed
+                                                          else "ready"))
+    return len(failed)
 
 
 def main(argv: list[str] | None = None) -> int:
