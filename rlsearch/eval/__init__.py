@@ -4,7 +4,6 @@
 trainer's periodic eval). Results are resumable: re-running into the same output dir skips what is scored.
 """
 
-from ..reward import score_trajectory
 from .metrics import OVERALL, render_table, summarize
 from .results import ResultsFile, result_key
 from .runner import (
@@ -21,6 +20,5 @@ from .runner import (
 
 __all__ = [
     "EVAL_STEP", "OVERALL", "EvalQuestion", "EvalRun", "EvalSummary", "GenerateFn", "ResultsFile", "evaluate",
-    "load_eval_questions", "render_table", "result_key", "rollout_engines", "run_eval", "score_trajectory",
-    "summarize",
+    "load_eval_questions", "render_table", "result_key", "rollout_engines", "run_eval", "summarize",
 ]

@@ -25,7 +25,6 @@ from rlsearch.reward.score import (
     check_scorers,
     reward_scorer,
     score_trajectories,
-    score_trajectory,
 )
 from rlsearch.reward.verdict import parse_verdict
 
@@ -48,7 +47,6 @@ __all__ = [
     "score_f1",
     "score_response",
     "score_trajectories",
-    "score_trajectory",
     "scorer_name_for",
     "scorer_names",
     "substring_match",

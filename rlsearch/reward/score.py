@@ -196,10 +196,3 @@ def score_trajectories(
 ) -> dict[str, float]:
     """Score ``trajectories`` (``examples[i]`` is the row of ``trajectories[i]``); returns the reward/judge_* stats."""
     return reward_scorer(config).score(trajectories, examples)
-
-
-def score_trajectory(trajectory: Trajectory, example: QAExample, config: RewardConfig | float) -> None:
-    """Score one trajectory. A float is the format_score of the default scorers (the form older callers use)."""
-    if not isinstance(config, RewardConfig):
-        config = RewardConfig(format_score=config)
-    score_trajectories([trajectory], [example], config)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ..config import RolloutConfig
 from ..tools import ErrorKind, ToolCall, ToolProtocol, ToolRegistry, ToolResult, TurnKind
+from .engine import chosen_logprobs
 from .observation import fit_observation
 from .trajectory import ToolCallRecord, Trajectory, Turn
 
@@ -182,7 +183,7 @@ class AgentLoop:
 
     def _record_turn(self, trajectory: Trajectory, completion, turn_index: int) -> Turn:
         token_ids = list(completion.token_ids)
-        logprobs = [entry[token].logprob for token, entry in zip(token_ids, completion.logprobs)]
+        logprobs = chosen_logprobs(token_ids, completion.logprobs)
         trajectory.append_model_tokens(token_ids, logprobs)
         # a prefilled opening tag belongs to the first turn's call even though it sits in the prompt
         text = (trajectory.assistant_prefix if turn_index == 0 else "") + completion.text

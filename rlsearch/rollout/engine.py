@@ -66,6 +66,11 @@ def configure_vllm_environment(spec: EngineSpec) -> None:
         os.environ["VLLM_PORT"] = str(spec.vllm_port)
 
 
+def chosen_logprobs(token_ids: list[int], entries) -> list[float]:
+    """The logprob of each token in ``token_ids`` from vLLM's per-position ``{token id: Logprob}`` entries."""
+    return [entry[token].logprob for token, entry in zip(token_ids, entries)]
+
+
 class VLLMEngine:
     """Owns one AsyncLLM; create it on the event loop that will call it."""
 
@@ -125,7 +130,7 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         output = await self._generate_one(token_ids, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))
-        return [entry[token].logprob for token, entry in zip(token_ids[1:], output.prompt_logprobs[1:])]
+        return chosen_logprobs(token_ids[1:], output.prompt_logprobs[1:])
 
     async def reset_prefix_cache(self) -> None:
         await self.llm.reset_prefix_cache()

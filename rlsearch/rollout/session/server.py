@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse
 from ...config import RolloutConfig
 from ...tools.protocols.chat_tools import parse_tool_calls, template_end_of_turn
 from ..agent_loop import PromptItem, request_seed
+from ..engine import chosen_logprobs
 from .render import ChatRenderer, RequestError, normalise_message
 from .session import AgentSession, ModelCall
 from .tokens import PlannedPrompt, SessionTokens
@@ -187,11 +188,10 @@ class SessionEndpoint:
         session.weight_versions.update((version_before, self.engine.weight_version))
         completion = output.outputs[0]
         sampled = list(completion.token_ids)
-        logprobs = [entry[token].logprob for token, entry in zip(sampled, completion.logprobs)]
+        logprobs = chosen_logprobs(sampled, completion.logprobs)
         shown = sampled[:-1] if sampled and sampled[-1] == session.tokens.end_of_turn_id else sampled
         finish = "length" if completion.finish_reason == "length" else "stop"
-        segment = len(session.tokens.segments) - (0 if not prompt.extends else 1)
-        call = ModelCall(self.tokenizer.decode(shown, skip_special_tokens=False), len(sampled), finish, segment)
+        call = ModelCall(self.tokenizer.decode(shown, skip_special_tokens=False), len(sampled), finish)
         session.calls.append(call)
         return call, sampled, logprobs
 

@@ -34,7 +34,6 @@ class ModelCall:
     text: str  # the text returned (special tokens kept, the closing end-of-turn token dropped)
     num_tokens: int
     finish_reason: str  # stop | length
-    segment: int  # index of the segment the call's tokens belong to
     tool_calls: list[ToolCallRecord] = field(default_factory=list)  # calls run through session.tools after it
     answered_tool_calls: bool = False  # a chat response that carried tool calls
 
