@@ -26,7 +26,7 @@ from ..weights import WeightSync, check_engines_match_actor
 from .metrics import trajectory_metrics
 from .placement import check_retriever_reachable, describe_placement, plan_placement
 from .sampler import EpochSampler, SamplerState
-from .samples import StepBatch, overlong_masked, select_groups, train_samples
+from .samples import StepBatch, actor_logprobs_of, overlong_masked, select_groups, train_samples
 from .skip_guard import NonFiniteStepsError, SkipGuard
 from .update import PolicyUpdate, policy_update
 
@@ -328,7 +328,8 @@ class GRPOTrainer:
         """One GRPO step on a submitted rollout; returns the step's metrics (also logged)."""
         config, timings = self.config, {}
         started = time.perf_counter()
-        staleness = self.weight_version - rollout.weight_version
+        trained_version = self.weight_version
+        staleness = trained_version - rollout.weight_version
         self.trained_sampler_state = rollout.sampler
 
         # 1. rollout: the step's trajectories (submitted up to rollout.async_steps steps ago)
@@ -371,7 +372,10 @@ class GRPOTrainer:
             "time/step_s": time.perf_counter() - started,
         }
         self.logger.log_metrics(self.step, metrics)
-        self.logger.log_trajectories(self.step, [self._trajectory_record(t, rollout.examples) for t in trajectories])
+        actor_logprobs = actor_logprobs_of(batch.trajectories, samples)
+        self.logger.log_trajectories(self.step, [
+            self._trajectory_record(t, rollout, actor_logprobs.get(id(t)), trained_version) for t in trajectories
+        ])
         return metrics
 
     def _samples_to_train(self, step: int, trajectories: list[Trajectory], batch: StepBatch) -> list[TrainSample]:
@@ -490,11 +494,23 @@ class GRPOTrainer:
             self.actor, self.pool.engines, self.probe_ids, self.config.bridge.max_logprob_mismatch, self.step
         )
 
-    def _trajectory_record(self, trajectory: Trajectory, examples: list[QAExample]) -> dict:
+    def _trajectory_record(
+        self, trajectory: Trajectory, rollout: PendingRollout, actor_logprobs: list[list[float]] | None,
+        trained_version: int,
+    ) -> dict:
+        """A trajectories/step_N.jsonl line: the trajectory, its question, how many weight versions behind the trained
+        policy its oldest turn was sampled, and, where the update computed them, the actor's logprobs of each segment
+        (`actor_logprobs` for the trajectory's own tokens, earlier segments' in theirs)."""
         record = trajectory.to_json()
-        record["step"] = self.step
-        record["question"] = examples[trajectory.group_id].question
-        record["golden_answers"] = list(examples[trajectory.group_id].golden_answers)
+        example = rollout.examples[trajectory.group_id]
+        record.update(
+            step=self.step, question=example.question, golden_answers=list(example.golden_answers),
+            staleness=trained_version - min(trajectory.weight_versions, default=rollout.weight_version),
+        )
+        if actor_logprobs is not None:
+            *earlier, record["actor_logprobs"] = actor_logprobs
+            for segment, logprobs in zip(record["earlier_segments"], earlier):
+                segment["actor_logprobs"] = logprobs
         return record
 
     def save_checkpoint(self, step: int | None = None, sampler: SamplerState | None = None) -> Path:

@@ -104,6 +104,17 @@ def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[Trai
     ]
 
 
+def actor_logprobs_of(trajectories: list[Trajectory], samples: list[TrainSample]) -> dict[int, list[list[float]]]:
+    """The actor's logprobs of each trajectory's segments (by id(trajectory)), from `samples` as `train_samples` made
+    them for `trajectories`; empty where the update computed none (one update a step trains on-policy)."""
+    if not samples or samples[0].old_logprobs is None:
+        return {}
+    remaining = iter(samples)
+    return {
+        id(t): [next(remaining).old_logprobs for _ in t.segments] for t in trajectories if not t.failed
+    }
+
+
 def overlong_masked(trajectories: list[Trajectory], algo: AlgoConfig) -> int:
     """Trajectories that train no token because of algo.overlong=mask."""
     return sum(is_overlong(t) for t in trajectories if not t.failed) if algo.overlong == "mask" else 0
