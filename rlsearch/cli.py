@@ -20,22 +20,37 @@ Quick start (tiny model + generated corpus on CPU):
 """
 
 
-def _run_summarised(command: str, load, run, args: argparse.Namespace, failures: tuple = ()) -> int:
-    """Load the config, run, print the run's summary. Bad input (config, dataset) exits 2 with its message, a
-    failure in `failures` exits 1 with its message, both without a traceback."""
+def _run_summarised(command: str, load, run, output_dir_of, args: argparse.Namespace, failures: tuple = ()) -> int:
+    """Load the config, send the libraries' logs to the run's logs dir (unless --verbose), run, print the run's
+    summary. Bad input (config, dataset) exits 2 with its message, a failure in `failures` exits 1 with its message,
+    both without a traceback; any other error keeps its traceback, and every failure names the logs dir."""
     from .config import ConfigError
     from .data import DatasetError
+    from .logging import route_library_logs
 
+    log_dir = None
     try:
-        summary = run(load(args.config, args.overrides))
+        config = load(args.config, args.overrides)
+        log_dir = route_library_logs(output_dir_of(config), args.verbose)
+        summary = run(config)
     except (ConfigError, DatasetError) as err:
         print(f"rlsearch {command}: {err}", file=sys.stderr)
         return 2
     except failures as err:
-        print(f"rlsearch {command}: {err}", file=sys.stderr)
+        print(f"rlsearch {command}: {err}{_logs_hint(log_dir)}", file=sys.stderr)
         return 1
+    except BaseException:
+        if log_dir is not None:
+            print(f"rlsearch {command}: failed{_logs_hint(log_dir)}", file=sys.stderr, flush=True)
+        raise
     print(summary.render(), flush=True)
+    if log_dir is not None:
+        print(f"  library logs     : {log_dir} (--verbose prints them here)", flush=True)
     return 0
+
+
+def _logs_hint(log_dir) -> str:
+    return f"\n  the logs of every process: {log_dir}" if log_dir is not None else ""
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -44,7 +59,8 @@ def _train(args: argparse.Namespace) -> int:
     from .trainer import GRPOTrainer, NonFiniteStepsError, WorkerDiedError
 
     # train() also reports bad input as ConfigError: tool set-up, a checkpoint that does not fit the config
-    return _run_summarised("train", load_train_config, lambda config: GRPOTrainer(config).train(), args,
+    return _run_summarised("train", load_train_config, lambda config: GRPOTrainer(config).train(),
+                           lambda config: config.trainer.output_dir, args,
                            (WorkerDiedError, NonFiniteStepsError, CheckpointError))
 
 
@@ -52,7 +68,7 @@ def _sft(args: argparse.Namespace) -> int:
     from .config import load_sft_config
     from .trainer import run_sft
 
-    return _run_summarised("sft", load_sft_config, run_sft, args)
+    return _run_summarised("sft", load_sft_config, run_sft, lambda config: config.output_dir, args)
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -74,7 +90,7 @@ def _eval(args: argparse.Namespace) -> int:
     from .config import load_eval_config
     from .eval import run_eval
 
-    return _run_summarised("eval", load_eval_config, run_eval, args)
+    return _run_summarised("eval", load_eval_config, run_eval, lambda config: config.output_dir, args)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -215,6 +231,11 @@ def add_convert_parser(commands) -> None:
 def _add_config_arguments(command: argparse.ArgumentParser, example: str, func) -> None:
     command.add_argument("--config", help=f"YAML config (see {example})")
     command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    command.add_argument(
+        "--verbose", action="store_true",
+        help="print the libraries' logs (vLLM, Ray, Megatron, ...) here too; by default they go to OUTPUT_DIR/logs, "
+        "a file per process (also RLSEARCH_VERBOSE=1)",
+    )
     command.set_defaults(func=func)
 
 

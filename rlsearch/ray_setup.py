@@ -28,15 +28,19 @@ def init_ray(address: str = "", num_cpus: int = 0) -> bool:
         os.environ.setdefault(key, value)
     import ray
 
+    from .logging import process_log_dir
+
     if ray.is_initialized():
         return False
     runtime_env = {"env_vars": {**WORKER_ENV, **_passthrough_env()}}
+    # quiet (the default): workers write their output into the run's logs dir, not onto this terminal
+    log_to_driver = process_log_dir() is None
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver)
         return True
     ray.init(
         _node_ip_address="127.0.0.1", num_cpus=max(num_cpus, os.cpu_count() or 1), include_dashboard=False,
-        runtime_env=runtime_env, log_to_driver=True, configure_logging=True, logging_level="WARNING",
+        runtime_env=runtime_env, log_to_driver=log_to_driver, configure_logging=True, logging_level="WARNING",
     )
     return True
 

@@ -14,6 +14,21 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """`bash examples/run_search_grpo.sh` as the README gives it, with only the output dir moved: the SFT warm start
+    (made once into outputs/assets) and the 30 GRPO steps, run once per session. (output dir, CompletedProcess)."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("default_run") / "run"
+    env = {**os.environ, "RLSEARCH_WARM_START": "sft"}
+    env.pop("RLSEARCH_VERBOSE", None)
+    result = subprocess.run(["bash", "examples/run_search_grpo.sh", f"trainer.output_dir={out}"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=1500, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, result
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from rlsearch.data.tiny_model import make_tiny_model
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..algo import Objective
 from ..config import ActorConfig, AlgoConfig
+from ..logging import redirect_worker_output
 from ..weights import broadcast, shm
 from ..weights.bucket import WeightBucket
 from ..weights.export import export_stage_weights
@@ -82,6 +83,7 @@ class ActorWorkerSpec:
 
 class MegatronActorWorker:
     def __init__(self, spec: ActorWorkerSpec, rank: int, world_size: int) -> None:
+        redirect_worker_output(f"actor-rank{rank}")
         self.spec = spec
         self.rank = rank
         self.world_size = world_size

@@ -164,6 +164,10 @@ class RubricConfig:
 @dataclass
 class RewardConfig:
     format_score: float = 0.0  # reward for a well-formed but wrong <answer> (em and judge scorers)
+    # added to the reward of a trajectory that called a tool and made no invalid call (every scorer but rubric, which
+    # has reward.rubric.search_weight): a DR Tulu-style search term, so that a policy that cannot answer yet still
+    # learns to search with well-formed calls. 0: Search-R1's outcome reward
+    search_score: float = 0.0
     # data_source -> scorer: em (Search-R1 exact match), f1, judge, rubric, a name given to register_scorer, or
     # package.module:function. A row's own `scorer` field wins. Search-R1's sources (nq, triviaqa, popqa, hotpotqa,
     # 2wikimultihopqa, musique, bamboogle, toy) default to em; any other source in the data needs an entry
@@ -280,6 +284,9 @@ class TrainerConfig:
     resume: str = "auto"
     seed: int = 1  # data order and rollout sampling seeds
     log_trajectories: bool = True  # JSONL of every step's trajectories under output_dir/trajectories
+    # a progress line on the terminal every N steps, and for the first and the last (every step is in TensorBoard
+    # and the trajectories either way); 0: every ceil(total_steps / 10) steps, about ten lines a run
+    print_interval: int = 0
     ray_address: str = ""  # empty: start a local Ray instance on 127.0.0.1
     # where the Ray actors run. colocated: the actor ranks packed onto as few nodes as possible, the rollout worker
     # wherever Ray schedules it (usually the driver's node). split: every actor rank on one node and the rollout

@@ -69,6 +69,8 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
         raise ConfigError("'trainer.save_interval' must be >= 0")
     if config.trainer.eval_interval < 0:
         raise ConfigError("'trainer.eval_interval' must be >= 0")
+    if config.trainer.print_interval < 0:
+        raise ConfigError("'trainer.print_interval' must be >= 0 (0: about ten progress lines a run)")
     if config.rollout.async_steps < 0:
         raise ConfigError("'rollout.async_steps' must be >= 0 (0: on-policy)")
     if config.trainer.max_consecutive_skips < 0:

@@ -61,7 +61,7 @@ class RewardScorer:
         judged = []
         for trajectory, example, name in zip(trajectories, examples, names, strict=True):
             _score_by_rule(trajectory, example, score_response if name in JUDGED_SCORERS else get_scorer(name),
-                           self.config.format_score)
+                           self.config)
             # a failed agent is not trained anyway, and a reward the agent returned replaces the scorer's
             if name in JUDGED_SCORERS and not trajectory.failed and trajectory.agent_reward is None:
                 judged.append((trajectory, example, name))
@@ -137,7 +137,7 @@ class RewardScorer:
             question=example.question, golden_answers="; ".join(example.golden_answers), response=answer)
         correct = float(await self._judge.score(prompt, counters) >= 0.5)
         trajectory.scores["correct"] = correct
-        trajectory.reward = 1.0 if correct else self.config.format_score
+        trajectory.reward = (1.0 if correct else self.config.format_score) + _search_term(trajectory, self.config)
 
     async def _judge_rubrics(self, trajectory: Trajectory, example: QAExample, text: str,
                              counters: JudgeCounters) -> None:
@@ -164,15 +164,24 @@ def _response_text(trajectory: Trajectory) -> str:
     return f"<answer>{trajectory.agent_answer}</answer>"
 
 
-def _score_by_rule(trajectory: Trajectory, example: QAExample, rule: RuleScorer, format_score: float) -> None:
+def _score_by_rule(trajectory: Trajectory, example: QAExample, rule: RuleScorer, config: RewardConfig) -> None:
     text = _response_text(trajectory)
-    result = rule(text, example.golden_answers, format_score)
-    trajectory.reward = result.reward if trajectory.agent_reward is None else trajectory.agent_reward
+    result = rule(text, example.golden_answers, config.format_score)
     trajectory.scores = {
         "em": result.em, "f1": result.f1,
         "substring_em": substring_match(extract_answer(text) or "", example.golden_answers),
         "has_answer": float(result.has_answer),
+        "valid_search": float(bool(trajectory.tool_calls) and trajectory.num_invalid_calls == 0),
     }
+    if trajectory.agent_reward is not None:
+        trajectory.reward = trajectory.agent_reward
+    else:
+        trajectory.reward = result.reward + _search_term(trajectory, config)
+
+
+def _search_term(trajectory: Trajectory, config: RewardConfig) -> float:
+    """reward.search_score when the trajectory called a tool and made no invalid call (scores["valid_search"])."""
+    return config.search_score * trajectory.scores["valid_search"]
 
 
 _SCORERS: dict[str, RewardScorer] = {}

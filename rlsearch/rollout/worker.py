@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from ..config import RetrieverConfig, RolloutConfig, ToolsConfig
+from ..logging import redirect_worker_output
 from ..loop_thread import LoopThread
 from ..tools import build_registry, make_protocol
 from .agent_loop import AgentLoop, PromptItem
@@ -65,6 +66,7 @@ class RolloutWorker:
         self, engine_spec: EngineSpec, rollout: RolloutConfig, retriever: RetrieverConfig, retriever_url: str,
         seed: int, tools: ToolsConfig | None = None,
     ) -> None:
+        redirect_worker_output("rollout-engine")
         # the agent and the tools first: a bad set-up fails in a second, before the engine spends its start-up time
         agent = None
         if rollout.agent != "builtin":

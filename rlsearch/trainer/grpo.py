@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ class RunSummary:
     last_metrics: dict[str, float] = field(default_factory=dict)
     resumed_step: int = 0
     curves: Path | None = None  # PNG of the run's curves (rlsearch plot)
+    history: list[dict[str, float]] = field(default_factory=list)  # this process's steps' metrics, in order
 
     def render(self) -> str:
         metrics = self.last_metrics
@@ -55,15 +57,25 @@ class RunSummary:
             f"  final reward {metrics.get('reward/mean', 0):.3f}, EM {metrics.get('reward/em', 0):.3f}, "
             f"turns {metrics.get('rollout/turns_mean', 0):.2f}, "
             f"tool calls {metrics.get('rollout/tool_calls_mean', 0):.2f}",
-            f"  TensorBoard logs : {self.tensorboard_dir}",
         ]
+        window = len(self.history) // 3
+        if window:
+            def mean(key: str, steps: list[dict[str, float]]) -> float:
+                return statistics.fmean(step.get(key, 0.0) for step in steps)
+
+            first, last = self.history[:window], self.history[-window:]
+            lines.append(
+                f"  over the run     : reward {mean('reward/mean', first):.3f} -> {mean('reward/mean', last):.3f}, "
+                f"invalid calls {mean('rollout/invalid_calls_mean', first):.2f} -> "
+                f"{mean('rollout/invalid_calls_mean', last):.2f} per trajectory (first {window} vs last {window} steps)"
+            )
         if self.trajectory_dir:
-            lines.append(f"  trajectories     : {self.trajectory_dir}")
+            lines.append(f"  trajectories     : {self.trajectory_dir}   (rlsearch inspect {self.output_dir})")
         if self.checkpoint:
             lines.append(f"  checkpoint       : {self.checkpoint}")
         if self.curves:
             lines.append(f"  curves           : {self.curves}")
-        lines.append(f"  open TensorBoard : tensorboard --logdir {self.tensorboard_dir} --host 127.0.0.1")
+        lines.append(f"  TensorBoard      : tensorboard --logdir {self.tensorboard_dir} --host 127.0.0.1")
         return "\n".join(lines)
 
 
@@ -251,6 +263,7 @@ class GRPOTrainer:
             print(f"[rlsearch] engine vs actor logprobs before training: max |diff| "
                   f"{metrics['bridge/logprob_mismatch_max']:.2e}", flush=True)
             last_checkpoint = None
+            history: list[dict[str, float]] = []
             if self.step >= self.config.trainer.total_steps:
                 print(f"[rlsearch] the run is already at step {self.step} of trainer.total_steps="
                       f"{self.config.trainer.total_steps}: nothing to train. Raise trainer.total_steps to continue, "
@@ -259,7 +272,9 @@ class GRPOTrainer:
                 self.step += 1
                 self._launch_rollouts()
                 metrics = self.train_step(self.rollouts.popleft())
-                print(format_step_line(self.step, self.config.trainer.total_steps, metrics), flush=True)
+                history.append(metrics)
+                if self._prints_step(self.step):
+                    print(format_step_line(self.step, self.config.trainer.total_steps, metrics), flush=True)
                 self._record_skip(metrics)
                 interval = self.config.trainer.save_interval
                 if self.step == self.config.trainer.total_steps or (interval and self.step % interval == 0):
@@ -271,7 +286,7 @@ class GRPOTrainer:
                 output_dir=self.output_dir, tensorboard_dir=self.logger.tensorboard_dir,
                 trajectory_dir=self.logger.trajectory_dir if self.config.trainer.log_trajectories else None,
                 checkpoint=last_checkpoint, steps=self.step, seconds=time.perf_counter() - started,
-                last_metrics=metrics, resumed_step=self.resumed_step, curves=plot_run(self.output_dir),
+                last_metrics=metrics, resumed_step=self.resumed_step, curves=plot_run(self.output_dir), history=history,
             )
         except Exception as error:
             # a Ray call failed, or the rollout lost its last engine: name the actors that died
@@ -281,6 +296,12 @@ class GRPOTrainer:
             raise
         finally:
             self.close(graceful=not died)
+
+    def _prints_step(self, step: int) -> bool:
+        """Whether `step` gets a progress line (trainer.print_interval)."""
+        total = self.config.trainer.total_steps
+        interval = self.config.trainer.print_interval or -(-total // 10)
+        return step in (1, total) or step % interval == 0
 
     def _dead_workers(self, timeout_s: float = 10.0) -> list[str]:
         """Names of the run's Ray actors whose process is gone: a call to a dead actor fails at once, a live one

@@ -23,6 +23,8 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "reward/em": _mean([t.scores.get("em", 0.0) for t in trajectories]),
         "reward/f1": _mean([t.scores.get("f1", 0.0) for t in trajectories]),
         "reward/answer_rate": _mean([t.scores.get("has_answer", 0.0) for t in trajectories]),
+        # called a tool, no invalid call (the reward.search_score term)
+        "reward/valid_search_rate": _mean([t.scores.get("valid_search", 0.0) for t in trajectories]),
         "rollout/response_len_mean": _mean([len(t.response_ids) for t in trajectories]),
         "rollout/model_tokens_mean": _mean([sum(t.loss_mask) for t in trajectories]),
         "rollout/turns_mean": _mean([len(t.turns) for t in trajectories]),

@@ -41,10 +41,10 @@ class SFTSummary:
             f"rlsearch sft: {self.steps} steps over {self.examples} examples in {self.seconds:.0f} s, "
             f"loss {self.first_loss:.3f} -> {self.last_loss:.3f}",
             f"  model            : {self.model_dir}   (train from it: model.path={self.model_dir})",
-            f"  TensorBoard logs : {self.tensorboard_dir}",
         ]
         if self.curves:
             lines.append(f"  curves           : {self.curves}")
+        lines.append(f"  TensorBoard      : tensorboard --logdir {self.tensorboard_dir} --host 127.0.0.1")
         return "\n".join(lines)
 
 

@@ -99,7 +99,7 @@ def test_sft_config_example_and_errors_name_the_key():
     from rlsearch.config import load_sft_config
 
     config = load_sft_config("examples/configs/sft_tiny.yaml", ["data.max_steps=5"])
-    assert config.data.max_steps == 5 and config.actor.lr == pytest.approx(1e-3)
+    assert config.data.max_steps == 5 and config.actor.lr == pytest.approx(3e-3)
     for override, message in [
         ("data.batchsize=4", r"unknown config key 'data\.batchsize'; did you mean 'data\.batch_size'"),
         ("data.batch_size=0", r"'data\.batch_size' must be > 0"),

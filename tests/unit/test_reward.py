@@ -252,3 +252,31 @@ def test_parse_verdict_accepts(reply: str, scale: float | None, expected: float)
 )
 def test_parse_verdict_rejects(reply: str, scale: float | None) -> None:
     assert parse_verdict(reply, scale) is None
+
+
+def test_search_score_rewards_searching_with_valid_calls_only() -> None:
+    from rlsearch.rollout.trajectory import ToolCallRecord, Turn
+
+    search = Turn(text="<search>x</search>", num_tokens=3, kind="tool_call",
+                  tool_calls=[ToolCallRecord(name="search", query="x", ok=True)])
+    invalid = Turn(text="<search>x</answer>", num_tokens=3, kind="invalid_call", error_kind="unparseable")
+    answer = Turn(text="<answer>Rome</answer>", num_tokens=3, kind="answer")
+    cases = [  # turns, reward, valid_search
+        ((search, answer), 0.1 + 0.25, 1.0),  # wrong but well-formed answer, after a valid search
+        ((search, invalid, answer), 0.1, 0.0),  # an invalid call forfeits the search term
+        ((answer,), 0.1, 0.0),  # no search
+        ((search,), 0.25, 1.0),  # searched, never answered
+    ]
+    trajectories = []
+    for turns, _, _ in cases:
+        trajectory = Trajectory(example_id="q1", group_id=0, sample_index=len(trajectories), prompt_ids=[1])
+        trajectory.turns = list(turns)
+        trajectories.append(trajectory)
+    agent_scored = Trajectory(example_id="q1", group_id=0, sample_index=9, prompt_ids=[1], agent_reward=0.5)
+    agent_scored.turns = [search, answer]
+    score_trajectories([*trajectories, agent_scored], [_example("nq")] * 5,
+                       RewardConfig(format_score=0.1, search_score=0.25))
+    for trajectory, (_, reward, valid_search) in zip(trajectories, cases):
+        assert trajectory.reward == pytest.approx(reward)
+        assert trajectory.scores["valid_search"] == valid_search
+    assert agent_scored.reward == 0.5  # a reward the agent returned is taken as it is

@@ -36,3 +36,21 @@ def test_unmasked_observations_train_every_response_token() -> None:
         assert sample.loss_mask == [1] * 6
         assert sample.token_weights == pytest.approx([1 / 12] * 6)
         assert sample.rollout_logprobs is None  # tool tokens were never sampled: no importance weights for them
+
+
+def test_actor_logprobs_go_back_to_their_trajectory_and_segment() -> None:
+    from rlsearch.rollout.trajectory import Segment
+    from rlsearch.trainer.samples import actor_logprobs_of
+
+    failed, first, second = _trajectory(0, 0.0), _trajectory(0, 1.0), _trajectory(0, 0.0)
+    failed.failed = "agent: raised"
+    second.earlier_segments = [Segment([1, 2], [30, 31], [1, 1], [-0.1, -0.2])]
+    trajectories = [failed, first, second]
+    samples = train_samples(trajectories, AlgoConfig())
+    assert actor_logprobs_of(trajectories, samples) == {}  # one update a step: the actor computed none
+    for index, sample in enumerate(samples):
+        sample.old_logprobs = [float(index)] * sample.response_len
+    assert actor_logprobs_of(trajectories, samples) == {
+        id(first): [[0.0] * 6],
+        id(second): [[1.0] * 2, [2.0] * 6],  # earlier segment first, then the trajectory's own tokens
+    }

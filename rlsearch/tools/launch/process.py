@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 import rlsearch
+from rlsearch.logging import process_log_dir
 
 from ..http import MCP_TOKEN_ENV, RETRIEVER_TOKEN_ENV, bearer_headers
 
@@ -117,9 +118,11 @@ class CorpusServerProcess:
         return arguments
 
     def _new_log_path(self) -> Path:
-        if self.cache_dir is not None:
-            Path(self.cache_dir).mkdir(parents=True, exist_ok=True)
-        fd, path = tempfile.mkstemp(prefix=f"{self.kind.replace(' ', '-')}-", suffix=".log", dir=self.cache_dir)
+        """A new file in the run's logs dir, else in cache_dir (or the temp dir)."""
+        directory = process_log_dir() or self.cache_dir
+        if directory is not None:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        fd, path = tempfile.mkstemp(prefix=f"{self.kind.replace(' ', '-')}-", suffix=".log", dir=directory)
         os.close(fd)
         return Path(path)
 

@@ -1,0 +1,112 @@
+"""Does the default run learn? `bash examples/run_search_grpo.sh` as a user runs it, over several seeds, each with its
+own SFT warm start (`seed=S`, its own dir) and GRPO seed (`trainer.seed=S`), against a control in the same bench: the
+same run with `actor.lr=0`, whose policy never changes, so that what the control's reward does over the steps (the
+order of the questions, sampling noise) is told apart from learning.
+
+Per run it reads the run's TensorBoard scalars and compares the first and the last third of the steps: reward, the
+share of trajectories searching with valid calls only (reward/valid_search_rate), invalid calls per trajectory and the
+answer rate. It prints a table per seed, then the mean (sample std) over seeds and the gain's t over seeds, the
+terminal lines of each run (the quiet-output target is 30) and its wall time; the last line is the learning gain
+against the control's.
+
+  .venv/bin/python bench/default_run.py                 # 3 seeds + controls: ~20 min on 2 cores
+  .venv/bin/python bench/default_run.py --seeds 1 --no-control
+Finished runs (a curves.png in place) are reused, so a stopped bench resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rlsearch.logging import read_scalars  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+METRICS = (  # label, scalar
+    ("reward", "reward/mean"),
+    ("valid search", "reward/valid_search_rate"),
+    ("invalid calls", "rollout/invalid_calls_mean"),
+    ("answered", "reward/answer_rate"),
+)
+
+
+def run_default(out: Path, seed: int, sft_dir: Path, *overrides: str) -> tuple[int, float]:
+    """One `bash examples/run_search_grpo.sh` into `out`; returns (terminal lines, seconds). Reused when finished."""
+    log = out.with_suffix(".log")
+    if (out / "tensorboard" / "curves.png").is_file() and log.is_file():
+        return len(log.read_text().splitlines()), float("nan")
+    env = {**os.environ, "RLSEARCH_WARM_START": "sft", "RLSEARCH_SFT_DIR": str(sft_dir),
+           "RLSEARCH_SFT_OVERRIDES": f"seed={seed}"}
+    started = time.perf_counter()
+    with log.open("w") as terminal:
+        code = subprocess.call(
+            ["bash", "examples/run_search_grpo.sh", f"trainer.output_dir={out}", f"trainer.seed={seed}",
+             "trainer.resume=none", *overrides],
+            cwd=REPO, env=env, stdout=terminal, stderr=subprocess.STDOUT,
+        )
+    if code:
+        raise SystemExit(f"the default run failed (exit {code}): see {log}")
+    return len(log.read_text().splitlines()), time.perf_counter() - started
+
+
+def first_last(run: Path) -> dict[str, tuple[float, float]]:
+    """Per metric label: the mean of the first and of the last third of the steps."""
+    scalars = read_scalars(run / "tensorboard")
+    result = {}
+    for label, tag in METRICS:
+        values = [value for _, value in scalars[tag]]
+        third = max(1, len(values) // 3)
+        result[label] = (statistics.fmean(values[:third]), statistics.fmean(values[-third:]))
+    return result
+
+
+def spread(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return f"{mean:+.3f}"
+    std = statistics.stdev(values)
+    t = mean / (std / len(values) ** 0.5) if std > 0 else float("inf")
+    return f"{mean:+.3f} ({std:.3f}), t {t:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--no-control", dest="control", action="store_false",
+                        help="skip the actor.lr=0 runs (the baseline the gain is compared with)")
+    parser.add_argument("--out", default="outputs/bench/default-run")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="an extra override of every run (repeatable), e.g. trainer.total_steps=20")
+    args = parser.parse_args()
+    root = (REPO / args.out).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+
+    gains: dict[str, list[float]] = {"learn": [], "control": []}
+    for seed in range(1, args.seeds + 1):
+        kinds = [("learn", ())] + ([("control", ("actor.lr=0",))] if args.control else [])
+        for kind, extra in kinds:
+            run = root / f"seed_{seed}" / kind
+            run.parent.mkdir(parents=True, exist_ok=True)
+            lines, seconds = run_default(run, seed, root / f"seed_{seed}" / "sft", *args.override, *extra)
+            figures = first_last(run)
+            gains[kind].append(figures["reward"][1] - figures["reward"][0])
+            cells = " | ".join(f"{label} {a:.3f} -> {b:.3f}" for label, (a, b) in figures.items())
+            print(f"seed {seed} {kind:<7} | {cells} | {lines} terminal lines | {seconds:.0f} s", flush=True)
+
+    print(f"reward gain (last third - first third), mean (std) over {args.seeds} seeds: "
+          f"learning {spread(gains['learn'])}" + (f"; control (lr 0) {spread(gains['control'])}" if args.control
+                                                  else ""))
+    if args.control:
+        paired = [learn - control for learn, control in zip(gains["learn"], gains["control"])]
+        print(f"learning gain over the control's, paired by seed: {spread(paired)}")
+
+
+if __name__ == "__main__":
+    main()
