@@ -1,0 +1,24 @@
+"""`rlsearch inspect RUN_DIR`: an incremental SQLite index over a run's trajectory JSONL, the questions researchers
+ask of it (one question across steps, groups without reward variance, tool errors, answers found without searching,
+reward from format alone, staleness, a per-step overview) as text tables, and an HTML page of trajectories turn by
+turn and token by token."""
+
+from .index import INDEX_FILE, IndexUpdate, InspectError, open_index, update_index
+from .queries import (
+    answers_without_search,
+    default_source,
+    find_questions,
+    format_only_rewards,
+    overview,
+    question_history,
+    staleness,
+    tool_errors,
+    uniform_groups,
+    uniform_groups_per_step,
+)
+
+__all__ = [
+    "INDEX_FILE", "IndexUpdate", "InspectError", "answers_without_search", "default_source", "find_questions",
+    "format_only_rewards", "open_index", "overview", "question_history", "staleness", "tool_errors", "uniform_groups",
+    "uniform_groups_per_step", "update_index",
+]
