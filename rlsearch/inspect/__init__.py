@@ -16,9 +16,10 @@ from .queries import (
     uniform_groups,
     uniform_groups_per_step,
 )
+from .report import QUERY_NAMES, format_table, inspect_command
 
 __all__ = [
-    "INDEX_FILE", "IndexUpdate", "InspectError", "answers_without_search", "default_source", "find_questions",
-    "format_only_rewards", "open_index", "overview", "question_history", "staleness", "tool_errors", "uniform_groups",
-    "uniform_groups_per_step", "update_index",
+    "INDEX_FILE", "QUERY_NAMES", "IndexUpdate", "InspectError", "answers_without_search", "default_source",
+    "find_questions", "format_only_rewards", "format_table", "inspect_command", "open_index", "overview",
+    "question_history", "staleness", "tool_errors", "uniform_groups", "uniform_groups_per_step", "update_index",
 ]
