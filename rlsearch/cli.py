@@ -228,6 +228,8 @@ examples:
   rlsearch inspect RUN --question "which river"                  # by text of the question
   rlsearch inspect RUN --query tool-errors --step 3
   rlsearch inspect RUN --eval --query overview                   # the periodic evals (RUN/eval/step_N)
+  rlsearch inspect RUN --html --step 2                           # -> RUN/inspect/step_000002.html
+  rlsearch inspect RUN --html --out /tmp/latest.html             # the latest steps that fit one page
 """
 
 
@@ -235,7 +237,7 @@ def add_inspect_parser(commands) -> None:
     from .inspect import QUERY_NAMES
 
     inspect = commands.add_parser(
-        "inspect", help="query a run's trajectories (SQLite index) as tables",
+        "inspect", help="query a run's trajectories (SQLite index) as tables, or write them as an HTML page",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=INSPECT_EPILOG,
         description="Index RUN_DIR's trajectory JSONL into RUN_DIR/inspect.sqlite (incrementally: only lines added "
         "since the last call are read, a run still writing is fine) and answer questions about them. Without a flag "
@@ -250,6 +252,10 @@ def add_inspect_parser(commands) -> None:
                          "scored)")
     inspect.add_argument("--eval", action="store_true", help="the eval trajectories (RUN/eval/step_N) instead of "
                          "the training ones")
+    inspect.add_argument("--html", action="store_true", help="write a self-contained HTML page of the trajectories "
+                         "turn by turn, tokens coloured by loss mask, engine-vs-actor logprob gaps marked")
+    inspect.add_argument("--out", metavar="FILE", help="with --html: the page's path (default RUN_DIR/inspect/"
+                         "step_N.html, or steps_A-B.html for the latest steps that fit a page)")
     inspect.set_defaults(func=_inspect)
 
 
@@ -257,7 +263,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from .inspect import InspectError, inspect_command
 
     try:
-        print(inspect_command(args.run_dir, args.query, args.question, args.step, args.eval))
+        print(inspect_command(args.run_dir, args.query, args.question, args.step, args.eval, args.html, args.out))
     except InspectError as err:
         print(f"rlsearch inspect: {err}", file=sys.stderr)
         return 2

@@ -120,8 +120,9 @@ def summary_report(db: sqlite3.Connection, source: str, step: int | None = None)
 
 
 def inspect_command(run_dir: str | Path, query: str | None = None, question: str | None = None,
-                    step: int | None = None, eval_trajectories: bool = False) -> str:
-    """`rlsearch inspect`: update the index, then the summary or one query's table."""
+                    step: int | None = None, eval_trajectories: bool = False, html: bool = False,
+                    out: str | Path | None = None) -> str:
+    """`rlsearch inspect`: update the index, then the summary, one query's table, or (html) the HTML page."""
     update = update_index(run_dir)
     db = open_index(run_dir)
     try:
@@ -132,6 +133,10 @@ def inspect_command(run_dir: str | Path, query: str | None = None, question: str
         if step is not None and step not in known_steps:
             raise InspectError(f"no {source} trajectories at step {step}; steps: {_describe_steps(known_steps)}")
         heading = f"{update.describe()}\n{source} trajectories, steps {_describe_steps(known_steps)}\n"
+        if html:
+            from .page import write_page
+
+            return heading + write_page(db, Path(run_dir), source, step, out).describe()
         if question and query not in (None, "question"):
             raise InspectError(f"--question goes alone (or with --query question), not with --query {query}")
         if question:
