@@ -60,7 +60,7 @@ class UniformGroup(NamedTuple):
 
 
 class ToolErrorCount(NamedTuple):
-    step: int | None  # None: over every step
+    step: int | str  # "all": over every step
     tool: str  # INVALID_CALL_TOOL for a turn that wrote no well-formed call
     error_kind: str
     errors: int
@@ -168,12 +168,12 @@ def tool_errors(db: sqlite3.Connection, source: str, step: int | None = None,
     """Error observations by tool and error kind (invalid calls under INVALID_CALL_TOOL), per step or in total,
     with the tool's calls beside them."""
     where, parameters = _where(source, step, "calls")
-    step_column = "step" if by_step else "NULL"
+    step_column = "step" if by_step else "'all'"
     rows = db.execute(f"""
         WITH counted AS (SELECT {step_column} AS at, tool, error_kind FROM calls WHERE {where}),
              per_tool AS (SELECT at, tool, COUNT(*) AS calls FROM counted GROUP BY at, tool)
         SELECT counted.at, counted.tool, counted.error_kind, COUNT(*), per_tool.calls
-        FROM counted JOIN per_tool ON per_tool.tool = counted.tool AND per_tool.at IS counted.at
+        FROM counted JOIN per_tool ON per_tool.tool = counted.tool AND per_tool.at = counted.at
         WHERE counted.error_kind IS NOT NULL
         GROUP BY counted.at, counted.tool, counted.error_kind
         ORDER BY counted.at, COUNT(*) DESC, counted.tool, counted.error_kind""", parameters)
