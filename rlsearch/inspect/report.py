@@ -16,23 +16,20 @@ MAX_TEXT = 48  # characters of a text cell (answers, questions)
 
 class Query(NamedTuple):
     title: str
-    row_type: type
     rows: Callable[[sqlite3.Connection, str, int | None], list]
 
 
 QUERIES: dict[str, Query] = {
     "overview": Query("Per step: trajectories, groups, mean reward, EM, share correct, mean tool and invalid calls, "
-                      "failed trajectories", queries.StepOverview, queries.overview),
+                      "failed trajectories", queries.overview),
     "uniform-groups": Query("Groups with no reward variance (every sample the same reward: no GRPO signal)",
-                            queries.UniformGroup, queries.uniform_groups),
+                            queries.uniform_groups),
     "tool-errors": Query("Tool errors per step by tool and error kind (calls: that tool's calls in the step)",
-                         queries.ToolErrorCount, queries.tool_errors),
-    "no-search": Query("Answers found without searching (correct, no tool call)", queries.TrajectoryRow,
-                       queries.answers_without_search),
-    "format-only": Query("Reward from format alone (reward > 0, answer not correct)", queries.TrajectoryRow,
-                         queries.format_only_rewards),
+                         queries.tool_errors),
+    "no-search": Query("Answers found without searching (correct, no tool call)", queries.answers_without_search),
+    "format-only": Query("Reward from format alone (reward > 0, answer not correct)", queries.format_only_rewards),
     "staleness": Query("Staleness per step (weight versions between the trained policy and the oldest turn's)",
-                       queries.StalenessCount, queries.staleness),
+                       queries.staleness),
 }
 QUERY_NAMES = ("question", *QUERIES)
 
@@ -48,14 +45,14 @@ def format_cell(value: object) -> str:
     return text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 1] + "…"
 
 
-def format_table(row_type: type, rows: Sequence[tuple], max_rows: int | None = None, hint: str = "") -> str:
-    """Aligned columns headed by the row type's fields; numbers right-aligned. Beyond `max_rows` only the last rows
+def format_table(rows: Sequence[NamedTuple], max_rows: int | None = None, hint: str = "") -> str:
+    """Aligned columns headed by the rows' field names; numbers right-aligned. Beyond `max_rows` only the last rows
     show, after a line saying how many were left out and `hint`."""
     if not rows:
         return "(none)"
     shown = rows if max_rows is None else rows[-max_rows:]
-    cells = [list(row_type._fields)] + [[format_cell(value) for value in row] for row in shown]
-    numeric = [isinstance(value, (int, float)) for value in shown[0]]
+    cells = [list(rows[0]._fields)] + [[format_cell(value) for value in row] for row in shown]
+    numeric = [any(isinstance(value, (int, float)) for value in column) for column in zip(*shown)]
     widths = [max(len(line[column]) for line in cells) for column in range(len(cells[0]))]
     lines = ["  ".join(cell.rjust(width) if is_number else cell.ljust(width)
                        for cell, width, is_number in zip(line, widths, numeric)).rstrip() for line in cells]
@@ -76,7 +73,7 @@ def query_report(db: sqlite3.Connection, name: str, source: str, step: int | Non
             raise InspectError("--query question needs --question ID_OR_TEXT (an example_id, or text of the question)")
         return question_report(db, question, source, step)
     query = QUERIES[name]
-    return _section(query.title, format_table(query.row_type, query.rows(db, source, step)))
+    return _section(query.title, format_table(query.rows(db, source, step)))
 
 
 def question_report(db: sqlite3.Connection, id_or_text: str, source: str, step: int | None = None) -> str:
@@ -88,14 +85,14 @@ def question_report(db: sqlite3.Connection, id_or_text: str, source: str, step: 
         title = (f"{match.example_id}: {match.question}\ngolden answers: {'; '.join(match.golden_answers)}\n"
                  f"its samples across steps ({match.trajectories} trajectories):")
         history = queries.question_history(db, match.example_id, source, step)
-        sections.append(_section(title, format_table(queries.QuestionSample, history)))
+        sections.append(_section(title, format_table(history)))
     return "\n".join(sections)
 
 
 def summary_report(db: sqlite3.Connection, source: str, step: int | None = None) -> str:
     """The overview, then the headline of each query."""
     def table(name: str, rows: list) -> str:
-        return format_table(QUERIES[name].row_type, rows, SUMMARY_ROWS, f" (--query {name} shows all)")
+        return format_table(rows, SUMMARY_ROWS, f" (--query {name} shows all)")
 
     per_step = queries.overview(db, source, step)
     no_search = queries.answers_without_search(db, source, step)
@@ -105,10 +102,9 @@ def summary_report(db: sqlite3.Connection, source: str, step: int | None = None)
     sections = [
         _section(QUERIES["overview"].title, table("overview", per_step)),
         _section("Groups with no reward variance per step (--query uniform-groups lists them)",
-                 format_table(queries.UniformGroupsAtStep, queries.uniform_groups_per_step(db, source, step),
-                              SUMMARY_ROWS)),
+                 format_table(queries.uniform_groups_per_step(db, source, step), SUMMARY_ROWS)),
         _section("Tool errors by tool and error kind, all steps (--query tool-errors: per step)",
-                 format_table(queries.ToolErrorCount, queries.tool_errors(db, source, step, by_step=False))),
+                 format_table(queries.tool_errors(db, source, step, by_step=False))),
         _section(f"Answers found without searching: {len(no_search)} of {total} trajectories "
                  "(--query no-search lists them)", table("no-search", no_search)),
         _section(f"Reward from format alone: {len(format_only)} of {total} trajectories "
