@@ -93,8 +93,9 @@ def write_page(db: sqlite3.Connection, run_dir: Path, source: str, step: int | N
     """The page of `step` (default: the latest steps up to MAX_PAGE_TRAJECTORIES trajectories) at `out` (default
     RUN/inspect/step_N.html, or steps_A-B.html)."""
     chosen = _page_steps(db, source, step)
+    placeholders = ", ".join("?" * len(chosen))
     rows = db.execute(
-        f"SELECT file, byte_offset FROM trajectories WHERE source = ? AND step IN ({', '.join('?' * len(chosen))}) "
+        f"SELECT file, byte_offset, step FROM trajectories WHERE source = ? AND step IN ({placeholders}) "
         "ORDER BY step, group_id, sample_index", [source, *chosen]).fetchall()
     notes = []
     if len(rows) > MAX_PAGE_TRAJECTORIES:
@@ -107,7 +108,8 @@ def write_page(db: sqlite3.Connection, run_dir: Path, source: str, step: int | N
         if len(chosen) < len(all_steps):
             notes.append(f"the page shows the latest {len(chosen)} of {len(all_steps)} steps (at most "
                          f"{MAX_PAGE_TRAJECTORIES} trajectories); --step N writes another step's page")
-    records = [_read_record(run_dir / file, offset) for file, offset in rows]
+    # the index's step: an eval record has none of its own, it is the training step the eval scored
+    records = [{**_read_record(run_dir / file, offset), "step": step} for file, offset, step in rows]
     detokenizer, tokenizer_note = load_detokenizer(run_dir)
     notes.append(tokenizer_note)
     prefix = "eval_" if source == EVAL else ""
@@ -171,7 +173,7 @@ def load_detokenizer(run_dir: Path) -> tuple[Detokenizer | None, str]:
 def render_page(records: list[dict], title: str, detokenizer: Detokenizer | None, notes: list[str]) -> str:
     """The whole page: notes, a legend, an index linking each trajectory, then the trajectories."""
     index_rows = "".join(
-        f'<tr><td><a href="#traj-{number}">{number}</a></td>{_cells(record["step"] if "step" in record else "-")}'
+        f'<tr><td><a href="#traj-{number}">{number}</a></td>{_cells(record["step"])}'
         f'{_cells(record["example_id"], record["group_id"], record["sample_index"], _number(record["reward"]))}'
         f'{_cells(len(record["turns"]), sum(len(turn["tool_calls"]) for turn in record["turns"]))}'
         f'{_cells(record.get("failed") or "")}</tr>'
@@ -201,7 +203,7 @@ def _number(value: float) -> str:
 
 def _trajectory(record: dict, number: int, detokenizer: Detokenizer | None) -> str:
     tokens = response_tokens(record)
-    heading = (f'step {record.get("step", "-")} · {record["example_id"]} · group {record["group_id"]} · '
+    heading = (f'step {record["step"]} · {record["example_id"]} · group {record["group_id"]} · '
                f'sample {record["sample_index"]} · reward {_number(record["reward"])}')
     body = _turns_with_tokens(record, tokens, detokenizer) if detokenizer else _turns_as_text(record)
     return (f'<section class="trajectory" id="traj-{number}"><h2>{escape(heading)}</h2>'

@@ -127,8 +127,8 @@ def inspect_command(run_dir: str | Path, query: str | None = None, question: str
         if not known_steps:
             raise InspectError(f"{run_dir} holds no {source} trajectories")
         if step is not None and step not in known_steps:
-            raise InspectError(f"no {source} trajectories at step {step}; steps: {_describe_steps(known_steps)}")
-        heading = f"{update.describe()}\n{source} trajectories, steps {_describe_steps(known_steps)}\n"
+            raise InspectError(f"no {source} trajectories at step {step}; {_describe_steps(known_steps)}")
+        heading = f"{update.describe()}\n{source} trajectories, {_describe_steps(known_steps)}\n"
         if html:
             from .page import write_page
 
@@ -145,6 +145,8 @@ def inspect_command(run_dir: str | Path, query: str | None = None, question: str
 
 
 def _describe_steps(steps: list[int]) -> str:
+    if len(steps) == 1:
+        return f"step {steps[0]}"
     if steps == list(range(steps[0], steps[-1] + 1)):
-        return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
-    return ", ".join(map(str, steps))
+        return f"steps {steps[0]}-{steps[-1]}"
+    return f"steps {', '.join(map(str, steps))}"

@@ -243,10 +243,14 @@ def test_rare_outcomes_on_edited_records(real_run, tmp_path):
         db.close()
 
 
-def test_eval_trajectories_are_indexed_by_the_step_they_scored(real_run, tmp_path):
+def test_eval_trajectories_are_indexed_by_the_step_they_scored(real_run, tmp_path, capsys):
+    """A periodic eval's lines (RUN/eval/step_N/trajectories.jsonl) carry no step: theirs is the directory's."""
     run = _copy_run(real_run, tmp_path / "with_eval")
+    (run / "config.json").write_text("{}")  # no tokenizer: the page shows the turns' text
     (run / "eval" / "step_000002").mkdir(parents=True)
-    shutil.copy(real_run / "trajectories" / "step_000001.jsonl", run / "eval" / "step_000002" / "trajectories.jsonl")
+    as_eval = [{key: value for key, value in r.items() if key not in ("step", "file_step")}
+               for r in read_records(real_run, "trajectories/step_000001.jsonl")]
+    (run / "eval" / "step_000002" / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in as_eval))
     update_index(run)
     db = open_index(run)
     try:
@@ -255,6 +259,10 @@ def test_eval_trajectories_are_indexed_by_the_step_they_scored(real_run, tmp_pat
         assert_rows(overview(db, "train"), expected_overview(read_records(run)))
     finally:
         db.close()
+    assert main(["inspect", str(run), "--eval", "--html"]) == 0
+    assert f"wrote {run / 'inspect' / 'eval_step_000002.html'}: 8 trajectories" in capsys.readouterr().out
+    page = (run / "inspect" / "eval_step_000002.html").read_text()
+    assert len(re.findall(r'<td><a href="#traj-\d+">\d+</a></td><td>2</td>', page)) == 8
 
 
 # ---- the index ----------------------------------------------------------------------------------------------------
@@ -477,7 +485,7 @@ def test_cli_queries_and_bad_arguments(real_run, capsys):
     assert main(["inspect", str(real_run), "--query", "staleness", "--step", "2"]) == 0
     assert re.search(r"^\s+2\s+1\s+8\s+1\.000$", capsys.readouterr().out, re.MULTILINE)
     assert main(["inspect", str(real_run), "--step", "9"]) == 2
-    assert "no train trajectories at step 9; steps: 1-2" in capsys.readouterr().err
+    assert "no train trajectories at step 9; steps 1-2" in capsys.readouterr().err
     assert main(["inspect", str(real_run), "--query", "question"]) == 2
     assert "--query question needs --question" in capsys.readouterr().err
     assert main(["inspect", str(real_run.parent / "nowhere")]) == 2
