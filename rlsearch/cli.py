@@ -228,6 +228,64 @@ def add_convert_parser(commands) -> None:
     to_mcore.set_defaults(func=_convert, conversion=_hf_to_mcore)
 
 
+INSPECT_EPILOG = """\
+queries (--query NAME):
+  overview         per step: trajectories, groups, mean reward, EM, share correct, tool and invalid calls, failed
+  question         one question's samples across steps (with --question)
+  uniform-groups   groups whose samples all got the same reward (no GRPO signal)
+  tool-errors      error observations per step by tool and error kind (invalid calls too)
+  no-search        correct answers from trajectories that made no tool call
+  format-only      rewarded (reward > 0) but not correct: reward from the format alone
+  staleness        per step, trajectories by how many weight versions behind they were sampled
+
+examples:
+  rlsearch inspect outputs/search_grpo_tiny                      # overview and each query's headline
+  rlsearch inspect RUN --question toy-120                        # by example_id
+  rlsearch inspect RUN --question "which river"                  # by text of the question
+  rlsearch inspect RUN --query tool-errors --step 3
+  rlsearch inspect RUN --eval --query overview                   # the periodic evals (RUN/eval/step_N)
+  rlsearch inspect RUN --html --step 2                           # -> RUN/inspect/step_000002.html
+  rlsearch inspect RUN --html --out /tmp/latest.html             # the latest steps that fit one page
+"""
+
+
+def add_inspect_parser(commands) -> None:
+    from .inspect import QUERY_NAMES
+
+    inspect = commands.add_parser(
+        "inspect", help="query a run's trajectories (SQLite index) as tables, or write them as an HTML page",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=INSPECT_EPILOG,
+        description="Index RUN_DIR's trajectory JSONL into RUN_DIR/inspect.sqlite (incrementally: only lines added "
+        "since the last call are read, a run still writing is fine) and answer questions about them. Without a flag "
+        "it prints the per-step overview and the headline of each query. A malformed line stops with an error naming "
+        "its file and line (the lines before it stay indexed).",
+    )
+    inspect.add_argument("run_dir", help="a training run's trainer.output_dir, or an `rlsearch eval` output_dir")
+    inspect.add_argument("--query", choices=QUERY_NAMES, metavar="NAME", help="one query's full table (see below)")
+    inspect.add_argument("--question", metavar="ID_OR_TEXT", help="one question across steps: an example_id, or "
+                         "text the question contains (case-insensitive)")
+    inspect.add_argument("--step", type=int, metavar="N", help="only step N (an eval's step: the training step it "
+                         "scored)")
+    inspect.add_argument("--eval", action="store_true", help="the eval trajectories (RUN/eval/step_N) instead of "
+                         "the training ones")
+    inspect.add_argument("--html", action="store_true", help="write a self-contained HTML page of the trajectories "
+                         "turn by turn, tokens coloured by loss mask, engine-vs-actor logprob gaps marked")
+    inspect.add_argument("--out", metavar="FILE", help="with --html: the page's path (default RUN_DIR/inspect/"
+                         "step_N.html, or steps_A-B.html for the latest steps that fit a page)")
+    inspect.set_defaults(func=_inspect)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .inspect import InspectError, inspect_command
+
+    try:
+        print(inspect_command(args.run_dir, args.query, args.question, args.step, args.eval, args.html, args.out))
+    except InspectError as err:
+        print(f"rlsearch inspect: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _add_config_arguments(command: argparse.ArgumentParser, example: str, func) -> None:
     command.add_argument("--config", help=f"YAML config (see {example})")
     command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
@@ -281,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot.add_argument("run_dir", help="a run's output dir (trainer.output_dir, or an sft output_dir)")
     plot.set_defaults(func=_plot)
+
+    add_inspect_parser(commands)
 
     tiny = commands.add_parser(
         "make-tiny-model", help="write a random-init tiny Qwen2 with the real Qwen2 tokenizer (offline)"

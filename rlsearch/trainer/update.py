@@ -32,9 +32,10 @@ def policy_update(actor: ActorGroup, samples: list[TrainSample], algo: AlgoConfi
     parts = minibatches(samples, algo)
     started = time.perf_counter()
     if len(parts) * algo.ppo_epochs > 1:
-        in_order = [sample for part in parts for sample in part]
-        for sample, logprobs in zip(in_order, actor.compute_logprobs(in_order)):
-            sample.old_logprobs = logprobs
+        in_order = [sample for part in parts for sample in part]  # copies of `samples`, in their order
+        # the step's samples get them too: the trajectory records' actor_logprobs are read from those
+        for sample, copy, logprobs in zip(samples, in_order, actor.compute_logprobs(in_order), strict=True):
+            sample.old_logprobs = copy.old_logprobs = logprobs
     old_logprob_s = time.perf_counter() - started
     per_update = [actor.train_step(part) for _ in range(algo.ppo_epochs) for part in parts]
     metrics = {key: statistics.fmean(update[key] for update in per_update) for key in per_update[0]}

@@ -15,6 +15,7 @@ from rlsearch.algo import groups_with_signal, grpo_objective, minibatch_bounds, 
 from rlsearch.config import AlgoConfig, ConfigError, load_train_config
 from rlsearch.rollout import Trajectory
 from rlsearch.trainer.samples import minibatches, overlong_masked, select_groups, train_samples
+from rlsearch.trainer.update import policy_update
 
 
 def test_minibatch_bounds_are_contiguous_near_equal_and_never_empty():
@@ -45,6 +46,32 @@ def test_each_minibatch_is_normalised_over_its_own_tokens():
     assert sum(sum(s.token_weights) for s in whole) == pytest.approx(1.0)
     assert whole[1].token_weights == pytest.approx([1 / 8])
 
+
+class _RecordingActor:
+    """An actor group stand-in: logprobs -(sample's position), metrics of an update that changed the weights."""
+
+    def __init__(self) -> None:
+        self.trained: list[list[TrainSample]] = []
+
+    def compute_logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
+        return [[-float(index)] * sample.response_len for index, sample in enumerate(samples)]
+
+    def train_step(self, part: list[TrainSample]) -> dict[str, float]:
+        self.trained.append(part)
+        return {"actor/skipped_nonfinite": 0.0}
+
+
+def test_old_logprobs_of_several_updates_reach_the_steps_samples_and_their_minibatches():
+    """The trajectory records' actor_logprobs are read back from the step's samples after the update."""
+    samples = [_sample([1, 1, 0]), _sample([1]), _sample([1, 1, 1, 1]), _sample([0, 1])]
+    actor = _RecordingActor()
+    policy_update(actor, samples, AlgoConfig(num_minibatches=2))
+    expected = [[-0.0] * 3, [-1.0], [-2.0] * 4, [-3.0] * 2]
+    assert [s.old_logprobs for s in samples] == expected
+    assert [s.old_logprobs for part in actor.trained for s in part] == expected
+    single = [_sample([1, 1])]
+    policy_update(_RecordingActor(), single, AlgoConfig())
+    assert single[0].old_logprobs is None  # one update: on-policy, nothing computed
 
 def _trajectory(group_id: int, em: float, reward: float, finish: str = "answer", **scores: float) -> Trajectory:
     trajectory = Trajectory(example_id=f"q{group_id}", group_id=group_id, sample_index=0, prompt_ids=[1, 2])
