@@ -235,7 +235,7 @@ queries (--query NAME):
   uniform-groups   groups whose samples all got the same reward (no GRPO signal)
   tool-errors      error observations per step by tool and error kind (invalid calls too)
   no-search        correct answers from trajectories that made no tool call
-  format-only      rewarded (reward > 0) but not correct: reward from the format alone
+  format-only      rewarded (reward > 0) but not correct: reward from the format and search terms alone
   staleness        per step, trajectories by how many weight versions behind they were sampled
 
 examples:

@@ -1,7 +1,7 @@
 """`rlsearch inspect RUN_DIR`: an incremental SQLite index over a run's trajectory JSONL, the questions researchers
 ask of it (one question across steps, groups without reward variance, tool errors, answers found without searching,
-reward from format alone, staleness, a per-step overview) as text tables, and an HTML page of trajectories turn by
-turn and token by token."""
+reward without a correct answer, staleness, a per-step overview) as text tables, and an HTML page of trajectories
+turn by turn and token by token."""
 
 from .index import INDEX_FILE, IndexUpdate, InspectError, open_index, update_index
 from .page import MAX_PAGE_TRAJECTORIES, WrittenPage, write_page

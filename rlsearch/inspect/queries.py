@@ -195,7 +195,7 @@ def answers_without_search(db: sqlite3.Connection, source: str, step: int | None
 
 
 def format_only_rewards(db: sqlite3.Connection, source: str, step: int | None = None) -> list[TrajectoryRow]:
-    """Trajectories rewarded (reward > 0) for a wrong answer: the reward came from the format alone."""
+    """Trajectories rewarded (reward > 0) for a wrong answer: the reward came from the format and search terms alone."""
     return _trajectories(db, "reward > 0 AND correct = 0 AND failed = ''", source, step)
 
 

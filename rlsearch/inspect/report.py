@@ -27,7 +27,8 @@ QUERIES: dict[str, Query] = {
     "tool-errors": Query("Tool errors per step by tool and error kind (calls: that tool's calls in the step)",
                          queries.tool_errors),
     "no-search": Query("Answers found without searching (correct, no tool call)", queries.answers_without_search),
-    "format-only": Query("Reward from format alone (reward > 0, answer not correct)", queries.format_only_rewards),
+    "format-only": Query("Reward without a correct answer (reward > 0: format and search terms alone)",
+                         queries.format_only_rewards),
     "staleness": Query("Staleness per step (weight versions between the trained policy and the oldest turn's)",
                        queries.staleness),
 }
@@ -107,7 +108,7 @@ def summary_report(db: sqlite3.Connection, source: str, step: int | None = None)
                  format_table(queries.tool_errors(db, source, step, by_step=False))),
         _section(f"Answers found without searching: {len(no_search)} of {total} trajectories "
                  "(--query no-search lists them)", table("no-search", no_search)),
-        _section(f"Reward from format alone: {len(format_only)} of {total} trajectories "
+        _section(f"Reward without a correct answer: {len(format_only)} of {total} trajectories "
                  "(--query format-only lists them)", table("format-only", format_only)),
         _section(QUERIES["staleness"].title, table("staleness", queries.staleness(db, source, step))),
         f"One question across steps: --question ID_OR_TEXT (e.g. --question {examples[0]})\n",

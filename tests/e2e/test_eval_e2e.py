@@ -87,6 +87,8 @@ def _recompute(records):
             "f1": f1_score(answer, golden) if answer is not None else 0.0,
             "substring_em": substring_match(answer, golden) if answer is not None else 0.0,
             "has_answer": float(answer is not None),
+            "valid_search": float(any(turn["tool_calls"] for turn in record["turns"])
+                                  and not any(turn["kind"] == "invalid_call" for turn in record["turns"])),
         }
         assert record["answer"] == answer and record["scores"] == scores
         groups[record["data_source"]].append((record, scores))

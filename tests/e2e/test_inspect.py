@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -43,8 +44,10 @@ RUN_OVERRIDES = ["trainer.total_steps=2", "algo.num_minibatches=2", "rollout.asy
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("inspect") / "run"
+    # the random-init model (no SFT warm start): the rare outcomes are tested on edited records below
     result = subprocess.run(["bash", "examples/run_search_grpo.sh", *RUN_OVERRIDES, f"trainer.output_dir={out}"],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "RLSEARCH_WARM_START": "none"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
@@ -222,7 +225,8 @@ def test_rare_outcomes_on_edited_records(real_run, tmp_path):
         _edited(plain, sample_index=2, reward=0.1, scores={"em": 0.0}, turns=[answer_turn]),  # format only
         _edited(searching, sample_index=3, reward=0.2, scores={"em": 0.0}, failed="agent: raised"),  # failed
         _edited(plain, sample_index=4, reward=0.0, scores={"correct": 1.0}, turns=[answer_turn]),  # judge: right
-        _edited(searching, sample_index=5, turns=[{**searching["turns"][0], "tool_calls": [failed_call]}]),
+        _edited(searching, sample_index=5, reward=0.0, scores={"em": 0.0},
+                turns=[{**searching["turns"][0], "tool_calls": [failed_call]}]),
     ]
     run = tmp_path / "edited"
     (run / "trajectories").mkdir(parents=True)
@@ -472,8 +476,10 @@ def test_cli_prints_the_overview_and_each_headline(real_run):
     expected = expected_overview(read_records(real_run))
     assert [[int(cells[0]), int(cells[1]), int(cells[2])] for cells in printed] == [list(row[:3]) for row in expected]
     assert [float(cells[6]) for cells in printed] == [pytest.approx(row[6], abs=5e-4) for row in expected]
+    unearned = sum(1 for r in read_records(real_run) if not r["failed"] and r["reward"] > 0 and not r["scores"]["em"])
+    assert f"Reward without a correct answer: {unearned} of " in out
     for headline in ("Groups with no reward variance", "Tool errors by tool", "Answers found without searching: 0",
-                     "Reward from format alone: 0", "Staleness per step", "--question ID_OR_TEXT"):
+                     "Staleness per step", "--question ID_OR_TEXT"):
         assert headline in out
 
 
