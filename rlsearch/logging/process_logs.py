@@ -34,9 +34,9 @@ def route_library_logs(output_dir: str | Path, verbose: bool = False) -> Path | 
     if verbose_requested(verbose):
         os.environ.pop(LOG_DIR_ENV, None)
         return None
-    log_dir = Path(output_dir).resolve() / LOGS_SUBDIR
+    log_dir = Path(output_dir) / LOGS_SUBDIR
     log_dir.mkdir(parents=True, exist_ok=True)
-    os.environ[LOG_DIR_ENV] = str(log_dir)
+    os.environ[LOG_DIR_ENV] = str(log_dir.resolve())  # workers may start in another directory
     # vLLM otherwise gives its logger a handler of its own on stdout when it is imported in this process
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     handler = logging.FileHandler(log_dir / "driver.log")
