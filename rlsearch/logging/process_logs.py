@@ -4,8 +4,10 @@ errors. ``--verbose`` (or RLSEARCH_VERBOSE=1) leaves everything on the terminal,
 
 The driver names the dir in RLSEARCH_LOG_DIR; Ray passes RLSEARCH_* variables to its workers, and each worker
 process points its stdout and stderr into its own file there (`redirect_worker_output`), so the subprocesses it
-starts (vLLM's engine core and tensor-parallel workers) write there too. Errors still reach the terminal in full:
-a worker's exception travels to the driver with its traceback.
+starts (vLLM's engine core and tensor-parallel workers) write there too. The driver does the same with its file
+descriptors 1 and 2 (what C++ code and the processes it starts write, e.g. an in-process vLLM engine's core) while
+Python's sys.stdout and sys.stderr keep the terminal: rlsearch's lines, and errors in full (a worker's exception
+travels to the driver with its traceback).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def route_library_logs(output_dir: str | Path, verbose: bool = False) -> Path | 
     os.environ[LOG_DIR_ENV] = str(log_dir.resolve())  # workers may start in another directory
     # vLLM otherwise gives its logger a handler of its own on stdout when it is imported in this process
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    _keep_only_python_on_the_terminal(log_dir / "driver.log")
     handler = logging.FileHandler(log_dir / "driver.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.captureWarnings(True)
@@ -47,6 +50,19 @@ def route_library_logs(output_dir: str | Path, verbose: bool = False) -> Path | 
         library.handlers = [handler]
         library.propagate = False
     return log_dir
+
+
+def _keep_only_python_on_the_terminal(log_path: Path) -> None:
+    """File descriptors 1 and 2 write to `log_path`; sys.stdout and sys.stderr to where they wrote before."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    terminal = [os.dup(1), os.dup(2)]
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(terminal[0], "w", buffering=1, encoding=sys.stdout.encoding, errors=sys.stdout.errors)
+    sys.stderr = os.fdopen(terminal[1], "w", buffering=1, encoding=sys.stderr.encoding, errors=sys.stderr.errors)
 
 
 def process_log_dir() -> Path | None:
