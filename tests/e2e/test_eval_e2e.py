@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -131,6 +132,16 @@ def test_every_summary_metric_matches_the_trajectories(runs):
     table_row = next(line for line in runs.reference_stdout.splitlines() if line.startswith("overall "))
     assert f"{overall['em']:.3f}" in table_row and f"{overall['turns']:.2f}" in table_row
     assert f"summary      : {runs.reference_dir / 'summary.json'}" in runs.reference_stdout
+
+
+def test_eval_prints_no_library_output_and_names_its_logs(runs):
+    """One engine runs vLLM in the eval's own process: its engine core's and the libraries' output still goes to
+    output_dir/logs/driver.log, and the terminal holds the progress lines, the table and the summary."""
+    terminal = runs.reference_stdout.splitlines()
+    assert f"library logs     : {runs.reference_dir / 'logs'}" in terminal[-1]
+    assert not [line for line in terminal if re.search(r"WARNING|Triton|LD_PRELOAD|Loading|it/s|pid=", line)]
+    assert len(terminal) <= 20, terminal
+    assert "vllm" in (runs.reference_dir / "logs" / "driver.log").read_text().lower()
 
 
 def test_reference_run_logs_tensorboard_scalars(runs):
