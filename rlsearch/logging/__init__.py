@@ -2,10 +2,10 @@
 the libraries' own logs go (a file per process under the run's logs/ dir unless verbose)."""
 
 from .plot import CURVES_FILE, plot_run, read_scalars
-from .process_logs import process_log_dir, redirect_worker_output, route_library_logs, verbose_requested
+from .process_logs import process_log_dir, redirect_worker_output, route_library_logs
 from .writer import RunLogger, format_step_line
 
 __all__ = [
     "CURVES_FILE", "RunLogger", "format_step_line", "plot_run", "process_log_dir", "read_scalars",
-    "redirect_worker_output", "route_library_logs", "verbose_requested",
+    "redirect_worker_output", "route_library_logs",
 ]

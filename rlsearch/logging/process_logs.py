@@ -26,14 +26,14 @@ LIBRARY_LOGGERS = (
 )
 
 
-def verbose_requested(flag: bool = False) -> bool:
+def _verbose_requested(flag: bool) -> bool:
     return flag or os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
 def route_library_logs(output_dir: str | Path, verbose: bool = False) -> Path | None:
     """Send this process's library logs to ``output_dir/logs/driver.log`` and tell worker processes started from here
     (Ray actors, tool servers) to write theirs beside it. Returns the logs dir, or None when verbose (nothing moves)."""
-    if verbose_requested(verbose):
+    if _verbose_requested(verbose):
         os.environ.pop(LOG_DIR_ENV, None)
         return None
     log_dir = Path(output_dir) / LOGS_SUBDIR
@@ -54,13 +54,8 @@ def route_library_logs(output_dir: str | Path, verbose: bool = False) -> Path | 
 
 def _keep_only_python_on_the_terminal(log_path: Path) -> None:
     """File descriptors 1 and 2 write to `log_path`; sys.stdout and sys.stderr to where they wrote before."""
-    sys.stdout.flush()
-    sys.stderr.flush()
     terminal = [os.dup(1), os.dup(2)]
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    _point_output_descriptors_at(log_path)
     sys.stdout = os.fdopen(terminal[0], "w", buffering=1, encoding=sys.stdout.encoding, errors=sys.stdout.errors)
     sys.stderr = os.fdopen(terminal[1], "w", buffering=1, encoding=sys.stderr.encoding, errors=sys.stderr.errors)
 
@@ -80,13 +75,18 @@ def redirect_worker_output(role: str) -> Path | None:
         return None
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"{role}-{os.getpid()}.log"
+    _point_output_descriptors_at(path)
+    return path
+
+
+def _point_output_descriptors_at(path: Path) -> None:
+    """File descriptors 1 and 2 append to `path` (what Python buffered so far is written out first)."""
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    return path
 
 
 def _in_ray_actor() -> bool:

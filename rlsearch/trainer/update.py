@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from ..actor import ActorGroup, TrainSample
+from ..algo import minibatch_bounds
 from ..config import AlgoConfig
 from .samples import minibatches
 
@@ -29,14 +30,13 @@ def policy_update(actor: ActorGroup, samples: list[TrainSample], algo: AlgoConfi
     epochs take the mini-batches in the same order."""
     if not samples:
         raise ValueError("a policy update needs samples")
-    parts = minibatches(samples, algo)
     started = time.perf_counter()
-    if len(parts) * algo.ppo_epochs > 1:
-        in_order = [sample for part in parts for sample in part]  # copies of `samples`, in their order
-        # the step's samples get them too: the trajectory records' actor_logprobs are read from those
-        for sample, copy, logprobs in zip(samples, in_order, actor.compute_logprobs(in_order), strict=True):
-            sample.old_logprobs = copy.old_logprobs = logprobs
+    if len(minibatch_bounds(len(samples), algo.num_minibatches)) * algo.ppo_epochs > 1:
+        # on the step's samples: the mini-batches copy them, the trajectory records read them (actor_logprobs)
+        for sample, logprobs in zip(samples, actor.compute_logprobs(samples), strict=True):
+            sample.old_logprobs = logprobs
     old_logprob_s = time.perf_counter() - started
+    parts = minibatches(samples, algo)
     per_update = [actor.train_step(part) for _ in range(algo.ppo_epochs) for part in parts]
     metrics = {key: statistics.fmean(update[key] for update in per_update) for key in per_update[0]}
     skipped = [update["actor/skipped_nonfinite"] for update in per_update]
