@@ -140,7 +140,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from bench.train_step import HFTrainer, make_samples, memory_mib
-    from rlsearch.actor import ActorWorkerSpec, MegatronActorWorker
+    from rlsearch.actor import MODEL_DISTRIBUTION, ActorWorkerSpec, MegatronActorWorker
     from rlsearch.config import ActorConfig, AlgoConfig
 
     on_gpu = torch.cuda.is_available()
@@ -156,7 +156,7 @@ def main() -> None:
     actor = ActorConfig(max_tokens_per_microbatch=args.max_tokens_per_microbatch)
     algo = AlgoConfig(kl_coef=args.kl_coef)
     total_steps = args.train_steps + (args.time_steps + 1 if args.time_steps else 0) + args.profile_steps + 1
-    spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, 1.0, max(total_steps, 1), 0)
+    spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, MODEL_DISTRIBUTION, max(total_steps, 1), 0)
     worker = MegatronActorWorker(spec, rank=0, world_size=1)
     started = time.perf_counter()
     info = worker.initialize("127.0.0.1", free_port())

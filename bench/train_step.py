@@ -268,7 +268,7 @@ def main() -> None:
 
     import ray
 
-    from rlsearch.actor import ActorGroup, ActorWorkerSpec
+    from rlsearch.actor import ActorGroup, ActorWorkerSpec, SamplingDistribution
     from rlsearch.actor.batch import pack_indices
     from rlsearch.config import ActorConfig, AlgoConfig
     from rlsearch.trainer import init_ray
@@ -300,7 +300,8 @@ def main() -> None:
     actor = ActorConfig(num_threads=threads, lr=LR, clip_grad=CLIP_GRAD,
                         max_tokens_per_microbatch=args.max_tokens_per_microbatch)
     algo = AlgoConfig(clip_ratio_low=CLIP_RATIO, clip_ratio_high=CLIP_RATIO)
-    spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, TEMPERATURE, args.warmup + args.steps, args.seed)
+    spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, SamplingDistribution(TEMPERATURE),
+                          args.warmup + args.steps, args.seed)
     group = ActorGroup(spec, num_gpus_per_rank=gpu_share)
     try:
         rank = group.workers[0]

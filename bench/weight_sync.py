@@ -103,7 +103,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import ray
 
-    from rlsearch.actor import ActorGroup, ActorWorkerSpec
+    from rlsearch.actor import MODEL_DISTRIBUTION, ActorGroup, ActorWorkerSpec
     from rlsearch.config import ActorConfig, AlgoConfig, RolloutConfig, ToolsConfig
     from rlsearch.ray_setup import init_ray
     from rlsearch.rollout import EnginePool, EngineSpec
@@ -141,7 +141,7 @@ def main() -> None:
         for layout in args.layouts.split(","):
             tp, pp = (int(part) for part in layout.removeprefix("tp").split("pp"))
             group = ActorGroup(ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp), AlgoConfig(),
-                                               1.0, 1, 1))
+                                               MODEL_DISTRIBUTION, 1, 1))
             try:
                 senders = [workers[0] for workers in group.stage_workers()]
                 pids = ray.get([sender.__ray_call__.remote(lambda worker: os.getpid()) for sender in senders])

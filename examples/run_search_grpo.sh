@@ -26,10 +26,8 @@ case "${RLSEARCH_WARM_START:-sft}" in
     fi
     # A fine-tuned model writes the tags itself: no prefilled tag, no logit bias. Eight samples a question: with four,
     # a warm start whose search calls are mostly malformed (one SFT seed of three) rarely has a well-formed search in
-    # a group to learn from, and learns to answer without searching. Its larger logits make vLLM's and Megatron's
-    # fp32 CPU kernels differ by up to ~3e-4 in logprob (1e-6 on the random model), hence the looser check.
-    set -- model.path="$SFT_DIR/hf" rollout.assistant_prefix= 'rollout.logit_bias={}' rollout.group_size=8 \
-      bridge.max_logprob_mismatch=1e-3 "$@"
+    # a group to learn from, and learns to answer without searching.
+    set -- model.path="$SFT_DIR/hf" rollout.assistant_prefix= 'rollout.logit_bias={}' rollout.group_size=8 "$@"
     ;;
   *) echo "run_search_grpo.sh: RLSEARCH_WARM_START must be sft or none, got '$RLSEARCH_WARM_START'" >&2; exit 2 ;;
 esac

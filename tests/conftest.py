@@ -68,6 +68,17 @@ def retriever(toy_data, tmp_path_factory):
     process.stop()
 
 
+@pytest.fixture(scope="session")
+def engine_bench(tiny_model_dir, retriever):
+    """A real vLLM engine in this process with the tools, for rollouts at any settings and user agents
+    (tests/integration/engine_bench.py)."""
+    from tests.integration.engine_bench import Bench
+
+    bench = Bench(Path(tiny_model_dir), retriever.url)
+    yield bench
+    bench.close()
+
+
 def engine_and_actor_fixtures(scope: str):
     """The `rollout_worker` and `actor_group` fixtures over `tiny_model_dir`, at `scope`. conftest makes them per
     session; a module that overrides `tiny_model_dir` makes its own per module (a session fixture already built
@@ -88,13 +99,18 @@ def engine_and_actor_fixtures(scope: str):
 
     @pytest.fixture(scope=scope)
     def actor_group(ray_local, tiny_model_dir):
-        """One Megatron rank (gloo, CPU patches) as a Ray actor, initialised from the tiny HF model."""
-        from rlsearch.actor import ActorGroup, ActorWorkerSpec
-        from rlsearch.config import ActorConfig, AlgoConfig
+        """One Megatron rank (gloo, CPU patches) as a Ray actor, initialised from the tiny HF model, scoring under
+        `rollout_worker`'s distribution (temperature 1, TEST_ROLLOUT's logit bias)."""
+        from transformers import AutoTokenizer
 
+        from rlsearch.actor import ActorGroup, ActorWorkerSpec, SamplingDistribution
+        from rlsearch.config import ActorConfig, AlgoConfig
+        from rlsearch.rollout import token_logit_bias
+
+        bias = token_logit_bias(AutoTokenizer.from_pretrained(tiny_model_dir), TEST_ROLLOUT["logit_bias"])
         group = ActorGroup(ActorWorkerSpec(
             model_path=str(tiny_model_dir), dtype="float32", actor=ActorConfig(lr=1e-4),
-            algo=AlgoConfig(), temperature=1.0, total_steps=10, seed=1,
+            algo=AlgoConfig(), sampling=SamplingDistribution(1.0, bias), total_steps=10, seed=1,
         ))
         yield group
         group.shutdown()

@@ -9,6 +9,7 @@ import ray
 
 from ..algo import Objective, grpo_objective, sft_objective
 from .batch import TrainSample
+from .distribution import MODEL_DISTRIBUTION, SamplingDistribution
 from .worker import ActorWorkerSpec, MegatronActorWorker, RankInfo
 
 
@@ -81,22 +82,23 @@ class ActorGroup:
         return [outputs[dp_rank] for dp_rank in range(self.dp_size)]
 
     def compute_logprobs(
-        self, samples: Sequence[TrainSample], reference: bool = False, temperature: float | None = None
+        self, samples: Sequence[TrainSample], reference: bool = False, distribution: SamplingDistribution | None = None
     ) -> list[list[float]]:
+        """Per-sample logprobs of the response tokens under `distribution` (default: the rollout's)."""
         shards = self._shards(samples)
         results = self._get([
-            worker.compute_logprobs.remote(shards[info.dp_rank], reference, temperature)
+            worker.compute_logprobs.remote(shards[info.dp_rank], reference, distribution)
             for worker, info in zip(self.workers, self.infos)
         ])
         return [row for shard in self._output_by_dp_rank(results) for row in shard]
 
     def _train(
-        self, samples: Sequence[TrainSample], objective: Objective, temperature: float | None = None
+        self, samples: Sequence[TrainSample], objective: Objective, distribution: SamplingDistribution | None = None
     ) -> tuple[list[dict[str, float]], float]:
         """One optimizer step on every rank: the output ranks' results by DP rank, and whether it was skipped."""
         shards = self._shards(samples)
         results = self._get([
-            worker.train_step.remote(shards[info.dp_rank], self.dp_size, objective, temperature)
+            worker.train_step.remote(shards[info.dp_rank], self.dp_size, objective, distribution)
             for worker, info in zip(self.workers, self.infos)
         ])
         skipped = {result["skipped_nonfinite"] for result in results}
@@ -107,7 +109,7 @@ class ActorGroup:
 
     def sft_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """One supervised step: the mean negative log-likelihood of the loss-masked tokens (token weights sum to 1)."""
-        per_dp, skipped = self._train(samples, sft_objective, temperature=1.0)
+        per_dp, skipped = self._train(samples, sft_objective, MODEL_DISTRIBUTION)
         tokens = max(sum(r["tokens"] for r in per_dp), 1.0)
         return {
             "sft/loss": sum(r["nll_sum"] for r in per_dp) / tokens,

@@ -27,6 +27,7 @@ from ..weights.export import export_stage_weights
 from ..weights.group import new_weight_group
 from .batch import MicroBatch, TrainSample, pack_micro_batches
 from .cpu_compat import cuda_available
+from .distribution import SamplingDistribution
 from .model import build_model_chunks, export_hf_named, make_bridge, resolve_transformer_impl
 from .parallel import init_megatron_parallel, model_sharded_state
 
@@ -76,7 +77,7 @@ class ActorWorkerSpec:
     dtype: str
     actor: ActorConfig
     algo: AlgoConfig
-    temperature: float
+    sampling: SamplingDistribution  # what the rollout engines sample from: logprobs, the loss and the KL use it
     total_steps: int
     seed: int
 
@@ -183,14 +184,21 @@ class MegatronActorWorker:
     # ---- forward passes -------------------------------------------------------------------------------
 
     def _token_logprobs(
-        self, logits: torch.Tensor, labels: torch.Tensor, temperature: float | None = None
+        self, logits: torch.Tensor, labels: torch.Tensor, distribution: SamplingDistribution | None = None
     ) -> torch.Tensor:
-        """log p(label) per selected position from vocab-parallel logits [1, n, vocab/tp], never gathering the
-        full vocabulary."""
+        """log p(label) per selected position under `distribution` (default: the rollout's, `spec.sampling`), from
+        vocab-parallel logits [1, n, vocab/tp], never gathering the full vocabulary."""
+        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        scaled = logits[0].float() / (temperature or self.spec.temperature)
-        return -vocab_parallel_cross_entropy(scaled, labels)
+        distribution = distribution or self.spec.sampling
+        scaled = logits[0].float()
+        partition = scaled.shape[-1]
+        vocab_start = ps.get_tensor_model_parallel_rank() * partition
+        bias = distribution.bias_shard(vocab_start, vocab_start + partition, scaled.device)
+        if bias is not None:
+            scaled = scaled + bias
+        return -vocab_parallel_cross_entropy(scaled / distribution.temperature, labels)
 
     def _install_logit_selection(self, chunks: list[torch.nn.Module]) -> None:
         """Apply the output layer only at the positions a micro-batch needs (response tokens): prompts are
@@ -237,10 +245,10 @@ class MegatronActorWorker:
         )
 
     def compute_logprobs(
-        self, samples: Sequence[TrainSample], reference: bool = False, temperature: float | None = None
+        self, samples: Sequence[TrainSample], reference: bool = False, distribution: SamplingDistribution | None = None
     ) -> list[list[float]] | None:
-        """Per-sample logprobs of the response tokens (at the rollout temperature unless given). None off the
-        output ranks."""
+        """Per-sample logprobs of the response tokens (under the rollout's sampled distribution unless given). None
+        off the output ranks."""
         model = self.reference if reference else self.model
         if model is None:
             raise RuntimeError("reference logprobs requested but algo.kl_coef is 0 (no reference model)")
@@ -248,7 +256,7 @@ class MegatronActorWorker:
             return [] if self.info.is_output_rank else None
 
         def loss_fn(mb: MicroBatch, _num_micro_batches: int, logits: torch.Tensor):
-            logprobs = self._token_logprobs(logits, mb.labels, temperature).detach()
+            logprobs = self._token_logprobs(logits, mb.labels, distribution).detach()
             per_sample = [chunk.tolist() for chunk in logprobs.split(mb.response_lens)]
             return logprobs.new_zeros(()), {"logprobs": per_sample, "indices": mb.sample_indices}
 
@@ -262,10 +270,11 @@ class MegatronActorWorker:
         return [by_index[index] for index in range(len(samples))]
 
     def train_step(
-        self, samples: Sequence[TrainSample], dp_size: int, objective: Objective, temperature: float | None = None
+        self, samples: Sequence[TrainSample], dp_size: int, objective: Objective,
+        distribution: SamplingDistribution | None = None,
     ) -> dict[str, float]:
         """One optimizer step over `samples` (this rank's data-parallel shard), minimising `objective` (an
-        `rlsearch.algo` objective: loss and stats from the logprobs at `temperature`, default the rollout's). When
+        `rlsearch.algo` objective: loss and stats from the logprobs under `distribution`, default the rollout's). When
         the loss or the gradients are NaN/inf on any rank, every rank skips the optimizer and LR-scheduler steps
         instead (`skipped_nonfinite` 1.0, `update_ok` 0.0, `grad_norm` NaN): nothing changes but zeroed gradients."""
         if not samples:
@@ -274,7 +283,7 @@ class MegatronActorWorker:
             samples = [TrainSample([0, 0], 1, [0], token_weights=[0.0], ref_logprobs=reference)]
 
         def loss_fn(mb: MicroBatch, num_micro_batches: int, logits: torch.Tensor):
-            loss, stats = objective(self._token_logprobs(logits, mb.labels, temperature), mb)
+            loss, stats = objective(self._token_logprobs(logits, mb.labels, distribution), mb)
             # the schedule divides by the number of micro-batches and DDP averages over DP ranks; the token
             # weights already normalise over the whole global batch, so undo both
             return loss * num_micro_batches * dp_size, stats

@@ -92,8 +92,12 @@ class RolloutConfig:
     # YAML prompt (system, user, tool_line); empty: rlsearch/tools/protocols/prompts/<protocol>.yaml
     prompt_file: str = ""
     group_size: int = 4  # samples per prompt (the GRPO group)
-    temperature: float = 1.0  # sampling temperature (also the actor's logprob temperature)
-    top_p: float = 1.0  # nucleus sampling; 1.0 samples the full distribution
+    # sampling temperature. The engine reports, and the actor trains against, the logprobs of the distribution each
+    # token was drawn from: log_softmax((logits + logit_bias) / temperature). Training needs > 0
+    temperature: float = 1.0
+    # nucleus sampling; 1.0 samples the full distribution. Eval only: training refuses < 1, since the actor does not
+    # reproduce the nucleus mask (its importance weights and KL would compare different distributions)
+    top_p: float = 1.0
     max_turns: int = 4  # model turns per trajectory (tool calls + final answer)
     max_prompt_tokens: int = 512  # longer prompts are an error naming the row
     max_response_tokens: int = 512  # budget for everything after the prompt: model + observation tokens
@@ -269,7 +273,10 @@ class BridgeConfig:
     # engine worker (gloo on CPU, nccl on GPU); buckets never pass through the driver
     transport: str = "shm"
     timeout_s: float = 300.0  # a sync that cannot finish (a dead engine or rank) raises after this, engines paused
-    max_logprob_mismatch: float = 1e-4  # abort when engine vs actor logprobs differ more (fp32); 0 disables
+    # abort when an engine and the actor disagree more than this on the probe (tokens each engine samples after a
+    # fixed prompt at the rollout's temperature and logit bias, scored by the actor) after a sync. Empty (null): by
+    # model.dtype, 2e-3 for float32 and 1e-1 for bfloat16 (docs/reliability.md has the measurements); 0 disables
+    max_logprob_mismatch: float | None = None
 
 
 @dataclass

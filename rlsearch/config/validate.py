@@ -48,6 +48,7 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
     _check_reward(config)
     if config.rollout.group_size < 2:
         raise ConfigError("'rollout.group_size' must be >= 2: GRPO normalises rewards within a group")
+    _check_trained_distribution(config)
     if not config.data.train_files:
         raise ConfigError("'data.train_files' is empty: give at least one JSONL or parquet file")
     longest = config.rollout.max_prompt_tokens + config.rollout.max_response_tokens
@@ -92,6 +93,28 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
     if config.trainer.eval_interval and not config.eval.files:
         raise ConfigError("'trainer.eval_interval' is set but 'eval.files' is empty")
     return config
+
+
+def _check_trained_distribution(config: TrainConfig) -> None:
+    """The actor must be able to compute the distribution the engines sample from."""
+    rollout = config.rollout
+    if not rollout.temperature > 0:
+        raise ConfigError(
+            f"'rollout.temperature' is {rollout.temperature}: training samples, so it must be > 0 (greedy decoding "
+            "gives every sample of a group the same tokens)"
+        )
+    if rollout.top_p != 1.0:
+        raise ConfigError(
+            f"'rollout.top_p' is {rollout.top_p}: training needs 1.0. The engine would report logprobs of the nucleus "
+            "(renormalised over the kept tokens) while the actor scores the whole distribution, so importance "
+            "weights and the KL would compare different distributions; lower rollout.temperature instead (eval may "
+            "use top_p)"
+        )
+    limit = config.bridge.max_logprob_mismatch
+    if limit is not None and limit < 0:
+        raise ConfigError(
+            f"'bridge.max_logprob_mismatch' must be >= 0 (0: no limit, empty: by model.dtype); got {limit}"
+        )
 
 
 def validate_sft_config(config: SFTConfig) -> SFTConfig:

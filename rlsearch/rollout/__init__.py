@@ -1,6 +1,6 @@
 """Rollout: vLLM engines, the multi-turn tool-use agent loop and the Trajectory contract."""
 
-from .agent_loop import AgentLoop, PromptItem, request_seed
+from .agent_loop import AgentLoop, PromptItem, request_seed, token_logit_bias
 from .engine import EngineSpec, VLLMEngine, configure_vllm_environment
 from .pool import EnginePool, NoEngineLeftError, dispatch_groups, new_rollout_worker
 from .trajectory import ToolCallRecord, Trajectory, Turn
@@ -9,5 +9,5 @@ from .worker import RolloutWorker
 __all__ = [
     "AgentLoop", "EnginePool", "EngineSpec", "NoEngineLeftError", "PromptItem", "RolloutWorker", "ToolCallRecord",
     "Trajectory", "Turn", "VLLMEngine", "configure_vllm_environment", "dispatch_groups", "new_rollout_worker",
-    "request_seed",
+    "request_seed", "token_logit_bias",
 ]

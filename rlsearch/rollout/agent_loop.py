@@ -44,6 +44,17 @@ def request_seed(base_seed: int, step: int, group_id: int, sample_index: int, tu
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") & 0x7FFFFFFF
 
 
+def token_logit_bias(tokenizer, text_bias: dict[str, float]) -> dict[int, float]:
+    """Per-token bias from ``rollout.logit_bias``'s per-text bias: every token of the text, tokenised alone and after
+    a space."""
+    token_bias: dict[int, float] = {}
+    for text, bias in text_bias.items():
+        for variant in (text, " " + text):
+            for token in tokenizer.encode(variant, add_special_tokens=False):
+                token_bias[token] = bias
+    return token_bias
+
+
 class AgentLoop:
     """Runs prompts to finished trajectories: the protocol parses each turn, the registry runs the calls.
 
@@ -60,7 +71,7 @@ class AgentLoop:
         self.tools = tools
         self.config = config
         self.seed = seed
-        self.logit_bias = self._token_logit_bias(config.logit_bias) or None
+        self.logit_bias = token_logit_bias(self.tokenizer, config.logit_bias)
 
     def prompt_messages(self, question: str) -> list[dict]:
         """The conversation a trajectory starts from: the protocol's system prompt (if any) and instruction."""
@@ -165,21 +176,32 @@ class AgentLoop:
         self._set_observation(trajectory, turn)
         return None
 
-    def _sampling_params(self, trajectory: Trajectory, step: int, turn_index: int):
+    def sampling_params(self, max_tokens: int, seed: int, **options):
+        """vLLM sampling parameters at the rollout's distribution (temperature, top_p, logit bias), reporting the
+        sampled token's logprob under it (the engine runs with processed logprobs)."""
         from vllm import SamplingParams
 
-        budget = self.config.max_response_tokens - len(trajectory.response_ids)
         return SamplingParams(
-            max_tokens=max(1, min(self.config.max_tokens_per_turn, budget)),
-            temperature=self.config.temperature,
-            top_p=self.config.top_p,
-            stop=list(self.protocol.stop_strings),
-            stop_token_ids=list(self.protocol.stop_token_ids),
-            include_stop_str_in_output=True,
-            logprobs=0,
-            seed=request_seed(self.seed, step, trajectory.group_id, trajectory.sample_index, turn_index),
-            logit_bias=self.logit_bias,
+            max_tokens=max_tokens, temperature=self.config.temperature, top_p=self.config.top_p, logprobs=0,
+            seed=seed, logit_bias=self.logit_bias or None, **options,
         )
+
+    def _sampling_params(self, trajectory: Trajectory, step: int, turn_index: int):
+        budget = self.config.max_response_tokens - len(trajectory.response_ids)
+        return self.sampling_params(
+            max(1, min(self.config.max_tokens_per_turn, budget)),
+            request_seed(self.seed, step, trajectory.group_id, trajectory.sample_index, turn_index),
+            stop=list(self.protocol.stop_strings), stop_token_ids=list(self.protocol.stop_token_ids),
+            include_stop_str_in_output=True,
+        )
+
+    async def sample_probe(self, prompt_ids: list[int], num_tokens: int, seed: int) -> tuple[list[int], list[float]]:
+        """`num_tokens` tokens sampled after `prompt_ids` at the rollout's distribution, and their logprobs: the
+        engine's side of the probe check (rlsearch.weights.probe)."""
+        (output,) = await self.engine.generate([prompt_ids], [self.sampling_params(num_tokens, seed, ignore_eos=True)])
+        completion = output.outputs[0]
+        token_ids = list(completion.token_ids)
+        return token_ids, chosen_logprobs(token_ids, completion.logprobs)
 
     def _record_turn(self, trajectory: Trajectory, completion, turn_index: int) -> Turn:
         token_ids = list(completion.token_ids)
@@ -271,12 +293,3 @@ class AgentLoop:
             return False
         trajectory.append_observation_tokens(observation_ids)
         return True
-
-    def _token_logit_bias(self, text_bias: dict[str, float]) -> dict[int, float]:
-        """Per-token bias from per-text bias: every token of the text, tokenised alone and after a space."""
-        token_bias: dict[int, float] = {}
-        for text, bias in text_bias.items():
-            for variant in (text, " " + text):
-                for token in self.tokenizer.encode(variant, add_special_tokens=False):
-                    token_bias[token] = bias
-        return token_bias

@@ -96,6 +96,9 @@ class VLLMEngine:
             distributed_executor_backend="uni" if spec.tensor_parallel_size == 1 else "mp",
             worker_extension_cls=VLLM_WORKER_EXTENSION,
             disable_log_stats=True,
+            # a sampled token's logprob under the distribution it was drawn from (logit bias, then temperature,
+            # then top-k/top-p), which the actor reproduces; vLLM's default reports the raw model's
+            logprobs_mode="processed_logprobs",
             **extra,
         ))
         self.tokenizer = self.llm.get_tokenizer()
@@ -126,7 +129,8 @@ class VLLMEngine:
         return final
 
     async def score(self, token_ids: list[int]) -> list[float]:
-        """Teacher-forced logprob of every token after the first (the engine's own forward pass)."""
+        """Teacher-forced logprob of every token after the first under the raw model distribution (temperature 1,
+        no bias: vLLM's prompt logprobs skip the sampling processors, whatever the logprobs mode)."""
         from vllm import SamplingParams
 
         output = await self._generate_one(token_ids, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))

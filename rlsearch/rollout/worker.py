@@ -11,12 +11,19 @@ from typing import Any, TypeVar
 from ..config import RetrieverConfig, RolloutConfig, ToolsConfig
 from ..logging import redirect_worker_output
 from ..loop_thread import LoopThread
-from ..tools import build_registry, make_protocol
+from ..tools import ToolProtocol, ToolRegistry, build_registry, make_protocol
 from .agent_loop import AgentLoop, PromptItem
 from .engine import EngineSpec, VLLMEngine
 from .trajectory import Trajectory
 
 T = TypeVar("T")
+
+
+def rollout_protocol(rollout: RolloutConfig, tools: ToolRegistry, model_path: str) -> ToolProtocol:
+    """``rollout.protocol`` over the worker's tools. Its prompt and parsing serve a user agent too
+    (``AgentExample.prompt_messages``), but only the built-in loop needs the tools its format names."""
+    return make_protocol(rollout.protocol, tools.specs, rollout.prompt_file, model_path,
+                         require_tools=rollout.agent == "builtin")
 
 
 class IdleClock:
@@ -77,7 +84,7 @@ class RolloutWorker:
         self._events = LoopThread("rollout-engine")
         self._idle = IdleClock()
         try:
-            protocol = make_protocol(rollout.protocol, self.tools.specs, rollout.prompt_file, engine_spec.model_path)
+            protocol = rollout_protocol(rollout, self.tools, engine_spec.model_path)
 
             async def start_engine():  # on the loop: AsyncLLM binds to the loop it is first used on
                 return VLLMEngine(engine_spec)
@@ -121,7 +128,16 @@ class RolloutWorker:
         return self.loop.prompt_ids(question) + self.engine.tokenizer.encode(continuation, add_special_tokens=False)
 
     def score(self, token_ids: list[int]) -> list[float]:
+        """Teacher-forced logprobs of the raw model (temperature 1, no bias) of every token after the first."""
         return self._run(self.engine.score(token_ids))
+
+    def sample_probe(self, prompt_ids: list[int], num_tokens: int, seed: int) -> tuple[list[int], list[float]]:
+        """Tokens sampled after `prompt_ids` at the rollout's distribution and their logprobs (the probe check)."""
+        return self._run(self.loop.sample_probe(prompt_ids, num_tokens, seed))
+
+    def token_logit_bias(self) -> dict[int, float]:
+        """rollout.logit_bias as the engine applies it: token id -> bias."""
+        return dict(self.loop.logit_bias)
 
     def weight_rpc(self, method: str, *args: Any) -> Any:
         """Call `method` of the engine's weight receiver (`rlsearch.weights.EngineWeightReceiver`) with `args`: the

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..actor import ActorGroup, ActorWorkerSpec, TrainSample
+from ..actor import ActorGroup, ActorWorkerSpec, SamplingDistribution, TrainSample
 from ..checkpoint import CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import MODEL_DIR
 from ..config import ConfigError, EvalConfig, TrainConfig, to_dict
@@ -23,7 +23,7 @@ from ..logging import RunLogger, format_step_line, plot_run
 from ..ray_setup import actor_states, init_ray
 from ..reward import check_scorers, score_trajectories
 from ..rollout import EnginePool, EngineSpec, NoEngineLeftError, PromptItem, Trajectory
-from ..weights import WeightSync, check_engines_match_actor
+from ..weights import WeightSync, check_engines_match_actor, default_mismatch_limit
 from .metrics import trajectory_metrics
 from .placement import check_retriever_reachable, describe_placement, plan_placement
 from .sampler import EpochSampler, SamplerState
@@ -171,10 +171,12 @@ class GRPOTrainer:
                                rollout.num_engines, rollout.tensor_parallel_size)
         engine_spec = EngineSpec.from_config(config.model, rollout, config.trainer.seed)
         self.pool = EnginePool(engine_spec, rollout, tools, config.trainer.seed, **place.pool_options)
+        # the actor scores tokens under the distribution the engines sample them from (their token-level bias)
+        sampling = SamplingDistribution(rollout.temperature, ray.get(self.pool.engines[0].token_logit_bias.remote()))
         self.actor = ActorGroup(
             ActorWorkerSpec(
                 model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=config.algo,
-                temperature=config.rollout.temperature, seed=config.trainer.seed,
+                sampling=sampling, seed=config.trainer.seed,
                 # the LR schedule counts optimizer updates
                 total_steps=config.trainer.total_steps * config.algo.num_minibatches * config.algo.ppo_epochs,
             ),
@@ -261,7 +263,7 @@ class GRPOTrainer:
             self.good_sampler_state = self.trained_sampler_state
             metrics = self.check_parity()
             print(f"[rlsearch] engine vs actor logprobs before training: max |diff| "
-                  f"{metrics['bridge/logprob_mismatch_max']:.2e}", flush=True)
+                  f"{metrics['bridge/logprob_mismatch_max']:.2e} ({self.actor.spec.sampling.describe()})", flush=True)
             last_checkpoint = None
             history: list[dict[str, float]] = []
             if self.step >= self.config.trainer.total_steps:
@@ -511,9 +513,10 @@ class GRPOTrainer:
 
     def check_parity(self) -> dict[str, float]:
         """Every engine and the actor score the probe sequence; abort when one disagrees (stale or corrupt weights)."""
-        return check_engines_match_actor(
-            self.actor, self.pool.engines, self.probe_ids, self.config.bridge.max_logprob_mismatch, self.step
-        )
+        limit = self.config.bridge.max_logprob_mismatch
+        if limit is None:
+            limit = default_mismatch_limit(self.config.model.dtype)
+        return check_engines_match_actor(self.actor, self.pool.engines, self.probe_ids, limit, self.step)
 
     def _trajectory_record(
         self, trajectory: Trajectory, rollout: PendingRollout, actor_logprobs: list[list[float]] | None,

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..actor import ActorGroup, ActorWorkerSpec, TrainSample
+from ..actor import MODEL_DISTRIBUTION, ActorGroup, ActorWorkerSpec, TrainSample
 from ..algo import loss_token_weights
 from ..checkpoint import write_hf_model
 from ..config import AlgoConfig, ConfigError, SFTConfig, to_dict
@@ -89,7 +89,7 @@ def run_sft(config: SFTConfig) -> SFTSummary:
     init_ray(config.ray_address, num_cpus=world)
     spec = ActorWorkerSpec(
         model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=AlgoConfig(),
-        temperature=1.0, total_steps=total_steps, seed=config.seed,
+        sampling=MODEL_DISTRIBUTION, total_steps=total_steps, seed=config.seed,
     )
     actor = ActorGroup(spec, num_gpus_per_rank=1 if torch.cuda.is_available() else 0)
     logger = RunLogger(output_dir, log_trajectories=False)

@@ -4,11 +4,11 @@
 (deadline.py) and the probe check (probe.py)."""
 
 from .deadline import WeightSyncError
-from .probe import check_engines_match_actor, logprob_mismatch, nonfinite_logprobs
+from .probe import check_engines_match_actor, default_mismatch_limit, logprob_mismatch, nonfinite_logprobs
 from .receiver import VLLM_WORKER_EXTENSION, EngineWeightReceiver
 from .sync import SyncStats, WeightSync
 
 __all__ = [
     "VLLM_WORKER_EXTENSION", "EngineWeightReceiver", "SyncStats", "WeightSync", "WeightSyncError",
-    "check_engines_match_actor", "logprob_mismatch", "nonfinite_logprobs",
+    "check_engines_match_actor", "default_mismatch_limit", "logprob_mismatch", "nonfinite_logprobs",
 ]

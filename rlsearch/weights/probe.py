@@ -1,4 +1,5 @@
-"""The probe check: after a sync every engine scores a fixed sequence, and must agree with the actor."""
+"""The probe check: after a sync every engine samples a few tokens after a fixed prompt at the rollout's own
+distribution (temperature, logit bias), and the actor must give them the logprobs the engine reported."""
 
 from __future__ import annotations
 
@@ -7,18 +8,33 @@ from collections.abc import Sequence
 
 import ray
 
+PROBE_TOKENS = 16  # sampled after the probe prompt by each engine
+PROBE_SEED = 20_260_525  # the same draw on every engine and after every sync
+# bridge.max_logprob_mismatch's default: above the engine-vs-actor gaps that numerics give, far below those of weights
+# one update stale. Measured on CPU (docs/reliability.md, "The probe check"): numerics up to 6e-4 in float32 and 3.8e-2
+# in bfloat16 (the SFT-warm-started tiny Qwen2, temperatures 0.3-1.3), one stale update 0.54 and more
+MISMATCH_BY_DTYPE = {"float32": 2e-3, "bfloat16": 1e-1}
 
-def check_engines_match_actor(actor_group, engines: Sequence, probe_ids: list[int], limit: float,
+
+def default_mismatch_limit(dtype: str) -> float:
+    """bridge.max_logprob_mismatch's default for `model.dtype`."""
+    return MISMATCH_BY_DTYPE[dtype]
+
+
+def check_engines_match_actor(actor_group, engines: Sequence, probe_prompt: list[int], limit: float,
                               step: int) -> dict[str, float]:
-    """Every engine and the actor score `probe_ids`; raise when any engine disagrees by more than `limit` (0: never
-    on the size of the gap) or any side has NaN/inf logprobs. Returns the worst engine's max and the mean gap."""
+    """Every engine samples PROBE_TOKENS tokens after `probe_prompt` at the rollout's distribution, and the actor
+    scores each engine's tokens under that same distribution; raise when any engine disagrees by more than `limit`
+    (0: never on the size of the gap) or any side has NaN/inf logprobs. Returns the worst engine's max and the mean
+    gap."""
     from ..actor import TrainSample
 
-    scored = ray.get([engine.score.remote(probe_ids) for engine in engines])
-    probe = TrainSample(probe_ids, response_start=1, loss_mask=[1] * (len(probe_ids) - 1))
-    actor_logprobs = actor_group.compute_logprobs([probe], temperature=1.0)[0]
+    sampled = ray.get([engine.sample_probe.remote(probe_prompt, PROBE_TOKENS, PROBE_SEED) for engine in engines])
+    probes = [TrainSample(probe_prompt + token_ids, response_start=len(probe_prompt), loss_mask=[1] * len(token_ids))
+              for token_ids, _ in sampled]
+    actor_scored = actor_group.compute_logprobs(probes)
     worst_max, means = 0.0, []
-    for index, engine_logprobs in enumerate(scored):
+    for index, ((_, engine_logprobs), actor_logprobs) in enumerate(zip(sampled, actor_scored)):
         nonfinite = nonfinite_logprobs(engine_logprobs, actor_logprobs)
         if nonfinite:  # whatever the limit says: NaN/inf weights are never a tolerable mismatch
             raise RuntimeError(
@@ -29,8 +45,9 @@ def check_engines_match_actor(actor_group, engines: Sequence, probe_ids: list[in
         if limit and not worst <= limit:
             raise RuntimeError(
                 f"rollout engine {index} and the actor disagree on the probe sequence after step {step}: max |logprob "
-                f"diff| {worst:.3e} > bridge.max_logprob_mismatch={limit:g}. The engine is running different weights "
-                "than the actor (a broken weight sync); stopping before training on stale samples."
+                f"diff| {worst:.3e} > bridge.max_logprob_mismatch={limit:g}. Either the engine runs other weights than "
+                "the actor (a broken weight sync) or it samples from another distribution than the actor scores "
+                "(temperature, logit bias); stopping before training on such samples."
             )
         worst_max = max(worst_max, worst)
         means.append(mean)

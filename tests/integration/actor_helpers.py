@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlsearch.actor import ActorWorkerSpec, TrainSample
+from rlsearch.actor import MODEL_DISTRIBUTION, ActorWorkerSpec, SamplingDistribution, TrainSample
 from rlsearch.algo import loss_token_weights
 from rlsearch.config import ActorConfig, AlgoConfig
 
@@ -43,9 +43,11 @@ def scored_batch(hf_logprobs_fn) -> tuple[list[TrainSample], list[torch.Tensor]]
     return samples, reference
 
 
-def actor_spec(model_dir, tp: int, pp: int, dp: int, extra: dict) -> ActorWorkerSpec:
+def actor_spec(
+    model_dir, tp: int, pp: int, dp: int, extra: dict, sampling: SamplingDistribution = MODEL_DISTRIBUTION
+) -> ActorWorkerSpec:
     actor = ActorConfig(tp=tp, pp=pp, dp=dp, **{"lr": 1e-5, "max_tokens_per_microbatch": 160, **extra})
     return ActorWorkerSpec(
-        model_path=str(model_dir), dtype="float32", actor=actor, algo=AlgoConfig(), temperature=1.0,
+        model_path=str(model_dir), dtype="float32", actor=actor, algo=AlgoConfig(), sampling=sampling,
         total_steps=4, seed=1,
     )

@@ -3,7 +3,7 @@
 import ray
 import torch
 
-from rlsearch.actor import TrainSample
+from rlsearch.actor import MODEL_DISTRIBUTION, TrainSample
 from rlsearch.algo import grpo_advantages, loss_token_weights
 from rlsearch.data import load_qa_dataset
 from rlsearch.rollout import PromptItem
@@ -17,7 +17,7 @@ def _probe(rollout_worker) -> list[int]:
 
 
 def _actor_logprobs(actor_group, ids):
-    return actor_group.compute_logprobs([TrainSample(ids, 1, [1] * (len(ids) - 1))], temperature=1.0)[0]
+    return actor_group.compute_logprobs([TrainSample(ids, 1, [1] * (len(ids) - 1))], distribution=MODEL_DISTRIBUTION)[0]
 
 
 def test_actor_matches_hf_and_engine_logprobs(rollout_worker, actor_group, tiny_model_dir):

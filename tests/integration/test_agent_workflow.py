@@ -10,70 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import openai
 import pytest
 
 from examples.agents.search_r1 import agent as search_r1_agent
-from rlsearch.config import AlgoConfig, RetrieverConfig, RolloutConfig, ToolsConfig
-from rlsearch.data import load_qa_dataset
-from rlsearch.loop_thread import LoopThread
-from rlsearch.rollout import AgentLoop, EngineSpec, PromptItem, VLLMEngine
-from rlsearch.rollout.session import AgentRunner, SessionEndpoint
-from rlsearch.tools import ToolCall, build_registry, make_protocol
+from rlsearch.config import AlgoConfig
+from rlsearch.tools import ToolCall
 from rlsearch.trainer.samples import train_samples
-from tests.conftest import TEST_ROLLOUT
+from tests.integration.engine_bench import prompt_items
 
 LOGPROB_TOLERANCE = 1e-5  # two batchings of one engine may reorder float32 sums: a few ulps, never another token
 
 
-class Bench:
-    """One engine on its event loop (as a rollout worker holds it), the tools, the built-in loop, and runners."""
-
-    def __init__(self, model_dir: Path, retriever_url: str) -> None:
-        self.events = LoopThread("test-engine")
-
-        async def start() -> VLLMEngine:
-            return VLLMEngine(EngineSpec(str(model_dir), max_model_len=768))
-
-        self.engine = self.events.run(start())
-        self.tools = build_registry(ToolsConfig(), RetrieverConfig(topk=2, timeout_s=300.0, max_retries=0),
-                                    retriever_url)
-        self.protocol = make_protocol("search_r1", self.tools.specs)
-
-    def builtin(self, items, step: int, **rollout):
-        loop = AgentLoop(self.engine, self.protocol, self.tools, RolloutConfig(**{**TEST_ROLLOUT, **rollout}), seed=1)
-        return self.events.run(loop.run(items, step))
-
-    def agent(self, agent, items, step: int, **rollout):
-        config = RolloutConfig(**{**TEST_ROLLOUT, **rollout})
-        loop = AgentLoop(self.engine, self.protocol, self.tools, config, seed=1)
-        endpoint = SessionEndpoint(self.engine, self.tools, config, seed=1, logit_bias=loop.logit_bias)
-        runner = AgentRunner(endpoint, agent, loop.prompt_messages, config)
-        try:
-            return self.events.run(runner.run(items, step))
-        finally:
-            self.events.run(endpoint.stop())
-            runner.stop()
-
-    def close(self) -> None:
-        self.tools.close()
-        self.events.run(self.engine.shutdown())
-        self.events.stop()
-
-
-@pytest.fixture(scope="module")
-def bench(tiny_model_dir, retriever):
-    bench = Bench(Path(tiny_model_dir), retriever.url)
-    yield bench
-    bench.close()
-
-
-def prompt_items(toy_data, prompts: int = 4, samples: int = 2) -> list[PromptItem]:
-    examples = load_qa_dataset(toy_data.train)[:prompts]
-    return [PromptItem(e.id, e.question, group_id=i, sample_index=s, data_source=e.data_source,
-                       golden_answers=tuple(e.golden_answers)) for i, e in enumerate(examples) for s in range(samples)]
+@pytest.fixture
+def bench(engine_bench):
+    return engine_bench
 
 
 def test_search_r1_agent_workflow_samples_the_builtin_loops_tokens(bench, toy_data):
@@ -210,6 +162,10 @@ def test_bad_requests_get_4xx_and_failing_agents_fail_only_their_trajectory(benc
             with pytest.raises(openai.BadRequestError) as streaming:
                 await client.chat.completions.create(model=session.model, messages=user, stream=True)
             seen["stream"] = streaming.value.message
+            with pytest.raises(openai.BadRequestError) as distribution:
+                await client.chat.completions.create(model=session.model, messages=user, temperature=0.5,
+                                                     extra_body={"top_k": 5})
+            seen["distribution"] = distribution.value.message
             models = await client.models.list()
             seen["models"] = [model.id for model in models.data]
             first = await client.completions.create(model=session.model, prompt=example.question, max_tokens=200)
@@ -228,6 +184,7 @@ def test_bad_requests_get_4xx_and_failing_agents_fail_only_their_trajectory(benc
     assert not fine.failed and fine.agent_answer == "an answer" and fine.finish_reason == "length"
     assert "no agent session" in seen["404"]
     assert "streaming is not supported" in seen["stream"]
+    assert "asks for another: temperature=0.5 (rollout.temperature is 1.0), top_k=5" in seen["distribution"]
     assert seen["models"] == ["rlsearch-policy"]
     assert "rollout.max_response_tokens=16" in seen["budget"]
     # failed trajectories are left out of training (and of their group's statistics)

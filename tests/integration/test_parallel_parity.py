@@ -13,7 +13,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from rlsearch.actor import ActorGroup, TrainSample
+from rlsearch.actor import MODEL_DISTRIBUTION, ActorGroup, TrainSample
 from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 from rlsearch.weights import WeightSync, logprob_mismatch
 from rlsearch.weights.bucket import unpack_bucket
@@ -79,7 +79,7 @@ def run_layout(ray_local, tiny_model_dir, rollout_worker, batch):
             metrics = group.train_step(samples)
             trained = group.hf_state_dict()
             sent = _bucket_tensors(group, 64)
-            actor_probe = group.compute_logprobs([probe_sample], temperature=1.0)[0]
+            actor_probe = group.compute_logprobs([probe_sample], distribution=MODEL_DISTRIBUTION)[0]
             sweep = {}
             for bucket_mb in ((1, 16, 512) if name == "tp2pp2" else (64,)):
                 WeightSync(group, bucket_mb, "shm", 120.0, engine_tp=1).sync([rollout_worker])

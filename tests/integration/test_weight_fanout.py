@@ -14,7 +14,7 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
-from rlsearch.actor import ActorGroup, TrainSample
+from rlsearch.actor import MODEL_DISTRIBUTION, ActorGroup, SamplingDistribution, TrainSample
 from rlsearch.config import RetrieverConfig, RolloutConfig
 from rlsearch.rollout import EngineSpec, RolloutWorker
 from rlsearch.weights import WeightSync, WeightSyncError, check_engines_match_actor, logprob_mismatch
@@ -71,16 +71,18 @@ def probe_ids(engines):
 @pytest.fixture(scope="module")
 def synced(engines, tiny_model_dir, model_b, probe_ids):
     cache: dict[str, LayoutSyncs] = {}
+    # the engines' distribution (TEST_ROLLOUT's logit bias), which the probe check scores at
+    sampling = SamplingDistribution(1.0, ray.get(engines[0].token_logit_bias.remote()))
 
     def run(layout: str) -> LayoutSyncs:
         if layout in cache:
             return cache[layout]
         tp, pp = LAYOUTS[layout]
-        group = ActorGroup(actor_spec(model_b, tp, pp, 1, {}))
+        group = ActorGroup(actor_spec(model_b, tp, pp, 1, {}, sampling))
         result = LayoutSyncs()
         try:
             probe = TrainSample(probe_ids, 1, [1] * (len(probe_ids) - 1))
-            actor_logprobs = group.compute_logprobs([probe], temperature=1.0)[0]
+            actor_logprobs = group.compute_logprobs([probe], distribution=MODEL_DISTRIBUTION)[0]
             for transport in TRANSPORTS:
                 ray.get([engine.weight_rpc.remote("reload_from_files", str(tiny_model_dir)) for engine in engines])
                 result.before[transport] = [

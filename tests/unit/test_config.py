@@ -44,6 +44,10 @@ def test_unknown_key_in_yaml(tmp_path):
         ("rollout.protocol=hermes", r"'rollout\.protocol' must be one of search_r1, call_tool, chat_tools"),
         ("tools.mcp.servers=[{allow: [x]}]", r"'tools\.mcp\.servers\[0\]' needs exactly one of url .* and command"),
         ("tools.mcp.servers=[{url: 'http://h/mcp', command: [x]}]", r"needs exactly one of url"),
+        ("rollout.temperature=0", r"'rollout\.temperature' is 0\.0: training samples, so it must be > 0"),
+        ("rollout.top_p=0.9", r"'rollout\.top_p' is 0\.9: training needs 1\.0\. The engine would report logprobs of "
+                              r"the nucleus"),
+        ("bridge.max_logprob_mismatch=-1", r"'bridge\.max_logprob_mismatch' must be >= 0"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -61,7 +65,24 @@ def test_example_config_loads():
 
     config = load_train_config(str(REPO_ROOT / "examples/configs/search_grpo_tiny.yaml"))
     assert config.rollout.protocol == "search_r1"
-    assert config.bridge.max_logprob_mismatch == pytest.approx(1e-4)
+    assert config.bridge.max_logprob_mismatch is None  # by model.dtype
+
+
+def test_the_probe_limit_follows_the_dtype_and_eval_may_use_top_p(tmp_path):
+    from rlsearch.config import load_eval_config
+    from rlsearch.weights import default_mismatch_limit
+    from tests.conftest import REPO_ROOT
+
+    assert default_mismatch_limit("float32") < default_mismatch_limit("bfloat16")
+    assert load_train_config(None, ["bridge.max_logprob_mismatch=2e-4"]).bridge.max_logprob_mismatch == 2e-4
+    assert load_train_config(None, ["bridge.max_logprob_mismatch=0"]).bridge.max_logprob_mismatch == 0.0
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    evaluated = load_eval_config(str(REPO_ROOT / "examples/configs/eval_search.yaml"),
+                                 [f"model.path={model}", "rollout.top_p=0.9", "rollout.temperature=0.7",
+                                  f"eval.files=[{REPO_ROOT / 'README.md'}]"])
+    assert evaluated.rollout.top_p == 0.9
 
 
 def test_tool_server_token_variables_and_request_limits():

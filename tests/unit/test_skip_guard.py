@@ -127,10 +127,15 @@ def _check(engines: list[list[float]], actor: list[float], limit: float, monkeyp
     import ray
 
     monkeypatch.setattr(ray, "get", lambda value: value)
-    handles = [type("Engine", (), {"score": type("Call", (), {"remote": staticmethod(lambda ids, lp=lp: lp)})})
-               for lp in engines]
-    actor_group = type("Actor", (), {"compute_logprobs": lambda self, samples, temperature: [actor]})()
-    return check_engines_match_actor(actor_group, handles, list(range(len(actor) + 1)), limit, step=5)
+    sampled = list(range(100, 100 + len(actor)))
+    handles = [
+        type("Engine", (), {"sample_probe": type("Call", (), {
+            "remote": staticmethod(lambda prompt, num_tokens, seed, lp=lp: (sampled, lp))
+        })})
+        for lp in engines
+    ]
+    actor_group = type("Actor", (), {"compute_logprobs": lambda self, samples: [actor for _ in samples]})()
+    return check_engines_match_actor(actor_group, handles, [1, 2, 3], limit, step=5)
 
 
 @pytest.mark.parametrize("limit", [1e-4, 0.0], ids=["limit", "limit-disabled"])

@@ -2,15 +2,18 @@
 
 Routes: ``POST chat/completions`` (with ``tools``; vLLM's ``continue_final_message``, ``add_generation_prompt`` and
 ``chat_template_kwargs`` extensions), ``POST completions`` (a text prompt or token ids), ``GET models``. Every call
-runs on the worker's engine with the rollout's sampling settings: a per-(example, sample, call) seed, the
-configured logit bias, ``rollout.temperature``/``top_p`` unless the request sets them, at most
+runs on the worker's engine with the rollout's sampling settings: a per-(example, sample, call) seed, at most
 ``rollout.max_tokens_per_turn`` tokens and never past the trajectory's ``rollout.max_response_tokens``. The text
 returned always includes the stop string that ended it (its tokens were sampled). Responses also carry
 ``prompt_token_ids`` and ``token_ids``. With ``tools``, ``<tool_call>`` blocks come back as ``tool_calls`` (of the
 whole message when it was continued, its ``content`` then being the text before the first call).
 
-Errors: an unknown session is 404; a prompt over ``rollout.max_prompt_tokens``, a trajectory whose response budget
-is used up, ``n`` > 1 or ``stream`` are 400 with the reason.
+Every call samples from the rollout's distribution (``rollout.temperature``, ``top_p``, ``logit_bias``), the one the
+actor trains the sampled tokens against: a request that asks for another (a different ``temperature`` or ``top_p``,
+its own ``logit_bias``, ``top_k``, ``min_p`` or a penalty) is refused with a 400 naming the fields.
+
+Errors: an unknown session is 404; a first prompt over ``rollout.max_prompt_tokens``, a trajectory whose response
+budget is used up, ``n`` > 1, ``stream`` or another sampling distribution are 400 with the reason.
 """
 
 from __future__ import annotations
@@ -167,17 +170,18 @@ class SessionEndpoint:
         self, session: AgentSession, item: PromptItem, step: int, prompt: PlannedPrompt, body: dict
     ) -> tuple[ModelCall, list[int], list[float]]:
         config = self.config
-        if not prompt.extends and len(prompt.ids) > config.max_prompt_tokens:
+        if not session.tokens.segments and len(prompt.ids) > config.max_prompt_tokens:
             raise RequestError(
                 f"the prompt has {len(prompt.ids)} tokens, over the limit of rollout.max_prompt_tokens="
                 f"{config.max_prompt_tokens}"
             )
-        budget = config.max_response_tokens - session.tokens.response_len_after(prompt)
+        budget = config.max_response_tokens - session.tokens.tokens_after_first_prompt(prompt)
         if budget <= 0:
             session.over_budget = True
             raise RequestError(
                 f"the trajectory's token budget is used up: rollout.max_response_tokens={config.max_response_tokens} "
-                "tokens after the first prompt (model and tool tokens); finish the trajectory"
+                "tokens after the first prompt (model and tool tokens, also those a rewritten history sends again); "
+                "finish the trajectory"
             )
         params = self._sampling_params(body, budget, request_seed(
             self.seed, step, item.group_id, item.sample_index, len(session.calls)
@@ -199,19 +203,18 @@ class SessionEndpoint:
         from vllm import SamplingParams
 
         config = self.config
+        _check_distribution(body, config)
         requested = body.get("max_completion_tokens") or body.get("max_tokens") or config.max_tokens_per_turn
         stop = body.get("stop") or []
-        bias = dict(self.logit_bias)
-        bias.update({int(token): float(value) for token, value in (body.get("logit_bias") or {}).items()})
         return SamplingParams(
             max_tokens=max(1, min(int(requested), budget)),
-            temperature=float(_setting(body, "temperature", config.temperature)),
-            top_p=float(_setting(body, "top_p", config.top_p)),
+            temperature=config.temperature,
+            top_p=config.top_p,
             stop=[stop] if isinstance(stop, str) else list(stop),
             include_stop_str_in_output=True,
             logprobs=0,
             seed=seed,
-            logit_bias=bias or None,
+            logit_bias=self.logit_bias or None,
         )
 
     def _logprob_entries(self, sampled: list[int], logprobs: list[float]) -> list[dict]:
@@ -279,9 +282,27 @@ def _required(body: dict, key: str, kind: type):
     return value
 
 
-def _setting(body: dict, key: str, default: float) -> float:
-    value = body.get(key)
-    return default if value is None else value
+# request fields that change the sampled distribution, and the values that leave it as it is
+_NEUTRAL_SAMPLING = {
+    "top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+}
+
+
+def _check_distribution(body: dict, config: RolloutConfig) -> None:
+    """Refuse a request that asks for another distribution than the rollout's (the one its tokens are trained on)."""
+    refused = [
+        f"{key}={body[key]} (rollout.{key} is {getattr(config, key)})"
+        for key in ("temperature", "top_p") if body.get(key) is not None and body[key] != getattr(config, key)
+    ]
+    if body.get("logit_bias"):
+        refused.append("logit_bias (rollout.logit_bias sets the run's)")
+    refused += [f"{key}={body[key]}" for key, neutral in _NEUTRAL_SAMPLING.items()
+                if body.get(key) is not None and body[key] not in neutral]
+    if refused:
+        raise RequestError(
+            f"this endpoint samples from the distribution the run trains on; the request asks for another: "
+            f"{', '.join(refused)}. Drop these fields, or set the rollout's temperature/top_p/logit_bias in the config"
+        )
 
 
 def _json(value: Any) -> str:
