@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..config import ConfigError, EvalConfig, to_dict
 from ..data import DatasetError, QAExample, load_qa_dataset
-from ..reward import check_scorers, extract_answer, score_trajectories
+from ..reward import check_scorers, score_trajectories, trajectory_answer
 from ..rollout import EnginePool, EngineSpec, PromptItem, Trajectory, new_rollout_worker
 from .metrics import OVERALL, render_table, summarize
 from .results import ResultKey, ResultsFile, result_key
@@ -194,7 +194,7 @@ class EvalRun:
         return {
             "eval_file": question.eval_file, "data_source": example.data_source, "example_id": example.id,
             "question": example.question, "golden_answers": list(example.golden_answers), "prompt": prompt,
-            "answer": extract_answer(trajectory.model_text), "time_s": time_s, **trajectory.to_json(),
+            "answer": trajectory_answer(trajectory), "time_s": time_s, **trajectory.to_json(),
         }
 
 

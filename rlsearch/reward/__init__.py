@@ -25,6 +25,7 @@ from rlsearch.reward.score import (
     check_scorers,
     reward_scorer,
     score_trajectories,
+    trajectory_answer,
 )
 from rlsearch.reward.verdict import parse_verdict
 
@@ -50,4 +51,5 @@ __all__ = [
     "scorer_name_for",
     "scorer_names",
     "substring_match",
+    "trajectory_answer",
 ]

@@ -78,9 +78,10 @@ class RewardResult:
 def score_response(
     response_text: str, golden_answers: Sequence[str], format_score: float = 0.0
 ) -> RewardResult:
-    """Search-R1 outcome reward: 1.0 for an exact match, ``format_score`` for a wrong but present answer."""
+    """Search-R1 outcome reward: 1.0 for an exact match, ``format_score`` for a wrong but present answer (an empty
+    answer block is no answer: it earns nothing)."""
     answer = extract_answer(response_text)
-    if answer is None:
+    if not answer:
         return RewardResult(reward=0.0, em=0.0, f1=0.0, has_answer=False)
     em = exact_match(answer, golden_answers)
     reward = 1.0 if em else format_score

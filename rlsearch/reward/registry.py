@@ -32,9 +32,10 @@ class ScorerError(ConfigError):
 
 
 def score_f1(response_text: str, golden_answers: Sequence[str], format_score: float = 0.0) -> RewardResult:
-    """Token F1 of the answer block as the reward (0 without one); ``format_score`` is not used."""
+    """Token F1 of the answer block as the reward (0 without one, or with an empty one); ``format_score`` is not
+    used."""
     answer = extract_answer(response_text)
-    if answer is None:
+    if not answer:
         return RewardResult(reward=0.0, em=0.0, f1=0.0, has_answer=False)
     exact = score_response(response_text, golden_answers)
     return RewardResult(reward=exact.f1, em=exact.em, f1=exact.f1, has_answer=True)

@@ -36,10 +36,6 @@ class SegmentState:
     messages: list[dict] | None = None  # chat: the last call's messages plus the assistant message returned
     ended_turn: bool = False  # the last sampled token closed the assistant turn (end-of-turn token)
 
-    @property
-    def response_len(self) -> int:
-        return len(self.ids) - self.prompt_len
-
     def to_segment(self) -> Segment:
         cut = self.prompt_len
         return Segment(self.ids[:cut], self.ids[cut:], self.loss_mask[cut:], self.logprobs[cut:])
@@ -88,9 +84,13 @@ class SessionTokens:
             return PlannedPrompt(list(ids), True, inserted)
         return PlannedPrompt(list(ids), False)
 
-    def response_len_after(self, prompt: PlannedPrompt) -> int:
-        """Response tokens (after the segment's first prompt) the call's prompt already holds."""
-        return self.current.response_len + len(prompt.inserted) if prompt.extends else 0
+    def tokens_after_first_prompt(self, prompt: PlannedPrompt) -> int:
+        """How many tokens past the length of the session's first prompt the call's prompt holds: what the call has
+        already used of the trajectory's budget (rollout.max_response_tokens). A new segment (an agent that strips or
+        re-renders its history) counts the tokens it sends again, so every call is held to one budget."""
+        if not self.segments:
+            return 0
+        return max(0, len(prompt.ids) - self.segments[0].prompt_len)
 
     def record(
         self, prompt: PlannedPrompt, prompt_text: str, sampled: list[int], logprobs: list[float],

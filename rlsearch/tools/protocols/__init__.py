@@ -18,9 +18,12 @@ PROTOCOLS: dict[str, type[ToolProtocol]] = {
 }
 
 
-def make_protocol(name: str, tools: Sequence[ToolSpec], prompt_file: str = "", tokenizer: Any = None) -> ToolProtocol:
-    """The protocol ``name`` listing ``tools`` in its prompt; a tool its tags name must be among them. ``tokenizer``:
-    the model's, or the path to load it from, for a protocol that renders with its chat template
+def make_protocol(
+    name: str, tools: Sequence[ToolSpec], prompt_file: str = "", tokenizer: Any = None, require_tools: bool = True
+) -> ToolProtocol:
+    """The protocol ``name`` listing ``tools`` in its prompt; with ``require_tools``, a tool its tags name must be
+    among them (a user agent drives its own loop and calls whatever tools it has: it needs none of them).
+    ``tokenizer``: the model's, or the path to load it from, for a protocol that renders with its chat template
     (``needs_tokenizer``: chat_tools); the others ignore it (a path is then not loaded)."""
     if name not in PROTOCOLS:
         raise ToolSetupError(f"unknown protocol {name!r}; choose one of {', '.join(PROTOCOLS)}")
@@ -30,7 +33,7 @@ def make_protocol(name: str, tools: Sequence[ToolSpec], prompt_file: str = "", t
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     protocol = PROTOCOLS[name](tools, prompt_file or None, tokenizer)
     available = {tool.name for tool in tools}
-    missing = [tool for tool in protocol.required_tools if tool not in available]
+    missing = [tool for tool in protocol.required_tools if tool not in available] if require_tools else []
     if missing:
         raise ToolSetupError(
             f"protocol '{name}' calls the tool(s) {', '.join(missing)}, which no enabled tool provides "
