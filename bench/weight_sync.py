@@ -105,7 +105,7 @@ def main() -> None:
 
     from rlsearch.actor import MODEL_DISTRIBUTION, ActorGroup, ActorWorkerSpec
     from rlsearch.config import ActorConfig, AlgoConfig, RolloutConfig, ToolsConfig
-    from rlsearch.ray_setup import init_ray
+    from rlsearch.ray_setup import cluster_has_gpus, init_ray
     from rlsearch.rollout import EnginePool, EngineSpec
     from rlsearch.weights import WeightSync, check_engines_match_actor
 
@@ -141,7 +141,7 @@ def main() -> None:
         for layout in args.layouts.split(","):
             tp, pp = (int(part) for part in layout.removeprefix("tp").split("pp"))
             group = ActorGroup(ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp), AlgoConfig(),
-                                               MODEL_DISTRIBUTION, 1, 1))
+                                               MODEL_DISTRIBUTION, 1, 1), num_gpus_per_rank=1 if cluster_has_gpus() else 0)
             try:
                 senders = [workers[0] for workers in group.stage_workers()]
                 pids = ray.get([sender.__ray_call__.remote(lambda worker: os.getpid()) for sender in senders])

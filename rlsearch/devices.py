@@ -1,30 +1,47 @@
-"""The device a process computes on and the torch.distributed backend it uses, decided in that process from the
-devices it sees: a Ray worker sees the GPUs Ray gave it, which the driver (possibly a CPU-only head node) does not.
+"""What a process computes with, decided in that process from the devices it sees: its GPU (or none), its
+torch.distributed backend, and whether Transformer Engine's torch part is usable. A Ray worker sees the GPUs Ray gave
+it, which the driver (possibly a CPU-only head node) does not: the driver asks the cluster instead
+(`rlsearch.ray_setup.cluster_has_gpus`).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
+from dataclasses import dataclass
 
 import torch
 
+# the second install step of the GPU stack (scripts/setup.sh): Transformer Engine's torch extension must be built for
+# the torch that is installed, which build isolation would replace by the newest one
+TRANSFORMER_ENGINE_INSTALL = "pip install --no-build-isolation -r requirements/gpu-te.txt"
+
 
 def local_gpu_index() -> int | None:
-    """The index (in this process's CUDA numbering) of the GPU it should use; None without a GPU.
+    """The index (in this process's CUDA numbering) of the GPU it computes on; None when it has none.
 
-    A Ray worker uses the first GPU Ray assigned it: device 0 when Ray set CUDA_VISIBLE_DEVICES to the assignment,
-    its position among the visible devices otherwise (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1). A process
-    started by torchrun uses LOCAL_RANK."""
+    A Ray worker uses the GPU Ray assigned it (the first, for an actor given several): device 0 when Ray narrowed
+    CUDA_VISIBLE_DEVICES to its assignment (Ray's default), its position among the visible devices when Ray left
+    them all visible (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1). A Ray worker assigned no GPU uses none, even
+    where GPUs are visible. Any other process (torchrun, a spawned converter rank, a script) uses LOCAL_RANK."""
     if not torch.cuda.is_available():
         return None
     assigned = _ray_gpu_ids()
-    if assigned:
-        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        first = str(assigned[0])
-        if first in visible:
-            return visible.index(first)
-        return 0 if visible else int(first)
-    return int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+    if assigned is None:
+        return int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+    if not assigned:
+        return None
+    visible = [device.strip() for device in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if device.strip()]
+    if not visible:
+        return min(int(gpu) for gpu in assigned)
+    missing = [str(gpu) for gpu in assigned if str(gpu) not in visible]
+    if missing:
+        raise RuntimeError(
+            f"Ray assigned this worker GPU {', '.join(missing)} but CUDA_VISIBLE_DEVICES={','.join(visible)} does not "
+            "list it: start the Ray nodes with the CUDA_VISIBLE_DEVICES they should use, and do not set it per worker"
+        )
+    return min(visible.index(str(gpu)) for gpu in assigned)
 
 
 def local_device() -> torch.device:
@@ -37,14 +54,41 @@ def process_group_backend() -> str:
     return "gloo" if local_gpu_index() is None else "nccl"
 
 
-def _ray_gpu_ids() -> list:
+def _ray_gpu_ids() -> list | None:
+    """The GPU ids Ray assigned this process; None when it is not a Ray worker (the driver, or no Ray at all)."""
     try:
         import ray
     except ImportError:
-        return []
-    if not ray.is_initialized():
-        return []
+        return None
+    if not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+        return None
+    return list(ray.get_gpu_ids())
+
+
+@dataclass(frozen=True)
+class TransformerEngineStatus:
+    state: str  # ok | absent | broken
+    detail: str = ""  # ok: the version; broken: why transformer_engine.pytorch does not import
+
+    def problem(self) -> str:
+        """What is wrong and what to do (empty when ok)."""
+        if self.state == "absent":
+            return f"Transformer Engine is not installed; install it with `{TRANSFORMER_ENGINE_INSTALL}`"
+        if self.state == "broken":
+            return (f"Transformer Engine is installed but transformer_engine.pytorch does not import ({self.detail}): "
+                    "its torch extension does not match the installed torch. Reinstall it against that torch: "
+                    f"`{TRANSFORMER_ENGINE_INSTALL}`")
+        return ""
+
+
+def transformer_engine_status() -> TransformerEngineStatus:
+    """Whether Transformer Engine's torch part imports. ``import transformer_engine`` alone proves nothing: its
+    top-level package swallows the ImportError of a torch extension built for another torch, after which Megatron
+    quietly stands in mocks for every TE layer."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return TransformerEngineStatus("absent")
     try:
-        return list(ray.get_gpu_ids())
-    except Exception:  # the driver, or a process outside a Ray worker
-        return []
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as error:  # an ImportError, or an OSError from a CUDA library that does not load
+        return TransformerEngineStatus("broken", f"{type(error).__name__}: {error}")
+    return TransformerEngineStatus("ok", getattr(importlib.import_module("transformer_engine"), "__version__", ""))

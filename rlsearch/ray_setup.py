@@ -53,10 +53,32 @@ def ray_env_defaults(address: str) -> dict[str, str]:
     return defaults
 
 
+# sent to every worker (see _passthrough_env). Not CUDA_*: CUDA_VISIBLE_DEVICES is Ray's to set per worker, and
+# CUDA_HOME / CUDA_PATH name directories of this machine; the two CUDA settings that change how a run computes are
+# named one by one
+PASSTHROUGH_PREFIXES = ("VLLM_", "RLSEARCH_", "NCCL_", "TORCH_NCCL_", "NVTE_")
+PASSTHROUGH_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_DEVICE_MAX_CONNECTIONS",
+                     "CUDA_LAUNCH_BLOCKING")
+
+
 def _passthrough_env() -> dict[str, str]:
     """Sent to every worker (needed when joining a cluster, whose workers do not inherit this environment): the
-    VLLM_* settings and the RLSEARCH_* variables, the default tool-server token variables among them."""
-    return {key: value for key, value in os.environ.items() if key.startswith(("VLLM_", "RLSEARCH_"))}
+    VLLM_* settings, the RLSEARCH_* variables (the default tool-server token variables among them), and the NCCL,
+    Transformer Engine and CUDA-allocator settings, which every rank of a communicator must share."""
+    return {
+        key: value for key, value in os.environ.items()
+        if key.startswith(PASSTHROUGH_PREFIXES) or key in PASSTHROUGH_NAMES
+    }
+
+
+def cluster_has_gpus(resources: dict[str, float] | None = None) -> bool:
+    """Whether the Ray cluster (``resources``: its `ray.cluster_resources()`, read when not given) has GPUs. The driver
+    decides GPU use from this, never from its own devices: it may run on a CPU-only head node."""
+    if resources is None:
+        import ray
+
+        resources = ray.cluster_resources()
+    return resources.get("GPU", 0) > 0
 
 
 def actor_states(handles: list, timeout_s: float) -> list[str]:

@@ -1,22 +1,13 @@
 #!/usr/bin/env bash
 # Sourced by the example run scripts: installs what is missing (scripts/setup.sh), builds the embedded default
-# assets once (tiny model, toy corpus and QA under outputs/assets) and sets PY to the environment's python.
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# assets once (tiny model, toy corpus and QA under outputs/assets) and sets PY to the environment's python (the GPU
+# stack's with RLSEARCH_STACK=gpu). `quietly` (scripts/common.sh) keeps each step's output in a log.
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+ROOT="$RLSEARCH_ROOT"
 cd "$ROOT"
 bash scripts/setup.sh
-PY="${RLSEARCH_VENV:-$ROOT/.venv}/bin/python"
+PY="$VENV/bin/python"
 export HF_HUB_OFFLINE=1 PYTHONWARNINGS=ignore
-
-# quietly LOG COMMAND...: run COMMAND with its output in LOG; on failure print LOG's end and stop
-quietly() {
-  local log="$1"; shift
-  mkdir -p "$(dirname "$log")"
-  if ! "$@" > "$log" 2>&1; then
-    tail -n 40 "$log" >&2
-    echo "$(basename "$0"): failed: $*; its whole output: $log" >&2
-    exit 1
-  fi
-}
 
 ASSETS="outputs/assets"
 # sft.jsonl (the demonstrations) came later than the rest: assets made before it are made again

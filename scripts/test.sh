@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up the environment (idempotent) and run the whole test suite. Extra arguments go to pytest.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+cd "$RLSEARCH_ROOT"
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
-exec "${RLSEARCH_VENV:-$ROOT/.venv}/bin/python" -m pytest tests "$@"
+exec "$VENV/bin/python" -m pytest tests "$@"

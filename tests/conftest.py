@@ -13,6 +13,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (tests/gpu, run by scripts/gpu_check.sh); skipped "
+                            "without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: scripts/gpu_check.sh runs these on a GPU machine")
+    for item in gpu_tests:
+        item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
     """`bash examples/run_search_grpo.sh` as the README gives it, with only the output dir moved: the SFT warm start

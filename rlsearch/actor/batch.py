@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .cpu_compat import cuda_available
+from ..devices import local_device
 
 
 @dataclass
@@ -164,8 +164,8 @@ def collate(samples: Sequence[TrainSample], sample_indices: Sequence[int], train
 def pack_micro_batches(
     samples: Sequence[TrainSample], max_tokens: int, min_micro_batches: int = 1, trained_only: bool = False
 ) -> list[MicroBatch]:
-    """Packed micro-batches on the rank's device: the current CUDA device when there is one (the model is there on
-    the nccl path), else CPU. `trained_only`: logits only where the loss mask is set (a training step)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
+    """Packed micro-batches on the rank's device (where its model is): its GPU when it has one, else CPU.
+    `trained_only`: logits only where the loss mask is set (a training step)."""
+    device = local_device()
     bins = pack_indices([len(s.token_ids) for s in samples], max_tokens, min_micro_batches)
     return [collate([samples[i] for i in indices], indices, trained_only).to(device) for indices in bins]

@@ -1,6 +1,6 @@
 """Everything megatron-core 0.16.1 needs to run on a CPU-only torch with gloo, in one place.
 
-`apply_cpu_patches()` is a no-op when CUDA is available: the GPU path runs megatron unpatched.
+`apply_cpu_patches()` is a no-op in a process with a GPU: the GPU path runs megatron unpatched.
 What each patch covers (megatron-cpu.md has the investigation):
 - RNG tracker: CudaRNGStatesTracker.add/fork call torch.cuda.get_rng_state(); ours keeps CPU generator states.
 - Device mode: hard-coded device="cuda" / .cuda() across megatron (schedules, causal masks) become CPU. The
@@ -18,12 +18,15 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..devices import local_gpu_index
+
 _applied = False
 _mode_threads: set[int] = set()
 
 
 def cuda_available() -> bool:
-    return torch.cuda.is_available()
+    """Whether this process computes on a GPU (`rlsearch.devices.local_gpu_index`)."""
+    return local_gpu_index() is not None
 
 
 def apply_cpu_patches() -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .cpu_compat import cuda_available
+from ..devices import local_device, local_gpu_index, transformer_engine_status
 
 # dense decoder-only models whose mbridge mapping is tested here (tied and untied embeddings)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -24,16 +24,19 @@ _LOCAL_SPEC_LAYERNORM_NAMES = {
 
 
 def resolve_transformer_impl(requested: str) -> str:
-    """auto -> transformer_engine when CUDA and TE are present, else local."""
-    if requested != "auto":
+    """auto -> transformer_engine where this process has a GPU and Transformer Engine's torch part imports, else
+    local. An explicit transformer_engine that cannot work here is a RuntimeError saying why."""
+    if requested == "local":
         return requested
-    if not cuda_available():
-        return "local"
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return "local"
-    return "transformer_engine"
+    on_gpu = local_gpu_index() is not None
+    engine = transformer_engine_status()
+    if requested == "auto":
+        return "transformer_engine" if on_gpu and engine.state == "ok" else "local"
+    problem = engine.problem() if on_gpu else "the Transformer Engine layer spec needs a GPU and this process has none"
+    if problem:
+        raise RuntimeError(f"transformer_impl=transformer_engine: {problem}; or use transformer_impl=local (auto picks "
+                           "it without a GPU or a working Transformer Engine)")
+    return requested
 
 
 def check_architecture(model_type: str | None, hf_dir: str) -> None:
@@ -121,10 +124,11 @@ def build_model_chunks(bridge, virtual_pipeline_stages: int | None = None) -> li
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         chunk = provider(pre, post, vp_stage) if vp_stage is not None else provider(pre, post)
-        if cuda_available():
+        device = local_device()
+        if device.type == "cuda":
             # megatron's parallel layers are built on the GPU, but not every module is (the local spec's torch
             # norms): move the whole chunk, as megatron's and mbridge's get_model do
-            chunk.cuda(torch.cuda.current_device())
+            chunk.cuda(device)
         chunks.append(chunk)
     return chunks
 

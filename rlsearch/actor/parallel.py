@@ -7,7 +7,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .cpu_compat import apply_cpu_patches, cuda_available
+from ..devices import local_gpu_index, process_group_backend
+from .cpu_compat import apply_cpu_patches
 
 
 def init_megatron_parallel(
@@ -21,18 +22,19 @@ def init_megatron_parallel(
     backend: str = "auto",
     seed: int = 0,
 ) -> str:
-    """Join the process group (gloo on CPU, nccl on GPU for `auto`) and initialise Megatron's parallel state and
-    RNG streams. On CPU the Megatron compatibility patches are applied first. Returns the backend used."""
+    """Join the process group (`auto`: nccl where this rank has a GPU, gloo where it has none) and initialise
+    Megatron's parallel state and RNG streams. On CPU the Megatron compatibility patches are applied first. Returns
+    the backend used."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    on_cpu = not cuda_available()
-    if on_cpu:
+    gpu = local_gpu_index()
+    if gpu is None:
         apply_cpu_patches()
     else:
-        torch.cuda.set_device(0)  # Ray and the converter expose one GPU per rank as device 0
+        torch.cuda.set_device(gpu)
     if backend == "auto":
-        backend = "gloo" if on_cpu else "nccl"
+        backend = process_group_backend()
     dist.init_process_group(
         backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
         timeout=timedelta(minutes=10),

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..algo import Objective
 from ..config import ActorConfig, AlgoConfig
+from ..devices import local_device
 from ..logging import redirect_worker_output
 from ..weights import broadcast, shm
 from ..weights.bucket import WeightBucket
@@ -326,7 +327,7 @@ class MegatronActorWorker:
         ]
         local_norm = torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
         on_nccl = dist.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else torch.device("cpu")
+        device = local_device() if on_nccl else torch.device("cpu")
         flag = torch.tensor([float(not (np.isfinite(loss) and np.isfinite(local_norm)))], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

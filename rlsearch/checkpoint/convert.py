@@ -272,10 +272,11 @@ def _build(hf_dir: str, dtype: str, transformer_impl: str):
     from ..actor.cpu_compat import cuda_available
     from ..actor.model import build_model_chunks, make_bridge, resolve_transformer_impl
 
-    impl = resolve_transformer_impl(transformer_impl)
-    if impl == "transformer_engine" and not cuda_available():
-        raise CheckpointError("the checkpoint was written with the Transformer Engine layer spec; convert it on a "
-                              "machine with CUDA and transformer-engine")
+    try:
+        impl = resolve_transformer_impl(transformer_impl)
+    except RuntimeError as error:
+        raise CheckpointError(f"the checkpoint was written with the Transformer Engine layer spec; convert it on a "
+                              f"machine with a GPU and a working Transformer Engine ({error})") from None
     bridge = make_bridge(hf_dir, getattr(torch, dtype), impl, on_cpu=not cuda_available())
     return bridge, build_model_chunks(bridge), impl
 

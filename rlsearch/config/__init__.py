@@ -1,5 +1,6 @@
 """Structured configs: dataclass schemas, YAML + dotted overrides, validation with errors naming the key."""
 
+from .auto import auto_dtype, resolve_auto_keys
 from .loader import ConfigError, from_dict, load_config, to_dict
 from .schema import (
     ActorConfig,
@@ -45,6 +46,7 @@ __all__ = [
     "EvalSettings", "JinaConfig", "JudgeConfig", "MCPConfig", "MCPServerConfig", "ModelConfig", "RetrieverConfig",
     "RewardConfig", "RolloutConfig", "RubricConfig", "SerperConfig", "SFTConfig", "SFTDataConfig", "ToolsConfig",
     "TrainConfig", "TrainerConfig",
-    "from_dict", "load_config", "load_eval_config", "load_sft_config", "load_train_config", "to_dict",
+    "auto_dtype", "from_dict", "load_config", "load_eval_config", "load_sft_config", "load_train_config",
+    "resolve_auto_keys", "to_dict",
     "validate_eval_config", "validate_sft_config", "validate_train_config",
 ]

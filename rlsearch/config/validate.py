@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 
 from .loader import ConfigError
-from .schema import EvalConfig, SFTConfig, TrainConfig
+from .schema import EvalConfig, RolloutConfig, SFTConfig, TrainConfig
 
 _CHOICES = {
-    "model.dtype": ("float32", "bfloat16"),
+    "model.dtype": ("auto", "float32", "bfloat16"),
     "actor.backend": ("auto", "gloo", "nccl"),
     "actor.transformer_impl": ("auto", "local", "transformer_engine"),
     "actor.lr_decay_style": ("constant", "linear", "cosine"),
@@ -20,7 +20,7 @@ _CHOICES = {
     "rollout.protocol": ("search_r1", "call_tool", "chat_tools"),
     "tools.retriever.backend": ("bm25", "dense", "hybrid"),
     "trainer.placement": ("colocated", "split"),
-    "bridge.transport": ("shm", "broadcast"),
+    "bridge.transport": ("auto", "shm", "broadcast"),
 }
 BUILTIN_TOOLS = ("search", "browse", "web_search", "web_browse")  # the names tools.enabled accepts
 MIN_OBSERVATION_TOKENS = 16  # a smaller rollout.max_observation_tokens cannot hold the output tags
@@ -44,6 +44,7 @@ _POSITIVE = (
 def validate_train_config(config: TrainConfig) -> TrainConfig:
     _check_tables(config)
     _check_agent_loop(config)
+    _check_engine(config.rollout)
     _check_tools(config)
     _check_reward(config)
     if config.rollout.group_size < 2:
@@ -150,6 +151,7 @@ def validate_eval_config(config: EvalConfig) -> EvalConfig:
     """The shared sections as for training, then the eval keys and every input path (before anything starts)."""
     _check_tables(config)
     _check_agent_loop(config)
+    _check_engine(config.rollout)
     _check_tools(config)
     _check_reward(config)
     if config.eval.max_examples < 0:
@@ -252,6 +254,17 @@ def _check_reward(config: TrainConfig | EvalConfig) -> None:
     for key in ("format_weight", "citation_weight", "search_weight"):
         if getattr(reward.rubric, key) < 0:
             raise ConfigError(f"'reward.rubric.{key}' must be >= 0; got {getattr(reward.rubric, key)!r}")
+
+
+def _check_engine(rollout: RolloutConfig) -> None:
+    """The vLLM engine's eager mode and memory keys."""
+    if rollout.enforce_eager not in (True, False, "auto"):
+        raise ConfigError(f"'rollout.enforce_eager' must be auto, true or false; got {rollout.enforce_eager!r}")
+    if rollout.kv_cache_gib < 0:
+        raise ConfigError(f"'rollout.kv_cache_gib' must be >= 0 (0: sized for the device); got {rollout.kv_cache_gib}")
+    if not 0 < rollout.gpu_memory_utilization <= 1:
+        raise ConfigError(f"'rollout.gpu_memory_utilization' must be in (0, 1]: a share of the GPU; got "
+                          f"{rollout.gpu_memory_utilization}")
 
 
 def _check_agent(agent: str) -> None:

@@ -17,21 +17,20 @@ import itertools
 import os
 from dataclasses import dataclass
 
-import torch
-
-from ..config import ModelConfig, RolloutConfig
+from ..config import ModelConfig, RolloutConfig, auto_dtype
+from ..devices import local_gpu_index
 from ..weights import VLLM_WORKER_EXTENSION, EngineWeightReceiver
 
 
 @dataclass
 class EngineSpec:
     model_path: str
-    dtype: str = "float32"
+    dtype: str = "float32"  # or auto: bfloat16 on a GPU (`rlsearch eval`; training passes the dtype it resolved)
     seed: int = 0
     max_model_len: int = 2048
-    kv_cache_gib: float = 1.0
-    gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True
+    kv_cache_gib: float = 0.0  # per worker; 0: 1 GiB on CPU, what gpu_memory_utilization leaves on GPU
+    gpu_memory_utilization: float = 0.85
+    enforce_eager: bool | str = "auto"  # auto: eager on CPU, CUDA graphs on GPU
     tensor_parallel_size: int = 1
     cpu_threads_bind: str = ""  # VLLM_CPU_OMP_THREADS_BIND for tensor_parallel_size > 1 on CPU; empty: nobind
     vllm_port: int = 0  # base of the ports vLLM's internal groups take (VLLM_PORT); 0: vLLM's default
@@ -51,9 +50,11 @@ def configure_vllm_environment(spec: EngineSpec) -> None:
     with tensor_parallel_size 1 the model runs there too (uni executor), otherwise in TP worker processes."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(spec.kv_cache_gib))))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if spec.tensor_parallel_size > 1 and not torch.cuda.is_available():
+    on_cpu = local_gpu_index() is None
+    if on_cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(spec.kv_cache_gib))))
+    if spec.tensor_parallel_size > 1 and on_cpu:
         # vLLM's default binding wants a NUMA node per worker and asserts on a machine with one
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_threads_bind or "nobind"
         if os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
@@ -79,18 +80,21 @@ class VLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if torch.cuda.is_available():
+        on_gpu = local_gpu_index() is not None
+        if on_gpu:
             extra = {"gpu_memory_utilization": spec.gpu_memory_utilization}
+            if spec.kv_cache_gib > 0:
+                extra["kv_cache_memory_bytes"] = int(spec.kv_cache_gib * 2**30)
         else:
             # after a partial (chunked) prefill vLLM rewinds the request's seeded generator, which a CPU generator
             # cannot do (the EngineCore dies): prefills are scheduled whole instead
             extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(2048, spec.max_model_len)}
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=spec.model_path,
-            dtype=spec.dtype,
+            dtype=auto_dtype(spec.dtype, on_gpu),
             seed=spec.seed,
             max_model_len=spec.max_model_len,
-            enforce_eager=spec.enforce_eager,
+            enforce_eager=not on_gpu if spec.enforce_eager == "auto" else spec.enforce_eager,
             enable_prefix_caching=True,
             tensor_parallel_size=spec.tensor_parallel_size,
             distributed_executor_backend="uni" if spec.tensor_parallel_size == 1 else "mp",

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import RolloutConfig, ToolsConfig
+from ..ray_setup import cluster_has_gpus
 from .agent_loop import PromptItem
 from .engine import EngineSpec
 from .trajectory import Trajectory
@@ -187,10 +188,8 @@ class EnginePool:
             raise ValueError(f"rollout.num_engines is {rollout.num_engines}; it must be at least 1")
         self.engine_spec, self.rollout, self.tools, self.seed = engine_spec, rollout, tools, seed
         self.num_engines, self.tp = rollout.num_engines, engine_spec.tensor_parallel_size
-        if gpus_per_rank is None:  # a GPU per TP worker where there are GPUs
-            import torch
-
-            gpus_per_rank = 1 if torch.cuda.is_available() else 0
+        if gpus_per_rank is None:  # a GPU per TP worker where the cluster has GPUs
+            gpus_per_rank = 1 if cluster_has_gpus() else 0
         self.gpus_per_rank = gpus_per_rank
         self.group_timeout_s, self.start_timeout_s = group_timeout_s, start_timeout_s
         self.worker_cls = worker_cls

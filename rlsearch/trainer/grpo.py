@@ -16,11 +16,11 @@ from pathlib import Path
 from ..actor import ActorGroup, ActorWorkerSpec, SamplingDistribution, TrainSample
 from ..checkpoint import CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import MODEL_DIR
-from ..config import ConfigError, EvalConfig, TrainConfig, to_dict
+from ..config import ConfigError, EvalConfig, TrainConfig, resolve_auto_keys, to_dict
 from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate
 from ..logging import RunLogger, format_step_line, plot_run
-from ..ray_setup import actor_states, init_ray
+from ..ray_setup import actor_states, cluster_has_gpus, init_ray
 from ..reward import check_scorers, score_trajectories
 from ..rollout import EnginePool, EngineSpec, NoEngineLeftError, PromptItem, Trajectory
 from ..weights import WeightSync, check_engines_match_actor, default_mismatch_limit
@@ -146,15 +146,12 @@ class GRPOTrainer:
     # ---- set-up ---------------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        import torch
-
         from ..tools import ToolServers, ToolSetupError
 
         config = self.config
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = CheckpointStore(self.output_dir, keep=config.trainer.keep_checkpoints)
         resume_from = self._checkpoint_to_resume()
-        (self.output_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
         try:
             self.tool_servers = ToolServers(config.tools).start()
         except ToolSetupError as error:
@@ -166,7 +163,12 @@ class GRPOTrainer:
         init_ray(config.trainer.ray_address, num_cpus=world + rollout.num_engines * rollout.tensor_parallel_size)
         import ray
 
-        gpus = 1 if torch.cuda.is_available() else 0
+        # the cluster's GPUs, not this process's, decide: model.dtype and bridge.transport `auto` become concrete here,
+        # once, and everything below (and config.json) sees those values
+        has_gpus = cluster_has_gpus()
+        self.config = config = resolve_auto_keys(config, has_gpus)
+        (self.output_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+        gpus = 1 if has_gpus else 0
         place = plan_placement(config.trainer.placement, world, gpus, config.trainer.ray_address,
                                rollout.num_engines, rollout.tensor_parallel_size)
         engine_spec = EngineSpec.from_config(config.model, rollout, config.trainer.seed)

@@ -15,10 +15,10 @@ from pathlib import Path
 from ..actor import MODEL_DISTRIBUTION, ActorGroup, ActorWorkerSpec, TrainSample
 from ..algo import loss_token_weights
 from ..checkpoint import write_hf_model
-from ..config import AlgoConfig, ConfigError, SFTConfig, to_dict
+from ..config import AlgoConfig, ConfigError, SFTConfig, resolve_auto_keys, to_dict
 from ..data.chat import ChatExample, load_chat_dataset
 from ..logging import RunLogger, plot_run
-from ..ray_setup import init_ray
+from ..ray_setup import cluster_has_gpus, init_ray
 from .sampler import EpochSampler
 
 HF_OUTPUT = "hf"
@@ -70,8 +70,6 @@ def _train_samples(examples: list[ChatExample]) -> list[TrainSample]:
 
 def run_sft(config: SFTConfig) -> SFTSummary:
     """Train, then write the model to output_dir/hf. Refuses an output_dir that already holds a trained model."""
-    import torch
-
     started = time.perf_counter()
     output_dir = Path(config.output_dir)
     model_dir = output_dir / HF_OUTPUT
@@ -83,15 +81,16 @@ def run_sft(config: SFTConfig) -> SFTSummary:
     steps_per_epoch = math.ceil(len(examples) / data.batch_size)
     total_steps = data.max_steps or steps_per_epoch * data.epochs
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "sft_config.json").write_text(json.dumps(to_dict(config), indent=2))
-
     world = config.actor.tp * config.actor.pp * config.actor.dp
     init_ray(config.ray_address, num_cpus=world)
+    has_gpus = cluster_has_gpus()  # the cluster's GPUs decide model.dtype auto, as in training
+    config = resolve_auto_keys(config, has_gpus)
+    (output_dir / "sft_config.json").write_text(json.dumps(to_dict(config), indent=2))
     spec = ActorWorkerSpec(
         model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=AlgoConfig(),
         sampling=MODEL_DISTRIBUTION, total_steps=total_steps, seed=config.seed,
     )
-    actor = ActorGroup(spec, num_gpus_per_rank=1 if torch.cuda.is_available() else 0)
+    actor = ActorGroup(spec, num_gpus_per_rank=1 if has_gpus else 0)
     logger = RunLogger(output_dir, log_trajectories=False)
     sampler = EpochSampler(examples, seed=config.seed, shuffle=data.shuffle)
     losses: list[float] = []

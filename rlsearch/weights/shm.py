@@ -4,11 +4,18 @@ Where a stage's sender and the engines share a node (a one-node run), the sender
 flat form, to a file in /dev/shm, and the TP workers of every engine map that same file: one copy per bucket
 whatever the number of engines. Where they do not (trainer.placement=split), buckets travel through Ray's object
 store and each engine's host stages them in a /dev/shm file of its own.
+
+A file in /dev/shm is memory: writing a mapped page past a full tmpfs kills the writer (SIGBUS), and containers get
+64 MB by default. So before each sync a process on every node that stages buckets checks that its /dev/shm has
+room for them, and the sync stops with an error saying how much it needs and how to get it.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
+import socket
 import tempfile
 from collections import deque
 from collections.abc import Sequence
@@ -17,6 +24,7 @@ import numpy as np
 import ray
 import torch
 
+from ..config import ConfigError
 from .bucket import flatten_tensors, iter_buckets, pack_bucket
 from .deadline import Deadline
 
@@ -26,6 +34,62 @@ BUCKETS_IN_FLIGHT = 2
 # a sender's staged files kept: when it stages bucket j the driver has taken bucket j-2 from the stream, which it
 # does only once every engine loaded bucket j-3; older files are no longer read
 STAGED_FILES_KEPT = BUCKETS_IN_FLIGHT + 1
+# a sender writes its next file before it removes the oldest one it keeps
+SENDER_FILES_AT_ONCE = STAGED_FILES_KEPT + 1
+
+
+class StagingSpaceError(ConfigError):
+    """The staging directory (/dev/shm) of a node has no room for the weight buckets a sync would stage there."""
+
+
+def check_staging_space(directory: str, bytes_needed: int, what: str) -> None:
+    """StagingSpaceError unless `directory` has `bytes_needed` bytes free; `what` says which files need them."""
+    free = shutil.disk_usage(directory).free
+    if free >= bytes_needed:
+        return
+    gib = 2**30
+    # the size suggested keeps a GiB more for what else lives there (vLLM's message queues, NCCL, Ray)
+    raise StagingSpaceError(
+        f"weight sync (bridge.transport=shm): {directory} on {socket.gethostname()} has {free / gib:.2f} GiB free, "
+        f"but {what} need {bytes_needed / gib:.2f} GiB, and a full {directory} kills the process writing to it. "
+        f"Give it room (Docker: --shm-size={math.ceil(bytes_needed / gib) + 1}g; Kubernetes: an emptyDir with medium: "
+        "Memory mounted at /dev/shm), lower bridge.bucket_mb, or set bridge.transport=broadcast, which stages nothing "
+        "there"
+    )
+
+
+def _check_staging_space_in(_actor, bytes_needed: int, what: str) -> None:
+    """`check_staging_space` of this node's STAGING_DIR, run inside a Ray actor on that node (`__ray_call__`)."""
+    check_staging_space(STAGING_DIR, bytes_needed, what)
+
+
+def check_staging_room(stages: Sequence[Sequence], engines: Sequence, bucket_bytes: int, deadline: Deadline,
+                       same_node: bool) -> None:
+    """Before a sync stages anything: StagingSpaceError unless every node's /dev/shm holds what it will stage there,
+    checked by an actor on that node. On the senders' node (`same_node`) each stage's sender keeps
+    SENDER_FILES_AT_ONCE buckets; otherwise each engine stages one bucket at a time on its own node. A tensor larger
+    than a bucket travels alone, so this is the need for bridge.bucket_mb-sized buckets."""
+    mib = f"{bucket_bytes / 2**20:g} MiB (bridge.bucket_mb)"
+    if same_node:
+        checks = [(stages[0][0], len(stages) * SENDER_FILES_AT_ONCE * bucket_bytes,
+                   f"{len(stages)} sender(s) x {SENDER_FILES_AT_ONCE} staged buckets x {mib}")]
+    else:
+        nodes = deadline.get([engine.node_id.remote() for engine in engines], "asking where the engines run", engines)
+        by_node: dict[str, list] = {}
+        for engine, node in zip(engines, nodes):
+            by_node.setdefault(node, []).append(engine)
+        checks = [(members[0], len(members) * bucket_bytes, f"{len(members)} engine(s) x 1 staged bucket x {mib}")
+                  for members in by_node.values()]
+    # any actor runs a function on request (Ray's __ray_call__): no method of its own needed for a look at its node
+    refs = [handle.__ray_call__.remote(_check_staging_space_in, need, what) for handle, need, what in checks]
+    deadline.wait(refs, "checking the room in /dev/shm")
+    for ref in refs:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayTaskError as error:
+            if isinstance(error.cause, StagingSpaceError):
+                raise error.cause from None
+            raise
 
 
 def send_stages(stages: Sequence[Sequence], engines: Sequence, bucket_bytes: int, deadline: Deadline,
@@ -34,6 +98,7 @@ def send_stages(stages: Sequence[Sequence], engines: Sequence, bucket_bytes: int
     (TP rank 0) first; each runs `stream_buckets`. The stages export at the same time (each sender at most
     BUCKETS_IN_FLIGHT buckets ahead) and the engines load whichever bucket is ready first: a reload session takes
     a layer's tensors in any order. Returns each stage's buckets, tensors and payload bytes."""
+    check_staging_room(stages, engines, bucket_bytes, deadline, same_node)
     streams = [
         [
             worker.export_weight_buckets.options(

@@ -132,3 +132,38 @@ def test_sft_config_example_and_errors_name_the_key():
     ]:
         with pytest.raises(ConfigError, match=message):
             load_sft_config(None, [override])
+
+
+def test_device_keys_resolve_once_from_the_clusters_gpus():
+    """model.dtype and bridge.transport `auto` become concrete for the cluster (the trainer passes
+    `rlsearch.ray_setup.cluster_has_gpus()`); an explicit value is kept either way."""
+    from rlsearch.config import SFTConfig, resolve_auto_keys
+
+    config = load_train_config(None, [])
+    assert (config.model.dtype, config.bridge.transport, config.rollout.enforce_eager) == ("auto", "auto", "auto")
+    on_cpu = resolve_auto_keys(config, has_gpus=False)
+    assert (on_cpu.model.dtype, on_cpu.bridge.transport) == ("float32", "shm")
+    on_gpu = resolve_auto_keys(config, has_gpus=True)
+    assert (on_gpu.model.dtype, on_gpu.bridge.transport) == ("bfloat16", "broadcast")
+    assert on_gpu.rollout == config.rollout and config.model.dtype == "auto"  # a copy; the engine keys stay auto
+    explicit = load_train_config(None, ["model.dtype=float32", "bridge.transport=shm"])
+    assert (resolve_auto_keys(explicit, True).model.dtype, resolve_auto_keys(explicit, True).bridge.transport) == (
+        "float32", "shm")
+    assert resolve_auto_keys(SFTConfig(), True).model.dtype == "bfloat16"  # no bridge section: only the dtype
+
+
+def test_engine_device_keys_accept_auto_true_false_and_shares():
+    assert load_train_config(None, ["rollout.enforce_eager=true"]).rollout.enforce_eager is True
+    assert load_train_config(None, ["rollout.enforce_eager=false"]).rollout.enforce_eager is False
+    assert load_train_config(None, ["rollout.kv_cache_gib=2.5"]).rollout.kv_cache_gib == 2.5
+    for override, message in [
+        ("rollout.enforce_eager=sometimes", r"'rollout\.enforce_eager' must be auto, true or false; got 'sometimes'"),
+        ("rollout.enforce_eager=1", r"'rollout\.enforce_eager' must be auto, true or false; got '1'"),
+        ("rollout.kv_cache_gib=-1", r"'rollout\.kv_cache_gib' must be >= 0"),
+        ("rollout.gpu_memory_utilization=0", r"'rollout\.gpu_memory_utilization' must be in \(0, 1\]"),
+        ("rollout.gpu_memory_utilization=1.2", r"'rollout\.gpu_memory_utilization' must be in \(0, 1\]"),
+        ("model.dtype=float16", r"'model\.dtype' must be one of auto, float32, bfloat16; got 'float16'"),
+        ("bridge.transport=nccl", r"'bridge\.transport' must be one of auto, shm, broadcast; got 'nccl'"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_train_config(None, [override])
