@@ -140,8 +140,9 @@ def main() -> None:
         seconds: dict[tuple[str, int, str], float] = {}
         for layout in args.layouts.split(","):
             tp, pp = (int(part) for part in layout.removeprefix("tp").split("pp"))
-            group = ActorGroup(ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp), AlgoConfig(),
-                                               MODEL_DISTRIBUTION, 1, 1), num_gpus_per_rank=1 if cluster_has_gpus() else 0)
+            spec = ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp), AlgoConfig(),
+                                   MODEL_DISTRIBUTION, 1, 1)
+            group = ActorGroup(spec, num_gpus_per_rank=1 if cluster_has_gpus() else 0)
             try:
                 senders = [workers[0] for workers in group.stage_workers()]
                 pids = ray.get([sender.__ray_call__.remote(lambda worker: os.getpid()) for sender in senders])

@@ -26,7 +26,8 @@ def weighted_rubric_mean(rubrics: Sequence[Rubric], scores: Sequence[float]) -> 
 
 def rubric_terms(response_text: str, trajectory: Trajectory, config: RubricConfig) -> dict[str, float]:
     """format: a non-empty <answer> block is present; citation: the answer (the whole response without a block)
-    cites with ``<cite id="a,b">`` at least one id a tool showed; search: min(tool calls, max_searches) / max_searches."""
+    cites with ``<cite id="a,b">`` at least one id a tool showed; search: min(tool calls, max_searches) /
+    max_searches."""
     answer = extract_answer(response_text)
     shown = {match for turn in trajectory.turns for match in _SHOWN_ID.findall(turn.observation or "")}
     cited = {part.strip() for group in _CITED_IDS.findall(answer or response_text) for part in group.split(",")}
