@@ -2,7 +2,7 @@
 only when its torch part imports.
 
 No GPU exists here: `torch.cuda.is_available` / `device_count` and Ray's GPU assignment (`_ray_gpu_ids`) are
-stand-ins for one, patched per test. The real Ray worker path is in tests/integration/test_ray_setup.py."""
+stand-ins for one, patched per test. The real Ray worker path is in tests/integration/test_gpu_stack_ray_workers.py."""
 
 from __future__ import annotations
 
