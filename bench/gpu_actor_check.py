@@ -1,11 +1,11 @@
 """The Megatron actor on one GPU without Ray: logprob parity against HF transformers, GRPO train steps, throughput.
 
-`MegatronActorWorker` runs in this process at world size 1 (`initialize` called directly; `node_address` needs Ray
-and is not used), with the actor's defaults: actor.backend=auto (nccl on CUDA, gloo on CPU) and
-actor.transformer_impl=auto (Transformer Engine when installed, else Megatron's local spec with the packed `thd`
-SDPA attention of rlsearch/actor/attention.py). The model is a random Qwen2 of a `bench.common` shape (tiny or
-Qwen2.5-0.5B) and the batch is bench/train_step.py's search-agent-like one: sequences of --min-len..--max-len
-tokens packed back to back into micro-batches of <= --max-tokens-per-microbatch tokens.
+`MegatronActorWorker` runs in this process at world size 1 (`initialize` called directly with a rendezvous of this
+process; `open_rendezvous` needs Ray and is not used), with the actor's defaults: actor.backend=auto (nccl on CUDA,
+gloo on CPU) and actor.transformer_impl=auto (Transformer Engine when installed, else Megatron's local spec with the
+packed `thd` SDPA attention of rlsearch/actor/attention.py). The model is a random Qwen2 of a `bench.common` shape
+(tiny or Qwen2.5-0.5B) and the batch is bench/train_step.py's search-agent-like one: sequences of
+--min-len..--max-len tokens packed back to back into micro-batches of <= --max-tokens-per-microbatch tokens.
   parity : per-sample response logprobs from `compute_logprobs` (policy and, with --kl-coef > 0, the reference)
            against HF AutoModelForCausalLM on each sequence alone (no padding); fails when max |diff| > --tol
            (the tolerance is for float32; with --dtype bfloat16 the figure is printed and not checked)
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import sys
 import time
 from functools import partial
@@ -47,12 +46,6 @@ from rlsearch.algo import grpo_objective  # noqa: E402
 def _grpo_step(worker, samples) -> dict[str, float]:
     """One GRPO optimizer step of a single-rank worker (no data parallelism)."""
     return worker.train_step(samples, 1, partial(grpo_objective, algo=worker.spec.algo))
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def hf_logprobs(model, samples, temperature: float) -> list[torch.Tensor]:
     """Response logprobs of each sample run alone through an HF causal LM (float64 on the host)."""
@@ -142,6 +135,7 @@ def main() -> None:
     from bench.train_step import HFTrainer, make_samples, memory_mib
     from rlsearch.actor import MODEL_DISTRIBUTION, ActorWorkerSpec, MegatronActorWorker
     from rlsearch.config import ActorConfig, AlgoConfig
+    from rlsearch.rendezvous import Rendezvous
 
     on_gpu = torch.cuda.is_available()
     model_path = build_model(args.shape, Path(args.out))
@@ -159,7 +153,8 @@ def main() -> None:
     spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, MODEL_DISTRIBUTION, max(total_steps, 1), 0)
     worker = MegatronActorWorker(spec, rank=0, world_size=1)
     started = time.perf_counter()
-    info = worker.initialize("127.0.0.1", free_port())
+    rendezvous = Rendezvous("127.0.0.1", 60.0)
+    info = worker.initialize(rendezvous.address)
     import torch.distributed as dist
 
     from rlsearch.actor.batch import pack_indices

@@ -10,7 +10,6 @@ import importlib
 import importlib.metadata
 import os
 import platform
-import socket
 import sys
 import warnings
 from collections.abc import Callable
@@ -121,14 +120,18 @@ def _process_group(timeout_s: float) -> Check:
     import torch.multiprocessing as mp
 
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    port = _free_port()
+    from .rendezvous import Rendezvous
+
+    rendezvous = Rendezvous("127.0.0.1", timeout_s)
     context = mp.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=_all_reduce, args=(rank, port, backend, results)) for rank in range(2)]
+    processes = [context.Process(target=_all_reduce, args=(rank, rendezvous.address, backend, timeout_s, results))
+                 for rank in range(2)]
     for process in processes:
         process.start()
     for process in processes:
         process.join(timeout_s)
+    rendezvous.close()
     alive = [process for process in processes if process.is_alive()]
     for process in alive:
         process.kill()
@@ -140,11 +143,13 @@ def _process_group(timeout_s: float) -> Check:
     return Check("process group", "ok", f"{backend}: 2 ranks on 127.0.0.1 formed a group and all-reduced")
 
 
-def _all_reduce(rank: int, port: int, backend: str, results) -> None:
+def _all_reduce(rank: int, rendezvous: str, backend: str, timeout_s: float, results) -> None:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from .rendezvous import join_store
+
+    dist.init_process_group(backend, store=join_store(rendezvous, timeout_s), rank=rank, world_size=2)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     tensor = torch.ones(1, device=device)
     dist.all_reduce(tensor)
@@ -184,9 +189,3 @@ def _retriever(url: str) -> Check:
         return Check("retriever", "FAIL", f"{url}/health answered HTTP {response.status_code}"
                      + (f"; set {RETRIEVER_TOKEN_ENV}" if response.status_code in (401, 403) else ""))
     return Check("retriever", "ok", f"{url} answers /health")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

@@ -48,8 +48,12 @@ class ActorGroup:
             ).remote(spec, rank, self.world_size)
             for rank in range(self.world_size)
         ]
-        master_addr, master_port = ray.get(self.workers[0].node_address.remote())
-        self.infos: list[RankInfo] = ray.get([w.initialize.remote(master_addr, master_port) for w in self.workers])
+        rendezvous = self._open_rendezvous()
+        self.infos: list[RankInfo] = ray.get([w.initialize.remote(rendezvous) for w in self.workers])
+
+    def _open_rendezvous(self) -> str:
+        """Rank 0 opens the ranks' store on its node, listening from now on (rlsearch.rendezvous): its address."""
+        return ray.get(self.workers[0].open_rendezvous.remote("actor"))
 
     def _shards(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
         """Contiguous, balanced data-parallel shards (their concatenation is the input order)."""

@@ -8,21 +8,24 @@ import torch
 import torch.distributed as dist
 
 from ..devices import local_gpu_index, process_group_backend
+from ..rendezvous import join_store
 from .cpu_compat import apply_cpu_patches
+
+PROCESS_GROUP_TIMEOUT_S = 600.0  # the ranks' rendezvous and collectives
 
 
 def init_megatron_parallel(
     rank: int,
     world_size: int,
-    master_addr: str,
-    master_port: int,
+    rendezvous: str,
     tp: int = 1,
     pp: int = 1,
     virtual_pipeline_stages: int = 0,
     backend: str = "auto",
     seed: int = 0,
 ) -> str:
-    """Join the process group (`auto`: nccl where this rank has a GPU, gloo where it has none) and initialise
+    """Join the process group whose store was opened at `rendezvous` ("host:port", rlsearch.rendezvous; `auto`
+    backend: nccl where this rank has a GPU, gloo where it has none) and initialise
     Megatron's parallel state and RNG streams. On CPU the Megatron compatibility patches are applied first. Returns
     the backend used."""
     from megatron.core import parallel_state as ps
@@ -36,8 +39,8 @@ def init_megatron_parallel(
     if backend == "auto":
         backend = process_group_backend()
     dist.init_process_group(
-        backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
-        timeout=timedelta(minutes=10),
+        backend=backend, store=join_store(rendezvous, PROCESS_GROUP_TIMEOUT_S), rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
     )
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

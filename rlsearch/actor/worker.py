@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -22,15 +21,16 @@ from ..algo import Objective
 from ..config import ActorConfig, AlgoConfig
 from ..devices import local_device
 from ..logging import redirect_worker_output
+from ..rendezvous import Rendezvous
 from ..weights import broadcast, shm
 from ..weights.bucket import WeightBucket
 from ..weights.export import export_stage_weights
-from ..weights.group import new_weight_group
+from ..weights.group import destroy_weight_group, new_weight_group
 from .batch import MicroBatch, TrainSample, pack_micro_batches
 from .cpu_compat import cuda_available
 from .distribution import SamplingDistribution
 from .model import build_model_chunks, export_hf_named, make_bridge, resolve_transformer_impl
-from .parallel import init_megatron_parallel, model_sharded_state
+from .parallel import PROCESS_GROUP_TIMEOUT_S, init_megatron_parallel, model_sharded_state
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -89,15 +89,17 @@ class MegatronActorWorker:
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
+        self._rendezvous: dict[str, Rendezvous] = {}
 
-    def node_address(self) -> tuple[str, int]:
-        """An address and a free port on this rank's node, for the process-group rendezvous."""
+    def open_rendezvous(self, purpose: str, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> str:
+        """Open, on this rank's node, the store of a group (`purpose`: "actor" for the ranks' own, "weights-K" for
+        stage K's broadcast group) and keep it while this rank lives or until the group is left; returns its
+        "host:port", already listening (rlsearch.rendezvous)."""
         import ray
 
         host = os.environ.get("RLSEARCH_NODE_IP") or ray.util.get_node_ip_address()
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            return host, sock.getsockname()[1]
+        rendezvous = self._rendezvous[purpose] = Rendezvous(host, timeout_s)
+        return rendezvous.address
 
     def node_id(self) -> str:
         """The Ray node this rank runs on (the trainer reports the placement at start-up)."""
@@ -105,7 +107,7 @@ class MegatronActorWorker:
 
         return ray.get_runtime_context().get_node_id()
 
-    def initialize(self, master_addr: str, master_port: int) -> RankInfo:
+    def initialize(self, rendezvous: str) -> RankInfo:
         from megatron.core import parallel_state as ps
 
         actor = self.spec.actor
@@ -113,7 +115,7 @@ class MegatronActorWorker:
         torch.set_num_threads(actor.num_threads or max(1, cores // self.world_size))
         on_cpu = not cuda_available()
         init_megatron_parallel(
-            self.rank, self.world_size, master_addr, master_port, tp=actor.tp, pp=actor.pp,
+            self.rank, self.world_size, rendezvous, tp=actor.tp, pp=actor.pp,
             virtual_pipeline_stages=actor.virtual_pipeline_stages, backend=actor.backend, seed=self.spec.seed,
         )
 
@@ -369,16 +371,24 @@ class MegatronActorWorker:
         for _ in export_stage_weights(self.mbridge, self.model):
             pass
 
-    def join_weight_group(self, init_method: str, world_size: int, backend: str, timeout_s: float) -> None:
-        """As the stage's sender, rank 0 of the stage's broadcast group with every engine worker."""
+    def join_weight_group(self, address: str, world_size: int, timeout_s: float) -> None:
+        """As the stage's sender, rank 0 of the stage's broadcast group with every engine worker (replacing the one it
+        was in)."""
+        self._leave_weight_group()
         self._weight_group = new_weight_group(
-            backend, init_method, world_size, 0, f"rlsearch-weights-{self.info.pp_rank}", timeout_s
+            address, world_size, 0, f"rlsearch-weights-{self.info.pp_rank}", timeout_s
         )
 
     def leave_weight_groups(self) -> None:
+        self._leave_weight_group()
+        rendezvous = self._rendezvous.pop(f"weights-{self.info.pp_rank}", None)
+        if rendezvous is not None:
+            rendezvous.close()
+
+    def _leave_weight_group(self) -> None:
         group, self._weight_group = getattr(self, "_weight_group", None), None
         if group is not None:
-            dist.destroy_process_group(group)
+            destroy_weight_group(group)
 
     def broadcast_weights(self, stage: int, engines: list, bucket_bytes: int, timeout_s: float) -> dict[str, int]:
         """As the stage's sender: this stage's weights broadcast into every engine (broadcast transport)."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -193,14 +192,16 @@ def _spawn(job: Callable[..., Any], tp: int, pp: int, job_args: tuple) -> list[A
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
+    from ..actor.parallel import PROCESS_GROUP_TIMEOUT_S
+    from ..rendezvous import Rendezvous
+
     world_size = tp * pp
     queue = mp.get_context("spawn").SimpleQueue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    rendezvous = Rendezvous("127.0.0.1", PROCESS_GROUP_TIMEOUT_S)  # listening until the ranks are done
     try:
         mp.start_processes(
-            _rank_main, args=(world_size, port, (tp, pp), _gpu_per_rank(world_size), queue, job, job_args),
+            _rank_main, args=(world_size, rendezvous.address, (tp, pp), _gpu_per_rank(world_size), queue, job,
+                              job_args),
             nprocs=world_size, start_method="spawn",
         )
     except ProcessException as failure:
@@ -212,6 +213,8 @@ def _spawn(job: Callable[..., Any], tp: int, pp: int, job_args: tuple) -> list[A
         if kind == CheckpointError.__name__:
             raise CheckpointError(message) from None
         raise ConversionError(f"conversion rank {rank} failed: {kind}: {message}\n{trace}") from None
+    finally:
+        rendezvous.close()
     return [result for _, _, result in sorted(_drain(queue), key=lambda report: report[0])]
 
 
@@ -237,7 +240,7 @@ def _gpu_per_rank(world_size: int) -> list[str] | None:
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, layout: tuple[int, int], gpus: list[str] | None, queue,
+    rank: int, world_size: int, rendezvous: str, layout: tuple[int, int], gpus: list[str] | None, queue,
     job: Callable[..., Any], job_args: tuple,
 ) -> None:
     """Entry of a spawned rank: join the group, run the job, report its result or error to the parent."""
@@ -255,7 +258,7 @@ def _rank_main(
     warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        init_megatron_parallel(rank, world_size, "127.0.0.1", port, tp=layout[0], pp=layout[1])
+        init_megatron_parallel(rank, world_size, rendezvous, tp=layout[0], pp=layout[1])
         queue.put((rank, "ok", job(*job_args)))
     except BaseException as error:  # torch's checkpoint errors derive from BaseException
         queue.put((rank, "error", (type(error).__name__, str(error), traceback.format_exc())))

@@ -29,6 +29,9 @@ from .worker import RolloutWorker
 SPREAD_LIMIT = 64  # groups in flight per engine when rollout.groups_per_engine is 0 (one actor thread each)
 CONTROL_SLOTS = 4  # actor threads beside the generate calls: weight syncs, probes, stats, pings
 PORT_WINDOW = 100  # VLLM_PORT of engine i: base + PORT_WINDOW * i
+# vLLM picks its internal ports by binding and closing them: one taken meanwhile fails the engine's start, which then
+# starts again in a new port window, at most this many times in all
+START_ATTEMPTS = 3
 KEPT_METRICS = 8  # steps whose rollout metrics last_metrics(step) still answers
 
 
@@ -194,7 +197,7 @@ class EnginePool:
         self.group_timeout_s, self.start_timeout_s = group_timeout_s, start_timeout_s
         self.worker_cls = worker_cls
         self.groups_in_flight = rollout.groups_per_engine if rollout.groups_per_engine > 0 else SPREAD_LIMIT
-        self.base_port = engine_spec.vllm_port or 20000 + _free_port() % 20000
+        self.base_port = engine_spec.vllm_port or _free_port_window()
         self.engines: list[Any] = []
         self._dead: set[int] = set()
         self._metrics: OrderedDict[int, dict[str, float]] = OrderedDict()  # step -> metrics of its rollout
@@ -233,26 +236,35 @@ class EnginePool:
         return group
 
     def _start_engine(self, index: int) -> Any:
-        """Start engine `index` in its bundle and wait until it is up."""
+        """Start engine `index` in its bundle and wait until it is up; an engine whose start failed for a port taken
+        under it starts again in a new port window (START_ATTEMPTS in all)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = index if self._shared_bundle is None else self._shared_bundle
-        spec = dataclasses.replace(
-            self.engine_spec, seed=self.engine_spec.seed + index, vllm_port=self.base_port + PORT_WINDOW * index
-        )
         options = {
             "num_cpus": self.tp, "num_gpus": self.tp * self.gpus_per_rank,
             "max_concurrency": self.groups_in_flight * (self.rollout.async_steps + 2) + CONTROL_SLOTS,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement_group, bundle),
         }
-        engine = new_rollout_worker(spec, self.rollout, self.tools, self.seed, options, self.worker_cls)
-        try:
-            ray.get(engine.__ray_ready__.remote(), timeout=self.start_timeout_s)
-        except ray.exceptions.GetTimeoutError as error:
-            ray.kill(engine)
-            raise RuntimeError(f"rollout engine {index} did not start within {self.start_timeout_s:.0f} s") from error
-        return engine
+        port = self.base_port + PORT_WINDOW * index
+        for attempt in range(1, START_ATTEMPTS + 1):
+            spec = dataclasses.replace(self.engine_spec, seed=self.engine_spec.seed + index, vllm_port=port)
+            engine = new_rollout_worker(spec, self.rollout, self.tools, self.seed, options, self.worker_cls)
+            try:
+                ray.get(engine.__ray_ready__.remote(), timeout=self.start_timeout_s)
+                return engine
+            except ray.exceptions.GetTimeoutError as error:
+                ray.kill(engine)
+                raise RuntimeError(
+                    f"rollout engine {index} did not start within {self.start_timeout_s:.0f} s"
+                ) from error
+            except ray.exceptions.RayActorError as error:
+                if attempt == START_ATTEMPTS or not _port_was_taken(error):
+                    raise
+                print(f"[rlsearch] rollout engine {index}: a port of its window {port} was taken while it started; "
+                      "starting it again on new ports", flush=True)
+                port = _free_port_window()
 
     def describe(self) -> str:
         """Which Ray node each engine runs on, e.g. for the start-up log."""
@@ -366,3 +378,13 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def _free_port_window() -> int:
+    """A base port for VLLM_PORT, spread over 20000-39999 (vLLM takes the first free ports from there)."""
+    return 20000 + _free_port() % 20000
+
+
+def _port_was_taken(error: BaseException) -> bool:
+    text = str(error)
+    return "Address already in use" in text or "EADDRINUSE" in text

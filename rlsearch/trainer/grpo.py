@@ -23,7 +23,7 @@ from ..logging import RunLogger, format_step_line, plot_run
 from ..ray_setup import actor_states, cluster_has_gpus, init_ray
 from ..reward import check_scorers, score_trajectories
 from ..rollout import EnginePool, EngineSpec, NoEngineLeftError, PromptItem, Trajectory
-from ..weights import WeightSync, check_engines_match_actor, default_mismatch_limit
+from ..weights import WeightSync, WeightSyncError, check_engines_match_actor, default_mismatch_limit
 from .metrics import trajectory_metrics
 from .placement import check_retriever_reachable, describe_placement, plan_placement
 from .sampler import EpochSampler, SamplerState
@@ -427,7 +427,14 @@ class GRPOTrainer:
         restarted = self._replace_dead_engines()
         if not (changed or restarted):
             return {"time/sync_s": 0.0, "bridge/buckets": 0.0, "bridge/engines": 0.0, "bridge/sync_mib": 0.0}
-        sync = self.weight_sync.sync(self.pool.engines)
+        try:
+            sync = self.weight_sync.sync(self.pool.engines)
+        except WeightSyncError:
+            # an engine that died during the sync is replaced, and the sync (which forms its broadcast groups anew)
+            # runs again once; the engines that lived stayed paused, so nothing sampled from half-loaded weights
+            if not self._replace_dead_engines():
+                raise
+            sync = self.weight_sync.sync(self.pool.engines)
         self.weight_version += changed
         return {
             **self.check_parity(),

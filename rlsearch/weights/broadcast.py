@@ -1,5 +1,6 @@
 """The broadcast transport: per pipeline stage, a torch.distributed group of that stage's sender (rank 0) and every
-worker of every engine (engine i's TP workers at `rank_offsets`), gloo on CPU and nccl on GPU: the same code.
+worker of every engine (engine i's TP workers at `rank_offsets`), gloo on CPU and nccl on GPU: the same code
+(group.py), each broadcast bounded by the sync's deadline.
 
 The sender drives its stage: for each bucket it asks every engine to receive (a Ray call that blocks in the
 engine workers' `broadcast`), broadcasts the flat buffer, and waits for every engine to have loaded it. Buckets
@@ -11,21 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import ray
-import torch
+import torch.distributed as dist
 
 from .bucket import flatten_tensors, iter_buckets
 from .deadline import Deadline
-from .group import group_device, rank_offsets
-
-
-def group_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+from .group import broadcast_within, group_device, rank_offsets
 
 
 class BroadcastGroups:
     """The driver's view of the groups: made for one set of engines, made again when that set changes (an engine
-    restarted)."""
+    restarted) or after a sync failed (a failed broadcast aborts its group)."""
 
     def __init__(self) -> None:
         self._members: tuple | None = None
@@ -40,17 +36,21 @@ class BroadcastGroups:
             self.leave(senders, [engine for engine in self._members if engine in engines], deadline)
         offsets = rank_offsets([engine_tp] * len(engines))
         world = 1 + engine_tp * len(engines)
-        backend = group_backend()
         for stage, sender in enumerate(senders):
-            host, port = ray.get(sender.node_address.remote(), timeout=deadline.remaining())
-            init = f"tcp://{host}:{port}"
+            (address,) = deadline.get([sender.open_rendezvous.remote(f"weights-{stage}", deadline.timeout_s)],
+                                      f"opening the rendezvous of stage {stage}'s broadcast group")
             joins = [
-                engine.weight_rpc.remote("join_group", init, offset, world, stage, backend, deadline.timeout_s)
+                engine.weight_rpc.remote("join_group", address, offset, world, stage, deadline.timeout_s)
                 for engine, offset in zip(engines, offsets)
             ]
-            created = sender.join_weight_group.remote(init, world, backend, deadline.timeout_s)
+            created = sender.join_weight_group.remote(address, world, deadline.timeout_s)
             deadline.get([*joins, created], f"forming the broadcast group of stage {stage}", [*engines, None])
         self._members = members
+
+    def invalidate(self) -> None:
+        """A sync failed (a broadcast past its deadline aborts its group): the next sync forms every group anew, each
+        member replacing its old one."""
+        self._members = None
 
     def leave(self, senders: Sequence, engines: Sequence, deadline: Deadline) -> None:
         refs = [engine.weight_rpc.remote("leave_groups") for engine in engines]
@@ -70,13 +70,13 @@ def send_stage(stage: int, stage_workers: Sequence, engines: Sequence, bucket_by
 def broadcast_buckets(named_tensors, group, stage: int, engines: Sequence, bucket_bytes: int,
                       timeout_s: float) -> dict[str, int]:
     """The sender's side (an actor rank): bucket, flatten, ask every engine to receive, broadcast, wait for them."""
-    device = group_device(group_backend())
+    device = group_device(dist.get_backend(group))
     deadline = Deadline(timeout_s, engines)
     sent = {"buckets": 0, "tensors": 0, "bytes": 0}
     for tensors in iter_buckets(named_tensors, bucket_bytes):
         layout, flat = flatten_tensors(tensors, device)
         receives = [engine.weight_rpc.remote("receive_broadcast", stage, layout.to_wire()) for engine in engines]
-        torch.distributed.broadcast(flat, group_src=0, group=group)
+        broadcast_within(flat, group, deadline.remaining())
         deadline.get(receives, "receiving a broadcast weight bucket", engines)
         del flat
         sent["buckets"] += 1

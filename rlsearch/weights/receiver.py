@@ -47,11 +47,12 @@ class EngineWeightReceiver:
         return tuple(loaded[0])
 
     async def join_group(
-        self, init_method: str, rank_offset: int, world_size: int, stage: int, backend: str, timeout_s: float
+        self, address: str, rank_offset: int, world_size: int, stage: int, timeout_s: float
     ) -> list[int]:
-        """Every TP worker joins stage `stage`'s broadcast group; returns their group ranks."""
+        """Every TP worker joins stage `stage`'s broadcast group (its store at `address`); returns their group
+        ranks."""
         return await self.llm.collective_rpc(
-            "rlsearch_join_weight_group", args=(init_method, rank_offset, world_size, stage, backend, timeout_s)
+            "rlsearch_join_weight_group", args=(address, rank_offset, world_size, stage, timeout_s)
         )
 
     async def leave_groups(self) -> None:

@@ -6,7 +6,7 @@
    stage in pipeline order);
 3. every engine closes its session (each parameter loaded, no HF name twice), resets its prefix cache and resumes.
 Every wait is bounded by `bridge.timeout_s`; a sync that cannot finish raises `WeightSyncError` naming the engines
-that did not answer, and leaves the engines paused.
+that did not answer, and leaves the engines paused. The next sync forms the broadcast groups anew.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import broadcast, shm
-from .deadline import Deadline
+from .deadline import Deadline, WeightSyncError
 
 
 @dataclass
@@ -47,15 +47,19 @@ class WeightSync:
         started = time.perf_counter()
         deadline = Deadline(self.timeout_s, engines)
         stages = self.actor.stage_workers()
-        if self.transport == "broadcast":
-            self._groups.ensure([workers[0] for workers in stages], engines, self.engine_tp, deadline)
-        deadline.get([engine.weight_rpc.remote("begin") for engine in engines], "pausing the engines", engines)
-        if self.transport == "broadcast":  # stage by stage: two stages never broadcast into the same engines at once
-            sent = [broadcast.send_stage(stage, workers, engines, self.bucket_bytes, deadline)
-                    for stage, workers in enumerate(stages)]
-        else:
-            same_node = self._on_senders_node(stages, engines, deadline)
-            sent = shm.send_stages(stages, engines, self.bucket_bytes, deadline, same_node)
+        try:
+            if self.transport == "broadcast":
+                self._groups.ensure([workers[0] for workers in stages], engines, self.engine_tp, deadline)
+            deadline.get([engine.weight_rpc.remote("begin") for engine in engines], "pausing the engines", engines)
+            if self.transport == "broadcast":  # stage by stage: no two stages broadcast into the same engines at once
+                sent = [broadcast.send_stage(stage, workers, engines, self.bucket_bytes, deadline)
+                        for stage, workers in enumerate(stages)]
+            else:
+                same_node = self._on_senders_node(stages, engines, deadline)
+                sent = shm.send_stages(stages, engines, self.bucket_bytes, deadline, same_node)
+        except WeightSyncError:
+            self._groups.invalidate()  # a broadcast past the deadline aborted its group
+            raise
         deadline.get([engine.weight_rpc.remote("finish") for engine in engines], "finishing the update", engines)
         return SyncStats(
             seconds=time.perf_counter() - started, num_buckets=sum(s["buckets"] for s in sent),

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .bucket import FlatLayout, unflatten_tensors
-from .group import group_device, new_weight_group
+from .group import broadcast_within, destroy_weight_group, group_device, new_weight_group
 
 
 class WeightLoaderExtension:
@@ -43,29 +43,30 @@ class WeightLoaderExtension:
         return self._rlsearch_load(layout, flat)
 
     def rlsearch_join_weight_group(
-        self, init_method: str, rank_offset: int, world_size: int, stage: int, backend: str, timeout_s: float
+        self, address: str, rank_offset: int, world_size: int, stage: int, timeout_s: float
     ) -> int:
-        """Join the broadcast group of actor pipeline stage `stage` as rank `rank_offset` + this worker's rank."""
+        """Join the broadcast group of actor pipeline stage `stage` (its store opened at `address`) as rank
+        `rank_offset` + this worker's rank, replacing the one it was in; its broadcasts fail after `timeout_s`."""
         groups = self.__dict__.setdefault("_rlsearch_groups", {})
+        if stage in groups:
+            destroy_weight_group(groups.pop(stage)[0])
         rank = rank_offset + self.rank
-        groups[stage] = new_weight_group(backend, init_method, world_size, rank, f"rlsearch-weights-{stage}",
-                                         timeout_s)
+        group = new_weight_group(address, world_size, rank, f"rlsearch-weights-{stage}", timeout_s)
+        groups[stage] = (group, timeout_s)
         return rank
 
     def rlsearch_leave_weight_groups(self) -> None:
-        import torch.distributed as dist
-
-        for group in self.__dict__.pop("_rlsearch_groups", {}).values():
-            dist.destroy_process_group(group)
+        for group, _ in self.__dict__.pop("_rlsearch_groups", {}).values():
+            destroy_weight_group(group)
 
     def rlsearch_receive_broadcast_bucket(self, stage: int, wire: dict) -> tuple[int, int]:
         """Receive one bucket broadcast by stage `stage`'s sender (group rank 0) and load it."""
         import torch.distributed as dist
 
         layout = FlatLayout.from_wire(wire)
-        group = self._rlsearch_groups[stage]
+        group, timeout_s = self._rlsearch_groups[stage]
         flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=group_device(dist.get_backend(group)))
-        dist.broadcast(flat, group_src=0, group=group)
+        broadcast_within(flat, group, timeout_s)
         return self._rlsearch_load(layout, flat)
 
     def _rlsearch_load(self, layout: FlatLayout, flat: torch.Tensor) -> tuple[int, int]:

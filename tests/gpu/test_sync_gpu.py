@@ -4,7 +4,6 @@ a 3-step training run through Ray (two GPUs: rlsearch gives the actor ranks and 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -24,9 +23,10 @@ def test_staged_sync_into_a_cuda_engine_on_one_gpu(tiny_model_dir):
     score it as the actor does."""
     import torch
 
-    from rlsearch.actor import ActorWorkerSpec, MegatronActorWorker, TrainSample
+    from rlsearch.actor import MODEL_DISTRIBUTION, ActorWorkerSpec, MegatronActorWorker, TrainSample
     from rlsearch.config import ActorConfig, AlgoConfig
     from rlsearch.loop_thread import LoopThread
+    from rlsearch.rendezvous import Rendezvous
     from rlsearch.rollout import EngineSpec, VLLMEngine
     from rlsearch.weights import logprob_mismatch
 
@@ -38,13 +38,11 @@ def test_staged_sync_into_a_cuda_engine_on_one_gpu(tiny_model_dir):
                                      gpu_memory_utilization=0.5))
 
     engine = events.run(start())
-    worker = MegatronActorWorker(ActorWorkerSpec(str(tiny_model_dir), "float32", ActorConfig(), AlgoConfig(), 1.0,
-                                                 10, 0), rank=0, world_size=1)
+    worker = MegatronActorWorker(ActorWorkerSpec(str(tiny_model_dir), "float32", ActorConfig(), AlgoConfig(),
+                                                 MODEL_DISTRIBUTION, 10, 0), rank=0, world_size=1)
+    rendezvous = Rendezvous("127.0.0.1", 60.0)
     try:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        worker.initialize("127.0.0.1", port)
+        worker.initialize(rendezvous.address)
         with torch.no_grad():
             for parameter in worker.model[0].parameters():
                 parameter.add_(0.02 * torch.randn_like(parameter))

@@ -1,0 +1,72 @@
+"""A sync that fails because an engine died during it (a broadcast past its deadline: on nccl as on gloo, see
+tests/integration/test_gpu_stack_broadcast_timeout.py) runs the engine-restart path: the dead engine is replaced and
+the sync runs again, once. A sync that fails with every engine alive stops the run. The trainer's bookkeeping alone,
+with stand-ins for the pool and the weight path (a real engine dying before a sync: test_weight_fanout.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlsearch.config import load_train_config
+from rlsearch.trainer.grpo import GRPOTrainer
+from rlsearch.weights import SyncStats, WeightSyncError
+
+
+class Pool:
+    def __init__(self) -> None:
+        self.engines = ["engine 0", "engine 1"]
+        self.died_in_sync = False  # engine 1 died during the failed sync
+        self.restarted: list[int] = []
+
+    def dead_engines(self) -> list[int]:
+        return [1] if self.died_in_sync and 1 not in self.restarted else []
+
+    def restart(self, index: int) -> str:
+        self.restarted.append(index)
+        self.engines[index] = f"engine {index} (restarted)"
+        return self.engines[index]
+
+
+class Sync:
+    """Its first sync fails, engine 1 having died during it when `engine_dies`; the next ones succeed."""
+
+    def __init__(self, pool: Pool, engine_dies: bool) -> None:
+        self.pool, self.engine_dies = pool, engine_dies
+        self.failed = False
+        self.synced: list[list[str]] = []
+
+    def sync(self, engines) -> SyncStats:
+        if not self.failed:
+            self.failed = True
+            self.pool.died_in_sync = self.engine_dies
+            raise WeightSyncError("weight sync: broadcasting stage 0's weights did not finish (waiting on engine 1)")
+        self.synced.append(list(engines))
+        return SyncStats(seconds=0.5, num_buckets=3, num_tensors=10, num_bytes=2**20, num_engines=len(engines))
+
+
+def _trainer(dies: bool) -> GRPOTrainer:
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    trainer.config = load_train_config(None, [])
+    trainer.rollouts = []
+    trainer.engine_restarts = 0
+    trainer.weight_version = 0
+    trainer.pool = Pool()
+    trainer.weight_sync = Sync(trainer.pool, engine_dies=dies)
+    trainer.check_parity = lambda: {"bridge/logprob_mismatch_max": 1e-6}
+    return trainer
+
+
+def test_an_engine_that_died_during_a_sync_is_restarted_and_synced(capsys) -> None:
+    trainer = _trainer(dies=True)
+    metrics = trainer._sync_weights(changed=True, timings={})
+    assert trainer.pool.restarted == [1] and trainer.engine_restarts == 1
+    assert trainer.weight_sync.synced == [["engine 0", "engine 1 (restarted)"]]
+    assert metrics["bridge/engines"] == 2.0 and trainer.weight_version == 1
+    assert "restarted rollout engine 1, which died" in capsys.readouterr().out
+
+
+def test_a_sync_that_fails_with_every_engine_alive_stops_the_run() -> None:
+    trainer = _trainer(dies=False)
+    with pytest.raises(WeightSyncError, match="waiting on engine 1"):
+        trainer._sync_weights(changed=True, timings={})
+    assert trainer.pool.restarted == [] and trainer.weight_version == 0
