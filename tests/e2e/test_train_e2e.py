@@ -157,6 +157,8 @@ def test_train_and_eval_run_a_user_agent_through_the_endpoint(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in (evaluated / "trajectories.jsonl").open()]
     assert len(rows) == 4 and not any(row["failed"] for row in rows)
+    # the record's answer is what the agent returned (the model's text holds no <answer> block of the agent's own)
+    assert all(row["answer"] == row["agent_answer"] for row in rows if row["agent_answer"] is not None)
 
 
 def test_filter_groups_drops_every_group_of_a_random_model_and_the_run_goes_on(tmp_path):

@@ -72,7 +72,7 @@ def test_the_first_prompt_over_max_prompt_tokens_is_refused(engine_bench, toy_da
     async def agent(session, example):
         try:
             await session.openai().chat.completions.create(
-                model=session.model, messages=[{"role": "user", "content": example.question * 40}], max_tokens=4)
+                model=session.model, messages=[{"role": "user", "content": example.question * 100}], max_tokens=4)
         except openai.BadRequestError as error:
             seen["error"] = error.message
             raise

@@ -87,6 +87,8 @@ def test_search_term_is_a_fraction_of_max_searches() -> None:
     one_call.turns = [Turn(text="", num_tokens=1, kind="tool_call",
                            tool_calls=[ToolCallRecord(name="search", query="q", ok=True)])]
     assert rubric_terms(one_call.model_text, one_call, RubricConfig(max_searches=4))["search"] == 0.25
+    empty = answered("<answer> </answer>")  # an empty answer block is no answer: no format term
+    assert rubric_terms(empty.model_text, empty, RubricConfig())["format"] == 0.0
 
 
 @pytest.mark.parametrize(

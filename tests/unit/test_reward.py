@@ -14,12 +14,14 @@ from rlsearch.reward import (
     normalize_answer,
     parse_verdict,
     register_scorer,
+    score_f1,
     score_response,
     score_trajectories,
     scorer_name_for,
     substring_match,
+    trajectory_answer,
 )
-from rlsearch.rollout import Trajectory
+from rlsearch.rollout import Trajectory, Turn
 
 
 @pytest.mark.parametrize(
@@ -124,6 +126,25 @@ def test_score_response_wrong_answer_without_format_score() -> None:
 def test_score_response_without_answer_gets_nothing() -> None:
     result = score_response("<answer>Paris", ["Paris"], format_score=0.2)
     assert result == RewardResult(reward=0.0, em=0.0, f1=0.0, has_answer=False)
+
+
+@pytest.mark.parametrize("response", ["<answer></answer>", "<answer>  </answer>"])
+def test_an_empty_answer_earns_no_format_credit(response: str) -> None:
+    assert score_response(response, ["Paris"], format_score=0.2) == RewardResult(0.0, 0.0, 0.0, has_answer=False)
+    assert score_f1(response, ["Paris"]) == RewardResult(0.0, 0.0, 0.0, has_answer=False)
+
+
+def test_an_agents_answer_is_scored_and_recorded_and_an_empty_one_earns_nothing() -> None:
+    rows = [_example("nq"), _example("nq"), _example("nq")]
+    trajectories = [Trajectory(example_id="q1", group_id=0, sample_index=i, prompt_ids=[1]) for i in range(3)]
+    for trajectory, answer in zip(trajectories, ["Paris", "Lyon", ""]):
+        trajectory.agent_answer = answer
+    score_trajectories(trajectories, rows, RewardConfig(format_score=0.1))
+    assert [t.reward for t in trajectories] == [1.0, 0.1, 0.0]
+    assert [trajectory_answer(t) for t in trajectories] == ["Paris", "Lyon", ""]
+    builtin = Trajectory(example_id="q1", group_id=0, sample_index=3, prompt_ids=[1], assistant_prefix="<answer> Nice")
+    builtin.turns.append(Turn(text=" city</answer>", num_tokens=3, kind="answer"))
+    assert trajectory_answer(builtin) == "Nice city"
 
 
 @pytest.mark.parametrize("data_source", ["nq", "hotpotqa", "toy"])
