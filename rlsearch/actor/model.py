@@ -129,8 +129,19 @@ def build_model_chunks(bridge, virtual_pipeline_stages: int | None = None) -> li
             # megatron's parallel layers are built on the GPU, but not every module is (the local spec's torch
             # norms): move the whole chunk, as megatron's and mbridge's get_model do
             chunk.cuda(device)
+        _cast_parameters(chunk, chunk.config.params_dtype)
         chunks.append(chunk)
     return chunks
+
+
+def _cast_parameters(chunk: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every parameter in the model's dtype. The local spec's torch norms are made in float32 whatever the config
+    says; Megatron's bf16 optimizer assumes one dtype (its get_model wraps the model in Float16Module, which casts it)
+    and mismatches fp32 parameters with the optimizer state at checkpoint time. vLLM runs the norms in the model dtype
+    too."""
+    for parameter in chunk.parameters():
+        if parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
 
 
 def export_hf_named(bridge, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
