@@ -14,9 +14,11 @@ def test_a_bf16_run_with_two_engines_trains_three_steps_under_the_bf16_probe_lim
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
+    # small steps: Megatron's bf16 backward runs ~10x slower than fp32 on a CPU without bf16 matrix instructions
     result = _run(["bash", "examples/run_search_grpo.sh", "model.dtype=bfloat16", "rollout.num_engines=2",
-                   "rollout.temperature=0.7", "trainer.total_steps=3", "data.batch_size=2",
-                   f"trainer.output_dir={out}"], timeout=1500)
+                   "rollout.temperature=0.7", "trainer.total_steps=3", "data.batch_size=2", "rollout.group_size=2",
+                   "algo.num_minibatches=1", "rollout.max_tokens_per_turn=24", f"trainer.output_dir={out}"],
+                  timeout=1500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 3/3 | reward" in result.stdout
     assert "engine vs actor logprobs before training: max |diff|" in result.stdout
