@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..devices import local_device
+from .layout import AttentionBlock, PrefixTree, RowLayout, cp_shard, padded_length
 
 
 @dataclass
@@ -30,6 +31,8 @@ class TrainSample:
     old_logprobs: list[float] | None = None  # None: on-policy, the current logprobs (ratio 1)
     ref_logprobs: list[float] | None = None
     rollout_logprobs: list[float] | None = None  # the engine's, only for the drift metric
+    # segments of one trajectory share a group: with actor.merge_prefixes they train as one prefix tree
+    prefix_group: int | None = None
 
     def __post_init__(self) -> None:
         if self.response_start < 1 or self.response_start > len(self.token_ids):
@@ -47,11 +50,13 @@ class TrainSample:
 @dataclass
 class MicroBatch:
     sample_indices: list[int]  # positions of the packed samples in the caller's list, in packing order
-    tokens: torch.Tensor  # [1, total_tokens]: the samples back to back
-    position_ids: torch.Tensor  # [1, total_tokens]: restarting at 0 for every sample
-    cu_seqlens: torch.Tensor  # [num_samples + 1] int32 sequence boundaries
+    tokens: torch.Tensor  # [1, rows]: this rank's rows of the packed samples (all of them without CP)
+    position_ids: torch.Tensor  # [1, rows]: each token's position in its sample (depth in a prefix tree)
+    cu_seqlens: torch.Tensor  # [units + 1] int32 boundaries of the packed units in the whole row (real tokens)
+    cu_seqlens_padded: torch.Tensor | None  # the same, each unit padded to a multiple of 2 x cp (with CP only)
     max_seqlen: int
-    logit_index: torch.Tensor  # [n] packed positions whose next token is a (with trained_only: trained) response token
+    layout: RowLayout  # what each row attends to (rlsearch.actor.layout)
+    logit_index: torch.Tensor  # [n] rows whose next token is a selected (with trained_only: trained) response token
     labels: torch.Tensor  # [n] the response token predicted at each selected position
     loss_mask: torch.Tensor
     advantages: torch.Tensor
@@ -59,7 +64,8 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
     rollout_logprobs: torch.Tensor | None
-    response_lens: list[int]  # selected positions per sample
+    response_lens: list[int]  # selected positions per sample, over all CP ranks
+    selection: torch.Tensor | None = None  # with CP: each of this rank's selected positions' index among all of them
 
     @property
     def num_tokens(self) -> int:
@@ -68,15 +74,20 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         """This micro-batch with every tensor on `device`."""
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return replace(self, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
+        moved = {k: v.to(device) for k, v in moved.items() if isinstance(v, (torch.Tensor, RowLayout))}
+        return replace(self, **moved)
 
     def packed_seq_params(self):
+        """Megatron's packed-sequence parameters, carrying the layout for the local spec's attention."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        return PackedSeqParams(
+        params = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+            cu_seqlens_q_padded=self.cu_seqlens_padded, cu_seqlens_kv_padded=self.cu_seqlens_padded,
             max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
         )
+        params.layout = self.layout
+        return params
 
 
 def _flat(samples: Sequence[TrainSample], name: str, kept: Sequence[Sequence[int]]) -> torch.Tensor | None:
@@ -131,41 +142,131 @@ def pack_indices(lengths: Sequence[int], max_tokens: int, min_bins: int = 1) -> 
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
-def collate(samples: Sequence[TrainSample], sample_indices: Sequence[int], trained_only: bool = False) -> MicroBatch:
-    """Pack `samples` into one row (thd); logits at every response position, or only at trained ones."""
+@dataclass(frozen=True)
+class Packing:
+    """How a rank packs its samples: `merge_prefixes` trains the segments of one trajectory (samples with the same
+    `prefix_group`) as one prefix tree; with context parallelism `cp` > 1 the rank keeps its `cp_rank`'s rows."""
+
+    merge_prefixes: bool = False
+    cp: int = 1
+    cp_rank: int = 0
+
+
+def _units(samples: Sequence[TrainSample], merge_prefixes: bool) -> list[list[int]]:
+    """Sample indices per packed unit: a sample alone, or with `merge_prefixes` every sample of a prefix group."""
+    if not merge_prefixes:
+        return [[i] for i in range(len(samples))]
+    groups: dict[object, list[int]] = {}
+    for i, sample in enumerate(samples):
+        groups.setdefault(i if sample.prefix_group is None else ("group", sample.prefix_group), []).append(i)
+    return list(groups.values())
+
+
+def _unit_rows(samples: Sequence[TrainSample]) -> tuple[list[int], list[int], list[AttentionBlock], list[list[int]]]:
+    """A unit's tokens, positions and attention blocks (from row 0), and each sample's row per token."""
+    if len(samples) == 1:
+        length = len(samples[0].token_ids)
+        return list(samples[0].token_ids), list(range(length)), [AttentionBlock(0, length, 0)], [list(range(length))]
+    tree = PrefixTree([sample.token_ids for sample in samples])
+    return tree.row(), tree.positions(), tree.blocks(0), [tree.row_positions(i) for i in range(len(samples))]
+
+
+def _shift(blocks: list[AttentionBlock], offset: int) -> list[AttentionBlock]:
+    return [AttentionBlock(b.query_start + offset, b.query_end + offset, b.own_start + offset,
+                           tuple((start + offset, end + offset) for start, end in b.prefix)) for b in blocks]
+
+
+def unit_length(samples: Sequence[TrainSample], packing: Packing) -> int:
+    """Rows a unit takes in a micro-batch (its tree's size when merged; padded for CP)."""
+    length = len(samples[0].token_ids) if len(samples) == 1 else PrefixTree([s.token_ids for s in samples]).size
+    return padded_length(length, packing.cp) if packing.cp > 1 else length
+
+
+def collate(
+    samples: Sequence[TrainSample], sample_indices: Sequence[int], trained_only: bool = False,
+    units: Sequence[Sequence[int]] | None = None, packing: Packing = Packing(),
+) -> MicroBatch:
+    """Pack `samples` into one row (thd): every unit (`units`: positions in `samples`, default one per sample) back
+    to back; logits at every response position, or only at trained ones. With CP the micro-batch holds this rank's
+    rows and the selected positions among them."""
     kept = _kept_positions(samples, trained_only)
-    tokens, positions, index, labels, boundaries = [], [], [], [], [0]
-    for sample, rows in zip(samples, kept):
-        offset = boundaries[-1]
-        tokens.extend(sample.token_ids)
-        positions.extend(range(len(sample.token_ids)))
-        # position t predicts token t + 1
-        index.extend(offset + sample.response_start - 1 + r for r in rows)
-        labels.extend(sample.token_ids[sample.response_start + r] for r in rows)
-        boundaries.append(offset + len(sample.token_ids))
-    return MicroBatch(
-        sample_indices=list(sample_indices),
-        tokens=torch.tensor(tokens, dtype=torch.long).unsqueeze(0),
-        position_ids=torch.tensor(positions, dtype=torch.long).unsqueeze(0),
-        cu_seqlens=torch.tensor(boundaries, dtype=torch.int32),
-        max_seqlen=max(len(s.token_ids) for s in samples),
-        logit_index=torch.tensor(index, dtype=torch.long),
-        labels=torch.tensor(labels, dtype=torch.long),
+    units = units if units is not None else [[i] for i in range(len(samples))]
+    tokens: list[int] = []
+    positions: list[int] = []
+    blocks: list[AttentionBlock] = []
+    boundaries, padded_boundaries = [0], [0]
+    rows_of: dict[int, list[int]] = {}
+    for unit in units:
+        offset = len(tokens)
+        unit_tokens, unit_positions, unit_blocks, unit_rows = _unit_rows([samples[i] for i in unit])
+        boundaries.append(boundaries[-1] + len(unit_tokens))
+        if packing.cp > 1:
+            # pad tokens at the end of the unit's last block: no real token attends to them
+            pad = padded_length(len(unit_tokens), packing.cp) - len(unit_tokens)
+            last = unit_blocks[-1]
+            unit_blocks[-1] = AttentionBlock(last.query_start, last.query_end + pad, last.own_start, last.prefix)
+            unit_positions += range(unit_positions[-1] + 1, unit_positions[-1] + 1 + pad)
+            unit_tokens += [0] * pad
+        tokens += unit_tokens
+        positions += unit_positions
+        blocks += _shift(unit_blocks, offset)
+        rows_of.update({i: [offset + row for row in rows] for i, rows in zip(unit, unit_rows)})
+        padded_boundaries.append(len(tokens))
+    # position t predicts token t + 1 of the same sample
+    index = torch.tensor([rows_of[i][s.response_start - 1 + r] for i, (s, rows) in enumerate(zip(samples, kept))
+                          for r in rows], dtype=torch.long)
+    per_token = dict(
+        labels=torch.tensor([s.token_ids[s.response_start + r] for s, rows in zip(samples, kept) for r in rows],
+                            dtype=torch.long),
         loss_mask=_flat(samples, "loss_mask", kept),
         advantages=torch.tensor([s.advantage for s, rows in zip(samples, kept) for _ in rows], dtype=torch.float),
         token_weights=_flat_or_zeros(samples, "token_weights", kept),
         old_logprobs=_flat(samples, "old_logprobs", kept),
         ref_logprobs=_flat(samples, "ref_logprobs", kept),
         rollout_logprobs=_flat(samples, "rollout_logprobs", kept),
+    )
+    row_tokens, row_positions = torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
+    layout = RowLayout(row_positions, blocks)
+    selection = None
+    if packing.cp > 1:
+        shards = [cp_shard(blocks, padded_boundaries, packing.cp, rank) for rank in range(packing.cp)]
+        rows, cp_blocks = shards[packing.cp_rank]
+        local_row = torch.full((len(tokens),), -1, dtype=torch.long)
+        local_row[rows] = torch.arange(len(rows))
+        selection = torch.nonzero(local_row[index] >= 0).flatten()
+        index = local_row[index[selection]]
+        per_token = {k: v[selection] if v is not None else None for k, v in per_token.items()}
+        row_tokens, row_positions = row_tokens[rows], row_positions[rows]
+        layout = RowLayout(row_positions, cp_blocks, torch.argsort(torch.cat([shard[0] for shard in shards])))
+    int32 = dict(dtype=torch.int32)
+    return MicroBatch(
+        sample_indices=list(sample_indices),
+        tokens=row_tokens.unsqueeze(0),
+        position_ids=row_positions.unsqueeze(0),
+        cu_seqlens=torch.tensor(boundaries, **int32),
+        cu_seqlens_padded=torch.tensor(padded_boundaries, **int32) if packing.cp > 1 else None,
+        max_seqlen=max(b - a for a, b in zip(padded_boundaries[:-1], padded_boundaries[1:])),
+        layout=layout,
+        logit_index=index,
         response_lens=[len(rows) for rows in kept],
+        selection=selection,
+        **per_token,
     )
 
 
 def pack_micro_batches(
-    samples: Sequence[TrainSample], max_tokens: int, min_micro_batches: int = 1, trained_only: bool = False
+    samples: Sequence[TrainSample], max_tokens: int, min_micro_batches: int = 1, trained_only: bool = False,
+    packing: Packing = Packing(),
 ) -> list[MicroBatch]:
     """Packed micro-batches on the rank's device (where its model is): its GPU when it has one, else CPU.
-    `trained_only`: logits only where the loss mask is set (a training step)."""
+    `trained_only`: logits only where the loss mask is set (a training step). A prefix tree is never split."""
     device = local_device()
-    bins = pack_indices([len(s.token_ids) for s in samples], max_tokens, min_micro_batches)
-    return [collate([samples[i] for i in indices], indices, trained_only).to(device) for indices in bins]
+    units = _units(samples, packing.merge_prefixes)
+    lengths = [unit_length([samples[i] for i in unit], packing) for unit in units]
+    batches = []
+    for unit_bin in pack_indices(lengths, max_tokens, min_micro_batches):
+        indices = sorted(i for u in unit_bin for i in units[u])
+        local = {index: position for position, index in enumerate(indices)}
+        bin_units = [[local[i] for i in units[u]] for u in unit_bin]
+        batches.append(collate([samples[i] for i in indices], indices, trained_only, bin_units, packing).to(device))
+    return batches

@@ -29,7 +29,7 @@ class ActorGroup:
 
         self.spec = spec
         actor = spec.actor
-        self.world_size = actor.tp * actor.pp * actor.dp
+        self.world_size = actor.world_size
         self.dp_size = actor.dp
         reserved = placement_group is not None  # by the caller: every rank in its bundle `bundle_index`
         if not reserved:
@@ -77,7 +77,8 @@ class ActorGroup:
     def named_workers(self) -> list[tuple[str, ray.actor.ActorHandle]]:
         """(name for messages, actor handle) per rank."""
         return [
-            (f"actor rank {info.rank} (tp {info.tp_rank}, pp {info.pp_rank}, dp {info.dp_rank})", worker)
+            (f"actor rank {info.rank} (tp {info.tp_rank}, pp {info.pp_rank}, cp {info.cp_rank}, dp {info.dp_rank})",
+             worker)
             for worker, info in zip(self.workers, self.infos)
         ]
 
@@ -128,7 +129,7 @@ class ActorGroup:
         per_dp, skipped = self._train(samples, objective or partial(grpo_objective, algo=self.spec.algo))
         summed = {key: sum(r[key] for r in per_dp) for key in (
             "policy_loss", "kl_loss", "clip_tokens", "approx_kl_sum", "rollout_drift_sum", "tis_weight_sum",
-            "tis_capped_tokens", "tokens",
+            "tis_capped_tokens", "entropy_sum", "tokens",
         )}
         tokens = max(summed["tokens"], 1.0)
         return {
@@ -136,6 +137,8 @@ class ActorGroup:
             "actor/kl_loss": summed["kl_loss"],
             "actor/clip_fraction": summed["clip_tokens"] / tokens,
             "actor/approx_kl": summed["approx_kl_sum"] / tokens,
+            # of the distribution trained against (the rollout's), per trained token
+            "actor/entropy": summed["entropy_sum"] / tokens,
             "rollout/actor_logprob_diff_mean": summed["rollout_drift_sum"] / tokens,
             "actor/tis_weight_mean": summed["tis_weight_sum"] / tokens,
             "actor/tis_capped_fraction": summed["tis_capped_tokens"] / tokens,
@@ -147,11 +150,12 @@ class ActorGroup:
         }
 
     def stage_workers(self) -> list[list]:
-        """Per pipeline stage, in stage order: the ranks of data-parallel replica 0 in TP order. The first is the
-        stage's weight sender; the weight path leaves DP > 0 ranks alone (their weights are the same)."""
+        """Per pipeline stage, in stage order: the ranks of data-parallel replica 0 and context-parallel rank 0 in TP
+        order. The first is the stage's weight sender; the weight path leaves the other ranks alone (their weights
+        are the same)."""
         stages: list[list] = [[] for _ in range(max(info.pp_rank for info in self.infos) + 1)]
         for worker, info in sorted(zip(self.workers, self.infos), key=lambda pair: pair[1].tp_rank):
-            if info.dp_rank == 0:
+            if info.dp_rank == 0 and info.cp_rank == 0:
                 stages[info.pp_rank].append(worker)
         return stages
 

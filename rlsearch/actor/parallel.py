@@ -20,6 +20,7 @@ def init_megatron_parallel(
     rendezvous: str,
     tp: int = 1,
     pp: int = 1,
+    cp: int = 1,
     virtual_pipeline_stages: int = 0,
     backend: str = "auto",
     seed: int = 0,
@@ -43,7 +44,7 @@ def init_megatron_parallel(
         timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
     )
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=virtual_pipeline_stages or None,
     )
     torch.manual_seed(seed)

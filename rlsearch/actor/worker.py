@@ -26,9 +26,10 @@ from ..weights import broadcast, shm
 from ..weights.bucket import WeightBucket
 from ..weights.export import export_stage_weights
 from ..weights.group import destroy_weight_group, new_weight_group
-from .batch import MicroBatch, TrainSample, pack_micro_batches
+from .batch import MicroBatch, Packing, TrainSample, pack_micro_batches
 from .cpu_compat import cuda_available
 from .distribution import SamplingDistribution
+from .logits import token_logprobs
 from .model import build_model_chunks, export_hf_named, make_bridge, resolve_transformer_impl
 from .parallel import PROCESS_GROUP_TIMEOUT_S, init_megatron_parallel, model_sharded_state
 
@@ -68,7 +69,8 @@ class RankInfo:
     tp_rank: int
     pp_rank: int
     dp_rank: int
-    is_output_rank: bool  # last pipeline stage and tensor-parallel rank 0: holds losses and logprobs
+    cp_rank: int
+    is_output_rank: bool  # last pipeline stage, tensor- and context-parallel rank 0: holds losses and logprobs
     transformer_impl: str  # the layer spec built: local | transformer_engine (checkpoint keys depend on it)
 
 
@@ -115,7 +117,7 @@ class MegatronActorWorker:
         torch.set_num_threads(actor.num_threads or max(1, cores // self.world_size))
         on_cpu = not cuda_available()
         init_megatron_parallel(
-            self.rank, self.world_size, rendezvous, tp=actor.tp, pp=actor.pp,
+            self.rank, self.world_size, rendezvous, tp=actor.tp, pp=actor.pp, cp=actor.cp,
             virtual_pipeline_stages=actor.virtual_pipeline_stages, backend=actor.backend, seed=self.spec.seed,
         )
 
@@ -123,26 +125,43 @@ class MegatronActorWorker:
         dtype = _DTYPES[self.spec.dtype]
         # mbridge's HF <-> Megatron mapper (rlsearch.weights is the weight path that uses it)
         self.mbridge = make_bridge(self.spec.model_path, dtype, self.transformer_impl, on_cpu)
-        chunks = build_model_chunks(self.mbridge, actor.virtual_pipeline_stages)
-        self.mbridge.load_weights(chunks, self.spec.model_path)
+        chunks = self._build_chunks()
         self.model = self._wrap_for_training(chunks)
         self.reference = None
         if self.spec.algo.kl_coef > 0:
-            self.reference = build_model_chunks(self.mbridge, actor.virtual_pipeline_stages)
-            self.mbridge.load_weights(self.reference, self.spec.model_path)
+            self.reference = self._build_chunks()
             for chunk in self.reference:
                 chunk.requires_grad_(False)
         self._logit_index: torch.Tensor | None = None
         self._install_logit_selection(self.model + (self.reference or []))
+        cp_rank = ps.get_context_parallel_rank()
+        merge = actor.merge_prefixes and self.transformer_impl == "local"
+        if actor.merge_prefixes and not merge and self.rank == 0:
+            print("[rlsearch] actor.merge_prefixes: Transformer Engine's fused attention takes no prefix-tree mask; "
+                  "the segments of a trajectory train one by one (transformer_impl=local merges them)", flush=True)
+        self.packing = Packing(merge_prefixes=merge, cp=actor.cp, cp_rank=cp_rank)
         self.info = RankInfo(
             rank=self.rank,
             tp_rank=ps.get_tensor_model_parallel_rank(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(),
-            is_output_rank=ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0,
+            cp_rank=cp_rank,
+            is_output_rank=ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and cp_rank == 0,
             transformer_impl=self.transformer_impl,
         )
         return self.info
+
+    def _build_chunks(self) -> list[torch.nn.Module]:
+        """This rank's model chunks with the HF weights; on the local spec its attention applies the rotary
+        embeddings (rlsearch.actor.attention)."""
+        from .attention import take_over_rotary
+
+        chunks = build_model_chunks(self.mbridge, self.spec.actor.virtual_pipeline_stages)
+        self.mbridge.load_weights(chunks, self.spec.model_path)
+        if self.transformer_impl == "local":
+            for chunk in chunks:
+                take_over_rotary(chunk)
+        return chunks
 
     def _wrap_for_training(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
         from megatron.core.distributed import (
@@ -187,37 +206,41 @@ class MegatronActorWorker:
     # ---- forward passes -------------------------------------------------------------------------------
 
     def _token_logprobs(
-        self, logits: torch.Tensor, labels: torch.Tensor, distribution: SamplingDistribution | None = None
-    ) -> torch.Tensor:
-        """log p(label) per selected position under `distribution` (default: the rollout's, `spec.sampling`), from
-        vocab-parallel logits [1, n, vocab/tp], never gathering the full vocabulary."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-        distribution = distribution or self.spec.sampling
-        scaled = logits[0].float()
-        partition = scaled.shape[-1]
-        vocab_start = ps.get_tensor_model_parallel_rank() * partition
-        bias = distribution.bias_shard(vocab_start, vocab_start + partition, scaled.device)
-        if bias is not None:
-            scaled = scaled + bias
-        return -vocab_parallel_cross_entropy(scaled / distribution.temperature, labels)
+        self, hidden: torch.Tensor, head: tuple, labels: torch.Tensor, distribution: SamplingDistribution | None,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log p(label) per selected position under `distribution` (default: the rollout's, `spec.sampling`), and
+        optionally the distribution's entropy, from the hidden states [1, n, h] the output layer would project: in
+        chunks of actor.logits_chunk_tokens positions over the vocab-parallel logits (rlsearch.actor.logits)."""
+        output_layer, weight = head
+        return token_logprobs(
+            hidden[0], output_layer, weight, labels, distribution or self.spec.sampling,
+            self.spec.actor.logits_chunk_tokens, with_entropy=with_entropy,
+        )
 
     def _install_logit_selection(self, chunks: list[torch.nn.Module]) -> None:
-        """Apply the output layer only at the positions a micro-batch needs (response tokens): prompts are
-        most of a sequence and the vocabulary projection dominates the cost of a small model."""
+        """The output layer hands back the hidden states at the positions a micro-batch needs (response tokens)
+        instead of projecting them: the loss function projects them chunk by chunk (`_token_logprobs`), so the
+        logits of a whole sequence never exist."""
 
-        def select_positions(_module, args, kwargs):
-            if self._logit_index is None:
-                return None
-            hidden = args[0]
-            selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, self._logit_index).unsqueeze(1)
-            return (selected, *args[1:]), kwargs
+        def selected_hidden(hidden, weight=None, runtime_gather_output=None):
+            return hidden.reshape(-1, hidden.shape[-1]).index_select(0, self._logit_index).unsqueeze(1), None
 
         for chunk in chunks:
-            output_layer = getattr(_unwrap(chunk), "output_layer", None)
-            if output_layer is not None and _unwrap(chunk).post_process:
-                output_layer.register_forward_pre_hook(select_positions, with_kwargs=True)
+            module = _unwrap(chunk)
+            if module.post_process:
+                module.output_layer.project = module.output_layer.forward  # what `_token_logprobs` calls
+                module.output_layer.forward = selected_hidden
+
+    @staticmethod
+    def _output_head(chunk: torch.nn.Module) -> tuple:
+        """(the output layer's projection, the tied embedding weight it projects with or None) of a last-stage
+        chunk."""
+        module = _unwrap(chunk)
+        if not module.post_process:
+            return None, None
+        tied = module.share_embeddings_and_output_weights
+        return module.output_layer.project, module.shared_embedding_or_output_weight() if tied else None
 
     def _run_pipeline(self, model, samples: Sequence[TrainSample], loss_fn, forward_only: bool) -> list[dict]:
         """Megatron's pipeline schedule over packed micro-batches; the loss dicts of the last stage, in order. A
@@ -225,27 +248,43 @@ class MegatronActorWorker:
         non-zero ones; a forward pass gives every response token its logprob."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from .attention import rotary_table
+
         micro_batches = pack_micro_batches(
             samples, self.spec.actor.max_tokens_per_microbatch, min_micro_batches=self.spec.actor.pp,
-            trained_only=not forward_only,
+            trained_only=not forward_only, packing=self.packing,
         )
         # the interleaved schedule reads micro-batches once per model chunk
         batches = iter(micro_batches) if len(model) == 1 else [iter(micro_batches) for _ in model]
 
         def forward_step(data_iterator, chunk):
             mb: MicroBatch = next(data_iterator)
+            if self.transformer_impl == "local":
+                mb.layout.rotary = rotary_table(_unwrap(chunk), mb.layout.positions)
             self._logit_index = mb.logit_index
             try:
                 output = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
             finally:
                 self._logit_index = None
-            return output, partial(loss_fn, mb, len(micro_batches))
+            return output, partial(loss_fn, mb, len(micro_batches), self._output_head(chunk))
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=batches, model=model,
             num_microbatches=len(micro_batches), seq_length=max(mb.num_tokens for mb in micro_batches),
             micro_batch_size=1, forward_only=forward_only,
         )
+
+    def _whole_selection(self, values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """With context parallelism, per-position values of all the micro-batch's selected positions (each CP rank
+        holds some): summed over the CP group into place. The values themselves otherwise."""
+        if mb.selection is None:
+            return values
+        from megatron.core import parallel_state as ps
+
+        whole = values.new_zeros(sum(mb.response_lens))
+        whole[mb.selection] = values
+        dist.all_reduce(whole, group=ps.get_context_parallel_group())
+        return whole
 
     def compute_logprobs(
         self, samples: Sequence[TrainSample], reference: bool = False, distribution: SamplingDistribution | None = None
@@ -258,8 +297,9 @@ class MegatronActorWorker:
         if not samples:  # an empty data-parallel shard: a forward pass has no collectives across replicas
             return [] if self.info.is_output_rank else None
 
-        def loss_fn(mb: MicroBatch, _num_micro_batches: int, logits: torch.Tensor):
-            logprobs = self._token_logprobs(logits, mb.labels, distribution).detach()
+        def loss_fn(mb: MicroBatch, _num_micro_batches: int, head: tuple, hidden: torch.Tensor):
+            logprobs, _ = self._token_logprobs(hidden, head, mb.labels, distribution)
+            logprobs = self._whole_selection(logprobs.detach(), mb)
             per_sample = [chunk.tolist() for chunk in logprobs.split(mb.response_lens)]
             return logprobs.new_zeros(()), {"logprobs": per_sample, "indices": mb.sample_indices}
 
@@ -285,10 +325,13 @@ class MegatronActorWorker:
             reference = [0.0] if self.spec.algo.kl_coef else None
             samples = [TrainSample([0, 0], 1, [0], token_weights=[0.0], ref_logprobs=reference)]
 
-        def loss_fn(mb: MicroBatch, num_micro_batches: int, logits: torch.Tensor):
-            loss, stats = objective(self._token_logprobs(logits, mb.labels, distribution), mb)
+        def loss_fn(mb: MicroBatch, num_micro_batches: int, head: tuple, hidden: torch.Tensor):
+            logprobs, entropy = self._token_logprobs(hidden, head, mb.labels, distribution, with_entropy=True)
+            loss, stats = objective(logprobs, mb)
+            stats["entropy_sum"] = (entropy * mb.loss_mask).sum()
             # the schedule divides by the number of micro-batches and DDP averages over DP ranks; the token
-            # weights already normalise over the whole global batch, so undo both
+            # weights already normalise over the whole global batch, so undo both. (With context parallelism the
+            # schedule multiplies by the CP size and DDP averages over it too: the CP ranks' gradients add up.)
             return loss * num_micro_batches * dp_size, stats
 
         return self._optimizer_step(samples, loss_fn)
@@ -299,7 +342,7 @@ class MegatronActorWorker:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run_pipeline(self.model, samples, loss_fn, forward_only=False)
-        totals = {key: float(sum(out[key] for out in outputs)) for key in outputs[0]} if outputs else {}
+        totals = self._reduce_over_cp({key: sum(out[key] for out in outputs) for key in outputs[0]}) if outputs else {}
         skipped = self._any_rank_nonfinite(totals.get("loss", 0.0))
         if skipped:
             # weights, optimizer moments and step count, and the LR schedule stay as they were; every rank agrees
@@ -317,6 +360,18 @@ class MegatronActorWorker:
             lr=float(self.optimizer.param_groups[0]["lr"]),
         )
         return totals
+
+    def _reduce_over_cp(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Per-step sums of the last stage's micro-batches; with context parallelism each CP rank summed over its own
+        positions, so they are added up over the CP group."""
+        if self.spec.actor.cp == 1:
+            return {key: float(value) for key, value in sums.items()}
+        from megatron.core import parallel_state as ps
+
+        keys = sorted(sums)
+        values = torch.stack([torch.as_tensor(sums[key], dtype=torch.float64) for key in keys]).to(local_device())
+        dist.all_reduce(values, group=ps.get_context_parallel_group())
+        return dict(zip(keys, values.tolist()))
 
     def _any_rank_nonfinite(self, loss: float) -> bool:
         """Whether the step's loss or gradients are NaN/inf on any rank (a collective over all TP x PP x DP ranks,
@@ -347,7 +402,7 @@ class MegatronActorWorker:
         return state if self.rank == 0 else None
 
     def _is_stage_sender(self) -> bool:
-        return self.info.tp_rank == 0 and self.info.dp_rank == 0
+        return self.info.tp_rank == 0 and self.info.dp_rank == 0 and self.info.cp_rank == 0
 
     def export_weight_buckets(self, bucket_bytes: int, stage_in_shared_memory: bool = False) -> Iterator[
             WeightBucket | dict]:
@@ -444,6 +499,9 @@ class MegatronActorWorker:
                       ps.get_data_parallel_world_size())
             position = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
                         ps.get_data_parallel_rank())
+            if self.spec.actor.cp > 1:  # every CP rank has its own RNG states (the layout without CP keeps its keys)
+                layout += (ps.get_context_parallel_world_size(),)
+                position += (ps.get_context_parallel_rank(),)
             state["rng"] = ShardedObject("rng_state", _rng_state(), layout, position, replica_id=0)
         return state
 

@@ -29,7 +29,11 @@ class DataConfig:
 class ActorConfig:
     tp: int = 1  # tensor-parallel size
     pp: int = 1  # pipeline-parallel size
-    dp: int = 1  # data-parallel size; ranks = tp * pp * dp
+    dp: int = 1  # data-parallel size; ranks = tp * pp * cp * dp
+    # context-parallel size: each sequence is split over this many ranks (load-balanced chunks, padded to a multiple
+    # of 2 x cp), for trajectories longer than one rank's memory holds. Local spec: rlsearch's attention gathers keys
+    # and values over the CP group; Transformer Engine: its own context-parallel attention
+    cp: int = 1
     backend: str = "auto"  # auto | gloo | nccl: auto picks nccl on a rank with a GPU, gloo on one without
     transformer_impl: str = "auto"  # auto | local | transformer_engine
     lr: float = 1e-5  # Adam learning rate (peak, after warm-up)
@@ -43,9 +47,22 @@ class ActorConfig:
     # sequences are packed back to back into micro-batches of at most this many tokens (no padding); must hold
     # the longest trajectory (rollout.max_prompt_tokens + rollout.max_response_tokens)
     max_tokens_per_microbatch: int = 4096
+    # output-layer positions per chunk: logprobs, entropy and the loss are computed chunk by chunk and recomputed in
+    # the backward pass, so the logits (vocabulary x positions, 0.6 MB a position for Qwen's 151,936 tokens in fp32)
+    # never exist for a whole sequence. 0: one chunk, no recomputation (fastest while it fits)
+    logits_chunk_tokens: int = 1024
+    # train the segments of one trajectory that share a token prefix (an agent that re-renders its history every
+    # turn) as one prefix tree: the prefix is computed once, each branch attends to its own ancestors only. Local
+    # layer spec only: with Transformer Engine the segments train one by one (said at start-up); not with cp > 1
+    merge_prefixes: bool = True
     virtual_pipeline_stages: int = 0  # > 1: interleaved pipeline schedule with this many model chunks per stage
     use_distributed_optimizer: bool = False  # shard optimizer states over data-parallel ranks (ZeRO-1)
     num_threads: int = 0  # torch intra-op threads per rank; 0 = cores / ranks
+
+    @property
+    def world_size(self) -> int:
+        """Megatron ranks: tp x pp x cp x dp."""
+        return self.tp * self.pp * self.cp * self.dp
 
 
 @dataclass

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from .loader import ConfigError
-from .schema import EvalConfig, RolloutConfig, SFTConfig, TrainConfig
+from .schema import ActorConfig, EvalConfig, RolloutConfig, SFTConfig, TrainConfig
 
 _CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16"),
@@ -30,8 +30,8 @@ RETRIEVER_MAX_TOPK = 100
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _POSITIVE = (
-    "data.batch_size", "actor.tp", "actor.pp", "actor.dp", "actor.max_tokens_per_microbatch", "rollout.group_size",
-    "rollout.max_turns", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
+    "data.batch_size", "actor.tp", "actor.pp", "actor.cp", "actor.dp", "actor.max_tokens_per_microbatch",
+    "rollout.group_size", "rollout.max_turns", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
     "rollout.max_tokens_per_turn", "tools.retriever.topk", "trainer.total_steps", "bridge.bucket_mb",
     "eval.n_samples", "eval.batch_size", "tools.retriever.batch_size", "tools.retriever.max_concurrency",
     "tools.mcp.timeout_s", "tools.mcp.max_concurrency", "tools.browse.timeout_s", "tools.browse.max_bytes",
@@ -58,6 +58,7 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
             f"'actor.max_tokens_per_microbatch' ({config.actor.max_tokens_per_microbatch}) must hold the longest "
             f"trajectory: rollout.max_prompt_tokens + rollout.max_response_tokens = {longest}"
         )
+    _check_actor(config.actor)
     if config.actor.virtual_pipeline_stages < 0 or config.actor.virtual_pipeline_stages == 1:
         raise ConfigError("'actor.virtual_pipeline_stages' must be 0 (off) or >= 2")
     if config.actor.virtual_pipeline_stages and config.actor.pp < 2:
@@ -94,6 +95,16 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
     if config.trainer.eval_interval and not config.eval.files:
         raise ConfigError("'trainer.eval_interval' is set but 'eval.files' is empty")
     return config
+
+
+def _check_actor(actor: ActorConfig) -> None:
+    if actor.logits_chunk_tokens < 0:
+        raise ConfigError(f"'actor.logits_chunk_tokens' must be >= 0 (0: one chunk); got {actor.logits_chunk_tokens}")
+    if actor.cp > 1 and actor.max_tokens_per_microbatch < 2 * actor.cp:
+        raise ConfigError(
+            f"'actor.cp' is {actor.cp} but 'actor.max_tokens_per_microbatch' is {actor.max_tokens_per_microbatch}: "
+            f"context parallelism cuts every sequence into 2 x cp = {2 * actor.cp} chunks"
+        )
 
 
 def _check_trained_distribution(config: TrainConfig) -> None:
@@ -134,6 +145,7 @@ def validate_sft_config(config: SFTConfig) -> SFTConfig:
             f"'actor.max_tokens_per_microbatch' ({config.actor.max_tokens_per_microbatch}) must hold the longest row: "
             f"data.max_tokens = {config.data.max_tokens}"
         )
+    _check_actor(config.actor)
     return config
 
 

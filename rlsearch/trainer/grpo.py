@@ -158,7 +158,7 @@ class GRPOTrainer:
             raise ConfigError(str(error)) from error
         tools = self.tool_servers.tools  # the config with the started servers' URLs filled in
         actor = config.actor
-        world = actor.tp * actor.pp * actor.dp
+        world = actor.world_size
         rollout = config.rollout
         init_ray(config.trainer.ray_address, num_cpus=world + rollout.num_engines * rollout.tensor_parallel_size)
         import ray
@@ -222,7 +222,7 @@ class GRPOTrainer:
     def _resume(self, point: ResumePoint) -> None:
         """Actor state from the checkpoint (resharded into this run's layout), then the engine gets those weights;
         the step counter, data order and sampling seeds continue where the checkpoint left them."""
-        same_layout = point.layout == self._layout()
+        same_layout = {"cp": 1, **point.layout} == self._layout()  # checkpoints from before actor.cp had no "cp"
         self.actor.load_checkpoint(str(point.path / MODEL_DIR), restore_rng=same_layout)
         self.step = self.resumed_step = point.step
         self.weights_updated = True
@@ -233,7 +233,8 @@ class GRPOTrainer:
         sync = self.weight_sync.sync(self.pool.engines)
         saved = point.layout
         layouts = "" if same_layout else (
-            f", resharded from tp{saved['tp']} pp{saved['pp']} dp{saved['dp']} (per-rank RNG states start fresh)"
+            f", resharded from tp{saved['tp']} pp{saved['pp']} cp{saved.get('cp', 1)} dp{saved['dp']} (per-rank RNG "
+            "states start fresh)"
         )
         print(f"[rlsearch] resumed from {point.path} after step {self.step}{layouts}; weights synced to the engine "
               f"in {sync.seconds:.1f} s", flush=True)
@@ -241,7 +242,8 @@ class GRPOTrainer:
     def _layout(self) -> dict[str, int]:
         actor = self.config.actor
         return {
-            "tp": actor.tp, "pp": actor.pp, "dp": actor.dp, "virtual_pipeline_stages": actor.virtual_pipeline_stages,
+            "tp": actor.tp, "pp": actor.pp, "cp": actor.cp, "dp": actor.dp,
+            "virtual_pipeline_stages": actor.virtual_pipeline_stages,
         }
 
     def close(self, graceful: bool = True) -> None:

@@ -81,7 +81,7 @@ def run_sft(config: SFTConfig) -> SFTSummary:
     steps_per_epoch = math.ceil(len(examples) / data.batch_size)
     total_steps = data.max_steps or steps_per_epoch * data.epochs
     output_dir.mkdir(parents=True, exist_ok=True)
-    world = config.actor.tp * config.actor.pp * config.actor.dp
+    world = config.actor.world_size
     init_ray(config.ray_address, num_cpus=world)
     has_gpus = cluster_has_gpus()  # the cluster's GPUs decide model.dtype auto, as in training
     config = resolve_auto_keys(config, has_gpus)

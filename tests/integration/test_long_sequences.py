@@ -1,0 +1,145 @@
+"""Context parallelism and prefix merging in the Megatron actor, against segments trained one by one at CP1.
+
+One batch of re-rendered multi-segment trajectories (segments sharing prefixes of different lengths, and none) and
+plain samples of different lengths: every layout scores it, takes one GRPO step on it and exports its weights. The
+baseline trains every segment on its own (actor.merge_prefixes false, cp 1). Chunked logits are on everywhere
+(chunks of 16 positions) except in the baseline, which takes the whole output layer in one piece.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import ray
+import torch
+
+from rlsearch.actor import MODEL_DISTRIBUTION, ActorGroup, TrainSample
+from rlsearch.algo import loss_token_weights
+from rlsearch.weights import WeightSync, logprob_mismatch
+from tests.integration.actor_helpers import actor_spec, hf_logprobs
+
+# name -> (tp, pp, cp, merge_prefixes)
+LAYOUTS = {
+    "baseline": (1, 1, 1, False),
+    "merged": (1, 1, 1, True),
+    "cp2": (1, 1, 2, True),
+    "tp2cp2": (2, 1, 2, False),
+    "pp2cp2": (1, 2, 2, True),
+}
+PARITY = 1e-5
+
+
+def _trajectory_segments(generator: torch.Generator, shared: list[int | None]) -> list[tuple[list[int], int]]:
+    """(token ids, response start) per segment: each segment repeats `shared[i]` tokens of the previous one (None:
+    all of it, an agent that only appends) and adds a new prompt tail and a response."""
+    segments, history = [], torch.randint(0, 151_000, (14,), generator=generator).tolist()
+    for keep in shared:
+        prompt = history if keep is None else history[:keep] + torch.randint(0, 151_000, (6,), generator=generator
+                                                                             ).tolist()
+        response = torch.randint(0, 151_000, (18,), generator=generator).tolist()
+        segments.append((prompt + response, len(prompt)))
+        history = prompt + response
+    return segments
+
+
+def long_sequence_batch(model_dir) -> tuple[list[TrainSample], list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    shapes = [
+        (_trajectory_segments(generator, [None, 20, 33]), 0),  # re-rendered: prefixes of different lengths
+        (_trajectory_segments(generator, [None, None, None]), 1),  # appended: each segment extends the one before
+        (_trajectory_segments(generator, [None, 0]), 2),  # nothing shared after the first segment
+    ]
+    samples = [TrainSample(ids, start, [0 if 5 <= i < 9 else 1 for i in range(len(ids) - start)], prefix_group=g)
+               for segments, g in shapes for ids, start in segments]
+    for length in (23, 61, 40):
+        ids = torch.randint(0, 151_000, (length,), generator=generator).tolist()
+        samples.append(TrainSample(ids, 9, [1] * (length - 9)))
+    reference = hf_logprobs(model_dir, samples)
+    weights = loss_token_weights([s.loss_mask for s in samples], "token_mean")
+    for index, (sample, logprobs, w) in enumerate(zip(samples, reference, weights)):
+        sample.old_logprobs = (logprobs + 0.3 * torch.randn(len(logprobs), generator=generator)).tolist()
+        sample.advantage = (1.0, -0.6, 0.4, -1.1, 0.8)[index % 5]
+        sample.token_weights = w
+    return samples, reference
+
+
+@dataclass
+class LayoutRun:
+    logprobs: list[list[float]]
+    metrics: dict[str, float]
+    trained: dict[str, torch.Tensor]
+    engine_vs_actor: float | None = None  # max |logprob diff| on the probe after a sync (cp2 only)
+    resumed_at_cp1: dict[str, torch.Tensor] | None = None  # cp2's checkpoint loaded by a CP1 actor (cp2 only)
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_dir):
+    return long_sequence_batch(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def run_layout(ray_local, tiny_model_dir, rollout_worker, batch, tmp_path_factory):
+    samples, _ = batch
+    cache: dict[str, LayoutRun] = {}
+
+    def run(name: str) -> LayoutRun:
+        if name in cache:
+            return cache[name]
+        tp, pp, cp, merge = LAYOUTS[name]
+        chunk = 0 if name == "baseline" else 16
+        extra = {"cp": cp, "merge_prefixes": merge, "logits_chunk_tokens": chunk, "max_tokens_per_microbatch": 200}
+        group = ActorGroup(actor_spec(tiny_model_dir, tp, pp, 1, extra))
+        try:
+            result = LayoutRun(group.compute_logprobs(samples), group.train_step(samples), group.hf_state_dict())
+            if name == "cp2":
+                probe = ray.get(rollout_worker.probe_sequence.remote("Who founded Velmora?", "<search> mayor"))
+                actor_probe = group.compute_logprobs([TrainSample(probe, 1, [1] * (len(probe) - 1))],
+                                                     distribution=MODEL_DISTRIBUTION)[0]
+                WeightSync(group, 64, "shm", 120.0, engine_tp=1).sync([rollout_worker])
+                result.engine_vs_actor = logprob_mismatch(ray.get(rollout_worker.score.remote(probe)), actor_probe)[0]
+                checkpoint = tmp_path_factory.mktemp("cp2-checkpoint")
+                group.save_checkpoint(str(checkpoint))
+        finally:
+            group.shutdown()
+        if name == "cp2":
+            cp1 = ActorGroup(actor_spec(tiny_model_dir, 1, 1, 1, {}))
+            try:
+                cp1.load_checkpoint(str(checkpoint), restore_rng=False)
+                result.resumed_at_cp1 = cp1.hf_state_dict()
+            finally:
+                cp1.shutdown()
+        cache[name] = result
+        return result
+
+    return run
+
+
+def _assert_same_step(result: LayoutRun, baseline: LayoutRun, batch) -> None:
+    _, reference = batch
+    assert max((torch.tensor(a) - b).abs().max().item() for a, b in zip(result.logprobs, reference)) < PARITY
+    worst = max((torch.tensor(a) - torch.tensor(b)).abs().max().item()
+                for a, b in zip(result.logprobs, baseline.logprobs))
+    assert worst < PARITY
+    for key in ("actor/policy_loss", "actor/clip_fraction", "actor/approx_kl", "actor/entropy", "actor/grad_norm"):
+        assert result.metrics[key] == pytest.approx(baseline.metrics[key], abs=PARITY), key
+    assert baseline.metrics["actor/entropy"] > 1.0
+    assert set(result.trained) == set(baseline.trained)
+    assert max((result.trained[n] - baseline.trained[n]).abs().max().item() for n in baseline.trained) < PARITY
+
+
+def test_prefix_merging_matches_segments_one_by_one(run_layout, batch):
+    _assert_same_step(run_layout("merged"), run_layout("baseline"), batch)
+
+
+@pytest.mark.parametrize("layout", ["cp2", "tp2cp2", "pp2cp2"])
+def test_context_parallel_matches_cp1(run_layout, batch, layout):
+    _assert_same_step(run_layout(layout), run_layout("baseline"), batch)
+
+
+def test_context_parallel_checkpoint_resumes_at_cp1_and_syncs(run_layout):
+    result = run_layout("cp2")
+    assert set(result.resumed_at_cp1) == set(result.trained)
+    for name, tensor in result.trained.items():
+        assert torch.equal(result.resumed_at_cp1[name], tensor), name
+    assert result.engine_vs_actor < 1e-4

@@ -1,0 +1,89 @@
+"""Attention blocks (rlsearch.actor.layout, .attention): a prefix tree and context-parallel shards attend exactly as
+each sequence on its own does, in plain torch (no ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlsearch.actor.attention import blocked_attention
+from rlsearch.actor.batch import Packing, TrainSample, collate
+from rlsearch.actor.layout import PrefixTree
+
+HEADS, GROUPS, DIM = 4, 2, 8
+torch.manual_seed(0)
+TABLES = {name: torch.randn(64, 160, heads, DIM, dtype=torch.float64) for name, heads in
+          (("q", HEADS), ("k", GROUPS), ("v", GROUPS))}
+
+
+def _project(tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Query, key and value rows that depend on each row's token and position (as rotated projections do)."""
+    return tuple(TABLES[name][tokens % 64, positions] for name in ("q", "k", "v"))
+
+
+def _alone(sequence: list[int]) -> torch.Tensor:
+    """Causal attention over one sequence by itself."""
+    tokens = torch.tensor(sequence)
+    q, k, v = _project(tokens, torch.arange(len(sequence)))
+    return blocked_attention(q, k, v, collate([TrainSample(sequence, 1, [0] * (len(sequence) - 1))], [0])
+                             .layout.blocks, scale=0.3)
+
+
+def _segments(shared: int, seed: int) -> list[list[int]]:
+    """Four re-rendered segments of one trajectory: each repeats `shared` tokens of the one before and continues
+    differently (shared = 0: nothing in common)."""
+    generator = torch.Generator().manual_seed(seed)
+    segments, history = [], []
+    for turn in range(4):
+        tail = torch.randint(0, 10_000, (9 + 5 * turn,), generator=generator).tolist()
+        segments.append(history[:shared] + tail)
+        history = segments[-1]
+    return segments
+
+
+@pytest.mark.parametrize("shared", [0, 3, 9])
+@pytest.mark.parametrize("masked_rows", [2048, 4])
+def test_prefix_tree_attends_as_each_segment_alone(shared, masked_rows, monkeypatch):
+    monkeypatch.setattr("rlsearch.actor.attention.MASKED_QUERY_ROWS", masked_rows)
+    segments = _segments(shared, seed=shared) + [[7, 7, 7]]
+    samples = [TrainSample(s, 1, [1] * (len(s) - 1), prefix_group=0 if i < 4 else None)
+               for i, s in enumerate(segments)]
+    batch = collate(samples, list(range(len(samples))), units=[[0, 1, 2, 3], [4]])
+    assert batch.num_tokens == PrefixTree(segments[:4]).size + 3
+    assert batch.num_tokens == sum(map(len, segments)) - 3 * shared
+    q, k, v = _project(batch.tokens[0], batch.position_ids[0])
+    merged = blocked_attention(q, k, v, batch.layout.blocks, scale=0.3)
+    rows = batch.logit_index.split(batch.response_lens)
+    for segment, segment_rows in zip(segments, rows):
+        # a segment's selected rows are its tokens 0 .. n-2 (each predicts the next)
+        expected = _alone(segment)[:-1]
+        assert (merged[segment_rows] - expected).abs().max().item() < 1e-12
+        assert torch.equal(batch.tokens[0][segment_rows], torch.tensor(segment[:-1]))
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("merge", [False, True])
+def test_context_parallel_shards_attend_as_the_whole_row(cp, merge):
+    segments = _segments(6, seed=1) + [[5] * 11, [9] * 2]
+    samples = [TrainSample(s, 1, [1] * (len(s) - 1), prefix_group=0 if i < 4 else None)
+               for i, s in enumerate(segments)]
+    units = [[0, 1, 2, 3], [4], [5]] if merge else [[i] for i in range(len(samples))]
+    whole = collate(samples, list(range(len(samples))), units=units)
+    q, k, v = _project(whole.tokens[0], whole.position_ids[0])
+    reference = blocked_attention(q, k, v, whole.layout.blocks, scale=0.3)
+    selected = torch.zeros(sum(whole.response_lens), dtype=torch.long)
+    shards = [collate(samples, list(range(len(samples))), units=units, packing=Packing(cp=cp, cp_rank=rank))
+              for rank in range(cp)]
+    projected = [_project(shard.tokens[0], shard.position_ids[0]) for shard in shards]
+    for shard, (q_local, _, _) in zip(shards, projected):
+        assert shard.num_tokens * cp == int(shard.cu_seqlens_padded[-1])
+        keys, values = (torch.cat([p[i] for p in projected])[shard.layout.gather_order] for i in (1, 2))
+        out = blocked_attention(q_local, keys, values, shard.layout.blocks, scale=0.3)
+        # this rank's selected positions hold the whole row's attention at the same tokens
+        local_rows = shard.logit_index
+        whole_rows = whole.logit_index[shard.selection]
+        assert torch.equal(shard.tokens[0][local_rows], whole.tokens[0][whole_rows])
+        assert (out[local_rows] - reference[whole_rows]).abs().max().item() < 1e-12
+        assert torch.equal(shard.labels, whole.labels[shard.selection])
+        selected[shard.selection] += 1
+    assert torch.equal(selected, torch.ones_like(selected))  # every selected position on exactly one rank
