@@ -45,7 +45,8 @@ class ActorConfig:
     adam_beta2: float = 0.999  # Adam's second-moment decay
     clip_grad: float = 1.0  # global grad-norm clip; 0 disables
     # sequences are packed back to back into micro-batches of at most this many tokens (no padding); must hold
-    # the longest trajectory (rollout.max_prompt_tokens + rollout.max_response_tokens)
+    # the longest trajectory (rollout.max_prompt_tokens + rollout.max_response_tokens). Counted before a
+    # context-parallel split: each of the cp ranks holds 1/cp of them
     max_tokens_per_microbatch: int = 4096
     # output-layer positions per chunk: logprobs, entropy and the loss are computed chunk by chunk and recomputed in
     # the backward pass, so the logits (vocabulary x positions, 0.6 MB a position for Qwen's 151,936 tokens in fp32)

@@ -72,7 +72,8 @@ def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[Trai
     """What the actor trains on: GRPO advantages per group and loss-aggregation weights per token (over the whole
     list; `minibatches` re-weights per update), over the tokens the policy sampled (all response tokens with
     algo.mask_observations false). Trajectories a user agent failed are left out (also of their group's statistics);
-    each segment of a trajectory is a sample with the trajectory's advantage. With algo.overlong=mask a trajectory cut
+    each segment of a trajectory is a sample with the trajectory's advantage, in the trajectory's prefix group (the
+    actor trains a group's shared prefixes once, actor.merge_prefixes). With algo.overlong=mask a trajectory cut
     by a length or turn limit keeps its place in its group's statistics but trains no token.
     """
     import torch
@@ -84,9 +85,10 @@ def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[Trai
         torch.tensor([t.reward for t in trained]), [t.group_id for t in trained],
         norm_by_std=algo.norm_adv_by_std, eps=algo.adv_eps,
     )
-    segments = [(t, segment, advantage) for t, advantage in zip(trained, advantages.tolist()) for segment in t.segments]
+    segments = [(t, segment, advantage, index) for index, (t, advantage) in enumerate(zip(trained, advantages.tolist()))
+                for segment in t.segments]
     masks = []
-    for trajectory, segment, _ in segments:
+    for trajectory, segment, _, _ in segments:
         if algo.overlong == "mask" and is_overlong(trajectory):
             masks.append([0] * len(segment.loss_mask))
         elif algo.mask_observations:
@@ -99,8 +101,9 @@ def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[Trai
             token_ids=segment.prompt_ids + segment.response_ids, response_start=len(segment.prompt_ids),
             loss_mask=mask, advantage=float(advantage), token_weights=w,
             rollout_logprobs=segment.rollout_logprobs if algo.mask_observations else None,
+            prefix_group=index if len(trajectory.segments) > 1 else None,
         )
-        for (_, segment, advantage), mask, w in zip(segments, masks, weights)
+        for (trajectory, segment, advantage, index), mask, w in zip(segments, masks, weights)
     ]
 
 

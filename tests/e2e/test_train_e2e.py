@@ -134,13 +134,25 @@ def test_run_search_grpo_script_trains_with_two_tp2_engines_over_broadcast(tmp_p
 
 def test_train_and_eval_run_a_user_agent_through_the_endpoint(tmp_path):
     """`rollout.agent=examples.agents.search_r1:agent`: the agent drives every trajectory through the rollout
-    worker's OpenAI-compatible endpoint, in training and in eval; none fails, and what trains is token-exact."""
+    worker's OpenAI-compatible endpoint, in training and in eval; none fails, and what trains is token-exact. The
+    actor trains with context parallelism (actor.cp=2: every sequence split over two ranks) and small logit chunks,
+    and its synced weights pass the probe check."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     agent = "rollout.agent=examples.agents.search_r1:agent"
     out = tmp_path / "run"
-    result = _run(["bash", "examples/run_search_grpo.sh", agent, "trainer.total_steps=2", f"trainer.output_dir={out}"],
-                  timeout=1200)
+    result = _run(["bash", "examples/run_search_grpo.sh", agent, "actor.cp=2", "actor.logits_chunk_tokens=64",
+                   "trainer.total_steps=2", f"trainer.output_dir={out}"], timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 2/2 | reward" in result.stdout
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("actor/update_ok")] == [1.0, 1.0]
+    assert all(e.value > 0 for e in events.Scalars("actor/grad_norm"))
+    assert all(e.value > 0.1 for e in events.Scalars("actor/entropy"))
+    assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-4
+    # on-policy: the CP actor's logprobs of the sampled tokens are the engine's
+    assert all(e.value < 1e-4 for e in events.Scalars("rollout/actor_logprob_diff_mean"))
     searched = 0
     for step in (1, 2):
         rows = [json.loads(line) for line in (out / "trajectories" / f"step_{step:06d}.jsonl").open()]

@@ -48,6 +48,8 @@ def test_actor_logprobs_go_back_to_their_trajectory_and_segment() -> None:
     trajectories = [failed, first, second]
     samples = train_samples(trajectories, AlgoConfig())
     assert actor_logprobs_of(trajectories, samples) == {}  # one update a step: the actor computed none
+    # the segments of one trajectory share a prefix group (trained as one prefix tree); a lone segment has none
+    assert [sample.prefix_group for sample in samples] == [None, 1, 1]
     for index, sample in enumerate(samples):
         sample.old_logprobs = [float(index)] * sample.response_len
     assert actor_logprobs_of(trajectories, samples) == {
