@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config.validate import model_layout_problem
 from .layout import HF_DIR, MODEL_DIR, CheckpointError, copy_hf_metadata, read_manifest, write_manifest
 
 # --dtype names -> HF config / manifest names
@@ -59,14 +60,11 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int =
     if not list(source.glob("*.safetensors")):
         raise ValueError(f"{source} has no *.safetensors weights; re-save the model with "
                          "save_pretrained(dir, safe_serialization=True)")
-    for value, key, size, flag in (
-        (config.get("num_attention_heads"), "num_attention_heads", tp, "tp"),
-        (config.get("num_key_value_heads") or config.get("num_attention_heads"), "num_key_value_heads", tp, "tp"),
-        (config.get("vocab_size"), "vocab_size", tp, "tp"),
-        (config.get("num_hidden_layers"), "num_hidden_layers", pp, "pp"),
-    ):
-        if size < 1 or value % size:
-            raise ValueError(f"{flag}={size} must be >= 1 and divide {key}={value} of {source}; choose another {flag}")
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp={tp} and pp={pp} must be >= 1")
+    problem = model_layout_problem(source, tp, pp)
+    if problem:
+        raise ValueError(problem)
     dtype = _checkpoint_dtype(config)
     with _staged(out) as staging:
         megatron_dir = staging / MODEL_DIR

@@ -26,7 +26,7 @@ from .schema import (
     TrainConfig,
     TrainerConfig,
 )
-from .validate import validate_eval_config, validate_sft_config, validate_train_config
+from .validate import check_model_layout, validate_eval_config, validate_sft_config, validate_train_config
 
 
 def load_train_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
@@ -48,5 +48,5 @@ __all__ = [
     "TrainConfig", "TrainerConfig",
     "auto_dtype", "from_dict", "load_config", "load_eval_config", "load_sft_config", "load_train_config",
     "resolve_auto_keys", "to_dict",
-    "validate_eval_config", "validate_sft_config", "validate_train_config",
+    "check_model_layout", "validate_eval_config", "validate_sft_config", "validate_train_config",
 ]

@@ -107,6 +107,35 @@ def _check_actor(actor: ActorConfig) -> None:
         )
 
 
+def model_layout_problem(model_dir: str | Path, tp: int, pp: int, virtual_pipeline_stages: int = 0,
+                         prefix: str = "") -> str | None:
+    """Why tensor x pipeline parallel `tp` x `pp` (x virtual stages) cannot split the HF model at `model_dir`, or None.
+    Keys are named with `prefix` ("actor." for a run's config, "" for the converter's flags)."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = config.get("num_attention_heads")
+    stages = pp * max(virtual_pipeline_stages, 1)
+    for value, key, size, flag in (
+        (heads, "num_attention_heads", tp, "tp"),
+        (config.get("num_key_value_heads") or heads, "num_key_value_heads", tp, "tp"),
+        (config.get("vocab_size"), "vocab_size", tp, "tp"),
+        (config.get("num_hidden_layers"), "num_hidden_layers", stages, "pp"),
+    ):
+        if value is not None and value % size:
+            what = f"{prefix}{flag}={size}" if flag == "tp" or stages == pp else (
+                f"{prefix}pp x {prefix}virtual_pipeline_stages={stages}")
+            return f"{what} must divide {key}={value} of {model_dir}; choose another {prefix}{flag}"
+    return None
+
+
+def check_model_layout(model_dir: str | Path, actor: ActorConfig) -> None:
+    """ConfigError when the actor's layout cannot split the model (checked at start-up, before any rank starts)."""
+    problem = model_layout_problem(model_dir, actor.tp, actor.pp, actor.virtual_pipeline_stages, prefix="actor.")
+    if problem:
+        raise ConfigError(problem)
+
+
 def _check_trained_distribution(config: TrainConfig) -> None:
     """The actor must be able to compute the distribution the engines sample from."""
     rollout = config.rollout

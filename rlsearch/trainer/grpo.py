@@ -16,7 +16,7 @@ from pathlib import Path
 from ..actor import ActorGroup, ActorWorkerSpec, SamplingDistribution, TrainSample
 from ..checkpoint import CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import MODEL_DIR
-from ..config import ConfigError, EvalConfig, TrainConfig, resolve_auto_keys, to_dict
+from ..config import ConfigError, EvalConfig, TrainConfig, check_model_layout, resolve_auto_keys, to_dict
 from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate
 from ..logging import RunLogger, format_step_line, plot_run
@@ -111,6 +111,7 @@ class GRPOTrainer:
         self.config = config
         self.output_dir = Path(config.trainer.output_dir)
         self.examples = self._load_examples()
+        check_model_layout(config.model.path, config.actor)
         self.sampler = EpochSampler(self.examples, seed=config.trainer.seed, shuffle=config.data.shuffle)
         self.step = 0
         self.resumed_step = 0

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..actor import MODEL_DISTRIBUTION, ActorGroup, ActorWorkerSpec, TrainSample
 from ..algo import loss_token_weights
 from ..checkpoint import write_hf_model
-from ..config import AlgoConfig, ConfigError, SFTConfig, resolve_auto_keys, to_dict
+from ..config import AlgoConfig, ConfigError, SFTConfig, check_model_layout, resolve_auto_keys, to_dict
 from ..data.chat import ChatExample, load_chat_dataset
 from ..logging import RunLogger, plot_run
 from ..ray_setup import cluster_has_gpus, init_ray
@@ -77,6 +77,7 @@ def run_sft(config: SFTConfig) -> SFTSummary:
         raise ConfigError(f"'output_dir' {output_dir} already holds a fine-tuned model ({model_dir}); choose another "
                           "output_dir or remove it")
     examples = _load_examples(config)
+    check_model_layout(config.model.path, config.actor)
     data = config.data
     steps_per_epoch = math.ceil(len(examples) / data.batch_size)
     total_steps = data.max_steps or steps_per_epoch * data.epochs

@@ -98,6 +98,8 @@ def test_run_search_grpo_script_trains_with_tp2_pp2_and_async_rollout(tmp_path):
     [
         (["trainer.total_step=3"], "unknown config key 'trainer.total_step'; did you mean 'trainer.total_steps'?"),
         (["data.train_files=[{bad}]"], "{bad}:2: invalid JSON"),
+        # the tiny model has 4 attention heads and 2 key-value heads
+        (["actor.tp=4"], "actor.tp=4 must divide num_key_value_heads=2 of"),
     ],
 )
 def test_train_cli_rejects_bad_input_with_a_clear_message(tmp_path, tiny_model_dir, overrides, expected):

@@ -48,6 +48,8 @@ def test_unknown_key_in_yaml(tmp_path):
         ("rollout.top_p=0.9", r"'rollout\.top_p' is 0\.9: training needs 1\.0\. The engine would report logprobs of "
                               r"the nucleus"),
         ("bridge.max_logprob_mismatch=-1", r"'bridge\.max_logprob_mismatch' must be >= 0"),
+        ("actor.cp=0", r"'actor\.cp' must be > 0"),
+        ("actor.logits_chunk_tokens=-8", r"'actor\.logits_chunk_tokens' must be >= 0 \(0: one chunk\)"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -167,3 +169,20 @@ def test_engine_device_keys_accept_auto_true_false_and_shares():
     ]:
         with pytest.raises(ConfigError, match=message):
             load_train_config(None, [override])
+
+
+def test_an_actor_layout_that_cannot_split_the_model_names_the_key(tmp_path):
+    import json
+
+    from rlsearch.config import ActorConfig, check_model_layout
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000, "num_hidden_layers": 6}))
+    check_model_layout(tmp_path, ActorConfig(tp=2, pp=3, cp=4))
+    with pytest.raises(ConfigError, match=r"actor\.tp=4 must divide num_key_value_heads=2 of .*another actor\.tp"):
+        check_model_layout(tmp_path, ActorConfig(tp=4))
+    with pytest.raises(ConfigError, match=r"actor\.pp x actor\.virtual_pipeline_stages=4 must divide num_hidden"):
+        check_model_layout(tmp_path, ActorConfig(pp=2, virtual_pipeline_stages=2))
+    with pytest.raises(ConfigError, match=r"context parallelism cuts every sequence into 2 x cp = 8 chunks"):
+        load_train_config(None, ["actor.cp=4", "actor.max_tokens_per_microbatch=6", "rollout.max_prompt_tokens=2",
+                                 "rollout.max_response_tokens=2"])
