@@ -35,11 +35,13 @@ def token_logprobs(
 
     `output_layer` is Megatron's ColumnParallelLinear (vocab-parallel logits, called as
     `output_layer(x, weight=weight)`); `labels` [n] are global token ids. `chunk_tokens` positions go through the
-    output layer at a time, checkpointed when grad is enabled; 0 scores all n in one piece without a checkpoint."""
+    output layer at a time, checkpointed when grad is enabled and there is more than one chunk; 0 scores all n in one
+    piece."""
     if chunk_tokens < 0:
         raise ValueError(f"chunk_tokens must be >= 0 (0: one chunk); got {chunk_tokens}")
     size = chunk_tokens or max(hidden.shape[0], 1)
-    checkpointed = chunk_tokens > 0 and torch.is_grad_enabled()
+    # one chunk gains nothing from recomputation: its logits would live through the backward either way
+    checkpointed = hidden.shape[0] > size and torch.is_grad_enabled()
     logprobs: list[torch.Tensor] = []
     entropies: list[torch.Tensor] = []
     for hidden_chunk, label_chunk in zip(hidden.split(size), labels.split(size)):
