@@ -104,24 +104,80 @@ def blocked_attention(
             continue
         visible_key = torch.cat([key[start:end] for start, end in block.prefix])
         visible_value = torch.cat([value[start:end] for start, end in block.prefix])
-        prefix = visible_key.shape[0]
-        for first in range(0, block.length, MASKED_QUERY_ROWS):
-            last = min(first + MASKED_QUERY_ROWS, block.length)
-            keys = torch.cat([visible_key, key[own][:last]])
-            values = torch.cat([visible_value, value[own][:last]])
-            mask = torch.ones(last - first, prefix + last, dtype=torch.bool, device=q.device)
-            mask[:, prefix:] = torch.ones(last - first, last, dtype=torch.bool, device=q.device).tril(first)
-            outputs.append(_attend(q[first:last], keys, values, scale, dropout, mask=mask))
+        if q.device.type == "cpu" and dropout == 0.0:
+            outputs.append(_prefix_then_causal(q, visible_key, visible_value, key[own], value[own], scale))
+        else:
+            outputs.append(_masked_prefix_then_causal(q, visible_key, visible_value, key[own], value[own], scale,
+                                                      dropout))
+    return torch.cat(outputs)
+
+
+def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[rows, groups, dim] -> [1, heads, rows, dim], key groups repeated per head (grouped-query attention)."""
+    if x.shape[1] != heads:
+        x = x.repeat_interleave(heads // x.shape[1], dim=1)
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _prefix_then_causal(q, prefix_key, prefix_value, own_key, own_value, scale: float) -> torch.Tensor:
+    """Queries attending to a fully visible prefix and causally to their own keys, as two mask-free flash-attention
+    calls merged by their log-sum-exp (memory O(rows), where a mask would be O(rows x keys))."""
+    heads = q.shape[1]
+    parts = [_heads_first(x, heads) for x in (q, prefix_key, prefix_value, own_key, own_value)]
+    return _PrefixThenCausal.apply(*parts, scale)[0].transpose(0, 1)
+
+
+class _PrefixThenCausal(torch.autograd.Function):
+    """CPU flash attention over [prefix ; own keys] without a mask: the prefix block unmasked, the own block causal,
+    outputs merged by log-sum-exp. The backward runs each block's flash backward with the merged output and
+    log-sum-exp, which gives the gradients of attention over the union (the identity ring attention relies on)."""
+
+    @staticmethod
+    def forward(ctx, q, prefix_key, prefix_value, own_key, own_value, scale):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        prefix_out, prefix_lse = flash(q, prefix_key, prefix_value, 0.0, False, scale=scale)
+        own_out, own_lse = flash(q, own_key, own_value, 0.0, True, scale=scale)
+        lse = torch.logaddexp(prefix_lse, own_lse)
+        merge = torch.promote_types(q.dtype, torch.float32)  # bf16 outputs merged in fp32
+        out = (prefix_out.to(merge) * (prefix_lse - lse).exp().unsqueeze(-1)
+               + own_out.to(merge) * (own_lse - lse).exp().unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, prefix_key, prefix_value, own_key, own_value, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, prefix_key, prefix_value, own_key, own_value, out, lse = ctx.saved_tensors
+        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grad = grad.contiguous()
+        dq_prefix, dk_prefix, dv_prefix = flash_backward(
+            grad, q, prefix_key, prefix_value, out, lse, 0.0, False, scale=ctx.scale)
+        dq_own, dk_own, dv_own = flash_backward(grad, q, own_key, own_value, out, lse, 0.0, True, scale=ctx.scale)
+        return dq_prefix + dq_own, dk_prefix, dv_prefix, dk_own, dv_own, None
+
+
+def _masked_prefix_then_causal(q, prefix_key, prefix_value, own_key, own_value, scale: float, dropout: float):
+    """The same with a boolean mask (any device, dropout): O(rows x keys) memory, so in blocks of query rows."""
+    prefix = prefix_key.shape[0]
+    outputs = []
+    for first in range(0, q.shape[0], MASKED_QUERY_ROWS):
+        last = min(first + MASKED_QUERY_ROWS, q.shape[0])
+        keys = torch.cat([prefix_key, own_key[:last]])
+        values = torch.cat([prefix_value, own_value[:last]])
+        mask = torch.ones(last - first, prefix + last, dtype=torch.bool, device=q.device)
+        mask[:, prefix:] = torch.ones(last - first, last, dtype=torch.bool, device=q.device).tril(first)
+        outputs.append(_attend(q[first:last], keys, values, scale, dropout, mask=mask))
     return torch.cat(outputs)
 
 
 def _attend(q, k, v, scale: float, dropout: float, causal: bool = False, mask: torch.Tensor | None = None):
     """torch SDPA on [rows, heads, dim] tensors. Its fused kernels take 4-D inputs only (3-D ones fall back to the
     math kernel), and with a mask grouped-query attention is fastest with the key groups repeated per head."""
-    heads, groups = q.shape[1], k.shape[1]
-    if mask is not None and groups != heads:
-        k, v = (x.repeat_interleave(heads // groups, dim=1) for x in (k, v))
-    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    heads = q.shape[1]
+    if mask is not None:
+        q, k, v = (_heads_first(x, heads) for x in (q, k, v))
+    else:
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale, enable_gqa=mask is None,
     )

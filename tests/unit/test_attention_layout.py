@@ -41,10 +41,21 @@ def _segments(shared: int, seed: int) -> list[list[int]]:
     return segments
 
 
+def _use_masked_kernel(monkeypatch, masked_rows: int) -> None:
+    """Blocks with a prefix through the boolean-mask kernel (GPU, dropout) in blocks of `masked_rows` query rows,
+    instead of the CPU's mask-free flash kernel."""
+    from rlsearch.actor import attention
+
+    monkeypatch.setattr(attention, "MASKED_QUERY_ROWS", masked_rows)
+    monkeypatch.setattr(attention, "_prefix_then_causal", lambda q, pk, pv, ok, ov, scale:
+                        attention._masked_prefix_then_causal(q, pk, pv, ok, ov, scale, 0.0))
+
+
 @pytest.mark.parametrize("shared", [0, 3, 9])
-@pytest.mark.parametrize("masked_rows", [2048, 4])
-def test_prefix_tree_attends_as_each_segment_alone(shared, masked_rows, monkeypatch):
-    monkeypatch.setattr("rlsearch.actor.attention.MASKED_QUERY_ROWS", masked_rows)
+@pytest.mark.parametrize("kernel", ["flash", "masked", "masked-4-rows"])
+def test_prefix_tree_attends_as_each_segment_alone(shared, kernel, monkeypatch):
+    if kernel != "flash":
+        _use_masked_kernel(monkeypatch, 4 if kernel == "masked-4-rows" else 2048)
     segments = _segments(shared, seed=shared) + [[7, 7, 7]]
     samples = [TrainSample(s, 1, [1] * (len(s) - 1), prefix_group=0 if i < 4 else None)
                for i, s in enumerate(segments)]
@@ -87,3 +98,26 @@ def test_context_parallel_shards_attend_as_the_whole_row(cp, merge):
         assert torch.equal(shard.labels, whole.labels[shard.selection])
         selected[shard.selection] += 1
     assert torch.equal(selected, torch.ones_like(selected))  # every selected position on exactly one rank
+
+
+def test_flash_and_masked_kernels_agree_in_value_and_gradient(monkeypatch):
+    """The CPU kernel's own backward (two flash backward calls over the merged log-sum-exp) against autograd through
+    the masked kernel, for a CP-like block: 40 queries over a 70-key prefix and their own keys."""
+    from rlsearch.actor.attention import _masked_prefix_then_causal, _prefix_then_causal
+
+    generator = torch.Generator().manual_seed(5)
+    shapes = {"q": (40, HEADS), "pk": (70, GROUPS), "pv": (70, GROUPS), "ok": (40, GROUPS), "ov": (40, GROUPS)}
+    inputs = {name: torch.randn(*shape, DIM, generator=generator, dtype=torch.float64) for name, shape in
+              shapes.items()}
+    upstream = torch.randn(40, HEADS, DIM, generator=generator, dtype=torch.float64)
+    results = []
+    for kernel in (_prefix_then_causal, lambda *args: _masked_prefix_then_causal(*args, 0.0)):
+        leaves = {name: x.clone().requires_grad_() for name, x in inputs.items()}
+        out = kernel(*leaves.values(), 0.35)
+        (out * upstream).sum().backward()
+        results.append((out.detach(), {name: x.grad for name, x in leaves.items()}))
+    (flash_out, flash_grads), (masked_out, masked_grads) = results
+    assert (flash_out - masked_out).abs().max().item() < 1e-12
+    for name in inputs:
+        assert (flash_grads[name] - masked_grads[name]).abs().max().item() < 1e-12, name
+        assert flash_grads[name].abs().max().item() > 1e-3  # every input gets a gradient
