@@ -70,7 +70,7 @@ class LayoutRun:
     metrics: dict[str, float]
     trained: dict[str, torch.Tensor]
     engine_vs_actor: float | None = None  # max |logprob diff| on the probe after a sync (cp2 only)
-    # cp2's checkpoint (distributed optimizer) loaded by a CP1 actor without one (cp2 only)
+    # cp2's checkpoint loaded by a CP1 actor (cp2 only)
     resumed_at_cp1: dict[str, torch.Tensor] | None = None
 
 
@@ -89,9 +89,7 @@ def run_layout(ray_local, tiny_model_dir, rollout_worker, batch, tmp_path_factor
             return cache[name]
         tp, pp, cp, merge = LAYOUTS[name]
         chunk = 0 if name == "baseline" else 16
-        extra = {"cp": cp, "merge_prefixes": merge, "logits_chunk_tokens": chunk, "max_tokens_per_microbatch": 200,
-                 # sharded over the data- and context-parallel ranks together (DP1 x CP2: two shards)
-                 "use_distributed_optimizer": name == "cp2"}
+        extra = {"cp": cp, "merge_prefixes": merge, "logits_chunk_tokens": chunk, "max_tokens_per_microbatch": 200}
         group = ActorGroup(actor_spec(tiny_model_dir, tp, pp, 1, extra))
         try:
             result = LayoutRun(group.compute_logprobs(samples), group.train_step(samples), group.hf_state_dict())
