@@ -68,10 +68,12 @@ class PackedDotProductAttention(DotProductAttention):
     def forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
     ):
+        if packed_seq_params is None:  # an unpacked batch (the converter's check): Megatron's own attention
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         layout: RowLayout | None = getattr(packed_seq_params, "layout", None)
         if layout is None or packed_seq_params.qkv_format != "thd":
-            raise ValueError("the local layer spec's attention takes the actor's packed micro-batches (thd with a "
-                             "RowLayout, rlsearch.actor.batch) only")
+            raise ValueError("packed micro-batches for the local layer spec's attention are the actor's (thd with a "
+                             "RowLayout, rlsearch.actor.batch)")
         # query [rows, heads, dim]; key and value [rows, groups, dim] (grouped-query attention)
         query, key = (self._rotate(x, layout.rotary) for x in (query, key))
         if layout.gather_order is not None:
