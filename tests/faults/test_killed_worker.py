@@ -41,7 +41,7 @@ def _ray_actor_process(driver_pid: int, actor_class: str) -> psutil.Process:
 
 @pytest.mark.parametrize(
     ("actor_class", "component"),
-    [("RolloutWorker", "rollout engine 0"), ("MegatronActorWorker", "actor rank 0 (tp 0, pp 0, dp 0)")],
+    [("RolloutWorker", "rollout engine 0"), ("MegatronActorWorker", "actor rank 0 (tp 0, pp 0, cp 0, dp 0)")],
     ids=["rollout-worker", "actor-rank"],
 )
 def test_a_killed_worker_stops_the_run_naming_it_and_resume_continues(
