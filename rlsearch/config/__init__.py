@@ -3,6 +3,7 @@
 from .auto import auto_dtype, resolve_auto_keys
 from .loader import ConfigError, from_dict, load_config, to_dict
 from .schema import (
+    TRUNCATION_REASONS,
     ActorConfig,
     AlgoConfig,
     BridgeConfig,
@@ -45,7 +46,7 @@ __all__ = [
     "ActorConfig", "AlgoConfig", "BridgeConfig", "BrowseConfig", "ConfigError", "DataConfig", "EvalConfig",
     "EvalSettings", "JinaConfig", "JudgeConfig", "MCPConfig", "MCPServerConfig", "ModelConfig", "RetrieverConfig",
     "RewardConfig", "RolloutConfig", "RubricConfig", "SerperConfig", "SFTConfig", "SFTDataConfig", "ToolsConfig",
-    "TrainConfig", "TrainerConfig",
+    "TrainConfig", "TrainerConfig", "TRUNCATION_REASONS",
     "auto_dtype", "from_dict", "load_config", "load_eval_config", "load_sft_config", "load_train_config",
     "resolve_auto_keys", "to_dict",
     "check_model_layout", "validate_eval_config", "validate_sft_config", "validate_train_config",

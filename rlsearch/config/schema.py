@@ -45,7 +45,8 @@ class ActorConfig:
     adam_beta2: float = 0.999  # Adam's second-moment decay
     clip_grad: float = 1.0  # global grad-norm clip; 0 disables
     # sequences are packed back to back into micro-batches of at most this many tokens (no padding); must hold
-    # the longest trajectory (rollout.max_prompt_tokens + rollout.max_response_tokens). Counted before a
+    # the longest segment (the context window: rollout.context_window, else rollout.max_prompt_tokens +
+    # rollout.max_response_tokens). Counted before a
     # context-parallel split: each of the cp ranks holds 1/cp of them
     max_tokens_per_microbatch: int = 4096
     # output-layer positions per chunk: logprobs, entropy and the loss are computed chunk by chunk and recomputed in
@@ -93,10 +94,25 @@ class AlgoConfig:
     # scorer sets it, else "em"; not the shaped reward, where a format bonus gives variance without signal). See
     # data.oversample; a step where every group is dropped takes no update
     filter_groups: bool = False
-    # keep | mask: with mask, trajectories cut by the length budget or rollout.max_turns (finish_reason length or
-    # max_turns) get loss mask 0, so a truncated answer is not punished for its length; they still count in their
-    # group's mean and std (their reward is a real outcome of the prompt)
+    # keep | mask: with mask, trajectories cut for one of algo.overlong_reasons get loss mask 0, so a truncated answer
+    # is not punished for its length; they still count in their group's mean and std (their reward is a real outcome
+    # of the prompt)
     overlong: str = "keep"
+    # the cuts algo.overlong=mask masks (rlsearch.rollout.TRUNCATION_REASONS): response_budget, turn_tokens,
+    # max_turns, context_window (the ones that end a trajectory); tool_output and prompt may be added
+    overlong_reasons: list[str] = field(
+        default_factory=lambda: ["response_budget", "turn_tokens", "max_turns", "context_window"]
+    )
+
+
+# why a trajectory was cut (Trajectory.truncations):
+# - response_budget: rollout.max_response_tokens (model and observation tokens over all segments) ran out;
+# - turn_tokens: a turn reached rollout.max_tokens_per_turn without a closing tag;
+# - max_turns: rollout.max_turns turns were taken without an answer;
+# - context_window: the next turn or observation does not fit rollout.context_window;
+# - tool_output: an observation was cut to rollout.max_observation_tokens (the trajectory goes on);
+# - prompt: the question was cut so that the prompt fits rollout.max_prompt_tokens (rollout.long_prompts=cut).
+TRUNCATION_REASONS = ("response_budget", "turn_tokens", "max_turns", "context_window", "tool_output", "prompt")
 
 
 @dataclass
@@ -126,6 +142,24 @@ class RolloutConfig:
     max_tool_calls: int = 0  # tool calls per trajectory; later calls get an error observation; 0: only max_turns
     max_calls_per_tool: dict[str, int] = field(default_factory=dict)  # tool -> calls per trajectory, e.g. {browse: 2}
     max_observation_tokens: int = 0  # longer tool output is cut (items and closing tags kept); 0: no cap
+    # a prompt longer than rollout.max_prompt_tokens: error (names the row) | cut (its question is cut to fit; counted
+    # as rollout/truncated/prompt)
+    long_prompts: str = "error"
+    # tokens one model call may see: the prompt and everything appended since (the engines' max_model_len). 0:
+    # rollout.max_prompt_tokens + rollout.max_response_tokens. A trajectory whose next turn or observation does not
+    # fit is cut (finish_reason context, rollout/truncated/context_window) unless rollout.context makes room
+    context_window: int = 0
+    # what happens when a trajectory's context reaches rollout.manage_context_at tokens:
+    # append: nothing, every turn and observation stays (the window cuts it when full);
+    # fold: the model is asked to summarise what it found between <summary> and </summary> (sampled and trained, at
+    #   most rollout.summary_tokens); the trajectory goes on from the prompt with that summary added to the question,
+    #   as a new segment trained with the trajectory's advantage;
+    # drop_observations: every tool output but the last rollout.keep_observations is replaced by a short placeholder
+    #   (a new segment; the cheap baseline)
+    context: str = "append"
+    manage_context_at: int = 0  # tokens; 0: 3/4 of the context window
+    summary_tokens: int = 256  # most tokens of a fold's summary
+    keep_observations: int = 1  # drop_observations: the latest tool outputs kept whole
     # text -> bias added to the logits of that text's tokens (alone and after a space); lets a random-init
     # model reach the tool path, e.g. {"</search>": 12.0}. Leave empty for a real model.
     logit_bias: dict[str, float] = field(default_factory=dict)
@@ -159,6 +193,16 @@ class RolloutConfig:
     # load, running requests recompute their KV cache and go on with the new policy: fresher samples, no wait);
     # false, the sync waits until they finish (every trajectory sampled by one policy version)
     update_weights_in_flight: bool = True
+
+    @property
+    def window(self) -> int:
+        """The context window in tokens: rollout.context_window, else prompt plus response budget."""
+        return self.context_window or self.max_prompt_tokens + self.max_response_tokens
+
+    @property
+    def manage_context_threshold(self) -> int:
+        """Context tokens past which rollout.context folds or drops observations."""
+        return self.manage_context_at or self.window * 3 // 4
 
 
 @dataclass

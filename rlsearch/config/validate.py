@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from .loader import ConfigError
-from .schema import ActorConfig, EvalConfig, RolloutConfig, SFTConfig, TrainConfig
+from .schema import TRUNCATION_REASONS, ActorConfig, EvalConfig, RolloutConfig, SFTConfig, TrainConfig
 
 _CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16"),
@@ -18,6 +18,8 @@ _CHOICES = {
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean"),
     "algo.overlong": ("keep", "mask"),
     "rollout.protocol": ("search_r1", "call_tool", "chat_tools"),
+    "rollout.context": ("append", "fold", "drop_observations"),
+    "rollout.long_prompts": ("error", "cut"),
     "tools.retriever.backend": ("bm25", "dense", "hybrid"),
     "trainer.placement": ("colocated", "split"),
     "bridge.transport": ("auto", "shm", "broadcast"),
@@ -52,12 +54,19 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
     _check_trained_distribution(config)
     if not config.data.train_files:
         raise ConfigError("'data.train_files' is empty: give at least one JSONL or parquet file")
-    longest = config.rollout.max_prompt_tokens + config.rollout.max_response_tokens
+    longest = config.rollout.window
     if config.actor.max_tokens_per_microbatch < longest:
+        where = ("rollout.context_window" if config.rollout.context_window
+                 else "rollout.max_prompt_tokens + rollout.max_response_tokens")
         raise ConfigError(
             f"'actor.max_tokens_per_microbatch' ({config.actor.max_tokens_per_microbatch}) must hold the longest "
-            f"trajectory: rollout.max_prompt_tokens + rollout.max_response_tokens = {longest}"
+            f"segment: {where} = {longest}"
         )
+    for index, reason in enumerate(config.algo.overlong_reasons):
+        if reason not in TRUNCATION_REASONS:
+            raise ConfigError(
+                f"'algo.overlong_reasons[{index}]' is {reason!r}; the reasons are {', '.join(TRUNCATION_REASONS)}"
+            )
     _check_actor(config.actor)
     if config.actor.virtual_pipeline_stages < 0 or config.actor.virtual_pipeline_stages == 1:
         raise ConfigError("'actor.virtual_pipeline_stages' must be 0 (off) or >= 2")
@@ -186,6 +195,33 @@ def _check_agent_loop(config: TrainConfig | EvalConfig) -> None:
         )
     if config.rollout.agent_loop not in ("per_sample", "turn_barrier"):
         raise ConfigError(f"'rollout.agent_loop' must be per_sample or turn_barrier; got {config.rollout.agent_loop!r}")
+    _check_context(config.rollout)
+
+
+def _check_context(rollout: RolloutConfig) -> None:
+    """The context window and what rollout.context does when it fills."""
+    for key in ("context_window", "manage_context_at", "keep_observations"):
+        if getattr(rollout, key) < 0:
+            raise ConfigError(f"'rollout.{key}' must be >= 0; got {getattr(rollout, key)}")
+    if rollout.summary_tokens < 1:
+        raise ConfigError(f"'rollout.summary_tokens' must be >= 1; got {rollout.summary_tokens}")
+    if rollout.window <= rollout.max_prompt_tokens:
+        raise ConfigError(
+            f"'rollout.context_window' ({rollout.window}) must be larger than rollout.max_prompt_tokens "
+            f"({rollout.max_prompt_tokens}): the first turn needs room"
+        )
+    threshold = rollout.manage_context_threshold
+    if rollout.context != "append" and not rollout.max_prompt_tokens < threshold < rollout.window:
+        raise ConfigError(
+            f"'rollout.manage_context_at' ({threshold}) must lie between rollout.max_prompt_tokens "
+            f"({rollout.max_prompt_tokens}) and the context window ({rollout.window}) for rollout.context="
+            f"{rollout.context}"
+        )
+    if rollout.context == "fold" and threshold + rollout.summary_tokens > rollout.window:
+        raise ConfigError(
+            f"rollout.context=fold: 'rollout.manage_context_at' ({threshold}) + rollout.summary_tokens "
+            f"({rollout.summary_tokens}) must fit the context window ({rollout.window}): the summary is written there"
+        )
 
 
 def validate_eval_config(config: EvalConfig) -> EvalConfig:

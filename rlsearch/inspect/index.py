@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 INDEX_FILE = "inspect.sqlite"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 INVALID_CALL_TOOL = "(invalid call)"  # the tool column of a turn that wrote no well-formed call
 TRAIN, EVAL = "train", "eval"
 REQUIRED_FIELDS = ("example_id", "group_id", "sample_index", "reward", "turns", "response_ids", "loss_mask")
@@ -55,7 +55,9 @@ CREATE TABLE trajectories (
     num_invalid_calls INTEGER NOT NULL,
     finish_reason TEXT NOT NULL,
     failed TEXT NOT NULL,            -- '' = fine
-    staleness INTEGER                -- NULL: not recorded (eval, older runs)
+    staleness INTEGER,               -- NULL: not recorded (eval, older runs)
+    num_segments INTEGER NOT NULL,   -- > 1: the context was folded or rewritten
+    truncations TEXT NOT NULL        -- every cut, comma-separated reasons in order ('' = none)
 );
 CREATE TABLE calls (                 -- a row per tool call, and per turn that failed without a call
     trajectory_id INTEGER NOT NULL,
@@ -74,7 +76,7 @@ CREATE INDEX calls_by_step ON calls (source, step);
 TRAJECTORY_COLUMNS = (
     "file", "line", "byte_offset", "source", "step", "example_id", "group_id", "sample_index", "question",
     "golden_answers", "reward", "em", "correct", "answer", "num_turns", "num_tool_calls", "num_invalid_calls",
-    "finish_reason", "failed", "staleness",
+    "finish_reason", "failed", "staleness", "num_segments", "truncations",
 )
 
 
@@ -281,7 +283,8 @@ def _index_rows(record: dict) -> _IndexedRecord:
         json.dumps(record.get("golden_answers", [])), float(record["reward"]), scores.get("em"), _is_correct(scores),
         answer_of(record), len(turns), sum(len(turn["tool_calls"]) for turn in turns),
         sum(turn["kind"] == "invalid_call" for turn in turns), record.get("finish_reason") or "",
-        record.get("failed") or "", record.get("staleness"),
+        record.get("failed") or "", record.get("staleness"), 1 + len(record.get("earlier_segments") or []),
+        ",".join(record.get("truncations") or []),
     )
     calls = []
     for turn_index, turn in enumerate(turns):

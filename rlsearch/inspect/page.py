@@ -216,12 +216,16 @@ def _facts(record: dict, tokens: list[Token]) -> str:
     versions = ", ".join(map(str, record.get("weight_versions", [])))
     rollout = (f'finish {record.get("finish_reason", "-")} · staleness {record.get("staleness", "-")} · '
                f'weight versions {versions} · engine {record.get("engine", "-")}')
+    folds = sum(turn["kind"] == "summary" for turn in record.get("turns", []))
+    context = (f'{1 + len(record.get("earlier_segments") or [])} segment(s), {folds} fold(s) · cuts: '
+               f'{", ".join(record.get("truncations") or []) or "none"}')
     facts = [
         ("question", record.get("question", "")),
         ("golden answers", "; ".join(map(str, record.get("golden_answers", [])))),
         ("answer", answer_of(record) or "-"),
         ("reward", f'{_number(record["reward"])} ({scores})'),
         ("rollout", rollout),
+        ("context", context),
         ("engine-actor gap", f"max {max(gaps):.2e} over {len(gaps)} sampled tokens" if gaps else
          "- (no actor logprobs: one update a step trains on-policy)"),
     ]

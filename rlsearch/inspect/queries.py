@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections import Counter
 from typing import NamedTuple
 
 from .index import EVAL, TRAIN
@@ -84,6 +85,14 @@ class StalenessCount(NamedTuple):
     staleness: int  # weight versions between the trained policy and the oldest turn's
     trajectories: int
     share: float  # of the step's trajectories that record staleness
+
+
+class TruncationCount(NamedTuple):
+    step: int
+    reason: str  # rlsearch.config.TRUNCATION_REASONS
+    cuts: int
+    trajectories: int  # cut for this reason at least once
+    share: float  # of the step's trajectories
 
 
 def _where(source: str, step: int | None, table: str = "trajectories") -> tuple[str, list]:
@@ -207,3 +216,21 @@ def staleness(db: sqlite3.Connection, source: str, step: int | None = None) -> l
         FROM trajectories WHERE {where} AND staleness IS NOT NULL
         GROUP BY step, staleness ORDER BY step, staleness""", parameters)
     return [StalenessCount(*row) for row in rows]
+
+
+def truncations(db: sqlite3.Connection, source: str, step: int | None = None) -> list[TruncationCount]:
+    """Per step and reason, the cuts (response budget, turn tokens, max turns, context window, tool output, prompt)
+    and the trajectories they cut."""
+    where, parameters = _where(source, step)
+    cuts: dict[int, Counter] = {}
+    cut_trajectories: dict[int, Counter] = {}
+    totals: Counter = Counter()
+    for at, reasons in db.execute(f"SELECT step, truncations FROM trajectories WHERE {where}", parameters):
+        totals[at] += 1
+        listed = [reason for reason in reasons.split(",") if reason]
+        cuts.setdefault(at, Counter()).update(listed)
+        cut_trajectories.setdefault(at, Counter()).update(set(listed))
+    return [
+        TruncationCount(at, reason, count, cut_trajectories[at][reason], cut_trajectories[at][reason] / totals[at])
+        for at in sorted(cuts) for reason, count in sorted(cuts[at].items())
+    ]

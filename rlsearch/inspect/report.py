@@ -31,6 +31,8 @@ QUERIES: dict[str, Query] = {
                          queries.format_only_rewards),
     "staleness": Query("Staleness per step (weight versions between the trained policy and the oldest turn's)",
                        queries.staleness),
+    "truncations": Query("Cuts per step by reason (response_budget, turn_tokens, max_turns, context_window, "
+                         "tool_output, prompt)", queries.truncations),
 }
 QUERY_NAMES = ("question", *QUERIES)
 
@@ -111,6 +113,7 @@ def summary_report(db: sqlite3.Connection, source: str, step: int | None = None)
         _section(f"Reward without a correct answer: {len(format_only)} of {total} trajectories "
                  "(--query format-only lists them)", table("format-only", format_only)),
         _section(QUERIES["staleness"].title, table("staleness", queries.staleness(db, source, step))),
+        _section(QUERIES["truncations"].title, table("truncations", queries.truncations(db, source, step))),
         f"One question across steps: --question ID_OR_TEXT (e.g. --question {examples[0]})\n",
     ]
     return "\n".join(sections)

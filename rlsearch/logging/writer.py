@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+
+import numpy as np
 
 _STEP_LINE_KEYS = (
     ("reward", "reward/mean", "{:.3f}"),
@@ -49,6 +51,11 @@ class RunLogger:
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(key, value, global_step=step)
         self.writer.flush()
+
+    def log_histogram(self, step: int, key: str, values: Sequence[float]) -> None:
+        """A TensorBoard histogram (nothing for no values)."""
+        if values:
+            self.writer.add_histogram(key, np.asarray(values, dtype=np.float64), global_step=step)
 
     def log_trajectories(self, step: int, records: Iterable[dict]) -> Path | None:
         if not self.write_trajectories:

@@ -9,6 +9,10 @@ Two schedules share every per-turn step (sampling parameters, recording, limits,
 ``per_sample`` runs each trajectory's turn loop as its own asyncio task, ``turn_barrier`` runs all active
 trajectories' turns together and then all of their tool calls. Per-request seeds make both give the same
 trajectories.
+
+Long horizons: a trajectory's context is kept within ``rollout.context_window`` by ``rollout.context`` (fold:
+the model summarises and goes on from prompt and summary; drop_observations: old tool outputs become a
+placeholder), each rewrite starting a new segment. Every cut is recorded by reason (``Trajectory.truncations``).
 """
 
 from __future__ import annotations
@@ -19,12 +23,12 @@ import itertools
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import RolloutConfig
 from ..tools import ErrorKind, ToolCall, ToolProtocol, ToolRegistry, ToolResult, TurnKind
 from .engine import chosen_logprobs
-from .observation import fit_observation
+from .observation import TRUNCATION_MARK, fit_observation
 from .trajectory import ToolCallRecord, Trajectory, Turn
 
 
@@ -38,7 +42,37 @@ class PromptItem:
     golden_answers: tuple[str, ...] = ()
 
 
-def request_seed(base_seed: int, step: int, group_id: int, sample_index: int, turn: int) -> int:
+FOLD_INSTRUCTION = (
+    "Your context is nearly full. Write down everything you have found that the question still needs between "
+    "<summary> and </summary>; you will go on from the question and this summary alone."
+)
+SUMMARY_OPEN, SUMMARY_CLOSE = "<summary>", "</summary>"
+FOLDED_QUESTION = "{question}\n\nWhat you found so far:\n{summary}"
+DROPPED_OBSERVATION = "(an earlier tool output, removed to save room)"
+
+
+@dataclass
+class _Generated:
+    """One engine request's result for a trajectory: the completion and what the request saw."""
+
+    completion: object  # vLLM's CompletionOutput
+    weight_versions: list[int]
+    context_tokens: int
+    cached_tokens: int
+    cache_ceiling: int
+
+
+@dataclass
+class _Context:
+    """What the loop keeps of a running trajectory besides the trajectory itself."""
+
+    question: str
+    observations: list[tuple[int, int]] = field(default_factory=list)  # tool outputs' spans in token_ids, undropped
+    prefilled: bool = True  # the context ends with rollout.assistant_prefix (a segment's start)
+    seen: list[int] = field(default_factory=list)  # the last request's context and sampled tokens
+
+
+def request_seed(base_seed: int, step: int, group_id: int, sample_index: int, turn: int | str) -> int:
     """A per-request sampling seed: a fixed seed gives the same trajectories regardless of batching."""
     key = f"{base_seed}/{step}/{group_id}/{sample_index}/{turn}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") & 0x7FFFFFFF
@@ -72,6 +106,7 @@ class AgentLoop:
         self.config = config
         self.seed = seed
         self.logit_bias = token_logit_bias(self.tokenizer, config.logit_bias)
+        self._contexts: dict[int, _Context] = {}  # id(trajectory) -> its context, while it runs
 
     def prompt_messages(self, question: str) -> list[dict]:
         """The conversation a trajectory starts from: the protocol's system prompt (if any) and instruction."""
@@ -81,19 +116,32 @@ class AgentLoop:
         return messages
 
     def prompt_ids(self, question: str) -> list[int]:
-        messages = self.prompt_messages(question)
+        return self._encode_prompt(question) + self._encode(self.config.assistant_prefix)
+
+    def folded_prompt_ids(self, question: str, summary: str) -> list[int]:
+        """The prompt a folded trajectory goes on from: the question with the summary of what was found."""
+        return self.prompt_ids(FOLDED_QUESTION.format(question=question, summary=summary))
+
+    def _encode_prompt(self, question: str) -> list[int]:
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **self.protocol.template_kwargs
+            self.prompt_messages(question), add_generation_prompt=True, tokenize=False, **self.protocol.template_kwargs
         )
-        return self.tokenizer.encode(text + self.config.assistant_prefix, add_special_tokens=False)
+        return self._encode(text)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def run(self, items: Sequence[PromptItem], step: int) -> list[Trajectory]:
         """Finished trajectories, in item order; scheduled by ``rollout.agent_loop``. Runs on the engine's loop."""
         trajectories = [self._new_trajectory(item) for item in items]
         schedule = self._run_per_sample if self.config.agent_loop == "per_sample" else self._run_turn_barrier
         # the tool clients block: their calls run in threads, at most one per trajectory at a time
-        with ThreadPoolExecutor(max_workers=max(1, len(trajectories)), thread_name_prefix="agent-tools") as pool:
-            await schedule(trajectories, step, pool)
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, len(trajectories)), thread_name_prefix="agent-tools") as pool:
+                await schedule(trajectories, step, pool)
+        finally:
+            for trajectory in trajectories:
+                self._contexts.pop(id(trajectory), None)
         return trajectories
 
     async def _run_per_sample(self, trajectories: list[Trajectory], step: int, pool: Executor) -> None:
@@ -101,8 +149,11 @@ class AgentLoop:
 
         async def run_one(trajectory: Trajectory) -> None:
             for turn_index in range(self.config.max_turns):
-                (completion,) = await self._generate([trajectory], step, turn_index)
-                turn = self._after_turn(trajectory, completion, turn_index)
+                await self._make_room([trajectory], step, turn_index)
+                if trajectory.finish_reason:
+                    return
+                (generated,) = await self._generate([trajectory], step, turn_index)
+                turn = self._after_turn(trajectory, generated, turn_index)
                 if trajectory.finish_reason:
                     return
                 await self._run_tool_calls(pool, [(trajectory, turn)] if turn else [])
@@ -121,48 +172,86 @@ class AgentLoop:
         """All active trajectories generate a turn together, then all of the turn's tool calls run (one batch)."""
         active = list(trajectories)
         for turn_index in range(self.config.max_turns):
+            await self._make_room(active, step, turn_index)
+            active = [t for t in active if not t.finish_reason]
             if not active:
                 break
-            completions = await self._generate(active, step, turn_index)
+            generated = await self._generate(active, step, turn_index)
             calling = []
-            for trajectory, completion in zip(active, completions):
-                if turn := self._after_turn(trajectory, completion, turn_index):
+            for trajectory, result in zip(active, generated):
+                if turn := self._after_turn(trajectory, result, turn_index):
                     calling.append((trajectory, turn))
             active = [t for t in active if not t.finish_reason]
             await self._run_tool_calls(pool, calling)
             active = [t for t in active if self._append_observation(t)]
 
     def _new_trajectory(self, item: PromptItem) -> Trajectory:
+        prompt, cut = self._fitted_prompt(item)
+        trajectory = Trajectory(item.example_id, item.group_id, item.sample_index, prompt,
+                                assistant_prefix=self.config.assistant_prefix)
+        if cut:
+            trajectory.truncations.append("prompt")
+        self._contexts[id(trajectory)] = _Context(item.question)
+        return trajectory
+
+    def _fitted_prompt(self, item: PromptItem) -> tuple[list[int], bool]:
+        """The item's prompt ids within rollout.max_prompt_tokens, and whether its question was cut to get there
+        (rollout.long_prompts=cut; error: a longer prompt is an error naming the row)."""
+        limit = self.config.max_prompt_tokens
         prompt = self.prompt_ids(item.question)
-        if len(prompt) > self.config.max_prompt_tokens:
+        if len(prompt) <= limit:
+            return prompt, False
+        if self.config.long_prompts == "error":
             raise ValueError(
                 f"prompt of example '{item.example_id}' has {len(prompt)} tokens, more than "
-                f"rollout.max_prompt_tokens={self.config.max_prompt_tokens}; raise it or shorten the question"
+                f"rollout.max_prompt_tokens={limit}; raise it, shorten the question or set rollout.long_prompts=cut"
             )
-        return Trajectory(item.example_id, item.group_id, item.sample_index, prompt,
-                          assistant_prefix=self.config.assistant_prefix)
-
-    async def _generate(self, trajectories: list[Trajectory], step: int, turn_index: int) -> list:
-        """The next turn of each trajectory (one engine call); the wait counts into each one's ``generate_s``."""
-        started, version_before = time.perf_counter(), self.engine.weight_version
-        outputs = await self.engine.generate(
-            [t.token_ids for t in trajectories], [self._sampling_params(t, step, turn_index) for t in trajectories]
+        question_ids = self._encode(item.question)
+        keep = len(question_ids) - (len(prompt) - limit)
+        while keep > 0:
+            # a cut inside a multi-byte character decodes to U+FFFD: drop that partial character
+            question = self.tokenizer.decode(question_ids[:keep]).rstrip("\ufffd") + TRUNCATION_MARK
+            prompt = self.prompt_ids(question)
+            if len(prompt) <= limit:
+                return prompt, True
+            keep -= len(prompt) - limit
+        raise ValueError(
+            f"example '{item.example_id}': the prompt template alone is longer than rollout.max_prompt_tokens={limit}"
         )
+
+    async def _generate(
+        self, trajectories: list[Trajectory], step: int, turn_index: int, summary: bool = False
+    ) -> list[_Generated]:
+        """The next turn (``summary``: a fold's summary) of each trajectory, one engine call; the wait counts into
+        each one's ``generate_s``."""
+        started, version_before = time.perf_counter(), self.engine.weight_version
+        contexts = [t.token_ids for t in trajectories]
+        params = [
+            self._summary_params(t, step, turn_index) if summary else self._sampling_params(t, step, turn_index)
+            for t in trajectories
+        ]
+        outputs = await self.engine.generate(contexts, params)
         waited = time.perf_counter() - started
         versions = sorted({version_before, self.engine.weight_version})
-        for trajectory in trajectories:
+        generated = []
+        for trajectory, context, output in zip(trajectories, contexts, outputs):
             trajectory.generate_s += waited
             trajectory.weight_versions = sorted(set(trajectory.weight_versions).union(versions))
-        return [output.outputs[0] for output in outputs]
+            completion = output.outputs[0]
+            state = self._contexts[id(trajectory)]
+            ceiling = _common_prefix_length(context, state.seen)
+            state.seen = context + list(completion.token_ids)
+            generated.append(_Generated(completion, versions, len(context), output.num_cached_tokens or 0, ceiling))
+        return generated
 
-    def _after_turn(self, trajectory: Trajectory, completion, turn_index: int) -> Turn | None:
+    def _after_turn(self, trajectory: Trajectory, generated: _Generated, turn_index: int) -> Turn | None:
         """Record a generated turn and decide what follows: returns the turn if any of its tool calls is to run;
         otherwise the trajectory is finished or the turn already holds its (error) observation."""
-        turn = self._record_turn(trajectory, completion, turn_index)
+        turn = self._record_turn(trajectory, generated)
         if trajectory.finish_reason:
             return None
         if turn_index == self.config.max_turns - 1:
-            trajectory.finish_reason = "max_turns"
+            self._cut(trajectory, "max_turns")
             return None
         if turn.kind != TurnKind.TOOL_CALL.value:
             turn.tool_outputs = [self.protocol.error_observation(turn.error or "invalid tool call")]
@@ -186,13 +275,29 @@ class AgentLoop:
             seed=seed, logit_bias=self.logit_bias or None, **options,
         )
 
+    def _turn_limit(self, trajectory: Trajectory) -> tuple[int, str]:
+        """The most tokens the next turn may take, and the limit that sets it (a truncation reason)."""
+        limits = {
+            "turn_tokens": self.config.max_tokens_per_turn,
+            "response_budget": self.config.max_response_tokens - trajectory.num_response_tokens,
+            "context_window": self.config.window - len(trajectory.prompt_ids) - len(trajectory.response_ids),
+        }
+        reason = min(limits, key=limits.__getitem__)
+        return limits[reason], reason
+
     def _sampling_params(self, trajectory: Trajectory, step: int, turn_index: int):
-        budget = self.config.max_response_tokens - len(trajectory.response_ids)
         return self.sampling_params(
-            max(1, min(self.config.max_tokens_per_turn, budget)),
+            max(1, self._turn_limit(trajectory)[0]),
             request_seed(self.seed, step, trajectory.group_id, trajectory.sample_index, turn_index),
             stop=list(self.protocol.stop_strings), stop_token_ids=list(self.protocol.stop_token_ids),
             include_stop_str_in_output=True,
+        )
+
+    def _summary_params(self, trajectory: Trajectory, step: int, turn_index: int):
+        return self.sampling_params(
+            max(1, min(self.config.summary_tokens, self._turn_limit(trajectory)[0])),
+            request_seed(self.seed, step, trajectory.group_id, trajectory.sample_index, f"fold-{turn_index}"),
+            stop=[SUMMARY_CLOSE], include_stop_str_in_output=True,
         )
 
     async def sample_probe(self, prompt_ids: list[int], num_tokens: int, seed: int) -> tuple[list[int], list[float]]:
@@ -203,27 +308,47 @@ class AgentLoop:
         token_ids = list(completion.token_ids)
         return token_ids, chosen_logprobs(token_ids, completion.logprobs)
 
-    def _record_turn(self, trajectory: Trajectory, completion, turn_index: int) -> Turn:
+    def _append_turn(self, trajectory: Trajectory, generated: _Generated, kind: str) -> Turn:
+        """The generated tokens appended (loss mask 1), and a turn of ``kind`` recording them."""
+        completion = generated.completion
         token_ids = list(completion.token_ids)
-        logprobs = chosen_logprobs(token_ids, completion.logprobs)
-        trajectory.append_model_tokens(token_ids, logprobs)
-        # a prefilled opening tag belongs to the first turn's call even though it sits in the prompt
-        text = (trajectory.assistant_prefix if turn_index == 0 else "") + completion.text
+        trajectory.append_model_tokens(token_ids, chosen_logprobs(token_ids, completion.logprobs))
+        turn = Turn(text=completion.text, num_tokens=len(token_ids), kind=kind,
+                    weight_versions=generated.weight_versions, context_tokens=generated.context_tokens,
+                    cached_tokens=generated.cached_tokens, cache_ceiling=generated.cache_ceiling)
+        trajectory.turns.append(turn)
+        return turn
+
+    def _record_turn(self, trajectory: Trajectory, generated: _Generated) -> Turn:
+        completion = generated.completion
+        _, binding_limit = self._turn_limit(trajectory)
+        state = self._contexts[id(trajectory)]
+        # a prefilled opening tag belongs to the call of a segment's first turn even though it sits in the prompt
+        text = (trajectory.assistant_prefix if state.prefilled else "") + completion.text
+        state.prefilled = False
         action = self.protocol.parse_completion(text, completion.finish_reason, completion.stop_reason)
-        turn = Turn(text=completion.text, num_tokens=len(token_ids), kind=action.kind.value, error=action.error,
-                    error_kind=action.error_kind.value if action.error_kind else None)
+        turn = self._append_turn(trajectory, generated, action.kind.value)
+        turn.error, turn.error_kind = action.error, action.error_kind.value if action.error_kind else None
         turn.tool_calls = [
             ToolCallRecord(name=call.name, query=call.query, ok=True, attrs=dict(call.attrs), arguments=call.arguments)
             for call in action.calls
         ]
-        trajectory.turns.append(turn)
         if action.kind == TurnKind.ANSWER:
             trajectory.finish_reason = "answer"
+        elif action.kind == TurnKind.NONE and completion.finish_reason == "stop":
+            trajectory.finish_reason = "eos"
         elif action.kind == TurnKind.NONE:
-            trajectory.finish_reason = "eos" if completion.finish_reason == "stop" else "length"
-        elif len(trajectory.response_ids) >= self.config.max_response_tokens:
-            trajectory.finish_reason = "length"
+            self._cut(trajectory, binding_limit)
+        elif trajectory.num_response_tokens >= self.config.max_response_tokens:
+            self._cut(trajectory, "response_budget")
+        elif len(trajectory.token_ids) >= self.config.window:
+            self._cut(trajectory, "context_window")
         return turn
+
+    def _cut(self, trajectory: Trajectory, reason: str) -> None:
+        """End the trajectory for one of the limits (a truncation reason)."""
+        trajectory.truncations.append(reason)
+        trajectory.finish_reason = {"max_turns": "max_turns", "context_window": "context"}.get(reason, "length")
 
     def _over_limit(self, trajectory: Trajectory, record: ToolCallRecord) -> str | None:
         """Why this call may not run, or None. The calls before it (in earlier turns and earlier in its own) count,
@@ -254,42 +379,132 @@ class AgentLoop:
         if not calling:
             return
         pending = [
-            (turn, index) for _, turn in calling for index, record in enumerate(turn.tool_calls)
+            (trajectory, turn, index) for trajectory, turn in calling for index, record in enumerate(turn.tool_calls)
             if record.error_kind is None
         ]
-        records = [turn.tool_calls[index] for turn, index in pending]
+        records = [turn.tool_calls[index] for _, turn, index in pending]
         calls = [ToolCall(record.name, record.query, record.attrs, record.arguments) for record in records]
         started = time.perf_counter()
         results = await asyncio.get_running_loop().run_in_executor(pool, self.tools.run, calls)
         waited = time.perf_counter() - started
-        for (turn, index), result in zip(pending, results):
-            self._record_result(turn, index, result)
+        for (trajectory, turn, index), result in zip(pending, results):
+            if self._record_result(turn, index, result):
+                trajectory.truncations.append("tool_output")
         for trajectory, turn in calling:
             trajectory.tool_s += waited
             self._set_observation(trajectory, turn)
 
-    def _record_result(self, turn: Turn, index: int, result: ToolResult) -> None:
+    def _record_result(self, turn: Turn, index: int, result: ToolResult) -> bool:
+        """The call's output (or error) on its turn; True when the output was cut to rollout.max_observation_tokens."""
         record = turn.tool_calls[index]
         record.latency_s = result.latency_s
         record.cached = result.cached
         if result.ok:
-            turn.tool_outputs[index] = fit_observation(
-                self.protocol, result.documents, self.config.max_observation_tokens, self.tokenizer
-            )
-            return
+            shown = fit_observation(self.protocol, result.documents, self.config.max_observation_tokens, self.tokenizer)
+            turn.tool_outputs[index] = shown
+            return shown != self.protocol.observation(result.documents)
         unknown = result.error_kind == ErrorKind.UNKNOWN_TOOL
         shown = result.error if unknown else f"{record.name} failed: {result.error}"
         self._fail(turn, index, result.error_kind, result.error, shown)
+        return False
 
     def _set_observation(self, trajectory: Trajectory, turn: Turn) -> None:
         """The turn's observation from its outputs; its sampled tokens are the trajectory's last ones."""
         turn.observation = self.protocol.turn_observation(turn.tool_outputs, trajectory.response_ids[-1])
 
     def _append_observation(self, trajectory: Trajectory) -> bool:
-        """Append the last turn's observation; False (finished for length) when it does not fit."""
-        observation_ids = self.tokenizer.encode(trajectory.turns[-1].observation, add_special_tokens=False)
-        if len(trajectory.response_ids) + len(observation_ids) >= self.config.max_response_tokens:
-            trajectory.finish_reason = "length"
+        """Append the last turn's observation; False (the trajectory is cut) when it does not fit the response budget
+        or the context window with a token to spare."""
+        observation_ids = self._encode(trajectory.turns[-1].observation)
+        if trajectory.num_response_tokens + len(observation_ids) >= self.config.max_response_tokens:
+            self._cut(trajectory, "response_budget")
             return False
+        if len(trajectory.token_ids) + len(observation_ids) >= self.config.window:
+            self._cut(trajectory, "context_window")
+            return False
+        start = len(trajectory.token_ids)
         trajectory.append_observation_tokens(observation_ids)
+        self._contexts[id(trajectory)].observations.append((start, start + len(observation_ids)))
         return True
+
+    async def _make_room(self, trajectories: list[Trajectory], step: int, turn_index: int) -> None:
+        """rollout.context: fold or drop the observations of the trajectories whose context reached
+        rollout.manage_context_at tokens (at most once per turn: a fresh segment is never folded again at once)."""
+        if self.config.context == "append":
+            return
+        full = [
+            t for t in trajectories
+            if t.response_ids and len(t.token_ids) >= self.config.manage_context_threshold
+        ]
+        if not full:
+            return
+        if self.config.context == "drop_observations":
+            for trajectory in full:
+                self._drop_observations(trajectory)
+            return
+        await self._fold(full, step, turn_index)
+
+    async def _fold(self, trajectories: list[Trajectory], step: int, turn_index: int) -> None:
+        """Each trajectory is asked to summarise (an observation), writes the summary (sampled, trained) and goes on
+        from the prompt with the summary as a new segment."""
+        asking = []
+        for trajectory in trajectories:
+            notice = self._encode(self.protocol.turn_observation(
+                [self.protocol.wrap(FOLD_INSTRUCTION)], trajectory.response_ids[-1]
+            ))
+            if len(trajectory.token_ids) + len(notice) >= self.config.window:
+                self._cut(trajectory, "context_window")
+                continue
+            trajectory.append_observation_tokens(notice)
+            asking.append(trajectory)
+        if not asking:
+            return
+        for trajectory, generated in zip(asking, await self._generate(asking, step, turn_index, summary=True)):
+            turn = self._append_turn(trajectory, generated, "summary")
+            summary = summary_text(turn.text)
+            state = self._contexts[id(trajectory)]
+            trajectory.start_segment(self.folded_prompt_ids(state.question, summary))
+            state.observations, state.prefilled = [], True
+
+    def _drop_observations(self, trajectory: Trajectory) -> None:
+        """Every tool output of the context but the last rollout.keep_observations becomes a placeholder; the
+        trajectory goes on from the shortened context as a new segment. Nothing happens when none is left to drop."""
+        state = self._contexts[id(trajectory)]
+        keep = self.config.keep_observations
+        dropped = state.observations[: len(state.observations) - keep] if keep else state.observations
+        if not dropped:
+            return
+        token_ids, context, kept, cursor = trajectory.token_ids, [], [], 0
+        for start, end in state.observations:
+            context.extend(token_ids[cursor:start])
+            if (start, end) in dropped:
+                context.extend(self._encode(self.protocol.turn_observation(
+                    [self.protocol.wrap(DROPPED_OBSERVATION)], token_ids[start - 1]
+                )))
+            else:
+                kept.append((len(context), len(context) + end - start))
+                context.extend(token_ids[start:end])
+            cursor = end
+        context.extend(token_ids[cursor:])
+        trajectory.start_segment(context)
+        state.observations = kept
+
+
+def summary_text(text: str) -> str:
+    """What a fold's summary turn says: the text of its last <summary> block (all of it without the tags)."""
+    body = text.split(SUMMARY_CLOSE, 1)[0]
+    return body.rsplit(SUMMARY_OPEN, 1)[-1].strip()
+
+
+def _common_prefix_length(first: list[int], second: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (slices compare in C: a binary search on them)."""
+    low, high = 0, min(len(first), len(second))
+    if first[:high] == second[:high]:
+        return high
+    while low < high:  # invariant: first[:low] == second[:low], first[:high + 1] != second[:high + 1]
+        middle = (low + high + 1) // 2
+        if first[:middle] == second[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low

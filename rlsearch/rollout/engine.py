@@ -39,7 +39,7 @@ class EngineSpec:
     def from_config(cls, model: ModelConfig, rollout: RolloutConfig, seed: int) -> EngineSpec:
         return cls(
             model_path=model.path, dtype=model.dtype, seed=seed,
-            max_model_len=rollout.max_prompt_tokens + rollout.max_response_tokens, kv_cache_gib=rollout.kv_cache_gib,
+            max_model_len=rollout.window, kv_cache_gib=rollout.kv_cache_gib,
             gpu_memory_utilization=rollout.gpu_memory_utilization, enforce_eager=rollout.enforce_eager,
             tensor_parallel_size=rollout.tensor_parallel_size, cpu_threads_bind=rollout.cpu_threads_bind,
         )

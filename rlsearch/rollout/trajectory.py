@@ -32,6 +32,12 @@ class Turn:
     # what went wrong with this turn, if anything (tools.ErrorKind): unparseable | empty_query for an invalid call;
     # else the first failed call's unknown_tool | over_limit | timeout | tool_error (each call's is on its record)
     error_kind: str | None = None
+    # the engine's weight versions while it generated this turn (two: an update landed in the middle of it)
+    weight_versions: list[int] = field(default_factory=list)
+    context_tokens: int = 0  # tokens of the context it was generated from (the request's prompt)
+    cached_tokens: int = 0  # of those, how many the engine's prefix cache held (vLLM's num_cached_tokens)
+    # of those, how many this trajectory had already sent to or received from the engine: the most the cache can hold
+    cache_ceiling: int = 0
 
 
 @dataclass
@@ -56,7 +62,11 @@ class Trajectory:
     loss_mask: list[int] = field(default_factory=list)  # 1 exactly on tokens the policy sampled
     rollout_logprobs: list[float] = field(default_factory=list)  # engine logprob per token (0.0 on masked)
     turns: list[Turn] = field(default_factory=list)
-    finish_reason: str = ""  # answer | eos | length | max_turns
+    finish_reason: str = ""  # answer | eos | length | max_turns | context (truncations says which cut)
+    # every cut, one entry per event, in order (rlsearch.config.TRUNCATION_REASONS): a cut that ends the trajectory
+    # is the last entry; tool output cut to rollout.max_observation_tokens and a prompt cut to fit
+    # rollout.max_prompt_tokens can occur along the way
+    truncations: list[str] = field(default_factory=list)
     reward: float = 0.0
     scores: dict[str, float] = field(default_factory=dict)
     generate_s: float = 0.0  # seconds this trajectory waited on the engine, summed over its turns
@@ -88,6 +98,19 @@ class Trajectory:
         """Every segment, the last one (this trajectory's own fields) included."""
         last = Segment(self.prompt_ids, self.response_ids, self.loss_mask, self.rollout_logprobs)
         return [*self.earlier_segments, last]
+
+    @property
+    def num_response_tokens(self) -> int:
+        """Response tokens (model and observation) over every segment: what rollout.max_response_tokens bounds."""
+        return sum(len(segment.response_ids) for segment in self.earlier_segments) + len(self.response_ids)
+
+    def start_segment(self, prompt_ids: list[int]) -> None:
+        """Close the current segment (it is trained as it stands) and continue from ``prompt_ids``: a rewritten
+        context (rollout.context)."""
+        self.earlier_segments.append(
+            Segment(self.prompt_ids, self.response_ids, self.loss_mask, self.rollout_logprobs)
+        )
+        self.prompt_ids, self.response_ids, self.loss_mask, self.rollout_logprobs = list(prompt_ids), [], [], []
 
     @property
     def token_ids(self) -> list[int]:

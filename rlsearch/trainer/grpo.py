@@ -24,7 +24,7 @@ from ..ray_setup import actor_states, cluster_has_gpus, init_ray
 from ..reward import check_scorers, score_trajectories
 from ..rollout import EnginePool, EngineSpec, NoEngineLeftError, PromptItem, Trajectory
 from ..weights import WeightSync, WeightSyncError, check_engines_match_actor, default_mismatch_limit
-from .metrics import trajectory_metrics
+from .metrics import staleness_metrics, token_staleness, trajectory_metrics
 from .placement import check_retriever_reachable, describe_placement, plan_placement
 from .sampler import EpochSampler, SamplerState
 from .samples import StepBatch, actor_logprobs_of, overlong_masked, select_groups, train_samples
@@ -388,8 +388,10 @@ class GRPOTrainer:
         sync_metrics = self._sync_weights(changed, timings)
 
         # 7. log
+        staleness_per_token = token_staleness(trajectories, trained_version)
         metrics = {
             **trajectory_metrics(trajectories),
+            **staleness_metrics(staleness_per_token),
             **reward_stats,
             **batch.metrics(),
             "rollout/overlong_masked": float(overlong_masked(batch.trajectories, config.algo)),
@@ -400,6 +402,7 @@ class GRPOTrainer:
             "time/step_s": time.perf_counter() - started,
         }
         self.logger.log_metrics(self.step, metrics)
+        self.logger.log_histogram(self.step, "rollout/token_staleness", staleness_per_token)
         actor_logprobs = actor_logprobs_of(batch.trajectories, samples)
         self.logger.log_trajectories(self.step, [
             self._trajectory_record(t, rollout, actor_logprobs.get(id(t)), trained_version) for t in trajectories

@@ -6,6 +6,7 @@ import statistics
 from collections import Counter
 from collections.abc import Sequence
 
+from ..config import TRUNCATION_REASONS
 from ..rollout import Trajectory
 from ..tools import ErrorKind
 
@@ -40,8 +41,18 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "rollout/failed_trajectories": float(sum(bool(t.failed) for t in trajectories)),
         "rollout/segments_mean": _mean([len(t.segments) for t in trajectories]),
     }
-    for reason in ("answer", "eos", "length", "max_turns"):
+    for reason in ("answer", "eos", "length", "max_turns", "context"):
         metrics[f"rollout/finish_{reason}"] = _mean([t.finish_reason == reason for t in trajectories])
+    # every cut over the step, by reason (rlsearch.config.TRUNCATION_REASONS)
+    cuts = Counter(reason for t in trajectories for reason in t.truncations)
+    for reason in TRUNCATION_REASONS:
+        metrics[f"rollout/truncated/{reason}"] = float(cuts[reason])
+    # of the context tokens a trajectory had already sent to or received from its engine, the share the engine's
+    # prefix cache still held when the next turn was requested (1.0: nothing computed twice but the block remainder)
+    turns = [turn for t in trajectories for turn in t.turns if turn.cache_ceiling]
+    if turns:
+        hits = sum(min(turn.cached_tokens, turn.cache_ceiling) for turn in turns)
+        metrics["rollout/prefix_cache_hit_rate"] = hits / sum(turn.cache_ceiling for turn in turns)
     # totals over the step: calls that reached each tool, and error observations of each kind
     per_tool = Counter(call.name for t in trajectories for call in t.dispatched_calls)
     for name, count in sorted(per_tool.items()):
@@ -53,3 +64,26 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     for kind in ErrorKind:
         metrics[f"rollout/errors/{kind.value}"] = float(per_kind[kind.value])
     return metrics
+
+
+def token_staleness(trajectories: Sequence[Trajectory], trained_version: int) -> list[int]:
+    """Per sampled token of a turn, how many weight updates the policy being trained is ahead of the version that
+    sampled it (a turn an update landed on counts with its older version)."""
+    return [
+        trained_version - min(turn.weight_versions)
+        for t in trajectories for turn in t.turns if turn.weight_versions
+        for _ in range(turn.num_tokens)
+    ]
+
+
+def staleness_metrics(staleness: Sequence[int]) -> dict[str, float]:
+    """Token staleness summarised: mean, max and the share of tokens 0, 1, 2 and 3 or more updates old."""
+    if not staleness:
+        return {}
+    counts = Counter(min(value, 3) for value in staleness)
+    return {
+        "rollout/token_staleness_mean": _mean(staleness),
+        "rollout/token_staleness_max": float(max(staleness)),
+        **{f"rollout/token_staleness/{label}": counts[value] / len(staleness)
+           for value, label in ((0, "0"), (1, "1"), (2, "2"), (3, "3+"))},
+    }

@@ -12,8 +12,6 @@ from ..algo import groups_with_signal, grpo_advantages, loss_token_weights, mini
 from ..config import AlgoConfig
 from ..rollout import Trajectory
 
-OVERLONG_FINISH = ("length", "max_turns")  # cut by rollout.max_response_tokens or rollout.max_turns
-
 
 def outcome(trajectory: Trajectory) -> float:
     """The correctness score: scores["correct"] when the scorer sets one (an LLM judge), else exact match."""
@@ -21,8 +19,9 @@ def outcome(trajectory: Trajectory) -> float:
     return scores.get("correct", scores["em"])
 
 
-def is_overlong(trajectory: Trajectory) -> bool:
-    return trajectory.finish_reason in OVERLONG_FINISH
+def is_overlong(trajectory: Trajectory, algo: AlgoConfig) -> bool:
+    """Cut for one of algo.overlong_reasons."""
+    return any(reason in algo.overlong_reasons for reason in trajectory.truncations)
 
 
 @dataclass
@@ -74,7 +73,7 @@ def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[Trai
     algo.mask_observations false). Trajectories a user agent failed are left out (also of their group's statistics);
     each segment of a trajectory is a sample with the trajectory's advantage, in the trajectory's prefix group (the
     actor trains a group's shared prefixes once, actor.merge_prefixes). With algo.overlong=mask a trajectory cut
-    by a length or turn limit keeps its place in its group's statistics but trains no token.
+    for one of algo.overlong_reasons keeps its place in its group's statistics but trains no token.
     """
     import torch
 
@@ -89,7 +88,7 @@ def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[Trai
                 for segment in t.segments]
     masks = []
     for trajectory, segment, _, _ in segments:
-        if algo.overlong == "mask" and is_overlong(trajectory):
+        if algo.overlong == "mask" and is_overlong(trajectory, algo):
             masks.append([0] * len(segment.loss_mask))
         elif algo.mask_observations:
             masks.append(segment.loss_mask)
@@ -120,7 +119,7 @@ def actor_logprobs_of(trajectories: list[Trajectory], samples: list[TrainSample]
 
 def overlong_masked(trajectories: list[Trajectory], algo: AlgoConfig) -> int:
     """Trajectories that train no token because of algo.overlong=mask."""
-    return sum(is_overlong(t) for t in trajectories if not t.failed) if algo.overlong == "mask" else 0
+    return sum(is_overlong(t, algo) for t in trajectories if not t.failed) if algo.overlong == "mask" else 0
 
 
 def minibatches(samples: list[TrainSample], algo: AlgoConfig) -> list[list[TrainSample]]:

@@ -30,6 +30,7 @@ from rlsearch.inspect import (
     question_history,
     staleness,
     tool_errors,
+    truncations,
     uniform_groups,
     uniform_groups_per_step,
     update_index,
@@ -155,6 +156,15 @@ def expected_staleness(records):
     return rows
 
 
+def expected_truncations(records):
+    rows = []
+    for step, rs in by_step(records).items():
+        cuts = Counter(reason for r in rs for reason in r["truncations"])
+        cut = Counter(reason for r in rs for reason in set(r["truncations"]))
+        rows += [(step, reason, count, cut[reason], cut[reason] / len(rs)) for reason, count in sorted(cuts.items())]
+    return rows
+
+
 def assert_rows(actual, expected):
     assert len(actual) == len(expected), (actual, expected)
     for got, want in zip(actual, expected):
@@ -177,6 +187,7 @@ def assert_queries_match(run: Path, records: list[dict]) -> None:
         assert_rows(format_only_rewards(db, "train"),
                     trajectory_rows(records, lambda r: r["reward"] > 0 and not correct(r) and not r["failed"]))
         assert_rows(staleness(db, "train"), expected_staleness(records))
+        assert_rows(truncations(db, "train"), expected_truncations(records))
         for step in {r["file_step"] for r in records}:  # --step narrows each query to one step's rows
             assert_rows(overview(db, "train", step), [row for row in expected_overview(records) if row[0] == step])
             assert_rows(staleness(db, "train", step), [row for row in expected_staleness(records) if row[0] == step])
@@ -201,6 +212,9 @@ def test_real_run_has_what_inspect_shows(real_run):
     assert {r["staleness"] for r in records if r["file_step"] == 2} == {1}  # async: one version behind
     assert all(len(r["actor_logprobs"]) == len(r["response_ids"]) for r in records)  # two updates a step
     assert any(turn["tool_calls"] for r in records for turn in r["turns"])
+    # the random model is cut, by the turn or the response budget: the truncations query has rows to check
+    assert any(r["truncations"] for r in records)
+    assert all(r["truncations"][-1:] == ["max_turns"] for r in records if r["finish_reason"] == "max_turns")
 
 
 def test_every_query_equals_the_figures_of_the_jsonl(real_run):

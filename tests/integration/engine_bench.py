@@ -23,7 +23,7 @@ class Bench:
         self.events = LoopThread("test-engine")
 
         async def start() -> VLLMEngine:
-            return VLLMEngine(EngineSpec(str(model_dir), max_model_len=768))
+            return VLLMEngine(EngineSpec(str(model_dir), max_model_len=4096))  # test_long_horizon: a 4k window
 
         self.engine = self.events.run(start())
         self.tools = build_registry(ToolsConfig(), RetrieverConfig(topk=2, timeout_s=300.0, max_retries=0),

@@ -145,7 +145,7 @@ class ScriptedEngine:
             text=text, token_ids=token_ids, logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in token_ids],
             finish_reason="stop" if stop else "length", stop_reason=stop,
         )
-        return SimpleNamespace(outputs=[completion])
+        return SimpleNamespace(outputs=[completion], num_cached_tokens=0)
 
 
 def test_call_tool_limits_and_errors_become_observations_counted_per_kind(mcp_server, tiny_model_dir, toy_data):

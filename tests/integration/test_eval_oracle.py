@@ -63,7 +63,7 @@ class OracleEngine:
         (stop,) = [s for s in stop_strings if completion.endswith(s)]
         output = SimpleNamespace(token_ids=ids, logprobs=[{token: SimpleNamespace(logprob=0.0)} for token in ids],
                                  text=completion, finish_reason="stop", stop_reason=stop)
-        return SimpleNamespace(outputs=[output])
+        return SimpleNamespace(outputs=[output], num_cached_tokens=0)
 
 
 @pytest.fixture(scope="module")

@@ -325,7 +325,7 @@ class ScriptedChatEngine:
             text=text, token_ids=token_ids, logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in token_ids],
             finish_reason="stop" if ended else "length", stop_reason=None,
         )
-        return SimpleNamespace(outputs=[completion])
+        return SimpleNamespace(outputs=[completion], num_cached_tokens=0)
 
 
 class BatchCountingRegistry(ToolRegistry):

@@ -73,12 +73,14 @@ def test_old_logprobs_of_several_updates_reach_the_steps_samples_and_their_minib
     policy_update(_RecordingActor(), single, AlgoConfig())
     assert single[0].old_logprobs is None  # one update: on-policy, nothing computed
 
-def _trajectory(group_id: int, em: float, reward: float, finish: str = "answer", **scores: float) -> Trajectory:
+def _trajectory(
+    group_id: int, em: float, reward: float, finish: str = "answer", truncations: tuple[str, ...] = (), **scores: float
+) -> Trajectory:
     trajectory = Trajectory(example_id=f"q{group_id}", group_id=group_id, sample_index=0, prompt_ids=[1, 2])
     trajectory.append_model_tokens([10, 11], [-0.5, -0.25])
     trajectory.append_observation_tokens([20])
     trajectory.append_model_tokens([12], [-1.0])
-    trajectory.reward, trajectory.finish_reason = reward, finish
+    trajectory.reward, trajectory.finish_reason, trajectory.truncations = reward, finish, list(truncations)
     trajectory.scores = {"em": em, **scores}
     return trajectory
 
@@ -142,8 +144,10 @@ def test_failed_trajectories_are_left_out_before_filtering():
 
 
 def test_overlong_mask_trains_no_token_but_stays_in_the_group_statistics():
-    trajectories = [_trajectory(0, 1.0, 1.0), _trajectory(0, 0.0, 0.0, finish="length"),
-                    _trajectory(0, 0.0, 0.0, finish="max_turns"), _trajectory(0, 0.0, 0.0, finish="eos")]
+    trajectories = [_trajectory(0, 1.0, 1.0, truncations=("tool_output",)),
+                    _trajectory(0, 0.0, 0.0, finish="length", truncations=("response_budget",)),
+                    _trajectory(0, 0.0, 0.0, finish="max_turns", truncations=("prompt", "max_turns")),
+                    _trajectory(0, 0.0, 0.0, finish="eos")]
     masked = train_samples(trajectories, AlgoConfig(overlong="mask"))
     assert [s.loss_mask for s in masked] == [[1, 1, 0, 1], [0] * 4, [0] * 4, [1, 1, 0, 1]]
     assert masked[1].token_weights == [0.0] * 4
@@ -155,6 +159,10 @@ def test_overlong_mask_trains_no_token_but_stays_in_the_group_statistics():
     assert [s.loss_mask for s in kept] == [[1, 1, 0, 1]] * 4
     assert [s.advantage for s in kept] == [s.advantage for s in masked]
     assert overlong_masked(trajectories, AlgoConfig()) == 0
+    # a cut tool output masks too once it is one of algo.overlong_reasons
+    every_cut = AlgoConfig(overlong="mask", overlong_reasons=["response_budget", "max_turns", "tool_output"])
+    assert [s.loss_mask for s in train_samples(trajectories, every_cut)] == [[0] * 4] * 3 + [[1, 1, 0, 1]]
+    assert overlong_masked(trajectories, every_cut) == 3
 
 
 def _micro_batch(**tensors) -> SimpleNamespace:

@@ -127,6 +127,7 @@ def to_trajectory(session: AgentSession, item: PromptItem, outcome: tuple[object
         trajectory.agent_reward = float(returned)
     if session.over_budget or (session.calls and session.calls[-1].finish_reason == "length"):
         trajectory.finish_reason = "length"
+        trajectory.truncations.append("response_budget")
     elif trajectory.agent_answer is not None or trajectory.agent_reward is not None:
         trajectory.finish_reason = "answer"
     else:
