@@ -144,20 +144,60 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _make_toy_data(args: argparse.Namespace) -> int:
-    from .data import make_toy_data
+    from .data import make_multihop_data, make_toy_data
     from .data.demos import write_toy_demonstrations
+    from .data.multihop import parse_hops
 
-    toy_options = dict(num_entities=args.num_entities, test_fraction=args.test_fraction,
-                       distractors_per_entity=args.distractors_per_entity, learnable=args.learnable,
+    wrong_task = _options_of_other_task(args)
+    if wrong_task:
+        print(f"rlsearch make-toy-data: {wrong_task}", file=sys.stderr)
+        return 2
+    if args.task == "multihop":
+        try:
+            hops = parse_hops(args.hops or "2,3,4")
+        except ValueError as err:
+            print(f"rlsearch make-toy-data: --hops: {err}", file=sys.stderr)
+            return 2
+        make_data = make_multihop_data
+        options = dict(hops=hops, num_chains=args.num_chains or 300, test_fraction=args.test_fraction,
+                       distractors_per_entity=_or_default(args.distractors_per_entity, 1),
+                       passage_words=args.passage_words or 0, learnable=args.learnable)
+    else:
+        make_data = make_toy_data
+        options = dict(num_entities=_or_default(args.num_entities, 200), test_fraction=args.test_fraction,
+                       distractors_per_entity=_or_default(args.distractors_per_entity, 2), learnable=args.learnable,
                        name_pool=args.name_pool, answer_pool=args.answer_pool)
-    paths = make_toy_data(args.out, seed=args.seed, **toy_options)
+    try:
+        paths = make_data(args.out, seed=args.seed, **options)
+    except ValueError as err:  # an option out of range, or more names than the learnable words hold
+        print(f"rlsearch make-toy-data: {err}", file=sys.stderr)
+        return 2
     demos = write_toy_demonstrations(
         paths, paths.corpus.parent / "sft.jsonl", topk=args.demo_topk, flawed_fraction=args.flawed_fraction,
-        seed=args.seed, extra_corpora=args.demo_corpora, prompt_file=args.prompt_file or None, **toy_options,
+        seed=args.seed, extra_corpora=args.demo_corpora, prompt_file=args.prompt_file or None,
+        protocol_name=args.protocol, make_data=make_data, **options,
     )
-    print(f"toy corpus: {paths.corpus}\ntrain: {paths.train}\ntest: {paths.test}\n"
+    print(f"{args.task} corpus: {paths.corpus}\ntrain: {paths.train}\ntest: {paths.test}\n"
           f"demonstrations: {demos.path} ({demos.rows} rows, {demos.flawed} flawed)")
     return 0
+
+
+# make-toy-data options that belong to one task only (None / 0: not given)
+_TOY_ONLY_OPTIONS = (("num_entities", "--num-entities"), ("name_pool", "--name-pool"), ("answer_pool", "--answer-pool"))
+_MULTIHOP_ONLY_OPTIONS = (("hops", "--hops"), ("num_chains", "--num-chains"), ("passage_words", "--passage-words"))
+
+
+def _options_of_other_task(args: argparse.Namespace) -> str:
+    """What is wrong when an option of the other task is given, else an empty string."""
+    other_task, other = ("multihop", _MULTIHOP_ONLY_OPTIONS) if args.task == "toy" else ("toy", _TOY_ONLY_OPTIONS)
+    given = [flag for name, flag in other if getattr(args, name) not in (None, 0)]
+    if not given:
+        return ""
+    return f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --task {other_task} only"
+
+
+def _or_default(value, default):
+    return default if value is None else value
 
 
 def _serve_retriever(args: argparse.Namespace) -> int:
@@ -187,6 +227,14 @@ examples:
   rlsearch convert mcore-to-hf --ckpt outputs/run/checkpoints/step_000010 --out outputs/run/hf_step_10
   rlsearch convert mcore-to-hf --ckpt RUN/checkpoints/step_000010 --out /models/step_10 --dtype bf16 --verify
   rlsearch convert hf-to-mcore --hf-dir outputs/assets/tiny-qwen2 --out /ckpt/tiny-tp2pp2 --tp 2 --pp 2
+"""
+
+
+MAKE_TOY_DATA_EPILOG = """\
+examples:
+  rlsearch make-toy-data --out outputs/assets/toy                      # the embedded default
+  rlsearch make-toy-data --out outputs/assets/multihop --task multihop --learnable   # hops 2,3,4
+  rlsearch make-toy-data --out /tmp/multihop_long --task multihop --hops 4,8 --passage-words 400 --demo-topk 3
 """
 
 
@@ -237,6 +285,8 @@ queries (--query NAME):
   no-search        correct answers from trajectories that made no tool call
   format-only      rewarded (reward > 0) but not correct: reward from the format and search terms alone
   staleness        per step, trajectories by how many weight versions behind they were sampled
+  truncations      per step, the cuts by reason (response_budget, turn_tokens, max_turns, context_window,
+                   tool_output, prompt) and the share of trajectories each cut
 
 examples:
   rlsearch inspect outputs/search_grpo_tiny                      # overview and each query's headline
@@ -357,33 +407,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     toy = commands.add_parser(
         "make-toy-data", help="generate a corpus about invented entities, a QA set over it and demonstrations",
-        description="Write corpus.jsonl (passages about invented towns, inventors, rivers and inventions), "
-        "train.jsonl and test.jsonl (one question per entity, answered in exactly one passage) and sft.jsonl: a "
-        "demonstration per train question (search the entity, read the local BM25 results, answer) for `rlsearch "
-        "sft`, of which --flawed-fraction answer wrongly.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=MAKE_TOY_DATA_EPILOG,
+        description="Write corpus.jsonl, train.jsonl, test.jsonl and sft.jsonl: a demonstration per train question "
+        "(search, read the local BM25 results, answer) for `rlsearch sft`, of which --flawed-fraction answer wrongly. "
+        "--task toy (default): passages about invented towns, inventors, rivers and inventions, one question per "
+        "entity, answered in exactly one passage. --task multihop: questions that chain --hops lookups (\"Who is the "
+        "mentor of the rival of X?\"); each passage names only the next entity of its chain, so a question of k hops "
+        "takes exactly k searches, and test rows carry metadata.hops, which `rlsearch eval` breaks its table down by.",
     )
     toy.add_argument("--out", required=True, help="output dir (corpus.jsonl, train.jsonl, test.jsonl)")
+    toy.add_argument("--task", choices=("toy", "multihop"), default="toy", help="toy: one search per question "
+                     "(default); multihop: k searches per question, one per entity of a chain (see below)")
     toy.add_argument("--seed", type=int, default=0)
-    toy.add_argument("--num-entities", type=int, default=200, help="questions (one per entity); with --learnable "
-                     "each passage takes 3 different names (1 with --answer-pool), so entities * (1 + distractors) * "
-                     "names per passage must fit the names")
+    toy.add_argument("--num-entities", type=int, default=None, help="toy: questions (one per entity; default 200); "
+                     "with --learnable each passage takes 3 different names (1 with --answer-pool), so entities * "
+                     "(1 + distractors) * names per passage must fit the names")
+    toy.add_argument("--hops", default=None, metavar="K,K,...", help="multihop: the hop counts (2 to 16) of the "
+                     "questions, comma-separated, spread evenly over --num-chains (default 2,3,4)")
+    toy.add_argument("--num-chains", type=int, default=None, help="multihop: questions, one per chain of entities "
+                     "(default 300); test.jsonl takes --test-fraction of each hop count's")
+    toy.add_argument("--passage-words", type=int, default=None, help="multihop: pad every passage with at least this "
+                     "many words of filler sentences (default 0), with the fact at a random place among them: with "
+                     "the retriever's topk passages per search, a question of k hops reads about k * topk * N words, "
+                     "so N in the hundreds gives 8k-32k-token trajectories")
     toy.add_argument("--test-fraction", type=float, default=0.2, help="share of the questions in test.jsonl")
-    toy.add_argument("--distractors-per-entity", type=int, default=2, help="look-alike passages per question "
-                     "entity that mention it without giving its facts")
+    toy.add_argument("--distractors-per-entity", type=int, default=None, help="look-alike passages per question "
+                     "entity (multihop: per chain entity) that mention it without giving its facts (default: toy 2, "
+                     "multihop 1)")
     toy.add_argument("--learnable", action="store_true", help="names are single-token words and no question asks "
                      "for a year, so searching and answering each copy one token (a simpler task for small models)")
-    toy.add_argument("--name-pool", type=int, default=0, help="with --learnable: draw names from this many fixed "
+    toy.add_argument("--name-pool", type=int, default=0, help="toy, with --learnable: draw names from this many fixed "
                      "words (the same for every seed; default 0: all ~9,000), so a small model sees each name often")
-    toy.add_argument("--answer-pool", type=int, default=0, help="with --learnable: deal every name but the "
+    toy.add_argument("--answer-pool", type=int, default=0, help="toy, with --learnable: deal every name but the "
                      "passage's title (so every answer) from this many other fixed words, repeating; titles stay "
                      "unique, so each passage takes 1 name of --name-pool and answering copies an often-seen token")
     toy.add_argument("--demo-corpora", type=int, default=0, help="also write the demonstrations of this many more "
-                     "toy datasets (other seeds, same options; their corpora are not kept): more demonstrations, "
+                     "datasets (other seeds, same options; their corpora are not kept): more demonstrations, "
                      "none about the test questions")
+    toy.add_argument("--protocol", choices=("search_r1", "call_tool"), default="search_r1", help="the tag format of "
+                     "the demonstrations; train with the same rollout.protocol (default search_r1)")
     toy.add_argument("--prompt-file", default="", help="prompt YAML of the demonstrations' instruction; pass the "
-                     "same file to training as rollout.prompt_file (default: the search_r1 prompt)")
+                     "same file to training as rollout.prompt_file (default: the protocol's prompt)")
     toy.add_argument("--flawed-fraction", type=float, default=0.5, help="share of the demonstrations (sft.jsonl) "
-                     "that answer wrongly: without searching, or with the entity's name after reading (default 0.5)")
+                     "that answer wrongly: without searching, or with the name searched last after reading "
+                     "(default 0.5)")
     toy.add_argument("--demo-topk", type=int, default=2, help="passages per search in the demonstrations; use the "
                      "training run's tools.retriever.topk (default 2, as the tiny config)")
     toy.set_defaults(func=_make_toy_data)

@@ -17,3 +17,9 @@ if [[ ! -f "$ASSETS/tiny-qwen2/config.json" || ! -f "$ASSETS/toy/sft.jsonl" ]]; 
     quietly "$ASSETS/make-tiny-model.log" "$PY" -m rlsearch make-tiny-model --out "$ASSETS/tiny-qwen2"
   quietly "$ASSETS/make-toy-data.log" "$PY" -m rlsearch make-toy-data --out "$ASSETS/toy"
 fi
+# the multihop task (questions of 2, 3 and 4 searches, single-token names; docs/tools.md) came later still
+if [[ ! -f "$ASSETS/multihop/sft.jsonl" ]]; then
+  echo "[rlsearch] building the multihop task once: questions that take 2, 3 or 4 searches ($ASSETS/multihop)"
+  quietly "$ASSETS/make-multihop-data.log" "$PY" -m rlsearch make-toy-data --task multihop --learnable \
+    --hops 2,3,4 --out "$ASSETS/multihop"
+fi

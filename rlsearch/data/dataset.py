@@ -34,6 +34,7 @@ class QAExample:
     data_source: str
     scorer: str = ""  # the row's own scorer name (AgentRL rows); wins over reward.scorers for this row
     rubrics: tuple[Rubric, ...] = ()
+    hops: int = 0  # a multi-hop row's metadata.hops (the searches it takes); 0: none. Eval tables break down by it
     location: str = field(default="", compare=False)  # file:line (or file: row N), for errors naming the row
 
 
@@ -122,8 +123,15 @@ def _parse_row(
         data_source=default_data_source if data_source is None else str(data_source),
         scorer=_parse_scorer(row.get("scorer"), location),
         rubrics=rubrics,
+        hops=_parse_hops(row.get("metadata")),
         location=location,
     )
+
+
+def _parse_hops(metadata: Any) -> int:
+    """``metadata.hops`` when it is a whole number > 0 (multihop rows), else 0; other metadata is not read."""
+    hops = metadata.get("hops") if isinstance(metadata, dict) else None
+    return hops if isinstance(hops, int) and not isinstance(hops, bool) and hops > 0 else 0
 
 
 def _parse_scorer(scorer: Any, location: str) -> str:

@@ -35,7 +35,7 @@ class ToyDataPaths:
 
 
 @dataclass(frozen=True)
-class _Passage:
+class Passage:
     title: str
     text: str
 
@@ -48,11 +48,11 @@ class _Question:
 
 @dataclass(frozen=True)
 class _Entity:
-    passage: _Passage
+    passage: Passage
     questions: tuple[_Question, ...]
 
 
-class _NameMaker:
+class NameMaker:
     """Invents pronounceable names whose words are unique, so each name occurs in one passage only. With a
     ``vocabulary`` every name is one unused word of it instead (a person too), e.g. words that are one token."""
 
@@ -111,20 +111,20 @@ class _PooledNames:
     person = word
 
 
-_FactNames = _NameMaker | _PooledNames
+_FactNames = NameMaker | _PooledNames
 # Each kind builds an entity from (names of the title, names of facts, rng, year, name of the question entity it
-# distracts from or None). The title is drawn first, so that with one _NameMaker for all the names stay the same.
-_EntityBuilder = Callable[[_NameMaker, _FactNames, random.Random, int, str | None], _Entity]
+# distracts from or None). The title is drawn first, so that with one NameMaker for all the names stay the same.
+_EntityBuilder = Callable[[NameMaker, _FactNames, random.Random, int, str | None], _Entity]
 
 
-def _town(names: _NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
+def _town(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
     town = names.word()
     river, mayor = facts.word(), facts.person()
     text = f"{town} is a town on the river {river}. Its mayor is {mayor}. It was founded in {year}."
     if rival:
         text += f" It is twinned with {rival}."
     return _Entity(
-        _Passage(town, text),
+        Passage(town, text),
         (
             _Question(f"Who is the mayor of {town}?", (mayor,)),
             _Question(f"On which river does the town of {town} lie?", (river,)),
@@ -133,7 +133,7 @@ def _town(names: _NameMaker, facts: _FactNames, rng: random.Random, year: int, r
     )
 
 
-def _inventor(names: _NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
+def _inventor(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
     inventor = names.person()
     birthplace, machine = facts.word(), facts.word()
     text = (
@@ -143,7 +143,7 @@ def _inventor(names: _NameMaker, facts: _FactNames, rng: random.Random, year: in
     if rival:
         text += f" {inventor} was a rival of {rival}."
     return _Entity(
-        _Passage(inventor, text),
+        Passage(inventor, text),
         (
             _Question(f"In which town was the inventor {inventor} born?", (birthplace,)),
             _Question(f"What machine did the inventor {inventor} build?", (machine,)),
@@ -152,7 +152,7 @@ def _inventor(names: _NameMaker, facts: _FactNames, rng: random.Random, year: in
     )
 
 
-def _river(names: _NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
+def _river(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
     river = names.word()
     mountain, lake = facts.word(), facts.word()
     text = (
@@ -162,7 +162,7 @@ def _river(names: _NameMaker, facts: _FactNames, rng: random.Random, year: int, 
     if rival:
         text += f" It is often confused with the {rival}."
     return _Entity(
-        _Passage(river, text),
+        Passage(river, text),
         (
             _Question(f"Into which lake does the {river} river flow?", (f"Lake {lake}", lake)),
             _Question(f"On which mountain does the {river} river rise?", (f"Mount {mountain}", mountain)),
@@ -171,7 +171,7 @@ def _river(names: _NameMaker, facts: _FactNames, rng: random.Random, year: int, 
     )
 
 
-def _invention(names: _NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
+def _invention(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
     invention = names.word()
     inventor, workshop_town = facts.person(), facts.word()
     text = (
@@ -181,7 +181,7 @@ def _invention(names: _NameMaker, facts: _FactNames, rng: random.Random, year: i
     if rival:
         text += f" It is often compared with the {rival}."
     return _Entity(
-        _Passage(invention, text),
+        Passage(invention, text),
         (
             _Question(f"Who invented the {invention}?", (inventor,)),
             _Question(f"In which town was the {invention} first made?", (workshop_town,)),
@@ -194,18 +194,19 @@ _KINDS: tuple[_EntityBuilder, ...] = (_town, _inventor, _river, _invention)
 
 
 @functools.cache
-def _template_words() -> frozenset[str]:
+def template_words(source: Path = Path(__file__)) -> frozenset[str]:
     # Names must never coincide with a template word ("River", "Lake", ...), or an answer could appear in
-    # passages about other entities. This module's own source holds every template word, even after edits.
-    template_source = Path(__file__).read_text(encoding="utf-8")
+    # passages about other entities. This module's own source holds every template word, even after edits (the
+    # multihop task passes its own source too).
+    template_source = source.read_text(encoding="utf-8")
     return frozenset(word.lower() for word in re.findall(r"[A-Za-z]+", template_source))
 
 
-def _passage_row(passage_id: str, passage: _Passage) -> dict[str, str]:
+def passage_row(passage_id: str, passage: Passage) -> dict[str, str]:
     return {"id": passage_id, "contents": f'"{passage.title}"\n{passage.text}'}
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
+def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
 
 
@@ -239,7 +240,7 @@ def single_token_names() -> tuple[str, ...]:
 @functools.cache
 def _shuffled_learnable_names() -> tuple[str, ...]:
     """The single-token names that are no template word, in one fixed shuffle (the same whatever the data seed)."""
-    names = [word for word in single_token_names() if word.lower() not in _template_words()]
+    names = [word for word in single_token_names() if word.lower() not in template_words()]
     random.Random(0).shuffle(names)
     return tuple(names)
 
@@ -268,16 +269,16 @@ def answer_names(answer_pool: int) -> list[str]:
 def _generate(
     rng: random.Random, num_entities: int, distractors_per_entity: int, learnable: bool, name_pool: int,
     answer_pool: int,
-) -> tuple[list[_Passage], list[tuple[_Passage, _Question]]]:
+) -> tuple[list[Passage], list[tuple[Passage, _Question]]]:
     """All passages, and for each question entity its passage and the one question asked about it."""
-    names = _NameMaker(rng, _template_words(), learnable_names(name_pool, answer_pool) if learnable else ())
+    names = NameMaker(rng, template_words(), learnable_names(name_pool, answer_pool) if learnable else ())
     facts: _FactNames = _PooledNames(rng, answer_names(answer_pool)) if answer_pool else names
     num_passages = num_entities * (1 + distractors_per_entity)
     # Every passage gets its own year; they stay within 1000-1999 unless there are more passages than that.
     last_year = max(_FIRST_YEAR + 999, _FIRST_YEAR + num_passages - 1)
     years = iter(rng.sample(range(_FIRST_YEAR, last_year + 1), num_passages))
-    passages: list[_Passage] = []
-    asked: list[tuple[_Passage, _Question]] = []
+    passages: list[Passage] = []
+    asked: list[tuple[Passage, _Question]] = []
     for _ in range(num_entities):
         kind = rng.choice(_KINDS)
         entity = kind(names, facts, rng, next(years), None)
@@ -339,9 +340,9 @@ def make_toy_data(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = ToyDataPaths(corpus=out / "corpus.jsonl", train=out / "train.jsonl", test=out / "test.jsonl")
-    _write_jsonl(paths.corpus, [_passage_row(passage_ids[passage.title], passage) for passage in passages])
-    _write_jsonl(paths.train, qa_rows[num_test:])
-    _write_jsonl(paths.test, qa_rows[:num_test])
+    write_jsonl(paths.corpus, [passage_row(passage_ids[passage.title], passage) for passage in passages])
+    write_jsonl(paths.train, qa_rows[num_test:])
+    write_jsonl(paths.test, qa_rows[:num_test])
     readme = _readme(seed, num_entities, len(passages), num_test, answer_pool)
     (out / "README.txt").write_text(readme, encoding="utf-8")
     return paths

@@ -4,7 +4,7 @@
 trainer's periodic eval). Results are resumable: re-running into the same output dir skips what is scored.
 """
 
-from .metrics import OVERALL, render_table, summarize
+from .metrics import OVERALL, render_hops_table, render_table, summarize, summarize_by_hops
 from .results import ResultsFile, result_key
 from .runner import (
     EVAL_STEP,
@@ -20,5 +20,6 @@ from .runner import (
 
 __all__ = [
     "EVAL_STEP", "OVERALL", "EvalQuestion", "EvalRun", "EvalSummary", "GenerateFn", "ResultsFile", "evaluate",
-    "load_eval_questions", "render_table", "result_key", "rollout_engines", "run_eval", "summarize",
+    "load_eval_questions", "render_hops_table", "render_table", "result_key", "rollout_engines", "run_eval",
+    "summarize", "summarize_by_hops",
 ]

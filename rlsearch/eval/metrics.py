@@ -22,6 +22,13 @@ _TABLE_COLUMNS = (
     ("tokens", "response_tokens", "{:.1f}"),
     ("time_s", "time_s", "{:.1f}"),
 )
+_HOPS_COLUMNS = (
+    ("questions", "questions", "{:.0f}"),
+    ("samples", "samples", "{:.0f}"),
+    ("EM", "em", "{:.3f}"),
+    ("F1", "f1", "{:.3f}"),
+    ("searches", "searches", "{:.2f}"),
+)
 
 
 def summarize(records: Sequence[Mapping], n_samples: int) -> dict[str, dict[str, float]]:
@@ -66,6 +73,31 @@ def _group_metrics(records: Sequence[Mapping], n_samples: int) -> dict[str, floa
     return metrics
 
 
+def summarize_by_hops(records: Sequence[Mapping]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per data_source (sorted) and hop count (ascending, as text) of the records that carry ``hops`` (multihop rows):
+    questions, samples, em, f1 (means over trajectories) and searches (calls of the search tool per trajectory).
+    Empty when no record carries hops."""
+    groups: dict[tuple[str, int], list[Mapping]] = defaultdict(list)
+    for record in records:
+        if record.get("hops"):
+            groups[(record["data_source"], int(record["hops"]))].append(record)
+    by_hops: dict[str, dict[str, dict[str, float]]] = {}
+    for source, hops in sorted(groups):
+        group = groups[(source, hops)]
+        by_hops.setdefault(source, {})[str(hops)] = {
+            "questions": float(len({(record["eval_file"], record["example_id"]) for record in group})),
+            "samples": float(len(group)),
+            "em": _mean(record["scores"]["em"] for record in group),
+            "f1": _mean(record["scores"]["f1"] for record in group),
+            "searches": _mean(_num_searches(record) for record in group),
+        }
+    return by_hops
+
+
+def _num_searches(record: Mapping) -> int:
+    return sum(call["name"] == "search" for turn in record["turns"] for call in turn["tool_calls"])
+
+
 def _num_tool_calls(record: Mapping) -> int:
     return sum(len(turn["tool_calls"]) for turn in record["turns"])
 
@@ -82,6 +114,19 @@ def render_table(metrics: Mapping[str, Mapping[str, float]], n_samples: int) -> 
                         (f"mean@{n_samples}", f"mean@{n_samples}", "{:.3f}")]
     rows = [["data_source", *(header for header, _, _ in columns)]]
     rows += [[group, *(fmt.format(values[key]) for _, key, fmt in columns)] for group, values in metrics.items()]
+    return _aligned(rows)
+
+
+def render_hops_table(by_hops: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
+    """`summarize_by_hops`' breakdown as a table: a row per data_source and hop count."""
+    rows = [["data_source", "hops", *(header for header, _, _ in _HOPS_COLUMNS)]]
+    rows += [[source, hops, *(fmt.format(values[key]) for _, key, fmt in _HOPS_COLUMNS)]
+             for source, per_hops in by_hops.items() for hops, values in per_hops.items()]
+    return _aligned(rows)
+
+
+def _aligned(rows: list[list[str]]) -> str:
+    """The rows as text columns: the first left-aligned, the others right-aligned."""
     widths = [max(len(row[index]) for row in rows) for index in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.ljust(width) if index == 0 else cell.rjust(width) for index, (cell, width) in

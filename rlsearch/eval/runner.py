@@ -22,7 +22,7 @@ from ..config import ConfigError, EvalConfig, to_dict
 from ..data import DatasetError, QAExample, load_qa_dataset
 from ..reward import check_scorers, score_trajectories, trajectory_answer
 from ..rollout import EnginePool, EngineSpec, PromptItem, Trajectory, new_rollout_worker
-from .metrics import OVERALL, render_table, summarize
+from .metrics import OVERALL, render_hops_table, render_table, summarize, summarize_by_hops
 from .results import ResultKey, ResultsFile, result_key
 
 if TYPE_CHECKING:
@@ -89,24 +89,32 @@ class EvalSummary:
     resumed: int
     wall_s: float
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # data_source (and "overall") -> metrics
+    # data_source -> hop count -> em, f1, searches, ... of the rows with metadata.hops (summarize_by_hops)
+    by_hops: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     tensorboard_dir: Path | None = None
 
     def to_json(self) -> dict:
-        return {
+        summary = {
             "model": self.model_path, "files": self.files, "n_samples": self.n_samples, "generated": self.generated,
             "resumed": self.resumed, "wall_s": self.wall_s, "metrics": self.metrics,
         }
+        return {**summary, "by_hops": self.by_hops} if self.by_hops else summary
 
     def scalars(self, prefix: str = "eval") -> dict[str, float]:
-        """Flat `{prefix}/{data_source}/{metric}` values, e.g. for a TensorBoard logger."""
-        return {f"{prefix}/{group}/{name}": value for group, values in self.metrics.items()
-                for name, value in values.items()}
+        """Flat `{prefix}/{data_source}/{metric}` values (and `{prefix}/{data_source}/hops_{k}/{metric}`), e.g. for
+        a TensorBoard logger."""
+        scalars = {f"{prefix}/{group}/{name}": value for group, values in self.metrics.items()
+                   for name, value in values.items()}
+        scalars.update((f"{prefix}/{source}/hops_{hops}/{name}", value) for source, per_hops in self.by_hops.items()
+                       for hops, values in per_hops.items() for name, value in values.items())
+        return scalars
 
     def render(self) -> str:
         questions = int(self.metrics[OVERALL]["questions"]) if self.metrics else 0
         lines = [
             "",
             render_table(self.metrics, self.n_samples),
+            *(["", render_hops_table(self.by_hops)] if self.by_hops else []),
             "",
             f"rlsearch: evaluated {questions} questions x {self.n_samples} sample(s) in {self.wall_s:.0f} s "
             f"({self.generated} trajectories generated, {self.resumed} resumed)",
@@ -175,6 +183,7 @@ class EvalRun:
             output_dir=self.output_dir, model_path=self.config.model.path, files=list(self.config.eval.files),
             n_samples=n_samples, generated=len(records) - self.resumed, resumed=self.resumed,
             wall_s=time.perf_counter() - self.started, metrics=summarize(records, n_samples),
+            by_hops=summarize_by_hops(records),
         )
         _write_json_atomically(self.output_dir / SUMMARY_FILE, summary.to_json())
         if self.config.log_dir:
@@ -191,9 +200,10 @@ class EvalRun:
         if (trajectory.example_id, trajectory.group_id) != (example.id, question.seed_group):
             raise RuntimeError(f"generate returned trajectory '{trajectory.example_id}' for question '{example.id}': "
                                "trajectories must come back in the order of the prompt items")
+        hops = {"hops": example.hops} if example.hops else {}  # multihop rows: the summary's breakdown by hops
         return {
             "eval_file": question.eval_file, "data_source": example.data_source, "example_id": example.id,
-            "question": example.question, "golden_answers": list(example.golden_answers), "prompt": prompt,
+            "question": example.question, "golden_answers": list(example.golden_answers), **hops, "prompt": prompt,
             "answer": trajectory_answer(trajectory), "time_s": time_s, **trajectory.to_json(),
         }
 

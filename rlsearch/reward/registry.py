@@ -22,7 +22,8 @@ SEARCH_R1_DATA_SOURCES = (
     "bamboogle",
     "toy",
 )
-DEFAULT_SCORERS = dict.fromkeys(SEARCH_R1_DATA_SOURCES, "em")
+# the embedded tasks' sources (rlsearch make-toy-data --task toy | multihop) are scored like Search-R1's
+DEFAULT_SCORERS = dict.fromkeys((*SEARCH_R1_DATA_SOURCES, "multihop"), "em")
 JUDGED_SCORERS = ("judge", "rubric")  # scored by an LLM judge (rlsearch.reward.score), not by a RuleScorer
 
 
