@@ -98,7 +98,7 @@ class AlgoConfig:
     # is not punished for its length; they still count in their group's mean and std (their reward is a real outcome
     # of the prompt)
     overlong: str = "keep"
-    # the cuts algo.overlong=mask masks (rlsearch.rollout.TRUNCATION_REASONS): response_budget, turn_tokens,
+    # the cuts algo.overlong=mask masks (rlsearch.config.TRUNCATION_REASONS): response_budget, turn_tokens,
     # max_turns, context_window (the ones that end a trajectory); tool_output and prompt may be added
     overlong_reasons: list[str] = field(
         default_factory=lambda: ["response_budget", "turn_tokens", "max_turns", "context_window"]

@@ -50,6 +50,12 @@ def test_unknown_key_in_yaml(tmp_path):
         ("bridge.max_logprob_mismatch=-1", r"'bridge\.max_logprob_mismatch' must be >= 0"),
         ("actor.cp=0", r"'actor\.cp' must be > 0"),
         ("actor.logits_chunk_tokens=-8", r"'actor\.logits_chunk_tokens' must be >= 0 \(0: one chunk\)"),
+        ("rollout.context=summarize", r"'rollout\.context' must be one of append, fold, drop_observations"),
+        ("rollout.long_prompts=drop", r"'rollout\.long_prompts' must be one of error, cut"),
+        ("rollout.context_window=256", r"'rollout\.context_window' \(256\) must be larger than rollout\.max_prompt"),
+        ("rollout.summary_tokens=0", r"'rollout\.summary_tokens' must be >= 1"),
+        ("algo.overlong_reasons=[length]", r"'algo\.overlong_reasons\[0\]' is 'length'; the reasons are "
+                                           r"response_budget, turn_tokens"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -186,3 +192,22 @@ def test_an_actor_layout_that_cannot_split_the_model_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"context parallelism cuts every sequence into 2 x cp = 8 chunks"):
         load_train_config(None, ["actor.cp=4", "actor.max_tokens_per_microbatch=6", "rollout.max_prompt_tokens=2",
                                  "rollout.max_response_tokens=2"])
+
+
+def test_the_context_window_sizes_engines_and_micro_batches_and_bounds_context_management():
+    config = load_train_config(None, ["rollout.context_window=2048", "rollout.max_response_tokens=30000",
+                                      "rollout.context=fold", "actor.max_tokens_per_microbatch=2048"])
+    assert (config.rollout.window, config.rollout.manage_context_threshold) == (2048, 1536)
+    with pytest.raises(ConfigError, match=r"'actor\.max_tokens_per_microbatch' \(1024\) must hold the longest "
+                                          r"segment: rollout\.context_window = 2048"):
+        load_train_config(None, ["rollout.context_window=2048", "actor.max_tokens_per_microbatch=1024"])
+    with pytest.raises(ConfigError, match=r"'rollout\.manage_context_at' \(400\) must lie between "
+                                          r"rollout\.max_prompt_tokens \(512\) and the context window \(2048\)"):
+        load_train_config(None, ["rollout.context_window=2048", "rollout.context=drop_observations",
+                                 "rollout.manage_context_at=400"])
+    with pytest.raises(ConfigError, match=r"rollout\.context=fold: 'rollout\.manage_context_at' \(2000\) \+ "
+                                          r"rollout\.summary_tokens \(256\) must fit the context window"):
+        load_train_config(None, ["rollout.context_window=2048", "rollout.context=fold",
+                                 "rollout.manage_context_at=2000"])
+    # append never manages the context: any threshold is accepted
+    assert load_train_config(None, ["rollout.manage_context_at=10"]).rollout.context == "append"
