@@ -239,7 +239,7 @@ class AgentLoop:
             trajectory.weight_versions = sorted(set(trajectory.weight_versions).union(versions))
             completion = output.outputs[0]
             state = self._contexts[id(trajectory)]
-            ceiling = _common_prefix_length(context, state.seen)
+            ceiling = common_prefix_length(context, state.seen)
             state.seen = context + list(completion.token_ids)
             generated.append(_Generated(completion, versions, len(context), output.num_cached_tokens or 0, ceiling))
         return generated
@@ -496,7 +496,7 @@ def summary_text(text: str) -> str:
     return body.rsplit(SUMMARY_OPEN, 1)[-1].strip()
 
 
-def _common_prefix_length(first: list[int], second: list[int]) -> int:
+def common_prefix_length(first: list[int], second: list[int]) -> int:
     """Length of the longest common prefix of two token lists (slices compare in C: a binary search on them)."""
     low, high = 0, min(len(first), len(second))
     if first[:high] == second[:high]:

@@ -58,12 +58,30 @@ def test_a_stripping_agent_is_held_to_one_budget_and_its_overflow_ends_as_length
         # the calls re-rendered the stripped history: new segments (a reply cut by max_tokens has nothing to strip,
         # and the next call extends it)
         assert calls_made[trajectory.group_id, trajectory.sample_index] >= len(trajectory.segments) >= 2
+        assert trajectory.truncations == ["response_budget"]
+        # every call records the weight version that sampled it and what its context was
+        assert all(turn.weight_versions == trajectory.weight_versions for turn in trajectory.turns)
+        assert all(turn.context_tokens >= first_prompt for turn in trajectory.turns)
+        assert all(0 <= turn.cached_tokens and turn.cache_ceiling <= turn.context_tokens for turn in trajectory.turns)
     # the overflow is a cut by length: with algo.overlong=mask none of these trajectories trains a token
     for trajectory, reward in zip(trajectories, [1.0, 0.0] * 4):
         trajectory.reward = reward
     masked = train_samples(trajectories, AlgoConfig(overlong="mask"))
     assert masked and all(sum(sample.token_weights) == 0.0 for sample in masked)
     assert any(sum(sample.token_weights) > 0.0 for sample in train_samples(trajectories, AlgoConfig()))
+
+
+def test_an_agent_whose_context_fills_the_window_is_cut_and_counted(engine_bench, toy_data):
+    """With a budget that never runs out, the call whose prompt fills rollout.context_window is refused: the
+    trajectory ends as cut by the window (not failed), and no call ever saw more than the window."""
+    items = prompt_items(toy_data, prompts=2, samples=1)
+    window = len(engine_bench.loop().prompt_ids(items[0].question)) + 120
+    trajectories = engine_bench.agent(stripping_agent({}), items, step=1,
+                                      **{**ROLLOUT, "max_response_tokens": 4000, "context_window": window})
+    for trajectory in trajectories:
+        assert not trajectory.failed and trajectory.finish_reason == "context"
+        assert trajectory.truncations == ["context_window"]
+        assert max(len(s.prompt_ids) + len(s.response_ids) for s in trajectory.segments) <= window
 
 
 def test_the_first_prompt_over_max_prompt_tokens_is_refused(engine_bench, toy_data):

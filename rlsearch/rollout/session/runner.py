@@ -95,7 +95,7 @@ class AgentRunner:
         except asyncio.TimeoutError:
             return None, f"the agent ran past rollout.agent_timeout_s={timeout}"
         except Exception as error:  # a user agent's bug fails its trajectory, not the run
-            if session.over_budget:  # the endpoint refused a call for the token budget: the trajectory is complete
+            if session.refused_for:  # the endpoint refused a call for the budget or the window: it is complete
                 return None, ""
             return None, f"the agent raised {type(error).__name__}: {error}"[:500]
 
@@ -118,16 +118,19 @@ def to_trajectory(session: AgentSession, item: PromptItem, outcome: tuple[object
     for call in session.calls:
         kind = "tool_call" if call.tool_calls or call.answered_tool_calls else "none"
         failed = next((record.error_kind for record in call.tool_calls if record.error_kind), None)
-        trajectory.turns.append(
-            Turn(text=call.text, num_tokens=call.num_tokens, kind=kind, tool_calls=call.tool_calls, error_kind=failed)
-        )
+        trajectory.turns.append(Turn(
+            text=call.text, num_tokens=call.num_tokens, kind=kind, tool_calls=call.tool_calls, error_kind=failed,
+            weight_versions=call.weight_versions, context_tokens=call.context_tokens, cached_tokens=call.cached_tokens,
+            cache_ceiling=call.cache_ceiling,
+        ))
     if not failure and isinstance(returned, str):
         trajectory.agent_answer = returned
     elif not failure and isinstance(returned, (int, float)):
         trajectory.agent_reward = float(returned)
-    if session.over_budget or (session.calls and session.calls[-1].finish_reason == "length"):
-        trajectory.finish_reason = "length"
-        trajectory.truncations.append("response_budget")
+    cut = session.refused_for or (session.calls[-1].cut_by if session.calls else "")
+    if cut:
+        trajectory.finish_reason = "context" if cut == "context_window" else "length"
+        trajectory.truncations.append(cut)
     elif trajectory.agent_answer is not None or trajectory.agent_reward is not None:
         trajectory.finish_reason = "answer"
     else:

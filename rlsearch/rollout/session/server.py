@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse
 
 from ...config import RolloutConfig
 from ...tools.protocols.chat_tools import parse_tool_calls, template_end_of_turn
-from ..agent_loop import PromptItem, request_seed
+from ..agent_loop import PromptItem, common_prefix_length, request_seed
 from ..engine import chosen_logprobs
 from .render import ChatRenderer, RequestError, normalise_message
 from .session import AgentSession, ModelCall
@@ -177,37 +177,52 @@ class SessionEndpoint:
             )
         budget = config.max_response_tokens - session.tokens.tokens_after_first_prompt(prompt)
         if budget <= 0:
-            session.over_budget = True
+            session.refused_for = "response_budget"
             raise RequestError(
                 f"the trajectory's token budget is used up: rollout.max_response_tokens={config.max_response_tokens} "
                 "tokens after the first prompt (model and tool tokens, also those a rewritten history sends again); "
                 "finish the trajectory"
             )
-        params = self._sampling_params(body, budget, request_seed(
+        room = config.window - len(prompt.ids)
+        if room <= 0:
+            session.refused_for = "context_window"
+            raise RequestError(
+                f"the prompt has {len(prompt.ids)} tokens and fills the context window (rollout.context_window="
+                f"{config.window}); fold or drop history to go on, or finish the trajectory"
+            )
+        _check_distribution(body, config)
+        requested = body.get("max_completion_tokens") or body.get("max_tokens") or config.max_tokens_per_turn
+        limits = {"turn_tokens": int(requested), "response_budget": budget, "context_window": room}
+        cut_by = min(limits, key=limits.__getitem__)  # what ends the call if it runs out of tokens
+        params = self._sampling_params(body, limits[cut_by], request_seed(
             self.seed, step, item.group_id, item.sample_index, len(session.calls)
         ))
         started, version_before = time.perf_counter(), self.engine.weight_version
         (output,) = await self.engine.generate([prompt.ids], [params])
         session.generate_s += time.perf_counter() - started
-        session.weight_versions.update((version_before, self.engine.weight_version))
+        versions = sorted({version_before, self.engine.weight_version})
+        session.weight_versions.update(versions)
         completion = output.outputs[0]
         sampled = list(completion.token_ids)
         logprobs = chosen_logprobs(sampled, completion.logprobs)
         shown = sampled[:-1] if sampled and sampled[-1] == session.tokens.end_of_turn_id else sampled
         finish = "length" if completion.finish_reason == "length" else "stop"
-        call = ModelCall(self.tokenizer.decode(shown, skip_special_tokens=False), len(sampled), finish)
+        call = ModelCall(
+            self.tokenizer.decode(shown, skip_special_tokens=False), len(sampled), finish,
+            cut_by=cut_by if finish == "length" else "", weight_versions=versions, context_tokens=len(prompt.ids),
+            cached_tokens=output.num_cached_tokens or 0, cache_ceiling=common_prefix_length(prompt.ids, session.seen),
+        )
+        session.seen = list(prompt.ids) + sampled
         session.calls.append(call)
         return call, sampled, logprobs
 
-    def _sampling_params(self, body: dict, budget: int, seed: int):
+    def _sampling_params(self, body: dict, max_tokens: int, seed: int):
         from vllm import SamplingParams
 
         config = self.config
-        _check_distribution(body, config)
-        requested = body.get("max_completion_tokens") or body.get("max_tokens") or config.max_tokens_per_turn
         stop = body.get("stop") or []
         return SamplingParams(
-            max_tokens=max(1, min(int(requested), budget)),
+            max_tokens=max(1, max_tokens),
             temperature=config.temperature,
             top_p=config.top_p,
             stop=[stop] if isinstance(stop, str) else list(stop),

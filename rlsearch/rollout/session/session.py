@@ -34,8 +34,14 @@ class ModelCall:
     text: str  # the text returned (special tokens kept, the closing end-of-turn token dropped)
     num_tokens: int
     finish_reason: str  # stop | length
+    cut_by: str = ""  # finish length: the limit it ran into (turn_tokens | response_budget | context_window)
     tool_calls: list[ToolCallRecord] = field(default_factory=list)  # calls run through session.tools after it
     answered_tool_calls: bool = False  # a chat response that carried tool calls
+    # as Turn's: the engine's weight versions while it generated, its context, the prefix cache's share of it
+    weight_versions: list[int] = field(default_factory=list)
+    context_tokens: int = 0
+    cached_tokens: int = 0
+    cache_ceiling: int = 0
 
 
 class SessionTools:
@@ -86,7 +92,10 @@ class AgentSession:
         self.max_turns = max_turns
         self.assistant_prefix = assistant_prefix
         self.calls: list[ModelCall] = []
-        self.over_budget = False  # a call was refused: the trajectory's token budget was used up
+        # why a call was refused, ending the trajectory: response_budget (rollout.max_response_tokens used up) or
+        # context_window (the prompt fills rollout.context_window); "" while none was
+        self.refused_for = ""
+        self.seen: list[int] = []  # the last call's prompt and sampled tokens (what the prefix cache can hold)
         self.generate_s = 0.0
         self.tool_s = 0.0
         self.weight_versions: set[int] = set()
