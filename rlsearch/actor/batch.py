@@ -259,10 +259,18 @@ def pack_micro_batches(
     packing: Packing = Packing(),
 ) -> list[MicroBatch]:
     """Packed micro-batches on the rank's device (where its model is): its GPU when it has one, else CPU.
-    `trained_only`: logits only where the loss mask is set (a training step). A prefix tree is never split."""
+    `trained_only`: logits only where the loss mask is set (a training step). A prefix tree is never split; one
+    larger than `max_tokens` (the segments of a folded trajectory share little) trains as its separate segments."""
     device = local_device()
-    units = _units(samples, packing.merge_prefixes)
-    lengths = [unit_length([samples[i] for i in unit], packing) for unit in units]
+    units, lengths = [], []
+    for unit in _units(samples, packing.merge_prefixes):
+        length = unit_length([samples[i] for i in unit], packing)
+        if length > max_tokens and len(unit) > 1:  # a tree over the micro-batch size (a folded trajectory): apart
+            units += [[i] for i in unit]
+            lengths += [unit_length([samples[i]], packing) for i in unit]
+        else:
+            units.append(unit)
+            lengths.append(length)
     batches = []
     for unit_bin in pack_indices(lengths, max_tokens, min_micro_batches):
         indices = sorted(i for u in unit_bin for i in units[u])

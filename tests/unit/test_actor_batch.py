@@ -58,6 +58,21 @@ def test_pack_micro_batches_covers_every_sample_once():
     assert sum(mb.num_tokens for mb in micro_batches) == 28  # no padding
 
 
+def test_a_prefix_tree_over_the_micro_batch_size_trains_as_its_segments():
+    from rlsearch.actor.batch import Packing
+
+    prompt = list(range(100, 110))
+    # a folded trajectory: three segments sharing only the prompt, a 40-token tree; and a short tree of two
+    folded = [TrainSample(prompt + list(range(k * 20, k * 20 + 10)), 10, [1] * 10, prefix_group=0) for k in range(3)]
+    short = [TrainSample(prompt + [1, 2], 10, [1, 1], prefix_group=1), TrainSample(prompt + [1, 3], 10, [1, 1],
+                                                                                 prefix_group=1)]
+    micro_batches = pack_micro_batches(folded + short, max_tokens=30, packing=Packing(merge_prefixes=True))
+    assert all(mb.num_tokens <= 30 for mb in micro_batches)
+    assert sorted(i for mb in micro_batches for i in mb.sample_indices) == list(range(5))
+    # the folded segments go apart (20 tokens each); the short tree stays one unit of 13 tokens
+    assert sum(mb.num_tokens for mb in micro_batches) == 3 * 20 + 13
+
+
 def test_trained_only_takes_logits_where_the_loss_mask_is_set():
     samples = [
         TrainSample([10, 11, 12, 13, 14], response_start=2, loss_mask=[1, 0, 1], advantage=0.5,
