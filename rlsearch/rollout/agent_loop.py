@@ -116,17 +116,14 @@ class AgentLoop:
         return messages
 
     def prompt_ids(self, question: str) -> list[int]:
-        return self._encode_prompt(question) + self._encode(self.config.assistant_prefix)
+        text = self.tokenizer.apply_chat_template(
+            self.prompt_messages(question), add_generation_prompt=True, tokenize=False, **self.protocol.template_kwargs
+        )
+        return self._encode(text + self.config.assistant_prefix)
 
     def folded_prompt_ids(self, question: str, summary: str) -> list[int]:
         """The prompt a folded trajectory goes on from: the question with the summary of what was found."""
         return self.prompt_ids(FOLDED_QUESTION.format(question=question, summary=summary))
-
-    def _encode_prompt(self, question: str) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            self.prompt_messages(question), add_generation_prompt=True, tokenize=False, **self.protocol.template_kwargs
-        )
-        return self._encode(text)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -280,7 +277,7 @@ class AgentLoop:
         limits = {
             "turn_tokens": self.config.max_tokens_per_turn,
             "response_budget": self.config.max_response_tokens - trajectory.num_response_tokens,
-            "context_window": self.config.window - len(trajectory.prompt_ids) - len(trajectory.response_ids),
+            "context_window": self.config.window - trajectory.num_context_tokens,
         }
         reason = min(limits, key=limits.__getitem__)
         return limits[reason], reason
@@ -341,7 +338,7 @@ class AgentLoop:
             self._cut(trajectory, binding_limit)
         elif trajectory.num_response_tokens >= self.config.max_response_tokens:
             self._cut(trajectory, "response_budget")
-        elif len(trajectory.token_ids) >= self.config.window:
+        elif trajectory.num_context_tokens >= self.config.window:
             self._cut(trajectory, "context_window")
         return turn
 
@@ -419,10 +416,10 @@ class AgentLoop:
         if trajectory.num_response_tokens + len(observation_ids) >= self.config.max_response_tokens:
             self._cut(trajectory, "response_budget")
             return False
-        if len(trajectory.token_ids) + len(observation_ids) >= self.config.window:
+        if trajectory.num_context_tokens + len(observation_ids) >= self.config.window:
             self._cut(trajectory, "context_window")
             return False
-        start = len(trajectory.token_ids)
+        start = trajectory.num_context_tokens
         trajectory.append_observation_tokens(observation_ids)
         self._contexts[id(trajectory)].observations.append((start, start + len(observation_ids)))
         return True
@@ -434,7 +431,7 @@ class AgentLoop:
             return
         full = [
             t for t in trajectories
-            if t.response_ids and len(t.token_ids) >= self.config.manage_context_threshold
+            if t.response_ids and t.num_context_tokens >= self.config.manage_context_threshold
         ]
         if not full:
             return
@@ -452,7 +449,7 @@ class AgentLoop:
             notice = self._encode(self.protocol.turn_observation(
                 [self.protocol.wrap(FOLD_INSTRUCTION)], trajectory.response_ids[-1]
             ))
-            if len(trajectory.token_ids) + len(notice) >= self.config.window:
+            if trajectory.num_context_tokens + len(notice) >= self.config.window:
                 self._cut(trajectory, "context_window")
                 continue
             trajectory.append_observation_tokens(notice)
@@ -470,14 +467,13 @@ class AgentLoop:
         """Every tool output of the context but the last rollout.keep_observations becomes a placeholder; the
         trajectory goes on from the shortened context as a new segment. Nothing happens when none is left to drop."""
         state = self._contexts[id(trajectory)]
-        keep = self.config.keep_observations
-        dropped = state.observations[: len(state.observations) - keep] if keep else state.observations
-        if not dropped:
+        num_dropped = max(0, len(state.observations) - self.config.keep_observations)
+        if not num_dropped:
             return
         token_ids, context, kept, cursor = trajectory.token_ids, [], [], 0
-        for start, end in state.observations:
+        for index, (start, end) in enumerate(state.observations):
             context.extend(token_ids[cursor:start])
-            if (start, end) in dropped:
+            if index < num_dropped:
                 context.extend(self._encode(self.protocol.turn_observation(
                     [self.protocol.wrap(DROPPED_OBSERVATION)], token_ids[start - 1]
                 )))

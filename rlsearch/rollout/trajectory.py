@@ -113,6 +113,11 @@ class Trajectory:
         self.prompt_ids, self.response_ids, self.loss_mask, self.rollout_logprobs = list(prompt_ids), [], [], []
 
     @property
+    def num_context_tokens(self) -> int:
+        """Tokens of the current context (prompt and response of the last segment): len(token_ids), without a copy."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
