@@ -97,6 +97,21 @@ def engine_bench(tiny_model_dir, retriever):
     bench.close()
 
 
+@pytest.fixture(scope="module")
+def search_automaton(engine_bench, tiny_model_dir):
+    """`engine_bench` with the tiny model rewired into a policy that searches every turn (`search_automaton_weights`,
+    searching " inventor" greedily); the model's own weights come back after the module."""
+    from safetensors.torch import load_file
+
+    from rlsearch.data.tiny_model import search_automaton_weights
+    from tests.integration.engine_bench import AUTOMATON_QUERIES
+
+    state = load_file(f"{tiny_model_dir}/model.safetensors")
+    engine_bench.load_weights(search_automaton_weights(state, engine_bench.engine.tokenizer, AUTOMATON_QUERIES))
+    yield engine_bench
+    engine_bench.load_weights(state)
+
+
 def engine_and_actor_fixtures(scope: str):
     """The `rollout_worker` and `actor_group` fixtures over `tiny_model_dir`, at `scope`. conftest makes them per
     session; a module that overrides `tiny_model_dir` makes its own per module (a session fixture already built

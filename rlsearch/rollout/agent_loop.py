@@ -487,7 +487,8 @@ class AgentLoop:
 
 
 def summary_text(text: str) -> str:
-    """What a fold's summary turn says: the text of its last <summary> block (all of it without the tags)."""
+    """What a fold's summary turn says: the text before its first </summary>, from the last <summary> before that
+    (the whole text when it has neither tag)."""
     body = text.split(SUMMARY_CLOSE, 1)[0]
     return body.rsplit(SUMMARY_OPEN, 1)[-1].strip()
 

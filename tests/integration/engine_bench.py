@@ -14,6 +14,8 @@ from rlsearch.tools import build_registry, make_protocol
 from rlsearch.weights.bucket import pack_bucket
 from tests.conftest import TEST_ROLLOUT
 
+AUTOMATON_QUERIES = [" inventor", " river"]  # the search automaton's queries, the first its greedy choice
+
 
 class Bench:
     """The engine, the search tool over the real BM25 server, the search_r1 protocol; ``builtin`` and ``agent`` run
@@ -66,3 +68,16 @@ def prompt_items(toy_data, prompts: int = 4, samples: int = 2) -> list[PromptIte
     examples = load_qa_dataset(toy_data.train)[:prompts]
     return [PromptItem(e.id, e.question, group_id=i, sample_index=s, data_source=e.data_source,
                        golden_answers=tuple(e.golden_answers)) for i, e in enumerate(examples) for s in range(samples)]
+
+
+def sampled_runs(segment) -> list[list[int]]:
+    """A segment's runs of loss-mask-1 tokens, in order: one per model call (turn)."""
+    runs: list[list[int]] = []
+    previous = 0
+    for token, mask in zip(segment.response_ids, segment.loss_mask):
+        if mask and not previous:
+            runs.append([])
+        if mask:
+            runs[-1].append(token)
+        previous = mask
+    return runs

