@@ -25,9 +25,27 @@ per-question gains over their standard error: the eval's sampling noise), then t
 deviation) over seeds and the gain's paired t over seeds (seed noise); the last line prints the three EMs in the
 order random, SFT, GRPO (means over seeds).
 
+--task multihop: the same pipeline on `rlsearch make-toy-data --task multihop --learnable --hops K,K`, questions that
+chain k lookups ("Who is the mentor of the rival of X?": k searches, each for the name read last, then the answer;
+no distractor passages, every name a single-token word). max turns default to k + 1 (the largest k), and every eval
+and GRPO run gets --context as rollout.context (append | fold) in a small window: rollout.context_window
+(--context-window, 256 tokens: a whole 4-hop trajectory of the short prompt is ~200), rollout.manage_context_at
+(--manage-context-at, 140: after 2 hops a trajectory holds ~115-127 tokens, after 3 ~150-162, so fold summarises
+after the third hop, before the answer of a 3-hop question and before the last search of a 4-hop one) and
+rollout.summary_tokens (--summary-tokens, 32). Data, random model and SFT model of a seed are shared by both contexts
+(the same --out), so append vs fold compare the same SFT model; the evals and GRPO runs are per context
+(eval-sft-fold, grpo-fold, ...; GRPO logs its trajectories: folds show as turns of kind "summary" and
+earlier_segments). The tables add the EMs per hop count (the eval summaries' by_hops) and the share of the final
+evals' trajectories that folded.
+
   .venv/bin/python bench/learning.py                                   # 3 seeds (outside CI: ~45 min a seed on 2 cores)
   .venv/bin/python bench/learning.py --seeds 1 --sft-steps 5 --grpo-steps 2 --num-entities 100   # mechanics only
   .venv/bin/python bench/learning.py --seeds 1 --grpo-override algo.num_minibatches=2 --out outputs/bench/learning-mb2
+  .venv/bin/python bench/learning.py --task multihop --context append  # 3 seeds, k = 3, 4 (learning-multihop)
+  .venv/bin/python bench/learning.py --task multihop --context fold    # the same seeds' data and SFT models, folding
+  .venv/bin/python bench/learning.py --task multihop --context fold --seeds 1 --sft-steps 20 --grpo-steps 2 \
+      --num-chains 40 --demo-corpora 2 --eval-samples 2 --batch-size 4 --group-size 4 --no-ablation \
+      --out outputs/bench/learning-multihop-mechanics          # mechanics only, a few minutes (and --context append)
 """
 
 from __future__ import annotations
@@ -48,6 +66,9 @@ from bench.common import SHAPES  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+# --task multihop: the prompt limit (the short prompt with a 4-hop question is ~45 tokens; rollout.manage_context_at
+# must lie above it) and the response budget over every segment (a fold adds its instruction and summary)
+MULTIHOP_PROMPT_TOKENS, MULTIHOP_RESPONSE_TOKENS = 96, 512
 
 
 def _rlsearch(log: Path, *arguments: str) -> None:
@@ -64,6 +85,21 @@ def _em(summary: Path) -> float:
     return json.loads(summary.read_text())["metrics"]["overall"]["em"]
 
 
+def _hop_ems(summary: Path) -> dict[int, float]:
+    """EM per hop count from an eval summary's by_hops (the multihop test rows)."""
+    from rlsearch.data.multihop import DATA_SOURCE
+
+    per_hops = json.loads(summary.read_text()).get("by_hops", {}).get(DATA_SOURCE, {})
+    return {int(hops): values["em"] for hops, values in per_hops.items()}
+
+
+def _folded_share(eval_dir: Path) -> float:
+    """The share of an eval's trajectories that folded their context at least once (a turn of kind summary)."""
+    with (eval_dir / "trajectories.jsonl").open() as rows:
+        folded = [any(turn["kind"] == "summary" for turn in json.loads(line)["turns"]) for line in rows]
+    return statistics.fmean(folded) if folded else 0.0
+
+
 def _common(data: Path, args: argparse.Namespace) -> list[str]:
     """Overrides shared by evals and training: the learnable toy task, no prefill or bias, sampled evals."""
     return [
@@ -72,6 +108,17 @@ def _common(data: Path, args: argparse.Namespace) -> list[str]:
         f"tools.retriever.topk={args.topk}", f"tools.retriever.index_cache_dir={data / 'bm25_cache'}",
         f"eval.files=[{data / 'test.jsonl'}]", f"eval.n_samples={args.eval_samples}", "eval.max_examples=0",
         f"rollout.prompt_file={args.prompt_file}",
+        *(_context(args) if args.task == "multihop" else []),
+    ]
+
+
+def _context(args: argparse.Namespace) -> list[str]:
+    """--task multihop: rollout.context within a window small enough that fold folds (see the module docstring)."""
+    return [
+        f"rollout.context={args.context}", f"rollout.context_window={args.context_window}",
+        f"rollout.manage_context_at={args.manage_context_at}", f"rollout.summary_tokens={args.summary_tokens}",
+        f"rollout.max_prompt_tokens={MULTIHOP_PROMPT_TOKENS}",
+        f"rollout.max_response_tokens={MULTIHOP_RESPONSE_TOKENS}",
     ]
 
 
@@ -123,62 +170,160 @@ def _grpo(model: Path, data: Path, out: Path, seed: int, args: argparse.Namespac
               f"model.path={model}", f"trainer.output_dir={out}", f"trainer.total_steps={args.grpo_steps}",
               f"trainer.eval_interval={args.grpo_steps}", f"trainer.seed={seed}", "trainer.resume=none",
               f"data.train_files=[{data / 'train.jsonl'}]", f"data.batch_size={args.batch_size}",
-              f"rollout.group_size={args.group_size}", f"actor.lr={args.grpo_lr}", "trainer.log_trajectories=false",
+              f"rollout.group_size={args.group_size}", f"actor.lr={args.grpo_lr}",
+              f"trainer.log_trajectories={str(args.task == 'multihop').lower()}",
               # a fine-tuned model's sharper distributions put fp32 engine-vs-actor logprob gaps near 1e-4 (1.05e-4
               # measured), the tiny config's limit for a random model; a broken sync is off by far more than 1e-3
               "bridge.max_logprob_mismatch=1e-3", *_common(data, args), *args.grpo_override, *extra)
     return _em(summary)
 
 
-def run_seed(seed: int, root: Path, args: argparse.Namespace) -> dict[str, float]:
-    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
-
-    work = root / f"seed_{seed}"
-    work.mkdir(parents=True, exist_ok=True)
-    data = work / "toy"
-    print(f"seed {seed}: {work}", flush=True)
-    if not (data / "sft.jsonl").is_file():
+def _make_data(data: Path, work: Path, seed: int, args: argparse.Namespace) -> None:
+    """The seed's learnable data and SFT demonstrations (--task toy or multihop)."""
+    if args.task == "toy":
         _rlsearch(work / "make-toy-data.log", "make-toy-data", "--out", str(data), "--seed", str(seed),
                   "--learnable", "--name-pool", str(args.name_pool), "--answer-pool", str(args.answer_pool),
                   "--num-entities", str(args.num_entities),
                   "--distractors-per-entity", "0", "--test-fraction", "0.5", "--demo-corpora", str(args.demo_corpora),
                   "--flawed-fraction", str(args.flawed_fraction), "--demo-topk", str(args.topk),
                   "--prompt-file", args.prompt_file)
+        return
+    _rlsearch(work / "make-toy-data.log", "make-toy-data", "--out", str(data), "--seed", str(seed),
+              "--task", "multihop", "--learnable", "--hops", ",".join(map(str, args.hops)),
+              "--num-chains", str(args.num_chains), "--distractors-per-entity", "0", "--test-fraction", "0.5",
+              "--demo-corpora", str(args.demo_corpora), "--flawed-fraction", str(args.flawed_fraction),
+              "--demo-topk", str(args.topk), "--prompt-file", args.prompt_file)
+
+
+def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+    """The seed's EMs (and gains) overall, and per hop count (--task multihop; empty for toy)."""
+    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+
+    work = root / f"seed_{seed}"
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / args.task
+    # multihop: data, random model and SFT model are shared by the contexts; evals and GRPO runs are per context
+    runs = f"-{args.context}" if args.task == "multihop" else ""
+    print(f"seed {seed}: {work}", flush=True)
+    if not (data / "sft.jsonl").is_file():
+        _make_data(data, work, seed, args)
     model = work / "random-model"
     if not (model / "config.json").is_file():
         make_tiny_model(model, TinyModelSpec(**{**SHAPES[args.shape], "tie_word_embeddings": True, "seed": seed}))
-    ems = {"random": _evaluate(model, data, work / "eval-random", args)}
+    evals = {"random": work / f"eval-random{runs}", "sft": work / f"eval-sft{runs}"}
+    ems = {"random": _evaluate(model, data, evals["random"], args)}
     sft = work / "sft"
     if not (sft / "hf" / "config.json").is_file():
         _rlsearch(work / "sft.log", "sft", "--config", "examples/configs/sft_tiny.yaml", f"model.path={model}",
                   f"data.train_files=[{data / 'sft.jsonl'}]", f"data.max_steps={args.sft_steps}",
                   f"actor.lr={args.sft_lr}", f"output_dir={sft}", f"seed={seed}")
-    ems["sft"] = _evaluate(sft / "hf", data, work / "eval-sft", args)
-    ems["grpo"] = _grpo(sft / "hf", data, work / "grpo", seed, args)
+    ems["sft"] = _evaluate(sft / "hf", data, evals["sft"], args)
+    ems["grpo"] = _grpo(sft / "hf", data, work / f"grpo{runs}", seed, args)
+    evals["grpo"] = _final_eval(work / f"grpo{runs}", args)
     if args.ablation:
-        ems["grpo_unmasked"] = _grpo(sft / "hf", data, work / "grpo-unmasked", seed, args,
+        ems["grpo_unmasked"] = _grpo(sft / "hf", data, work / f"grpo-unmasked{runs}", seed, args,
                                      "algo.mask_observations=false")
+        evals["grpo_unmasked"] = _final_eval(work / f"grpo-unmasked{runs}", args)
     print(f"seed {seed}: " + ", ".join(f"{key} EM {value:.3f}" for key, value in ems.items()), flush=True)
     ems["grpo-sft"] = ems["grpo"] - ems["sft"]  # paired: the GRPO run starts from this seed's SFT model
-    ems["gain z"] = _gain_z(work / "eval-sft", _final_eval(work / "grpo", args))
-    return ems
+    ems["gain z"] = _gain_z(evals["sft"], evals["grpo"])
+    if args.task == "toy":
+        return ems, {}
+    if args.context == "fold":
+        ems.update({f"{stage} folded": _folded_share(evals[stage]) for stage in ("sft", "grpo")})
+    per_hop: dict[int, dict[str, float]] = {}
+    for stage, eval_dir in evals.items():
+        for hops, em in _hop_ems(eval_dir / "summary.json").items():
+            per_hop.setdefault(hops, {})[stage] = em
+    for hops, hop_ems in per_hop.items():
+        hop_ems["grpo-sft"] = hop_ems["grpo"] - hop_ems["sft"]
+        print(f"seed {seed}, {hops} hops: " + ", ".join(f"{key} EM {value:.3f}" for key, value in hop_ems.items()),
+              flush=True)
+    return ems, per_hop
+
+
+def _print_table(results: list[dict[str, float]]) -> dict[str, float]:
+    """A row per seed, then the mean and the spread over seeds, then the paired gain's t; returns the means."""
+    keys = list(results[0])
+    print("\n" + " ".join(f"{key:>14}" for key in ["seed", *keys]))
+    for seed, ems in enumerate(results, start=1):
+        print(" ".join([f"{seed:>14}", *(f"{ems[key]:>14.3f}" for key in keys)]))
+    means = {key: statistics.fmean(r[key] for r in results) for key in keys}
+    spreads = {key: statistics.stdev(r[key] for r in results) if len(results) > 1 else 0.0 for key in keys}
+    print(" ".join([f"{'mean':>14}", *(f"{means[key]:>14.3f}" for key in keys)]))
+    print(" ".join([f"{'std':>14}", *(f"{spreads[key]:>14.3f}" for key in keys)]))
+    if len(results) > 1 and spreads["grpo-sft"]:
+        t = means["grpo-sft"] / (spreads["grpo-sft"] / len(results) ** 0.5)
+        print(f"paired gain over seeds: t = {t:.2f} ({len(results) - 1} degrees of freedom)", end="")
+        print("; gain z: within a seed, over its test questions" if "gain z" in keys else "")
+    return means
+
+
+# options of one task only, with their defaults there (None: not given)
+TOY_OPTIONS = {"name_pool": 1000, "answer_pool": 0, "num_entities": 330}
+MULTIHOP_OPTIONS = {"hops": "3,4", "num_chains": 330, "context": "append", "context_window": 256,
+                    "manage_context_at": 140, "summary_tokens": 32}
+
+
+def _task_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Fill in the options of --task with their defaults; an option of the other task is an error."""
+    own, other = (TOY_OPTIONS, MULTIHOP_OPTIONS) if args.task == "toy" else (MULTIHOP_OPTIONS, TOY_OPTIONS)
+    given = [f"--{name.replace('_', '-')}" for name in other if getattr(args, name) is not None]
+    if given:
+        parser.error(f"{', '.join(given)}: not an option of --task {args.task}")
+    for name, default in own.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.task == "toy":
+        args.max_turns = 3 if args.max_turns is None else args.max_turns
+        args.out = args.out or "outputs/bench/learning"
+        return args
+    from rlsearch.data.multihop import parse_hops
+
+    try:
+        args.hops = parse_hops(args.hops)
+    except ValueError as err:
+        parser.error(f"--hops: {err}")
+    if not args.hops:
+        parser.error("--hops: give at least one hop count")
+    args.max_turns = max(args.hops) + 1 if args.max_turns is None else args.max_turns  # k searches, then the answer
+    args.out = args.out or "outputs/bench/learning-multihop"
+    return args
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=("toy", "multihop"), default="toy",
+                        help="toy: one search per question (default); multihop: chains of --hops searches")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny-4l")
-    parser.add_argument("--name-pool", type=int, default=1000, help="single-token names the toy data draws from")
-    parser.add_argument("--answer-pool", type=int, default=0,
-                        help="deal every answer from this many other fixed names (0: answers come from --name-pool)")
-    parser.add_argument("--num-entities", type=int, default=330,
-                        help="toy questions (half train, half test); each takes 3 names of the pool "
+    parser.add_argument("--name-pool", type=int, default=None,
+                        help="toy: single-token names the data draws from (default 1000)")
+    parser.add_argument("--answer-pool", type=int, default=None,
+                        help="toy: deal every answer from this many other fixed names (default 0: answers come from "
+                        "--name-pool)")
+    parser.add_argument("--num-entities", type=int, default=None,
+                        help="toy: questions (half train, half test; default 330); each takes 3 names of the pool "
                         "(1 with --answer-pool)")
+    parser.add_argument("--hops", default=None, metavar="K,K,...",
+                        help="multihop: the questions' hop counts, spread evenly (default 3,4)")
+    parser.add_argument("--num-chains", type=int, default=None,
+                        help="multihop: questions, one per chain (half train, half test; default 330)")
+    parser.add_argument("--context", choices=("append", "fold"), default=None,
+                        help="multihop: rollout.context of every eval and GRPO run (default append)")
+    parser.add_argument("--context-window", type=int, default=None,
+                        help="multihop: rollout.context_window in tokens (default 256: holds a whole 4-hop trajectory)")
+    parser.add_argument("--manage-context-at", type=int, default=None,
+                        help=f"multihop: rollout.manage_context_at in tokens, above {MULTIHOP_PROMPT_TOKENS} (default "
+                        "140: fold summarises after the third hop)")
+    parser.add_argument("--summary-tokens", type=int, default=None,
+                        help="multihop: rollout.summary_tokens, the most tokens of a fold's summary (default 32)")
     parser.add_argument("--demo-corpora", type=int, default=150, help="more corpora whose demonstrations SFT sees")
     parser.add_argument("--prompt-file", default="examples/prompts/search_r1_short.yaml")
     parser.add_argument("--flawed-fraction", type=float, default=0.5)
     parser.add_argument("--topk", type=int, default=1, help="passages per search (demonstrations and rollouts)")
-    parser.add_argument("--max-turns", type=int, default=3)
+    parser.add_argument("--max-turns", type=int, default=None,
+                        help="rollout.max_turns (default: toy 3; multihop k + 1 for the largest k)")
     parser.add_argument("--sft-steps", type=int, default=3000)
     parser.add_argument("--sft-lr", type=float, default=3e-3)
     parser.add_argument("--grpo-steps", type=int, default=30)
@@ -190,24 +335,22 @@ def main() -> None:
                         help="an extra override of the GRPO runs, e.g. algo.num_minibatches=2 (repeatable)")
     parser.add_argument("--no-ablation", dest="ablation", action="store_false",
                         help="skip the GRPO run without observation masking")
-    parser.add_argument("--out", default="outputs/bench/learning")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=None,
+                        help="default outputs/bench/learning (toy), outputs/bench/learning-multihop (multihop, both "
+                        "contexts)")
+    args = _task_defaults(parser, parser.parse_args())
 
     root = Path(args.out).resolve()
-    results = [run_seed(seed, root, args) for seed in range(1, args.seeds + 1)]
-    keys = list(results[0])
-    print("\n" + " ".join(f"{key:>14}" for key in ["seed", *keys]))
-    for seed, ems in enumerate(results, start=1):
-        print(" ".join([f"{seed:>14}", *(f"{ems[key]:>14.3f}" for key in keys)]))
-    means = {key: statistics.fmean(r[key] for r in results) for key in keys}
-    spreads = {key: statistics.stdev(r[key] for r in results) if len(results) > 1 else 0.0 for key in keys}
-    print(" ".join([f"{'mean':>14}", *(f"{means[key]:>14.3f}" for key in keys)]))
-    print(" ".join([f"{'std':>14}", *(f"{spreads[key]:>14.3f}" for key in keys)]))
-    if len(results) > 1 and spreads["grpo-sft"]:
-        t = means["grpo-sft"] / (spreads["grpo-sft"] / len(results) ** 0.5)
-        print(f"paired gain over seeds: t = {t:.2f} ({len(results) - 1} degrees of freedom); gain z: within a seed, "
-              "over its test questions")
+    seeds = [run_seed(seed, root, args) for seed in range(1, args.seeds + 1)]
+    if args.task == "multihop":
+        print(f"\nmultihop, hops {','.join(map(str, args.hops))}, rollout.context={args.context}: overall")
+    means = _print_table([ems for ems, _ in seeds])
     print(f"EM random {means['random']:.3f}, SFT {means['sft']:.3f}, GRPO {means['grpo']:.3f}")
+    for hops in seeds[0][1]:
+        print(f"\n{hops} hops")
+        hop_means = _print_table([per_hop[hops] for _, per_hop in seeds])
+        print(f"{hops} hops: EM random {hop_means['random']:.3f}, SFT {hop_means['sft']:.3f}, "
+              f"GRPO {hop_means['grpo']:.3f}")
 
 
 if __name__ == "__main__":
