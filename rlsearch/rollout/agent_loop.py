@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from ..config import RolloutConfig
 from ..tools import ErrorKind, ToolCall, ToolProtocol, ToolRegistry, ToolResult, TurnKind
 from .engine import chosen_logprobs
-from .observation import TRUNCATION_MARK, fit_observation
+from .observation import TRUNCATION_MARK, fitted_observation
 from .trajectory import ToolCallRecord, Trajectory, Turn
 
 
@@ -248,7 +248,7 @@ class AgentLoop:
         if trajectory.finish_reason:
             return None
         if turn_index == self.config.max_turns - 1:
-            self._cut(trajectory, "max_turns")
+            trajectory.cut("max_turns")
             return None
         if turn.kind != TurnKind.TOOL_CALL.value:
             turn.tool_outputs = [self.protocol.error_observation(turn.error or "invalid tool call")]
@@ -335,17 +335,12 @@ class AgentLoop:
         elif action.kind == TurnKind.NONE and completion.finish_reason == "stop":
             trajectory.finish_reason = "eos"
         elif action.kind == TurnKind.NONE:
-            self._cut(trajectory, binding_limit)
+            trajectory.cut(binding_limit)
         elif trajectory.num_response_tokens >= self.config.max_response_tokens:
-            self._cut(trajectory, "response_budget")
+            trajectory.cut("response_budget")
         elif trajectory.num_context_tokens >= self.config.window:
-            self._cut(trajectory, "context_window")
+            trajectory.cut("context_window")
         return turn
-
-    def _cut(self, trajectory: Trajectory, reason: str) -> None:
-        """End the trajectory for one of the limits (a truncation reason)."""
-        trajectory.truncations.append(reason)
-        trajectory.finish_reason = {"max_turns": "max_turns", "context_window": "context"}.get(reason, "length")
 
     def _over_limit(self, trajectory: Trajectory, record: ToolCallRecord) -> str | None:
         """Why this call may not run, or None. The calls before it (in earlier turns and earlier in its own) count,
@@ -397,9 +392,11 @@ class AgentLoop:
         record.latency_s = result.latency_s
         record.cached = result.cached
         if result.ok:
-            shown = fit_observation(self.protocol, result.documents, self.config.max_observation_tokens, self.tokenizer)
-            turn.tool_outputs[index] = shown
-            return shown != self.protocol.observation(result.documents)
+            fitted = fitted_observation(
+                self.protocol, result.documents, self.config.max_observation_tokens, self.tokenizer
+            )
+            turn.tool_outputs[index] = fitted.text
+            return fitted.cut
         unknown = result.error_kind == ErrorKind.UNKNOWN_TOOL
         shown = result.error if unknown else f"{record.name} failed: {result.error}"
         self._fail(turn, index, result.error_kind, result.error, shown)
@@ -414,10 +411,10 @@ class AgentLoop:
         or the context window with a token to spare."""
         observation_ids = self._encode(trajectory.turns[-1].observation)
         if trajectory.num_response_tokens + len(observation_ids) >= self.config.max_response_tokens:
-            self._cut(trajectory, "response_budget")
+            trajectory.cut("response_budget")
             return False
         if trajectory.num_context_tokens + len(observation_ids) >= self.config.window:
-            self._cut(trajectory, "context_window")
+            trajectory.cut("context_window")
             return False
         start = trajectory.num_context_tokens
         trajectory.append_observation_tokens(observation_ids)
@@ -450,7 +447,7 @@ class AgentLoop:
                 [self.protocol.wrap(FOLD_INSTRUCTION)], trajectory.response_ids[-1]
             ))
             if trajectory.num_context_tokens + len(notice) >= self.config.window:
-                self._cut(trajectory, "context_window")
+                trajectory.cut("context_window")
                 continue
             trajectory.append_observation_tokens(notice)
             asking.append(trajectory)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 from ..tools import Document, ToolProtocol
 
@@ -19,8 +20,16 @@ _FALLBACK_TOKEN_CHARS = 256
 _token_chars: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def fit_observation(protocol: ToolProtocol, documents: Sequence[Document], budget: int, tokenizer) -> str:
-    """The protocol's observation of ``documents`` in at most ``budget`` tokens (0: no budget).
+class FittedObservation(NamedTuple):
+    text: str
+    cut: bool  # something of the documents was left out: rollout/truncated/tool_output
+
+
+def fitted_observation(
+    protocol: ToolProtocol, documents: Sequence[Document], budget: int, tokenizer
+) -> FittedObservation:
+    """The protocol's observation of ``documents`` in at most ``budget`` tokens (0: no budget), and whether anything
+    of them had to be cut for it.
 
     Trailing documents whose tags alone do not fit are dropped; the texts of the rest are cut in order (the first
     documents keep the most) and re-rendered, so every item and the observation keep their closing tags. Token
@@ -35,12 +44,13 @@ def fit_observation(protocol: ToolProtocol, documents: Sequence[Document], budge
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
+    given = documents
     documents = _cut_by_characters(
         documents, budget * _max_token_chars(tokenizer) if budget > 0 else UNCAPPED_MAX_CHARS
     )
     text = protocol.observation(documents)
     if budget <= 0 or count(text) <= budget:
-        return text
+        return FittedObservation(text, documents is not given)
     text_ids = [tokenizer.encode(document.text, add_special_tokens=False) for document in documents]
 
     def allowance_for(num_items: int) -> int:
@@ -61,11 +71,11 @@ def fit_observation(protocol: ToolProtocol, documents: Sequence[Document], budge
             continue
         best = max(best, text, key=len)
         if len(kept) == num_items:
-            return text
+            return FittedObservation(text, True)
         # items were dropped: their tags no longer cost anything, so the kept ones get that room
         num_items = len(kept)
         allowance = allowance_for(num_items)
-    return best
+    return FittedObservation(best, True)
 
 
 def _max_token_chars(tokenizer) -> int:

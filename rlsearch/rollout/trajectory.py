@@ -99,6 +99,12 @@ class Trajectory:
         last = Segment(self.prompt_ids, self.response_ids, self.loss_mask, self.rollout_logprobs)
         return [*self.earlier_segments, last]
 
+    def cut(self, reason: str) -> None:
+        """End the trajectory for a limit (one of rlsearch.config.TRUNCATION_REASONS): the cut is recorded and the
+        finish reason says which kind it was."""
+        self.truncations.append(reason)
+        self.finish_reason = {"max_turns": "max_turns", "context_window": "context"}.get(reason, "length")
+
     @property
     def num_response_tokens(self) -> int:
         """Response tokens (model and observation) over every segment: what rollout.max_response_tokens bounds."""

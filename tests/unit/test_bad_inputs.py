@@ -10,7 +10,7 @@ import pytest
 
 from rlsearch.data import DatasetError, load_qa_dataset
 from rlsearch.data.dataset import MAX_QUESTION_CHARS
-from rlsearch.rollout.observation import TRUNCATION_MARK, UNCAPPED_MAX_CHARS, fit_observation
+from rlsearch.rollout.observation import TRUNCATION_MARK, UNCAPPED_MAX_CHARS, fitted_observation
 from rlsearch.tools import CallToolProtocol, Document, SearchR1Protocol
 
 GOOD = {"question": "Who founded Velmora?", "golden_answers": ["Ada"]}
@@ -97,24 +97,25 @@ def test_ten_megabyte_tool_output_is_cut_to_the_budget(protocol, tokenizer) -> N
     assert len(TEN_MB) > 10_000_000
     documents = [Document(text=TEN_MB, title="Velmora", id="d1"), Document(text="second hit", title="Two", id="d2")]
     budget = 96
-    cut = fit_observation(protocol, documents, budget, tokenizer)
+    cut = fitted_observation(protocol, documents, budget, tokenizer).text
     assert budget - 5 <= len(tokenizer.encode(cut, add_special_tokens=False)) <= budget
     assert cut.endswith(CLOSING[protocol.name]) and TRUNCATION_MARK in cut and "Velmora was founded" in cut
     # the cut by characters before tokenising changes nothing: the same as the token cut of a 20k-character output
     normal = [Document(text=TEN_MB[:20_000], title="Velmora", id="d1"), documents[1]]
-    assert fit_observation(protocol, normal, budget, tokenizer) == cut
+    assert fitted_observation(protocol, normal, budget, tokenizer).text == cut
 
 
 @pytest.mark.parametrize("protocol", [SearchR1Protocol(), CallToolProtocol()], ids=["search_r1", "call_tool"])
 def test_ten_megabyte_tool_output_without_a_budget_is_cut_by_characters(protocol, tokenizer) -> None:
     documents = [Document(text=TEN_MB, title="Velmora", id="d1"), Document(text="second hit", title="Two", id="d2")]
-    cut = fit_observation(protocol, documents, 0, tokenizer)
+    cut = fitted_observation(protocol, documents, 0, tokenizer).text
     assert UNCAPPED_MAX_CHARS < len(cut) < UNCAPPED_MAX_CHARS + 200
     assert cut.endswith(CLOSING[protocol.name]) and TEN_MB[:UNCAPPED_MAX_CHARS] + TRUNCATION_MARK in cut
     assert "second hit" not in cut and "Two" in cut  # the later item keeps its tags, its text is over the limit
     # an output within the limit is rendered whole, as before
     small = [Document(text="word " * 300, title="Doc", id="1")]
-    assert fit_observation(protocol, small, 0, tokenizer) == protocol.observation(small)
+    assert fitted_observation(protocol, small, 0, tokenizer) == (protocol.observation(small), False)
+    assert fitted_observation(protocol, documents, 0, tokenizer).cut  # the character cut counts as a cut too
 
 
 def test_a_user_agent_that_cannot_be_loaded_says_what_to_fix():

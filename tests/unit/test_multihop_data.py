@@ -20,7 +20,7 @@ from rlsearch.eval.runner import EvalRun
 from rlsearch.reward import get_scorer
 from rlsearch.reward.registry import scorer_name_for
 from rlsearch.rollout import Trajectory
-from rlsearch.rollout.observation import fit_observation
+from rlsearch.rollout.observation import fitted_observation
 from rlsearch.tools import Document, SearchTool, TurnKind, make_protocol
 from rlsearch.tools.servers.retrieval import BM25Retriever
 
@@ -163,7 +163,7 @@ def test_demonstrations_search_each_entity_and_render_like_the_rollout(datasets,
             parsed = protocol.parse_turn(call["content"])
             assert parsed.kind == TurnKind.TOOL_CALL and (parsed.call.name, parsed.call.query) == ("search", entity)
             (result,) = tool.run_batch([parsed.call])
-            assert observation == fit_observation(protocol, result.documents, 0, tokenizer)
+            assert observation == fitted_observation(protocol, result.documents, 0, tokenizer).text
         final = protocol.parse_turn(calls[-1]["content"])
         assert final.kind == TurnKind.ANSWER and _em(final.answer, question["golden_answers"]) == 1.0
     if protocol_name == "call_tool":

@@ -6,7 +6,7 @@ import pytest
 
 from rlsearch.config import ConfigError, TrainConfig, from_dict, validate_train_config
 from rlsearch.config.validate import BUILTIN_TOOLS
-from rlsearch.rollout.observation import TRUNCATION_MARK, fit_observation
+from rlsearch.rollout.observation import TRUNCATION_MARK, fitted_observation
 from rlsearch.tools import (
     CallToolProtocol,
     Document,
@@ -130,18 +130,19 @@ def test_observation_budget_cuts_text_but_keeps_closing_tags(protocol, tokenizer
     documents = [Document(text="word " * 300, title=f"Doc {i}", id=str(i)) for i in range(3)]
     full = protocol.observation(documents)
     budget = 80
-    cut = fit_observation(protocol, documents, budget, tokenizer)
+    cut = fitted_observation(protocol, documents, budget, tokenizer).text
     assert len(tokenizer.encode(full)) > 3 * 300
     assert budget - 5 <= len(tokenizer.encode(cut)) <= budget
     closing = "</information>" if protocol.name == "search_r1" else "</snippet>\n</tool_output>"
     assert closing in cut and TRUNCATION_MARK in cut
-    assert fit_observation(protocol, documents, 0, tokenizer) == full
+    assert fitted_observation(protocol, documents, 0, tokenizer) == (full, False)
+    assert fitted_observation(protocol, documents, budget, tokenizer).cut  # counted as rollout/truncated/tool_output
 
 
 def test_observation_budget_cut_inside_a_multibyte_character_drops_it(tokenizer) -> None:
     protocol = CallToolProtocol()
     documents = [Document(text="北京🚀" * 200, id="u")]
-    cut = fit_observation(protocol, documents, 40, tokenizer)
+    cut = fitted_observation(protocol, documents, 40, tokenizer).text
     assert "\ufffd" not in cut and cut.endswith("</snippet>\n</tool_output>\n")
     assert len(tokenizer.encode(cut)) <= 40
 

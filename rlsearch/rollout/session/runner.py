@@ -129,8 +129,7 @@ def to_trajectory(session: AgentSession, item: PromptItem, outcome: tuple[object
         trajectory.agent_reward = float(returned)
     cut = session.refused_for or (session.calls[-1].cut_by if session.calls else "")
     if cut:
-        trajectory.finish_reason = "context" if cut == "context_window" else "length"
-        trajectory.truncations.append(cut)
+        trajectory.cut(cut)
     elif trajectory.agent_answer is not None or trajectory.agent_reward is not None:
         trajectory.finish_reason = "answer"
     else:

@@ -197,6 +197,8 @@ class SessionEndpoint:
         params = self._sampling_params(body, limits[cut_by], request_seed(
             self.seed, step, item.group_id, item.sample_index, len(session.calls)
         ))
+        # of this prompt, what the previous call sent or got back (its segment as recorded): what the cache can hold
+        ceiling = common_prefix_length(prompt.ids, session.tokens.current.ids) if session.tokens.current else 0
         started, version_before = time.perf_counter(), self.engine.weight_version
         (output,) = await self.engine.generate([prompt.ids], [params])
         session.generate_s += time.perf_counter() - started
@@ -210,9 +212,8 @@ class SessionEndpoint:
         call = ModelCall(
             self.tokenizer.decode(shown, skip_special_tokens=False), len(sampled), finish,
             cut_by=cut_by if finish == "length" else "", weight_versions=versions, context_tokens=len(prompt.ids),
-            cached_tokens=output.num_cached_tokens or 0, cache_ceiling=common_prefix_length(prompt.ids, session.seen),
+            cached_tokens=output.num_cached_tokens or 0, cache_ceiling=ceiling,
         )
-        session.seen = list(prompt.ids) + sampled
         session.calls.append(call)
         return call, sampled, logprobs
 

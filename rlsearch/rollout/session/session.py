@@ -95,7 +95,6 @@ class AgentSession:
         # why a call was refused, ending the trajectory: response_budget (rollout.max_response_tokens used up) or
         # context_window (the prompt fills rollout.context_window); "" while none was
         self.refused_for = ""
-        self.seen: list[int] = []  # the last call's prompt and sampled tokens (what the prefix cache can hold)
         self.generate_s = 0.0
         self.tool_s = 0.0
         self.weight_versions: set[int] = set()
