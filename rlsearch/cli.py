@@ -136,10 +136,12 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     spec = TinyModelSpec(
         hidden_size=args.hidden_size, num_layers=args.num_layers, num_attention_heads=args.num_heads,
         num_key_value_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
-        tie_word_embeddings=args.tie_word_embeddings, seed=args.seed,
+        tie_word_embeddings=args.tie_word_embeddings, seed=args.seed, architecture=args.architecture,
+        num_experts=args.num_experts, experts_per_token=args.experts_per_token,
+        expert_intermediate_size=args.expert_intermediate_size,
     )
     out = make_tiny_model(args.out, spec)
-    print(f"tiny Qwen2 model written to {out}")
+    print(f"tiny {args.architecture} model written to {out}")
     return 0
 
 
@@ -393,15 +395,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_parser(commands)
 
     tiny = commands.add_parser(
-        "make-tiny-model", help="write a random-init tiny Qwen2 with the real Qwen2 tokenizer (offline)"
+        "make-tiny-model", help="write a random-init tiny Qwen2 (or Llama, Qwen3, Qwen3-MoE, Qwen2-MoE) with the real "
+        "Qwen2 tokenizer (offline)"
     )
     tiny.add_argument("--out", required=True, help="output HuggingFace model dir")
+    tiny.add_argument("--architecture", default="qwen2", choices=["qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe"])
     tiny.add_argument("--hidden-size", type=int, default=128)
     tiny.add_argument("--num-layers", type=int, default=2)
     tiny.add_argument("--num-heads", type=int, default=4, help="head size = hidden / heads must be >= 32")
     tiny.add_argument("--num-kv-heads", type=int, default=2)
     tiny.add_argument("--intermediate-size", type=int, default=256)
     tiny.add_argument("--tie-word-embeddings", action="store_true")
+    tiny.add_argument("--num-experts", type=int, default=8, help="MoE architectures: routed experts per layer")
+    tiny.add_argument("--experts-per-token", type=int, default=2, help="MoE architectures: top-k")
+    tiny.add_argument("--expert-intermediate-size", type=int, default=128,
+                      help="MoE architectures: each expert's FFN size (and Qwen2-MoE's shared expert's)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_make_tiny_model)
 

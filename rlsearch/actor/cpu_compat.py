@@ -8,6 +8,13 @@ What each patch covers (megatron-cpu.md has the investigation):
   __init__ and every method on the main thread).
 - torch.cuda.current_device() -> 0 and torch.cuda.synchronize() -> no-op (rotary embedding, checkpoint save).
 - Tensor.type() reports 'torch.cuda.*' (the distributed optimizer and grad clipping assert on it).
+- Backward passes: the device mode is not active inside autograd `Function.backward` (the engine runs it under the
+  thread-local state of the graph, without torch-function modes), so every custom backward runs inside the mode too
+  (megatron's `_gather_along_first_dim` allocates with device=torch.cuda.current_device() there).
+- MoE (megatron-core 0.16.1, local spec, SequentialMLP; ../shared/reference/moe_cpu): the router reads
+  `moe_utils.te_general_gemm`, defined only when Transformer Engine imports; the alltoall dispatcher makes a
+  `torch.cuda.Stream()` and synchronises its device-to-host copy through CUDA streams and events; and it hands its
+  split sizes to `all_to_all_single` as numpy arrays made by a helper that converts only CUDA tensors.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ def apply_cpu_patches() -> None:
         _install_cpu_rng_tracker()
         torch.cuda.current_device = lambda: 0
         torch.cuda.synchronize = lambda *args, **kwargs: None
+        _run_backward_in_device_mode()
+        _patch_moe()
         _applied = True
     if threading.get_ident() not in _mode_threads:
         _CudaToCpuMode().__enter__()
@@ -68,6 +77,62 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
             args = (args[0], _as_cpu_device(args[1]), *args[2:])
         return func(*args, **kwargs)
+
+
+def _run_backward_in_device_mode() -> None:
+    from torch.autograd.function import BackwardCFunction
+
+    apply_backward = BackwardCFunction.apply
+
+    def apply_in_device_mode(self, *args):
+        with _CudaToCpuMode():
+            return apply_backward(self, *args)
+
+    BackwardCFunction.apply = apply_in_device_mode
+
+
+class _NoopEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *args, **kwargs) -> None:
+        pass
+
+
+class _NoopStream:
+    """Stands in for the alltoall dispatcher's CUDA stream: CPU copies are synchronous."""
+
+    def wait_stream(self, *args, **kwargs) -> None:
+        pass
+
+    def record_event(self, *args, **kwargs) -> _NoopEvent:
+        return _NoopEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_NOOP_STREAM = _NoopStream()
+
+
+def _patch_moe() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # a class attribute the dispatcher's __init__ only fills when unset; torch.cuda.Stream itself stays a class
+    # (transformers names it in type annotations)
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NOOP_STREAM
+    torch.cuda.current_stream = lambda *args, **kwargs: _NOOP_STREAM
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    move_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move_to_cpu_as_numpy_too(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu_as_numpy_too
 
 
 def _install_cpu_rng_tracker() -> None:

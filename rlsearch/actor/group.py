@@ -151,11 +151,12 @@ class ActorGroup:
 
     def stage_workers(self) -> list[list]:
         """Per pipeline stage, in stage order: the ranks of data-parallel replica 0 and context-parallel rank 0 in TP
-        order. The first is the stage's weight sender; the weight path leaves the other ranks alone (their weights
-        are the same)."""
+        order, then (MoE with expert parallelism) the other data-parallel ranks holding the rest of the experts.
+        The first is the stage's weight sender; the weight path leaves the other ranks alone (their weights are
+        the same)."""
         stages: list[list] = [[] for _ in range(max(info.pp_rank for info in self.infos) + 1)]
-        for worker, info in sorted(zip(self.workers, self.infos), key=lambda pair: pair[1].tp_rank):
-            if info.dp_rank == 0 and info.cp_rank == 0:
+        for worker, info in sorted(zip(self.workers, self.infos), key=lambda pair: (pair[1].dp_rank, pair[1].tp_rank)):
+            if info.cp_rank == 0 and (info.dp_rank == 0 or info.expert_dp_rank == 0):
                 stages[info.pp_rank].append(worker)
         return stages
 

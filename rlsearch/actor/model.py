@@ -8,14 +8,30 @@ adjustment writes into the class dict, so sharing it across bridges would leak b
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from ..devices import local_device, local_gpu_index, transformer_engine_status
 
-# dense decoder-only models whose mbridge mapping is tested here (tied and untied embeddings)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# decoder-only models whose mbridge mapping is tested here: dense (tied and untied embeddings) and MoE
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", *MOE_ARCHITECTURES)
+
+# a routed expert's weight in the local spec (SequentialMLP)
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """The actor's MoE knobs (ActorConfig's moe_* keys and algo.routing_replay), for `make_bridge`."""
+
+    dispatcher: str = "alltoall"  # alltoall | allgather
+    aux_loss_coef: float = 0.0  # load-balancing loss (0: none)
+    z_loss_coef: float = 0.0  # router z-loss (0: none)
+    record_routing: bool = False  # build the routers with Megatron's RouterReplay (algo.routing_replay=old)
 
 _LOCAL_SPEC_LAYERNORM_NAMES = {
     "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
@@ -47,7 +63,8 @@ def check_architecture(model_type: str | None, hf_dir: str) -> None:
         )
 
 
-def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: bool):
+def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: bool,
+                moe: MoESettings = MoESettings()):
     """An mbridge Bridge for the HF model at `hf_dir`, configured for our runtime (call after parallel init)."""
     from mbridge.core.bridge import _MODEL_REGISTRY
     from transformers import AutoConfig
@@ -57,6 +74,7 @@ def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: 
     check_architecture(hf_config.model_type, hf_dir)
     base = _MODEL_REGISTRY[hf_config.model_type]
     overrides = {"_DIRECT_MAPPING": dict(base._DIRECT_MAPPING)}
+    is_moe = hf_config.model_type in MOE_ARCHITECTURES
     if transformer_impl == "local":
         overrides.update(
             _OTHER_MAPPING={**base._OTHER_MAPPING, "input_layernorm.weight": _LOCAL_SPEC_LAYERNORM_NAMES[
@@ -65,6 +83,8 @@ def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: 
                 "pre_mlp_layernorm.weight"]},
             _get_transformer_layer_spec=_local_layer_spec,
         )
+        if is_moe:
+            overrides["_weight_name_mapping_mcore_local_to_global"] = _sequential_expert_names(base)
     bridge_cls = type(f"{transformer_impl.title().replace('_', '')}{base.__name__}", (base,), overrides)
     bridge = bridge_cls(hf_config, dtype=dtype)
     runtime_args = dict(
@@ -90,8 +110,48 @@ def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: 
         )
     if on_cpu:
         runtime_args.update(use_cpu_initialization=True)
+    if is_moe:
+        runtime_args.update(_moe_runtime_args(hf_config.model_type, transformer_impl, moe))
     bridge.set_extra_args(**runtime_args)
     return bridge
+
+
+def _moe_runtime_args(model_type: str, transformer_impl: str, moe: MoESettings) -> dict:
+    args = dict(
+        moe_token_dispatcher_type=moe.dispatcher,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coef > 0 else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coef,
+        moe_z_loss_coeff=moe.z_loss_coef or None,
+        moe_enable_routing_replay=moe.record_routing,
+        # mbridge overlaps the shared expert with the dispatch, which needs the alltoall dispatcher and CUDA streams
+        moe_shared_expert_overlap=False,
+    )
+    if model_type == "qwen2_moe":
+        # HF Qwen2-MoE scales the shared expert by sigmoid(shared_expert_gate(x)); mbridge's config leaves it out
+        args["moe_shared_expert_gate"] = True
+    if transformer_impl == "local":
+        # SequentialMLP (an expert after another), no fused permutation or router kernels
+        args.update(moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False)
+    return args
+
+
+def _sequential_expert_names(base):
+    """mbridge maps experts by TEGroupedMLP names (`mlp.experts.linear_fc1.weight<i>`); the local spec builds
+    SequentialMLP (`mlp.experts.local_experts.<i>.linear_fc1.weight`). Renamed, then shifted to global expert ids
+    on expert-parallel ranks as mbridge does for its own names."""
+
+    def local_to_global(self, model, consider_ep: bool = True) -> dict[str, str]:
+        names = base._weight_name_mapping_mcore_local_to_global(self, model, consider_ep=False)
+        first_expert = self.config.num_moe_experts // self.mpu.ep_size * self.mpu.ep_rank if consider_ep else 0
+        for local, name in names.items():
+            match = _LOCAL_EXPERT.search(name)
+            if match:
+                names[local] = (f"{name[:match.start()]}.mlp.experts.{match.group(2)}.weight"
+                                f"{int(match.group(1)) + first_expert}")
+        return names
+
+    return local_to_global
 
 
 def _expose_rope_theta(hf_config) -> None:
@@ -108,7 +168,10 @@ def _local_layer_spec(self, vp_stage=None):
     from .attention import PackedDotProductAttention
 
     self.has_vp_stage = True  # read by mbridge's model provider; megatron 0.16 takes vp_stage in GPTModel
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm)
+    spec = get_gpt_layer_local_spec(
+        num_experts=self.config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+        qk_layernorm=self.config.qk_layernorm,
+    )
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     return spec
 

@@ -21,6 +21,7 @@ def init_megatron_parallel(
     tp: int = 1,
     pp: int = 1,
     cp: int = 1,
+    ep: int = 1,
     virtual_pipeline_stages: int = 0,
     backend: str = "auto",
     seed: int = 0,
@@ -45,7 +46,7 @@ def init_megatron_parallel(
     )
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_stages or None,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_stages or None, expert_model_parallel_size=ep,
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

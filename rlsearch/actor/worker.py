@@ -30,7 +30,7 @@ from .batch import MicroBatch, Packing, TrainSample, pack_micro_batches
 from .cpu_compat import cuda_available
 from .distribution import SamplingDistribution
 from .logits import token_logprobs
-from .model import build_model_chunks, export_hf_named, make_bridge, resolve_transformer_impl
+from .model import MoESettings, build_model_chunks, export_hf_named, make_bridge, resolve_transformer_impl
 from .parallel import PROCESS_GROUP_TIMEOUT_S, init_megatron_parallel, model_sharded_state
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -70,6 +70,7 @@ class RankInfo:
     pp_rank: int
     dp_rank: int
     cp_rank: int
+    expert_dp_rank: int  # data-parallel rank among the replicas of this rank's experts (= dp_rank without MoE)
     is_output_rank: bool  # last pipeline stage, tensor- and context-parallel rank 0: holds losses and logprobs
     transformer_impl: str  # the layer spec built: local | transformer_engine (checkpoint keys depend on it)
 
@@ -117,14 +118,18 @@ class MegatronActorWorker:
         torch.set_num_threads(actor.num_threads or max(1, cores // self.world_size))
         on_cpu = not cuda_available()
         init_megatron_parallel(
-            self.rank, self.world_size, rendezvous, tp=actor.tp, pp=actor.pp, cp=actor.cp,
+            self.rank, self.world_size, rendezvous, tp=actor.tp, pp=actor.pp, cp=actor.cp, ep=actor.ep,
             virtual_pipeline_stages=actor.virtual_pipeline_stages, backend=actor.backend, seed=self.spec.seed,
         )
 
         self.transformer_impl = resolve_transformer_impl(actor.transformer_impl)
         dtype = _DTYPES[self.spec.dtype]
         # mbridge's HF <-> Megatron mapper (rlsearch.weights is the weight path that uses it)
-        self.mbridge = make_bridge(self.spec.model_path, dtype, self.transformer_impl, on_cpu)
+        moe = MoESettings(
+            dispatcher=actor.moe_dispatcher, aux_loss_coef=actor.moe_aux_loss_coef, z_loss_coef=actor.moe_z_loss_coef,
+            record_routing=self.spec.algo.routing_replay == "old",
+        )
+        self.mbridge = make_bridge(self.spec.model_path, dtype, self.transformer_impl, on_cpu, moe)
         chunks = self._build_chunks()
         self.model = self._wrap_for_training(chunks)
         self.reference = None
@@ -146,6 +151,7 @@ class MegatronActorWorker:
             pp_rank=ps.get_pipeline_model_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(),
             cp_rank=cp_rank,
+            expert_dp_rank=ps.get_expert_data_parallel_rank(),
             is_output_rank=ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and cp_rank == 0,
             transformer_impl=self.transformer_impl,
         )
@@ -408,7 +414,8 @@ class MegatronActorWorker:
             WeightBucket | dict]:
         """This pipeline stage's weights in buckets of about `bucket_bytes` (shm transport), yielded by the stage's
         sender: as files it writes in /dev/shm for engines on its node (their path and layout), else as object-store
-        buckets. Its TP peers take part in the gathers and yield nothing. Called on DP-rank-0 ranks only."""
+        buckets. Its TP peers (and, with expert parallelism, the ranks holding the other experts) take part in the
+        gathers and yield nothing. Called on the ranks of `ActorGroup.stage_workers` only."""
         staged = None
         if stage_in_shared_memory and self._is_stage_sender():
             staged = self._staged_buckets = shm.StagedBuckets()

