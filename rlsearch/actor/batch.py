@@ -33,10 +33,15 @@ class TrainSample:
     rollout_logprobs: list[float] | None = None  # the engine's, only for the drift metric
     # segments of one trajectory share a group: with actor.merge_prefixes they train as one prefix tree
     prefix_group: int | None = None
+    # MoE routing to replay (algo.routing_replay): [len(token_ids), layers, top-k] expert ids per token and layer
+    # (-1 for dense layers), recorded when the old logprobs were computed
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.response_start < 1 or self.response_start > len(self.token_ids):
             raise ValueError(f"response_start={self.response_start} outside a sequence of {len(self.token_ids)}")
+        if self.routed_experts is not None and self.routed_experts.shape[0] != len(self.token_ids):
+            raise ValueError(f"routed_experts covers {self.routed_experts.shape[0]} tokens of {len(self.token_ids)}")
         for name in ("loss_mask", "token_weights", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
             values = getattr(self, name)
             if values is not None and len(values) != self.response_len:
@@ -65,7 +70,9 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None
     rollout_logprobs: torch.Tensor | None
     response_lens: list[int]  # selected positions per sample, over all CP ranks
+    sample_rows: list[torch.Tensor]  # each packed sample's row per token (before a CP split)
     selection: torch.Tensor | None = None  # with CP: each of this rank's selected positions' index among all of them
+    routed_experts: torch.Tensor | None = None  # [rows, layers, top-k]: the samples' routing to replay, per row
 
     @property
     def num_tokens(self) -> int:
@@ -227,8 +234,12 @@ def collate(
     )
     row_tokens, row_positions = torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
     layout = RowLayout(row_positions, blocks)
+    sample_rows = [torch.tensor(rows_of[i], dtype=torch.long) for i in range(len(samples))]
+    routed_experts = _routed_rows(samples, sample_rows, len(tokens))
     selection = None
     if packing.cp > 1:
+        if routed_experts is not None:
+            raise ValueError("routing replay with context parallelism is not supported (MoE runs with cp=1)")
         shards = [cp_shard(blocks, padded_boundaries, packing.cp, rank) for rank in range(packing.cp)]
         rows, cp_blocks = shards[packing.cp_rank]
         local_row = torch.full((len(tokens),), -1, dtype=torch.long)
@@ -249,9 +260,24 @@ def collate(
         layout=layout,
         logit_index=index,
         response_lens=[len(rows) for rows in kept],
+        sample_rows=sample_rows,
         selection=selection,
+        routed_experts=routed_experts,
         **per_token,
     )
+
+
+def _routed_rows(samples: Sequence[TrainSample], sample_rows: Sequence[torch.Tensor], rows: int) -> torch.Tensor | None:
+    """The samples' recorded routing laid out per row (rows a prefix tree shares hold the same routing)."""
+    if all(sample.routed_experts is None for sample in samples):
+        return None
+    if any(sample.routed_experts is None for sample in samples):
+        raise ValueError("routing replay needs every sample's routing; some samples have none")
+    first = samples[0].routed_experts
+    routed = torch.full((rows, *first.shape[1:]), -1, dtype=first.dtype)
+    for sample, sample_row in zip(samples, sample_rows):
+        routed[sample_row] = sample.routed_experts
+    return routed
 
 
 def pack_micro_batches(

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from functools import partial
 
 import ray
+import torch
 
 from ..algo import Objective, grpo_objective, sft_objective
 from .batch import TrainSample
@@ -28,6 +29,7 @@ class ActorGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.spec = spec
+        self.last_tokens_per_expert: torch.Tensor | None = None  # MoE: the last step's [layers, experts] counts
         actor = spec.actor
         self.world_size = actor.world_size
         self.dp_size = actor.dp
@@ -97,6 +99,26 @@ class ActorGroup:
         ])
         return [row for shard in self._output_by_dp_rank(results) for row in shard]
 
+    def compute_logprobs_and_routing(
+        self, samples: Sequence[TrainSample]
+    ) -> tuple[list[list[float]], list[torch.Tensor]]:
+        """`compute_logprobs` of the trained MoE model, and the routing of each sample in that pass: [tokens, layers,
+        top-k] expert ids (algo.routing_replay=old: `TrainSample.routed_experts`)."""
+        shards = self._shards(samples)
+        results = self._get([
+            worker.compute_logprobs.remote(shards[info.dp_rank], record_routing=True)
+            for worker, info in zip(self.workers, self.infos)
+        ])
+        logprobs = [row for shard in self._output_by_dp_rank([r[0] for r in results]) for row in shard]
+        # every stage's tensor-parallel rank 0 recorded its own layers (-1 in the others'): merged per sample
+        by_dp: dict[int, list[torch.Tensor]] = {}
+        for info, (_, routing) in zip(self.infos, results):
+            if routing is not None:
+                merged = by_dp.setdefault(info.dp_rank, routing)
+                if merged is not routing:
+                    by_dp[info.dp_rank] = [torch.maximum(a, b) for a, b in zip(merged, routing)]
+        return logprobs, [row for dp_rank in range(self.dp_size) for row in by_dp[dp_rank]]
+
     def _train(
         self, samples: Sequence[TrainSample], objective: Objective, distribution: SamplingDistribution | None = None
     ) -> tuple[list[dict[str, float]], float]:
@@ -122,7 +144,15 @@ class ActorGroup:
             "actor/grad_norm": per_dp[0]["grad_norm"],
             "actor/lr": per_dp[0]["lr"],
             "actor/skipped_nonfinite": skipped,
+            **self._expert_load(per_dp[0]),
         }
+
+    def _expert_load(self, result: dict) -> dict[str, float]:
+        """MoE: the step's expert-load metrics (moe/*: every rank's result holds them, reduced over all ranks); the
+        tokens per expert [layers, experts] stay in `last_tokens_per_expert`."""
+        if "moe_tokens_per_expert" in result:
+            self.last_tokens_per_expert = result["moe_tokens_per_expert"]
+        return {key: value for key, value in result.items() if key.startswith("moe/")}
 
     def train_step(self, samples: Sequence[TrainSample], objective: Objective | None = None) -> dict[str, float]:
         """One optimizer step of `objective` (default: GRPO with the group's algo config) over `samples`."""
@@ -147,6 +177,7 @@ class ActorGroup:
             "actor/update_ok": per_dp[0]["update_ok"],
             # 1.0: the loss or grad norm was NaN/inf, every rank skipped the optimizer step (weights unchanged)
             "actor/skipped_nonfinite": skipped,
+            **self._expert_load(per_dp[0]),
         }
 
     def stage_workers(self) -> list[list]:

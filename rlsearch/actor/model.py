@@ -133,6 +133,8 @@ def _moe_runtime_args(model_type: str, transformer_impl: str, moe: MoESettings) 
     if transformer_impl == "local":
         # SequentialMLP (an expert after another), no fused permutation or router kernels
         args.update(moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False)
+    if moe.record_routing:
+        args["moe_router_fusion"] = False  # the fused top-k kernel bypasses Megatron's router replay
     return args
 
 

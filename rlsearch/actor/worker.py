@@ -31,6 +31,7 @@ from .cpu_compat import cuda_available
 from .distribution import SamplingDistribution
 from .logits import token_logprobs
 from .model import MoESettings, build_model_chunks, export_hf_named, make_bridge, resolve_transformer_impl
+from .moe import MoERouters, expert_load_metrics
 from .parallel import PROCESS_GROUP_TIMEOUT_S, init_megatron_parallel, model_sharded_state
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -139,6 +140,12 @@ class MegatronActorWorker:
                 chunk.requires_grad_(False)
         self._logit_index: torch.Tensor | None = None
         self._install_logit_selection(self.model + (self.reference or []))
+        config = chunks[0].config
+        # MoE: expert-load counts and router replay on the trained model's routers (every rank, even a stage without
+        # MoE layers: the counts are reduced over all ranks)
+        self.routers = MoERouters(self.model, config.num_layers, config.num_moe_experts, config.moe_router_topk) if (
+            config.num_moe_experts) else None
+        self._recorded_routing: dict[int, torch.Tensor] | None = None
         cp_rank = ps.get_context_parallel_rank()
         merge = actor.merge_prefixes and self.transformer_impl == "local"
         if actor.merge_prefixes and not merge and self.rank == 0:
@@ -263,22 +270,44 @@ class MegatronActorWorker:
         # the interleaved schedule reads micro-batches once per model chunk
         batches = iter(micro_batches) if len(model) == 1 else [iter(micro_batches) for _ in model]
 
+        routed = self.routers is not None and model is self.model
+
         def forward_step(data_iterator, chunk):
             mb: MicroBatch = next(data_iterator)
             if self.transformer_impl == "local":
                 mb.layout.rotary = rotary_table(_unwrap(chunk), mb.layout.positions)
+            if routed:
+                self.routers.free(chunk)
+                if self._recorded_routing is not None:
+                    self.routers.record(chunk)
+                elif mb.routed_experts is not None:
+                    self.routers.replay(chunk, mb.routed_experts)
             self._logit_index = mb.logit_index
             try:
                 output = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
             finally:
                 self._logit_index = None
+            if routed and self._recorded_routing is not None:
+                self._keep_recorded_routing(chunk, mb)
             return output, partial(loss_fn, mb, len(micro_batches), self._output_head(chunk))
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=batches, model=model,
-            num_microbatches=len(micro_batches), seq_length=max(mb.num_tokens for mb in micro_batches),
-            micro_batch_size=1, forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=batches, model=model,
+                num_microbatches=len(micro_batches), seq_length=max(mb.num_tokens for mb in micro_batches),
+                micro_batch_size=1, forward_only=forward_only,
+            )
+        finally:
+            if routed:
+                for chunk in model:
+                    self.routers.free(chunk)
+
+    def _keep_recorded_routing(self, chunk: torch.nn.Module, mb: MicroBatch) -> None:
+        """The routing `chunk`'s layers just recorded for `mb`, into each of its samples' routing."""
+        for layer, indices in self.routers.recorded(chunk):
+            indices = indices.to("cpu", torch.int16)
+            for sample_index, rows in zip(mb.sample_indices, mb.sample_rows):
+                self._recorded_routing[sample_index][:, layer] = indices[rows]
 
     def _whole_selection(self, values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """With context parallelism, per-position values of all the micro-batch's selected positions (each CP rank
@@ -293,10 +322,24 @@ class MegatronActorWorker:
         return whole
 
     def compute_logprobs(
-        self, samples: Sequence[TrainSample], reference: bool = False, distribution: SamplingDistribution | None = None
-    ) -> list[list[float]] | None:
+        self, samples: Sequence[TrainSample], reference: bool = False, distribution: SamplingDistribution | None = None,
+        record_routing: bool = False,
+    ) -> list[list[float]] | None | tuple[list[list[float]] | None, list[torch.Tensor] | None]:
         """Per-sample logprobs of the response tokens (under the rollout's sampled distribution unless given). None
-        off the output ranks."""
+        off the output ranks. `record_routing` (MoE): also each sample's routing, [tokens, layers, top-k] expert ids
+        of this rank's layers (-1 elsewhere), from tensor-parallel rank 0 of every stage: (logprobs, routing)."""
+        if record_routing:
+            if self.routers is None or reference or self.spec.algo.routing_replay != "old":
+                raise ValueError("routing is recorded for the trained MoE model with algo.routing_replay=old only")
+            shape = (self.routers.num_layers, self.routers.topk)
+            self._recorded_routing = {i: torch.full((len(s.token_ids), *shape), -1, dtype=torch.int16)
+                                      for i, s in enumerate(samples)}
+            try:
+                logprobs = self.compute_logprobs(samples, reference, distribution)
+                routing = [self._recorded_routing[i] for i in range(len(samples))]
+            finally:
+                self._recorded_routing = None
+            return logprobs, routing if self.info.tp_rank == 0 else None
         model = self.reference if reference else self.model
         if model is None:
             raise RuntimeError("reference logprobs requested but algo.kl_coef is 0 (no reference model)")
@@ -347,8 +390,14 @@ class MegatronActorWorker:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.routers is not None:
+            self.routers.start_counting()
         outputs = self._run_pipeline(self.model, samples, loss_fn, forward_only=False)
         totals = self._reduce_over_cp({key: sum(out[key] for out in outputs) for key in outputs[0]}) if outputs else {}
+        if self.routers is not None:
+            tokens_per_expert, routed_tokens = self.routers.stop_counting()
+            totals.update(expert_load_metrics(tokens_per_expert, routed_tokens, self.routers.topk),
+                          moe_tokens_per_expert=tokens_per_expert)
         skipped = self._any_rank_nonfinite(totals.get("loss", 0.0))
         if skipped:
             # weights, optimizer moments and step count, and the LR schedule stay as they were; every rank agrees

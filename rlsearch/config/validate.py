@@ -176,12 +176,19 @@ def model_layout_problem(model_dir: str | Path, tp: int, pp: int, virtual_pipeli
     return None
 
 
-def check_model_layout(model_dir: str | Path, actor: ActorConfig) -> None:
-    """ConfigError when the actor's layout cannot split the model (checked at start-up, before any rank starts)."""
+def check_model_layout(model_dir: str | Path, actor: ActorConfig, routing_replay: str = "none") -> None:
+    """ConfigError when the actor's layout cannot split the model, or routing replay is asked of a dense model
+    (checked at start-up, before any rank starts)."""
+    import json
+
     problem = model_layout_problem(model_dir, actor.tp, actor.pp, actor.virtual_pipeline_stages, prefix="actor.",
                                    ep=actor.ep, cp=actor.cp)
     if problem:
         raise ConfigError(problem)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if routing_replay != "none" and not (config.get("num_experts") or config.get("num_local_experts")):
+        raise ConfigError(f"'algo.routing_replay' is {routing_replay} but {model_dir} is a dense model (no experts "
+                          "to route); use algo.routing_replay=none")
 
 
 def _check_trained_distribution(config: TrainConfig) -> None:

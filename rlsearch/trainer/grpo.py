@@ -111,7 +111,7 @@ class GRPOTrainer:
         self.config = config
         self.output_dir = Path(config.trainer.output_dir)
         self.examples = self._load_examples()
-        check_model_layout(config.model.path, config.actor)
+        check_model_layout(config.model.path, config.actor, config.algo.routing_replay)
         self.sampler = EpochSampler(self.examples, seed=config.trainer.seed, shuffle=config.data.shuffle)
         self.step = 0
         self.resumed_step = 0

@@ -33,7 +33,13 @@ def policy_update(actor: ActorGroup, samples: list[TrainSample], algo: AlgoConfi
     started = time.perf_counter()
     if len(minibatch_bounds(len(samples), algo.num_minibatches)) * algo.ppo_epochs > 1:
         # on the step's samples: the mini-batches copy them, the trajectory records read them (actor_logprobs)
-        for sample, logprobs in zip(samples, actor.compute_logprobs(samples), strict=True):
+        if algo.routing_replay == "old":  # every update routes each token as this pass did
+            old_logprobs, routing = actor.compute_logprobs_and_routing(samples)
+            for sample, routed in zip(samples, routing, strict=True):
+                sample.routed_experts = routed
+        else:
+            old_logprobs = actor.compute_logprobs(samples)
+        for sample, logprobs in zip(samples, old_logprobs, strict=True):
             sample.old_logprobs = logprobs
     old_logprob_s = time.perf_counter() - started
     parts = minibatches(samples, algo)

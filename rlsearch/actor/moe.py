@@ -1,0 +1,121 @@
+"""The MoE layers of a rank's model chunks: how many tokens each expert receives (the load metrics) and Megatron's
+router replay (algo.routing_replay=old: record the routing of the old-logprob pass, replay it in every update).
+
+Every router's forward is observed through a hook: it reports (probs, routing_map [tokens, experts]). Replay goes
+through Megatron's `RouterReplay` object on each router (built when `moe_enable_routing_replay` is set): its top-k
+is recorded (RECORD) or taken from given indices (REPLAY_FORWARD) instead of computed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..devices import local_device
+
+
+class MoERouters:
+    """The routers of `chunks` (a rank's model chunks, DDP-wrapped or bare), keyed by global layer index."""
+
+    def __init__(self, chunks: list[torch.nn.Module], num_layers: int, num_experts: int, topk: int) -> None:
+        self.num_layers, self.num_experts, self.topk = num_layers, num_experts, topk
+        self._by_chunk: dict[int, list[tuple[int, torch.nn.Module]]] = {}
+        for chunk in chunks:
+            module = getattr(chunk, "module", chunk)
+            routers = []
+            for layer in getattr(getattr(module, "decoder", None), "layers", []):
+                router = getattr(layer.mlp, "router", None)
+                if router is not None:
+                    routers.append((layer.layer_number - 1, router))
+                    router.register_forward_hook(self._on_route(layer.layer_number - 1))
+            self._by_chunk[id(chunk)] = routers
+        self.counting = False
+        self.tokens_per_expert = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.routed_tokens = torch.zeros(num_layers, dtype=torch.float64)  # tokens the router saw, per layer
+        self._replaying: dict[int, torch.Tensor] = {}  # layer -> the indices replayed in the current forward
+
+    @property
+    def present(self) -> bool:
+        return any(self._by_chunk.values())
+
+    def _on_route(self, layer: int):
+        def hook(_router, _inputs, output) -> None:
+            _, routing_map = output
+            target = self._replaying.get(layer)
+            if target is not None:
+                replayed = torch.zeros_like(routing_map).scatter(1, target.to(routing_map.device), True)
+                if not torch.equal(replayed, routing_map):
+                    raise RuntimeError(f"routing replay: layer {layer} routed tokens to other experts than replayed")
+            if self.counting:
+                self.tokens_per_expert[layer] += routing_map.sum(0).to("cpu", torch.float64)
+                self.routed_tokens[layer] += routing_map.shape[0]
+
+        return hook
+
+    def start_counting(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.routed_tokens.zero_()
+        self.counting = True
+
+    def stop_counting(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens per expert [layers, experts], tokens routed per layer) since `start_counting`, summed over every
+        rank (each data-parallel rank routes its own tokens; each pipeline stage its own layers). A collective."""
+        self.counting = False
+        counts = torch.cat([self.tokens_per_expert.flatten(), self.routed_tokens]).to(local_device())
+        if dist.get_backend() != "nccl":
+            counts = counts.cpu()
+        dist.all_reduce(counts)
+        counts = counts.cpu()
+        split = self.num_layers * self.num_experts
+        return counts[:split].view(self.num_layers, self.num_experts), counts[split:]
+
+    def record(self, chunk: torch.nn.Module) -> None:
+        """Record the top-k of `chunk`'s routers in their next forward passes (until `free`)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for _, router in self._by_chunk[id(chunk)]:
+            router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+
+    def recorded(self, chunk: torch.nn.Module) -> list[tuple[int, torch.Tensor]]:
+        """(layer, top-k expert ids [rows, k]) of `chunk`'s routers in its last recorded forward."""
+        return [(layer, router.router_replay.recorded_topk_idx) for layer, router in self._by_chunk[id(chunk)]]
+
+    def replay(self, chunk: torch.nn.Module, routed: torch.Tensor) -> None:
+        """Route `chunk`'s next forward by `routed` ([rows, layers, k]: each layer's recorded top-k)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self._replaying = {}
+        for layer, router in self._by_chunk[id(chunk)]:
+            target = routed[:, layer].to(local_device(), torch.long)
+            if (target < 0).any():
+                raise ValueError(f"routing replay: no recorded routing for some tokens of MoE layer {layer}")
+            router.router_replay.clear_indices()
+            router.router_replay.target_topk_idx = target
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            self._replaying[layer] = target
+
+    def free(self, chunk: torch.nn.Module) -> None:
+        """`chunk`'s routers compute their top-k again (no recording, no replay)."""
+        self._replaying = {}
+        for _, router in self._by_chunk[id(chunk)]:
+            if router.router_replay is not None:
+                router.router_replay.clear_router_replay_action()
+                router.router_replay.clear_indices()
+
+
+def expert_load_metrics(tokens_per_expert: torch.Tensor, routed_tokens: torch.Tensor, topk: int) -> dict[str, float]:
+    """moe/* metrics from a step's routing counts: per MoE layer the busiest expert's tokens over the mean (1.0: a
+    perfect balance, num_experts: one expert takes every token), the worst layer's, and the share of token-expert
+    assignments dropped by a capacity limit (0 without one)."""
+    metrics: dict[str, float] = {}
+    layers = [layer for layer in range(len(routed_tokens)) if routed_tokens[layer] > 0]
+    if not layers:
+        return metrics
+    for layer in layers:
+        counts = tokens_per_expert[layer]
+        metrics[f"moe/expert_load_max_over_mean/layer_{layer}"] = float(counts.max() / counts.mean().clamp(min=1e-12))
+    metrics["moe/expert_load_max_over_mean"] = max(metrics.values())
+    assigned = float(tokens_per_expert[layers].sum())
+    wanted = float(routed_tokens[layers].sum()) * topk
+    metrics["moe/dropped_token_fraction"] = 1.0 - assigned / wanted
+    return metrics
