@@ -124,9 +124,9 @@ def _hf_to_mcore(args: argparse.Namespace) -> str:
     from .checkpoint import read_manifest
     from .checkpoint.convert import hf_to_mcore
 
-    out = hf_to_mcore(args.hf_dir, args.out, tp=args.tp, pp=args.pp)
+    out = hf_to_mcore(args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep)
     manifest = read_manifest(out)
-    return (f"wrote Megatron checkpoint {out} (tp={args.tp} pp={args.pp}, {manifest['dtype']}): "
+    return (f"wrote Megatron checkpoint {out} (tp={args.tp} pp={args.pp} ep={args.ep}, {manifest['dtype']}): "
             f"{len(manifest['files'])} files, {sum(manifest['files'].values()) / 2**20:.1f} MiB")
 
 
@@ -229,6 +229,7 @@ examples:
   rlsearch convert mcore-to-hf --ckpt outputs/run/checkpoints/step_000010 --out outputs/run/hf_step_10
   rlsearch convert mcore-to-hf --ckpt RUN/checkpoints/step_000010 --out /models/step_10 --dtype bf16 --verify
   rlsearch convert hf-to-mcore --hf-dir outputs/assets/tiny-qwen2 --out /ckpt/tiny-tp2pp2 --tp 2 --pp 2
+  rlsearch convert hf-to-mcore --hf-dir /models/Qwen3-30B-A3B --out /ckpt/qwen3-moe-ep4 --ep 4
 """
 
 
@@ -242,12 +243,13 @@ examples:
 
 def add_convert_parser(commands) -> None:
     convert = commands.add_parser(
-        "convert", help="convert checkpoints between Megatron (any TP/PP) and HuggingFace",
+        "convert", help="convert checkpoints between Megatron (any TP/PP/EP) and HuggingFace",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONVERT_EPILOG,
         description="Convert a training checkpoint (RUN/checkpoints/step_N) into a HuggingFace model dir that\n"
         "transformers, vLLM and `rlsearch eval` load, or an HF model into a Megatron distributed checkpoint\n"
-        "for a chosen tensor x pipeline parallel layout. A checkpoint saved with any TP/PP converts (Megatron\n"
-        "reshards on load). Ranks run on CPU (gloo), or on one GPU each when there are enough GPUs.",
+        "for a chosen tensor x pipeline (x expert, MoE models) parallel layout. A checkpoint saved with any\n"
+        "TP/PP/EP converts (Megatron reshards on load). Ranks run on CPU (gloo), or on one GPU each when there are\n"
+        "enough GPUs.",
     )
     directions = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     to_hf = directions.add_parser(
@@ -266,15 +268,17 @@ def add_convert_parser(commands) -> None:
     to_hf.set_defaults(func=_convert, conversion=_mcore_to_hf)
 
     to_mcore = directions.add_parser(
-        "hf-to-mcore", help="HuggingFace model dir -> Megatron checkpoint for a TP x PP layout",
+        "hf-to-mcore", help="HuggingFace model dir -> Megatron checkpoint for a TP x PP x EP layout",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONVERT_EPILOG,
         description="Write a model-only Megatron distributed checkpoint (torch_dist) of an HF model\n"
-        "(safetensors), saved by tp x pp ranks.",
+        "(safetensors), saved by tp x pp x ep ranks.",
     )
     to_mcore.add_argument("--hf-dir", required=True, help="HuggingFace model dir (config.json + *.safetensors)")
     to_mcore.add_argument("--out", required=True, help="output checkpoint dir (must not exist or be empty)")
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    to_mcore.add_argument("--ep", type=int, default=1, help="expert-parallel size, MoE models only: must divide the "
+                          "experts; each of ep data-parallel ranks saves its share of them (default 1)")
     to_mcore.set_defaults(func=_convert, conversion=_hf_to_mcore)
 
 

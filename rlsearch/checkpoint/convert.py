@@ -1,11 +1,13 @@
 """Conversion between HuggingFace model dirs and Megatron distributed checkpoints (torch_dist, layout.py).
 
-- `hf_to_mcore`: tp x pp spawned ranks each build their shard of the model, load the HF safetensors into it through
-  mbridge and save together: a model-only checkpoint for that layout.
-- `mcore_to_hf`: one spawned rank (TP1PP1) loads the "model" part of any checkpoint, a training run's or a
-  converted one (Megatron reshards whatever layout it was saved from), exports HF-named tensors through mbridge and
-  writes safetensors shards with their index, config and tokenizer; `verify` compares the logits of the written dir
-  (HF transformers) with the Megatron model's.
+- `hf_to_mcore`: tp x pp x ep spawned ranks each build their shard of the model, load the HF safetensors into it
+  through mbridge and save together: a model-only checkpoint for that layout. With expert parallelism (MoE models)
+  the ep data-parallel replicas each hold and save their own experts.
+- `mcore_to_hf`: one spawned rank (TP1PP1EP1) loads the "model" part of any checkpoint, a training run's or a
+  converted one (Megatron reshards whatever layout it was saved from; expert weights are keyed by global expert id,
+  so every expert of an expert-parallel checkpoint lands in the one rank), exports HF-named tensors through mbridge
+  and writes safetensors shards with their index, config and tokenizer; `verify` compares the logits of the written
+  dir (HF transformers) with the Megatron model's.
 
 Ranks are spawned processes on gloo over 127.0.0.1 (one GPU each when there are enough GPUs, else CPU). An error in
 a rank surfaces in the caller: CheckpointError for a checkpoint that does not fit, ConversionError with the rank's
@@ -16,6 +18,7 @@ failed conversion leaves no half-written model behind. Nothing here imports mega
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -52,28 +55,35 @@ class ConversionError(RuntimeError):
     """A conversion rank failed; the message carries its error and traceback."""
 
 
-def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, pp: int = 1) -> Path:
-    """Write the HF model at `hf_dir` as a model-only Megatron checkpoint for tensor x pipeline parallel `tp` x `pp`
-    into `out_dir` (new or empty). Returns `out_dir`."""
+def hf_to_mcore(
+    hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, pp: int = 1, ep: int = 1,
+) -> Path:
+    """Write the HF model at `hf_dir` as a model-only Megatron checkpoint for tensor x pipeline x expert parallel
+    `tp` x `pp` x `ep` into `out_dir` (new or empty); `ep` > 1 (MoE models only) splits the experts over that many
+    data-parallel ranks. Returns `out_dir`."""
+    from ..actor.model import MOE_ARCHITECTURES
+
     source, out = Path(hf_dir), Path(out_dir)
     config = _read_hf_config(source)
     if not list(source.glob("*.safetensors")):
         raise ValueError(f"{source} has no *.safetensors weights; re-save the model with "
                          "save_pretrained(dir, safe_serialization=True)")
-    if tp < 1 or pp < 1:
-        raise ValueError(f"tp={tp} and pp={pp} must be >= 1")
-    problem = model_layout_problem(source, tp, pp)
+    if min(tp, pp, ep) < 1:
+        raise ValueError(f"tp={tp}, pp={pp} and ep={ep} must be >= 1")
+    problem = model_layout_problem(source, tp, pp, ep=ep)
     if problem:
         raise ValueError(problem)
     dtype = _checkpoint_dtype(config)
     with _staged(out) as staging:
         megatron_dir = staging / MODEL_DIR
         megatron_dir.mkdir()
-        impl, *_ = _spawn(_save_model_shard, tp, pp, (str(source), str(megatron_dir), dtype))
+        impl, *_ = _spawn(_save_model_shard, (tp, pp, ep), (str(source), str(megatron_dir), dtype))
         copy_hf_metadata(source, staging / HF_DIR)
+        layout = {"tp": tp, "pp": pp, "dp": ep, "virtual_pipeline_stages": 0}
+        if config["model_type"] in MOE_ARCHITECTURES:
+            layout["ep"] = ep  # a dense model has no experts to split
         write_manifest(staging, {
-            "kind": "model", "step": None,
-            "layout": {"tp": tp, "pp": pp, "dp": 1, "virtual_pipeline_stages": 0},
+            "kind": "model", "step": None, "layout": layout,
             "architecture": config["model_type"], "dtype": dtype, "transformer_impl": impl, "contents": ["model"],
         })
         return _publish(staging, out)
@@ -111,7 +121,7 @@ def mcore_to_hf(
         config["dtype"] = out_dtype
         config.pop("torch_dtype", None)  # the transformers 4 name of the same field
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (written,) = _spawn(_export_model, 1, 1, (
+        (written,) = _spawn(_export_model, (1, 1, 1), (
             str(metadata_dir), str(ckpt / MODEL_DIR), str(staging), checkpoint_dtype,
             manifest.get("transformer_impl", "auto"), out_dtype, max_shard_bytes, verify,
         ))
@@ -185,20 +195,21 @@ def _publish(staging: Path, out: Path) -> Path:
     return out
 
 
-def _spawn(job: Callable[..., Any], tp: int, pp: int, job_args: tuple) -> list[Any]:
-    """Run `job(*job_args)` on tp x pp spawned Megatron ranks; their results in rank order."""
+def _spawn(job: Callable[..., Any], layout: tuple[int, int, int], job_args: tuple) -> list[Any]:
+    """Run `job(*job_args)` on tp x pp x ep spawned Megatron ranks (`layout`; data-parallel size ep, each replica
+    holding its own experts); their results in rank order."""
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
     from ..actor.parallel import PROCESS_GROUP_TIMEOUT_S
     from ..rendezvous import Rendezvous
 
-    world_size = tp * pp
+    world_size = math.prod(layout)
     queue = mp.get_context("spawn").SimpleQueue()
     rendezvous = Rendezvous("127.0.0.1", PROCESS_GROUP_TIMEOUT_S)  # listening until the ranks are done
     try:
         mp.start_processes(
-            _rank_main, args=(world_size, rendezvous.address, (tp, pp), _gpu_per_rank(world_size), queue, job,
+            _rank_main, args=(world_size, rendezvous.address, layout, _gpu_per_rank(world_size), queue, job,
                               job_args),
             nprocs=world_size, start_method="spawn",
         )
@@ -238,7 +249,7 @@ def _gpu_per_rank(world_size: int) -> list[str] | None:
 
 
 def _rank_main(
-    rank: int, world_size: int, rendezvous: str, layout: tuple[int, int], gpus: list[str] | None, queue,
+    rank: int, world_size: int, rendezvous: str, layout: tuple[int, int, int], gpus: list[str] | None, queue,
     job: Callable[..., Any], job_args: tuple,
 ) -> None:
     """Entry of a spawned rank: join the group, run the job, report its result or error to the parent."""
@@ -256,7 +267,8 @@ def _rank_main(
     warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        init_megatron_parallel(rank, world_size, rendezvous, tp=layout[0], pp=layout[1])
+        tp, pp, ep = layout
+        init_megatron_parallel(rank, world_size, rendezvous, tp=tp, pp=pp, ep=ep)
         queue.put((rank, "ok", job(*job_args)))
     except BaseException as error:  # torch's checkpoint errors derive from BaseException
         queue.put((rank, "error", (type(error).__name__, str(error), traceback.format_exc())))
@@ -361,7 +373,8 @@ def _write_safetensors(named: Iterable[tuple[str, Any]], out: Path, dtype, max_s
 
 def _max_logit_diff(model, hf_dir: str, vocab_size: int) -> float:
     """Max |logit diff| between the written HF model (transformers, fp32) and the Megatron model on a fixed batch of
-    random token ids (unpacked causal attention)."""
+    random token ids (unpacked causal attention). transformers runs MoE experts one after another, as Megatron's
+    SequentialMLP does, rather than through its default grouped GEMM (on the tiny models both stay within 8e-7)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
@@ -373,6 +386,7 @@ def _max_logit_diff(model, hf_dir: str, vocab_size: int) -> float:
     model.eval()
     with torch.no_grad():
         megatron_logits = model(tokens.to(device), positions.to(device), None).float().cpu()
-        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                        experts_implementation="eager").eval()
         hf_logits = hf_model(tokens).logits.float()
     return (hf_logits - megatron_logits).abs().max().item()

@@ -223,7 +223,8 @@ class GRPOTrainer:
     def _resume(self, point: ResumePoint) -> None:
         """Actor state from the checkpoint (resharded into this run's layout), then the engine gets those weights;
         the step counter, data order and sampling seeds continue where the checkpoint left them."""
-        same_layout = {"cp": 1, **point.layout} == self._layout()  # checkpoints from before actor.cp had no "cp"
+        # checkpoints from before actor.cp and actor.ep had no "cp" and "ep"
+        same_layout = {"cp": 1, "ep": 1, **point.layout} == self._layout()
         self.actor.load_checkpoint(str(point.path / MODEL_DIR), restore_rng=same_layout)
         self.step = self.resumed_step = point.step
         self.weights_updated = True
@@ -243,7 +244,7 @@ class GRPOTrainer:
     def _layout(self) -> dict[str, int]:
         actor = self.config.actor
         return {
-            "tp": actor.tp, "pp": actor.pp, "cp": actor.cp, "dp": actor.dp,
+            "tp": actor.tp, "pp": actor.pp, "cp": actor.cp, "dp": actor.dp, "ep": actor.ep,
             "virtual_pipeline_stages": actor.virtual_pipeline_stages,
         }
 

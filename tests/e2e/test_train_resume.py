@@ -104,7 +104,7 @@ def test_checkpoints_are_complete_and_nothing_was_left_running(runs):
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000002", "step_000004"]
     manifest, state = load_run_checkpoint(checkpoints / "step_000004")
     assert state["step"] == 4 and state["sampler"] == {"epoch": 0, "position": 8}
-    assert manifest["layout"] == {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "virtual_pipeline_stages": 0}
+    assert manifest["layout"] == {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "ep": 1, "virtual_pipeline_stages": 0}
     leftovers = subprocess.run(["pgrep", "-f", str(runs.assets.index_cache)], capture_output=True, text=True)
     assert leftovers.stdout == "", "a tool server of the killed run is still running"
 
