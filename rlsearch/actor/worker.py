@@ -26,7 +26,7 @@ from ..weights import broadcast, shm
 from ..weights.bucket import WeightBucket
 from ..weights.export import export_stage_weights
 from ..weights.group import destroy_weight_group, new_weight_group
-from .batch import MicroBatch, Packing, TrainSample, pack_micro_batches
+from .batch import MicroBatch, Packing, TrainSample, collate, pack_micro_batches
 from .cpu_compat import cuda_available
 from .distribution import SamplingDistribution
 from .logits import token_logprobs
@@ -267,6 +267,7 @@ class MegatronActorWorker:
             samples, self.spec.actor.max_tokens_per_microbatch, min_micro_batches=self.spec.actor.pp,
             trained_only=not forward_only, packing=self.packing,
         )
+        micro_batches += self._idle_micro_batches(len(micro_batches), trained_only=not forward_only)
         # the interleaved schedule reads micro-batches once per model chunk
         batches = iter(micro_batches) if len(model) == 1 else [iter(micro_batches) for _ in model]
 
@@ -302,12 +303,28 @@ class MegatronActorWorker:
                 for chunk in model:
                     self.routers.free(chunk)
 
+    def _idle_micro_batches(self, count: int, trained_only: bool) -> list[MicroBatch]:
+        """With expert parallelism every micro-batch's MoE layers exchange tokens with the other ranks of the
+        expert-parallel group, so each rank runs as many micro-batches as the busiest one: this rank's share of
+        one-token micro-batches with no weight in the loss (sample index -1) to make up the difference."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_expert_model_parallel_world_size() == 1:
+            return []
+        counts = torch.tensor([count], device=local_device() if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
+        reference = [0.0] if self.spec.algo.kl_coef else None
+        idle = TrainSample([0, 0], 1, [0], token_weights=[0.0], ref_logprobs=reference)
+        return [collate([idle], [-1], trained_only, packing=self.packing).to(local_device())
+                for _ in range(int(counts.item()) - count)]
+
     def _keep_recorded_routing(self, chunk: torch.nn.Module, mb: MicroBatch) -> None:
         """The routing `chunk`'s layers just recorded for `mb`, into each of its samples' routing."""
         for layer, indices in self.routers.recorded(chunk):
             indices = indices.to("cpu", torch.int16)
             for sample_index, rows in zip(mb.sample_indices, mb.sample_rows):
-                self._recorded_routing[sample_index][:, layer] = indices[rows]
+                if sample_index >= 0:  # not an idle micro-batch's
+                    self._recorded_routing[sample_index][:, layer] = indices[rows]
 
     def _whole_selection(self, values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """With context parallelism, per-position values of all the micro-batch's selected positions (each CP rank
@@ -343,7 +360,9 @@ class MegatronActorWorker:
         model = self.reference if reference else self.model
         if model is None:
             raise RuntimeError("reference logprobs requested but algo.kl_coef is 0 (no reference model)")
-        if not samples:  # an empty data-parallel shard: a forward pass has no collectives across replicas
+        if not samples and self.spec.actor.ep == 1:
+            # an empty data-parallel shard: a forward pass has no collectives across replicas (with expert
+            # parallelism it has: the shard runs idle micro-batches)
             return [] if self.info.is_output_rank else None
 
         def loss_fn(mb: MicroBatch, _num_micro_batches: int, head: tuple, hidden: torch.Tensor):

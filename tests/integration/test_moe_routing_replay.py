@@ -73,3 +73,23 @@ def test_policy_update_records_the_old_routing_and_replays_it(moe_group):
     second_half = steps[len(steps) // 2:]
     assert torch.equal(group.last_tokens_per_expert, _tokens_per_expert([s.routed_experts for s in second_half], 8))
     assert "moe/expert_load_max_over_mean" in update.metrics
+
+
+def test_uneven_expert_parallel_shards_run_without_waiting_on_each_other(moe_group):
+    """Every micro-batch's MoE layers exchange tokens across the expert-parallel ranks: a rank with fewer
+    micro-batches (or none: a one-sample batch leaves the second rank's shard empty) runs idle ones instead of leaving
+    the other waiting at an all-to-all."""
+    from rlsearch.actor import TrainSample
+
+    group, samples = moe_group
+    generator = torch.Generator().manual_seed(5)
+    long = [TrainSample(torch.randint(0, 151_000, (150,), generator=generator).tolist(), 20, [1] * 130)
+            for _ in range(3)]
+    short = TrainSample(samples[0].token_ids, samples[0].response_start, samples[0].loss_mask)
+    alone = group.compute_logprobs([short])  # shards [short] and []
+    mixed = group.compute_logprobs(long + [short])  # shards of 3 micro-batches and of 1
+    assert [len(row) for row in mixed] == [s.response_len for s in long + [short]]
+    assert max(abs(a - b) for a, b in zip(alone[0], mixed[-1], strict=True)) <= 1e-5
+    assert group.train_step([dataclasses.replace(s, token_weights=[1 / 130] * s.response_len) for s in long] +
+                            [dataclasses.replace(short, token_weights=[0.0] * short.response_len)])[
+        "actor/update_ok"] == 1.0
