@@ -10,10 +10,14 @@
 #   bash examples/run_search_grpo.sh trainer.total_steps=3 trainer.output_dir=/tmp/run   # any dotted override
 #   RLSEARCH_WARM_START=none bash examples/run_search_grpo.sh # the random-init model as it is: the opening tag is
 #                                                             # prefilled and the closing tag biased (see the config)
+#   RLSEARCH_CONFIG=examples/configs/search_grpo_moe_tiny.yaml bash examples/run_search_grpo.sh
+#                   # another config: trains its own model.path (no warm start unless RLSEARCH_WARM_START=sft)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/prepare_default.sh"
 
-case "${RLSEARCH_WARM_START:-sft}" in
+# the SFT warm start is the default config's (its model); another config trains the model it names
+[[ -z "${RLSEARCH_CONFIG:-}" ]] && DEFAULT_WARM_START=sft || DEFAULT_WARM_START=none
+case "${RLSEARCH_WARM_START:-$DEFAULT_WARM_START}" in
   none) ;;
   sft)
     SFT_DIR="${RLSEARCH_SFT_DIR:-outputs/assets/sft-tiny}"

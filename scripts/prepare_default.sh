@@ -17,6 +17,11 @@ if [[ ! -f "$ASSETS/tiny-qwen2/config.json" || ! -f "$ASSETS/toy/sft.jsonl" ]]; 
     quietly "$ASSETS/make-tiny-model.log" "$PY" -m rlsearch make-tiny-model --out "$ASSETS/tiny-qwen2"
   quietly "$ASSETS/make-toy-data.log" "$PY" -m rlsearch make-toy-data --out "$ASSETS/toy"
 fi
+# the tiny MoE policy of examples/configs/search_grpo_moe_tiny.yaml (seconds)
+if [[ ! -f "$ASSETS/tiny-qwen3-moe/config.json" ]]; then
+  quietly "$ASSETS/make-tiny-moe-model.log" "$PY" -m rlsearch make-tiny-model --architecture qwen3_moe \
+    --out "$ASSETS/tiny-qwen3-moe"
+fi
 # the multihop task (questions of 2, 3 and 4 searches, single-token names; docs/tools.md) came later still
 if [[ ! -f "$ASSETS/multihop/sft.jsonl" ]]; then
   echo "[rlsearch] building the multihop task once: questions that take 2, 3 or 4 searches ($ASSETS/multihop)"
