@@ -19,6 +19,10 @@ The last line is the figure: Megatron tokens/s / HF tokens/s (goal >= 1.0).
   .venv/bin/python bench/train_step.py                          # hidden 512, 4 layers, 6 sequences, 2 timed steps
   .venv/bin/python bench/train_step.py --layers 2 --sequences 8 --steps 2   # quick run
   .venv/bin/python bench/train_step.py --dtype bfloat16         # on a GPU (HF side: fp32 weights + bf16 autocast)
+  .venv/bin/python bench/train_step.py --architecture qwen3_moe --hidden 256 --ep 1,2   # MoE: Megatron at EP1, EP2
+
+With --ep, one Megatron actor per expert-parallel size k runs beside the HF trainer: k data-parallel ranks, each with
+its share of the batch and 1/k of every MoE layer's experts (threads split over the ranks), and each gets its ratio.
 """
 
 from __future__ import annotations
@@ -205,10 +209,14 @@ def build_model(args: argparse.Namespace) -> Path:
     spec = TinyModelSpec(
         hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate or args.hidden * 3,
-        tie_word_embeddings=args.tie_embeddings,
+        tie_word_embeddings=args.tie_embeddings, architecture=args.architecture, num_experts=args.experts,
+        expert_intermediate_size=args.intermediate or args.hidden,
     )
     tag = f"h{spec.hidden_size}-l{spec.num_layers}-a{spec.num_attention_heads}-kv{spec.num_key_value_heads}"
-    path = Path(args.out) / f"qwen2-{tag}-i{spec.intermediate_size}{'-tied' if spec.tie_word_embeddings else ''}"
+    if spec.architecture != "qwen2":
+        tag += f"-e{spec.num_experts}"
+    path = Path(args.out) / (f"{spec.architecture}-{tag}-i{spec.intermediate_size}"
+                             f"{'-tied' if spec.tie_word_embeddings else ''}")
     if not (path / "config.json").is_file():
         print(f"building a random Qwen2 in {path} ...", flush=True)
         make_tiny_model(path, spec)
@@ -231,12 +239,15 @@ def count_params(model_path: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = parser.add_argument_group("model (random-init Qwen2, real Qwen vocabulary of 151,680 rows)")
+    model = parser.add_argument_group("model (random-init, real Qwen vocabulary of 151,680 rows)")
+    model.add_argument("--architecture", choices=("qwen2", "qwen3_moe", "qwen2_moe"), default="qwen2")
+    model.add_argument("--experts", type=int, default=8, help="MoE: routed experts per layer (top-2)")
     model.add_argument("--hidden", type=int, default=512, help="hidden size")
     model.add_argument("--layers", type=int, default=4)
     model.add_argument("--heads", type=int, default=8, help="attention heads (head dim = hidden / heads >= 32)")
     model.add_argument("--kv-heads", type=int, default=2)
-    model.add_argument("--intermediate", type=int, default=0, help="MLP size; 0: 3 x hidden")
+    model.add_argument("--intermediate", type=int, default=0,
+                       help="MLP size; 0: 3 x hidden (MoE: each expert's, 0: hidden)")
     model.add_argument("--tie-embeddings", action="store_true", help="share the input embedding and output layer")
     batch = parser.add_argument_group("batch")
     batch.add_argument("--sequences", type=int, default=6, help="trajectories per training step")
@@ -256,6 +267,7 @@ def main() -> None:
     run.add_argument("--hf-micro-batch", type=int, default=4, help="sequences per HF micro-batch")
     run.add_argument("--hf-layout", choices=("trl", "right"), default="trl",
                      help="trl: left-padded prompts, logits only for response columns; right: right-padded, all logits")
+    run.add_argument("--ep", default="1", help="expert-parallel sizes to time the Megatron actor at, e.g. 1,2 (MoE)")
     run.add_argument("--out", default="outputs/bench", help="where the random model is cached")
     args = parser.parse_args()
 
@@ -281,7 +293,8 @@ def main() -> None:
     trained = sum(sum(s.loss_mask) for s in samples)
     num_packed = len(pack_indices(lengths, args.max_tokens_per_microbatch, 1))
     print(
-        f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), "
+        f"model: {args.architecture} hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
+        f"({args.kv_heads} kv){f', {args.experts} experts top-2' if args.architecture != 'qwen2' else ''}, "
         f"{count_params(model_path) / 1e6:.0f}M parameters, {args.dtype}, on {'cuda' if on_gpu else 'cpu'}, "
         f"{threads} torch threads per side; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
         flush=True,
@@ -291,43 +304,53 @@ def main() -> None:
         f"({response} response, {trained} trained, {response - trained} in masked observations)", flush=True,
     )
 
-    init_ray(num_cpus=4)
+    expert_parallel = [int(k) for k in args.ep.split(",")]
+    if args.architecture == "qwen2" and expert_parallel != [1]:
+        parser.error("--ep needs an MoE --architecture")
+    init_ray(num_cpus=max(4, 1 + sum(expert_parallel)))
     gpu_share = 0.5 if on_gpu else 0.0
-    print("starting the HF trainer and the Megatron actor (TP1PP1) ...", flush=True)
     hf = ray.remote(HFTrainer).options(num_cpus=1, num_gpus=gpu_share).remote(
         str(model_path), args.dtype, threads, args.hf_micro_batch, args.hf_layout
     )
-    actor = ActorConfig(num_threads=threads, lr=LR, clip_grad=CLIP_GRAD,
-                        max_tokens_per_microbatch=args.max_tokens_per_microbatch)
     algo = AlgoConfig(clip_ratio_low=CLIP_RATIO, clip_ratio_high=CLIP_RATIO)
-    spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, SamplingDistribution(TEMPERATURE),
-                          args.warmup + args.steps, args.seed)
-    group = ActorGroup(spec, num_gpus_per_rank=gpu_share)
+    groups: dict[str, ActorGroup] = {}
     try:
-        rank = group.workers[0]
+        for ep in expert_parallel:
+            name = "megatron" if expert_parallel == [1] else f"mg-ep{ep}"
+            print(f"starting the Megatron actor {name} (TP1PP1, {ep} data- and expert-parallel ranks) ...", flush=True)
+            actor = ActorConfig(num_threads=max(1, threads // ep), lr=LR, clip_grad=CLIP_GRAD, dp=ep, ep=ep,
+                                max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+            spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, SamplingDistribution(TEMPERATURE),
+                                   args.warmup + args.steps, args.seed)
+            groups[name] = ActorGroup(spec, num_gpus_per_rank=gpu_share / ep)
+        first_ranks = {name: group.workers[0] for name, group in groups.items()}
         hf_threads = ray.get(hf.threads.remote())
-        mc_threads = ray.get(rank.__ray_call__.remote(lambda worker: torch.get_num_threads()))
         hf_batches, hf_slots, hf_rows = ray.get(hf.padding.remote(samples))
-        print(
-            f"megatron: {num_packed} packed micro-batches (<= {args.max_tokens_per_microbatch} tokens, no padding), "
-            f"{response} logit rows, layer spec {group.infos[0].transformer_impl}, {mc_threads} threads", flush=True,
-        )
+        for name, group in groups.items():
+            mc_threads = ray.get(first_ranks[name].__ray_call__.remote(lambda worker: torch.get_num_threads()))
+            print(
+                f"{name}: {num_packed} packed micro-batches (<= {args.max_tokens_per_microbatch} tokens, no padding), "
+                f"{response} logit rows, layer spec {group.infos[0].transformer_impl}, {mc_threads} threads a rank",
+                flush=True,
+            )
         print(
             f"hf      : {hf_batches} micro-batches of <= {args.hf_micro_batch} sequences ({args.hf_layout} layout, "
             f"{ray.get(hf.attention.remote())} attention), {hf_slots} token slots, padding fraction "
             f"{1 - tokens / hf_slots:.1%}, {hf_rows} logit rows, {hf_threads} threads", flush=True,
         )
 
-        sides = {"hf": lambda: ray.get(hf.train_step.remote(samples)),
-                 "megatron": lambda: group.train_step(samples)}
+        sides = {"hf": lambda: ray.get(hf.train_step.remote(samples))}
+        sides.update({name: (lambda group=group: group.train_step(samples)) for name, group in groups.items()})
         seconds: dict[str, list[float]] = {name: [] for name in sides}
-        order = ["hf", "megatron"]
+        order = list(sides)
         for step in range(args.warmup + args.steps):
             timed = step >= args.warmup
             if step == args.warmup:  # optimizer states exist now: the peak below is the training step's own
-                ray.get([hf.reset_peak_memory.remote(), rank.__ray_call__.remote(lambda w: reset_peak_memory())])
-                resident = {"hf": ray.get(hf.memory_mib.remote())[0],
-                            "megatron": ray.get(rank.__ray_call__.remote(lambda w: memory_mib()))[0]}
+                ray.get([hf.reset_peak_memory.remote()] +
+                        [rank.__ray_call__.remote(lambda w: reset_peak_memory()) for rank in first_ranks.values()])
+                resident = {"hf": ray.get(hf.memory_mib.remote())[0]}
+                resident.update({name: ray.get(rank.__ray_call__.remote(lambda w: memory_mib()))[0]
+                                 for name, rank in first_ranks.items()})
             for name in order:
                 started = time.perf_counter()
                 stats = sides[name]()
@@ -344,27 +367,28 @@ def main() -> None:
             order.reverse()
         if not args.steps:
             return
-        peaks = {"hf": ray.get(hf.memory_mib.remote())[1],
-                 "megatron": ray.get(rank.__ray_call__.remote(lambda w: memory_mib()))[1]}
+        peaks = {"hf": ray.get(hf.memory_mib.remote())[1]}
+        peaks.update({name: ray.get(rank.__ray_call__.remote(lambda w: memory_mib()))[1]
+                      for name, rank in first_ranks.items()})
     finally:
-        group.shutdown()
+        for group in groups.values():
+            group.shutdown()
         ray.kill(hf)
 
     unit = "CUDA allocated" if on_gpu else "RSS"
     rates = {name: tokens * len(times) / sum(times) for name, times in seconds.items()}
-    for name in ("hf", "megatron"):
+    for name in sides:
         print(
             f"{name:8s}: {rates[name]:7.0f} tokens/s over {args.steps} steps "
-            f"(mean {sum(seconds[name]) / args.steps:.2f} s/step); {unit} {resident[name]:.0f} MiB after warm-up, "
-            f"peak {peaks[name]:.0f} MiB in the timed steps (+{peaks[name] - resident[name]:.0f} MiB)"
+            f"(mean {sum(seconds[name]) / args.steps:.2f} s/step); {unit} {resident[name]:.0f} MiB after warm-up "
+            f"(first rank), peak {peaks[name]:.0f} MiB in the timed steps (+{peaks[name] - resident[name]:.0f} MiB)"
         )
     print(f"load average at the end: {' '.join(f'{load:.1f}' for load in os.getloadavg())} (1, 5, 15 min)")
-    ratio = rates["megatron"] / rates["hf"]
-    print(
-        f"megatron / hf training tokens/s (all {tokens} prompt + response tokens per step, padding excluded; "
-        f"goal >= 1.0): {ratio:.2f}x"
-    )
-
+    for name in groups:
+        print(
+            f"{name} / hf training tokens/s (all {tokens} prompt + response tokens per step, padding excluded; "
+            f"goal >= 1.0): {rates[name] / rates['hf']:.2f}x"
+        )
 
 if __name__ == "__main__":
     main()
