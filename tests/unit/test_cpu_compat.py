@@ -1,0 +1,49 @@
+"""The CPU compatibility layer for megatron-core (rlsearch/actor/cpu_compat.py), checked in a fresh interpreter:
+the patches change torch.cuda and megatron module state for the whole process."""
+
+import subprocess
+import sys
+
+from tests.conftest import REPO_ROOT
+
+PROBE = r"""
+import numpy as np
+import torch
+from rlsearch.actor.cpu_compat import apply_cpu_patches
+
+apply_cpu_patches()
+
+
+class AllocatesOnTheDefaultDevice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        # as megatron's _gather_along_first_dim does in the allgather dispatcher's backward pass
+        buffer = torch.empty(grad.shape, device=torch.cuda.current_device())
+        return buffer.copy_(grad) * 2
+
+
+x = torch.ones(3, requires_grad=True)
+AllocatesOnTheDefaultDevice.apply(x).sum().backward()
+assert torch.equal(x.grad, torch.full((3,), 2.0)), x.grad
+
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+assert moe_utils.te_general_gemm is None  # read by every router forward; defined only with Transformer Engine
+split = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+assert isinstance(split, np.ndarray) and split.tolist() == [3, 1]  # all_to_all_single takes these split sizes
+stream = token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream
+stream.record_event().synchronize()
+with torch.cuda.stream(stream):
+    torch.cuda.current_stream().wait_stream(stream)
+print("ok")
+"""
+
+
+def test_cpu_patches_cover_custom_backward_passes_and_the_moe_dispatcher():
+    result = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
