@@ -3,6 +3,7 @@ an actor spec for a layout."""
 
 from __future__ import annotations
 
+import ray
 import torch
 
 from rlsearch.actor import MODEL_DISTRIBUTION, ActorWorkerSpec, SamplingDistribution, TrainSample
@@ -51,3 +52,19 @@ def actor_spec(
         model_path=str(model_dir), dtype="float32", actor=actor, algo=AlgoConfig(), sampling=sampling,
         total_steps=4, seed=1,
     )
+
+
+def sent_tensors(group, bucket_mb: int) -> dict[str, torch.Tensor]:
+    """What the weight path sends (every stage's rank-local export), received on the driver (the same object-store
+    path the shm transport's engines read); asserts that only each stage's sender sent and no tensor came twice."""
+    from rlsearch.weights.bucket import unpack_bucket
+
+    received = []
+    for workers in group.stage_workers():
+        streams = [worker.export_weight_buckets.options(num_returns="streaming").remote(bucket_mb * 1024 * 1024)
+                   for worker in workers]
+        received += [(name, tensor.clone()) for ref in streams[0] for name, tensor in unpack_bucket(ray.get(ref))]
+        assert all(not list(stream) for stream in streams[1:]), "a rank other than the stage's sender sent weights"
+    tensors = dict(received)
+    assert len(tensors) == len(received), "a tensor was sent twice"
+    return tensors

@@ -16,8 +16,7 @@ from safetensors.torch import load_file
 from rlsearch.actor import MODEL_DISTRIBUTION, ActorGroup, TrainSample
 from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 from rlsearch.weights import WeightSync, logprob_mismatch
-from rlsearch.weights.bucket import unpack_bucket
-from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
+from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch, sent_tensors
 
 # name -> (tp, pp, dp, extra actor settings)
 LAYOUTS = {
@@ -29,20 +28,6 @@ LAYOUTS = {
 }
 PROBE_QUESTION = "Who is the mayor of Velmora?"
 PROBE_CONTINUATION = "<search> who founded the town </search>"
-
-
-def _bucket_tensors(group: ActorGroup, bucket_mb: int) -> dict[str, torch.Tensor]:
-    """What the weight path sends (each stage's rank-local export), received on the driver (the same object-store
-    path the shm transport's engines read)."""
-    received = []
-    for workers in group.stage_workers():
-        streams = [worker.export_weight_buckets.options(num_returns="streaming").remote(bucket_mb * 1024 * 1024)
-                   for worker in workers]
-        received += [(name, tensor.clone()) for ref in streams[0] for name, tensor in unpack_bucket(ray.get(ref))]
-        assert all(not list(stream) for stream in streams[1:]), "a TP peer sent weights"
-    tensors = dict(received)
-    assert len(tensors) == len(received), "a tensor was sent twice"
-    return tensors
 
 
 @dataclass
@@ -74,11 +59,11 @@ def run_layout(ray_local, tiny_model_dir, rollout_worker, batch):
         tp, pp, dp, extra = LAYOUTS[name]
         group = ActorGroup(actor_spec(tiny_model_dir, tp, pp, dp, extra))
         try:
-            initial_export = _bucket_tensors(group, 64)
+            initial_export = sent_tensors(group, 64)
             logprobs = group.compute_logprobs(samples)
             metrics = group.train_step(samples)
             trained = group.hf_state_dict()
-            sent = _bucket_tensors(group, 64)
+            sent = sent_tensors(group, 64)
             actor_probe = group.compute_logprobs([probe_sample], distribution=MODEL_DISTRIBUTION)[0]
             sweep = {}
             for bucket_mb in ((1, 16, 512) if name == "tp2pp2" else (64,)):
@@ -150,7 +135,7 @@ def test_architecture_parity_and_round_trip(ray_local, tmp_path_factory, archite
     samples, reference = scored_batch(lambda s: hf_logprobs(model_dir, s))
     group = ActorGroup(actor_spec(model_dir, tp, pp, 1, {}))
     try:
-        sent = _bucket_tensors(group, 64)
+        sent = sent_tensors(group, 64)
         logprobs = group.compute_logprobs(samples)
         metrics = group.train_step(samples)
     finally:
