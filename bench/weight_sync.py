@@ -6,7 +6,9 @@ For a random model shaped like Qwen2.5-0.5B (tied embeddings, 494M parameters) t
              transport -> every engine), per actor layout, number of engines and transport (bridge.transport)
 and prints a table: seconds, the ratio to the baseline, MiB each engine received, the senders' peak extra memory
 (private RSS, and shared memory: the object store's copies) in MiB and in buckets, and the engine-vs-actor probe
-gap. Then the fan-out cost (N engines over 1) and, last, the worst ratio of sync seconds to the baseline.
+gap. Then, per run, the seconds of each phase of its fastest sync (rlsearch.weights.clock.PHASES: the senders'
+summed over pipeline stages, the engines' of the worst engine; they overlap, so they need not add up to the sync),
+the fan-out cost (N engines over 1) and, last, the worst ratio of sync seconds to the baseline.
 
   .venv/bin/python bench/weight_sync.py --layouts tp1pp1,tp2pp2 --engines 1,2 --transports shm,broadcast
   .venv/bin/python bench/weight_sync.py --shape tiny --repeats 1           # a seconds-long smoke run
@@ -108,6 +110,7 @@ def main() -> None:
     from rlsearch.ray_setup import cluster_has_gpus, init_ray
     from rlsearch.rollout import EnginePool, EngineSpec
     from rlsearch.weights import WeightSync, check_engines_match_actor
+    from rlsearch.weights.clock import PHASES
 
     engine_counts = [int(n) for n in args.engines.split(",")]
     model_path = build_model(args.shape, Path(args.out))
@@ -138,6 +141,7 @@ def main() -> None:
               f"{'peak MiB':>9} {'shm MiB':>8} {'buckets':>7} {'probe gap':>9}")
         probe_ids = list(range(1000, 1064))
         seconds: dict[tuple[str, int, str], float] = {}
+        phases: dict[tuple[str, int, str], dict[str, float]] = {}
         for layout in args.layouts.split(","):
             tp, pp = (int(part) for part in layout.removeprefix("tp").split("pp"))
             spec = ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp), AlgoConfig(),
@@ -155,6 +159,8 @@ def main() -> None:
                         for _ in range(args.repeats):
                             with PeakRss(pids) as rss:
                                 stats = sync.sync(engines)
+                            if not timings or stats.seconds < min(timings):
+                                phases[(layout, count, transport)] = stats.phases
                             timings.append(stats.seconds)
                             private = max(private, rss.peak_extra_private)
                             shared = max(shared, rss.peak_extra_shared)
@@ -173,6 +179,13 @@ def main() -> None:
             baseline = after
     finally:
         pool.shutdown()
+    print("seconds per phase of the fastest sync:")
+    for name, what in PHASES.items():
+        print(f"  {name:<9} {what}")
+    print(f"{'layout':<8} {'engines':>7} {'transport':<10} {'sync s':>7} " + " ".join(f"{n:>8}" for n in PHASES))
+    for (layout, count, transport), times in phases.items():
+        print(f"{layout.upper():<8} {count:>7} {transport:<10} {seconds[(layout, count, transport)]:>7.2f} "
+              + " ".join(f"{times.get(name, 0.0):>8.2f}" for name in PHASES))
     if len(engine_counts) > 1:
         one, most = min(engine_counts), max(engine_counts)
         fanout = {(layout, transport): seconds[(layout, most, transport)] / seconds[(layout, one, transport)]

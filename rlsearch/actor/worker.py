@@ -24,6 +24,7 @@ from ..logging import redirect_worker_output
 from ..rendezvous import Rendezvous
 from ..weights import broadcast, shm
 from ..weights.bucket import WeightBucket
+from ..weights.clock import PhaseClock
 from ..weights.export import export_stage_weights
 from ..weights.group import destroy_weight_group, new_weight_group
 from .batch import MicroBatch, Packing, TrainSample, collate, pack_micro_batches
@@ -487,8 +488,13 @@ class MegatronActorWorker:
         staged = None
         if stage_in_shared_memory and self._is_stage_sender():
             staged = self._staged_buckets = shm.StagedBuckets()
+        self._send_clock = PhaseClock()
         yield from shm.stream_buckets(export_stage_weights(self.mbridge, self.model), bucket_bytes,
-                                      self._is_stage_sender(), staged)
+                                      self._is_stage_sender(), staged, self._send_clock)
+
+    def send_phases(self) -> dict[str, float]:
+        """Seconds per phase of this rank's last `export_weight_buckets` (rlsearch.weights.clock)."""
+        return dict(self._send_clock.seconds)
 
     def release_staged_buckets(self) -> None:
         """Remove the bucket files of the last `export_weight_buckets` (every engine has loaded them)."""

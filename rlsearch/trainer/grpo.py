@@ -443,12 +443,18 @@ class GRPOTrainer:
                 raise
             sync = self.weight_sync.sync(self.pool.engines)
         self.weight_version += changed
+        probe_started = time.perf_counter()
+        parity = self.check_parity()
         return {
-            **self.check_parity(),
+            **parity,
             "time/sync_s": sync.seconds,
             "bridge/buckets": float(sync.num_buckets),
             "bridge/engines": float(sync.num_engines),
             "bridge/sync_mib": sync.num_bytes / 2**20,
+            # where the sync's seconds went (rlsearch.weights.clock.PHASES), and the probe check after it
+            **{f"bridge/time/{phase}": seconds for phase, seconds in sync.phases.items()},
+            "bridge/time/probe": time.perf_counter() - probe_started,
+            "bridge/pause_s": sync.phases.get("pause", 0.0),  # how long the engines stood still
         }
 
     def _run_metrics(self, step: int, update: PolicyUpdate | None, staleness: int) -> dict[str, float]:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from .bucket import flatten_tensors, iter_buckets
+from .clock import PhaseClock
 from .deadline import Deadline
 from .group import broadcast_within, group_device, rank_offsets
 
@@ -60,7 +61,7 @@ class BroadcastGroups:
 
 
 def send_stage(stage: int, stage_workers: Sequence, engines: Sequence, bucket_bytes: int,
-               deadline: Deadline) -> dict[str, int]:
+               deadline: Deadline) -> dict:
     """One stage's weights into every engine; ``stage_workers``: its DP-rank-0 ranks, the sender first."""
     refs = [stage_workers[0].broadcast_weights.remote(stage, list(engines), bucket_bytes, deadline.remaining())]
     refs += [worker.export_weights_as_peer.remote() for worker in stage_workers[1:]]
@@ -68,18 +69,23 @@ def send_stage(stage: int, stage_workers: Sequence, engines: Sequence, bucket_by
 
 
 def broadcast_buckets(named_tensors, group, stage: int, engines: Sequence, bucket_bytes: int,
-                      timeout_s: float) -> dict[str, int]:
-    """The sender's side (an actor rank): bucket, flatten, ask every engine to receive, broadcast, wait for them."""
+                      timeout_s: float) -> dict:
+    """The sender's side (an actor rank): bucket, flatten, ask every engine to receive, broadcast, wait for them.
+    Returns the buckets, tensors and payload bytes sent and the seconds of each phase."""
     device = group_device(dist.get_backend(group))
     deadline = Deadline(timeout_s, engines)
+    clock = PhaseClock()
     sent = {"buckets": 0, "tensors": 0, "bytes": 0}
-    for tensors in iter_buckets(named_tensors, bucket_bytes):
-        layout, flat = flatten_tensors(tensors, device)
-        receives = [engine.weight_rpc.remote("receive_broadcast", stage, layout.to_wire()) for engine in engines]
-        broadcast_within(flat, group, deadline.remaining())
-        deadline.get(receives, "receiving a broadcast weight bucket", engines)
+    for tensors in iter_buckets(clock.timed("export", named_tensors), bucket_bytes):
+        with clock.phase("pack"):
+            layout, flat = flatten_tensors(tensors, device)
+        with clock.phase("transfer"):
+            receives = [engine.weight_rpc.remote("receive_broadcast", stage, layout.to_wire()) for engine in engines]
+            broadcast_within(flat, group, deadline.remaining())
+            deadline.get(receives, "receiving a broadcast weight bucket", engines)
         del flat
         sent["buckets"] += 1
         sent["tensors"] += len(tensors)
         sent["bytes"] += layout.payload_bytes
+    sent["phases"] = clock.seconds
     return sent

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 from .bucket import WeightBucket, write_flat
+from .clock import PhaseClock
 from .shm import STAGING_DIR
 
 VLLM_WORKER_EXTENSION = "rlsearch.weights.vllm_extension.WeightLoaderExtension"
@@ -24,8 +26,12 @@ class EngineWeightReceiver:
     def __init__(self, llm) -> None:
         self.llm = llm
         self.version = 0  # syncs finished on this engine
+        self.clock = PhaseClock()  # the current sync's load / finish / pause seconds
+        self._paused_at = 0.0
 
     async def begin(self) -> None:
+        self.clock = PhaseClock()
+        self._paused_at = time.perf_counter()
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         await self.llm.collective_rpc("rlsearch_begin_weight_update")
 
@@ -34,7 +40,7 @@ class EngineWeightReceiver:
         returns (tensors, payload bytes)."""
         descriptor, path = tempfile.mkstemp(prefix="rlsearch-bucket-", dir=STAGING_DIR)
         try:
-            with os.fdopen(descriptor, "wb") as staging:
+            with self.clock.phase("load"), os.fdopen(descriptor, "wb") as staging:
                 layout = write_flat(bucket, staging)
             return await self.load_staged({"path": path, "layout": layout.to_wire()})
         finally:
@@ -43,7 +49,9 @@ class EngineWeightReceiver:
     async def load_staged(self, staged: dict) -> tuple[int, int]:
         """Load a bucket the sender staged in a shared-memory file on this node (path and layout); returns
         (tensors, payload bytes)."""
-        loaded = await self.llm.collective_rpc("rlsearch_load_staged_bucket", args=(staged["path"], staged["layout"]))
+        with self.clock.phase("load"):
+            loaded = await self.llm.collective_rpc("rlsearch_load_staged_bucket",
+                                                   args=(staged["path"], staged["layout"]))
         return tuple(loaded[0])
 
     async def join_group(
@@ -59,18 +67,23 @@ class EngineWeightReceiver:
         await self.llm.collective_rpc("rlsearch_leave_weight_groups")
 
     async def receive_broadcast(self, stage: int, wire: dict) -> tuple[int, int]:
-        loaded = await self.llm.collective_rpc("rlsearch_receive_broadcast_bucket", args=(stage, wire))
+        with self.clock.phase("load"):
+            loaded = await self.llm.collective_rpc("rlsearch_receive_broadcast_bucket", args=(stage, wire))
         return tuple(loaded[0])
 
-    async def finish(self) -> None:
-        problems = _report_problems(await self.llm.collective_rpc("rlsearch_finish_weight_update"))
-        if problems:
-            raise RuntimeError("weight update failed (the engine stays paused): " + "; ".join(problems))
-        # KV blocks computed with the old weights, cached or held by running requests, would silently mix old and
-        # new weights: running requests are preempted (recomputed on resume) and the prefix cache is emptied
-        await self.llm.reset_prefix_cache(reset_running_requests=True)
-        self.version += 1
-        await self.llm.resume_generation()
+    async def finish(self) -> dict[str, float]:
+        """Close the session and resume; returns this sync's seconds of loading, finishing and standing still."""
+        with self.clock.phase("finish"):
+            problems = _report_problems(await self.llm.collective_rpc("rlsearch_finish_weight_update"))
+            if problems:
+                raise RuntimeError("weight update failed (the engine stays paused): " + "; ".join(problems))
+            # KV blocks computed with the old weights, cached or held by running requests, would silently mix old
+            # and new weights: running requests are preempted (recomputed on resume) and the prefix cache is emptied
+            await self.llm.reset_prefix_cache(reset_running_requests=True)
+            self.version += 1
+            await self.llm.resume_generation()
+        self.clock.seconds["pause"] = time.perf_counter() - self._paused_at
+        return dict(self.clock.seconds)
 
     async def finished_syncs(self) -> int:
         return self.version

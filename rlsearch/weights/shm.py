@@ -26,6 +26,7 @@ import torch
 
 from ..config import ConfigError
 from .bucket import flatten_tensors, iter_buckets, pack_bucket
+from .clock import PhaseClock
 from .deadline import Deadline
 
 STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -97,7 +98,8 @@ def send_stages(stages: Sequence[Sequence], engines: Sequence, bucket_bytes: int
     """Every bucket of every pipeline stage into every engine. ``stages[k]``: stage k's DP-rank-0 ranks, its sender
     (TP rank 0) first; each runs `stream_buckets`. The stages export at the same time (each sender at most
     BUCKETS_IN_FLIGHT buckets ahead) and the engines load whichever bucket is ready first: a reload session takes
-    a layer's tensors in any order. Returns each stage's buckets, tensors and payload bytes."""
+    a layer's tensors in any order. Returns each stage's buckets, tensors, payload bytes and its sender's phase
+    seconds."""
     check_staging_room(stages, engines, bucket_bytes, deadline, same_node)
     streams = [
         [
@@ -131,6 +133,9 @@ def send_stages(stages: Sequence[Sequence], engines: Sequence, bucket_bytes: int
             deadline.wait([stream], "the actor stages' TP peers to finish the export")
             for _ in stream:
                 pass
+    phases = deadline.get([workers[0].send_phases.remote() for workers in stages], "the senders' phase times")
+    for stage_sent, stage_phases in zip(sent, phases):
+        stage_sent["phases"] = stage_phases
     if same_node:
         releases = [workers[0].release_staged_buckets.remote() for workers in stages]
         deadline.get(releases, "removing the staged bucket files")
@@ -166,12 +171,16 @@ class StagedBuckets:
                 os.unlink(path)
 
 
-def stream_buckets(named_tensors, bucket_bytes: int, is_sender: bool, staged: StagedBuckets | None):
+def stream_buckets(named_tensors, bucket_bytes: int, is_sender: bool, staged: StagedBuckets | None,
+                   clock: PhaseClock):
     """The actor rank's side: its stage's HF tensors in buckets, yielded by the sender (as staged files when
-    ``staged`` is given, else as object-store buckets); TP peers only take part in the gathers."""
+    ``staged`` is given, else as object-store buckets); TP peers only take part in the gathers. The sender's
+    export and pack seconds go to `clock`."""
     if not is_sender:
         for _ in named_tensors:
             pass
         return
-    for tensors in iter_buckets(named_tensors, bucket_bytes):
-        yield staged.stage(tensors) if staged is not None else pack_bucket(tensors)
+    for tensors in iter_buckets(clock.timed("export", named_tensors), bucket_bytes):
+        with clock.phase("pack"):
+            bucket = staged.stage(tensors) if staged is not None else pack_bucket(tensors)
+        yield bucket

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import broadcast, shm
+from .clock import add_phases, worst_phases
 from .deadline import Deadline, WeightSyncError
 
 
@@ -27,6 +28,9 @@ class SyncStats:
     num_bytes: int  # payload bytes each engine received
     stage_bytes: list[int] = field(default_factory=list)  # payload bytes each pipeline stage's sender sent
     num_engines: int = 0
+    # seconds per phase (rlsearch.weights.clock.PHASES): the senders' summed over stages, the engines' of the worst
+    # engine; "pause" is how long the engines stood still
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class WeightSync:
@@ -60,11 +64,15 @@ class WeightSync:
         except WeightSyncError:
             self._groups.invalidate()  # a broadcast past the deadline aborted its group
             raise
-        deadline.get([engine.weight_rpc.remote("finish") for engine in engines], "finishing the update", engines)
+        engine_phases = deadline.get([engine.weight_rpc.remote("finish") for engine in engines],
+                                     "finishing the update", engines)
+        phases = worst_phases(engine_phases)
+        for stage_sent in sent:
+            add_phases(phases, stage_sent["phases"])
         return SyncStats(
             seconds=time.perf_counter() - started, num_buckets=sum(s["buckets"] for s in sent),
             num_tensors=sum(s["tensors"] for s in sent), num_bytes=sum(s["bytes"] for s in sent),
-            stage_bytes=[s["bytes"] for s in sent], num_engines=len(engines),
+            stage_bytes=[s["bytes"] for s in sent], num_engines=len(engines), phases=phases,
         )
 
     def _on_senders_node(self, stages: list[list], engines: Sequence, deadline: Deadline) -> bool:

@@ -23,12 +23,14 @@ def test_moe_config_trains_three_steps_with_expert_parallelism(tmp_path):
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     for name in ("actor/update_ok", "actor/updates", "moe/expert_load_max_over_mean", "moe/dropped_token_fraction",
-                 "moe/expert_load_max_over_mean/layer_1", "bridge/logprob_mismatch_max"):
+                 "moe/expert_load_max_over_mean/layer_1", "bridge/logprob_mismatch_max", "bridge/pause_s",
+                 "bridge/time/export", "bridge/time/load", "bridge/time/probe"):
         assert [e.step for e in events.Scalars(name)] == [1, 2, 3], name
     assert all(e.value == 1.0 for e in events.Scalars("actor/update_ok"))
     assert all(e.value == 2.0 for e in events.Scalars("actor/updates"))  # two mini-batches: routing replay acts
     # 8 experts, top-2: 1.0 is a perfect balance, 8.0 one expert taking every token
     assert all(1.0 <= e.value <= 8.0 for e in events.Scalars("moe/expert_load_max_over_mean"))
     assert all(e.value == 0.0 for e in events.Scalars("moe/dropped_token_fraction"))
+    assert all(0.0 < e.value for e in events.Scalars("bridge/pause_s"))
     # the engine samples from the weights the actor trains after every sync (experts included)
     assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-3

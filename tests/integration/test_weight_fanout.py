@@ -148,6 +148,12 @@ def test_each_stage_sender_sends_its_own_stage_share_once(synced, model_b, layou
         assert stats.stage_bytes == shares
         assert stats.num_tensors == num_tensors  # every HF name once (the engines reject repeats)
         assert stats.num_buckets > pp
+        # where the seconds went: every phase of the transport measured, none longer than the sync itself
+        phases = stats.phases
+        expected = {"export", "pack", "load", "finish", "pause"} | ({"transfer"} if transport == "broadcast" else set())
+        assert set(phases) == expected, phases
+        assert all(0.0 < phases[name] for name in ("pack", "load", "finish", "pause"))
+        assert max(phases["load"], phases["finish"]) <= phases["pause"] <= stats.seconds
 
 
 def test_broadcast_sync_into_a_dead_engine_raises_within_the_timeout(engines, model_b):
