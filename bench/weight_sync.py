@@ -89,6 +89,20 @@ def _largest_tensor_bytes(model_path: Path, dtype: str) -> int:
     return largest * element_size
 
 
+def print_phases(phases: dict[tuple[str, int, str], dict[str, float]],
+                 seconds: dict[tuple[str, int, str], float]) -> None:
+    from rlsearch.weights.clock import PHASES
+
+
+    print("seconds per phase of the fastest sync:")
+    for name, what in PHASES.items():
+        print(f"  {name:<9} {what}")
+    print(f"{'layout':<8} {'engines':>7} {'transport':<10} {'sync s':>7} " + " ".join(f"{n:>8}" for n in PHASES))
+    for (layout, count, transport), times in phases.items():
+        print(f"{layout.upper():<8} {count:>7} {transport:<10} {seconds[(layout, count, transport)]:>7.2f} "
+              + " ".join(f"{times.get(name, 0.0):>8.2f}" for name in PHASES), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
@@ -110,7 +124,6 @@ def main() -> None:
     from rlsearch.ray_setup import cluster_has_gpus, init_ray
     from rlsearch.rollout import EnginePool, EngineSpec
     from rlsearch.weights import WeightSync, check_engines_match_actor
-    from rlsearch.weights.clock import PHASES
 
     engine_counts = [int(n) for n in args.engines.split(",")]
     model_path = build_model(args.shape, Path(args.out))
@@ -121,6 +134,8 @@ def main() -> None:
                             max_response_tokens=128)
     tools = ToolsConfig()
     tools.retriever.url = "http://127.0.0.1:9"  # the agent's search client is built but never called here
+    seconds: dict[tuple[str, int, str], float] = {}
+    phases: dict[tuple[str, int, str], dict[str, float]] = {}
     pool = EnginePool(EngineSpec(str(model_path), dtype=args.dtype, max_model_len=256,
                                  tensor_parallel_size=args.engine_tp), rollout, tools, seed=1)
     try:
@@ -140,8 +155,6 @@ def main() -> None:
         print(f"{'layout':<8} {'engines':>7} {'transport':<10} {'sync s':>7} {'/base':>6} {'MiB/eng':>8} "
               f"{'peak MiB':>9} {'shm MiB':>8} {'buckets':>7} {'probe gap':>9}")
         probe_ids = list(range(1000, 1064))
-        seconds: dict[tuple[str, int, str], float] = {}
-        phases: dict[tuple[str, int, str], dict[str, float]] = {}
         for layout in args.layouts.split(","):
             tp, pp = (int(part) for part in layout.removeprefix("tp").split("pp"))
             spec = ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp), AlgoConfig(),
@@ -179,13 +192,7 @@ def main() -> None:
             baseline = after
     finally:
         pool.shutdown()
-    print("seconds per phase of the fastest sync:")
-    for name, what in PHASES.items():
-        print(f"  {name:<9} {what}")
-    print(f"{'layout':<8} {'engines':>7} {'transport':<10} {'sync s':>7} " + " ".join(f"{n:>8}" for n in PHASES))
-    for (layout, count, transport), times in phases.items():
-        print(f"{layout.upper():<8} {count:>7} {transport:<10} {seconds[(layout, count, transport)]:>7.2f} "
-              + " ".join(f"{times.get(name, 0.0):>8.2f}" for name in PHASES))
+        print_phases(phases, seconds)  # also when a run failed part-way (e.g. out of memory): what was measured
     if len(engine_counts) > 1:
         one, most = min(engine_counts), max(engine_counts)
         fanout = {(layout, transport): seconds[(layout, most, transport)] / seconds[(layout, one, transport)]
