@@ -72,7 +72,9 @@ class RankInfo:
     pp_rank: int
     dp_rank: int
     cp_rank: int
-    expert_dp_rank: int  # data-parallel rank among the replicas of this rank's experts (= dp_rank without MoE)
+    # rank among the data-parallel replicas of this rank's experts: with actor.ep, the ranks of replica 0 hold every
+    # expert between them (the weight path's expert-parallel peers)
+    expert_dp_rank: int
     is_output_rank: bool  # last pipeline stage, tensor- and context-parallel rank 0: holds losses and logprobs
     transformer_impl: str  # the layer spec built: local | transformer_engine (checkpoint keys depend on it)
 
