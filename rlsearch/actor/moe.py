@@ -34,10 +34,6 @@ class MoERouters:
         self.routed_tokens = torch.zeros(num_layers, dtype=torch.float64)  # tokens the router saw, per layer
         self._replaying: dict[int, torch.Tensor] = {}  # layer -> the indices replayed in the current forward
 
-    @property
-    def present(self) -> bool:
-        return any(self._by_chunk.values())
-
     def _on_route(self, layer: int):
         def hook(_router, _inputs, output) -> None:
             _, routing_map = output
