@@ -33,6 +33,7 @@ class MoESettings:
     z_loss_coef: float = 0.0  # router z-loss (0: none)
     record_routing: bool = False  # build the routers with Megatron's RouterReplay (algo.routing_replay=old)
 
+
 _LOCAL_SPEC_LAYERNORM_NAMES = {
     "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
     "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],

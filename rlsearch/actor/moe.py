@@ -30,9 +30,12 @@ class MoERouters:
                     router.register_forward_hook(self._on_route(layer.layer_number - 1))
             self._by_chunk[id(chunk)] = routers
         self.counting = False
-        self.tokens_per_expert = torch.zeros(num_layers, num_experts, dtype=torch.float64)
-        self.routed_tokens = torch.zeros(num_layers, dtype=torch.float64)  # tokens the router saw, per layer
+        # kept where the routers run, so a forward never waits on a copy to the host (read once a step)
+        device = local_device()
+        self.tokens_per_expert = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
+        self.routed_tokens = torch.zeros(num_layers, dtype=torch.float64, device=device)  # tokens routed, per layer
         self._replaying: dict[int, torch.Tensor] = {}  # layer -> the indices replayed in the current forward
+        self._replay_mismatches = torch.zeros(num_layers, dtype=torch.long, device=device)  # tokens, per layer
 
     def _on_route(self, layer: int):
         def hook(_router, _inputs, output) -> None:
@@ -40,10 +43,9 @@ class MoERouters:
             target = self._replaying.get(layer)
             if target is not None:
                 replayed = torch.zeros_like(routing_map).scatter(1, target.to(routing_map.device), True)
-                if not torch.equal(replayed, routing_map):
-                    raise RuntimeError(f"routing replay: layer {layer} routed tokens to other experts than replayed")
+                self._replay_mismatches[layer] += (replayed != routing_map).any(1).sum()
             if self.counting:
-                self.tokens_per_expert[layer] += routing_map.sum(0).to("cpu", torch.float64)
+                self.tokens_per_expert[layer] += routing_map.sum(0)
                 self.routed_tokens[layer] += routing_map.shape[0]
 
         return hook
@@ -57,7 +59,7 @@ class MoERouters:
         """(tokens per expert [layers, experts], tokens routed per layer) since `start_counting`, summed over every
         rank (each data-parallel rank routes its own tokens; each pipeline stage its own layers). A collective."""
         self.counting = False
-        counts = torch.cat([self.tokens_per_expert.flatten(), self.routed_tokens]).to(local_device())
+        counts = torch.cat([self.tokens_per_expert.flatten(), self.routed_tokens])
         if dist.get_backend() != "nccl":
             counts = counts.cpu()
         dist.all_reduce(counts)
@@ -89,6 +91,13 @@ class MoERouters:
             router.router_replay.target_topk_idx = target
             router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             self._replaying[layer] = target
+
+    def check_replayed(self) -> None:
+        """Raise if a replayed forward since the last check routed any token to other experts than replayed."""
+        layers = torch.nonzero(self._replay_mismatches).flatten().tolist()
+        self._replay_mismatches.zero_()
+        if layers:
+            raise RuntimeError(f"routing replay: MoE layer(s) {layers} routed tokens to other experts than replayed")
 
     def free(self, chunk: torch.nn.Module) -> None:
         """`chunk`'s routers compute their top-k again (no recording, no replay)."""

@@ -296,11 +296,14 @@ class MegatronActorWorker:
             return output, partial(loss_fn, mb, len(micro_batches), self._output_head(chunk))
 
         try:
-            return get_forward_backward_func()(
+            outputs = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=batches, model=model,
                 num_microbatches=len(micro_batches), seq_length=max(mb.num_tokens for mb in micro_batches),
                 micro_batch_size=1, forward_only=forward_only,
             )
+            if routed:
+                self.routers.check_replayed()  # before the caller steps the optimizer on these gradients
+            return outputs
         finally:
             if routed:
                 for chunk in model:
