@@ -301,21 +301,33 @@ def run_agent(name: str, host: BenchEngine, recorder: RecordingEngine, loop, too
             if profile is not None:
                 profile.disable()
 
+    trajectories, start, wall, cpu = timed(host, rollout())
+    waits = [(trajectory.generate_s, trajectory.tool_s) for trajectory in trajectories]
+    per_turn, overhead_ms = turn_overheads(loop, recorder, trajectories, turns, start, [sum(w) for w in waits])
+    sampled = sum(sum(t.loss_mask) for t in trajectories)
+    run = Run(name, wall, sampled, list(recorder.requests), list(tool.intervals), start, per_turn, overhead_ms,
+              waits, cpu)
+    return run, trajectories
+
+
+def timed(host: BenchEngine, coroutine) -> tuple:
+    """(the coroutine's result on the engine's loop, its start on the perf counter, wall seconds, CPU seconds)."""
     cpu, start = cpu_seconds(), time.perf_counter()
-    trajectories = host.run(rollout())
-    wall = time.perf_counter() - start
-    cpu = cpu_seconds() - cpu
-    seeds = seed_map(loop.seed, len(items), turns, STEP)
+    result = host.run(coroutine)
+    return result, start, time.perf_counter() - start, cpu_seconds() - cpu
+
+
+def turn_overheads(loop, recorder: RecordingEngine, trajectories, turns: int, start: float,
+                   waited: list[float]) -> tuple[dict, float]:
+    """The run's requests by (trajectory, turn), and the mean per-turn time of a trajectory outside the waits in
+    `waited` (its generate and tool seconds), in ms: from the run's start to its last request's end."""
+    seeds = seed_map(loop.seed, len(trajectories), turns, STEP)
     per_turn = {seeds[r.seed]: r for r in recorder.requests}
-    overheads, waits = [], []
+    overheads = []
     for index, trajectory in enumerate(trajectories):
         end = max(r.end for (i, _), r in per_turn.items() if i == index)
-        overheads.append((end - start - trajectory.generate_s - trajectory.tool_s) / len(trajectory.turns))
-        waits.append((trajectory.generate_s, trajectory.tool_s))
-    sampled = sum(sum(t.loss_mask) for t in trajectories)
-    run = Run(name, wall, sampled, list(recorder.requests), list(tool.intervals), start, per_turn,
-              1000 * statistics.fmean(overheads), waits, cpu)
-    return run, trajectories
+        overheads.append((end - start - waited[index]) / len(trajectory.turns))
+    return per_turn, 1000 * statistics.fmean(overheads)
 
 
 def run_bare(host: BenchEngine, recorder: RecordingEngine, loop, agent: Run, trajectories,
@@ -345,19 +357,11 @@ def run_bare(host: BenchEngine, recorder: RecordingEngine, loop, agent: Run, tra
     async def replay_all():
         return await asyncio.gather(*(replay(ids, plan) for ids, plan in plans))
 
-    cpu, start = cpu_seconds(), time.perf_counter()
-    waited = host.run(replay_all())
-    wall = time.perf_counter() - start
-    cpu = cpu_seconds() - cpu
-    seeds = seed_map(loop.seed, len(trajectories), turns, STEP)
-    per_turn = {seeds[r.seed]: r for r in recorder.requests}
-    overheads = []
-    for index, trajectory in enumerate(trajectories):
-        end = max(r.end for (i, _), r in per_turn.items() if i == index)
-        overheads.append((end - start - waited[index]) / len(trajectory.turns))
+    waited, start, wall, cpu = timed(host, replay_all())
+    per_turn, overhead_ms = turn_overheads(loop, recorder, trajectories, turns, start, waited)
     sampled = sum(len(r.sampled) for r in recorder.requests)
-    run = Run("bare vLLM replay", wall, sampled, list(recorder.requests), [], start, per_turn,
-              1000 * statistics.fmean(overheads), [(w, 0.0) for w in waited], cpu)
+    run = Run("bare vLLM replay", wall, sampled, list(recorder.requests), [], start, per_turn, overhead_ms,
+              [(w, 0.0) for w in waited], cpu)
     return run, mismatched
 
 
