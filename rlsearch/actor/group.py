@@ -67,6 +67,14 @@ class ActorGroup:
             start = end
         return shards
 
+    def _on_every_rank(self, method: str, samples: Sequence[TrainSample], *args, **kwargs) -> list:
+        """`method` on every rank with its data-parallel shard of `samples` first; the results in rank order."""
+        shards = self._shards(samples)
+        return self._get([
+            getattr(worker, method).remote(shards[info.dp_rank], *args, **kwargs)
+            for worker, info in zip(self.workers, self.infos)
+        ])
+
     def _get(self, refs: list) -> list:
         """Results of one call per rank. The first failure is raised at once: when a rank dies its peers may wait at
         a collective until the process-group timeout, and nobody should wait for them."""
@@ -92,11 +100,7 @@ class ActorGroup:
         self, samples: Sequence[TrainSample], reference: bool = False, distribution: SamplingDistribution | None = None
     ) -> list[list[float]]:
         """Per-sample logprobs of the response tokens under `distribution` (default: the rollout's)."""
-        shards = self._shards(samples)
-        results = self._get([
-            worker.compute_logprobs.remote(shards[info.dp_rank], reference, distribution)
-            for worker, info in zip(self.workers, self.infos)
-        ])
+        results = self._on_every_rank("compute_logprobs", samples, reference, distribution)
         return [row for shard in self._output_by_dp_rank(results) for row in shard]
 
     def compute_logprobs_and_routing(
@@ -104,11 +108,7 @@ class ActorGroup:
     ) -> tuple[list[list[float]], list[torch.Tensor]]:
         """`compute_logprobs` of the trained MoE model, and the routing of each sample in that pass: [tokens, layers,
         top-k] expert ids (algo.routing_replay=old: `TrainSample.routed_experts`)."""
-        shards = self._shards(samples)
-        results = self._get([
-            worker.compute_logprobs.remote(shards[info.dp_rank], record_routing=True)
-            for worker, info in zip(self.workers, self.infos)
-        ])
+        results = self._on_every_rank("compute_logprobs", samples, record_routing=True)
         logprobs = [row for shard in self._output_by_dp_rank([r[0] for r in results]) for row in shard]
         # every stage's tensor-parallel rank 0 recorded its own layers (-1 in the others'): merged per sample
         by_dp: dict[int, list[torch.Tensor]] = {}
@@ -123,11 +123,7 @@ class ActorGroup:
         self, samples: Sequence[TrainSample], objective: Objective, distribution: SamplingDistribution | None = None
     ) -> tuple[list[dict[str, float]], float]:
         """One optimizer step on every rank: the output ranks' results by DP rank, and whether it was skipped."""
-        shards = self._shards(samples)
-        results = self._get([
-            worker.train_step.remote(shards[info.dp_rank], self.dp_size, objective, distribution)
-            for worker, info in zip(self.workers, self.infos)
-        ])
+        results = self._on_every_rank("train_step", samples, self.dp_size, objective, distribution)
         skipped = {result["skipped_nonfinite"] for result in results}
         if len(skipped) != 1:  # the worker's all-reduce makes this impossible unless a rank broke the protocol
             flags = [result["skipped_nonfinite"] for result in results]

@@ -139,14 +139,23 @@ def _check_actor(actor: ActorConfig) -> None:
         )
 
 
+def _hf_config(model_dir: str | Path) -> dict:
+    import json
+
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def _num_experts(hf_config: dict) -> int:
+    """Routed experts per MoE layer of an HF config (0: a dense model)."""
+    return hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0
+
+
 def model_layout_problem(model_dir: str | Path, tp: int, pp: int, virtual_pipeline_stages: int = 0,
                          prefix: str = "", ep: int = 1, cp: int = 1) -> str | None:
     """Why tensor x pipeline (x virtual stages) x expert parallel `tp` x `pp` x `ep` cannot split the HF model at
     `model_dir`, or None. Keys are named with `prefix` ("actor." for a run's config, "" for the converter's flags)."""
-    import json
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    experts = config.get("num_experts") or config.get("num_local_experts")
+    config = _hf_config(model_dir)
+    experts = _num_experts(config)
     if not experts and ep > 1:
         return f"{prefix}ep={ep} needs a mixture-of-experts model; {model_dir} is dense ({config.get('model_type')})"
     if experts:
@@ -179,14 +188,11 @@ def model_layout_problem(model_dir: str | Path, tp: int, pp: int, virtual_pipeli
 def check_model_layout(model_dir: str | Path, actor: ActorConfig, routing_replay: str = "none") -> None:
     """ConfigError when the actor's layout cannot split the model, or routing replay is asked of a dense model
     (checked at start-up, before any rank starts)."""
-    import json
-
     problem = model_layout_problem(model_dir, actor.tp, actor.pp, actor.virtual_pipeline_stages, prefix="actor.",
                                    ep=actor.ep, cp=actor.cp)
     if problem:
         raise ConfigError(problem)
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    if routing_replay != "none" and not (config.get("num_experts") or config.get("num_local_experts")):
+    if routing_replay != "none" and not _num_experts(_hf_config(model_dir)):
         raise ConfigError(f"'algo.routing_replay' is {routing_replay} but {model_dir} is a dense model (no experts "
                           "to route); use algo.routing_replay=none")
 
