@@ -10,11 +10,19 @@ gap. Then, per run, the seconds of each phase of its fastest sync (rlsearch.weig
 summed over pipeline stages, the engines' of the worst engine; they overlap, so they need not add up to the sync),
 the fan-out cost (N engines over 1) and, last, the worst ratio of sync seconds to the baseline.
 
+Two variants of the shm transport run as their own "transports":
+  shm-staged : bridge.stage_while_generating: buckets staged before the engines pause; `pause s` is how long the
+               engines stood still (load + finish) against the sync's seconds
+  shm-delta  : bridge.delta: a whole sync first, then before each timed sync one optimizer step at --lr on a
+               64-token sample; `MiB wire` is what the delta buckets took against `MiB/eng` of whole tensors
+
   .venv/bin/python bench/weight_sync.py --layouts tp1pp1,tp2pp2 --engines 1,2 --transports shm,broadcast
+  .venv/bin/python bench/weight_sync.py --dtype bfloat16 --engines 1 --transports shm,shm-staged,shm-delta
   .venv/bin/python bench/weight_sync.py --shape tiny --repeats 1           # a seconds-long smoke run
 
-Goals: TP1PP1 <= 1.2x and TP2PP2 <= 1.5x the baseline, 2 engines <= 1.3x one, sender peak extra <= 2 buckets
-(a tensor larger than a bucket travels alone, so a "bucket" here is max(bucket_mb, the largest tensor)).
+Goals: TP1PP1 <= 1.3x and TP2PP2 <= 1.5x the baseline, 2 engines <= 1.15x one, sender peak extra <= 2 buckets
+(a tensor larger than a bucket travels alone, so a "bucket" here is max(bucket_mb, the largest tensor)), pause
+<= 25% of the sync staged first, delta >= 20x fewer bytes than whole at lr 1e-6 (bf16).
 """
 
 from __future__ import annotations
@@ -103,13 +111,34 @@ def print_phases(phases: dict[tuple[str, int, str], dict[str, float]],
               + " ".join(f"{times.get(name, 0.0):>8.2f}" for name in PHASES), flush=True)
 
 
+# bench transport -> (bridge.transport, WeightSync options)
+TRANSPORTS = {
+    "shm": ("shm", {}), "broadcast": ("broadcast", {}),
+    "shm-staged": ("shm", {"stage_while_generating": True}), "shm-delta": ("shm", {"delta": True}),
+}
+
+
+def train_sample(group, length: int = 64):
+    """A 64-token sample scored by the actor, with an advantage, for one optimizer step."""
+    from rlsearch.actor import MODEL_DISTRIBUTION, TrainSample
+    from rlsearch.algo import loss_token_weights
+
+    sample = TrainSample(list(range(2000, 2000 + length)), 1, [1] * (length - 1))
+    sample.old_logprobs = group.compute_logprobs([sample], distribution=MODEL_DISTRIBUTION)[0].tolist()
+    sample.advantage = 1.0
+    sample.token_weights = loss_token_weights([sample.loss_mask], "token_mean")[0]
+    return sample
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     parser.add_argument("--layouts", default="tp1pp1,tp2pp2", help="comma-separated actor layouts tpXppY")
     parser.add_argument("--engines", default="1,2", help="comma-separated numbers of engines to sync into")
     parser.add_argument("--engine-tp", type=int, default=1, help="tensor_parallel_size of every engine")
-    parser.add_argument("--transports", default="shm,broadcast", help="comma-separated: shm, broadcast")
+    parser.add_argument("--transports", default="shm,broadcast",
+                        help="comma-separated: " + ", ".join(TRANSPORTS))
+    parser.add_argument("--lr", type=float, default=1e-6, help="the actor's learning rate (shm-delta's steps)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--bucket-mb", type=float, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="timed repetitions (the best is reported)")
@@ -136,6 +165,7 @@ def main() -> None:
     tools.retriever.url = "http://127.0.0.1:9"  # the agent's search client is built but never called here
     seconds: dict[tuple[str, int, str], float] = {}
     phases: dict[tuple[str, int, str], dict[str, float]] = {}
+    bests: dict = {}  # the fastest sync's SyncStats per run
     pool = EnginePool(EngineSpec(str(model_path), dtype=args.dtype, max_model_len=256,
                                  tensor_parallel_size=args.engine_tp), rollout, tools, seed=1)
     try:
@@ -152,13 +182,13 @@ def main() -> None:
         print(f"model: {args.shape} shape in {args.dtype}; engines TP{args.engine_tp}; buckets of "
               f"{args.bucket_mb:g} MiB (largest tensor {largest / 2**20:.0f} MiB)")
         print(f"baseline: vLLM reload_weights from the safetensors files (page cache), one engine: {baseline:.2f} s")
-        print(f"{'layout':<8} {'engines':>7} {'transport':<10} {'sync s':>7} {'/base':>6} {'MiB/eng':>8} "
-              f"{'peak MiB':>9} {'shm MiB':>8} {'buckets':>7} {'probe gap':>9}")
+        print(f"{'layout':<8} {'engines':>7} {'transport':<10} {'sync s':>7} {'/base':>6} {'pause s':>7} "
+              f"{'MiB/eng':>8} {'MiB wire':>8} {'peak MiB':>9} {'shm MiB':>8} {'buckets':>7} {'probe gap':>9}")
         probe_ids = list(range(1000, 1064))
         for layout in args.layouts.split(","):
             tp, pp = (int(part) for part in layout.removeprefix("tp").split("pp"))
-            spec = ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp), AlgoConfig(),
-                                   MODEL_DISTRIBUTION, 1, 1)
+            spec = ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp, lr=args.lr), AlgoConfig(),
+                                   MODEL_DISTRIBUTION, 100, 1)
             group = ActorGroup(spec, num_gpus_per_rank=1 if cluster_has_gpus() else 0)
             try:
                 senders = [workers[0] for workers in group.stage_workers()]
@@ -166,22 +196,31 @@ def main() -> None:
                 for count in engine_counts:
                     engines = pool.engines[:count]
                     for transport in args.transports.split(","):
-                        sync = WeightSync(group, args.bucket_mb, transport, timeout_s=600.0,
-                                          engine_tp=args.engine_tp)
-                        timings, private, shared = [], 0, 0
+                        bridge_transport, options = TRANSPORTS[transport]
+                        sync = WeightSync(group, args.bucket_mb, bridge_transport, timeout_s=600.0,
+                                          engine_tp=args.engine_tp, **options)
+                        if options.get("delta"):
+                            sync.sync(engines)  # the first is whole
+                            sample = train_sample(group)
+                        timings, private, shared, best = [], 0, 0, None
                         for _ in range(args.repeats):
+                            if options.get("delta"):
+                                group.train_step([sample])
                             with PeakRss(pids) as rss:
                                 stats = sync.sync(engines)
-                            if not timings or stats.seconds < min(timings):
-                                phases[(layout, count, transport)] = stats.phases
+                            if best is None or stats.seconds < best.seconds:
+                                best = stats
                             timings.append(stats.seconds)
                             private = max(private, rss.peak_extra_private)
                             shared = max(shared, rss.peak_extra_shared)
                         gap = check_engines_match_actor(group, engines, probe_ids, 0.0, step=0)
                         sync.close(engines)
-                        seconds[(layout, count, transport)] = min(timings)
-                        print(f"{layout.upper():<8} {count:>7} {transport:<10} {min(timings):>7.2f} "
-                              f"{min(timings) / baseline:>5.2f}x {stats.num_bytes / 2**20:>8.0f} "
+                        seconds[(layout, count, transport)] = best.seconds
+                        phases[(layout, count, transport)] = best.phases
+                        bests[(layout, count, transport)] = best
+                        print(f"{layout.upper():<8} {count:>7} {transport:<10} {best.seconds:>7.2f} "
+                              f"{best.seconds / baseline:>5.2f}x {best.phases.get('pause', 0.0):>7.2f} "
+                              f"{best.num_bytes / 2**20:>8.0f} {best.wire_bytes / 2**20:>8.1f} "
                               f"{private / 2**20:>9.0f} {shared / 2**20:>8.0f} {private / bucket_bytes:>7.2f} "
                               f"{gap['bridge/logprob_mismatch_max']:>9.1e}", flush=True)
             finally:
@@ -197,11 +236,19 @@ def main() -> None:
         one, most = min(engine_counts), max(engine_counts)
         fanout = {(layout, transport): seconds[(layout, most, transport)] / seconds[(layout, one, transport)]
                   for layout, count, transport in seconds if count == one}
-        print(f"fan-out {most} engines / {one} (goal <= 1.3): " + ", ".join(
+        print(f"fan-out {most} engines / {one} (goal <= 1.15): " + ", ".join(
             f"{layout.upper()} {transport} {ratio:.2f}x" for (layout, transport), ratio in fanout.items()))
+    for (layout, count, transport), stats in bests.items():
+        if transport == "shm-staged":
+            print(f"pause / sync staged first (goal <= 0.25): {layout.upper()}, {count} engine(s): "
+                  f"{stats.phases['pause'] / stats.seconds:.2f} ({stats.phases['pause']:.2f} of {stats.seconds:.2f} s)")
+        if transport == "shm-delta":
+            print(f"whole / delta bytes at lr {args.lr:g} (goal >= 20): {layout.upper()}, {count} engine(s): "
+                  f"{stats.num_bytes / max(stats.wire_bytes, 1):.1f}x ({stats.wire_bytes / 2**20:.1f} of "
+                  f"{stats.num_bytes / 2**20:.0f} MiB)")
     worst = max(seconds, key=seconds.get)
     print(f"worst sync / vLLM reload from the page cache: {seconds[worst] / baseline:.2f}x "
-          f"({worst[0].upper()}, {worst[1]} engine(s), {worst[2]}; goals TP1PP1 <= 1.2, TP2PP2 <= 1.5)")
+          f"({worst[0].upper()}, {worst[1]} engine(s), {worst[2]}; goals TP1PP1 <= 1.3, TP2PP2 <= 1.5)")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from ..rendezvous import Rendezvous
 from ..weights import broadcast, shm
 from ..weights.bucket import WeightBucket
 from ..weights.clock import PhaseClock
+from ..weights.delta import DeltaBucket, DeltaEncoder
 from ..weights.export import export_stage_weights
 from ..weights.group import destroy_weight_group, new_weight_group
 from .batch import MicroBatch, Packing, TrainSample, collate, pack_micro_batches
@@ -97,6 +98,8 @@ class MegatronActorWorker:
         self.rank = rank
         self.world_size = world_size
         self._rendezvous: dict[str, Rendezvous] = {}
+        self._delta_encoder = DeltaEncoder()  # on a stage's sender: what it last sent under bridge.delta
+        self._staged_buckets = shm.StagedBuckets()  # on a stage's sender: its bucket files in /dev/shm
 
     def open_rendezvous(self, purpose: str, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> str:
         """Open, on this rank's node, the store of a group (`purpose`: "actor" for the ranks' own, "weights-K" for
@@ -484,28 +487,43 @@ class MegatronActorWorker:
     def _is_stage_sender(self) -> bool:
         return self.info.tp_rank == 0 and self.info.dp_rank == 0 and self.info.cp_rank == 0
 
-    def export_weight_buckets(self, bucket_bytes: int, stage_in_shared_memory: bool = False) -> Iterator[
-            WeightBucket | dict]:
-        """This pipeline stage's weights in buckets of about `bucket_bytes` (shm transport), yielded by the stage's
-        sender: as files it writes in /dev/shm for engines on its node (their path and layout), else as object-store
-        buckets. Its TP peers (and, with expert parallelism, the ranks holding the other experts) take part in the
-        gathers and yield nothing. Called on the ranks of `ActorGroup.stage_workers` only."""
-        staged = None
-        if stage_in_shared_memory and self._is_stage_sender():
-            staged = self._staged_buckets = shm.StagedBuckets()
+    def export_weight_buckets(self, plan: shm.ExportPlan) -> Iterator[WeightBucket | DeltaBucket | dict]:
+        """This pipeline stage's weights in buckets (shm transport), yielded by the stage's sender: as files it
+        writes in /dev/shm for engines on its node (their path and layout), else as object-store buckets, delta-
+        encoded under bridge.delta. Its TP peers (and, with expert parallelism, the ranks holding the other experts)
+        take part in the gathers and yield nothing. Called on the ranks of `ActorGroup.stage_workers` only."""
+        sender = self._is_stage_sender()
+        staged = encoder = None
+        if plan.stage_in_shared_memory and sender:
+            staged = self._staged_buckets
+            staged.start(keep_all=plan.keep_staged)
+        if plan.sync_id is not None and sender:
+            encoder = self._delta_encoder
+            encoder.start(plan.delta_of)
         self._send_clock = PhaseClock()
-        yield from shm.stream_buckets(export_stage_weights(self.mbridge, self.model), bucket_bytes,
-                                      self._is_stage_sender(), staged, self._send_clock)
+        yield from shm.stream_buckets(export_stage_weights(self.mbridge, self.model), plan, sender, staged, encoder,
+                                      self._send_clock)
+
+    def delta_base_id(self) -> str | None:
+        """The sync id of the weights this stage's sender last sent under bridge.delta (None: none kept)."""
+        return self._delta_encoder.base_id
+
+    def export_bytes(self) -> int:
+        """Bytes the weight path exports from this rank's weights: its TP shards and experts, and, on the stage's
+        sender, the tensors every TP rank holds whole. Summed over a stage's `ActorGroup.stage_workers`: the bytes of
+        the stage (a tied embedding counted on both ends)."""
+        total = 0
+        for chunk in self.model:
+            for parameter in chunk.parameters():
+                expert = not getattr(parameter, "allreduce", True)  # megatron's mark of an expert parameter
+                sharded = self.info.dp_rank == 0 and getattr(parameter, "tensor_model_parallel", False)
+                if expert or sharded or self._is_stage_sender():
+                    total += parameter.numel() * parameter.element_size()
+        return total
 
     def send_phases(self) -> dict[str, float]:
         """Seconds per phase of this rank's last `export_weight_buckets` (rlsearch.weights.clock)."""
         return dict(self._send_clock.seconds)
-
-    def release_staged_buckets(self) -> None:
-        """Remove the bucket files of the last `export_weight_buckets` (every engine has loaded them)."""
-        staged, self._staged_buckets = getattr(self, "_staged_buckets", None), None
-        if staged is not None:
-            staged.release()
 
     def export_weights_as_peer(self) -> None:
         """A TP peer's part of its stage sender's `broadcast_weights`: its shards, gathered to the sender."""
@@ -592,5 +610,6 @@ class MegatronActorWorker:
         return state
 
     def shutdown(self) -> None:
+        self._staged_buckets.close()
         if dist.is_initialized():
             dist.destroy_process_group()

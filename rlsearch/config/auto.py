@@ -18,11 +18,11 @@ def auto_dtype(requested: str, has_gpus: bool) -> str:
     return "bfloat16" if has_gpus else "float32"
 
 
-def auto_transport(requested: str, has_gpus: bool) -> str:
-    """bridge.transport: auto -> broadcast (nccl) with GPUs, shm without."""
+def auto_transport(requested: str, has_gpus: bool, delta: bool) -> str:
+    """bridge.transport: auto -> broadcast (nccl) with GPUs, shm without or with delta syncs (bridge.delta)."""
     if requested != "auto":
         return requested
-    return "broadcast" if has_gpus else "shm"
+    return "broadcast" if has_gpus and not delta else "shm"
 
 
 def resolve_auto_keys(config: T, has_gpus: bool) -> T:
@@ -30,5 +30,6 @@ def resolve_auto_keys(config: T, has_gpus: bool) -> T:
     bridge.transport concrete."""
     changes = {"model": replace(config.model, dtype=auto_dtype(config.model.dtype, has_gpus))}
     if hasattr(config, "bridge"):
-        changes["bridge"] = replace(config.bridge, transport=auto_transport(config.bridge.transport, has_gpus))
+        bridge = config.bridge
+        changes["bridge"] = replace(bridge, transport=auto_transport(bridge.transport, has_gpus, bridge.delta))
     return replace(config, **changes)

@@ -39,6 +39,7 @@ _POSITIVE = (
     "tools.mcp.timeout_s", "tools.mcp.max_concurrency", "tools.browse.timeout_s", "tools.browse.max_bytes",
     "tools.browse.max_concurrency", "tools.serper.num_results", "tools.serper.timeout_s", "tools.jina.timeout_s",
     "rollout.num_engines", "rollout.tensor_parallel_size", "bridge.timeout_s", "rollout.agent_timeout_s",
+    "bridge.delta_full_every",
     "reward.judge.max_tokens", "reward.judge.max_concurrency", "reward.judge.timeout_s", "reward.rubric.max_searches",
 )
 
@@ -211,6 +212,11 @@ def _check_trained_distribution(config: TrainConfig) -> None:
             "(renormalised over the kept tokens) while the actor scores the whole distribution, so importance "
             "weights and the KL would compare different distributions; lower rollout.temperature instead (eval may "
             "use top_p)"
+        )
+    if config.bridge.delta and config.bridge.transport == "broadcast":
+        raise ConfigError(
+            "'bridge.delta' needs 'bridge.transport' shm (or auto): each engine's host applies the changes to its copy "
+            "of the weights before its workers load them, and broadcast sends into the workers directly"
         )
     limit = config.bridge.max_logprob_mismatch
     if limit is not None and limit < 0:

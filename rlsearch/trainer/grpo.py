@@ -187,7 +187,9 @@ class GRPOTrainer:
         )
         bridge = config.bridge
         self.weight_sync = WeightSync(
-            self.actor, bridge.bucket_mb, bridge.transport, bridge.timeout_s, config.rollout.tensor_parallel_size
+            self.actor, bridge.bucket_mb, bridge.transport, bridge.timeout_s, config.rollout.tensor_parallel_size,
+            delta=bridge.delta, delta_full_every=bridge.delta_full_every,
+            stage_while_generating=bridge.stage_while_generating and config.rollout.update_weights_in_flight,
         )
         self.probe_ids = ray.get(
             self.pool.engines[0].probe_sequence.remote(self.examples[0].question, PROBE_CONTINUATION)
@@ -451,6 +453,8 @@ class GRPOTrainer:
             "bridge/buckets": float(sync.num_buckets),
             "bridge/engines": float(sync.num_engines),
             "bridge/sync_mib": sync.num_bytes / 2**20,
+            "bridge/wire_mib": sync.wire_bytes / 2**20,  # what the buckets took: less than sync_mib for a delta
+            "bridge/delta": float(sync.delta),
             # where the sync's seconds went (rlsearch.weights.clock.PHASES), and the probe check after it
             **{f"bridge/time/{phase}": seconds for phase, seconds in sync.phases.items()},
             "bridge/time/probe": time.perf_counter() - probe_started,

@@ -75,7 +75,7 @@ def broadcast_buckets(named_tensors, group, stage: int, engines: Sequence, bucke
     device = group_device(dist.get_backend(group))
     deadline = Deadline(timeout_s, engines)
     clock = PhaseClock()
-    sent = {"buckets": 0, "tensors": 0, "bytes": 0}
+    sent = {"buckets": 0, "tensors": 0, "bytes": 0, "wire_bytes": 0}
     for tensors in iter_buckets(clock.timed("export", named_tensors), bucket_bytes):
         with clock.phase("pack"):
             layout, flat = flatten_tensors(tensors, device)
@@ -87,5 +87,6 @@ def broadcast_buckets(named_tensors, group, stage: int, engines: Sequence, bucke
         sent["buckets"] += 1
         sent["tensors"] += len(tensors)
         sent["bytes"] += layout.payload_bytes
+        sent["wire_bytes"] += layout.total_bytes
     sent["phases"] = clock.seconds
     return sent

@@ -132,17 +132,19 @@ def flat_layout(entries: list[TensorEntry], sizes: list[int], checksum: tuple[in
 def flatten_tensors(named_tensors: list[tuple[str, torch.Tensor]], device: torch.device,
                     allocate=None) -> tuple[FlatLayout, torch.Tensor]:
     """The tensors copied into one flat uint8 buffer and its layout (checksum of the buffer). The buffer is a new
-    zeroed tensor on `device`, or ``allocate(total_bytes)``: a zero-filled uint8 tensor (e.g. a mapped file)."""
+    tensor on `device`, or ``allocate(total_bytes)``: a uint8 tensor of that size (e.g. a mapped file, which may
+    hold an earlier bucket's bytes: the padding is zeroed here)."""
     entries = [_entry(name, tensor) for name, tensor in named_tensors]
     sizes = [tensor.numel() * tensor.element_size() for _, tensor in named_tensors]
     layout = flat_layout(entries, sizes, (0, 0))
     if allocate is None:
-        flat = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
+        flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
     else:
         flat = allocate(layout.total_bytes)
     for (_, tensor), offset, size in zip(named_tensors, layout.offsets, sizes):
         if size:
             flat[offset:offset + size].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        flat[offset + size:_aligned(offset + size)].zero_()
     layout.checksum = (_index_crc(entries, sizes), _word_sum(flat))
     return layout, flat
 

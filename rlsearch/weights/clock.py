@@ -13,9 +13,10 @@ Item = TypeVar("Item")
 # what each phase covers, in the order a bucket meets them (the bench prints them in this order)
 PHASES = {
     "export": "senders: gather TP (and EP) shards, convert to HF names and layouts",
-    "pack": "senders: copy tensors into a bucket (flat or staged file) and checksum it",
+    "pack": "senders: copy tensors into a bucket (flat, staged file or delta-encoded) and checksum it",
     "transfer": "senders: broadcast a bucket and wait for every engine to receive it (broadcast transport)",
-    "load": "engines: stage, verify and load buckets into the model (worst engine)",
+    "stage": "engines: write a received bucket (a delta applied) to a shared-memory file (worst engine)",
+    "load": "engines: verify and load staged buckets into the model (worst engine)",
     "finish": "engines: finalise the reload, reset the prefix cache, resume (worst engine)",
     "pause": "engines: from pausing the scheduler to resuming it (worst engine)",
 }

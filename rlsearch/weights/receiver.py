@@ -1,20 +1,26 @@
 """The weight path's end inside a rollout engine: a sync's calls on one vLLM AsyncLLM, run in its rollout worker.
 
-A sync: `begin` (pause scheduling with requests kept, open the reload session in every TP worker), buckets by
-`load_bucket` (shm) or `receive_broadcast` (broadcast), then `finish` (close the session, check that every
-parameter got weights and no HF name came twice, reset the prefix cache with running requests, resume). Requests
-in flight go on with the new weights: their KV blocks are recomputed. A failed sync leaves the engine paused, so
-nothing samples from half-loaded weights.
+A sync: `open_sync`, then `begin` (pause scheduling with requests kept, open the reload session in every TP
+worker), buckets by `load_staged` / `load_bucket` (shm) or `receive_broadcast` (broadcast), then `finish` (close
+the session, check that every parameter got weights and no HF name came twice, reset the prefix cache with running
+requests, resume). Requests in flight go on with the new weights: their KV blocks are recomputed. A failed sync
+leaves the engine paused, so nothing samples from half-loaded weights.
+
+Staged first (`bridge.stage_while_generating`), buckets reach the engine before `begin`: the sender's files on this
+node, or buckets this engine wrote to its own files with `stage_bucket` while it kept generating; the pause then
+covers only loading them (`load_staged` / `load_staged_buckets`) and `finish`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import time
 
 from .bucket import WeightBucket, write_flat
 from .clock import PhaseClock
+from .delta import DeltaBase, DeltaBucket
 from .shm import STAGING_DIR
 
 VLLM_WORKER_EXTENSION = "rlsearch.weights.vllm_extension.WeightLoaderExtension"
@@ -26,33 +32,73 @@ class EngineWeightReceiver:
     def __init__(self, llm) -> None:
         self.llm = llm
         self.version = 0  # syncs finished on this engine
-        self.clock = PhaseClock()  # the current sync's load / finish / pause seconds
+        self.clock = PhaseClock()  # the current sync's stage / load / finish / pause seconds
+        self.delta = DeltaBase()  # the whole tensors of the last delta-mode sync (bridge.delta)
+        self.timeline: dict[str, float] = {}  # wall-clock times of the current sync: opened, paused, resumed
         self._paused_at = 0.0
+        self._staged: list[dict] = []  # bucket files this engine staged itself (path, layout), in arrival order
+
+    async def open_sync(self) -> str | None:
+        """A sync starts (the engine still generating): drop what a failed sync left staged; returns the id of the
+        weights the delta base holds (None: none), which is void until this sync finishes."""
+        self.clock = PhaseClock()
+        self.timeline = {"opened": time.time()}
+        self._discard_staged()
+        return self.delta.start()
 
     async def begin(self) -> None:
-        self.clock = PhaseClock()
         self._paused_at = time.perf_counter()
+        self.timeline["paused"] = time.time()
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         await self.llm.collective_rpc("rlsearch_begin_weight_update")
 
-    async def load_bucket(self, bucket: WeightBucket) -> tuple[int, int]:
-        """Stage an object-store bucket in a shared-memory file (flat form, one copy) that every TP worker maps;
-        returns (tensors, payload bytes)."""
+    async def stage_bucket(self, bucket: WeightBucket | DeltaBucket) -> tuple[int, int, int]:
+        """Write an object-store bucket (a delta applied to the base first) to a shared-memory file in the flat
+        form, one copy that every TP worker maps, kept until `load_staged_buckets`. The copy runs off the event
+        loop, so the engine goes on generating. Returns (tensors, payload bytes, bytes received)."""
+        received = bucket.wire_bytes if isinstance(bucket, DeltaBucket) else sum(a.nbytes for a in bucket.arrays)
+        with self.clock.phase("stage"):
+            staged = await asyncio.to_thread(self._write_staged, bucket)
+        self._staged.append(staged)
+        return len(staged["layout"]["entries"]), sum(staged["layout"]["sizes"]), received
+
+    def _write_staged(self, bucket: WeightBucket | DeltaBucket) -> dict:
+        whole = self.delta.apply(bucket) if isinstance(bucket, DeltaBucket) else bucket
         descriptor, path = tempfile.mkstemp(prefix="rlsearch-bucket-", dir=STAGING_DIR)
         try:
-            with self.clock.phase("load"), os.fdopen(descriptor, "wb") as staging:
-                layout = write_flat(bucket, staging)
-            return await self.load_staged({"path": path, "layout": layout.to_wire()})
-        finally:
+            with os.fdopen(descriptor, "wb") as staging:
+                layout = write_flat(whole, staging)
+        except BaseException:
             os.unlink(path)
+            raise
+        return {"path": path, "layout": layout.to_wire()}
 
-    async def load_staged(self, staged: dict) -> tuple[int, int]:
-        """Load a bucket the sender staged in a shared-memory file on this node (path and layout); returns
-        (tensors, payload bytes)."""
+    async def load_staged_buckets(self) -> None:
+        """Load every bucket `stage_bucket` staged (the engine paused), in order, removing each file."""
+        while self._staged:
+            await self.load_staged(self._staged[0])
+            os.unlink(self._staged.pop(0)["path"])
+
+    async def load_bucket(self, bucket: WeightBucket | DeltaBucket) -> tuple[int, int, int]:
+        """`stage_bucket` and load it at once (the engine paused); returns what `stage_bucket` does."""
+        staged = await self.stage_bucket(bucket)
+        await self.load_staged_buckets()
+        return staged
+
+    async def load_staged(self, staged: dict) -> tuple[int, int, int]:
+        """Load a bucket staged in a shared-memory file on this node (path and layout); returns (tensors, payload
+        bytes, bytes received)."""
         with self.clock.phase("load"):
             loaded = await self.llm.collective_rpc("rlsearch_load_staged_bucket",
                                                    args=(staged["path"], staged["layout"]))
-        return tuple(loaded[0])
+        tensors, payload = loaded[0]
+        return tensors, payload, payload
+
+    def _discard_staged(self) -> None:
+        while self._staged:
+            path = self._staged.pop()["path"]
+            if os.path.exists(path):
+                os.unlink(path)
 
     async def join_group(
         self, address: str, rank_offset: int, world_size: int, stage: int, timeout_s: float
@@ -71,8 +117,9 @@ class EngineWeightReceiver:
             loaded = await self.llm.collective_rpc("rlsearch_receive_broadcast_bucket", args=(stage, wire))
         return tuple(loaded[0])
 
-    async def finish(self) -> dict[str, float]:
-        """Close the session and resume; returns this sync's seconds of loading, finishing and standing still."""
+    async def finish(self, sync_id: str | None = None) -> dict[str, float]:
+        """Close the session and resume; the delta base now holds the weights of `sync_id` (a delta-mode sync).
+        Returns this sync's seconds of staging, loading, finishing and standing still."""
         with self.clock.phase("finish"):
             problems = _report_problems(await self.llm.collective_rpc("rlsearch_finish_weight_update"))
             if problems:
@@ -81,12 +128,19 @@ class EngineWeightReceiver:
             # and new weights: running requests are preempted (recomputed on resume) and the prefix cache is emptied
             await self.llm.reset_prefix_cache(reset_running_requests=True)
             self.version += 1
+            if sync_id is not None:
+                self.delta.finish(sync_id)
             await self.llm.resume_generation()
         self.clock.seconds["pause"] = time.perf_counter() - self._paused_at
+        self.timeline["resumed"] = time.time()
         return dict(self.clock.seconds)
 
     async def finished_syncs(self) -> int:
         return self.version
+
+    async def sync_timeline(self) -> dict[str, float]:
+        """Wall-clock times (time.time()) of the last sync: opened, paused, resumed."""
+        return dict(self.timeline)
 
     async def reload_from_files(self, model_dir: str) -> None:
         """vLLM's own reload of the safetensors in `model_dir` (bench/weight_sync.py's baseline; tests reset an

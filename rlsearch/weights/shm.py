@@ -6,8 +6,10 @@ whatever the number of engines. Where they do not (trainer.placement=split), buc
 store and each engine's host stages them in a /dev/shm file of its own.
 
 A file in /dev/shm is memory: writing a mapped page past a full tmpfs kills the writer (SIGBUS), and containers get
-64 MB by default. So before each sync a process on every node that stages buckets checks that its /dev/shm has
-room for them, and the sync stops with an error saying how much it needs and how to get it.
+64 MB by default. So before the first sync (and whenever the engines change) a process on every node that stages
+buckets checks that its /dev/shm has room for them, and the sync stops with an error saying how much it needs and
+how to get it. A sender keeps its files and rewrites them every sync (`StagedBuckets`), so later syncs need no new
+room.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import os
 import shutil
 import socket
 import tempfile
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import ray
@@ -28,6 +31,7 @@ from ..config import ConfigError
 from .bucket import flatten_tensors, iter_buckets, pack_bucket
 from .clock import PhaseClock
 from .deadline import Deadline
+from .delta import DeltaEncoder
 
 STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 # weight buckets a sender may have produced ahead of the engines: bounds its extra memory
@@ -37,6 +41,7 @@ BUCKETS_IN_FLIGHT = 2
 STAGED_FILES_KEPT = BUCKETS_IN_FLIGHT + 1
 # a sender writes its next file before it removes the oldest one it keeps
 SENDER_FILES_AT_ONCE = STAGED_FILES_KEPT + 1
+SENDER_FILE_PREFIX = "rlsearch-sender-"  # + host-pid-index: a sender's bucket files (`StagedBuckets`)
 
 
 class StagingSpaceError(ConfigError):
@@ -65,21 +70,28 @@ def _check_staging_space_in(_actor, bytes_needed: int, what: str) -> None:
 
 
 def check_staging_room(stages: Sequence[Sequence], engines: Sequence, bucket_bytes: int, deadline: Deadline,
-                       same_node: bool) -> None:
+                       same_node: bool, whole_model_bytes: int = 0) -> None:
     """Before a sync stages anything: StagingSpaceError unless every node's /dev/shm holds what it will stage there,
     checked by an actor on that node. On the senders' node (`same_node`) each stage's sender keeps
-    SENDER_FILES_AT_ONCE buckets; otherwise each engine stages one bucket at a time on its own node. A tensor larger
-    than a bucket travels alone, so this is the need for bridge.bucket_mb-sized buckets."""
+    SENDER_FILES_AT_ONCE buckets; otherwise each engine stages one bucket at a time on its own node. Staged first
+    (`whole_model_bytes` > 0), each place keeps the whole model instead. A tensor larger than a bucket travels alone,
+    so this is the need for bridge.bucket_mb-sized buckets."""
     mib = f"{bucket_bytes / 2**20:g} MiB (bridge.bucket_mb)"
+    whole = f"the whole model ({whole_model_bytes / 2**30:.2f} GiB, bridge.stage_while_generating)"
     if same_node:
-        checks = [(stages[0][0], len(stages) * SENDER_FILES_AT_ONCE * bucket_bytes,
-                   f"{len(stages)} sender(s) x {SENDER_FILES_AT_ONCE} staged buckets x {mib}")]
+        need, what = len(stages) * SENDER_FILES_AT_ONCE * bucket_bytes, \
+            f"{len(stages)} sender(s) x {SENDER_FILES_AT_ONCE} staged buckets x {mib}"
+        if whole_model_bytes:
+            need, what = whole_model_bytes, f"the senders' staged buckets, {whole}"
+        checks = [(stages[0][0], need, what)]
     else:
         nodes = deadline.get([engine.node_id.remote() for engine in engines], "asking where the engines run", engines)
         by_node: dict[str, list] = {}
         for engine, node in zip(engines, nodes):
             by_node.setdefault(node, []).append(engine)
-        checks = [(members[0], len(members) * bucket_bytes, f"{len(members)} engine(s) x 1 staged bucket x {mib}")
+        per_engine, each = (whole_model_bytes, whole) if whole_model_bytes else \
+            (bucket_bytes, f"1 staged bucket x {mib}")
+        checks = [(members[0], len(members) * per_engine, f"{len(members)} engine(s) x {each}")
                   for members in by_node.values()]
     # any actor runs a function on request (Ray's __ray_call__): no method of its own needed for a look at its node
     refs = [handle.__ray_call__.remote(_check_staging_space_in, need, what) for handle, need, what in checks]
@@ -93,25 +105,54 @@ def check_staging_room(stages: Sequence[Sequence], engines: Sequence, bucket_byt
             raise
 
 
-def send_stages(stages: Sequence[Sequence], engines: Sequence, bucket_bytes: int, deadline: Deadline,
-                same_node: bool) -> list[dict[str, int]]:
+@dataclass(frozen=True)
+class ExportPlan:
+    """What a stage's ranks do in one shm sync (`export_weight_buckets`)."""
+
+    bucket_bytes: int
+    stage_in_shared_memory: bool  # the sender writes flat files in /dev/shm (engines on its node) or yields buckets
+    keep_staged: bool = False  # staged first: the sender writes every bucket to its own file (no file reused)
+    sync_id: str | None = None  # bridge.delta: this sync's id; buckets are delta-encoded (None: no delta encoding)
+    delta_of: str | None = None  # bridge.delta: the id of the weights every engine holds (None: send them whole)
+
+
+def send_stages(stages: Sequence[Sequence], engines: Sequence, plan: ExportPlan, deadline: Deadline,
+                pause: Callable[[], None], whole_model_bytes: int = 0, check_room: bool = True) -> list[dict[str, int]]:
     """Every bucket of every pipeline stage into every engine. ``stages[k]``: stage k's DP-rank-0 ranks, its sender
     (TP rank 0) first; each runs `stream_buckets`. The stages export at the same time (each sender at most
-    BUCKETS_IN_FLIGHT buckets ahead) and the engines load whichever bucket is ready first: a reload session takes
-    a layer's tensors in any order. Returns each stage's buckets, tensors, payload bytes and its sender's phase
-    seconds."""
-    check_staging_room(stages, engines, bucket_bytes, deadline, same_node)
+    BUCKETS_IN_FLIGHT buckets ahead) and the engines take whichever bucket is ready first: a reload session takes
+    a layer's tensors in any order. `pause` pauses the engines: at once, or, staged first (`whole_model_bytes` > 0,
+    the estimate the room check uses), once every bucket is staged on the engines' nodes, so that the engines go on
+    generating while the senders export. `check_room`: check the room in /dev/shm first (`check_staging_room`; a
+    sync that stages what an earlier one did reuses its files). Returns each stage's buckets, tensors, payload
+    bytes, bytes moved and its sender's phase seconds."""
+    stage_first = whole_model_bytes > 0
+    same_node = plan.stage_in_shared_memory
+    if check_room:
+        check_staging_room(stages, engines, plan.bucket_bytes, deadline, same_node, whole_model_bytes)
     streams = [
         [
             worker.export_weight_buckets.options(
                 num_returns="streaming", _generator_backpressure_num_objects=BUCKETS_IN_FLIGHT
-            ).remote(bucket_bytes, same_node)
+            ).remote(plan)
             for worker in workers
         ]
         for workers in stages
     ]
-    load = "load_staged" if same_node else "load_bucket"
-    sent = [{"buckets": 0, "tensors": 0, "bytes": 0} for _ in stages]
+    if not stage_first:
+        pause()
+    # per bucket: the engines' call now (load it, or stage it on their node), and, staged first on the senders' node,
+    # the bucket files to load once paused
+    take_now = None if stage_first and same_node else "stage_bucket" if stage_first else \
+        "load_staged" if same_node else "load_bucket"
+    sent = [{"buckets": 0, "tensors": 0, "bytes": 0, "wire_bytes": 0} for _ in stages]
+    staged_files: list = []
+
+    def count(stage: int, taken: tuple[int, int, int]) -> None:
+        sent[stage]["buckets"] += 1
+        for key, value in zip(("tensors", "bytes", "wire_bytes"), taken):
+            sent[stage][key] += value
+
     exporting = {stage: stage_streams[0] for stage, stage_streams in enumerate(streams)}
     while exporting:
         ready, _ = ray.wait(list(exporting.values()), num_returns=1, timeout=deadline.remaining())
@@ -123,64 +164,96 @@ def send_stages(stages: Sequence[Sequence], engines: Sequence, bucket_bytes: int
         except StopIteration:
             del exporting[stage]
             continue
-        loads = [engine.weight_rpc.remote(load, bucket_ref) for engine in engines]
-        tensors, nbytes = deadline.get(loads, "loading a weight bucket", engines)[0]
-        sent[stage]["buckets"] += 1
-        sent[stage]["tensors"] += tensors
-        sent[stage]["bytes"] += nbytes
+        if take_now is None:
+            staged_files.append((stage, bucket_ref))
+            continue
+        calls = [engine.weight_rpc.remote(take_now, bucket_ref) for engine in engines]
+        count(stage, deadline.get(calls, f"{'staging' if stage_first else 'loading'} a weight bucket", engines)[0])
     for stage_streams in streams:  # the TP peers yield nothing; their end says they finished cleanly
         for stream in stage_streams[1:]:
             deadline.wait([stream], "the actor stages' TP peers to finish the export")
             for _ in stream:
                 pass
+    if stage_first:
+        pause()
+        for stage, bucket_ref in staged_files:
+            calls = [engine.weight_rpc.remote("load_staged", bucket_ref) for engine in engines]
+            count(stage, deadline.get(calls, "loading a staged weight bucket", engines)[0])
+        if not same_node:
+            calls = [engine.weight_rpc.remote("load_staged_buckets") for engine in engines]
+            deadline.get(calls, "loading the staged weight buckets", engines)
     phases = deadline.get([workers[0].send_phases.remote() for workers in stages], "the senders' phase times")
     for stage_sent, stage_phases in zip(sent, phases):
         stage_sent["phases"] = stage_phases
-    if same_node:
-        releases = [workers[0].release_staged_buckets.remote() for workers in stages]
-        deadline.get(releases, "removing the staged bucket files")
     return sent
 
 
 class StagedBuckets:
-    """A sender's bucket files in shared memory (flat form), the newest `STAGED_FILES_KEPT` kept."""
+    """A sender's bucket files in shared memory (flat form), mapped once and rewritten sync after sync: a bucket is
+    copied into pages that already exist (a new file's pages cost more to fault in than the copy itself), and a
+    model's buckets have the same sizes every sync. Bucket j of a sync goes to file j mod SENDER_FILES_AT_ONCE, or,
+    staged first (`keep_all`), to file j. Files are named by the sender's pid: `close` removes them, and a new
+    sender removes those of senders that died."""
 
     def __init__(self) -> None:
-        self.paths: deque[str] = deque()
+        self.files: list[tuple[str, np.memmap]] = []  # (path, its mapping)
+        self.keep_all = False
+        self._next = 0
+        self._remove_orphans()
+
+    def start(self, keep_all: bool) -> None:
+        """A sync begins: its first bucket goes to the first file."""
+        self.keep_all = keep_all
+        self._next = 0
 
     def stage(self, tensors: list[tuple[str, torch.Tensor]]) -> dict:
-        """Write one bucket to a new file; returns what an engine needs to map it (path and layout)."""
-        descriptor, path = tempfile.mkstemp(prefix="rlsearch-bucket-", dir=STAGING_DIR)
-        os.close(descriptor)
-        self.paths.append(path)
+        """Write one bucket to the next file; returns what an engine needs to map it (path and layout)."""
+        index = self._next if self.keep_all else self._next % SENDER_FILES_AT_ONCE
+        self._next += 1
+        while len(self.files) <= index:
+            name = f"{SENDER_FILE_PREFIX}{socket.gethostname()}-{os.getpid()}-{len(self.files)}"
+            self.files.append((os.path.join(STAGING_DIR, name), None))
 
         def mapped(total_bytes: int) -> torch.Tensor:
-            if not total_bytes:
-                return torch.empty(0, dtype=torch.uint8)
-            return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="w+", shape=(total_bytes,)))
+            path, mapping = self.files[index]
+            if mapping is None or mapping.size < total_bytes:  # a new file, or a larger bucket than it held
+                mapping = np.memmap(path, dtype=np.uint8, mode="w+", shape=(max(total_bytes, 1),))
+                self.files[index] = (path, mapping)
+            return torch.from_numpy(mapping[:total_bytes])
 
         layout, _ = flatten_tensors(tensors, torch.device("cpu"), allocate=mapped)
-        while len(self.paths) > STAGED_FILES_KEPT:
-            os.unlink(self.paths.popleft())
-        return {"path": path, "layout": layout.to_wire()}
+        return {"path": self.files[index][0], "layout": layout.to_wire()}
 
-    def release(self) -> None:
-        while self.paths:
-            path = self.paths.popleft()
+    def close(self) -> None:
+        while self.files:
+            path, _ = self.files.pop()
             if os.path.exists(path):
                 os.unlink(path)
 
+    @staticmethod
+    def _remove_orphans() -> None:
+        """Remove the bucket files of senders on this host that are gone (killed mid-run)."""
+        for path in Path(STAGING_DIR).glob(f"{SENDER_FILE_PREFIX}{socket.gethostname()}-*-*"):
+            pid = path.name.rsplit("-", 2)[1]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                path.unlink(missing_ok=True)
 
-def stream_buckets(named_tensors, bucket_bytes: int, is_sender: bool, staged: StagedBuckets | None,
-                   clock: PhaseClock):
+
+def stream_buckets(named_tensors, plan: ExportPlan, is_sender: bool, staged: StagedBuckets | None,
+                   encoder: DeltaEncoder | None, clock: PhaseClock):
     """The actor rank's side: its stage's HF tensors in buckets, yielded by the sender (as staged files when
-    ``staged`` is given, else as object-store buckets); TP peers only take part in the gathers. The sender's
-    export and pack seconds go to `clock`."""
+    ``staged`` is given, else as object-store buckets, delta-encoded by ``encoder`` when given); TP peers only take
+    part in the gathers. The sender's export and pack seconds go to `clock`."""
     if not is_sender:
         for _ in named_tensors:
             pass
         return
-    for tensors in iter_buckets(clock.timed("export", named_tensors), bucket_bytes):
+    for tensors in iter_buckets(clock.timed("export", named_tensors), plan.bucket_bytes):
         with clock.phase("pack"):
-            bucket = staged.stage(tensors) if staged is not None else pack_bucket(tensors)
+            if staged is not None:
+                bucket = staged.stage(tensors)
+            else:
+                bucket = encoder.encode(tensors) if encoder is not None else pack_bucket(tensors)
         yield bucket
+    if encoder is not None:
+        encoder.finish(plan.sync_id)

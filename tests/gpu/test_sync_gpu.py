@@ -29,6 +29,7 @@ def test_staged_sync_into_a_cuda_engine_on_one_gpu(tiny_model_dir):
     from rlsearch.rendezvous import Rendezvous
     from rlsearch.rollout import EngineSpec, VLLMEngine
     from rlsearch.weights import logprob_mismatch
+    from rlsearch.weights.shm import ExportPlan
 
     ids = list(range(1000, 1160))
     events = LoopThread("gpu-sync")
@@ -49,10 +50,10 @@ def test_staged_sync_into_a_cuda_engine_on_one_gpu(tiny_model_dir):
         actor = worker.compute_logprobs([TrainSample(ids, 1, [1] * (len(ids) - 1))])[0]
         before = logprob_mismatch(events.run(engine.score(ids)), actor)[0]
         started = time.perf_counter()
+        events.run(engine.weights.open_sync())
         events.run(engine.weights.begin())
-        for staged in worker.export_weight_buckets(64 * 2**20, stage_in_shared_memory=True):
+        for staged in worker.export_weight_buckets(ExportPlan(64 * 2**20, stage_in_shared_memory=True)):
             events.run(engine.weights.load_staged(staged))
-        worker.release_staged_buckets()
         events.run(engine.weights.finish())
         seconds = time.perf_counter() - started
         after = logprob_mismatch(events.run(engine.score(ids)), actor)[0]

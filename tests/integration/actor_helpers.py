@@ -58,11 +58,12 @@ def sent_tensors(group, bucket_mb: int) -> dict[str, torch.Tensor]:
     """What the weight path sends (every stage's rank-local export), received on the driver (the same object-store
     path the shm transport's engines read); asserts that only each stage's sender sent and no tensor came twice."""
     from rlsearch.weights.bucket import unpack_bucket
+    from rlsearch.weights.shm import ExportPlan
 
     received = []
+    plan = ExportPlan(bucket_mb * 1024 * 1024, stage_in_shared_memory=False)
     for workers in group.stage_workers():
-        streams = [worker.export_weight_buckets.options(num_returns="streaming").remote(bucket_mb * 1024 * 1024)
-                   for worker in workers]
+        streams = [worker.export_weight_buckets.options(num_returns="streaming").remote(plan) for worker in workers]
         received += [(name, tensor.clone()) for ref in streams[0] for name, tensor in unpack_bucket(ray.get(ref))]
         assert all(not list(stream) for stream in streams[1:]), "a rank other than the stage's sender sent weights"
     tensors = dict(received)

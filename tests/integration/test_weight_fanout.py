@@ -35,19 +35,23 @@ def model_b(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("model-b") / "tiny-qwen2-b", TinyModelSpec(seed=7))
 
 
+def _start_engine(tiny_model_dir, retriever, index: int):
+    spec = EngineSpec(str(tiny_model_dir), max_model_len=768, seed=index, tensor_parallel_size=ENGINE_TP,
+                      vllm_port=29600 + 100 * index)
+    handle = ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=8).remote(
+        spec, RolloutConfig(**TEST_ROLLOUT), RetrieverConfig(topk=2), retriever.url, 1,
+    )
+    ray.get(handle.__ray_ready__.remote())
+    return handle
+
+
 @pytest.fixture(scope="module")
 def engines(ray_local, tiny_model_dir, retriever):
     """Two RolloutWorkers with TP2 engines on model A, started one after another, each with its own port window."""
-    handles = []
+    handles = []  # a test that restarts an engine replaces its handle here
     try:
         for index in range(ENGINES):
-            spec = EngineSpec(str(tiny_model_dir), max_model_len=768, seed=index, tensor_parallel_size=ENGINE_TP,
-                              vllm_port=29600 + 100 * index)
-            handle = ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=8).remote(
-                spec, RolloutConfig(**TEST_ROLLOUT), RetrieverConfig(topk=2), retriever.url, 1,
-            )
-            ray.get(handle.__ray_ready__.remote())
-            handles.append(handle)
+            handles.append(_start_engine(tiny_model_dir, retriever, index))
         yield handles
     finally:
         for handle in handles:
@@ -154,6 +158,131 @@ def test_each_stage_sender_sends_its_own_stage_share_once(synced, model_b, layou
         assert set(phases) == expected, phases
         assert all(0.0 < phases[name] for name in ("pack", "load", "finish", "pause"))
         assert max(phases["load"], phases["finish"]) <= phases["pause"] <= stats.seconds
+
+
+DELTA_STEPS = 5
+DELTA_LAYOUTS = ("tp2pp1", "tp1pp2")
+RESTART_AFTER = 3  # in the tp1pp2 run, engine 1 is restarted after this many delta syncs
+
+
+@dataclass
+class DeltaRun:
+    stats: list = field(default_factory=list)  # SyncStats per sync: the first (whole), then one per train step
+    parity: list = field(default_factory=list)  # the probe's worst gap after each sync
+    delta_digests: list = field(default_factory=list)  # per engine, per TP rank, after the last delta sync
+    full_digests: list = field(default_factory=list)  # the same after a plain (whole) sync of the same weights
+    restart_digests: list = field(default_factory=list)  # right after the sync that followed the restart
+
+
+@pytest.fixture(scope="module")
+def delta_runs(engines, model_b, probe_ids, tiny_model_dir, retriever):
+    """Per layout: DELTA_STEPS optimizer steps, each followed by a delta sync into both engines (bridge.delta)."""
+    from tests.integration.actor_helpers import hf_logprobs, scored_batch
+
+    cache: dict[str, DeltaRun] = {}
+    sampling = SamplingDistribution(1.0, ray.get(engines[0].token_logit_bias.remote()))
+    samples, _ = scored_batch(lambda batch: hf_logprobs(model_b, batch))
+
+    def run(layout: str) -> DeltaRun:
+        if layout in cache:
+            return cache[layout]
+        tp, pp = LAYOUTS[layout]
+        group = ActorGroup(actor_spec(model_b, tp, pp, 1, {}, sampling))
+        result = DeltaRun()
+
+        def synced(sync: WeightSync, step: int) -> None:
+            result.stats.append(sync.sync(engines))
+            parity = check_engines_match_actor(group, engines, probe_ids, 1e-4, step=step)
+            result.parity.append(parity["bridge/logprob_mismatch_max"])
+
+        try:
+            sync = WeightSync(group, BUCKET_MB, "shm", timeout_s=120.0, engine_tp=ENGINE_TP, delta=True,
+                              delta_full_every=10)
+            synced(sync, 0)
+            for step in range(1, DELTA_STEPS + 1):
+                group.train_step(samples)
+                if layout == "tp1pp2" and step == RESTART_AFTER + 1:
+                    ray.kill(engines[1])
+                    engines[1] = _start_engine(tiny_model_dir, retriever, 1)
+                synced(sync, step)
+                if layout == "tp1pp2" and step == RESTART_AFTER + 1:
+                    result.restart_digests = ray.get([engine.weight_rpc.remote("digest") for engine in engines])
+            result.delta_digests = ray.get([engine.weight_rpc.remote("digest") for engine in engines])
+            WeightSync(group, BUCKET_MB, "shm", timeout_s=120.0, engine_tp=ENGINE_TP).sync(engines)
+            result.full_digests = ray.get([engine.weight_rpc.remote("digest") for engine in engines])
+        finally:
+            group.shutdown()
+        cache[layout] = result
+        return result
+
+    return run
+
+
+@pytest.mark.parametrize("layout", DELTA_LAYOUTS)
+def test_delta_syncs_leave_the_engines_bit_identical_to_a_whole_sync(delta_runs, model_b, layout):
+    result = delta_runs(layout)
+    embedding_bytes = load_file(str(model_b / "model.safetensors"))["model.embed_tokens.weight"].nbytes
+    assert result.full_digests[0] == result.full_digests[1]
+    assert result.delta_digests == result.full_digests
+    assert max(result.parity) <= 1e-4, result.parity
+    first, *steps = result.stats
+    assert not first.delta and first.wire_bytes >= first.num_bytes  # nothing to take a delta of yet
+    restarted = RESTART_AFTER if layout == "tp1pp2" else None
+    for index, stats in enumerate(steps):
+        assert stats.num_bytes == first.num_bytes and stats.num_engines == ENGINES
+        if index == restarted:
+            continue
+        assert stats.delta
+        # in fp32 a step moves nearly every weight, but only the embedding rows of the batch's tokens (no weight
+        # decay): the embedding, half of this model, travels as a few rows
+        assert stats.wire_bytes < stats.num_bytes - 0.95 * embedding_bytes, (stats.wire_bytes, stats.num_bytes)
+
+
+def test_an_engine_restarted_mid_run_gets_a_whole_sync(delta_runs):
+    result = delta_runs("tp1pp2")
+    after_restart = result.stats[1 + RESTART_AFTER]
+    assert not after_restart.delta and after_restart.wire_bytes >= after_restart.num_bytes
+    assert result.restart_digests[0] == result.restart_digests[1]  # the new engine holds what the other holds
+    assert result.stats[2 + RESTART_AFTER].delta  # and the sync after it is a delta again
+
+
+def test_staged_while_generating_the_engines_keep_sampling_until_the_load(engines, model_b, probe_ids):
+    """With bridge.stage_while_generating the buckets are staged before the engines pause: requests keep finishing
+    while the senders export (TP2: a gather and merge of every tensor, about a second here), and the pause is only
+    the load and the reset."""
+    import threading
+
+    group = ActorGroup(actor_spec(model_b, 2, 1, 1, {}))
+    finished: list[float] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        seed = 0
+        while not stop.is_set():
+            ray.get(engines[0].sample_probe.remote(probe_ids, 4, seed))
+            finished.append(time.time())
+            seed += 1
+
+    sampler = threading.Thread(target=sample)
+    try:
+        WeightSync(group, BUCKET_MB, "shm", timeout_s=120.0, engine_tp=ENGINE_TP).sync(engines)  # warm-up
+        sampler.start()
+        while not finished:
+            time.sleep(0.05)
+        stats = WeightSync(group, BUCKET_MB, "shm", timeout_s=120.0, engine_tp=ENGINE_TP,
+                           stage_while_generating=True).sync(engines)
+        timeline = ray.get(engines[0].weight_rpc.remote("sync_timeline"))
+    finally:
+        stop.set()
+        if sampler.is_alive():
+            sampler.join(timeout=60)
+        group.shutdown()
+    while_staging = [t for t in finished if timeline["opened"] < t < timeline["paused"]]
+    assert len(while_staging) >= 2, (timeline, finished[-10:])
+    phases = stats.phases
+    assert phases["pause"] < stats.seconds
+    assert phases["pause"] <= timeline["resumed"] - timeline["paused"] + 0.5
+    assert stats.num_engines == ENGINES and stats.num_bytes > 0
 
 
 def test_broadcast_sync_into_a_dead_engine_raises_within_the_timeout(engines, model_b):

@@ -48,6 +48,7 @@ def test_unknown_key_in_yaml(tmp_path):
         ("rollout.top_p=0.9", r"'rollout\.top_p' is 0\.9: training needs 1\.0\. The engine would report logprobs of "
                               r"the nucleus"),
         ("bridge.max_logprob_mismatch=-1", r"'bridge\.max_logprob_mismatch' must be >= 0"),
+        ("bridge.delta_full_every=0", r"'bridge\.delta_full_every' must be > 0"),
         ("actor.cp=0", r"'actor\.cp' must be > 0"),
         ("actor.logits_chunk_tokens=-8", r"'actor\.logits_chunk_tokens' must be >= 0 \(0: one chunk\)"),
         ("rollout.context=summarize", r"'rollout\.context' must be one of append, fold, drop_observations"),
@@ -61,6 +62,11 @@ def test_unknown_key_in_yaml(tmp_path):
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_train_config(None, [override])
+
+
+def test_delta_syncs_refuse_the_broadcast_transport():
+    with pytest.raises(ConfigError, match=r"'bridge\.delta' needs 'bridge\.transport' shm \(or auto\)"):
+        load_train_config(None, ["bridge.delta=true", "bridge.transport=broadcast"])
 
 
 def test_missing_config_file(tmp_path):
@@ -158,6 +164,9 @@ def test_device_keys_resolve_once_from_the_clusters_gpus():
     assert (resolve_auto_keys(explicit, True).model.dtype, resolve_auto_keys(explicit, True).bridge.transport) == (
         "float32", "shm")
     assert resolve_auto_keys(SFTConfig(), True).model.dtype == "bfloat16"  # no bridge section: only the dtype
+    # delta syncs are applied by the engines' hosts: auto picks shm for them on GPUs too
+    delta = load_train_config(None, ["bridge.delta=true"])
+    assert resolve_auto_keys(delta, True).bridge.transport == "shm"
 
 
 def test_engine_device_keys_accept_auto_true_false_and_shares():
