@@ -363,9 +363,10 @@ class BridgeConfig:
     # fixed prompt at the rollout's temperature and logit bias, scored by the actor) after a sync. Empty (null): by
     # model.dtype, 2e-3 for float32 and 1e-1 for bfloat16 (docs/reliability.md has the measurements); 0 disables
     max_logprob_mismatch: float | None = None
-    # shm transport with rollout.update_weights_in_flight: the buckets are staged in /dev/shm on the engines' nodes
-    # while the engines keep generating, and the engines pause only to load them (bridge/pause_s); needs /dev/shm
-    # room for the whole model on each node (the senders' node; with engines elsewhere, once per engine there)
+    # shm transport, rollout.async_steps >= 1 and rollout.update_weights_in_flight: the buckets are staged in
+    # /dev/shm on the engines' nodes while the engines keep generating, and the engines pause only to load them
+    # (bridge/pause_s); needs /dev/shm room for the whole model on the senders' node (with engines on other nodes,
+    # once per engine there)
     stage_while_generating: bool = True
     # send only the weights that changed since the last sync (positions and values, compressed; in bf16 at small
     # learning rates ~99% of them are bit-identical): for engines on other nodes (trainer.placement=split), whose

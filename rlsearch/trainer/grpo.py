@@ -189,7 +189,9 @@ class GRPOTrainer:
         self.weight_sync = WeightSync(
             self.actor, bridge.bucket_mb, bridge.transport, bridge.timeout_s, config.rollout.tensor_parallel_size,
             delta=bridge.delta, delta_full_every=bridge.delta_full_every,
-            stage_while_generating=bridge.stage_while_generating and config.rollout.update_weights_in_flight,
+            # syncs land on rollouts in flight only with async_steps >= 1: else staging first would only cost memory
+            stage_while_generating=bridge.stage_while_generating and config.rollout.update_weights_in_flight
+            and config.rollout.async_steps >= 1,
         )
         self.probe_ids = ray.get(
             self.pool.engines[0].probe_sequence.remote(self.examples[0].question, PROBE_CONTINUATION)

@@ -1,6 +1,6 @@
 """The MoE example config end to end on CPU: a tiny Qwen3-MoE whose experts are split over two actor ranks
 (actor.ep=2), routing replayed in every update, weights synced into the vLLM engine after each step, as deltas
-(bridge.delta) staged while the engine generates."""
+(bridge.delta) staged while the engine generates the next step's rollout (rollout.async_steps=1)."""
 
 import os
 import subprocess
@@ -15,6 +15,7 @@ def test_moe_config_trains_three_steps_with_expert_parallelism(tmp_path):
     env = {**os.environ, "RLSEARCH_CONFIG": "examples/configs/search_grpo_moe_tiny.yaml"}
     result = subprocess.run(
         ["bash", "examples/run_search_grpo.sh", "trainer.total_steps=3", "data.batch_size=2", "bridge.delta=true",
+         "rollout.async_steps=1",
          f"trainer.output_dir={out}"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200, env=env,
     )
