@@ -124,7 +124,7 @@ def train_sample(group, length: int = 64):
     from rlsearch.algo import loss_token_weights
 
     sample = TrainSample(list(range(2000, 2000 + length)), 1, [1] * (length - 1))
-    sample.old_logprobs = group.compute_logprobs([sample], distribution=MODEL_DISTRIBUTION)[0].tolist()
+    sample.old_logprobs = list(group.compute_logprobs([sample], distribution=MODEL_DISTRIBUTION)[0])
     sample.advantage = 1.0
     sample.token_weights = loss_token_weights([sample.loss_mask], "token_mean")[0]
     return sample
@@ -246,9 +246,12 @@ def main() -> None:
             print(f"whole / delta bytes at lr {args.lr:g} (goal >= 20): {layout.upper()}, {count} engine(s): "
                   f"{stats.num_bytes / max(stats.wire_bytes, 1):.1f}x ({stats.wire_bytes / 2**20:.1f} of "
                   f"{stats.num_bytes / 2**20:.0f} MiB)")
-    worst = max(seconds, key=seconds.get)
-    print(f"worst sync / vLLM reload from the page cache: {seconds[worst] / baseline:.2f}x "
-          f"({worst[0].upper()}, {worst[1]} engine(s), {worst[2]}; goals TP1PP1 <= 1.3, TP2PP2 <= 1.5)")
+    # a delta sync trades the senders' and engines' time for bytes on the wire: it is not a way to sync faster
+    timed = {key: value for key, value in seconds.items() if key[2] != "shm-delta"}
+    if timed:
+        worst = max(timed, key=timed.get)
+        print(f"worst sync / vLLM reload from the page cache: {timed[worst] / baseline:.2f}x "
+              f"({worst[0].upper()}, {worst[1]} engine(s), {worst[2]}; goals TP1PP1 <= 1.3, TP2PP2 <= 1.5)")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ def export_stage_weights(mbridge, chunks: list[torch.nn.Module]) -> Iterator[tup
                 if not is_sender:
                     continue
                 tensor = mbridge._weight_merge_across_tp(global_name, shards, parameter)
+                del shards  # not held while the merged tensor waits in a bucket
             elif not is_sender:
                 continue
             yield from zip(*mbridge._weight_to_hf_format(global_name, tensor))

@@ -254,6 +254,9 @@ def stream_buckets(named_tensors, plan: ExportPlan, is_sender: bool, staged: Sta
                 bucket = staged.stage(tensors)
             else:
                 bucket = encoder.encode(tensors) if encoder is not None else pack_bucket(tensors)
+        # the bucket holds what it needs (a staged file, or the object-store bucket's own views): the tensors are
+        # not kept alive while the sender waits for the engines to take it
+        tensors.clear()
         yield bucket
     if encoder is not None:
         encoder.finish(plan.sync_id)
