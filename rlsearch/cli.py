@@ -55,8 +55,20 @@ def _logs_hint(log_dir) -> str:
 
 def _train(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError
-    from .config import load_train_config
+    from .config import ConfigError, load_train_config
+    from .supervisor import supervise_train, supervised
     from .trainer import GRPOTrainer, NonFiniteStepsError, WorkerDiedError
+
+    if args.restarts < 0:
+        print(f"rlsearch train: --restarts must be >= 0; got {args.restarts}", file=sys.stderr)
+        return 2
+    if args.restarts and not supervised():
+        try:  # bad input stops here, before any driver starts
+            config = load_train_config(args.config, args.overrides)
+        except ConfigError as err:
+            print(f"rlsearch train: {err}", file=sys.stderr)
+            return 2
+        return supervise_train(args.config, args.overrides, args.verbose, args.restarts, config.trainer.output_dir)
 
     # train() also reports bad input as ConfigError: tool set-up, a checkpoint that does not fit the config
     return _run_summarised("train", load_train_config, lambda config: GRPOTrainer(config).train(),
@@ -365,6 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
         "line as section.key=value, e.g. trainer.total_steps=3 actor.lr=1e-5. Unknown keys are errors.",
     )
     _add_config_arguments(train, "examples/configs/search_grpo_tiny.yaml", _train)
+    train.add_argument(
+        "--restarts", type=int, default=0, metavar="N",
+        help="run the driver as a child process and, when it dies, run it again up to N times, each resuming from "
+        "the run's newest checkpoint (trainer.resume=auto; set trainer.save_interval); each restart is printed and "
+        "logged to OUTPUT_DIR/logs/restarts.log. Bad input and Ctrl-C are not retried. Default 0: no supervisor",
+    )
 
     evaluate = commands.add_parser(
         "eval", help="score a HuggingFace model as a search agent (eval-only, no training)",

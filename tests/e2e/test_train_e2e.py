@@ -112,6 +112,23 @@ def test_train_cli_rejects_bad_input_with_a_clear_message(tmp_path, tiny_model_d
     assert expected.format(bad=bad) in result.stderr
 
 
+def test_a_supervised_run_does_not_retry_bad_input(tmp_path, tiny_model_dir):
+    """`--restarts`: bad input stops at once, whether the supervisor finds it (a config key) or its driver does (a
+    malformed row, exit status 2): no restart."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "golden_answers": ["a"]}\n{"question": oops\n')
+    command = [sys.executable, "-m", "rlsearch", "train", "--restarts", "2", "--config",
+               "examples/configs/search_grpo_tiny.yaml", f"model.path={tiny_model_dir}",
+               f"trainer.output_dir={tmp_path / 'run'}"]
+    for override, expected in (("trainer.total_step=3", "unknown config key 'trainer.total_step'"),
+                               (f"data.train_files=[{bad}]", f"{bad}:2: invalid JSON")):
+        result = _run([*command, override], timeout=120)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert expected in result.stderr
+        assert "restart" not in result.stdout + result.stderr
+    assert not (tmp_path / "run" / "logs" / "restarts.log").exists()
+
+
 def test_run_search_grpo_script_trains_with_two_tp2_engines_over_broadcast(tmp_path):
     """2 rollout engines x TP2 (4 vLLM workers, nobind threads) on 2 cores; weights reach both engines by the
     broadcast transport (gloo) after every step, and every engine passes the probe check."""

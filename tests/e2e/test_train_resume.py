@@ -1,5 +1,6 @@
-"""A training run killed with SIGKILL during step 3 resumes from its step-2 checkpoint to exactly the run that was
-never interrupted, and its checkpoint converts to the trained HF model. (Resuming into another layout is
+"""A training run whose driver is killed with SIGKILL during step 3 is run again by its supervisor (`rlsearch train
+--restarts 1`), resumes from its step-2 checkpoint to exactly the run that was never interrupted, and its checkpoint
+converts to the trained HF model. (Resuming into another layout is
 tests/integration/test_actor_resume.py: bit-exact weights and the same next step at TP2.)"""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,13 +25,17 @@ COMPARED = ("actor/policy_loss", "actor/kl_loss", "actor/grad_norm", "actor/appr
             "rollout/response_len_mean", "rollout/tool_calls_mean")
 
 
-def _command(assets, output_dir, *extra):
+RESTART_LINE = "[rlsearch] the training driver died (killed by SIGKILL); restart 1 of 1 with trainer.resume=auto\n"
+
+
+def _command(assets, output_dir, supervised: bool = False):
     return [
-        sys.executable, "-m", "rlsearch", "train", "--config", "examples/configs/search_grpo_tiny.yaml",
+        sys.executable, "-m", "rlsearch", "train", *(["--restarts", "1"] if supervised else []),
+        "--config", "examples/configs/search_grpo_tiny.yaml",
         f"model.path={assets.model}", f"data.train_files=[{assets.data.train}]",
         f"tools.retriever.corpus={assets.data.corpus}", f"tools.retriever.index_cache_dir={assets.index_cache}",
         "data.batch_size=2", f"trainer.total_steps={STEPS}", f"trainer.save_interval={SAVE_INTERVAL}",
-        "algo.kl_coef=0.1", "algo.kl_estimator=k1", f"trainer.output_dir={output_dir}", *extra,
+        "algo.kl_coef=0.1", "algo.kl_estimator=k1", f"trainer.output_dir={output_dir}",
     ]
 
 
@@ -58,23 +64,23 @@ def runs(tmp_path_factory, tiny_model_dir, toy_data):
                                      stderr=subprocess.STDOUT)
     doomed_log = base / "doomed.log"
     with doomed_log.open("w") as log:
-        doomed = subprocess.Popen(_command(assets, resumed_dir), cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        supervisor = subprocess.Popen(_command(assets, resumed_dir, supervised=True), cwd=REPO_ROOT, stdout=log,
+                                      stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900
-    while "checkpoints/step_000002" not in doomed_log.read_text() and doomed.poll() is None:
+    while "checkpoints/step_000002" not in doomed_log.read_text() and supervisor.poll() is None:
         assert time.monotonic() < deadline, doomed_log.read_text()[-3000:]
         time.sleep(0.05)
     time.sleep(2.0)  # into step 3's rollout
-    assert doomed.poll() is None, doomed_log.read_text()[-3000:]
-    os.kill(doomed.pid, signal.SIGKILL)  # the driver only: its Ray workers and tool servers must go with it
-    doomed.wait()
-    killed_output = doomed_log.read_text()
-    resumed = subprocess.run(_command(assets, resumed_dir, "trainer.resume=auto"), cwd=REPO_ROOT,
-                             capture_output=True, text=True, timeout=900)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert supervisor.poll() is None, doomed_log.read_text()[-3000:]
+    (driver,) = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text().split()
+    os.kill(int(driver), signal.SIGKILL)  # the driver only: its Ray workers and tool servers must go with it
+    assert supervisor.wait(timeout=900) == 0, doomed_log.read_text()[-3000:]
+    killed_output, restart, resumed_output = doomed_log.read_text().partition(RESTART_LINE)
+    assert restart, killed_output[-3000:]
     assert reference.wait(timeout=900) == 0, (base / "reference.log").read_text()[-3000:]
     print(f"\nreference + killed run side by side, then the resumed run: {time.perf_counter() - started:.0f} s")
     return SimpleNamespace(assets=assets, base=base, reference_dir=reference_dir, resumed_dir=resumed_dir,
-                           killed_output=killed_output, resumed_output=resumed.stdout)
+                           killed_output=killed_output, resumed_output=resumed_output)
 
 
 def test_killed_run_resumes_after_its_last_checkpoint(runs):
@@ -82,6 +88,8 @@ def test_killed_run_resumes_after_its_last_checkpoint(runs):
     assert "resumed from" in runs.resumed_output and "step_000002 after step 2" in runs.resumed_output
     assert "step 1/4" not in runs.resumed_output and "step 3/4 | reward" in runs.resumed_output
     assert "trained 2 steps" in runs.resumed_output and "(resumed after step 2, now at step 4)" in runs.resumed_output
+    restarts = (runs.resumed_dir / "logs" / "restarts.log").read_text().splitlines()
+    assert len(restarts) == 1 and restarts[0].endswith(RESTART_LINE.removeprefix("[rlsearch] ").strip())
 
 
 def test_resumed_steps_equal_the_uninterrupted_run(runs):
