@@ -182,6 +182,10 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # GPUs (CPU: worker processes) per engine; > 1 runs vLLM's mp executor
     # groups one engine runs at once (pulled from the shared queue as they finish); 0: spread every group at once
     groups_per_engine: int = 0
+    # a rollout engine that dies (during a rollout or a weight sync) is restarted and given the current weights; its
+    # groups run again (on the others, or, when every engine died, on the restarted ones). More restarts than this
+    # within one step stop the run, naming the engine and the last checkpoint
+    max_engine_restarts_per_step: int = 2
     # CPU only, engines with tensor_parallel_size > 1: VLLM_CPU_OMP_THREADS_BIND of their workers. Empty: nobind
     # (vLLM's default binding asserts on a machine with one NUMA node); e.g. "0|1" pins worker i to core i
     cpu_threads_bind: str = ""

@@ -92,6 +92,7 @@ class PendingRollout:
     step: int  # the step that trains on it
     examples: list[QAExample]
     trajectories: futures.Future  # of list[Trajectory], from the engine pool
+    items: list[PromptItem]  # what was submitted (run again when every engine died during it)
     weight_version: int  # updates the engine's weights had seen when it was submitted
     sampler: SamplerState  # the data position after its batch: what a checkpoint after its step records
 
@@ -129,6 +130,7 @@ class GRPOTrainer:
         self.tool_servers = None
         self.pool: EnginePool | None = None
         self.engine_restarts = 0  # rollout engines that died and were replaced
+        self.restarts_by_step: dict[int, int] = {}  # engine restarts of the current step
         self.actor = None
 
     def _load_examples(self) -> list[QAExample]:
@@ -351,7 +353,7 @@ class GRPOTrainer:
             ]
             self.rollouts.append(PendingRollout(
                 step=self.next_rollout_step, examples=examples,
-                trajectories=self.pool.submit(items, self.next_rollout_step),
+                trajectories=self.pool.submit(items, self.next_rollout_step), items=items,
                 weight_version=self.weight_version,
                 sampler=replace(self.sampler.state),
             ))
@@ -367,7 +369,7 @@ class GRPOTrainer:
 
         # 1. rollout: the step's trajectories (submitted up to rollout.async_steps steps ago)
         with _timed(timings, "time/rollout_s"):
-            trajectories: list[Trajectory] = rollout.trajectories.result()
+            trajectories: list[Trajectory] = self._rollout_trajectories(rollout)
 
         with _timed(timings, "time/reward_s"):
             # 2. reward: every trajectory scored against its example (judge calls concurrently)
@@ -413,6 +415,23 @@ class GRPOTrainer:
             self._trajectory_record(t, rollout, actor_logprobs.get(id(t)), trained_version) for t in trajectories
         ])
         return metrics
+
+    def _rollout_trajectories(self, rollout: PendingRollout) -> list[Trajectory]:
+        """The rollout's trajectories. When every engine died during it, the engines are restarted, given the current
+        weights (a restarted engine starts from model.path's) and the rollout runs again on them (its seeds are per
+        question, sample and turn); the limit is rollout.max_engine_restarts_per_step."""
+        while True:
+            try:
+                return rollout.trajectories.result()
+            except NoEngineLeftError as error:
+                if not self._replace_dead_engines():
+                    raise
+                print(f"[rlsearch] every rollout engine died during the rollout of step {rollout.step} ({error}); "
+                      "they were restarted and synced, and the rollout runs again", flush=True)
+            self.weight_sync.sync(self.pool.engines)
+            self.check_parity()
+            rollout.weight_version = self.weight_version
+            rollout.trajectories = self.pool.submit(rollout.items, rollout.step)
 
     def _samples_to_train(self, step: int, trajectories: list[Trajectory], batch: StepBatch) -> list[TrainSample]:
         """The step's train samples; none (and a line saying why) when algo.filter_groups dropped every group. Raises
@@ -485,8 +504,17 @@ class GRPOTrainer:
         return self.save_checkpoint()
 
     def _replace_dead_engines(self) -> int:
-        """Restart the rollout engines that died; returns how many."""
+        """Restart the rollout engines that died; returns how many. More than rollout.max_engine_restarts_per_step
+        in one step stop the run (WorkerDiedError, naming the engines and the last checkpoint)."""
         dead = self.pool.dead_engines()
+        if dead:
+            restarts = self.restarts_by_step.get(self.step, 0) + len(dead)
+            limit = self.config.rollout.max_engine_restarts_per_step
+            if restarts > limit:
+                raise WorkerDiedError(self._died_message([f"rollout engine {index}" for index in dead]) + (
+                    f" (after {restarts - len(dead)} engine restart(s) in this step: "
+                    f"rollout.max_engine_restarts_per_step={limit})"))
+            self.restarts_by_step = {self.step: restarts}
         for index in dead:
             self.pool.restart(index)
             print(f"[rlsearch] restarted rollout engine {index}, which died; the current weights are synced into it "

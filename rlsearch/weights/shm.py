@@ -19,6 +19,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,13 +140,30 @@ def send_stages(stages: Sequence[Sequence], engines: Sequence, plan: ExportPlan,
         ]
         for workers in stages
     ]
+    try:
+        sent = _take_buckets(streams, engines, deadline, pause, stage_first, same_node)
+    except BaseException:
+        # an engine (or rank) failed part-way: the senders' exports run to their end, so that the actor ranks are
+        # free (not blocked on buckets nobody takes) for the sync that follows a restart
+        _drain([stream for stage_streams in streams for stream in stage_streams], min(deadline.remaining(), 60.0))
+        raise
+    phases = deadline.get([workers[0].send_phases.remote() for workers in stages], "the senders' phase times")
+    for stage_sent, stage_phases in zip(sent, phases):
+        stage_sent["phases"] = stage_phases
+    return sent
+
+
+def _take_buckets(streams: list[list], engines: Sequence, deadline: Deadline, pause: Callable[[], None],
+                  stage_first: bool, same_node: bool) -> list[dict]:
+    """`send_stages`' loop over the senders' streams: each bucket into every engine at once, or, staged first, every
+    bucket staged before `pause` and loaded after it. Returns each stage's buckets, tensors and bytes."""
     if not stage_first:
         pause()
-    # per bucket: the engines' call now (load it, or stage it on their node), and, staged first on the senders' node,
-    # the bucket files to load once paused
+    # per bucket: the engines' call now (load it, or stage it on their node); staged first on the senders' node, the
+    # bucket files wait to be loaded once paused
     take_now = None if stage_first and same_node else "stage_bucket" if stage_first else \
         "load_staged" if same_node else "load_bucket"
-    sent = [{"buckets": 0, "tensors": 0, "bytes": 0, "wire_bytes": 0} for _ in stages]
+    sent = [{"buckets": 0, "tensors": 0, "bytes": 0, "wire_bytes": 0} for _ in streams]
     staged_files: list = []
 
     def count(stage: int, taken: tuple[int, int, int]) -> None:
@@ -182,10 +200,23 @@ def send_stages(stages: Sequence[Sequence], engines: Sequence, plan: ExportPlan,
         if not same_node:
             calls = [engine.weight_rpc.remote("load_staged_buckets") for engine in engines]
             deadline.get(calls, "loading the staged weight buckets", engines)
-    phases = deadline.get([workers[0].send_phases.remote() for workers in stages], "the senders' phase times")
-    for stage_sent, stage_phases in zip(sent, phases):
-        stage_sent["phases"] = stage_phases
     return sent
+
+
+def _drain(streams: list, timeout_s: float) -> None:
+    """Take and drop what `streams` still yield, for at most `timeout_s` seconds in all."""
+    end = time.monotonic() + timeout_s
+    for stream in streams:
+        try:
+            while True:
+                ready, _ = ray.wait([stream], num_returns=1, timeout=max(0.0, end - time.monotonic()))
+                if not ready:
+                    return
+                next(stream)
+        except StopIteration:
+            continue
+        except ray.exceptions.RayError:  # a rank that died: nothing to free there
+            continue
 
 
 class StagedBuckets:

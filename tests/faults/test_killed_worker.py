@@ -1,5 +1,7 @@
-"""A Ray actor of a training run killed with SIGKILL (the rollout worker, a Megatron rank): the trainer stops within a
-bounded time naming the dead component and the last complete checkpoint, and `trainer.resume=auto` continues."""
+"""A Ray actor of a training run killed with SIGKILL (a Megatron rank; the rollout worker, once no engine restart is
+allowed, rollout.max_engine_restarts_per_step=0): the trainer stops within a bounded time naming the dead component
+and the last complete checkpoint, and `trainer.resume=auto` continues. (Engines restarted instead:
+test_killed_engine.py, test_engine_dies_during_sync.py.)"""
 
 from __future__ import annotations
 
@@ -40,15 +42,16 @@ def _ray_actor_process(driver_pid: int, actor_class: str) -> psutil.Process:
 
 
 @pytest.mark.parametrize(
-    ("actor_class", "component"),
-    [("RolloutWorker", "rollout engine 0"), ("MegatronActorWorker", "actor rank 0 (tp 0, pp 0, cp 0, dp 0)")],
+    ("actor_class", "component", "extra"),
+    [("RolloutWorker", "rollout engine 0", ["rollout.max_engine_restarts_per_step=0"]),
+     ("MegatronActorWorker", "actor rank 0 (tp 0, pp 0, cp 0, dp 0)", [])],
     ids=["rollout-worker", "actor-rank"],
 )
 def test_a_killed_worker_stops_the_run_naming_it_and_resume_continues(
-    tmp_path, tiny_model_dir, toy_data, actor_class, component
+    tmp_path, tiny_model_dir, toy_data, actor_class, component, extra
 ):
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
-    command = _command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir)
+    command = _command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, *extra)
     with log_path.open("w") as log:
         run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:

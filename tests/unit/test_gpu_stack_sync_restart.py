@@ -48,7 +48,9 @@ def _trainer(dies: bool) -> GRPOTrainer:
     trainer = GRPOTrainer.__new__(GRPOTrainer)
     trainer.config = load_train_config(None, [])
     trainer.rollouts = []
+    trainer.step = 1
     trainer.engine_restarts = 0
+    trainer.restarts_by_step = {}
     trainer.weight_version = 0
     trainer.pool = Pool()
     trainer.weight_sync = Sync(trainer.pool, engine_dies=dies)
@@ -63,6 +65,19 @@ def test_an_engine_that_died_during_a_sync_is_restarted_and_synced(capsys) -> No
     assert trainer.weight_sync.synced == [["engine 0", "engine 1 (restarted)"]]
     assert metrics["bridge/engines"] == 2.0 and trainer.weight_version == 1
     assert "restarted rollout engine 1, which died" in capsys.readouterr().out
+
+
+def test_more_engine_restarts_in_a_step_than_allowed_stop_the_run(tmp_path) -> None:
+    from rlsearch.checkpoint import CheckpointStore
+    from rlsearch.trainer import WorkerDiedError
+
+    trainer = _trainer(dies=True)
+    trainer.config = load_train_config(None, ["rollout.max_engine_restarts_per_step=0"])
+    trainer.checkpoints = CheckpointStore(tmp_path)
+    with pytest.raises(WorkerDiedError, match=r"rollout engine 1 died \(its process exited\) during step 1; the run "
+                       r"stopped\. no checkpoint was saved yet .*rollout\.max_engine_restarts_per_step=0"):
+        trainer._sync_weights(changed=True, timings={})
+    assert trainer.pool.restarted == []
 
 
 def test_a_sync_that_fails_with_every_engine_alive_stops_the_run() -> None:
