@@ -4,18 +4,14 @@ the end with every engine passing the probe check after every sync."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from rlsearch.weights.shm import SENDER_FILE_PREFIX, STAGING_DIR
-from tests.conftest import REPO_ROOT
-from tests.faults.test_killed_worker import _command, _ray_actor_process
+from tests.faults.test_killed_engine import run_killing_an_engine
+from tests.faults.test_killed_worker import _command
 
 STEPS = 3
 
@@ -34,20 +30,8 @@ def test_an_engine_that_dies_during_a_sync_is_restarted_and_synced(tmp_path, tin
                        f"trainer.total_steps={STEPS}", "trainer.save_interval=0", "bridge.transport=shm",
                        "algo.kl_coef=0.1", "algo.kl_estimator=k1")
     before = _sender_files()
-    with log_path.open("w") as log:
-        run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 600
-        # the actor's sender writes its first bucket file when the first sync (after step 1's update) starts
-        while not _sender_files() - before:
-            assert run.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.01)
-        os.kill(_ray_actor_process(run.pid, "RolloutWorker").pid, signal.SIGKILL)
-        returncode = run.wait(timeout=900)
-    finally:
-        if run.poll() is None:
-            run.kill()
-    output = log_path.read_text()
+    # the actor's sender writes its first bucket file when the first sync (after step 1's update) starts
+    returncode, output = run_killing_an_engine(command, log_path, lambda: bool(_sender_files() - before))
     assert returncode == 0, output[-3000:]
     assert output.count("restarted rollout engine") == 1, output[-3000:]
     for step in range(1, STEPS + 1):

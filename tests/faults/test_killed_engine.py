@@ -9,11 +9,31 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from tests.conftest import REPO_ROOT
 from tests.faults.test_killed_worker import _ray_actor_process
 
 STEPS = 2  # the killed engine's step, and one after its restart
+
+
+def run_killing_an_engine(command: list[str], log_path: Path, ready: Callable[[], bool]) -> tuple[int, str]:
+    """Run `command` (a training run), output to `log_path`; once `ready()`, kill one of its rollout workers with
+    SIGKILL. Returns the run's exit status and output."""
+    with log_path.open("w") as log:
+        run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while not ready():
+            assert run.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.01)
+        os.kill(_ray_actor_process(run.pid, "RolloutWorker").pid, signal.SIGKILL)
+        returncode = run.wait(timeout=900)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    return returncode, log_path.read_text()
 
 
 def test_a_killed_engine_is_replaced_and_the_run_goes_on(tmp_path, tiny_model_dir, toy_data):
@@ -27,19 +47,9 @@ def test_a_killed_engine_is_replaced_and_the_run_goes_on(tmp_path, tiny_model_di
         "rollout.num_engines=2", "rollout.groups_per_engine=1", "data.batch_size=4", f"trainer.total_steps={STEPS}",
         f"trainer.output_dir={run_dir}",
     ]
-    with log_path.open("w") as log:
-        run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 600
-        while "logprobs before training" not in log_path.read_text():  # the first rollout starts right after
-            assert run.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.05)
-        os.kill(_ray_actor_process(run.pid, "RolloutWorker").pid, signal.SIGKILL)
-        returncode = run.wait(timeout=900)
-    finally:
-        if run.poll() is None:
-            run.kill()
-    output = log_path.read_text()
+    # the first rollout starts right after the "logprobs before training" line
+    returncode, output = run_killing_an_engine(command, log_path, lambda: "logprobs before training" in
+                                               log_path.read_text())
     assert returncode == 0, output[-3000:]
     for step in range(1, STEPS + 1):
         assert f"step {step}/{STEPS} | reward" in output

@@ -81,8 +81,7 @@ def synced(engines, tiny_model_dir, model_b, probe_ids):
     def run(layout: str) -> LayoutSyncs:
         if layout in cache:
             return cache[layout]
-        tp, pp = LAYOUTS[layout]
-        group = ActorGroup(actor_spec(model_b, tp, pp, 1, {}, sampling))
+        group = ActorGroup(actor_spec(model_b, *LAYOUTS[layout], 1, {}, sampling))
         result = LayoutSyncs()
         try:
             probe = TrainSample(probe_ids, 1, [1] * (len(probe_ids) - 1))
@@ -186,8 +185,7 @@ def delta_runs(engines, model_b, probe_ids, tiny_model_dir, retriever):
     def run(layout: str) -> DeltaRun:
         if layout in cache:
             return cache[layout]
-        tp, pp = LAYOUTS[layout]
-        group = ActorGroup(actor_spec(model_b, tp, pp, 1, {}, sampling))
+        group = ActorGroup(actor_spec(model_b, *LAYOUTS[layout], 1, {}, sampling))
         result = DeltaRun()
 
         def synced(sync: WeightSync, step: int) -> None:
