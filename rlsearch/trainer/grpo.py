@@ -419,13 +419,17 @@ class GRPOTrainer:
     def _rollout_trajectories(self, rollout: PendingRollout) -> list[Trajectory]:
         """The rollout's trajectories. When every engine died during it, the engines are restarted, given the current
         weights (a restarted engine starts from model.path's) and the rollout runs again on them (its seeds are per
-        question, sample and turn); the limit is rollout.max_engine_restarts_per_step."""
+        question, sample and turn), at most rollout.max_engine_restarts_per_step times. (With rollout.async_steps
+        >= 1 the sync before this step may have restarted them already.)"""
+        attempts = 0
         while True:
             try:
                 return rollout.trajectories.result()
             except NoEngineLeftError as error:
-                if not self._replace_dead_engines():
+                attempts += 1
+                if attempts > self.config.rollout.max_engine_restarts_per_step:
                     raise
+                self._replace_dead_engines()
                 print(f"[rlsearch] every rollout engine died during the rollout of step {rollout.step} ({error}); "
                       "they were restarted and synced, and the rollout runs again", flush=True)
             self.weight_sync.sync(self.pool.engines)

@@ -1,6 +1,7 @@
 """A sync that fails because an engine died during it (a broadcast past its deadline: on nccl as on gloo, see
 tests/integration/test_gpu_stack_broadcast_timeout.py) runs the engine-restart path: the dead engine is replaced and
-the sync runs again, once. A sync that fails with every engine alive stops the run. The trainer's bookkeeping alone,
+the sync runs again, once. A sync that fails with every engine alive stops the run. A rollout on which every engine
+died runs again on restarted, synced engines. The trainer's bookkeeping alone,
 with stand-ins for the pool and the weight path (a real engine dying before a sync: test_weight_fanout.py)."""
 
 from __future__ import annotations
@@ -85,3 +86,33 @@ def test_a_sync_that_fails_with_every_engine_alive_stops_the_run() -> None:
     with pytest.raises(WeightSyncError, match="waiting on engine 1"):
         trainer._sync_weights(changed=True, timings={})
     assert trainer.pool.restarted == [] and trainer.weight_version == 0
+
+
+def test_a_rollout_on_which_every_engine_died_runs_again_on_restarted_synced_engines(capsys) -> None:
+    from concurrent.futures import Future
+
+    from rlsearch.rollout import NoEngineLeftError
+    from rlsearch.trainer.grpo import PendingRollout
+
+    def future(result=None, error=None) -> Future:
+        done = Future()
+        done.set_exception(error) if error else done.set_result(result)
+        return done
+
+    trainer = _trainer(dies=False)
+    trainer.weight_sync.failed = True  # its syncs succeed
+    trainer.pool.died_in_sync = True  # engine 1 is dead until restarted
+    submitted = []
+    trainer.pool.submit = lambda items, step: submitted.append((items, step)) or future(["trajectory"])
+    rollout = PendingRollout(step=1, examples=[], trajectories=future(error=NoEngineLeftError("every engine died")),
+                             items=["item"], weight_version=0, sampler=None)
+    assert trainer._rollout_trajectories(rollout) == ["trajectory"]
+    assert trainer.pool.restarted == [1] and submitted == [(["item"], 1)]
+    assert trainer.weight_sync.synced == [["engine 0", "engine 1 (restarted)"]]
+    assert "every rollout engine died during the rollout of step 1" in capsys.readouterr().out
+
+    trainer = _trainer(dies=False)
+    trainer.config = load_train_config(None, ["rollout.max_engine_restarts_per_step=0"])
+    rollout.trajectories = future(error=NoEngineLeftError("every engine died"))
+    with pytest.raises(NoEngineLeftError):  # no restart allowed: train() names the dead engine
+        trainer._rollout_trajectories(rollout)
