@@ -60,9 +60,9 @@ class Engine:
             state = {name: tensor * 2.0 if name.endswith(("k_proj.weight", "v_proj.weight")) else tensor
                      for name, tensor in state.items()}
         await self.engine.weights.begin()
-        assert await self.engine.weights.load_bucket(pack_bucket(list(state.items()))) == (
-            len(state), sum(t.numel() * t.element_size() for t in state.values())
-        )
+        payload = sum(t.numel() * t.element_size() for t in state.values())
+        # (tensors, payload bytes, bytes received): a whole bucket's bytes are its payload
+        assert await self.engine.weights.load_bucket(pack_bucket(list(state.items()))) == (len(state), payload, payload)
         await self.engine.weights.finish()
         self.weights = weights
 
