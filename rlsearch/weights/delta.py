@@ -98,21 +98,22 @@ class DeltaEncoder:
         entries, encoded, dense_arrays = [], [], []
         for name, tensor in named_tensors:
             current = tensor.detach().contiguous().cpu()
-            previous = self.base.get(name) if self._delta_of is not None else None
+            stored = self.base.get(name)
+            same_layout = stored is not None and stored.shape == current.shape and stored.dtype == current.dtype
             entries.append(_entry(name, current))
             dense_arrays.append(_as_bytes(current))
-            encoded.append(self._changes(previous, current) or dense_arrays[-1])
-            if previous is not None and previous.shape == current.shape and previous.dtype == current.dtype:
-                previous.copy_(current)
+            changes = self._changes(stored, current) if same_layout and self._delta_of is not None else None
+            encoded.append(changes or dense_arrays[-1])
+            if same_layout:  # the base keeps its memory sync after sync, whole syncs included
+                stored.copy_(current)
             else:
                 self.base[name] = current.clone()
         return DeltaBucket(self._delta_of, entries, encoded, _array_checksum(entries, dense_arrays))
 
     @staticmethod
-    def _changes(previous: torch.Tensor | None, current: torch.Tensor) -> SparseTensor | None:
-        """The changed elements, or None when sending the tensor whole is as small (or there is no base)."""
-        if previous is None or previous.shape != current.shape or previous.dtype != current.dtype:
-            return None
+    def _changes(previous: torch.Tensor, current: torch.Tensor) -> SparseTensor | None:
+        """The elements of `current` that differ from `previous` (same shape and dtype), or None when sending the
+        tensor whole is as small."""
         positions = torch.nonzero(_bits(previous) != _bits(current)).reshape(-1).numpy()
         element_size = current.element_size()
         if positions.size * (element_size + 1) >= current.numel() * element_size:
