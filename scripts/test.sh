@@ -5,4 +5,4 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$RLSEARCH_ROOT"
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
-exec "$VENV/bin/python" -m pytest tests "$@"
+exec "$VENV/bin/python" -m pytest tests --durations=25 "$@"

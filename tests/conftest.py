@@ -18,7 +18,13 @@ def pytest_configure(config):
                             "without one")
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: the run order below is the final one
 def pytest_collection_modifyitems(config, items):
+    _skip_gpu_tests_without_cuda(items)
+    items[:] = SHARED_ENGINES.group_users(items)
+
+
+def _skip_gpu_tests_without_cuda(items) -> None:
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_tests:
         return
@@ -29,6 +35,75 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU: scripts/gpu_check.sh runs these on a GPU machine")
     for item in gpu_tests:
         item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)  # after the item's own fixtures (search_automaton restores engine_bench's weights)
+def pytest_runtest_teardown(item, nextitem):
+    SHARED_ENGINES.release_after(item)
+
+
+def pytest_sessionfinish(session):
+    SHARED_ENGINES.release_all()
+
+
+class SharedEngines:
+    """The engines many modules share (`rollout_worker`, `actor_group`, `engine_bench`): each is started on first use
+    and released right after the last test that uses it. The modules using them run one after another, so the
+    memory-heavy modules (several TP2 engines and a multi-rank actor) never run beside them within CI's 24 GiB."""
+
+    NAMES = ("rollout_worker", "actor_group", "engine_bench")
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[object, object]] = {}  # name -> (the engine, its release)
+        self._last_user: dict[str, str] = {}  # name -> node id of the last test using conftest's fixture
+
+    def get(self, name: str, start):
+        """The shared `name`, started by `start() -> (engine, release)` if not running."""
+        if name not in self._held:
+            self._held[name] = start()
+        return self._held[name][0]
+
+    def group_users(self, items: list) -> list:
+        """`items` with the modules that use a shared engine moved together (at the first one's place), module order
+        kept otherwise; records each engine's last user."""
+        modules: dict[object, list] = {}
+        for item in items:
+            modules.setdefault(item.module, []).append(item)
+        users = [module for module, its in modules.items() if any(self._uses(item) for item in its)]
+        ordered, placed = [], False
+        for module, its in modules.items():
+            if module in users:
+                if not placed:
+                    ordered += [item for user in users for item in modules[user]]
+                    placed = True
+            else:
+                ordered += its
+        self._last_user = {name: item.nodeid for item in ordered for name in self._uses(item)}
+        return ordered
+
+    def release_after(self, item) -> None:
+        for name, node_id in self._last_user.items():
+            if node_id == item.nodeid:
+                self._release(name)
+
+    def release_all(self) -> None:
+        for name in list(self._held):
+            self._release(name)
+
+    def _release(self, name: str) -> None:
+        held = self._held.pop(name, None)
+        if held is not None:
+            held[1]()
+
+    @classmethod
+    def _uses(cls, item) -> list[str]:
+        """The shared engines `item` takes from conftest (a module may define its own fixture of the same name)."""
+        definitions = item._fixtureinfo.name2fixturedefs
+        return [name for name in cls.NAMES if name in definitions
+                and definitions[name][-1].func.__module__ == __name__]
+
+
+SHARED_ENGINES = SharedEngines()
 
 
 @pytest.fixture(scope="session")
@@ -86,15 +161,17 @@ def retriever(toy_data, tmp_path_factory):
     process.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine_bench(tiny_model_dir, retriever):
     """A real vLLM engine in this process with the tools, for rollouts at any settings and user agents
-    (tests/integration/engine_bench.py)."""
+    (tests/integration/engine_bench.py); shared (SharedEngines)."""
     from tests.integration.engine_bench import Bench
 
-    bench = Bench(Path(tiny_model_dir), retriever.url)
-    yield bench
-    bench.close()
+    def start():
+        bench = Bench(Path(tiny_model_dir), retriever.url)
+        return bench, bench.close
+
+    return SHARED_ENGINES.get("engine_bench", start)
 
 
 @pytest.fixture(scope="module")
@@ -112,43 +189,59 @@ def search_automaton(engine_bench, tiny_model_dir):
     engine_bench.load_weights(state)
 
 
-def engine_and_actor_fixtures(scope: str):
-    """The `rollout_worker` and `actor_group` fixtures over `tiny_model_dir`, at `scope`. conftest makes them per
-    session; a module that overrides `tiny_model_dir` makes its own per module (a session fixture already built
-    would otherwise be reused with the session's model)."""
+def start_rollout_worker(ray, model_dir, retriever_url: str):
+    """A real vLLM engine (Ray actor) with the agent loop, talking HTTP to the real BM25 server."""
+    from rlsearch.config import RetrieverConfig, RolloutConfig
+    from rlsearch.rollout import EngineSpec, RolloutWorker
 
-    @pytest.fixture(scope=scope)
-    def rollout_worker(ray_local, tiny_model_dir, retriever):
-        """A real vLLM engine (Ray actor) with the agent loop, talking HTTP to the real BM25 server."""
-        from rlsearch.config import RetrieverConfig, RolloutConfig
-        from rlsearch.rollout import EngineSpec, RolloutWorker
+    return ray.remote(RolloutWorker).options(num_cpus=0).remote(
+        EngineSpec(str(model_dir), max_model_len=768), RolloutConfig(**TEST_ROLLOUT),
+        RetrieverConfig(topk=2, max_retries=1, backoff_s=0.05, timeout_s=2.0), retriever_url, 1,
+    )
 
-        worker = ray_local.remote(RolloutWorker).options(num_cpus=0).remote(
-            EngineSpec(str(tiny_model_dir), max_model_len=768), RolloutConfig(**TEST_ROLLOUT),
-            RetrieverConfig(topk=2, max_retries=1, backoff_s=0.05, timeout_s=2.0), retriever.url, 1,
-        )
-        yield worker
-        ray_local.kill(worker)
 
-    @pytest.fixture(scope=scope)
-    def actor_group(ray_local, tiny_model_dir):
-        """One Megatron rank (gloo, CPU patches) as a Ray actor, initialised from the tiny HF model, scoring under
-        `rollout_worker`'s distribution (temperature 1, TEST_ROLLOUT's logit bias)."""
-        from transformers import AutoTokenizer
+def start_actor_group(model_dir):
+    """One Megatron rank (gloo, CPU patches) as a Ray actor, initialised from the HF model, scoring under
+    `start_rollout_worker`'s distribution (temperature 1, TEST_ROLLOUT's logit bias)."""
+    from transformers import AutoTokenizer
 
-        from rlsearch.actor import ActorGroup, ActorWorkerSpec, SamplingDistribution
-        from rlsearch.config import ActorConfig, AlgoConfig
-        from rlsearch.rollout import token_logit_bias
+    from rlsearch.actor import ActorGroup, ActorWorkerSpec, SamplingDistribution
+    from rlsearch.config import ActorConfig, AlgoConfig
+    from rlsearch.rollout import token_logit_bias
 
-        bias = token_logit_bias(AutoTokenizer.from_pretrained(tiny_model_dir), TEST_ROLLOUT["logit_bias"])
-        group = ActorGroup(ActorWorkerSpec(
-            model_path=str(tiny_model_dir), dtype="float32", actor=ActorConfig(lr=1e-4),
-            algo=AlgoConfig(), sampling=SamplingDistribution(1.0, bias), total_steps=10, seed=1,
-        ))
-        yield group
+    bias = token_logit_bias(AutoTokenizer.from_pretrained(model_dir), TEST_ROLLOUT["logit_bias"])
+    return ActorGroup(ActorWorkerSpec(
+        model_path=str(model_dir), dtype="float32", actor=ActorConfig(lr=1e-4),
+        algo=AlgoConfig(), sampling=SamplingDistribution(1.0, bias), total_steps=10, seed=1,
+    ))
+
+
+def _kill_if_ray_runs(ray, worker) -> None:
+    if ray.is_initialized():  # after the session's last test Ray is already down, and its actors with it
+        ray.kill(worker)
+
+
+def _shut_down_if_ray_runs(ray, group) -> None:
+    if ray.is_initialized():
         group.shutdown()
 
-    return rollout_worker, actor_group
+
+@pytest.fixture(scope="module")
+def rollout_worker(ray_local, tiny_model_dir, retriever):
+    """`start_rollout_worker` over the session's tiny model; shared (SharedEngines)."""
+    def start():
+        worker = start_rollout_worker(ray_local, tiny_model_dir, retriever.url)
+        return worker, lambda: _kill_if_ray_runs(ray_local, worker)
+
+    return SHARED_ENGINES.get("rollout_worker", start)
 
 
-rollout_worker, actor_group = engine_and_actor_fixtures("session")
+@pytest.fixture(scope="module")
+def actor_group(ray_local, tiny_model_dir):
+    """`start_actor_group` over the session's tiny model; shared (SharedEngines)."""
+    def start():
+        group = start_actor_group(tiny_model_dir)
+        return group, lambda: _shut_down_if_ray_runs(ray_local, group)
+
+    return SHARED_ENGINES.get("actor_group", start)
+

@@ -7,7 +7,7 @@ sampling from a stale prepacked copy of it after every weight sync (probe mismat
 
 import pytest
 
-from tests.conftest import engine_and_actor_fixtures
+from tests.conftest import start_actor_group, start_rollout_worker
 from tests.integration.test_actor_engine import (  # noqa: F401  (collected here, with this module's fixtures)
     test_actor_matches_hf_and_engine_logprobs,
     test_grpo_step_changes_weights_and_engine_follows,
@@ -21,4 +21,15 @@ def tiny_model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tied") / "tiny-qwen2-tied", TinyModelSpec(tie_word_embeddings=True))
 
 
-rollout_worker, actor_group = engine_and_actor_fixtures("module")
+@pytest.fixture(scope="module")
+def rollout_worker(ray_local, tiny_model_dir, retriever):
+    worker = start_rollout_worker(ray_local, tiny_model_dir, retriever.url)
+    yield worker
+    ray_local.kill(worker)
+
+
+@pytest.fixture(scope="module")
+def actor_group(ray_local, tiny_model_dir):
+    group = start_actor_group(tiny_model_dir)
+    yield group
+    group.shutdown()
