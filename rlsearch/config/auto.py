@@ -1,7 +1,8 @@
-"""The keys whose `auto` depends on the devices of the run: made concrete once, at start-up, when the driver knows
-whether the Ray cluster has GPUs (`rlsearch.ray_setup.cluster_has_gpus`), so that everything after it (actor ranks,
-engines, checkpoints, the probe check) sees one concrete value. `rollout.enforce_eager` and `rollout.kv_cache_gib`
-are not here: each engine decides those from its own device."""
+"""The keys whose `auto` depends on the run, made concrete once at start-up so that everything after it sees one
+value. The devices: when the driver knows whether the Ray cluster has GPUs (`rlsearch.ray_setup.cluster_has_gpus`),
+for actor ranks, engines, checkpoints and the probe check (`rollout.enforce_eager` and `rollout.kv_cache_gib` are not
+here: each engine decides those from its own device). The output dir: where the run keeps its tool results and judge
+replies."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ def resolve_auto_keys(config: T, has_gpus: bool) -> T:
         bridge = config.bridge
         changes["bridge"] = replace(bridge, transport=auto_transport(bridge.transport, has_gpus, bridge.delta))
     return replace(config, **changes)
+
+
+def resolve_store_dirs(config: T, output_dir: str) -> T:
+    """A copy of `config` (any config with tools and reward sections) whose tools.cache_dir and
+    reward.judge.cache_dir of `auto` are the run's stores: <output_dir>/tool_store and <output_dir>/judge_cache."""
+    tools, judge = config.tools, config.reward.judge
+    return replace(
+        config,
+        tools=replace(tools, cache_dir=f"{output_dir}/tool_store" if tools.cache_dir == "auto" else tools.cache_dir),
+        reward=replace(config.reward, judge=replace(
+            judge, cache_dir=f"{output_dir}/judge_cache" if judge.cache_dir == "auto" else judge.cache_dir)),
+    )

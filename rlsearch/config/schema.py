@@ -238,9 +238,12 @@ class JudgeConfig:
     timeout_s: float = 60.0  # per request
     max_retries: int = 3  # more attempts after a timeout, a connection error, HTTP 408, 429 or 5xx
     backoff_s: float = 1.0  # wait before retry k (1, 2, ...): backoff_s * 2**(k-1)
-    # replies cached on disk by hash(model, max_tokens, prompt) (the prompt holds the response): re-scoring the same
-    # response asks nothing. Empty: no cache
-    cache_dir: str = "outputs/judge_cache"
+    # replies kept on disk by hash(model, max_tokens, prompt) (the prompt holds the response): re-scoring the same
+    # response asks nothing, and reward.judge.replay reruns from them. auto: <output_dir>/judge_cache; empty: none
+    cache_dir: str = "auto"
+    # verdicts only from cache_dir (point it at a recorded run's judge_cache): no request is sent, and a prompt that
+    # is not there stops the run, naming it
+    replay: bool = False
 
 
 @dataclass
@@ -345,7 +348,12 @@ class ToolsConfig:
     # built-in tools the agent may call: search (the retriever) | browse (HTTP fetch, SSRF-guarded) |
     # web_search (Serper) | web_browse (Jina reader). MCP servers add theirs (tools.mcp).
     enabled: list[str] = field(default_factory=lambda: ["search"])
-    cache_dir: str = ""  # on-disk cache of successful tool results keyed by (tool, query, attributes); empty: off
+    # the run's store of tool results: every successful result by (tool, query, attributes), and the tools' specs.
+    # A call asked before is answered from it. auto: <output_dir>/tool_store; empty: none
+    cache_dir: str = "auto"
+    # serve every call from cache_dir (point it at a recorded run's tool_store): no tool server is started or called,
+    # and a call that is not there stops the run, naming it
+    replay: bool = False
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     mcp: MCPConfig = field(default_factory=MCPConfig)
     browse: BrowseConfig = field(default_factory=BrowseConfig)

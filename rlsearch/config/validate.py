@@ -366,6 +366,15 @@ def _check_tools(config: TrainConfig | EvalConfig) -> None:
         )
     if tools.mcp.max_retries < 0:
         raise ConfigError(f"'tools.mcp.max_retries' must be >= 0; got {tools.mcp.max_retries}")
+    _check_replay_store("tools", tools.replay, tools.cache_dir, "tool_store")
+
+
+def _check_replay_store(section: str, replay: bool, cache_dir: str, store: str) -> None:
+    if replay and cache_dir in ("", "auto"):
+        raise ConfigError(
+            f"'{section}.replay' serves everything from a recorded store, and '{section}.cache_dir' is "
+            f"{cache_dir or 'empty'}: set it to the recorded run's store, e.g. {section}.cache_dir=outputs/RUN/{store}"
+        )
 
 
 def _check_reward(config: TrainConfig | EvalConfig) -> None:
@@ -388,6 +397,7 @@ def _check_reward(config: TrainConfig | EvalConfig) -> None:
     if judge.base_url and not judge.base_url.startswith(("http://", "https://")):
         raise ConfigError(f"'reward.judge.base_url' must be an http(s) URL; got {judge.base_url!r}")
     _check_env_name("reward.judge.api_key_env", judge.api_key_env)
+    _check_replay_store("reward.judge", judge.replay, judge.cache_dir, "judge_cache")
     for key in ("format_weight", "citation_weight", "search_weight"):
         if getattr(reward.rubric, key) < 0:
             raise ConfigError(f"'reward.rubric.{key}' must be >= 0; got {getattr(reward.rubric, key)!r}")

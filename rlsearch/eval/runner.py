@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import ConfigError, EvalConfig, to_dict
+from ..config import ConfigError, EvalConfig, resolve_store_dirs, to_dict
 from ..data import DatasetError, QAExample, load_qa_dataset
 from ..reward import check_scorers, score_trajectories, trajectory_answer
 from ..rollout import EnginePool, EngineSpec, PromptItem, Trajectory, new_rollout_worker
@@ -44,6 +44,7 @@ _RESUME_NEUTRAL_KEYS = frozenset({
 })
 _RESUME_NEUTRAL_NAMES = frozenset({
     "url", "batch_size", "timeout_s", "max_retries", "backoff_s", "max_concurrency", "index_cache_dir", "cache_dir",
+    "replay",  # answers from the store are the answers it recorded
     "kv_cache_gib", "gpu_memory_utilization", "enforce_eager",
     # how many engines run the rollouts: sampling seeds are per request, the same on every engine
     "num_engines", "tensor_parallel_size", "groups_per_engine", "cpu_threads_bind",
@@ -130,7 +131,7 @@ class EvalRun:
     """One eval into `config.output_dir`, picking up after the trajectories an earlier run already scored."""
 
     def __init__(self, config: EvalConfig) -> None:
-        self.config = config
+        self.config = config = resolve_store_dirs(config, config.output_dir)  # tool and judge stores go there
         self.started = time.perf_counter()
         self.output_dir = Path(config.output_dir)
         self.questions = load_eval_questions(config.eval.files, config.eval.max_examples)
@@ -223,7 +224,7 @@ def run_eval(config: EvalConfig) -> EvalSummary:
     """`rlsearch eval`: the tools and the engines start only when some trajectories are still missing."""
     run = EvalRun(config)
     if run.pending:
-        with rollout_engines(config) as (generate, tokenizer):
+        with rollout_engines(run.config) as (generate, tokenizer):
             run.generate_pending(generate, tokenizer)
     return run.finish()
 

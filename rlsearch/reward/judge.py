@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,11 @@ _RETRYABLE_STATUS = frozenset({408, 429})
 
 class JudgeError(Exception):
     """The judge gave no usable verdict (retries exhausted, a refused request, an unparseable reply)."""
+
+
+class JudgeReplayMissError(RuntimeError):
+    """reward.judge.replay: a prompt the recorded replies lack. It stops the run (a JudgeError only fails a
+    trajectory)."""
 
 
 @dataclass
@@ -59,7 +65,8 @@ class ReplyCache:
     """Judge replies as files ``<dir>/<key[:2]>/<key>.json``, written atomically (a reader sees whole files only)."""
 
     def __init__(self, directory: str) -> None:
-        self.directory = Path(directory) if directory else None
+        self.directory = Path(directory) if directory not in ("", "auto") else None  # auto: a run resolves it
+        self.write_failed = False
 
     def get(self, key: str) -> str | None:
         if self.directory is None:
@@ -73,10 +80,16 @@ class ReplyCache:
         if self.directory is None:
             return
         path = self.directory / key[:2] / f"{key}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_name(f"{path.name}.tmp-{os.getpid()}-{id(record)}")
-        staging.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8")
-        os.replace(staging, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging = path.with_name(f"{path.name}.tmp-{os.getpid()}-{id(record)}")
+            staging.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8")
+            os.replace(staging, path)
+        except OSError as error:  # a full disk: the verdict stands, it is only not kept
+            if not self.write_failed:
+                print(f"[rlsearch] the judge cache {self.directory} cannot be written ({error}); replies are not "
+                      "kept, so a replay of this run will miss them", file=sys.stderr, flush=True)
+            self.write_failed = True
 
 
 class RateLimiter:
@@ -132,6 +145,10 @@ class Judge:
         if cached is not None:
             counters.cache_hits += 1
             return cached
+        if self.config.replay:
+            raise JudgeReplayMissError(
+                f"reward.judge.replay: {self.config.cache_dir} has no reply of {self.config.model} to the prompt "
+                f"{prompt[:300]!r} (key {key}; the recorded run never asked it)")
         reply = await self._ask_with_retries(prompt, counters)
         self.cache.put(key, {"model": self.config.model, "prompt": prompt, "reply": reply})
         return reply

@@ -27,7 +27,7 @@ from rlsearch.tools.base import (
     ToolTimeout,
     TurnKind,
 )
-from rlsearch.tools.clients import RetrievalClient, SearchTool, ToolCache, ToolRegistry, build_registry
+from rlsearch.tools.clients import ReplayMissError, RetrievalClient, SearchTool, ToolCache, ToolRegistry, build_registry
 from rlsearch.tools.launch import MCPServerProcess, RetrieverProcess, ToolServers
 from rlsearch.tools.protocols import PROTOCOLS, CallToolProtocol, SearchR1Protocol, ToolProtocol, make_protocol
 
@@ -57,6 +57,7 @@ __all__ = [
     "ErrorKind",
     "MCPServerProcess",
     "ParsedTurn",
+    "ReplayMissError",
     "RetrievalClient",
     "RetrieverProcess",
     "SearchR1Protocol",

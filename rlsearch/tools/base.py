@@ -123,6 +123,7 @@ class Tool(ABC):
     """A callable tool. ``run_batch`` gets every call of one turn for this tool and returns one result per call."""
 
     spec: ToolSpec
+    paid = False  # its calls go to a paid API (counted apart: paid calls per 1,000 trajectories)
 
     @abstractmethod
     def run_batch(self, calls: list[ToolCall]) -> list[ToolResult]:

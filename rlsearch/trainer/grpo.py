@@ -9,6 +9,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -16,13 +17,21 @@ from pathlib import Path
 from ..actor import ActorGroup, ActorWorkerSpec, SamplingDistribution, TrainSample
 from ..checkpoint import CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import MODEL_DIR
-from ..config import ConfigError, EvalConfig, TrainConfig, check_model_layout, resolve_auto_keys, to_dict
+from ..config import (
+    ConfigError,
+    EvalConfig,
+    TrainConfig,
+    check_model_layout,
+    resolve_auto_keys,
+    resolve_store_dirs,
+    to_dict,
+)
 from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate
 from ..logging import RunLogger, format_step_line, plot_run
 from ..ray_setup import actor_states, cluster_has_gpus, init_ray
 from ..reward import check_scorers, score_trajectories
-from ..rollout import EnginePool, EngineSpec, NoEngineLeftError, PromptItem, Trajectory
+from ..rollout import EnginePool, EngineSpec, NoEngineLeftError, PromptItem, Trajectory, token_logit_bias
 from ..weights import WeightSync, WeightSyncError, check_engines_match_actor, default_mismatch_limit
 from .metrics import staleness_metrics, token_staleness, trajectory_metrics
 from .placement import check_retriever_reachable, describe_placement, plan_placement
@@ -69,6 +78,15 @@ class RunSummary:
                 f"invalid calls {mean('rollout/invalid_calls_mean', first):.2f} -> "
                 f"{mean('rollout/invalid_calls_mean', last):.2f} per trajectory (first {window} vs last {window} steps)"
             )
+        trajectories = sum(step.get("rollout/trajectories", 0.0) for step in self.history)
+        if trajectories:
+            def per_1k(count: float) -> str:
+                return f"{1000 * count / trajectories:.1f}"
+
+            judged = sum(step.get("reward/judge_requests", 0.0) for step in self.history)
+            tools, paid = metrics.get("rollout/tool_calls_out_total", 0), metrics.get("rollout/paid_calls_out_total", 0)
+            lines.append(f"  calls out        : per 1,000 trajectories: tools {per_1k(tools)} (paid web APIs "
+                         f"{per_1k(paid)}), judge {per_1k(judged)}")
         if self.trajectory_dir:
             lines.append(f"  trajectories     : {self.trajectory_dir}   (rlsearch inspect {self.output_dir})")
         if self.checkpoint:
@@ -109,7 +127,7 @@ def _is_ray_error(error: BaseException) -> bool:
 
 class GRPOTrainer:
     def __init__(self, config: TrainConfig) -> None:
-        self.config = config
+        self.config = config = resolve_store_dirs(config, config.trainer.output_dir)  # tool and judge stores go there
         self.output_dir = Path(config.trainer.output_dir)
         self.examples = self._load_examples()
         check_model_layout(config.model.path, config.actor, config.algo.routing_replay)
@@ -165,6 +183,7 @@ class GRPOTrainer:
         rollout = config.rollout
         init_ray(config.trainer.ray_address, num_cpus=world + rollout.num_engines * rollout.tensor_parallel_size)
         import ray
+        from transformers import AutoTokenizer
 
         # the cluster's GPUs, not this process's, decide: model.dtype and bridge.transport `auto` become concrete here,
         # once, and everything below (and config.json) sees those values
@@ -175,18 +194,29 @@ class GRPOTrainer:
         place = plan_placement(config.trainer.placement, world, gpus, config.trainer.ray_address,
                                rollout.num_engines, rollout.tensor_parallel_size)
         engine_spec = EngineSpec.from_config(config.model, rollout, config.trainer.seed)
-        self.pool = EnginePool(engine_spec, rollout, tools, config.trainer.seed, **place.pool_options)
         # the actor scores tokens under the distribution the engines sample them from (their token-level bias)
-        sampling = SamplingDistribution(rollout.temperature, ray.get(self.pool.engines[0].token_logit_bias.remote()))
-        self.actor = ActorGroup(
-            ActorWorkerSpec(
-                model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=config.algo,
-                sampling=sampling, seed=config.trainer.seed,
-                # the LR schedule counts optimizer updates
-                total_steps=config.trainer.total_steps * config.algo.num_minibatches * config.algo.ppo_epochs,
-            ),
-            num_gpus_per_rank=gpus, **place.actor_options,
-        )
+        logit_bias = token_logit_bias(AutoTokenizer.from_pretrained(config.model.path), rollout.logit_bias)
+        # the engines and the actor ranks start side by side (each is mostly one process importing and loading)
+        with ThreadPoolExecutor(1, thread_name_prefix="engine-start") as starter:
+            starting_pool = starter.submit(
+                EnginePool, engine_spec, rollout, tools, config.trainer.seed, **place.pool_options)
+            try:
+                self.actor = ActorGroup(
+                    ActorWorkerSpec(
+                        model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=config.algo,
+                        sampling=SamplingDistribution(rollout.temperature, logit_bias), seed=config.trainer.seed,
+                        # the LR schedule counts optimizer updates
+                        total_steps=config.trainer.total_steps * config.algo.num_minibatches * config.algo.ppo_epochs,
+                    ),
+                    num_gpus_per_rank=gpus, **place.actor_options,
+                )
+            finally:
+                self.pool = starting_pool.result()  # also when the actor failed: close() then stops the engines
+        engine_bias = ray.get(self.pool.engines[0].token_logit_bias.remote(), timeout=60)
+        if engine_bias != logit_bias:
+            raise RuntimeError(f"the engine's token logit bias {engine_bias} differs from the actor's {logit_bias}: "
+                               f"the engine tokenises rollout.logit_bias differently from {config.model.path}'s "
+                               "tokenizer")
         bridge = config.bridge
         self.weight_sync = WeightSync(
             self.actor, bridge.bucket_mb, bridge.transport, bridge.timeout_s, config.rollout.tensor_parallel_size,
@@ -489,10 +519,14 @@ class GRPOTrainer:
     def _run_metrics(self, step: int, update: PolicyUpdate | None, staleness: int) -> dict[str, float]:
         """Counters over the run and the rollout pool's view of the step."""
         skipped = update is not None and not update.changed_weights
+        tools = self.pool.tool_stats()
         return {
             **self.pool.last_metrics(step),
             "actor/skipped_steps_total": float(self.skip_guard.total + skipped),
-            "rollout/tool_failures_total": float(self.pool.tool_stats()["failures"]),
+            "rollout/tool_failures_total": float(tools["failures"]),
+            # calls the tools made (not answered by the tool store or an identical call in flight); paid: web APIs
+            "rollout/tool_calls_out_total": float(tools.get("calls_out", 0)),
+            "rollout/paid_calls_out_total": float(tools.get("paid_calls_out", 0)),
             "rollout/engine_restarts_total": float(self.engine_restarts),
             "rollout/staleness": float(staleness),
             "time/engine_idle_s": self.pool.idle_seconds(),

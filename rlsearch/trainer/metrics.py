@@ -19,6 +19,7 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     rewards = [t.reward for t in trajectories if not t.failed]  # a failed one has no reward, only a reason
     tool_calls = [t.tool_calls for t in trajectories]
     metrics = {
+        "rollout/trajectories": float(len(trajectories)),
         "reward/mean": _mean(rewards),
         "reward/std": float(statistics.pstdev(rewards)) if len(rewards) > 1 else 0.0,
         "reward/em": _mean([t.scores.get("em", 0.0) for t in trajectories]),

@@ -1,5 +1,6 @@
-"""`rlsearch eval` end to end on CPU: the run script, every summary metric recomputed from the trajectories, and a
-run killed with SIGKILL that resumes to the same results as an uninterrupted one."""
+"""`rlsearch eval` end to end on CPU: the run script, every summary metric recomputed from the trajectories, a run
+killed with SIGKILL that resumes to the same results as an uninterrupted one, and a replay of the uninterrupted run
+from its tool store alone."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from tests.conftest import REPO_ROOT
 CONFIG = "examples/configs/eval_search.yaml"
 QUESTIONS, SAMPLES = 4, 2
 TIME_KEYS = ("time_s", "wall_s", "latency_s", "generate_s", "tool_s")
+# besides times, what differs between runs of the same results: whether a call was answered by the run's tool store
+RUN_KEYS = (*TIME_KEYS, "cached")
 
 
 def _overrides(assets, output_dir, batch_size):
@@ -66,14 +69,23 @@ def runs(tmp_path_factory, tiny_model_dir, toy_data):
     reference.wait(timeout=600)
     stdout = reference_log.read_text()
     assert reference.returncode == 0, stdout[-6000:]
+    # the replay: no corpus, so a retriever could not even start
+    replay_dir = base / "replay"
+    replay = subprocess.Popen(
+        [sys.executable, "-m", "rlsearch", "eval", "--config", CONFIG, *_overrides(assets, replay_dir, 2),
+         "tools.replay=true", f"tools.cache_dir={reference_dir / 'tool_store'}", "tools.retriever.corpus=/nonexistent"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
     resumed = subprocess.run(
         [sys.executable, "-m", "rlsearch", "eval", "--config", CONFIG, *_overrides(assets, resumed_dir, 3)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    replay_output, _ = replay.communicate(timeout=600)
+    assert replay.returncode == 0, replay_output[-3000:]
     print(f"\nreference + killed run side by side, then the resumed run: {time.perf_counter() - started:.0f} s")
     return SimpleNamespace(reference_dir=reference_dir, reference_stdout=stdout, resumed_dir=resumed_dir,
-                           resumed_stdout=resumed.stdout, killed_records=killed_records)
+                           resumed_stdout=resumed.stdout, killed_records=killed_records, replay_dir=replay_dir)
 
 
 def _recompute(records):
@@ -162,7 +174,7 @@ def test_killed_run_resumes_to_the_uninterrupted_results(runs):
 
     def without_time(value):
         if isinstance(value, dict):
-            return {key: without_time(item) for key, item in value.items() if key not in TIME_KEYS}
+            return {key: without_time(item) for key, item in value.items() if key not in RUN_KEYS}
         if isinstance(value, list):
             return [without_time(item) for item in value]
         return value
@@ -180,3 +192,14 @@ def test_killed_run_resumes_to_the_uninterrupted_results(runs):
         resumed_logprobs = resumed_records[key].pop("rollout_logprobs")
         assert resumed_logprobs == pytest.approx(reference_record.pop("rollout_logprobs"), abs=1e-4)
         assert resumed_records[key] == reference_record, key
+
+
+def test_a_replay_from_the_tool_store_makes_no_call_and_samples_the_same_tokens(runs):
+    reference = {(r["example_id"], r["sample_index"]): r for r in _records(runs.reference_dir)}
+    replayed = {(r["example_id"], r["sample_index"]): r for r in _records(runs.replay_dir)}
+    assert replayed.keys() == reference.keys() and len(replayed) == QUESTIONS * SAMPLES
+    calls = [call for r in replayed.values() for turn in r["turns"] for call in turn["tool_calls"]]
+    assert calls and all(call["cached"] and call["ok"] for call in calls)  # every result came from the store
+    for key, record in replayed.items():
+        assert record["response_ids"] == reference[key]["response_ids"], key
+    assert not (runs.replay_dir / "tool_store").exists()  # nothing recorded anew

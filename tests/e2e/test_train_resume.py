@@ -1,12 +1,15 @@
 """A training run whose driver is killed with SIGKILL during step 3 is run again by its supervisor (`rlsearch train
 --restarts 1`), resumes from its step-2 checkpoint to exactly the run that was never interrupted, and its checkpoint
-converts to the trained HF model. (Resuming into another layout is
+converts to the trained HF model. An async run (rollout.async_steps=1) killed the same way, with step 4's rollout in
+flight, trains every prompt of the sampler's order exactly once. A rerun of the first 2 steps with tools.replay, from
+the uninterrupted run's tool store alone, samples the same tokens. (Resuming into another layout is
 tests/integration/test_actor_resume.py: bit-exact weights and the same next step at TP2.)"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,14 +31,14 @@ COMPARED = ("actor/policy_loss", "actor/kl_loss", "actor/grad_norm", "actor/appr
 RESTART_LINE = "[rlsearch] the training driver died (killed by SIGKILL); restart 1 of 1 with trainer.resume=auto\n"
 
 
-def _command(assets, output_dir, supervised: bool = False):
+def _command(assets, output_dir, supervised: bool = False, *overrides: str):
     return [
         sys.executable, "-m", "rlsearch", "train", *(["--restarts", "1"] if supervised else []),
         "--config", "examples/configs/search_grpo_tiny.yaml",
         f"model.path={assets.model}", f"data.train_files=[{assets.data.train}]",
         f"tools.retriever.corpus={assets.data.corpus}", f"tools.retriever.index_cache_dir={assets.index_cache}",
         "data.batch_size=2", f"trainer.total_steps={STEPS}", f"trainer.save_interval={SAVE_INTERVAL}",
-        "algo.kl_coef=0.1", "algo.kl_estimator=k1", f"trainer.output_dir={output_dir}",
+        "algo.kl_coef=0.1", "algo.kl_estimator=k1", f"trainer.output_dir={output_dir}", *overrides,
     ]
 
 
@@ -52,35 +55,57 @@ def _response_ids(run_dir, step):
     return [json.loads(line)["response_ids"] for line in path.open()]
 
 
+def _start(command, log_path: Path) -> subprocess.Popen:
+    with log_path.open("w") as log:  # a log file: nobody reads pipes meanwhile
+        return subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _kill_driver_after_step_2_checkpoint(supervisor: subprocess.Popen, log_path: Path, delay_s: float) -> None:
+    deadline = time.monotonic() + 900
+    while "checkpoints/step_000002" not in log_path.read_text() and supervisor.poll() is None:
+        assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.05)
+    time.sleep(delay_s)
+    assert supervisor.poll() is None, log_path.read_text()[-3000:]
+    (driver,) = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text().split()
+    os.kill(int(driver), signal.SIGKILL)  # the driver only: its Ray workers and tool servers must go with it
+
+
+def _killed_and_resumed_output(supervisor: subprocess.Popen, log_path: Path) -> tuple[str, str]:
+    assert supervisor.wait(timeout=900) == 0, log_path.read_text()[-3000:]
+    killed_output, restart, resumed_output = log_path.read_text().partition(RESTART_LINE)
+    assert restart, killed_output[-3000:]
+    return killed_output, resumed_output
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir, toy_data):
     base = tmp_path_factory.mktemp("train_runs")
     assets = SimpleNamespace(model=tiny_model_dir, data=toy_data, index_cache=base / "bm25")
-    reference_dir, resumed_dir = base / "reference", base / "resumed"
+    reference_dir, resumed_dir, async_dir = base / "reference", base / "resumed", base / "async"
     started = time.perf_counter()
-    # side by side: the uninterrupted run, and the run to be killed (log files: nobody reads pipes meanwhile)
-    with (base / "reference.log").open("w") as log:
-        reference = subprocess.Popen(_command(assets, reference_dir), cwd=REPO_ROOT, stdout=log,
-                                     stderr=subprocess.STDOUT)
-    doomed_log = base / "doomed.log"
-    with doomed_log.open("w") as log:
-        supervisor = subprocess.Popen(_command(assets, resumed_dir, supervised=True), cwd=REPO_ROOT, stdout=log,
-                                      stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while "checkpoints/step_000002" not in doomed_log.read_text() and supervisor.poll() is None:
-        assert time.monotonic() < deadline, doomed_log.read_text()[-3000:]
-        time.sleep(0.05)
-    time.sleep(2.0)  # into step 3's rollout
-    assert supervisor.poll() is None, doomed_log.read_text()[-3000:]
-    (driver,) = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text().split()
-    os.kill(int(driver), signal.SIGKILL)  # the driver only: its Ray workers and tool servers must go with it
-    assert supervisor.wait(timeout=900) == 0, doomed_log.read_text()[-3000:]
-    killed_output, restart, resumed_output = doomed_log.read_text().partition(RESTART_LINE)
-    assert restart, killed_output[-3000:]
+    # side by side: the uninterrupted run, the run to be killed, and the async run to be killed
+    reference = _start(_command(assets, reference_dir), base / "reference.log")
+    doomed = _start(_command(assets, resumed_dir, True), base / "doomed.log")
+    doomed_async = _start(_command(assets, async_dir, True, "rollout.async_steps=1"), base / "async.log")
+    _kill_driver_after_step_2_checkpoint(doomed, base / "doomed.log", delay_s=2.0)  # into step 3's rollout
+    # step 3 trains on the rollout made during step 2, while step 4's is rolled out
+    _kill_driver_after_step_2_checkpoint(doomed_async, base / "async.log", delay_s=0.3)
+    killed_output, resumed_output = _killed_and_resumed_output(doomed, base / "doomed.log")
+    async_killed_output, _ = _killed_and_resumed_output(doomed_async, base / "async.log")
     assert reference.wait(timeout=900) == 0, (base / "reference.log").read_text()[-3000:]
-    print(f"\nreference + killed run side by side, then the resumed run: {time.perf_counter() - started:.0f} s")
+    replay_dir = base / "replay"  # no corpus, so a retriever could not even start
+    replay = subprocess.run(
+        _command(assets, replay_dir, False, "trainer.total_steps=2", "tools.replay=true",
+                 f"tools.cache_dir={reference_dir / 'tool_store'}", "tools.retriever.corpus=/nonexistent"),
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+    print(f"\nreference + killed runs side by side, then the resumed runs and a replay: "
+          f"{time.perf_counter() - started:.0f} s")
     return SimpleNamespace(assets=assets, base=base, reference_dir=reference_dir, resumed_dir=resumed_dir,
-                           killed_output=killed_output, resumed_output=resumed_output)
+                           killed_output=killed_output, resumed_output=resumed_output, async_dir=async_dir,
+                           async_killed_output=async_killed_output, replay_dir=replay_dir,
+                           replay_output=replay.stdout, reference_output=(base / "reference.log").read_text())
 
 
 def test_killed_run_resumes_after_its_last_checkpoint(runs):
@@ -103,6 +128,42 @@ def test_resumed_steps_equal_the_uninterrupted_run(runs):
     assert abs(kl[3]) > 1e-6  # the policy had moved from the reference: step 3 trained on restored weights
     for step in range(1, STEPS + 1):
         assert _response_ids(runs.resumed_dir, step) == _response_ids(runs.reference_dir, step), step
+
+
+def test_an_async_run_killed_with_a_rollout_in_flight_trains_each_prompt_once_after_async_resume(runs):
+    """The checkpoint of step 2 records the data position after step 2's batch; the batches rolled out ahead of it
+    (steps 3 and 4 here) are drawn again from there after the resume, so none is skipped or trained twice."""
+    from collections import Counter
+
+    from rlsearch.data import load_qa_dataset
+    from rlsearch.trainer.sampler import EpochSampler
+
+    assert "step 2/4" in runs.async_killed_output and "step 3/4" not in runs.async_killed_output
+    config = json.loads((runs.async_dir / "config.json").read_text())
+    assert config["rollout"]["async_steps"] == 1
+    batch_size, group_size = config["data"]["batch_size"], config["rollout"]["group_size"]
+    examples = load_qa_dataset(runs.assets.data.train)
+    order = [e.id for e in EpochSampler(examples, config["trainer"]["seed"], config["data"]["shuffle"]).next_batch(
+        STEPS * batch_size)]
+    records = [json.loads(line) for step in range(1, STEPS + 1)
+               for line in (runs.async_dir / "trajectories" / f"step_{step:06d}.jsonl").open()]
+    assert Counter((r["example_id"], r["sample_index"]) for r in records) == Counter(
+        {(example_id, sample): 1 for example_id in order for sample in range(group_size)})
+    for step in range(1, STEPS + 1):  # and in the sampler's order, step by step
+        rows = [r for r in records if r["step"] == step]
+        assert sorted({r["example_id"] for r in rows}) == sorted(order[(step - 1) * batch_size:step * batch_size])
+
+
+def test_a_replay_of_the_run_from_its_tool_store_makes_no_call_and_samples_the_same_tokens(runs):
+    for step in (1, 2):
+        assert _response_ids(runs.replay_dir, step) == _response_ids(runs.reference_dir, step), step
+        records = [json.loads(line) for line in (runs.replay_dir / "trajectories" / f"step_{step:06d}.jsonl").open()]
+        calls = [call for r in records for turn in r["turns"] for call in turn["tool_calls"]]
+        assert calls and all(call["cached"] and call["ok"] for call in calls)
+    assert "calls out        : per 1,000 trajectories: tools 0.0 (paid web APIs 0.0), judge 0.0" in runs.replay_output
+    recorded = re.search(r"calls out +: per 1,000 trajectories: tools ([\d.]+) \(paid web APIs 0.0\)",
+                         runs.reference_output)
+    assert recorded and float(recorded[1]) > 0, runs.reference_output[-2000:]
 
 
 def test_checkpoints_are_complete_and_nothing_was_left_running(runs):

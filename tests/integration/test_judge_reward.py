@@ -57,6 +57,24 @@ def test_verdicts_end_to_end_then_every_reply_from_the_cache(tmp_path) -> None:
         scorer.close()
 
 
+def test_a_replay_scores_from_the_recorded_replies_alone_and_names_a_missing_prompt(tmp_path) -> None:
+    from rlsearch.reward.judge import JudgeReplayMissError
+
+    texts = ["<answer>a</answer>", "<answer>b</answer>"]
+    with stub_judge(_by_answer({"a": "Verdict: correct", "b": "no"})) as (_, url):
+        recorded = [answered(text, i) for i, text in enumerate(texts)]
+        _scorer(url, tmp_path / "judge_cache").score(recorded, [row()] * 2)
+    # the judge is gone: a replay sends nothing, so it scores all the same
+    replay = _scorer(url, tmp_path / "judge_cache", replay=True)
+    again = [answered(text, i) for i, text in enumerate(texts)]
+    stats = replay.score(again, [row()] * 2)
+    assert [t.reward for t in again] == [t.reward for t in recorded] == [1.0, 0.1]
+    assert stats["reward/judge_requests"] == 0 and stats["reward/judge_cache_hits"] == 2
+    with pytest.raises(JudgeReplayMissError, match="has no reply of stub-judge to the prompt .*Agent's answer: c"):
+        replay.score([answered("<answer>c</answer>", 0)], [row()])
+    replay.close()
+
+
 def test_request_rate_is_held_at_the_judge() -> None:
     with stub_judge(lambda prompt, attempt: Scripted("Verdict: correct")) as (stub, url):
         scorer = _scorer(url, requests_per_minute=600, max_concurrency=8)  # one request start per 0.1 s

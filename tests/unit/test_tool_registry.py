@@ -1,5 +1,7 @@
-"""The tool registry (dispatch by name, errors as results, cache), observation budgets and the tools config."""
+"""The tool registry (dispatch by name, errors as results, the store and its replay, identical calls in flight),
+observation budgets and the tools config."""
 
+import threading
 import time
 
 import pytest
@@ -182,6 +184,9 @@ def test_tools_config_accepts_mcp_servers_and_limits() -> None:
         ({"rollout": {"max_observation_tokens": 4}}, "'rollout.max_observation_tokens' must be 0 (no cap) or >= 16"),
         ({"tools": {"mcp": {"servers": [{"url": "127.0.0.1:8001"}]}}}, "'tools.mcp.servers[0].url' must be an http"),
         ({"tools": {"mcp": {"servers": [{"uri": "x"}]}}}, "unknown config key 'tools.mcp.servers[0].uri'"),
+        ({"tools": {"replay": True}}, "'tools.cache_dir' is auto: set it to the recorded run's store, e.g. "
+                                      "tools.cache_dir=outputs/RUN/tool_store"),
+        ({"reward": {"judge": {"replay": True, "cache_dir": ""}}}, "'reward.judge.cache_dir' is empty: set it to"),
     ],
 )
 def test_tools_config_errors_name_the_key(sections: dict, message: str) -> None:
@@ -197,3 +202,57 @@ def test_cache_keys_typed_calls_by_their_arguments(tmp_path) -> None:
     assert repeated[0].cached
     assert (registry.cache.hits, registry.cache.misses) == (1, 2)
     assert len(list(tmp_path.rglob("*.json"))) == 2
+
+
+def test_identical_calls_in_flight_reach_the_tool_once() -> None:
+    """Samples of a group searching alike at the same moment: one call goes out, every caller gets its result."""
+    class GatedTool(EchoTool):
+        paid = True
+
+        def __init__(self) -> None:
+            super().__init__("web")
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def run_batch(self, calls):
+            self.entered.set()
+            assert self.release.wait(10)
+            return super().run_batch(calls)
+
+    tool = GatedTool()
+    registry = ToolRegistry([tool])
+    first: list = []
+    caller = threading.Thread(target=lambda: first.extend(registry.run([ToolCall("web", "q")])))
+    caller.start()
+    assert tool.entered.wait(10)
+    results: list = []
+    waiter = threading.Thread(target=lambda: results.extend(registry.run([ToolCall("web", "q"), ToolCall("web", "q")])))
+    waiter.start()
+    time.sleep(0.2)  # the second caller is waiting on the first call, not calling out
+    tool.release.set()
+    caller.join(10)
+    waiter.join(10)
+    assert tool.batches == [["q"]]
+    assert [r.documents for r in results] == [first[0].documents] * 2
+    assert (registry.calls_out, registry.paid_calls_out) == (1, 1)
+    assert registry.stats()["paid_calls_out"] == 1
+    assert registry.run([ToolCall("web", "q")])[0].documents == first[0].documents  # not in flight: called again
+    assert registry.calls_out == 2
+
+
+def test_a_replay_serves_the_recorded_tools_and_results_and_names_a_missing_call(tmp_path) -> None:
+    from rlsearch.config import ToolsConfig
+    from rlsearch.tools import ReplayMissError, build_registry
+
+    recorded = ToolRegistry([EchoTool("search"), EchoTool("browse")], cache=ToolCache(tmp_path))
+    recorded.cache.save_specs(recorded.specs)
+    live = recorded.run([ToolCall("search", "who", {"k": "1"}), ToolCall("browse", "http://x")])
+
+    replay = build_registry(ToolsConfig(enabled=[], cache_dir=str(tmp_path), replay=True), None, "")
+    assert replay.specs == recorded.specs  # the prompt offers the same tools, in the same order
+    again = replay.run([ToolCall("browse", "http://x"), ToolCall("search", "who", {"k": "1"})])
+    assert [r.documents for r in again] == [live[1].documents, live[0].documents]
+    assert all(r.cached for r in again) and replay.calls_out == 0
+    with pytest.raises(ReplayMissError, match=r'has no result for the call \{"tool": "search", "query": "what"'):
+        replay.run([ToolCall("search", "what")])
+    with pytest.raises(ReplayMissError, match="tools.json does not exist"):
+        build_registry(ToolsConfig(cache_dir=str(tmp_path / "elsewhere"), replay=True), None, "")

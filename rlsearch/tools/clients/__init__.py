@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from .build import build_registry
-from .cache import ToolCache
+from .cache import ReplayMissError, ToolCache
 from .registry import ToolRegistry
 from .retrieval import RetrievalClient, SearchTool
 
-__all__ = ["RetrievalClient", "SearchTool", "ToolCache", "ToolRegistry", "build_registry"]
+__all__ = ["ReplayMissError", "RetrievalClient", "SearchTool", "ToolCache", "ToolRegistry", "build_registry"]

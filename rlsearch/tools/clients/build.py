@@ -5,14 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ...config import RetrieverConfig, ToolsConfig
-from ..base import Tool, ToolSetupError
+from ..base import Tool, ToolCall, ToolResult, ToolSetupError, ToolSpec
 from .cache import ToolCache
 from .registry import ToolRegistry
 
 
 def build_registry(tools: ToolsConfig, retriever: RetrieverConfig, retriever_url: str) -> ToolRegistry:
     """The registry of ``tools.enabled`` plus the tools of ``tools.mcp.servers`` (URLs already resolved;
-    stdio servers are started here and stopped by the registry's ``close``)."""
+    stdio servers are started here and stopped by the registry's ``close``); their specs go into the store. With
+    ``tools.replay``: the tools the store recorded, answered from it alone."""
+    store = ToolCache(tools.cache_dir) if tools.cache_dir not in ("", "auto") else None  # auto: a run resolves it
+    if tools.replay:
+        return ToolRegistry([StoredTool(spec) for spec in store.load_specs()], store, replay=True)
     built: list[Tool] = []
     try:
         for name in tools.enabled:
@@ -30,11 +34,24 @@ def build_registry(tools: ToolsConfig, retriever: RetrieverConfig, retriever_url
             ]
             mcp = tools.mcp
             built.extend(MCPToolset(specs, mcp.timeout_s, mcp.max_retries, mcp.backoff_s, mcp.max_concurrency).tools)
-        return ToolRegistry(built, ToolCache(tools.cache_dir) if tools.cache_dir else None)
+        registry = ToolRegistry(built, store)
+        if store is not None:
+            store.save_specs(registry.specs)
+        return registry
     except BaseException:
         for tool in built:
             tool.close()
         raise
+
+
+class StoredTool(Tool):
+    """A recorded tool under tools.replay: its spec, for the prompt; the registry answers its calls from the store."""
+
+    def __init__(self, spec: ToolSpec) -> None:
+        self.spec = spec
+
+    def run_batch(self, calls: list[ToolCall]) -> list[ToolResult]:
+        raise ToolSetupError(f"'{self.spec.name}' is replayed from the store: it cannot be called")
 
 
 def _search(tools: ToolsConfig, retriever: RetrieverConfig, retriever_url: str) -> Tool:

@@ -1,4 +1,5 @@
-"""An on-disk cache of successful tool results keyed by (tool, query, attributes), for reproducible runs."""
+"""A run's store of tool results: every successful result by (tool, query, attributes), and the tools' specs, so that
+a rerun or an eval can replay the run without calling a tool (tools.replay)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,22 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 
-from ..base import Document, ToolCall
+from ..base import Document, ToolCall, ToolSpec
+
+SPECS_FILE = "tools.json"
+
+
+class ReplayMissError(RuntimeError):
+    """tools.replay: a call the store has no result for (the recorded run never made it). It stops the run."""
 
 
 class ToolCache:
-    """One JSON file per distinct call under ``root/<2 hex>/<sha256>.json``, written atomically.
+    """One JSON file per distinct call under ``root/<2 hex>/<sha256>.json``, and the tools' specs in ``tools.json``,
+    each written atomically.
 
     Only successful results are stored, so a transient failure is retried on the next run. Several processes may
     share one directory: the last writer of identical content wins.
@@ -24,6 +33,7 @@ class ToolCache:
         self.root.mkdir(parents=True, exist_ok=True)
         self.hits = 0
         self.misses = 0
+        self.write_errors = 0
 
     def get(self, call: ToolCall) -> list[Document] | None:
         path = self._path(call)
@@ -37,16 +47,42 @@ class ToolCache:
         return documents
 
     def put(self, call: ToolCall, documents: list[Document]) -> None:
+        """Store a result; a store that cannot be written (a full disk) is reported once and never fails the call."""
         path = self._path(call)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"call": _key_fields(call), "documents": [dataclasses.asdict(d) for d in documents]}
-        staging = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")  # writers may race
-        staging.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8")
-        os.replace(staging, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            record = {"call": _key_fields(call), "documents": [dataclasses.asdict(d) for d in documents]}
+            _write_atomically(path, record)
+        except OSError as error:
+            self.write_errors += 1
+            if self.write_errors == 1:
+                print(f"[rlsearch] the tool store {self.root} cannot be written ({error}); results are not kept, so "
+                      "a replay of this run will miss them", file=sys.stderr, flush=True)
+
+    def save_specs(self, specs: list[ToolSpec]) -> None:
+        """The tools a replay offers the model (their names, descriptions and schemas go into its prompt)."""
+        _write_atomically(self.root / SPECS_FILE, [dataclasses.asdict(spec) for spec in specs])
+
+    def load_specs(self) -> list[ToolSpec]:
+        path = self.root / SPECS_FILE
+        if not path.is_file():
+            raise ReplayMissError(f"tools.replay: {path} does not exist; tools.cache_dir must be the tool_store of a "
+                                  "recorded run (it holds the tools' specs and results)")
+        return [ToolSpec(**spec) for spec in json.loads(path.read_text(encoding="utf-8"))]
+
+    def miss(self, call: ToolCall) -> ReplayMissError:
+        """The error of a replayed call the store lacks, naming the call."""
+        return ReplayMissError(f"tools.replay: the store {self.root} has no result for the call "
+                               f"{json.dumps(_key_fields(call), ensure_ascii=False)} (the recorded run never made it)")
 
     def _path(self, call: ToolCall) -> Path:
-        digest = hashlib.sha256(json.dumps(_key_fields(call), sort_keys=True).encode()).hexdigest()
+        digest = call_key(call)
         return self.root / digest[:2] / f"{digest}.json"
+
+
+def call_key(call: ToolCall) -> str:
+    """The call's identity: sha256 of its tool, query and attributes (typed calls: and arguments)."""
+    return hashlib.sha256(json.dumps(_key_fields(call), sort_keys=True).encode()).hexdigest()
 
 
 def _key_fields(call: ToolCall) -> dict:
@@ -54,3 +90,9 @@ def _key_fields(call: ToolCall) -> dict:
     if call.arguments is not None:  # typed calls differ by their arguments (the query may be empty)
         fields["arguments"] = call.arguments
     return fields
+
+
+def _write_atomically(path: Path, record: object) -> None:
+    staging = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")  # writers may race
+    staging.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8")
+    os.replace(staging, path)

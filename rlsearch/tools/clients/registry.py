@@ -3,26 +3,29 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 from ..base import ErrorKind, Tool, ToolCall, ToolResult, ToolSetupError, ToolSpec
-from .cache import ToolCache
+from .cache import ToolCache, call_key
 
 
 class ToolRegistry:
-    """Tools by name, with an optional on-disk result cache.
+    """Tools by name, with an optional store of results (`ToolCache`).
 
     ``run`` takes every call of one agent turn: each tool gets its calls as one batch (different tools run at the
     same time), unknown names get an ``unknown_tool`` result, and a tool that raises gives every call of its batch
     an error result. A native tool call (typed ``arguments``, no query) first gets the query and attributes the
     built-in tools read (``with_query``). ``run`` may be called from several threads at once (the tools' clients
-    are thread-safe).
+    are thread-safe); a call identical to one in flight (the samples of a group often search alike) waits for that
+    one's result instead of calling out again. With ``replay`` every call is answered from the store, and one it
+    lacks raises `ReplayMissError`.
     """
 
-    def __init__(self, tools: Sequence[Tool], cache: ToolCache | None = None) -> None:
+    def __init__(self, tools: Sequence[Tool], cache: ToolCache | None = None, replay: bool = False) -> None:
         self._tools: dict[str, Tool] = {}
         for tool in tools:
             if tool.spec.name in self._tools:
@@ -31,7 +34,14 @@ class ToolRegistry:
                     "drop one from tools.enabled or from the MCP server's allow list"
                 )
             self._tools[tool.spec.name] = tool
+        if replay and cache is None:
+            raise ToolSetupError("tools.replay needs the store of a recorded run (tools.cache_dir)")
         self.cache = cache
+        self.replay = replay
+        self.calls_out = 0  # calls that reached a tool (not answered by the store or by an identical call in flight)
+        self.paid_calls_out = 0  # of those, calls to a paid API (Tool.paid)
+        self._in_flight: dict[str, Future] = {}
+        self._in_flight_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._tools)), thread_name_prefix="tool-registry")
 
     @property
@@ -44,8 +54,9 @@ class ToolRegistry:
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         results: list[ToolResult | None] = [None] * len(calls)
-        pending: dict[str, list[int]] = {}
         calls = list(calls)
+        owned: dict[str, tuple[int, Future]] = {}  # calls this thread makes, by key: (index, its future)
+        shared: list[tuple[int, Future]] = []  # calls answered by an identical call in flight
         for index, call in enumerate(calls):
             if call.name not in self._tools:
                 available = ", ".join(self._tools) or "none"
@@ -57,9 +68,39 @@ class ToolRegistry:
             cached = self.cache.get(call) if self.cache else None
             if cached is not None:
                 results[index] = ToolResult(documents=cached, cached=True)
+            elif self.replay:
+                raise self.cache.miss(call)
             else:
-                pending.setdefault(call.name, []).append(index)
+                key = call_key(call)
+                with self._in_flight_lock:
+                    future = owned[key][1] if key in owned else self._in_flight.get(key)
+                    if future is None:
+                        future = self._in_flight[key] = Future()
+                        owned[key] = (index, future)
+                    else:
+                        shared.append((index, future))
+        try:
+            self._run_owned_calls(calls, owned, results)
+        finally:
+            for key, (_, future) in owned.items():
+                if not future.done():  # the tool raised past _run_tool: the waiting callers get the same error
+                    future.set_result(ToolResult.failure(ErrorKind.TOOL_ERROR, "the identical call in flight failed"))
+                with self._in_flight_lock:
+                    self._in_flight.pop(key, None)
+        for index, future in shared:
+            results[index] = replace(future.result(), latency_s=0.0)
+        return results
+
+    def _run_owned_calls(self, calls: list[ToolCall], owned: dict[str, tuple[int, Future]],
+                         results: list[ToolResult | None]) -> None:
+        """Each tool gets its owned calls as one batch; results go into `results`, their futures and the store."""
+        pending: dict[str, list[int]] = {}
+        for index, _ in owned.values():
+            pending.setdefault(calls[index].name, []).append(index)
         batches = {name: [calls[i] for i in indices] for name, indices in pending.items()}
+        for name, batch in batches.items():
+            self.calls_out += len(batch)
+            self.paid_calls_out += len(batch) if self._tools[name].paid else 0
         if len(batches) == 1:
             # one tool: run it in the caller's thread, so that concurrent callers (per-sample rollouts, each with its
             # own call) do not queue behind each other on the pool
@@ -67,16 +108,18 @@ class ToolRegistry:
         else:
             futures = {name: self._pool.submit(self._run_tool, self._tools[name], b) for name, b in batches.items()}
             outputs = {name: future.result() for name, future in futures.items()}
+        futures_by_index = dict(owned.values())
         for name, indices in pending.items():
             for index, result in zip(indices, outputs[name]):
                 results[index] = result
                 if self.cache and result.ok:
                     self.cache.put(calls[index], result.documents)
-        return results
+                futures_by_index[index].set_result(result)
 
     def stats(self) -> dict[str, int]:
         """Request counters summed over the tools that keep them."""
-        totals = {"requests": 0, "retries": 0, "failures": 0}
+        totals = {"requests": 0, "retries": 0, "failures": 0, "calls_out": self.calls_out,
+                  "paid_calls_out": self.paid_calls_out}
         for tool in self._tools.values():
             for key, value in tool.stats().items():
                 totals[key] = totals.get(key, 0) + value

@@ -32,6 +32,8 @@ def api_key(variable: str, tool: str) -> str:
 class _WebTool(PerCallTool):
     """Shared HTTP plumbing: an authenticated client, retries, JSON bodies."""
 
+    paid = True
+
     def __init__(
         self, spec: ToolSpec, url: str, headers: dict[str, str], timeout_s: float, max_retries: int,
         backoff_s: float, max_concurrency: int,

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 class ToolServers:
     """The local servers a run needs: the retriever (for ``search`` when ``tools.retriever.url`` is empty) and
-    ``rlsearch serve-mcp`` (when ``tools.mcp.start_local``). ``tools`` is the config with their URLs filled in.
+    ``rlsearch serve-mcp`` (when ``tools.mcp.start_local``); none under ``tools.replay``. ``tools`` is the config
+    with their URLs filled in.
 
     Both bind 127.0.0.1 and inherit this process's environment: the retriever requires the token in
     ``tools.retriever.token_env`` when that variable is set, the MCP server the one in RLSEARCH_MCP_TOKEN."""
@@ -32,6 +33,8 @@ class ToolServers:
         return self.tools.retriever.url
 
     def start(self) -> Self:
+        if self.config.replay:  # every call is answered from the recorded store
+            return self
         retriever = self.config.retriever
         needs_retriever = "search" in self.config.enabled and not retriever.url
         if needs_retriever or self.config.mcp.start_local:
