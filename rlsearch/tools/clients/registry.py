@@ -88,7 +88,7 @@ class ToolRegistry:
                 with self._in_flight_lock:
                     self._in_flight.pop(key, None)
         for index, future in shared:
-            results[index] = replace(future.result(), latency_s=0.0)
+            results[index] = replace(future.result())  # its own record; the wait was the call's latency
         return results
 
     def _run_owned_calls(self, calls: list[ToolCall], owned: dict[str, tuple[int, Future]],
