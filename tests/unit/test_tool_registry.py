@@ -204,8 +204,9 @@ def test_cache_keys_typed_calls_by_their_arguments(tmp_path) -> None:
     assert len(list(tmp_path.rglob("*.json"))) == 2
 
 
-def test_identical_calls_in_flight_reach_the_tool_once() -> None:
-    """Samples of a group searching alike at the same moment: one call goes out, every caller gets its result."""
+def test_identical_paid_calls_in_flight_reach_the_api_once() -> None:
+    """Samples of a group searching a web API alike at the same moment: one call goes out, every caller gets its
+    result."""
     class GatedTool(EchoTool):
         paid = True
 
@@ -237,6 +238,9 @@ def test_identical_calls_in_flight_reach_the_tool_once() -> None:
     assert registry.stats()["paid_calls_out"] == 1
     assert registry.run([ToolCall("web", "q")])[0].documents == first[0].documents  # not in flight: called again
     assert registry.calls_out == 2
+    local = EchoTool("search")  # a local tool's identical calls all go out (its server merges them)
+    ToolRegistry([local]).run([ToolCall("search", "q"), ToolCall("search", "q")])
+    assert local.batches == [["q", "q"]]
 
 
 def test_a_replay_serves_the_recorded_tools_and_results_and_names_a_missing_call(tmp_path) -> None:

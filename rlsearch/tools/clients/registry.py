@@ -20,9 +20,9 @@ class ToolRegistry:
     same time), unknown names get an ``unknown_tool`` result, and a tool that raises gives every call of its batch
     an error result. A native tool call (typed ``arguments``, no query) first gets the query and attributes the
     built-in tools read (``with_query``). ``run`` may be called from several threads at once (the tools' clients
-    are thread-safe); a call identical to one in flight (the samples of a group often search alike) waits for that
-    one's result instead of calling out again. With ``replay`` every call is answered from the store, and one it
-    lacks raises `ReplayMissError`.
+    are thread-safe); a call to a paid API (``Tool.paid``) identical to one in flight (the samples of a group often
+    search alike) waits for that one's result instead of calling out again. With ``replay`` every call is answered
+    from the store, and one it lacks raises `ReplayMissError`.
     """
 
     def __init__(self, tools: Sequence[Tool], cache: ToolCache | None = None, replay: bool = False) -> None:
@@ -55,7 +55,7 @@ class ToolRegistry:
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         results: list[ToolResult | None] = [None] * len(calls)
         calls = list(calls)
-        owned: dict[str, tuple[int, Future]] = {}  # calls this thread makes, by key: (index, its future)
+        owned: dict[str, tuple[int, Future]] = {}  # calls this thread makes, by key (a paid one's identity)
         shared: list[tuple[int, Future]] = []  # calls answered by an identical call in flight
         for index, call in enumerate(calls):
             if call.name not in self._tools:
@@ -70,6 +70,8 @@ class ToolRegistry:
                 results[index] = ToolResult(documents=cached, cached=True)
             elif self.replay:
                 raise self.cache.miss(call)
+            elif not self._tools[call.name].paid:  # a local tool: every call goes out (its server merges them)
+                owned[f"#{index}"] = (index, Future())
             else:
                 key = call_key(call)
                 with self._in_flight_lock:
