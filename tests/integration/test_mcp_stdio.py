@@ -128,7 +128,8 @@ def test_killed_server_gives_an_error_then_is_restarted_and_close_leaves_no_proc
         assert target_time(again) == ("21:00:00+09:00", "+9.0h")
         (second_pid,) = server_pids("Etc/UTC")
         assert second_pid != first_pid
-        assert registry.stats() == {"requests": 3, "retries": 0, "failures": 1, "restarts": 1}
+        assert registry.stats() == {"requests": 3, "retries": 0, "failures": 1, "restarts": 1, "calls_out": 3,
+                                    "paid_calls_out": 0}
     finally:
         registry.close()
     assert server_pids("Etc/UTC") == []

@@ -98,7 +98,8 @@ def test_search_without_the_token_is_an_error_result_that_says_what_to_set(
     results = registry.run([ToolCall("search", question), ToolCall("search", "river")])
     assert [r.error_kind for r in results] == [ErrorKind.TOOL_ERROR] * 2
     assert "HTTP 401: the server requires a bearer token: set RLSEARCH_RETRIEVER_TOKEN to it" in results[0].error
-    assert registry.stats() == {"requests": 1, "retries": 0, "failures": 1}  # a 401 is not retried
+    # both calls in one request, not retried after a 401
+    assert registry.stats() == {"requests": 1, "retries": 0, "failures": 1, "calls_out": 2, "paid_calls_out": 0}
     registry.close()
 
     monkeypatch.setenv(RETRIEVER_TOKEN_ENV, "wrong")
