@@ -1,6 +1,6 @@
 """Structured configs: dataclass schemas, YAML + dotted overrides, validation with errors naming the key."""
 
-from .auto import auto_dtype, resolve_auto_keys, resolve_store_dirs
+from .auto import auto_dtype, resolve_auto_keys, resolve_store_dirs, store_dir
 from .loader import ConfigError, from_dict, load_config, to_dict
 from .schema import (
     TRUNCATION_REASONS,
@@ -48,6 +48,6 @@ __all__ = [
     "RewardConfig", "RolloutConfig", "RubricConfig", "SerperConfig", "SFTConfig", "SFTDataConfig", "ToolsConfig",
     "TrainConfig", "TrainerConfig", "TRUNCATION_REASONS",
     "auto_dtype", "from_dict", "load_config", "load_eval_config", "load_sft_config", "load_train_config",
-    "resolve_auto_keys", "resolve_store_dirs", "to_dict",
+    "resolve_auto_keys", "resolve_store_dirs", "store_dir", "to_dict",
     "check_model_layout", "validate_eval_config", "validate_sft_config", "validate_train_config",
 ]

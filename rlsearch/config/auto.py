@@ -36,6 +36,12 @@ def resolve_auto_keys(config: T, has_gpus: bool) -> T:
     return replace(config, **changes)
 
 
+def store_dir(cache_dir: str) -> str | None:
+    """The directory a tool store or judge cache lives in; None for none: empty, or `auto` outside a run (a run
+    resolves it with `resolve_store_dirs`)."""
+    return cache_dir if cache_dir not in ("", "auto") else None
+
+
 def resolve_store_dirs(config: T, output_dir: str) -> T:
     """A copy of `config` (any config with tools and reward sections) whose tools.cache_dir and
     reward.judge.cache_dir of `auto` are the run's stores: <output_dir>/tool_store and <output_dir>/judge_cache."""

@@ -6,6 +6,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+from .auto import store_dir
 from .loader import ConfigError
 from .schema import TRUNCATION_REASONS, ActorConfig, EvalConfig, RolloutConfig, SFTConfig, TrainConfig
 
@@ -370,7 +371,7 @@ def _check_tools(config: TrainConfig | EvalConfig) -> None:
 
 
 def _check_replay_store(section: str, replay: bool, cache_dir: str, store: str) -> None:
-    if replay and cache_dir in ("", "auto"):
+    if replay and store_dir(cache_dir) is None:
         raise ConfigError(
             f"'{section}.replay' serves everything from a recorded store, and '{section}.cache_dir' is "
             f"{cache_dir or 'empty'}: set it to the recorded run's store, e.g. {section}.cache_dir=outputs/RUN/{store}"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import openai
 
-from rlsearch.config import ConfigError, JudgeConfig
+from rlsearch.config import ConfigError, JudgeConfig, store_dir
 from rlsearch.reward.verdict import parse_verdict
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
@@ -65,7 +65,7 @@ class ReplyCache:
     """Judge replies as files ``<dir>/<key[:2]>/<key>.json``, written atomically (a reader sees whole files only)."""
 
     def __init__(self, directory: str) -> None:
-        self.directory = Path(directory) if directory not in ("", "auto") else None  # auto: a run resolves it
+        self.directory = Path(directory) if store_dir(directory) else None
         self.write_failed = False
 
     def get(self, key: str) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...config import RetrieverConfig, ToolsConfig
+from ...config import RetrieverConfig, ToolsConfig, store_dir
 from ..base import Tool, ToolCall, ToolResult, ToolSetupError, ToolSpec
 from .cache import ToolCache
 from .registry import ToolRegistry
@@ -14,7 +14,7 @@ def build_registry(tools: ToolsConfig, retriever: RetrieverConfig, retriever_url
     """The registry of ``tools.enabled`` plus the tools of ``tools.mcp.servers`` (URLs already resolved;
     stdio servers are started here and stopped by the registry's ``close``); their specs go into the store. With
     ``tools.replay``: the tools the store recorded, answered from it alone."""
-    store = ToolCache(tools.cache_dir) if tools.cache_dir not in ("", "auto") else None  # auto: a run resolves it
+    store = ToolCache(tools.cache_dir) if store_dir(tools.cache_dir) else None
     if tools.replay:
         return ToolRegistry([StoredTool(spec) for spec in store.load_specs()], store, replay=True)
     built: list[Tool] = []

@@ -55,8 +55,9 @@ class ToolRegistry:
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         results: list[ToolResult | None] = [None] * len(calls)
         calls = list(calls)
-        owned: dict[str, tuple[int, Future]] = {}  # calls this thread makes, by key (a paid one's identity)
-        shared: list[tuple[int, Future]] = []  # calls answered by an identical call in flight
+        owned: list[int] = []  # the calls this thread makes
+        leading: dict[str, tuple[int, Future]] = {}  # of those, the paid ones others may wait on, by identity
+        shared: list[tuple[int, Future]] = []  # calls answered by an identical paid call in flight
         for index, call in enumerate(calls):
             if call.name not in self._tools:
                 available = ", ".join(self._tools) or "none"
@@ -71,33 +72,34 @@ class ToolRegistry:
             elif self.replay:
                 raise self.cache.miss(call)
             elif not self._tools[call.name].paid:  # a local tool: every call goes out (its server merges them)
-                owned[f"#{index}"] = (index, Future())
+                owned.append(index)
             else:
                 key = call_key(call)
                 with self._in_flight_lock:
-                    future = owned[key][1] if key in owned else self._in_flight.get(key)
+                    future = leading[key][1] if key in leading else self._in_flight.get(key)
                     if future is None:
-                        future = self._in_flight[key] = Future()
-                        owned[key] = (index, future)
+                        leading[key] = (index, Future())
+                        self._in_flight[key] = leading[key][1]
+                        owned.append(index)
                     else:
                         shared.append((index, future))
         try:
             self._run_owned_calls(calls, owned, results)
         finally:
-            for key, (_, future) in owned.items():
-                if not future.done():  # the tool raised past _run_tool: the waiting callers get the same error
-                    future.set_result(ToolResult.failure(ErrorKind.TOOL_ERROR, "the identical call in flight failed"))
+            for key, (index, future) in leading.items():
+                # the tool raised past _run_tool: the waiting callers get an error too
+                future.set_result(results[index] or ToolResult.failure(
+                    ErrorKind.TOOL_ERROR, "the identical call in flight failed"))
                 with self._in_flight_lock:
                     self._in_flight.pop(key, None)
         for index, future in shared:
             results[index] = replace(future.result())  # its own record; the wait was the call's latency
         return results
 
-    def _run_owned_calls(self, calls: list[ToolCall], owned: dict[str, tuple[int, Future]],
-                         results: list[ToolResult | None]) -> None:
-        """Each tool gets its owned calls as one batch; results go into `results`, their futures and the store."""
+    def _run_owned_calls(self, calls: list[ToolCall], owned: list[int], results: list[ToolResult | None]) -> None:
+        """Each tool gets its owned calls as one batch; results go into `results` and the store."""
         pending: dict[str, list[int]] = {}
-        for index, _ in owned.values():
+        for index in owned:
             pending.setdefault(calls[index].name, []).append(index)
         batches = {name: [calls[i] for i in indices] for name, indices in pending.items()}
         for name, batch in batches.items():
@@ -110,13 +112,11 @@ class ToolRegistry:
         else:
             futures = {name: self._pool.submit(self._run_tool, self._tools[name], b) for name, b in batches.items()}
             outputs = {name: future.result() for name, future in futures.items()}
-        futures_by_index = dict(owned.values())
         for name, indices in pending.items():
             for index, result in zip(indices, outputs[name]):
                 results[index] = result
                 if self.cache and result.ok:
                     self.cache.put(calls[index], result.documents)
-                futures_by_index[index].set_result(result)
 
     def stats(self) -> dict[str, int]:
         """Request counters summed over the tools that keep them."""
