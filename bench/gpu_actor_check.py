@@ -47,6 +47,23 @@ def _grpo_step(worker, samples) -> dict[str, float]:
     """One GRPO optimizer step of a single-rank worker (no data parallelism)."""
     return worker.train_step(samples, 1, partial(grpo_objective, algo=worker.spec.algo))
 
+
+def start_single_rank_worker(model_path: Path, dtype: str, actor, algo, total_steps: int):
+    """A `MegatronActorWorker` at world size 1 in this process (its own rendezvous, no Ray), initialised."""
+    import torch.distributed as dist
+
+    from rlsearch.actor import MODEL_DISTRIBUTION, ActorWorkerSpec, MegatronActorWorker
+
+    os.environ.setdefault("RLSEARCH_NODE_IP", "127.0.0.1")  # the worker opens its group's store here, without Ray
+    spec = ActorWorkerSpec(str(model_path), dtype, actor, algo, MODEL_DISTRIBUTION, max(total_steps, 1), 0)
+    worker = MegatronActorWorker(spec, rank=0, world_size=1)
+    started = time.perf_counter()
+    info = worker.initialize(worker.open_rendezvous("actor", 60.0))
+    print(f"megatron: backend {dist.get_backend()}, layer spec {info.transformer_impl}, initialised in "
+          f"{time.perf_counter() - started:.1f} s", flush=True)
+    return worker
+
+
 def hf_logprobs(model, samples, temperature: float) -> list[torch.Tensor]:
     """Response logprobs of each sample run alone through an HF causal LM (float64 on the host)."""
     device = next(model.parameters()).device
@@ -133,9 +150,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from bench.train_step import HFTrainer, make_samples, memory_mib
-    from rlsearch.actor import MODEL_DISTRIBUTION, ActorWorkerSpec, MegatronActorWorker
     from rlsearch.config import ActorConfig, AlgoConfig
-    from rlsearch.rendezvous import Rendezvous
 
     on_gpu = torch.cuda.is_available()
     model_path = build_model(args.shape, Path(args.out))
@@ -150,19 +165,12 @@ def main() -> None:
     actor = ActorConfig(max_tokens_per_microbatch=args.max_tokens_per_microbatch)
     algo = AlgoConfig(kl_coef=args.kl_coef)
     total_steps = args.train_steps + (args.time_steps + 1 if args.time_steps else 0) + args.profile_steps + 1
-    spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, MODEL_DISTRIBUTION, max(total_steps, 1), 0)
-    worker = MegatronActorWorker(spec, rank=0, world_size=1)
-    started = time.perf_counter()
-    rendezvous = Rendezvous("127.0.0.1", 60.0)
-    info = worker.initialize(rendezvous.address)
-    import torch.distributed as dist
-
+    worker = start_single_rank_worker(model_path, args.dtype, actor, algo, total_steps)
     from rlsearch.actor.batch import pack_indices
 
     num_packed = len(pack_indices([len(s.token_ids) for s in samples], args.max_tokens_per_microbatch))
-    print(f"megatron: backend {dist.get_backend()}, layer spec {info.transformer_impl}, initialised in "
-          f"{time.perf_counter() - started:.1f} s; {num_packed} packed thd micro-batches; "
-          f"float32 matmul precision now {torch.get_float32_matmul_precision()}", flush=True)
+    print(f"{num_packed} packed thd micro-batches; float32 matmul precision now "
+          f"{torch.get_float32_matmul_precision()}", flush=True)
     failures = []
 
     # ---- parity -------------------------------------------------------------------------------------------------

@@ -75,6 +75,8 @@ def _word_sum(data: torch.Tensor) -> int:
     """Sum of the bytes read as little-endian 64-bit words (the last one zero-padded), modulo 2**64; on the tensor's
     device (int64 sums wrap around, which is the same sum modulo 2**64)."""
     whole = data.numel() // 8 * 8
+    if whole and data.data_ptr() % 8:  # int64 views need 8-byte aligned storage
+        data = data.clone()
     total = int(data[:whole].view(torch.int64).sum()) if whole else 0
     tail = bytes(data[whole:].cpu().numpy().tobytes())
     return (total + int.from_bytes(tail, "little")) & _MASK64
@@ -133,7 +135,8 @@ def flatten_tensors(named_tensors: list[tuple[str, torch.Tensor]], device: torch
                     allocate=None) -> tuple[FlatLayout, torch.Tensor]:
     """The tensors copied into one flat uint8 buffer and its layout (checksum of the buffer). The buffer is a new
     tensor on `device`, or ``allocate(total_bytes)``: a uint8 tensor of that size (e.g. a mapped file, which may
-    hold an earlier bucket's bytes: the padding is zeroed here)."""
+    hold an earlier bucket's bytes: the padding is zeroed here). Tensors copied to another device are summed where
+    they are (the padding is zeros, so that is the buffer's checksum): on a GPU, not over the host copy."""
     entries = [_entry(name, tensor) for name, tensor in named_tensors]
     sizes = [tensor.numel() * tensor.element_size() for _, tensor in named_tensors]
     layout = flat_layout(entries, sizes, (0, 0))
@@ -141,11 +144,17 @@ def flatten_tensors(named_tensors: list[tuple[str, torch.Tensor]], device: torch
         flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
     else:
         flat = allocate(layout.total_bytes)
+    # copied off a GPU, the tensors are summed where they are; else the buffer once
+    sum_sources = any(tensor.device != flat.device for _, tensor in named_tensors)
+    words = 0
     for (_, tensor), offset, size in zip(named_tensors, layout.offsets, sizes):
         if size:
-            flat[offset:offset + size].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            flat[offset:offset + size].copy_(source)
+            if sum_sources:
+                words += _word_sum(source)
         flat[offset + size:_aligned(offset + size)].zero_()
-    layout.checksum = (_index_crc(entries, sizes), _word_sum(flat))
+    layout.checksum = (_index_crc(entries, sizes), (words if sum_sources else _word_sum(flat)) & _MASK64)
     return layout, flat
 
 

@@ -20,6 +20,7 @@ import shutil
 import socket
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,12 +225,15 @@ class StagedBuckets:
     copied into pages that already exist (a new file's pages cost more to fault in than the copy itself), and a
     model's buckets have the same sizes every sync. Bucket j of a sync goes to file j mod SENDER_FILES_AT_ONCE, or,
     staged first (`keep_all`), to file j. Files are named by the sender's pid: `close` removes them, and a new
-    sender removes those of senders that died."""
+    sender removes those of senders that died. A sender on a GPU page-locks each mapping once (cudaHostRegister):
+    the device-to-host copy into pageable memory runs at a third of the speed (11 against 36 GB/s on an H100)."""
 
     def __init__(self) -> None:
         self.files: list[tuple[str, np.memmap]] = []  # (path, its mapping)
         self.keep_all = False
         self._next = 0
+        self._pinned: dict[int, int] = {}  # file index -> address of its page-locked mapping
+        self._pinning_failed = False
         self._remove_orphans()
 
     def start(self, keep_all: bool) -> None:
@@ -248,15 +252,37 @@ class StagedBuckets:
         def mapped(total_bytes: int) -> torch.Tensor:
             path, mapping = self.files[index]
             if mapping is None or mapping.size < total_bytes:  # a new file, or a larger bucket than it held
+                self._unpin(index)
                 mapping = np.memmap(path, dtype=np.uint8, mode="w+", shape=(max(total_bytes, 1),))
                 self.files[index] = (path, mapping)
+            if index not in self._pinned and any(tensor.is_cuda for _, tensor in tensors):
+                self._pin(index, mapping)
             return torch.from_numpy(mapping[:total_bytes])
 
         layout, _ = flatten_tensors(tensors, torch.device("cpu"), allocate=mapped)
         return {"path": self.files[index][0], "layout": layout.to_wire()}
 
+    def _pin(self, index: int, mapping: np.memmap) -> None:
+        if self._pinning_failed:
+            return
+        address = mapping.ctypes.data
+        try:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, mapping.nbytes, 0))
+        except RuntimeError as error:  # the copies still work, at pageable speed
+            self._pinning_failed = True
+            warnings.warn(f"cannot page-lock the weight bucket files in {STAGING_DIR} ({error}): device-to-host "
+                          "copies into them run at pageable-memory speed", stacklevel=3)
+            return
+        self._pinned[index] = address
+
+    def _unpin(self, index: int) -> None:
+        address = self._pinned.pop(index, None)
+        if address is not None:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))
+
     def close(self) -> None:
         while self.files:
+            self._unpin(len(self.files) - 1)
             path, _ = self.files.pop()
             if os.path.exists(path):
                 os.unlink(path)
