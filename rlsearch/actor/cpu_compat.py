@@ -11,10 +11,13 @@ What each patch covers (megatron-cpu.md has the investigation):
 - Backward passes: the device mode is not active inside autograd `Function.backward` (the engine runs it under the
   thread-local state of the graph, without torch-function modes), so every custom backward runs inside the mode too
   (megatron's `_gather_along_first_dim` allocates with device=torch.cuda.current_device() there).
-- MoE (megatron-core 0.16.1, local spec, SequentialMLP; ../shared/reference/moe_cpu): the router reads
-  `moe_utils.te_general_gemm`, defined only when Transformer Engine imports; the alltoall dispatcher makes a
+- MoE (megatron-core 0.16.1, local spec, SequentialMLP; ../shared/reference/moe_cpu): the alltoall dispatcher makes a
   `torch.cuda.Stream()` and synchronises its device-to-host copy through CUDA streams and events; and it hands its
   split sizes to `all_to_all_single` as numpy arrays made by a helper that converts only CUDA tensors.
+
+`define_missing_te_names()` runs on GPUs too: megatron-core 0.16.1's MoE router reads `moe_utils.te_general_gemm`,
+which is defined only when Transformer Engine imports, so a MoE model without Transformer Engine fails its first
+forward with a NameError on a GPU as on a CPU (seen on an H100).
 """
 
 from __future__ import annotations
@@ -115,11 +118,18 @@ class _NoopStream:
 _NOOP_STREAM = _NoopStream()
 
 
-def _patch_moe() -> None:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+def define_missing_te_names() -> None:
+    """Megatron's Transformer Engine names that its code reads without checking they exist, as None (its own "no
+    Transformer Engine" value) where Transformer Engine is not installed."""
+    from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _patch_moe() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
     # a class attribute the dispatcher's __init__ only fills when unset; torch.cuda.Stream itself stays a class
     # (transformers names it in type annotations)
     token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NOOP_STREAM

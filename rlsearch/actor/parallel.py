@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ..devices import local_gpu_index, process_group_backend
 from ..rendezvous import join_store
-from .cpu_compat import apply_cpu_patches
+from .cpu_compat import apply_cpu_patches, define_missing_te_names
 
 PROCESS_GROUP_TIMEOUT_S = 600.0  # the ranks' rendezvous and collectives
 
@@ -33,6 +33,7 @@ def init_megatron_parallel(
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    define_missing_te_names()
     gpu = local_gpu_index()
     if gpu is None:
         apply_cpu_patches()
