@@ -314,6 +314,7 @@ class GRPOTrainer:
                       "or set trainer.resume=none to start over", flush=True)
             while self.step < self.config.trainer.total_steps:
                 self.step += 1
+                self._revive_tool_servers()
                 self._launch_rollouts()
                 metrics = self.train_step(self.rollouts.popleft())
                 history.append(metrics)
@@ -366,6 +367,13 @@ class GRPOTrainer:
         )
         return (f"{' and '.join(dead)} died (its process exited) during step {self.step}; the run stopped. "
                 f"{resume}")
+
+    def _revive_tool_servers(self) -> None:
+        """A local tool server that died is started again before the next rollout is submitted (the calls that met
+        it dead are error observations, counted in rollout/tool_errors)."""
+        if self.tool_servers is not None:
+            for line in self.tool_servers.revive():
+                print(f"[rlsearch] {line}", flush=True)
 
     def _launch_rollouts(self) -> None:
         """Submit the rollouts of every step up to `rollout.async_steps` ahead of the current one. A rollout

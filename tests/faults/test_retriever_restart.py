@@ -46,3 +46,37 @@ def test_a_rollout_survives_a_retriever_restart_and_the_next_one_uses_it(rollout
     calls = [call for t in healthy for call in t.dispatched_calls]
     assert calls and all(call.ok for call in calls)
     assert ray.get(rollout_worker.tool_stats.remote())["failures"] == after_gap["failures"]
+
+
+def test_a_training_run_starts_its_killed_tool_servers_again_on_their_ports(toy_data, tmp_path):
+    """`ToolServers.revive` (the trainer calls it before each rollout): the retriever and the local MCP server,
+    killed with SIGKILL, are started again on the same ports and answer; servers that run are left alone."""
+    import os
+    import signal
+
+    import httpx
+    import psutil
+
+    from rlsearch.config import MCPConfig, RetrieverConfig, ToolsConfig
+    from rlsearch.tools import ToolServers
+
+    config = ToolsConfig(enabled=["search"], mcp=MCPConfig(start_local=True, timeout_s=10),
+                         retriever=RetrieverConfig(corpus=str(toy_data.corpus), index_cache_dir=str(tmp_path)))
+    with ToolServers(config) as servers:
+        ports = (servers.retriever.port, servers.mcp.port)
+        assert servers.revive() == []
+        for process in psutil.Process().children():
+            if any(module in process.cmdline() for module in (servers.retriever.module, servers.mcp.module)):
+                os.kill(process.pid, signal.SIGKILL)  # not reaped here: the server's owner sees how it ended
+        deadline = time.monotonic() + 10
+        while None in (servers.retriever.exit_status(), servers.mcp.exit_status()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert servers.revive() == [
+            f"the local retriever had ended (killed by signal 9); started again on port {ports[0]}",
+            f"the local mcp server had ended (killed by signal 9); started again on port {ports[1]}",
+        ]
+        assert (servers.retriever.port, servers.mcp.port) == ports
+        query = "an inventor who built a machine"  # the toy corpus's wording
+        answer = httpx.post(f"{servers.retriever.url}/retrieve", json={"queries": [query], "topk": 1}, timeout=30)
+        assert answer.status_code == 200 and len(answer.json()["result"][0]) == 1
+        assert servers.revive() == []

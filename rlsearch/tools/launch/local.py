@@ -57,6 +57,18 @@ class ToolServers:
         self.tools = dataclasses.replace(self.config, retriever=retriever, mcp=mcp)
         return self
 
+    def revive(self) -> list[str]:
+        """Start again, on its port, each server whose process has ended (killed, out of memory): the calls that met
+        it dead ended as error observations. Returns a line for each server restarted."""
+        revived = []
+        for process in (self.retriever, self.mcp):
+            status = process.exit_status() if process is not None else None
+            if status is not None:
+                how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
+                process.restart()
+                revived.append(f"the local {process.kind} had ended ({how}); started again on port {process.port}")
+        return revived
+
     def stop(self) -> None:
         for process in (self.mcp, self.retriever):
             if process is not None:

@@ -96,6 +96,15 @@ class CorpusServerProcess:
                 self._process.wait()
         self._process = None
 
+    def exit_status(self) -> int | None:
+        """The exit status of a server that ended by itself (killed, crashed; negative: the signal), else None."""
+        return None if self._process is None else self._process.poll()
+
+    def restart(self) -> Self:
+        """Start a server that ended by itself again, on the same port."""
+        self._process = None
+        return self.start()
+
     def kill(self) -> None:
         """End the server at once (SIGKILL), as a crash would; ``start()`` brings it back on the same port."""
         if self._process is not None:
