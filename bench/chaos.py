@@ -1,0 +1,383 @@
+"""Chaos: an async training run whose components are killed with SIGKILL, one drawn at random every few steps.
+
+The run is `rlsearch train --restarts N` (the driver under its supervisor) on the toy task with a tiny random Qwen2:
+`rollout.async_steps=1` with in-flight weight updates, 2 rollout engines, the `<call_tool>` protocol with the local
+retriever's `search` and a stdio MCP server's `browse` (`rlsearch serve-mcp --transport stdio`), rewards from an LLM
+judge (a scripted OpenAI-compatible server this script runs, playing an external service), a checkpoint every
+--save-interval steps. Every --every completed steps (after a random 0-5 s, so kills land in rollouts, training and
+syncs) one component is killed:
+  engine    a rollout engine's Ray actor (`ray::RolloutWorker`): the trainer restarts it, syncs it, re-runs its groups
+  actor     the Megatron rank (`ray::MegatronActorWorker`): the driver stops, the supervisor resumes from the checkpoint
+  driver    the training driver itself: the supervisor resumes it from the newest checkpoint
+  retriever the local retrieval server: searches fail until the trainer starts it again before the next rollout
+  mcp       the stdio MCP server: the next call starts it again
+  judge     the judge server: verdicts are retried (backoff 1, 2, 4 s); this script starts it again after 2 s
+Then it reads the trajectory records and prints, per kill, the step it hit and the seconds to the next completed step
+line (the recovery), and at the end: prompts trained exactly once / skipped / duplicated against the sampler's order
+(every (question, sample) of steps 1..N), the longest recovery, the RSS of each kind of process at the first and the
+last step line, and hangs (no step line for --hang-timeout seconds: the tree is killed and the run fails).
+Not part of CI: 30 kills take about 30-50 minutes on 2 CPU cores.
+
+  .venv/bin/python bench/chaos.py                          # 30 kills
+  .venv/bin/python bench/chaos.py --kills 6 --every 1      # a quick check of the bench itself
+  .venv/bin/python bench/chaos.py --components engine,driver trainer.save_interval=1   # overrides go to the trainer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench.soak import REPO_ROOT, STEP_LINE, kill_processes, measure, prepare_assets, process_tree  # noqa: E402
+
+COMPONENTS = ("engine", "actor", "driver", "retriever", "mcp", "judge")
+JUDGE_RESTART_S = 2.0
+MiB = 2**20
+
+
+# ---- the judge: a scripted OpenAI-compatible server, run as a process of its own -------------------------------------
+
+class _JudgeHandler(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["messages"][-1]["content"]
+        verdict = "correct" if sum(prompt.encode()) % 3 == 0 else "incorrect"  # a verdict that varies by prompt
+        reply = json.dumps({"id": "chaos", "object": "chat.completion", "created": 0, "model": body["model"],
+                            "choices": [{"index": 0, "finish_reason": "stop",
+                                         "message": {"role": "assistant", "content": verdict}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def serve_judge(port: int) -> None:
+    ThreadingHTTPServer(("127.0.0.1", port), _JudgeHandler).serve_forever()
+
+
+class JudgeProcess:
+    def __init__(self) -> None:
+        with socket.socket() as probe:  # a free port, kept across restarts
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.process: subprocess.Popen | None = None
+        self.killed_at = 0.0  # monotonic
+
+    def start(self) -> None:
+        self.process = subprocess.Popen([sys.executable, __file__, "--serve-judge", str(self.port)])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("the judge server did not start")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+
+
+# ---- the run --------------------------------------------------------------------------------------------------------
+
+def write_config(args: argparse.Namespace, run_dir: Path, judge_port: int) -> Path:
+    """The run's config: the tiny call_tool setup with 2 engines, async rollouts, the stdio MCP server and the judge."""
+    model, train, corpus = prepare_assets(Path(args.out))
+    steps = args.kills * (args.every + 1) + 6
+    mcp_command = [sys.executable, "-m", "rlsearch", "serve-mcp", "--transport", "stdio", "--corpus", str(corpus),
+                   "--cache-dir", str(Path(args.out) / "bm25_cache")]
+    config = {
+        "model": {"path": str(model), "dtype": "float32"},
+        "data": {"train_files": [str(train)], "batch_size": 4},
+        "rollout": {
+            "protocol": "call_tool", "group_size": 4, "max_turns": 3, "max_response_tokens": 400,
+            "max_tokens_per_turn": 96, "assistant_prefix": '<call_tool name="search">',
+            "logit_bias": {"</call_tool>": 16.0}, "num_engines": 2, "kv_cache_gib": 1, "async_steps": 1,
+            "update_weights_in_flight": True,
+        },
+        "tools": {
+            "enabled": ["search"],
+            "mcp": {"servers": [{"command": mcp_command, "allow": ["browse"]}], "timeout_s": 20},
+            "retriever": {"corpus": str(corpus), "index_cache_dir": str(Path(args.out) / "bm25_cache")},
+        },
+        # a search earns a little reward (the random model rarely answers): the groups' rewards differ, so every step
+        # updates the weights and syncs them
+        "reward": {"scorers": {"toy": "judge"}, "search_score": 0.1,
+                   "judge": {"base_url": f"http://127.0.0.1:{judge_port}/v1", "model": "chaos-judge", "timeout_s": 20}},
+        "actor": {"lr": 1e-4},
+        "trainer": {"total_steps": steps, "save_interval": args.save_interval, "keep_checkpoints": 2,
+                    "print_interval": 1, "output_dir": str(run_dir), "resume": "none", "seed": args.seed},
+    }
+    path = run_dir / "chaos.yaml"
+    path.write_text(json.dumps(config, indent=1))  # JSON is YAML
+    return path
+
+
+@dataclass
+class Kill:
+    component: str
+    label: str
+    pid: int
+    seconds: float  # since the run started
+    last_step: int  # the last step line before it
+    recovered_s: float | None = None  # to the next step line
+    next_step: int | None = None
+
+
+def _step_lines(log_path: Path, events: queue.Queue, process: subprocess.Popen, started: float) -> None:
+    """Queue (seconds, step) of every step line of the supervisor's output as it is written; None at the end."""
+    with log_path.open("w") as log:
+        for line in process.stdout:
+            log.write(line)
+            log.flush()
+            match = STEP_LINE.match(line)
+            if match:
+                events.put((time.monotonic() - started, int(match.group(1))))
+            if match or line.startswith("[rlsearch]"):
+                print(f"  | {line.rstrip()}", flush=True)
+    events.put(None)
+
+
+def victims(component: str, supervisor: psutil.Process) -> list[psutil.Process]:
+    """The processes of the run that `component` names (the driver: the supervisor's child)."""
+    if component == "driver":
+        return supervisor.children()
+    wanted = {"engine": "ray::RolloutWorker", "actor": "ray::MegatronActorWorker",
+              "retriever": "rlsearch.tools.servers.retrieval", "mcp": "serve-mcp"}[component]
+    found = []
+    for process in process_tree(supervisor)[1:]:
+        try:
+            command = " ".join(process.cmdline())
+        except psutil.Error:
+            continue
+        if wanted in command and not (component == "engine" and "EngineCore" in command):
+            found.append(process)
+    return found
+
+
+def rss_by_kind(supervisor: psutil.Process, judge: JudgeProcess) -> dict[str, list[int]]:
+    kinds: dict[str, list[int]] = {}
+    processes = process_tree(supervisor) + [psutil.Process(judge.process.pid)]
+    for process in processes:
+        measured = measure(process)
+        if measured is not None:
+            label = "supervisor" if process.pid == supervisor.pid else measured[0]
+            kinds.setdefault(label, []).append(measured[1])
+    return kinds
+
+
+def run_chaos(args: argparse.Namespace, run_dir: Path) -> tuple[list[Kill], list[tuple[float, int]], dict, dict, str,
+                                                                 int | None]:
+    rng = random.Random(args.seed)
+    judge = JudgeProcess()
+    judge.start()
+    config = write_config(args, run_dir, judge.port)
+    command = [sys.executable, "-m", "rlsearch", "train", "--restarts", str(args.kills + 5), "--config", str(config),
+               *args.overrides]
+    started = time.monotonic()
+    run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    supervisor = psutil.Process(run.pid)
+    events: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=_step_lines, args=(run_dir / "train.log", events, run, started), daemon=True)
+    reader.start()
+    kills: list[Kill] = []
+    steps: list[tuple[float, int]] = []
+    rss_start: dict = {}
+    rss_end: dict = {}
+    hang = ""
+    next_kill_after = args.warmup  # step lines before the first kill
+    lines_since_kill = 0
+    try:
+        while True:
+            try:
+                event = events.get(timeout=1.0)
+            except queue.Empty:
+                event = ""
+            if event is None:
+                break
+            now = time.monotonic() - started
+            if event:
+                steps.append(event)
+                lines_since_kill += 1
+                if not rss_start:
+                    rss_start = rss_by_kind(supervisor, judge)
+                rss_end = rss_by_kind(supervisor, judge)
+                pending = [k for k in kills if k.recovered_s is None]
+                for kill in pending:
+                    kill.recovered_s, kill.next_step = event[0] - kill.seconds, event[1]
+            last_progress = steps[-1][0] if steps else 0.0
+            limit = args.hang_timeout if steps else args.startup_timeout
+            if now - last_progress > limit:
+                hang = f"no step line for {now - last_progress:.0f} s (limit {limit:.0f} s)"
+                break
+            if judge.process.poll() is not None and time.monotonic() - judge.killed_at >= JUDGE_RESTART_S:
+                judge.start()  # the external service comes back
+            if len(kills) < args.kills and event and lines_since_kill >= next_kill_after:
+                time.sleep(rng.uniform(0, 5))
+                kill = _kill_one(rng, args.components, supervisor, judge, steps[-1][1], time.monotonic() - started)
+                if kill is not None:
+                    kills.append(kill)
+                    lines_since_kill, next_kill_after = 0, args.every
+    except KeyboardInterrupt:
+        hang = "interrupted (Ctrl-C)"
+    if hang:
+        print(f"chaos: {hang}: killing the run", flush=True)
+        kill_processes(process_tree(supervisor))
+    returncode = run.wait()
+    reader.join(timeout=10)
+    judge.stop()
+    return kills, steps, rss_start, rss_end, hang, returncode
+
+
+def _kill_one(rng: random.Random, components: list[str], supervisor: psutil.Process, judge: JudgeProcess,
+              last_step: int, seconds: float) -> Kill | None:
+    component = rng.choice(components)
+    if component == "judge":
+        if judge.process.poll() is not None:
+            return None
+        pid = judge.process.pid
+        judge.process.kill()
+        judge.process.wait()
+        judge.killed_at = time.monotonic()
+        label = "judge server"
+    else:
+        found = victims(component, supervisor)
+        if not found:
+            print(f"chaos: no {component} process to kill now; drawing again at the next step", flush=True)
+            return None
+        victim = rng.choice(found)
+        pid, label = victim.pid, (measure(victim) or (component,))[0]
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+    print(f"chaos: kill {component} ({label}, pid {pid}) after step {last_step}", flush=True)
+    return Kill(component, label, pid, seconds, last_step)
+
+
+# ---- the records ----------------------------------------------------------------------------------------------------
+
+def prompt_counts(run_dir: Path, last_step: int) -> tuple[int, int, int, int]:
+    """(trained exactly once, skipped, duplicated, expected) over the (question, sample) pairs of the sampler's
+    order for steps 1..last_step, read from the run's trajectory records."""
+    from rlsearch.data import load_qa_dataset
+    from rlsearch.trainer.sampler import EpochSampler
+
+    config = json.loads((run_dir / "config.json").read_text())
+    batch_size, group_size = config["data"]["batch_size"], config["rollout"]["group_size"]
+    examples = [e for path in config["data"]["train_files"] for e in load_qa_dataset(path)]
+    order = EpochSampler(examples, config["trainer"]["seed"], config["data"]["shuffle"]).next_batch(
+        last_step * batch_size)
+    expected = Counter((e.id, sample) for e in order for sample in range(group_size))
+    seen: Counter = Counter()
+    for step in range(1, last_step + 1):
+        path = run_dir / "trajectories" / f"step_{step:06d}.jsonl"
+        if path.exists():
+            for line in path.open():
+                record = json.loads(line)
+                seen[(record["example_id"], record["sample_index"])] += 1
+    once = sum(1 for key, want in expected.items() if seen[key] == want)
+    skipped = sum(max(0, want - seen[key]) for key, want in expected.items())
+    duplicated = sum(max(0, count - expected.get(key, 0)) for key, count in seen.items())
+    return once, skipped, duplicated, sum(expected.values())
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--serve-judge":
+        serve_judge(int(sys.argv[2]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kills", type=int, default=30)
+    parser.add_argument("--every", type=int, default=2, help="completed steps between two kills")
+    parser.add_argument("--warmup", type=int, default=2, help="completed steps before the first kill")
+    parser.add_argument("--components", type=lambda s: s.split(","), default=list(COMPONENTS),
+                        help="comma-separated, from " + ",".join(COMPONENTS))
+    parser.add_argument("--save-interval", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hang-timeout", type=float, default=600.0)
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--recovery-goal", type=float, default=60.0)
+    parser.add_argument("--out", default="outputs/bench", help="assets are cached here; the run goes to OUT/chaos")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for the trainer")
+    args = parser.parse_args()
+    unknown = set(args.components) - set(COMPONENTS)
+    if unknown:
+        parser.error(f"unknown components {sorted(unknown)}; choose from {', '.join(COMPONENTS)}")
+    run_dir = Path(args.out) / "chaos"
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    kills, steps, rss_start, rss_end, hang, returncode = run_chaos(args, run_dir)
+
+    print("\nkill  component  after step  next step line  recovered in")
+    for index, kill in enumerate(kills, 1):
+        recovered = f"{kill.recovered_s:.1f} s" if kill.recovered_s is not None else "never"
+        print(f"{index:4d}  {kill.component:9s}  {kill.last_step:10d}  {kill.next_step or '-':>14}  {recovered:>12}")
+    last_step = max((step for _, step in steps), default=0)
+    once, skipped, duplicated, expected = prompt_counts(run_dir, last_step) if last_step else (0, 0, 0, 0)
+    print("\nRSS by kind of process, MiB (count): first step line -> last step line")
+    for kind in sorted(set(rss_start) | set(rss_end)):
+        before, after = rss_start.get(kind, []), rss_end.get(kind, [])
+        print(f"  {kind:45s} {sum(before) / MiB:8.0f} ({len(before)}) -> {sum(after) / MiB:8.0f} ({len(after)})")
+    recoveries = [k for k in kills if k.recovered_s is not None]
+    worst = max(recoveries, key=lambda k: k.recovered_s, default=None)
+    by_component = Counter(k.component for k in kills)
+    restarts = run_dir / "logs" / "restarts.log"
+    print(f"\nrun: exit status {returncode}, {last_step} steps, "
+          f"{len(restarts.read_text().splitlines()) if restarts.exists() else 0} driver restarts, "
+          f"{(steps[-1][0] if steps else 0) / 60:.1f} min to the last step line")
+    log = (run_dir / "train.log").read_text()
+    recoveries_logged = {"engines restarted": log.count("restarted rollout engine"),
+                         "tool servers started again": log.count("started again on port")}
+    print("recoveries the run printed: " + ", ".join(f"{name} {count}" for name, count in recoveries_logged.items()))
+    calls_out = re.findall(r"calls out +: (.*)", log)
+    if calls_out:
+        print(f"calls out (last run summary): {calls_out[-1]}")
+    failures = []
+    if hang:
+        failures.append(f"hang: {hang}")
+    if returncode != 0:
+        failures.append(f"the run exited with status {returncode}")
+    if skipped or duplicated:
+        failures.append(f"{skipped} skipped, {duplicated} duplicated")
+    if len(recoveries) < len(kills):
+        failures.append(f"{len(kills) - len(recoveries)} kills without a step line after them")
+    if worst is not None and worst.recovered_s > args.recovery_goal:
+        failures.append(f"longest recovery {worst.recovered_s:.0f} s > {args.recovery_goal:.0f} s")
+    print(f"chaos: {len(kills)} kills ({', '.join(f'{c} {n}' for c, n in by_component.most_common())}); "
+          f"prompts trained once {once}/{expected}, skipped {skipped}, duplicated {duplicated}; longest recovery "
+          + (f"{worst.recovered_s:.1f} s ({worst.component})" if worst else "-")
+          + f"; hangs {1 if hang else 0}: " + ("PASS" if not failures else "FAIL: " + "; ".join(failures)), flush=True)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
