@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..algo import Objective
 from ..config import ActorConfig, AlgoConfig
 from ..devices import local_device
+from ..lifetime import forked_children_die_with_this_process
 from ..logging import redirect_worker_output
 from ..rendezvous import Rendezvous
 from ..weights import broadcast, shm
@@ -94,6 +95,8 @@ class ActorWorkerSpec:
 class MegatronActorWorker:
     def __init__(self, spec: ActorWorkerSpec, rank: int, world_size: int) -> None:
         redirect_worker_output(f"actor-rank{rank}")
+        # Megatron's checkpoint writers are forked: one that outlived a killed rank would hide its death from Ray
+        forked_children_die_with_this_process()
         self.spec = spec
         self.rank = rank
         self.world_size = world_size

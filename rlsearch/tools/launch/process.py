@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 import rlsearch
+from rlsearch.lifetime import die_with_parent
 from rlsearch.logging import process_log_dir
 
 from ..http import MCP_TOKEN_ENV, RETRIEVER_TOKEN_ENV, bearer_headers
@@ -75,7 +76,7 @@ class CorpusServerProcess:
         command = [sys.executable, "-m", self.module, *self._arguments(), "--host", self.host, "--port", str(self.port)]
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=_child_env(), preexec_fn=_die_with_parent
+                command, stdout=log, stderr=subprocess.STDOUT, env=_child_env(), preexec_fn=die_with_parent
             )
         try:
             self.port = self._wait_until_ready()
@@ -179,18 +180,6 @@ def _child_env() -> dict[str, str]:
     package_root = str(Path(rlsearch.__file__).resolve().parent.parent)
     inherited = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, inherited]))}
-
-
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when the process that started it dies, even by SIGKILL, so a killed
-    run leaves no server behind holding its port and memory. The signal follows the *thread* that started the child:
-    start servers from a thread that lives as long as they should (the main thread)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _is_healthy(url: str, headers: dict[str, str]) -> bool:
