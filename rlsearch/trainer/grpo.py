@@ -119,10 +119,15 @@ class WorkerDiedError(RuntimeError):
     """A Ray actor of the run (a Megatron rank or the rollout worker) died: its process exited or was killed."""
 
 
-def _is_ray_error(error: BaseException) -> bool:
+def _is_ray_error(error: BaseException | None) -> bool:
+    """A Ray call failed: this error, or one it was raised from (a checkpoint that failed because a rank died)."""
     import ray
 
-    return isinstance(error, ray.exceptions.RayError)
+    while error is not None:
+        if isinstance(error, ray.exceptions.RayError):
+            return True
+        error = error.__cause__
+    return False
 
 
 class GRPOTrainer:
