@@ -108,7 +108,8 @@ class JudgeProcess:
 def write_config(args: argparse.Namespace, run_dir: Path, judge_port: int) -> Path:
     """The run's config: the tiny call_tool setup with 2 engines, async rollouts, the stdio MCP server and the judge."""
     model, train, corpus = prepare_assets(Path(args.out))
-    steps = args.kills * (args.every + 1) + 6
+    # a kill every `every` step lines; a resumed driver repeats the steps after its checkpoint, so steps run out last
+    steps = args.warmup + args.kills * args.every + 4
     mcp_command = [sys.executable, "-m", "rlsearch", "serve-mcp", "--transport", "stdio", "--corpus", str(corpus),
                    "--cache-dir", str(Path(args.out) / "bm25_cache")]
     config = {
@@ -284,8 +285,9 @@ def _kill_one(rng: random.Random, components: list[str], supervisor: psutil.Proc
 # ---- the records ----------------------------------------------------------------------------------------------------
 
 def prompt_counts(run_dir: Path, last_step: int) -> tuple[int, int, int, int]:
-    """(trained exactly once, skipped, duplicated, expected) over the (question, sample) pairs of the sampler's
-    order for steps 1..last_step, read from the run's trajectory records."""
+    """(trained as often as the sampler's order holds them, skipped, duplicated, expected) over the (question,
+    sample) pairs of the sampler's order for steps 1..last_step (a question recurs once per epoch), read from the
+    run's trajectory records."""
     from rlsearch.data import load_qa_dataset
     from rlsearch.trainer.sampler import EpochSampler
 
@@ -302,7 +304,7 @@ def prompt_counts(run_dir: Path, last_step: int) -> tuple[int, int, int, int]:
             for line in path.open():
                 record = json.loads(line)
                 seen[(record["example_id"], record["sample_index"])] += 1
-    once = sum(1 for key, want in expected.items() if seen[key] == want)
+    once = sum(min(seen[key], want) for key, want in expected.items())
     skipped = sum(max(0, want - seen[key]) for key, want in expected.items())
     duplicated = sum(max(0, count - expected.get(key, 0)) for key, count in seen.items())
     return once, skipped, duplicated, sum(expected.values())
