@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from functools import partial
 
@@ -12,6 +13,21 @@ from ..algo import Objective, grpo_objective, sft_objective
 from .batch import TrainSample
 from .distribution import MODEL_DISTRIBUTION, SamplingDistribution
 from .worker import ActorWorkerSpec, MegatronActorWorker, RankInfo
+
+
+def wait_for_ranks(refs: list, timeout_s: float | None = None, what: str = "") -> list:
+    """Results of one call per rank. The first failure is raised at once: when a rank dies its peers may wait at a
+    collective until the process-group timeout, and nobody should wait for them. Past `timeout_s` (None: no limit)
+    a TimeoutError names `what`."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+        if not ready:
+            raise TimeoutError(f"{what or 'a call on the actor ranks'} did not finish within {timeout_s:g} s")
+        ray.get(ready)
+    return ray.get(refs)
 
 
 class ActorGroup:
@@ -75,14 +91,8 @@ class ActorGroup:
             for worker, info in zip(self.workers, self.infos)
         ])
 
-    def _get(self, refs: list) -> list:
-        """Results of one call per rank. The first failure is raised at once: when a rank dies its peers may wait at
-        a collective until the process-group timeout, and nobody should wait for them."""
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            ray.get(ready)
-        return ray.get(refs)
+    def _get(self, refs: list, timeout_s: float | None = None, what: str = "") -> list:
+        return wait_for_ranks(refs, timeout_s, what)
 
     def named_workers(self) -> list[tuple[str, ray.actor.ActorHandle]]:
         """(name for messages, actor handle) per rank."""
@@ -187,8 +197,9 @@ class ActorGroup:
                 stages[info.pp_rank].append(worker)
         return stages
 
-    def save_checkpoint(self, path: str) -> None:
-        self._get([worker.save_checkpoint.remote(path) for worker in self.workers])
+    def save_checkpoint(self, path: str, timeout_s: float | None = None) -> None:
+        self._get([worker.save_checkpoint.remote(path) for worker in self.workers], timeout_s,
+                  f"saving the checkpoint {path}")
 
     def load_checkpoint(self, path: str, restore_rng: bool) -> int:
         """Load model, optimizer and scheduler (and RNG states when the layout is the one that saved them);

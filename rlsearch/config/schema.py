@@ -414,6 +414,9 @@ class TrainerConfig:
     # a step whose loss or grad norm is NaN/inf is skipped (no optimizer or LR step, no weight sync) and the run goes
     # on; after this many skipped steps in a row it stops, saving a checkpoint of the last good step (0: never stop)
     max_consecutive_skips: int = 3
+    # a checkpoint save (every rank writing its shards) that takes longer stops the run, naming the checkpoint still
+    # intact: a writer process that died would leave the save waiting forever
+    checkpoint_timeout_s: float = 1800.0
 
 
 @dataclass

@@ -40,7 +40,7 @@ _POSITIVE = (
     "tools.mcp.timeout_s", "tools.mcp.max_concurrency", "tools.browse.timeout_s", "tools.browse.max_bytes",
     "tools.browse.max_concurrency", "tools.serper.num_results", "tools.serper.timeout_s", "tools.jina.timeout_s",
     "rollout.num_engines", "rollout.tensor_parallel_size", "bridge.timeout_s", "rollout.agent_timeout_s",
-    "bridge.delta_full_every",
+    "bridge.delta_full_every", "trainer.checkpoint_timeout_s",
     "reward.judge.max_tokens", "reward.judge.max_concurrency", "reward.judge.timeout_s", "reward.rubric.max_searches",
 )
 

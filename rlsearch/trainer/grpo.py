@@ -12,6 +12,7 @@ from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from ..actor import ActorGroup, ActorWorkerSpec, SamplingDistribution, TrainSample
@@ -664,7 +665,8 @@ class GRPOTrainer:
             "transformer_impl": self.actor.infos[0].transformer_impl,
             "contents": ["model", "optimizer", "scheduler", "rng"],
         }
-        path = self.checkpoints.save(step, self.actor.save_checkpoint, state, config.model.path, info)
+        save = partial(self.actor.save_checkpoint, timeout_s=config.trainer.checkpoint_timeout_s)
+        path = self.checkpoints.save(step, save, state, config.model.path, info)
         self.saved_checkpoints[step] = path
         print(f"[rlsearch] checkpoint saved: {path}", flush=True)
         return path
