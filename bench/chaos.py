@@ -176,9 +176,19 @@ def victims(component: str, supervisor: psutil.Process) -> list[psutil.Process]:
             command = " ".join(process.cmdline())
         except psutil.Error:
             continue
-        if wanted in command and not (component == "engine" and "EngineCore" in command):
+        if wanted in command and not (component == "engine" and "EngineCore" in command) and \
+                not _forked_by_a_worker(process, wanted):
             found.append(process)
     return found
+
+
+def _forked_by_a_worker(process: psutil.Process, title: str) -> bool:
+    """A child a Ray worker forked (Megatron's checkpoint writers) carries its title: not the worker itself."""
+    try:
+        parent = process.parent()
+        return parent is not None and title in " ".join(parent.cmdline())
+    except psutil.Error:
+        return False
 
 
 def rss_by_kind(supervisor: psutil.Process, judge: JudgeProcess) -> dict[str, list[int]]:
