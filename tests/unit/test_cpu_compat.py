@@ -9,9 +9,10 @@ from tests.conftest import REPO_ROOT
 PROBE = r"""
 import numpy as np
 import torch
-from rlsearch.actor.cpu_compat import apply_cpu_patches
+from rlsearch.actor.cpu_compat import apply_cpu_patches, define_missing_te_names
 
 apply_cpu_patches()
+define_missing_te_names()  # on every device: init_megatron_parallel calls both
 
 
 class AllocatesOnTheDefaultDevice(torch.autograd.Function):
