@@ -86,13 +86,10 @@ class ActorGroup:
     def _on_every_rank(self, method: str, samples: Sequence[TrainSample], *args, **kwargs) -> list:
         """`method` on every rank with its data-parallel shard of `samples` first; the results in rank order."""
         shards = self._shards(samples)
-        return self._get([
+        return wait_for_ranks([
             getattr(worker, method).remote(shards[info.dp_rank], *args, **kwargs)
             for worker, info in zip(self.workers, self.infos)
         ])
-
-    def _get(self, refs: list, timeout_s: float | None = None, what: str = "") -> list:
-        return wait_for_ranks(refs, timeout_s, what)
 
     def named_workers(self) -> list[tuple[str, ray.actor.ActorHandle]]:
         """(name for messages, actor handle) per rank."""
@@ -198,16 +195,16 @@ class ActorGroup:
         return stages
 
     def save_checkpoint(self, path: str, timeout_s: float | None = None) -> None:
-        self._get([worker.save_checkpoint.remote(path) for worker in self.workers], timeout_s,
+        wait_for_ranks([worker.save_checkpoint.remote(path) for worker in self.workers], timeout_s,
                   f"saving the checkpoint {path}")
 
     def load_checkpoint(self, path: str, restore_rng: bool) -> int:
         """Load model, optimizer and scheduler (and RNG states when the layout is the one that saved them);
         returns the scheduler's step count."""
-        return self._get([worker.load_checkpoint.remote(path, restore_rng) for worker in self.workers])[0]
+        return wait_for_ranks([worker.load_checkpoint.remote(path, restore_rng) for worker in self.workers])[0]
 
     def hf_state_dict(self) -> dict:
-        return self._get([worker.hf_state_dict.remote() for worker in self.workers])[0]
+        return wait_for_ranks([worker.hf_state_dict.remote() for worker in self.workers])[0]
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop every rank: a clean process-group teardown first when ``graceful`` (not after a rank died: its peers
