@@ -55,7 +55,6 @@ def test_a_training_run_starts_its_killed_tool_servers_again_on_their_ports(toy_
     import signal
 
     import httpx
-    import psutil
 
     from rlsearch.config import MCPConfig, RetrieverConfig, ToolsConfig
     from rlsearch.tools import ToolServers
@@ -65,9 +64,8 @@ def test_a_training_run_starts_its_killed_tool_servers_again_on_their_ports(toy_
     with ToolServers(config) as servers:
         ports = (servers.retriever.port, servers.mcp.port)
         assert servers.revive() == []
-        for process in psutil.Process().children():
-            if any(module in process.cmdline() for module in (servers.retriever.module, servers.mcp.module)):
-                os.kill(process.pid, signal.SIGKILL)  # not reaped here: the server's owner sees how it ended
+        for pid in (servers.retriever.pid, servers.mcp.pid):  # only these: the session's retriever stays up
+            os.kill(pid, signal.SIGKILL)  # not reaped here: the server's owner sees how it ended
         deadline = time.monotonic() + 10
         while None in (servers.retriever.exit_status(), servers.mcp.exit_status()) and time.monotonic() < deadline:
             time.sleep(0.05)

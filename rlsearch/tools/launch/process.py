@@ -97,6 +97,11 @@ class CorpusServerProcess:
                 self._process.wait()
         self._process = None
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while this object holds it, else None."""
+        return None if self._process is None else self._process.pid
+
     def exit_status(self) -> int | None:
         """The exit status of a server that ended by itself (killed, crashed; negative: the signal), else None."""
         return None if self._process is None else self._process.poll()
