@@ -155,6 +155,7 @@ def broadcast_sync(worker, bucket_bytes: int) -> tuple[float, dict[str, float]]:
 def delta_syncs(worker, bucket_bytes: int, samples) -> dict:
     """A whole sync, one GRPO step, a delta sync; the engine side's `DeltaBase` applies both. Returns the bytes and
     seconds of each and the names whose applied bytes differ from the trained weights."""
+    from rlsearch.weights.bucket import unpack_bucket
     from rlsearch.weights.delta import DeltaBase
     from rlsearch.weights.shm import ExportPlan
 
@@ -168,7 +169,7 @@ def delta_syncs(worker, bucket_bytes: int, samples) -> dict:
         seconds, buckets = _timed(_all_buckets, worker, plan)
         base.start()
         for bucket in buckets:
-            base.apply(bucket)
+            unpack_bucket(base.apply(bucket))  # the checksum the engine's workers verify
         base.finish(sync_id)
         result[sync_id] = {"seconds": seconds, "phases": worker.send_phases(),
                            "payload": sum(b.payload_bytes for b in buckets),

@@ -382,8 +382,9 @@ class BridgeConfig:
     stage_while_generating: bool = True
     # send only the weights that changed since the last sync (positions and values, compressed; in bf16 at small
     # learning rates ~99% of them are bit-identical): for engines on other nodes (trainer.placement=split), whose
-    # buckets cross the network. Needs the shm transport (auto picks it); each sender and each engine's host keeps
-    # a CPU copy of the weights it sent or received (on one node a plain sync moves less)
+    # buckets cross the network. Needs the shm transport (auto picks it); each sender keeps a copy of the weights it
+    # sent where they are (on a GPU: one more copy of its stage's weights in GPU memory) and each engine's host a CPU
+    # copy of those it received (on one node a plain sync moves less)
     delta: bool = False
     delta_full_every: int = 10  # with delta: every Nth sync sends the weights whole (and whenever an engine restarted)
 

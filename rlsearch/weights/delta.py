@@ -2,7 +2,8 @@
 
 Between two RL steps nearly every bf16 weight is bit-identical (an Adam step of lr 1e-6 moves a weight of 0.02 by
 far less than its last bf16 bit). So each stage's sender keeps the HF tensors it sent last (`DeltaEncoder`, on the
-CPU) and each engine's host keeps what it received (`DeltaBase`): a tensor travels either whole ("dense") or as the
+tensors' device: a sender on a GPU holds one more copy of its stage's weights there, and compares there) and each
+engine's host keeps what it received (`DeltaBase`): a tensor travels either whole ("dense") or as the
 positions of its changed elements, gap-coded and zlib-compressed, with their new values ("sparse"), whichever is
 smaller. Elements are compared bit by bit, so NaN, -0.0 and every rounding survive exactly.
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .bucket import TensorEntry, WeightBucket, _array_checksum, _as_bytes, _entry
+from .bucket import _MASK64, TensorEntry, WeightBucket, _as_bytes, _entry, _index_crc, _word_sum
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GAP_DTYPES = (np.uint8, np.uint16, np.uint32)
@@ -94,32 +95,36 @@ class DeltaEncoder:
         return base_id
 
     def encode(self, named_tensors: list[tuple[str, torch.Tensor]]) -> DeltaBucket:
-        """One bucket: each tensor dense or as its changes against the base, and the base updated to it."""
-        entries, encoded, dense_arrays = [], [], []
+        """One bucket: each tensor dense or as its changes against the base, and the base updated to it. Tensors are
+        compared and checksummed where they are; only what is sent is copied to the host."""
+        entries, encoded, words = [], [], 0
         for name, tensor in named_tensors:
-            current = tensor.detach().contiguous().cpu()
+            current = tensor.detach().contiguous()
             stored = self.base.get(name)
-            same_layout = stored is not None and stored.shape == current.shape and stored.dtype == current.dtype
+            same_layout = stored is not None and (stored.shape, stored.dtype, stored.device) == (
+                current.shape, current.dtype, current.device)
             entries.append(_entry(name, current))
-            dense_arrays.append(_as_bytes(current))
+            words += _word_sum(current.reshape(-1).view(torch.uint8))
             changes = self._changes(stored, current) if same_layout and self._delta_of is not None else None
-            encoded.append(changes or dense_arrays[-1])
+            encoded.append(changes or _as_bytes(current))
             if same_layout:  # the base keeps its memory sync after sync, whole syncs included
                 stored.copy_(current)
             else:
                 self.base[name] = current.clone()
-        return DeltaBucket(self._delta_of, entries, encoded, _array_checksum(entries, dense_arrays))
+        sizes = [_entry_bytes(entry) for entry in entries]
+        return DeltaBucket(self._delta_of, entries, encoded, (_index_crc(entries, sizes), words & _MASK64))
 
     @staticmethod
     def _changes(previous: torch.Tensor, current: torch.Tensor) -> SparseTensor | None:
-        """The elements of `current` that differ from `previous` (same shape and dtype), or None when sending the
-        tensor whole is as small."""
-        positions = torch.nonzero(_bits(previous) != _bits(current)).reshape(-1).numpy()
+        """The elements of `current` that differ from `previous` (same shape, dtype and device), or None when sending
+        the tensor whole is as small."""
+        changed = torch.nonzero(_bits(previous) != _bits(current)).reshape(-1)
         element_size = current.element_size()
-        if positions.size * (element_size + 1) >= current.numel() * element_size:
+        if changed.numel() * (element_size + 1) >= current.numel() * element_size:
             return None
+        positions = changed.cpu().numpy()
         gap_dtype, packed = _encode_positions(positions)
-        values = _as_bytes(current.reshape(-1)[torch.from_numpy(positions)])
+        values = _as_bytes(current.reshape(-1)[changed])
         if len(packed) + values.nbytes >= current.numel() * element_size:
             return None
         return SparseTensor(int(positions.size), gap_dtype, packed, values)
