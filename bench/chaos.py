@@ -33,6 +33,7 @@ import random
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -370,6 +371,12 @@ def main() -> None:
     recoveries_logged = {"engines restarted": log.count("restarted rollout engine"),
                          "tool servers started again": log.count("started again on port")}
     print("recoveries the run printed: " + ", ".join(f"{name} {count}" for name, count in recoveries_logged.items()))
+    startups = [(float(total), phases) for total, phases in re.findall(r"\[rlsearch\] started in ([\d.]+) s: (.*)",
+                                                                        log)]
+    if startups:  # the driver's start-up (the first, and one per restart): where a driver kill's recovery goes
+        slowest = max(startups)
+        print(f"driver start-ups: {len(startups)}, median {statistics.median(t for t, _ in startups):.1f} s; the "
+              f"slowest {slowest[0]:.1f} s: {slowest[1]}")
     calls_out = re.findall(r"calls out +: (.*)", log)
     if calls_out:
         print(f"calls out (last run summary): {calls_out[-1]}")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig, RolloutConfig, auto_dtype
 from ..devices import local_gpu_index
+from ..lifetime import SegmentRecord
 from ..weights import VLLM_WORKER_EXTENSION, EngineWeightReceiver
 
 
@@ -89,6 +90,8 @@ class VLLMEngine:
             # after a partial (chunked) prefill vLLM rewinds the request's seeded generator, which a CPU generator
             # cannot do (the EngineCore dies): prefills are scheduled whole instead
             extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(2048, spec.max_model_len)}
+        SegmentRecord.remove_orphans()  # of engines on this host that were killed
+        self._segments = SegmentRecord()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=spec.model_path,
             dtype=auto_dtype(spec.dtype, on_gpu),
@@ -105,6 +108,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             **extra,
         ))
+        self._segments.record()
         self.tokenizer = self.llm.get_tokenizer()
         self._request_ids = itertools.count()
         self.weights = EngineWeightReceiver(self.llm)
@@ -150,3 +154,4 @@ class VLLMEngine:
         # dropped now, not at interpreter exit, where AsyncLLM.__del__ fails on torn-down module globals
         del llm
         gc.collect()
+        self._segments.release()

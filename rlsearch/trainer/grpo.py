@@ -179,15 +179,18 @@ class GRPOTrainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = CheckpointStore(self.output_dir, keep=config.trainer.keep_checkpoints)
         resume_from = self._checkpoint_to_resume()
+        seconds: dict[str, float] = {}  # of each start-up phase, for the line that reports them
         try:
-            self.tool_servers = ToolServers(config.tools).start()
+            with _timed(seconds, "tool servers"):
+                self.tool_servers = ToolServers(config.tools).start()
         except ToolSetupError as error:
             raise ConfigError(str(error)) from error
         tools = self.tool_servers.tools  # the config with the started servers' URLs filled in
         actor = config.actor
         world = actor.world_size
         rollout = config.rollout
-        init_ray(config.trainer.ray_address, num_cpus=world + rollout.num_engines * rollout.tensor_parallel_size)
+        with _timed(seconds, "Ray"):
+            init_ray(config.trainer.ray_address, num_cpus=world + rollout.num_engines * rollout.tensor_parallel_size)
         import ray
         from transformers import AutoTokenizer
 
@@ -202,20 +205,23 @@ class GRPOTrainer:
         engine_spec = EngineSpec.from_config(config.model, rollout, config.trainer.seed)
         # the actor scores tokens under the distribution the engines sample them from (their token-level bias)
         logit_bias = token_logit_bias(AutoTokenizer.from_pretrained(config.model.path), rollout.logit_bias)
+        actor_spec = ActorWorkerSpec(
+            model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=config.algo,
+            sampling=SamplingDistribution(rollout.temperature, logit_bias), seed=config.trainer.seed,
+            # the LR schedule counts optimizer updates
+            total_steps=config.trainer.total_steps * config.algo.num_minibatches * config.algo.ppo_epochs,
+        )
+
+        def start_engines() -> EnginePool:
+            with _timed(seconds, "rollout engines"):
+                return EnginePool(engine_spec, rollout, tools, config.trainer.seed, **place.pool_options)
+
         # the engines and the actor ranks start side by side (each is mostly one process importing and loading)
-        with ThreadPoolExecutor(1, thread_name_prefix="engine-start") as starter:
-            starting_pool = starter.submit(
-                EnginePool, engine_spec, rollout, tools, config.trainer.seed, **place.pool_options)
+        with ThreadPoolExecutor(1, thread_name_prefix="engine-start") as starter, _timed(seconds, "side by side"):
+            starting_pool = starter.submit(start_engines)
             try:
-                self.actor = ActorGroup(
-                    ActorWorkerSpec(
-                        model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=config.algo,
-                        sampling=SamplingDistribution(rollout.temperature, logit_bias), seed=config.trainer.seed,
-                        # the LR schedule counts optimizer updates
-                        total_steps=config.trainer.total_steps * config.algo.num_minibatches * config.algo.ppo_epochs,
-                    ),
-                    num_gpus_per_rank=gpus, **place.actor_options,
-                )
+                with _timed(seconds, "actor ranks"):
+                    self.actor = ActorGroup(actor_spec, num_gpus_per_rank=gpus, **place.actor_options)
             finally:
                 self.pool = starting_pool.result()  # also when the actor failed: close() then stops the engines
         engine_bias = ray.get(self.pool.engines[0].token_logit_bias.remote(), timeout=60)
@@ -238,7 +244,9 @@ class GRPOTrainer:
         print(line, flush=True)
         check_retriever_reachable(tools, engine_ips)
         if resume_from is not None:
-            self._resume(resume_from)
+            with _timed(seconds, "resume"):
+                self._resume(resume_from)
+        print(_startup_line(seconds), flush=True)
         self.logger = RunLogger(self.output_dir, config.trainer.log_trajectories, resumed_step=self.resumed_step)
 
     def _checkpoint_to_resume(self) -> ResumePoint | None:
@@ -670,6 +678,20 @@ class GRPOTrainer:
         self.saved_checkpoints[step] = path
         print(f"[rlsearch] checkpoint saved: {path}", flush=True)
         return path
+
+
+def _startup_line(seconds: dict[str, float]) -> str:
+    """How long the driver took to start, from its process's start, and where the time went."""
+    import psutil
+
+    total = time.time() - psutil.Process().create_time()
+    phases = [f"{name} {seconds[name]:.1f}" for name in ("tool servers", "Ray") if name in seconds]
+    phases.append(f"rollout engines {seconds.get('rollout engines', 0.0):.1f} and actor ranks "
+                  f"{seconds.get('actor ranks', 0.0):.1f} side by side ({seconds.get('side by side', 0.0):.1f})")
+    if "resume" in seconds:
+        phases.append(f"resume {seconds['resume']:.1f}")
+    rest = total - sum(seconds.get(name, 0.0) for name in ("tool servers", "Ray", "side by side", "resume"))
+    return f"[rlsearch] started in {total:.1f} s: {', '.join(phases)}, the rest (imports, data, checks) {rest:.1f}"
 
 
 @contextmanager

@@ -7,8 +7,10 @@ shows it (a gap far above the tolerance).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import ray
@@ -171,6 +173,8 @@ class DeltaRun:
     delta_digests: list = field(default_factory=list)  # per engine, per TP rank, after the last delta sync
     full_digests: list = field(default_factory=list)  # the same after a plain (whole) sync of the same weights
     restart_digests: list = field(default_factory=list)  # right after the sync that followed the restart
+    killed_segments: list = field(default_factory=list)  # /dev/shm segments the killed engine's processes mapped
+    left_behind: list = field(default_factory=list)  # of those (and their record), what exists once it restarted
 
 
 @pytest.fixture(scope="module")
@@ -200,8 +204,12 @@ def delta_runs(engines, model_b, probe_ids, tiny_model_dir, retriever):
             for step in range(1, DELTA_STEPS + 1):
                 group.train_step(samples)
                 if layout == "tp1pp2" and step == RESTART_AFTER + 1:
+                    record = _segment_record(engines[1])
+                    result.killed_segments = record.read_text().split()
                     ray.kill(engines[1])
                     engines[1] = _start_engine(tiny_model_dir, retriever, 1)
+                    result.left_behind = [path.name for path in [record] + [record.parent / name for name in
+                                                                            result.killed_segments] if path.exists()]
                 synced(sync, step)
                 if layout == "tp1pp2" and step == RESTART_AFTER + 1:
                     result.restart_digests = ray.get([engine.weight_rpc.remote("digest") for engine in engines])
@@ -216,6 +224,15 @@ def delta_runs(engines, model_b, probe_ids, tiny_model_dir, retriever):
     return run
 
 
+def _segment_record(engine) -> Path:
+    """The record of the shared-memory segments of the engine's processes (`rlsearch.lifetime.SegmentRecord`)."""
+    from rlsearch.lifetime import SEGMENT_DIR
+
+    pid = ray.get(engine.__ray_call__.remote(lambda worker: os.getpid()))
+    (record,) = SEGMENT_DIR.glob(f"rlsearch-segments-*-{pid}-*")
+    return record
+
+
 @pytest.mark.parametrize("layout", DELTA_LAYOUTS)
 def test_delta_syncs_leave_the_engines_bit_identical_to_a_whole_sync(delta_runs, model_b, layout):
     result = delta_runs(layout)
@@ -226,6 +243,8 @@ def test_delta_syncs_leave_the_engines_bit_identical_to_a_whole_sync(delta_runs,
     first, *steps = result.stats
     assert not first.delta and first.wire_bytes >= first.num_bytes  # nothing to take a delta of yet
     restarted = RESTART_AFTER if layout == "tp1pp2" else None
+    if restarted:  # the killed TP2 engine's segments (its queues, its workers' buffers) went with it
+        assert len(result.killed_segments) >= 2 and result.left_behind == [], result
     for index, stats in enumerate(steps):
         assert stats.num_bytes == first.num_bytes and stats.num_engines == ENGINES
         if index == restarted:
