@@ -5,6 +5,7 @@ run trains to the end with every engine passing the probe check."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,6 +55,10 @@ def test_a_killed_engine_is_replaced_and_the_run_goes_on(tmp_path, tiny_model_di
     for step in range(1, STEPS + 1):
         assert f"step {step}/{STEPS} | reward" in output
     assert "died; its groups ran on the others" in output
+    # the driver's start-up, phase by phase (what a driver restart costs)
+    assert re.search(r"\[rlsearch\] started in [\d.]+ s: tool servers [\d.]+, Ray [\d.]+, rollout engines [\d.]+ and "
+                     r"actor ranks [\d.]+ side by side \([\d.]+\), the rest \(imports, data, checks\) [\d.]+$", output,
+                     re.MULTILINE), output[:3000]
     assert "restarted rollout engine" in output
 
     events = EventAccumulator(str(run_dir / "tensorboard"))
