@@ -174,8 +174,9 @@ class EnginePool:
 
     Each engine reserves ``tensor_parallel_size`` CPUs (and as many GPUs with ``gpus_per_rank`` 1) in one bundle of
     a placement group the pool makes, or, given ``placement_group`` and ``bundle_index`` (the trainer's split
-    placement), all engines share that bundle. Engines start one after another (concurrent starts race on vLLM's
-    ports), each with its own vLLM seed (``engine_spec.seed + i``) and VLLM_PORT window; `seed` (the run's, which
+    placement), all engines share that bundle. Engines start side by side, each with its own vLLM seed
+    (``engine_spec.seed + i``) and VLLM_PORT window (vLLM takes its internal ports by probing from VLLM_PORT up, so
+    engines that shared a base would race for them); `seed` (the run's, which
     sampling seeds derive from) is the same for all. `generate` calls may overlap (``rollout.async_steps`` + 1
     rollouts and an eval), and calls to `engines` from outside (weight syncs, probes) may run while they are in
     flight: every actor has a thread for each group it may be running and spare ones for those calls (a weight sync
@@ -208,8 +209,14 @@ class EnginePool:
             placement_group, bundle_index = self._reserve(), None
         self.placement_group, self._shared_bundle = placement_group, bundle_index
         try:
-            for index in range(self.num_engines):
-                self.engines.append(self._start_engine(index))
+            # side by side, each in its own port window (as verl, NeMo-RL and ArcticInference give each engine on a
+            # node its own VLLM_PORT base): N engines start in about the time of one where the node has the cores
+            with ThreadPoolExecutor(self.num_engines, thread_name_prefix="engine-start") as starter:
+                starts = [starter.submit(self._start_engine, index) for index in range(self.num_engines)]
+            self.engines = [start.result() for start in starts if start.exception() is None]
+            failures = [start.exception() for start in starts if start.exception() is not None]
+            if failures:
+                raise failures[0]
             print(self.describe(), flush=True)
         except BaseException:
             self.shutdown()
