@@ -194,7 +194,9 @@ def _forked_by_a_worker(process: psutil.Process, title: str) -> bool:
 
 def rss_by_kind(supervisor: psutil.Process, judge: JudgeProcess) -> dict[str, list[int]]:
     kinds: dict[str, list[int]] = {}
-    processes = process_tree(supervisor) + [psutil.Process(judge.process.pid)]
+    processes = process_tree(supervisor)
+    if judge.process.poll() is None:  # a killed judge is down until it is started again
+        processes.append(psutil.Process(judge.process.pid))
     for process in processes:
         measured = measure(process)
         if measured is not None:
