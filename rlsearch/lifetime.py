@@ -5,9 +5,9 @@ worker that worker's sockets, so that Ray never sees the worker die and every ca
 while Megatron's forked checkpoint writers ran held a training run for 9 minutes).
 
 Shared-memory segments outlive a killed process too: a tensor-parallel vLLM engine's processes map segments in
-/dev/shm (its broadcast queue, its CPU communicator's buffers; about 100 MB for TP2 on CPU) and unlink them when they
-shut down, not when killed. `SegmentRecord` names them under the engine's owner, and removes those of owners that are
-gone.
+/dev/shm (its broadcast queues, its CPU communicator's buffers; one of 160 MB for TP2 on CPU) and unlink them when
+they shut down, not when killed. `SegmentRecord` names them under the engine's owner, and removes those of owners
+that are gone.
 """
 
 from __future__ import annotations
@@ -56,6 +56,22 @@ def _pid_exists(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
+def owned_file_name(prefix: str, index: int) -> str:
+    """`prefix` + host-pid-index: the name of a file this process owns, which `files_of_gone_owners` finds once this
+    process is gone (killed before it could remove it)."""
+    return f"{prefix}{socket.gethostname()}-{os.getpid()}-{index}"
+
+
+def files_of_gone_owners(directory: Path, prefix: str) -> list[Path]:
+    """The files in `directory` named by `owned_file_name(prefix, ...)` on this host whose owning process is gone."""
+    gone = []
+    for path in directory.glob(f"{prefix}{socket.gethostname()}-*-*"):
+        pid = path.name.rsplit("-", 2)[1]
+        if pid.isdigit() and not _pid_exists(int(pid)):
+            gone.append(path)
+    return gone
+
+
 def _segment_name(path: str) -> str:
     """The file name of a path in /dev/shm that still exists, else ""."""
     folder, _, name = path.rpartition("/")
@@ -76,7 +92,7 @@ def _mapped_segments(pid: int) -> set[str]:
 
 
 class SegmentRecord:
-    """The /dev/shm segments of the processes this process started since `before` was taken: recorded under this
+    """The /dev/shm segments of the processes this process started after the record was made: recorded under this
     process, so that whoever starts next on this host removes them if this process was killed (`remove_orphans`), and
     removed by `release` after a clean stop (what the processes left behind). Linux; elsewhere it records nothing."""
 
@@ -105,7 +121,7 @@ class SegmentRecord:
                 pass
         names = sorted(set().union(*(_mapped_segments(p.pid) for p in processes)))
         names = [name for name in names if not name.startswith("rlsearch-")]  # our staged files have their own
-        self.path = SEGMENT_DIR / f"{_RECORD_PREFIX}{socket.gethostname()}-{os.getpid()}-{next(_records)}"
+        self.path = SEGMENT_DIR / owned_file_name(_RECORD_PREFIX, next(_records))
         self.path.write_text("\n".join(names))
         return names
 
@@ -119,11 +135,8 @@ class SegmentRecord:
     def remove_orphans() -> list[str]:
         """Remove the segments recorded on this host by processes that are gone; returns their names."""
         removed = []
-        if SEGMENT_DIR.is_dir():
-            for path in SEGMENT_DIR.glob(f"{_RECORD_PREFIX}{socket.gethostname()}-*-*"):
-                pid = path.name.rsplit("-", 2)[1]
-                if pid.isdigit() and not _pid_exists(int(pid)):
-                    removed += _remove_recorded(path)
+        for record in files_of_gone_owners(SEGMENT_DIR, _RECORD_PREFIX):
+            removed += _remove_recorded(record)
         return removed
 
 

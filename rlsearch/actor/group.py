@@ -196,7 +196,7 @@ class ActorGroup:
 
     def save_checkpoint(self, path: str, timeout_s: float | None = None) -> None:
         wait_for_ranks([worker.save_checkpoint.remote(path) for worker in self.workers], timeout_s,
-                  f"saving the checkpoint {path}")
+                       f"saving the checkpoint {path}")
 
     def load_checkpoint(self, path: str, restore_rng: bool) -> int:
         """Load model, optimizer and scheduler (and RNG states when the layout is the one that saved them);

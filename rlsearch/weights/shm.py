@@ -30,6 +30,7 @@ import ray
 import torch
 
 from ..config import ConfigError
+from ..lifetime import files_of_gone_owners, owned_file_name
 from .bucket import flatten_tensors, iter_buckets, pack_bucket
 from .clock import PhaseClock
 from .deadline import Deadline
@@ -246,8 +247,7 @@ class StagedBuckets:
         index = self._next if self.keep_all else self._next % SENDER_FILES_AT_ONCE
         self._next += 1
         while len(self.files) <= index:
-            name = f"{SENDER_FILE_PREFIX}{socket.gethostname()}-{os.getpid()}-{len(self.files)}"
-            self.files.append((os.path.join(STAGING_DIR, name), None))
+            self.files.append((os.path.join(STAGING_DIR, owned_file_name(SENDER_FILE_PREFIX, len(self.files))), None))
 
         def mapped(total_bytes: int) -> torch.Tensor:
             path, mapping = self.files[index]
@@ -290,10 +290,8 @@ class StagedBuckets:
     @staticmethod
     def _remove_orphans() -> None:
         """Remove the bucket files of senders on this host that are gone (killed mid-run)."""
-        for path in Path(STAGING_DIR).glob(f"{SENDER_FILE_PREFIX}{socket.gethostname()}-*-*"):
-            pid = path.name.rsplit("-", 2)[1]
-            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                path.unlink(missing_ok=True)
+        for path in files_of_gone_owners(Path(STAGING_DIR), SENDER_FILE_PREFIX):
+            path.unlink(missing_ok=True)
 
 
 def stream_buckets(named_tensors, plan: ExportPlan, is_sender: bool, staged: StagedBuckets | None,
