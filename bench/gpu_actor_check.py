@@ -3,7 +3,7 @@
 `MegatronActorWorker` runs in this process at world size 1 (`initialize` called directly with a rendezvous of this
 process; `open_rendezvous` needs Ray and is not used), with the actor's defaults: actor.backend=auto (nccl on CUDA,
 gloo on CPU) and actor.transformer_impl=auto (Transformer Engine when installed, else Megatron's local spec with the
-packed `thd` SDPA attention of rlsearch/actor/attention.py). The model is a random Qwen2 of a `bench.common` shape
+packed `thd` SDPA attention of rlsearch/megatron/attention.py). The model is a random Qwen2 of a `bench.common` shape
 (tiny or Qwen2.5-0.5B) and the batch is bench/train_step.py's search-agent-like one: sequences of
 --min-len..--max-len tokens packed back to back into micro-batches of <= --max-tokens-per-microbatch tokens.
   parity : per-sample response logprobs from `compute_logprobs` (policy and, with --kl-coef > 0, the reference)

@@ -156,7 +156,7 @@ def warmup_sample(seed: int) -> list[TrainSample]:
 
 def rows_and_positions(samples: list[TrainSample], merged: bool) -> tuple[int, int]:
     """(token rows the forward pass computes, trained positions that get logits) of a step over `samples`."""
-    from rlsearch.actor.layout import PrefixTree
+    from rlsearch.megatron.layout import PrefixTree
 
     positions = sum(sum(s.loss_mask) for s in samples)
     if merged and len(samples) > 1:

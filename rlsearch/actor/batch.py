@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..devices import local_device
-from .layout import AttentionBlock, PrefixTree, RowLayout, cp_shard, padded_length
+from ..megatron.layout import AttentionBlock, PrefixTree, RowLayout, cp_shard, padded_length
 
 
 @dataclass
@@ -60,7 +60,7 @@ class MicroBatch:
     cu_seqlens: torch.Tensor  # [units + 1] int32 boundaries of the packed units in the whole row (real tokens)
     cu_seqlens_padded: torch.Tensor | None  # the same, each unit padded to a multiple of 2 x cp (with CP only)
     max_seqlen: int
-    layout: RowLayout  # what each row attends to (rlsearch.actor.layout)
+    layout: RowLayout  # what each row attends to (rlsearch.megatron.layout)
     logit_index: torch.Tensor  # [n] rows whose next token is a selected (with trained_only: trained) response token
     labels: torch.Tensor  # [n] the response token predicted at each selected position
     loss_mask: torch.Tensor

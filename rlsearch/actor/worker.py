@@ -8,7 +8,6 @@ pipeline stage, tensor-parallel rank 0), one per data-parallel shard.
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -22,6 +21,10 @@ from ..config import ActorConfig, AlgoConfig
 from ..devices import local_device
 from ..lifetime import forked_children_die_with_this_process
 from ..logging import redirect_worker_output
+from ..megatron.cpu_compat import cuda_available
+from ..megatron.model import MoESettings, build_model_chunks, export_hf_named, make_bridge, resolve_transformer_impl
+from ..megatron.parallel import PROCESS_GROUP_TIMEOUT_S, init_megatron_parallel
+from ..megatron.training import build_training_model, load_training_state, save_training_state
 from ..rendezvous import Rendezvous
 from ..weights import broadcast, shm
 from ..weights.bucket import WeightBucket
@@ -30,41 +33,15 @@ from ..weights.delta import DeltaBucket, DeltaEncoder
 from ..weights.export import export_stage_weights
 from ..weights.group import destroy_weight_group, new_weight_group
 from .batch import MicroBatch, Packing, TrainSample, collate, pack_micro_batches
-from .cpu_compat import cuda_available
 from .distribution import SamplingDistribution
 from .logits import token_logprobs
-from .model import MoESettings, build_model_chunks, export_hf_named, make_bridge, resolve_transformer_impl
 from .moe import MoERouters, expert_load_metrics
-from .parallel import PROCESS_GROUP_TIMEOUT_S, init_megatron_parallel, model_sharded_state
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return getattr(chunk, "module", chunk)
-
-
-def _rng_state() -> dict:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if cuda_available() else None,
-        "tracker": get_cuda_rng_tracker().get_states(),
-    }
-
-
-def _set_rng_state(state: dict) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and cuda_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 @dataclass
@@ -141,7 +118,8 @@ class MegatronActorWorker:
         )
         self.mbridge = make_bridge(self.spec.model_path, dtype, self.transformer_impl, on_cpu, moe)
         chunks = self._build_chunks()
-        self.model = self._wrap_for_training(chunks)
+        self.training = build_training_model(chunks, self.spec.actor, self.spec.total_steps)
+        self.model = self.training.chunks
         self.reference = None
         if self.spec.algo.kl_coef > 0:
             self.reference = self._build_chunks()
@@ -175,8 +153,8 @@ class MegatronActorWorker:
 
     def _build_chunks(self) -> list[torch.nn.Module]:
         """This rank's model chunks with the HF weights; on the local spec its attention applies the rotary
-        embeddings (rlsearch.actor.attention)."""
-        from .attention import take_over_rotary
+        embeddings (rlsearch.megatron.attention)."""
+        from ..megatron.attention import take_over_rotary
 
         chunks = build_model_chunks(self.mbridge, self.spec.actor.virtual_pipeline_stages)
         self.mbridge.load_weights(chunks, self.spec.model_path)
@@ -184,46 +162,6 @@ class MegatronActorWorker:
             for chunk in chunks:
                 take_over_rotary(chunk)
         return chunks
-
-    def _wrap_for_training(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        actor = self.spec.actor
-        config = chunks[0].config
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=actor.use_distributed_optimizer,
-        )
-        model = [
-            DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk) for chunk in chunks
-        ]
-        config.finalize_model_grads_func = finalize_model_grads
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam", lr=actor.lr, min_lr=actor.min_lr, weight_decay=actor.weight_decay,
-                adam_beta1=actor.adam_beta1, adam_beta2=actor.adam_beta2, clip_grad=actor.clip_grad,
-                bf16=config.bf16, params_dtype=config.params_dtype,
-                use_distributed_optimizer=actor.use_distributed_optimizer,
-            ),
-            model,
-        )
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if actor.lr_warmup_steps else actor.lr, max_lr=actor.lr,
-            min_lr=actor.min_lr, lr_warmup_steps=actor.lr_warmup_steps,
-            lr_decay_steps=max(self.spec.total_steps, actor.lr_warmup_steps + 1),
-            lr_decay_style=actor.lr_decay_style, start_wd=actor.weight_decay, end_wd=actor.weight_decay,
-            wd_incr_steps=max(self.spec.total_steps, 1), wd_incr_style="constant",
-            # on resume only the step count comes from the checkpoint: the schedule is this run's config, so a
-            # finished run continued with a larger trainer.total_steps re-plans its decay
-            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
-        )
-        return model
 
     # ---- forward passes -------------------------------------------------------------------------------
 
@@ -270,7 +208,7 @@ class MegatronActorWorker:
         non-zero ones; a forward pass gives every response token its logprob."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from .attention import rotary_table
+        from ..megatron.attention import rotary_table
 
         micro_batches = pack_micro_batches(
             samples, self.spec.actor.max_tokens_per_microbatch, min_micro_batches=self.spec.actor.pp,
@@ -420,7 +358,7 @@ class MegatronActorWorker:
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        self.training.optimizer.zero_grad()
         if self.routers is not None:
             self.routers.start_counting()
         outputs = self._run_pipeline(self.model, samples, loss_fn, forward_only=False)
@@ -434,16 +372,16 @@ class MegatronActorWorker:
             # weights, optimizer moments and step count, and the LR schedule stay as they were; every rank agrees
             for chunk in self.model:
                 chunk.zero_grad_buffer()
-            self.optimizer.zero_grad()
+            self.training.optimizer.zero_grad()
             update_ok, grad_norm = False, None
         else:
-            update_ok, grad_norm, _ = self.optimizer.step()
-            self.scheduler.step(increment=1)
+            update_ok, grad_norm, _ = self.training.optimizer.step()
+            self.training.scheduler.step(increment=1)
         totals.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             update_ok=float(bool(update_ok)),
             skipped_nonfinite=float(skipped),
-            lr=float(self.optimizer.param_groups[0]["lr"]),
+            lr=float(self.training.optimizer.param_groups[0]["lr"]),
         )
         return totals
 
@@ -560,57 +498,13 @@ class MegatronActorWorker:
         )
 
     def save_checkpoint(self, path: str) -> None:
-        """Megatron distributed checkpoint (torch_dist) of model, optimizer, LR scheduler and this rank's RNG
-        states into an existing empty dir. A collective."""
-        from megatron.core import dist_checkpointing
-
-        dist.barrier()
-        dist_checkpointing.save(self._checkpoint_state(is_loading=False, with_rng=True), path)
-        dist.barrier()
+        """Model, optimizer, LR scheduler and this rank's RNG states into an existing empty dir. A collective."""
+        save_training_state(self.training, path)
 
     def load_checkpoint(self, path: str, restore_rng: bool) -> int:
-        """Load a checkpoint written by `save_checkpoint` from any TP/PP/DP layout (Megatron reshards on load).
-        RNG states are per rank, so they are restored only into the layout that saved them. Returns the
-        scheduler's step count. A collective."""
-        from megatron.core import dist_checkpointing
-
-        state = dist_checkpointing.load(self._checkpoint_state(is_loading=True, with_rng=restore_rng), path)
-        with torch.no_grad():
-            if len(self.model) == 1:
-                self.model[0].module.load_state_dict(state["model"])
-            else:
-                for index, chunk in enumerate(self.model):
-                    chunk.module.load_state_dict(state["model"][f"model{index}"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.num_steps = 0  # load_state_dict adds the saved count to the current one
-        self.scheduler.load_state_dict(state["scheduler"])
-        if restore_rng:
-            _set_rng_state(state["rng"])
-        dist.barrier()
-        return self.scheduler.num_steps
-
-    def _checkpoint_state(self, is_loading: bool, with_rng: bool) -> dict:
-        from megatron.core import parallel_state as ps
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-        model_state = model_sharded_state(self.model)
-        # the distributed optimizer's canonical (per-parameter) layout, so its state loads into any TP/PP/DP
-        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
-        state = {
-            "model": model_state,
-            "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata),
-            "scheduler": self.scheduler.state_dict(),
-        }
-        if with_rng:
-            layout = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
-                      ps.get_data_parallel_world_size())
-            position = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-                        ps.get_data_parallel_rank())
-            if self.spec.actor.cp > 1:  # every CP rank has its own RNG states (the layout without CP keeps its keys)
-                layout += (ps.get_context_parallel_world_size(),)
-                position += (ps.get_context_parallel_rank(),)
-            state["rng"] = ShardedObject("rng_state", _rng_state(), layout, position, replica_id=0)
-        return state
+        """Load a checkpoint of `save_checkpoint` from any TP/PP/DP layout; returns the scheduler's step count. A
+        collective."""
+        return load_training_state(self.training, path, restore_rng)
 
     def shutdown(self) -> None:
         self._staged_buckets.close()

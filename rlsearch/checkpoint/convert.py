@@ -61,7 +61,7 @@ def hf_to_mcore(
     """Write the HF model at `hf_dir` as a model-only Megatron checkpoint for tensor x pipeline x expert parallel
     `tp` x `pp` x `ep` into `out_dir` (new or empty); `ep` > 1 (MoE models only) splits the experts over that many
     data-parallel ranks. Returns `out_dir`."""
-    from ..actor.model import MOE_ARCHITECTURES
+    from ..megatron.model import MOE_ARCHITECTURES
 
     source, out = Path(hf_dir), Path(out_dir)
     config = _read_hf_config(source)
@@ -150,7 +150,7 @@ def write_hf_model(
 
 def _read_hf_config(hf_dir: Path) -> dict[str, Any]:
     """config.json of an HF dir of a supported architecture; ValueError saying what is wrong otherwise."""
-    from ..actor.model import check_architecture
+    from ..megatron.model import check_architecture
 
     path = hf_dir / "config.json"
     if not path.is_file():
@@ -201,7 +201,7 @@ def _spawn(job: Callable[..., Any], layout: tuple[int, int, int], job_args: tupl
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    from ..actor.parallel import PROCESS_GROUP_TIMEOUT_S
+    from ..megatron.parallel import PROCESS_GROUP_TIMEOUT_S
     from ..rendezvous import Rendezvous
 
     world_size = math.prod(layout)
@@ -259,7 +259,7 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
-    from ..actor.parallel import init_megatron_parallel
+    from ..megatron.parallel import init_megatron_parallel
 
     # megatron and mbridge warn about missing Apex / Transformer Engine and deprecated settings on every import, and
     # the checkpoint code uses deprecated torch APIs: noise in a command's output
@@ -282,8 +282,8 @@ def _build(hf_dir: str, dtype: str, transformer_impl: str):
     """mbridge bridge and this rank's (random-initialised) model chunk for the HF config at `hf_dir`."""
     import torch
 
-    from ..actor.cpu_compat import cuda_available
-    from ..actor.model import build_model_chunks, make_bridge, resolve_transformer_impl
+    from ..megatron.cpu_compat import cuda_available
+    from ..megatron.model import build_model_chunks, make_bridge, resolve_transformer_impl
 
     try:
         impl = resolve_transformer_impl(transformer_impl)
@@ -298,7 +298,7 @@ def _save_model_shard(hf_dir: str, megatron_dir: str, dtype: str) -> str:
     """Rank job of hf_to_mcore; returns the layer spec used."""
     from megatron.core import dist_checkpointing
 
-    from ..actor.parallel import model_sharded_state
+    from ..megatron.parallel import model_sharded_state
 
     bridge, chunks, impl = _build(hf_dir, dtype, "auto")
     bridge.load_weights(chunks, hf_dir)
@@ -316,8 +316,8 @@ def _export_model(
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ..actor.model import export_hf_named
-    from ..actor.parallel import model_sharded_state
+    from ..megatron.model import export_hf_named
+    from ..megatron.parallel import model_sharded_state
 
     bridge, (model,), _ = _build(hf_dir, checkpoint_dtype, transformer_impl)
     try:

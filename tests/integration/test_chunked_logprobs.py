@@ -53,7 +53,7 @@ def _rank_main(rank: int, rendezvous: str, out_dir: str) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from rlsearch.actor.parallel import init_megatron_parallel
+    from rlsearch.megatron.parallel import init_megatron_parallel
 
     init_megatron_parallel(rank, 2, rendezvous, tp=2, backend="gloo")
     results = {2: _score_cases(tied_cases=(False, True))}

@@ -112,8 +112,8 @@ def _megatron_gradients(model_dir: str, rank: int, world_size: int, rendezvous: 
     at expert-parallel size `ep`, exported under HF names by the bridge (rank 0; None elsewhere)."""
     from megatron.core import parallel_state as ps
 
-    from rlsearch.actor.model import build_model_chunks, export_hf_named, make_bridge
-    from rlsearch.actor.parallel import init_megatron_parallel
+    from rlsearch.megatron.model import build_model_chunks, export_hf_named, make_bridge
+    from rlsearch.megatron.parallel import init_megatron_parallel
 
     torch.set_num_threads(1)
     init_megatron_parallel(rank, world_size, rendezvous, ep=ep, backend="gloo")

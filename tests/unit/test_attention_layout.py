@@ -1,4 +1,4 @@
-"""Attention blocks (rlsearch.actor.layout, .attention): a prefix tree and context-parallel shards attend exactly as
+"""Attention blocks (rlsearch.megatron.layout, .attention): a prefix tree and context-parallel shards attend exactly as
 each sequence on its own does, in plain torch (no ranks)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlsearch.actor.attention import blocked_attention
 from rlsearch.actor.batch import Packing, TrainSample, collate
-from rlsearch.actor.layout import PrefixTree
+from rlsearch.megatron.attention import blocked_attention
+from rlsearch.megatron.layout import PrefixTree
 
 HEADS, GROUPS, DIM = 4, 2, 8
 torch.manual_seed(0)
@@ -44,7 +44,7 @@ def _segments(shared: int, seed: int) -> list[list[int]]:
 def _use_masked_kernel(monkeypatch, masked_rows: int) -> None:
     """Blocks with a prefix through the boolean-mask kernel (GPU, dropout) in blocks of `masked_rows` query rows,
     instead of the CPU's mask-free flash kernel."""
-    from rlsearch.actor import attention
+    from rlsearch.megatron import attention
 
     monkeypatch.setattr(attention, "MASKED_QUERY_ROWS", masked_rows)
     monkeypatch.setattr(attention, "_prefix_then_causal", lambda q, pk, pv, ok, ov, scale:
@@ -103,7 +103,7 @@ def test_context_parallel_shards_attend_as_the_whole_row(cp, merge):
 def test_flash_and_masked_kernels_agree_in_value_and_gradient(monkeypatch):
     """The CPU kernel's own backward (two flash backward calls over the merged log-sum-exp) against autograd through
     the masked kernel, for a CP-like block: 40 queries over a 70-key prefix and their own keys."""
-    from rlsearch.actor.attention import _masked_prefix_then_causal, _prefix_then_causal
+    from rlsearch.megatron.attention import _masked_prefix_then_causal, _prefix_then_causal
 
     generator = torch.Generator().manual_seed(5)
     shapes = {"q": (40, HEADS), "pk": (70, GROUPS), "pv": (70, GROUPS), "ok": (40, GROUPS), "ov": (40, GROUPS)}

@@ -1,4 +1,4 @@
-"""The CPU compatibility layer for megatron-core (rlsearch/actor/cpu_compat.py), checked in a fresh interpreter:
+"""The CPU compatibility layer for megatron-core (rlsearch/megatron/cpu_compat.py), checked in a fresh interpreter:
 the patches change torch.cuda and megatron module state for the whole process."""
 
 import subprocess
@@ -9,7 +9,7 @@ from tests.conftest import REPO_ROOT
 PROBE = r"""
 import numpy as np
 import torch
-from rlsearch.actor.cpu_compat import apply_cpu_patches, define_missing_te_names
+from rlsearch.megatron.cpu_compat import apply_cpu_patches, define_missing_te_names
 
 apply_cpu_patches()
 define_missing_te_names()  # on every device: init_megatron_parallel calls both

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rlsearch import devices
-from rlsearch.actor.model import resolve_transformer_impl
 from rlsearch.doctor import _transformer_engine
+from rlsearch.megatron.model import resolve_transformer_impl
 
 
 @pytest.fixture

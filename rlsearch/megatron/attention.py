@@ -1,5 +1,5 @@
 """Core attention for the local (non Transformer Engine) layer spec: packed sequences, prefix trees and context
-parallelism, all from the micro-batch's `RowLayout` (rlsearch.actor.layout).
+parallelism, all from the micro-batch's `RowLayout` (rlsearch.megatron.layout).
 
 Megatron's local `DotProductAttention` takes neither packed (thd) micro-batches nor context parallelism. This
 subclass attends block by block with torch's scaled-dot-product attention: causally within a block, fully to

@@ -1,0 +1,142 @@
+"""What makes a rank's model chunks trainable, and what a checkpoint of them holds: DDP wrapping, the optimizer and
+LR schedule, and the distributed-checkpoint state (model, optimizer, scheduler, RNG states per rank)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config import ActorConfig
+from .cpu_compat import cuda_available
+from .parallel import model_sharded_state
+
+
+@dataclass
+class TrainingModel:
+    """A rank's model chunks wrapped for training, with their optimizer and LR scheduler."""
+
+    chunks: list[torch.nn.Module]  # DistributedDataParallel, one per virtual pipeline stage
+    optimizer: Any  # megatron.core.optimizer.MegatronOptimizer
+    scheduler: Any  # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
+
+
+def build_training_model(chunks: list[torch.nn.Module], actor: ActorConfig, total_steps: int) -> TrainingModel:
+    """DDP around each chunk, Megatron's Adam, and the LR schedule over `total_steps` optimizer updates."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=actor.use_distributed_optimizer,
+    )
+    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk) for chunk in chunks]
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=actor.lr, min_lr=actor.min_lr, weight_decay=actor.weight_decay,
+            adam_beta1=actor.adam_beta1, adam_beta2=actor.adam_beta2, clip_grad=actor.clip_grad,
+            bf16=config.bf16, params_dtype=config.params_dtype,
+            use_distributed_optimizer=actor.use_distributed_optimizer,
+        ),
+        model,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if actor.lr_warmup_steps else actor.lr, max_lr=actor.lr,
+        min_lr=actor.min_lr, lr_warmup_steps=actor.lr_warmup_steps,
+        lr_decay_steps=max(total_steps, actor.lr_warmup_steps + 1),
+        lr_decay_style=actor.lr_decay_style, start_wd=actor.weight_decay, end_wd=actor.weight_decay,
+        wd_incr_steps=max(total_steps, 1), wd_incr_style="constant",
+        # on resume only the step count comes from the checkpoint: the schedule is this run's config, so a
+        # finished run continued with a larger trainer.total_steps re-plans its decay
+        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
+    )
+    return TrainingModel(model, optimizer, scheduler)
+
+
+def save_training_state(training: TrainingModel, path: str) -> None:
+    """Megatron distributed checkpoint (torch_dist) of model, optimizer, LR scheduler and this rank's RNG states into
+    an existing empty dir. A collective."""
+    from megatron.core import dist_checkpointing
+
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(training, is_loading=False, with_rng=True), path)
+    dist.barrier()
+
+
+def load_training_state(training: TrainingModel, path: str, restore_rng: bool) -> int:
+    """Load a checkpoint written by `save_training_state` from any TP/PP/DP layout (Megatron reshards on load). RNG
+    states are per rank, so they are restored only into the layout that saved them. Returns the scheduler's step
+    count. A collective."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(_sharded_state(training, is_loading=True, with_rng=restore_rng), path)
+    with torch.no_grad():
+        if len(training.chunks) == 1:
+            training.chunks[0].module.load_state_dict(state["model"])
+        else:
+            for index, chunk in enumerate(training.chunks):
+                chunk.module.load_state_dict(state["model"][f"model{index}"])
+        training.optimizer.load_state_dict(state["optimizer"])
+    training.scheduler.num_steps = 0  # load_state_dict adds the saved count to the current one
+    training.scheduler.load_state_dict(state["scheduler"])
+    if restore_rng:
+        _set_rng_state(state["rng"])
+    dist.barrier()
+    return training.scheduler.num_steps
+
+
+def _sharded_state(training: TrainingModel, is_loading: bool, with_rng: bool) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    model_state = model_sharded_state(training.chunks)
+    # the distributed optimizer's canonical (per-parameter) layout, so its state loads into any TP/PP/DP
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+    state = {
+        "model": model_state,
+        "optimizer": training.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata),
+        "scheduler": training.scheduler.state_dict(),
+    }
+    if with_rng:
+        layout = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+                  ps.get_data_parallel_world_size())
+        position = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                    ps.get_data_parallel_rank())
+        if ps.get_context_parallel_world_size() > 1:  # every CP rank has its own RNG states (without CP: same keys)
+            layout += (ps.get_context_parallel_world_size(),)
+            position += (ps.get_context_parallel_rank(),)
+        state["rng"] = ShardedObject("rng_state", _rng_state(), layout, position, replica_id=0)
+    return state
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if cuda_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and cuda_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
