@@ -408,7 +408,7 @@ def cache_table(agent: Run, bare: Run, turns: int, block: int) -> list[dict]:
 def check_loop_records(agent: Run, trajectories) -> str:
     """The loop's own per-turn cache figures (Turn.context_tokens / cached_tokens / cache_ceiling) against the
     engine's, where the loop records them."""
-    from rlsearch.rollout.trajectory import Turn
+    from rlsearch.trajectory import Turn
 
     fields = {f.name for f in dataclasses.fields(Turn)}
     if not {"context_tokens", "cached_tokens", "cache_ceiling"} <= fields:

@@ -110,6 +110,13 @@ class ActorGroup:
         results = self._on_every_rank("compute_logprobs", samples, reference, distribution)
         return [row for shard in self._output_by_dp_rank(results) for row in shard]
 
+    def score_continuations(self, prompt: list[int], continuations: Sequence[list[int]]) -> list[list[float]]:
+        """The logprobs of each continuation's tokens after `prompt`, under the rollout's distribution."""
+        return self.compute_logprobs([
+            TrainSample(prompt + token_ids, response_start=len(prompt), loss_mask=[1] * len(token_ids))
+            for token_ids in continuations
+        ])
+
     def compute_logprobs_and_routing(
         self, samples: Sequence[TrainSample]
     ) -> tuple[list[list[float]], list[torch.Tensor]]:

@@ -4,9 +4,10 @@ loss aggregation, the training objectives the actor runs, group filtering and mi
 from .advantages import grpo_advantages
 from .batching import groups_with_signal, minibatch_bounds
 from .loss import PolicyLossTerms, kl_estimate, loss_token_weights, ppo_clip_terms, truncated_importance_weights
-from .objectives import Objective, grpo_objective, sft_objective
+from .objectives import GRPOSettings, Objective, ObjectiveBatch, grpo_objective, sft_objective
 
 __all__ = [
-    "Objective", "PolicyLossTerms", "grpo_advantages", "grpo_objective", "groups_with_signal", "kl_estimate",
-    "loss_token_weights", "minibatch_bounds", "ppo_clip_terms", "sft_objective", "truncated_importance_weights",
+    "GRPOSettings", "Objective", "ObjectiveBatch", "PolicyLossTerms", "grpo_advantages", "grpo_objective",
+    "groups_with_signal", "kl_estimate", "loss_token_weights", "minibatch_bounds", "ppo_clip_terms", "sft_objective",
+    "truncated_importance_weights",
 ]

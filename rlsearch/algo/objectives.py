@@ -1,31 +1,50 @@
 """Training objectives: per-micro-batch loss and stats from the policy's logprobs. Pure tensor math.
 
 The actor calls the objective it is given with the logprobs of the micro-batch's selected positions and the
-micro-batch (`rlsearch.actor.batch.MicroBatch`: loss_mask, token_weights, advantages and the optional old,
-reference and rollout logprobs, all 1-D over those positions). It returns the aggregated loss (token weights
-applied: summed over every micro-batch of a step it is the step's loss) and sums that the actor group reduces.
+micro-batch: any object with the fields of `ObjectiveBatch` (the actor's MicroBatch is one). It returns the
+aggregated loss (token weights applied: summed over every micro-batch of a step it is the step's loss) and sums that
+the actor group reduces.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-from ..config import AlgoConfig
 from .loss import kl_estimate, ppo_clip_terms, truncated_importance_weights
 
-if TYPE_CHECKING:
-    from ..actor.batch import MicroBatch
+
+class ObjectiveBatch(Protocol):
+    """What an objective reads of a micro-batch: 1-D tensors over its selected positions."""
+
+    loss_mask: torch.Tensor
+    token_weights: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    rollout_logprobs: torch.Tensor | None
+
+
+class GRPOSettings(Protocol):
+    """What the GRPO objective reads of the algo config (rlsearch.config.AlgoConfig)."""
+
+    clip_ratio_low: float
+    clip_ratio_high: float
+    kl_coef: float
+    kl_estimator: str
+    tis_cap: float
 
 
 class Objective(Protocol):
-    def __call__(self, logprobs: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self, logprobs: torch.Tensor, batch: ObjectiveBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ...
 
 
 def grpo_objective(
-    logprobs: torch.Tensor, batch: MicroBatch, algo: AlgoConfig
+    logprobs: torch.Tensor, batch: ObjectiveBatch, algo: GRPOSettings
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip with the samples' advantages (+ KL to the reference when algo.kl_coef > 0).
 
@@ -62,7 +81,7 @@ def grpo_objective(
     return loss, stats
 
 
-def sft_objective(logprobs: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def sft_objective(logprobs: torch.Tensor, batch: ObjectiveBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The negative log-likelihood of the loss-masked tokens (a supervised warm start; logprobs at temperature 1)."""
     nll = -logprobs
     loss = (nll * batch.token_weights).sum()

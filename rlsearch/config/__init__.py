@@ -27,7 +27,13 @@ from .schema import (
     TrainConfig,
     TrainerConfig,
 )
-from .validate import check_model_layout, validate_eval_config, validate_sft_config, validate_train_config
+from .validate import (
+    check_model_dir,
+    check_model_layout,
+    validate_eval_config,
+    validate_sft_config,
+    validate_train_config,
+)
 
 
 def load_train_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
@@ -49,5 +55,5 @@ __all__ = [
     "TrainConfig", "TrainerConfig", "TRUNCATION_REASONS",
     "auto_dtype", "from_dict", "load_config", "load_eval_config", "load_sft_config", "load_train_config",
     "resolve_auto_keys", "resolve_store_dirs", "store_dir", "to_dict",
-    "check_model_layout", "validate_eval_config", "validate_sft_config", "validate_train_config",
+    "check_model_dir", "check_model_layout", "validate_eval_config", "validate_sft_config", "validate_train_config",
 ]

@@ -94,13 +94,6 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
         raise ConfigError("'trainer.max_consecutive_skips' must be >= 0 (0: never stop for NaN/inf steps)")
     if config.trainer.keep_checkpoints < 0:
         raise ConfigError("'trainer.keep_checkpoints' must be >= 0 (0: keep all)")
-    if config.trainer.resume not in ("auto", "none"):
-        from ..checkpoint import CheckpointError, load_run_checkpoint
-
-        try:
-            load_run_checkpoint(config.trainer.resume)
-        except CheckpointError as error:
-            raise ConfigError(f"'trainer.resume' (auto, none or a checkpoint dir): {error}") from error
     if config.trainer.placement == "split" and not config.trainer.ray_address:
         raise ConfigError(
             "'trainer.placement' is split but 'trainer.ray_address' is empty: the local Ray instance is a single "
@@ -187,6 +180,15 @@ def model_layout_problem(model_dir: str | Path, tp: int, pp: int, virtual_pipeli
                 f"{prefix}pp x {prefix}virtual_pipeline_stages={stages}")
             return f"{what} must divide {key}={value} of {model_dir}; choose another {prefix}{flag}"
     return None
+
+
+def check_model_dir(path: str) -> None:
+    """`model.path` must be a HuggingFace model dir (the train, SFT and eval configs name one)."""
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(
+            f"'model.path' is not a HuggingFace model dir (no config.json): {path}; "
+            f"build the embedded default with: rlsearch make-tiny-model --out {path}"
+        )
 
 
 def check_model_layout(model_dir: str | Path, actor: ActorConfig, routing_replay: str = "none") -> None:
@@ -301,11 +303,7 @@ def validate_eval_config(config: EvalConfig) -> EvalConfig:
         )
     if not config.output_dir:
         raise ConfigError("'output_dir' is empty: give the directory for the results")
-    if not (Path(config.model.path) / "config.json").is_file():
-        raise ConfigError(
-            f"'model.path' is not a HuggingFace model dir (no config.json): {config.model.path}; "
-            f"build the embedded default with: rlsearch make-tiny-model --out {config.model.path}"
-        )
+    check_model_dir(config.model.path)
     if not config.eval.files:
         raise ConfigError("'eval.files' is empty: give at least one JSONL or parquet file")
     for index, path in enumerate(config.eval.files):
@@ -379,18 +377,12 @@ def _check_replay_store(section: str, replay: bool, cache_dir: str, store: str) 
 
 
 def _check_reward(config: TrainConfig | EvalConfig) -> None:
-    """Scorer names, the judge's limits and key name, and the rubric weights; which rows need which scorer is
-    checked when the data is loaded (rlsearch.reward.check_scorers)."""
-    from ..reward import ScorerError, check_scorer_name
-
+    """The judge's limits and key name, and the rubric weights; the scorer names, and which rows need which scorer,
+    are checked when the data is loaded (rlsearch.reward.check_scorers)."""
     reward = config.reward
     for source, name in reward.scorers.items():
         if not isinstance(name, str):
             raise ConfigError(f"'reward.scorers.{source}' must be a scorer name; got {name!r}")
-        try:
-            check_scorer_name(name)
-        except ScorerError as error:
-            raise ConfigError(f"'reward.scorers.{source}': {error}") from None
     judge = reward.judge
     for key in ("max_retries", "backoff_s", "requests_per_minute"):
         if getattr(judge, key) < 0:

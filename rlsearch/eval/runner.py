@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from ..config import ConfigError, EvalConfig, resolve_store_dirs, to_dict
 from ..data import DatasetError, QAExample, load_qa_dataset
+from ..files import atomic_path
 from ..reward import check_scorers, score_trajectories, trajectory_answer
 from ..rollout import EnginePool, EngineSpec, PromptItem, Trajectory, new_rollout_worker
 from .metrics import OVERALL, render_hops_table, render_table, summarize, summarize_by_hops
@@ -310,6 +310,5 @@ def _lookup(tree: dict, dotted: str, default: object) -> object:
 
 
 def _write_json_atomically(path: Path, payload: dict) -> None:
-    staging = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    staging.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
-    os.replace(staging, path)
+    with atomic_path(path) as staging:
+        staging.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n")

@@ -16,6 +16,7 @@ from pathlib import Path
 import openai
 
 from rlsearch.config import ConfigError, JudgeConfig, store_dir
+from rlsearch.files import atomic_path
 from rlsearch.reward.verdict import parse_verdict
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
@@ -82,9 +83,8 @@ class ReplyCache:
         path = self.directory / key[:2] / f"{key}.json"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            staging = path.with_name(f"{path.name}.tmp-{os.getpid()}-{id(record)}")
-            staging.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8")
-            os.replace(staging, path)
+            with atomic_path(path) as staging:
+                staging.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8")
         except OSError as error:  # a full disk: the verdict stands, it is only not kept
             if not self.write_failed:
                 print(f"[rlsearch] the judge cache {self.directory} cannot be written ({error}); replies are not "

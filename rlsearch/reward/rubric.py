@@ -12,7 +12,7 @@ from rlsearch.reward.qa import extract_answer
 if TYPE_CHECKING:
     from rlsearch.config import RubricConfig
     from rlsearch.data import Rubric
-    from rlsearch.rollout import Trajectory
+    from rlsearch.trajectory import Trajectory
 
 # ids the tools show the model (call_tool protocol: <snippet id=...>, <webpage id=...>) and the answer's citations
 _SHOWN_ID = re.compile(r"<(?:snippet|webpage)\s+id=[\"']?([^\"'\s>]+)")

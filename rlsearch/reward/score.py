@@ -30,7 +30,7 @@ from rlsearch.reward.registry import (
 from rlsearch.reward.rubric import rubric_reward, rubric_terms, weighted_rubric_mean
 
 if TYPE_CHECKING:
-    from rlsearch.rollout import Trajectory
+    from rlsearch.trajectory import Trajectory
 
 RUBRIC_SCALE = 2.0  # the rubric prompt asks for 0, 1 or 2 per criterion; a bare number is read on this scale
 
@@ -46,8 +46,14 @@ class RewardScorer:
         self._rubric_prompt: PromptTemplate | None = None
 
     def check(self, examples: Sequence[QAExample]) -> None:
-        """The start-up check: every row has a known scorer (`ScorerError` naming the row's file:line otherwise),
-        and the judge's settings, key and prompt files are usable when a row needs the judge (`ConfigError`)."""
+        """The start-up check: every scorer named in `reward.scorers` is known, every row has a known scorer
+        (`ScorerError` naming the key, or the row's file:line), and the judge's settings, key and prompt files are
+        usable when a row needs the judge (`ConfigError`)."""
+        for source, name in self.config.scorers.items():
+            try:
+                check_scorer_name(name)
+            except ScorerError as error:
+                raise ScorerError(f"'reward.scorers.{source}': {error}") from None
         if set(self._scorer_names(examples)) & set(JUDGED_SCORERS):
             self._start_judge()
 

@@ -1,9 +1,9 @@
 """Rollout: vLLM engines, the multi-turn tool-use agent loop and the Trajectory contract."""
 
+from ..trajectory import ToolCallRecord, Trajectory, Turn
 from .agent_loop import AgentLoop, PromptItem, request_seed, token_logit_bias
 from .engine import EngineSpec, VLLMEngine, configure_vllm_environment
 from .pool import EnginePool, NoEngineLeftError, dispatch_groups, new_rollout_worker
-from .trajectory import ToolCallRecord, Trajectory, Turn
 from .worker import RolloutWorker
 
 __all__ = [

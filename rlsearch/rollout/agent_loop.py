@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 from ..config import RolloutConfig
 from ..tools import ErrorKind, ToolCall, ToolProtocol, ToolRegistry, ToolResult, TurnKind
+from ..trajectory import ToolCallRecord, Trajectory, Turn
 from .engine import chosen_logprobs
 from .observation import TRUNCATION_MARK, fitted_observation
-from .trajectory import ToolCallRecord, Trajectory, Turn
 
 
 @dataclass

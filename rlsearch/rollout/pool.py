@@ -21,9 +21,9 @@ from typing import Any
 
 from ..config import RolloutConfig, ToolsConfig
 from ..ray_setup import cluster_has_gpus
+from ..trajectory import Trajectory
 from .agent_loop import PromptItem
 from .engine import EngineSpec
-from .trajectory import Trajectory
 from .worker import RolloutWorker
 
 SPREAD_LIMIT = 64  # groups in flight per engine when rollout.groups_per_engine is 0 (one actor thread each)

@@ -12,9 +12,9 @@ from ..config import RetrieverConfig, RolloutConfig, ToolsConfig
 from ..logging import redirect_worker_output
 from ..loop_thread import LoopThread
 from ..tools import ToolProtocol, ToolRegistry, build_registry, make_protocol
+from ..trajectory import Trajectory
 from .agent_loop import AgentLoop, PromptItem
 from .engine import EngineSpec, VLLMEngine
-from .trajectory import Trajectory
 
 T = TypeVar("T")
 

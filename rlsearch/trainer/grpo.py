@@ -16,12 +16,13 @@ from functools import partial
 from pathlib import Path
 
 from ..actor import ActorGroup, ActorWorkerSpec, SamplingDistribution, TrainSample
-from ..checkpoint import CheckpointStore, load_run_checkpoint
+from ..checkpoint import CheckpointError, CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import MODEL_DIR
 from ..config import (
     ConfigError,
     EvalConfig,
     TrainConfig,
+    check_model_dir,
     check_model_layout,
     resolve_auto_keys,
     resolve_store_dirs,
@@ -131,10 +132,21 @@ def _is_ray_error(error: BaseException | None) -> bool:
     return False
 
 
+def _check_resume_dir(resume: str) -> None:
+    """A `trainer.resume` dir that is not a complete run checkpoint stops the run before anything starts."""
+    if resume in ("auto", "none"):
+        return
+    try:
+        load_run_checkpoint(resume)
+    except CheckpointError as error:
+        raise ConfigError(f"'trainer.resume' (auto, none or a checkpoint dir): {error}") from error
+
+
 class GRPOTrainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config = resolve_store_dirs(config, config.trainer.output_dir)  # tool and judge stores go there
         self.output_dir = Path(config.trainer.output_dir)
+        _check_resume_dir(config.trainer.resume)
         self.examples = self._load_examples()
         check_model_layout(config.model.path, config.actor, config.algo.routing_replay)
         self.sampler = EpochSampler(self.examples, seed=config.trainer.seed, shuffle=config.data.shuffle)
@@ -159,11 +171,7 @@ class GRPOTrainer:
 
     def _load_examples(self) -> list[QAExample]:
         config = self.config
-        if not (Path(config.model.path) / "config.json").is_file():
-            raise ConfigError(
-                f"'model.path' is not a HuggingFace model dir (no config.json): {config.model.path}; "
-                f"build the embedded default with: rlsearch make-tiny-model --out {config.model.path}"
-            )
+        check_model_dir(config.model.path)
         examples = []
         for path in config.data.train_files:
             examples.extend(load_qa_dataset(path))

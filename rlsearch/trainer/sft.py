@@ -15,7 +15,7 @@ from pathlib import Path
 from ..actor import MODEL_DISTRIBUTION, ActorGroup, ActorWorkerSpec, TrainSample
 from ..algo import loss_token_weights
 from ..checkpoint import write_hf_model
-from ..config import AlgoConfig, ConfigError, SFTConfig, check_model_layout, resolve_auto_keys, to_dict
+from ..config import AlgoConfig, ConfigError, SFTConfig, check_model_dir, check_model_layout, resolve_auto_keys, to_dict
 from ..data.chat import ChatExample, load_chat_dataset
 from ..logging import RunLogger, plot_run
 from ..ray_setup import cluster_has_gpus, init_ray
@@ -51,8 +51,7 @@ class SFTSummary:
 def _load_examples(config: SFTConfig) -> list[ChatExample]:
     from transformers import AutoTokenizer
 
-    if not (Path(config.model.path) / "config.json").is_file():
-        raise ConfigError(f"'model.path' is not a HuggingFace model dir (no config.json): {config.model.path}")
+    check_model_dir(config.model.path)
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     examples: list[ChatExample] = []
     for path in config.data.train_files:

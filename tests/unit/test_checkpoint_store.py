@@ -91,7 +91,9 @@ def test_load_run_checkpoint_errors_say_what_is_wrong(tmp_path):
 
 
 def test_config_resume_path_is_checked_at_start_up(tmp_path):
+    from rlsearch.trainer import GRPOTrainer
+
     config = REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml"
     with pytest.raises(ConfigError, match=r"'trainer.resume'.*not an rlsearch checkpoint"):
-        load_train_config(config, [f"trainer.resume={tmp_path}"])
+        GRPOTrainer(load_train_config(config, [f"trainer.resume={tmp_path}"]))
     assert load_train_config(config, ["trainer.resume=none"]).trainer.resume == "none"

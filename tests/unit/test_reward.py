@@ -193,6 +193,8 @@ def test_check_scorers_names_the_row_file_and_line() -> None:
     with pytest.raises(ScorerError, match=r"^data.jsonl:7: the rubric scorer needs the row's 'rubrics'"):
         check_scorers([_example("nq", scorer="rubric")], RewardConfig())
     check_scorers([_example("mine")], RewardConfig(scorers={"mine": "f1"}))
+    with pytest.raises(ScorerError, match=r"^'reward.scorers.web': unknown scorer 'exact'"):
+        check_scorers([_example("nq")], RewardConfig(scorers={"web": "exact"}))  # a key no row uses is checked too
 
 
 def test_judge_scorer_without_judge_settings_fails_at_the_check() -> None:
@@ -276,7 +278,7 @@ def test_parse_verdict_rejects(reply: str, scale: float | None) -> None:
 
 
 def test_search_score_rewards_searching_with_valid_calls_only() -> None:
-    from rlsearch.rollout.trajectory import ToolCallRecord, Turn
+    from rlsearch.trajectory import ToolCallRecord, Turn
 
     search = Turn(text="<search>x</search>", num_tokens=3, kind="tool_call",
                   tool_calls=[ToolCallRecord(name="search", query="x", ok=True)])

@@ -134,7 +134,9 @@ def _check(engines: list[list[float]], actor: list[float], limit: float, monkeyp
         })})
         for lp in engines
     ]
-    actor_group = type("Actor", (), {"compute_logprobs": lambda self, samples: [actor for _ in samples]})()
+    actor_group = type("Actor", (), {
+        "score_continuations": lambda self, prompt, continuations: [actor for _ in continuations]
+    })()
     return check_engines_match_actor(actor_group, handles, [1, 2, 3], limit, step=5)
 
 

@@ -39,8 +39,8 @@ def test_unmasked_observations_train_every_response_token() -> None:
 
 
 def test_actor_logprobs_go_back_to_their_trajectory_and_segment() -> None:
-    from rlsearch.rollout.trajectory import Segment
     from rlsearch.trainer.samples import actor_logprobs_of
+    from rlsearch.trajectory import Segment
 
     failed, first, second = _trajectory(0, 0.0), _trajectory(0, 1.0), _trajectory(0, 0.0)
     failed.failed = "agent: raised"

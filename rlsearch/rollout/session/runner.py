@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 
 from ...config import RolloutConfig
 from ...loop_thread import LoopThread
+from ...trajectory import Trajectory, Turn
 from ..agent_loop import PromptItem
-from ..trajectory import Trajectory, Turn
 from .server import SessionEndpoint
 from .session import AgentExample, AgentSession
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from ...tools import ToolCall, ToolRegistry, ToolResult, ToolSpec
 from ...tools.protocols.chat_tools import openai_tool_schemas
-from ..trajectory import ToolCallRecord
+from ...trajectory import ToolCallRecord
 from .tokens import SessionTokens
 
 

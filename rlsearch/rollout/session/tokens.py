@@ -21,7 +21,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..trajectory import Segment
+from ...trajectory import Segment
 
 Render = Callable[[list[dict], bool], str]  # (messages, add_generation_prompt) -> text
 

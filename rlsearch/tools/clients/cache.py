@@ -6,11 +6,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import sys
-import threading
 from pathlib import Path
 
+from ...files import atomic_path
 from ..base import Document, ToolCall, ToolSpec
 
 SPECS_FILE = "tools.json"
@@ -93,6 +92,5 @@ def _key_fields(call: ToolCall) -> dict:
 
 
 def _write_atomically(path: Path, record: object) -> None:
-    staging = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")  # writers may race
-    staging.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8")
-    os.replace(staging, path)
+    with atomic_path(path) as staging:  # writers may race: each has its own staging name
+        staging.write_text(json.dumps(record, ensure_ascii=False), encoding="utf-8")

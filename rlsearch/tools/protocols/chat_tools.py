@@ -33,7 +33,7 @@ from ..base import Document, ErrorKind, ToolCall, ToolSetupError, ToolSpec, Turn
 from .base import ToolProtocol, TurnAction
 
 if TYPE_CHECKING:
-    from ...rollout.trajectory import Trajectory
+    from ...trajectory import Trajectory
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # stand-ins in the conversations rendered to learn what the template writes around a turn

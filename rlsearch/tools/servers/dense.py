@@ -6,11 +6,11 @@ Passage embeddings are cached on disk per (encoder, corpus bytes), so a restart 
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
 
+from ...files import atomic_path
 from .corpus import Corpus, Hits
 
 ENCODE_BATCH_SIZE = 64
@@ -84,7 +84,5 @@ def _cache_name(encoder_path: str, corpus_digest: str) -> str:
 
 def _save_atomically(embeddings: np.ndarray, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    with staging.open("wb") as staging_file:
+    with atomic_path(target) as staging, staging.open("wb") as staging_file:
         np.save(staging_file, embeddings)
-    os.replace(staging, target)
