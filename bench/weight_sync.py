@@ -173,7 +173,7 @@ def main() -> None:
 
         def reload_seconds() -> float:
             started = time.perf_counter()
-            ray.get(engine.weight_rpc.remote("reload_from_files", str(model_path)))
+            ray.get(engine.reload_weights_from_files.remote(str(model_path)))
             return time.perf_counter() - started
 
         # the best of several reloads, before the syncs and again after them (the machine's noise moves it)

@@ -13,6 +13,7 @@ from ..logging import redirect_worker_output
 from ..loop_thread import LoopThread
 from ..tools import ToolProtocol, ToolRegistry, build_registry, make_protocol
 from ..trajectory import Trajectory
+from ..weights import EngineWeightReceiver, WeightEndpoint
 from .agent_loop import AgentLoop, PromptItem
 from .engine import EngineSpec, VLLMEngine
 
@@ -57,7 +58,7 @@ class IdleClock:
             return idle
 
 
-class RolloutWorker:
+class RolloutWorker(WeightEndpoint):
     """``retriever`` and ``retriever_url`` set up the ``search`` tool's client; ``tools`` says which tools the
     agent gets (built-in names, MCP servers with their URLs, web tools, the result cache); None: search only.
     ``rollout.agent`` picks the driver: the built-in loop, or a user agent run against the worker's session endpoint.
@@ -139,10 +140,10 @@ class RolloutWorker:
         """rollout.logit_bias as the engine applies it: token id -> bias."""
         return dict(self.loop.logit_bias)
 
-    def weight_rpc(self, method: str, *args: Any) -> Any:
-        """Call `method` of the engine's weight receiver (`rlsearch.weights.EngineWeightReceiver`) with `args`: the
-        weight path drives a sync through this one door."""
-        return self._run(getattr(self.engine.weights, method)(*args))
+    @property
+    def weight_receiver(self) -> EngineWeightReceiver:
+        """The engine's end of the weight path; `WeightEndpoint` names its calls."""
+        return self.engine.weights
 
     def shutdown(self) -> None:
         if self.driver is not self.loop:

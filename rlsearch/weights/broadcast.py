@@ -10,7 +10,7 @@ of the bucket being built. Stages run one after another (no two stages broadcast
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
@@ -18,6 +18,35 @@ from .bucket import flatten_tensors, iter_buckets
 from .clock import PhaseClock
 from .deadline import Deadline
 from .group import broadcast_within, group_device, rank_offsets
+from .transport import SentWeights
+
+
+class BroadcastTransport:
+    """The driver's side: the groups (`BroadcastGroups`), then each stage's sender drives its broadcasts, stage by
+    stage in pipeline order."""
+
+    def __init__(self, bucket_bytes: int, engine_tp: int) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.engine_tp = engine_tp
+        self._groups = BroadcastGroups()
+
+    def send(self, stages: Sequence[Sequence], engines: Sequence, held: list[str | None], deadline: Deadline,
+             pause: Callable[[], None]) -> SentWeights:
+        self._groups.ensure([workers[0] for workers in stages], engines, self.engine_tp, deadline)
+        pause()
+        # stage by stage: no two stages broadcast into the same engines at once
+        return SentWeights([
+            send_stage(stage, workers, engines, self.bucket_bytes, deadline) for stage, workers in enumerate(stages)
+        ])
+
+    def finished(self, sent: SentWeights) -> None:
+        pass
+
+    def failed(self) -> None:
+        self._groups.invalidate()  # a broadcast past the deadline aborted its group
+
+    def close(self, stages: Sequence[Sequence], engines: Sequence, deadline: Deadline) -> None:
+        self._groups.leave([workers[0] for workers in stages], engines, deadline)
 
 
 class BroadcastGroups:
@@ -41,7 +70,7 @@ class BroadcastGroups:
             (address,) = deadline.get([sender.open_rendezvous.remote(f"weights-{stage}", deadline.timeout_s)],
                                       f"opening the rendezvous of stage {stage}'s broadcast group")
             joins = [
-                engine.weight_rpc.remote("join_group", address, offset, world, stage, deadline.timeout_s)
+                engine.join_weight_group.remote(address, offset, world, stage, deadline.timeout_s)
                 for engine, offset in zip(engines, offsets)
             ]
             created = sender.join_weight_group.remote(address, world, deadline.timeout_s)
@@ -54,7 +83,7 @@ class BroadcastGroups:
         self._members = None
 
     def leave(self, senders: Sequence, engines: Sequence, deadline: Deadline) -> None:
-        refs = [engine.weight_rpc.remote("leave_groups") for engine in engines]
+        refs = [engine.leave_weight_groups.remote() for engine in engines]
         refs += [sender.leave_weight_groups.remote() for sender in senders]
         deadline.get(refs, "leaving the broadcast groups")
         self._members = None
@@ -80,7 +109,7 @@ def broadcast_buckets(named_tensors, group, stage: int, engines: Sequence, bucke
         with clock.phase("pack"):
             layout, flat = flatten_tensors(tensors, device)
         with clock.phase("transfer"):
-            receives = [engine.weight_rpc.remote("receive_broadcast", stage, layout.to_wire()) for engine in engines]
+            receives = [engine.receive_weight_broadcast.remote(stage, layout.to_wire()) for engine in engines]
             broadcast_within(flat, group, deadline.remaining())
             deadline.get(receives, "receiving a broadcast weight bucket", engines)
         del flat

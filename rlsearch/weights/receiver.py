@@ -157,6 +157,56 @@ class EngineWeightReceiver:
         return await self.llm.collective_rpc("rlsearch_weight_digest")
 
 
+class WeightEndpoint:
+    """The receiver's calls as named methods of the Ray actor that hosts an engine (the rollout worker mixes this
+    in): the driver calls `engine.pause_for_weights.remote()`, never a method named by a string. The host has
+    `weight_receiver` (its engine's `EngineWeightReceiver`) and `_run(coroutine)` (runs it on the engine's loop and
+    returns its result)."""
+
+    def open_weight_sync(self) -> str | None:
+        return self._run(self.weight_receiver.open_sync())
+
+    def pause_for_weights(self) -> None:
+        return self._run(self.weight_receiver.begin())
+
+    def stage_weight_bucket(self, bucket: WeightBucket | DeltaBucket) -> tuple[int, int, int]:
+        return self._run(self.weight_receiver.stage_bucket(bucket))
+
+    def load_weight_bucket(self, bucket: WeightBucket | DeltaBucket) -> tuple[int, int, int]:
+        return self._run(self.weight_receiver.load_bucket(bucket))
+
+    def load_staged_weight_bucket(self, staged: dict) -> tuple[int, int, int]:
+        return self._run(self.weight_receiver.load_staged(staged))
+
+    def load_staged_weight_buckets(self) -> None:
+        return self._run(self.weight_receiver.load_staged_buckets())
+
+    def join_weight_group(self, address: str, rank_offset: int, world_size: int, stage: int,
+                          timeout_s: float) -> list[int]:
+        return self._run(self.weight_receiver.join_group(address, rank_offset, world_size, stage, timeout_s))
+
+    def leave_weight_groups(self) -> None:
+        return self._run(self.weight_receiver.leave_groups())
+
+    def receive_weight_broadcast(self, stage: int, wire: dict) -> tuple[int, int]:
+        return self._run(self.weight_receiver.receive_broadcast(stage, wire))
+
+    def finish_weight_sync(self, sync_id: str | None = None) -> dict[str, float]:
+        return self._run(self.weight_receiver.finish(sync_id))
+
+    def finished_weight_syncs(self) -> int:
+        return self._run(self.weight_receiver.finished_syncs())
+
+    def weight_sync_timeline(self) -> dict[str, float]:
+        return self._run(self.weight_receiver.sync_timeline())
+
+    def reload_weights_from_files(self, model_dir: str) -> None:
+        return self._run(self.weight_receiver.reload_from_files(model_dir))
+
+    def weights_digest(self) -> list[str]:
+        return self._run(self.weight_receiver.digest())
+
+
 def _report_problems(reports: list[dict[str, list[str]]]) -> list[str]:
     """What the TP workers' session reports (`rlsearch_finish_weight_update`) say went wrong; empty: nothing."""
     problems = []

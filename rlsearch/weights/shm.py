@@ -20,9 +20,10 @@ import shutil
 import socket
 import tempfile
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ from .bucket import flatten_tensors, iter_buckets, pack_bucket
 from .clock import PhaseClock
 from .deadline import Deadline
 from .delta import DeltaEncoder
+from .transport import SentWeights
 
 STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 # weight buckets a sender may have produced ahead of the engines: bounds its extra memory
@@ -119,6 +121,76 @@ class ExportPlan:
     delta_of: str | None = None  # bridge.delta: the id of the weights every engine holds (None: send them whole)
 
 
+class ShmTransport:
+    """The driver's side: where the buckets go (the senders' node, or the object store), the delta bookkeeping of
+    bridge.delta, and the /dev/shm room check; `send_stages` moves the buckets. ``delta``, ``delta_full_every`` and
+    ``stage_first`` (bridge.stage_while_generating, with updates landing on rollouts in flight) as `bridge.*`."""
+
+    def __init__(self, bucket_bytes: int, delta: bool = False, delta_full_every: int = 10,
+                 stage_first: bool = False) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.delta = delta
+        self.delta_full_every = delta_full_every
+        self.stage_first = stage_first
+        self._placement: tuple[tuple, bool] | None = None  # (engines, whether they share every sender's node)
+        self._synced_id: str | None = None  # the weights every engine and sender hold after the last delta-mode sync
+        self._deltas_since_full = 0
+        self._whole_model_bytes = 0  # what a stage-first sync stages (counted once)
+        self._room_checked: tuple | None = None  # the engines and staging place /dev/shm was checked for
+
+    def send(self, stages: Sequence[Sequence], engines: Sequence, held: list[str | None], deadline: Deadline,
+             pause: Callable[[], None]) -> SentWeights:
+        # deltas are applied by each engine's host, so they travel through the object store
+        same_node = not self.delta and self._on_senders_node(stages, engines, deadline)
+        plan = self._delta_plan(ExportPlan(self.bucket_bytes, same_node, keep_staged=self.stage_first), stages, held,
+                                deadline)
+        # a sync stages what the one before it did, in the same files: /dev/shm is checked once
+        room_key = (tuple(engines), plan.stage_in_shared_memory)
+        sent = send_stages(stages, engines, plan, deadline, pause,
+                           self._model_bytes(stages, deadline) if self.stage_first else 0,
+                           check_room=room_key != self._room_checked)
+        self._room_checked = room_key
+        return SentWeights(sent, plan.sync_id, delta=plan.delta_of is not None)
+
+    def finished(self, sent: SentWeights) -> None:
+        if sent.sync_id is not None:
+            self._synced_id = sent.sync_id
+            self._deltas_since_full = self._deltas_since_full + 1 if sent.delta else 0
+
+    def failed(self) -> None:
+        self._synced_id = None
+
+    def close(self, stages: Sequence[Sequence], engines: Sequence, deadline: Deadline) -> None:
+        pass
+
+    def _delta_plan(self, plan: ExportPlan, stages: Sequence[Sequence], held: list, deadline: Deadline) -> ExportPlan:
+        """Under bridge.delta: this sync's id, and a delta against the last one's weights where every engine and
+        sender still holds them and no full sync is due."""
+        if not self.delta:
+            return plan
+        senders_hold = deadline.get([workers[0].delta_base_id.remote() for workers in stages],
+                                    "asking the senders which weights they last sent")
+        base = self._synced_id
+        due_full = self._deltas_since_full + 1 >= self.delta_full_every
+        delta_of = None if base is None or due_full or any(h != base for h in [*held, *senders_hold]) else base
+        return replace(plan, sync_id=uuid.uuid4().hex, delta_of=delta_of)
+
+    def _model_bytes(self, stages: Sequence[Sequence], deadline: Deadline) -> int:
+        if not self._whole_model_bytes:
+            sizes = deadline.get([worker.export_bytes.remote() for workers in stages for worker in workers],
+                                 "asking the actor ranks for their weights' size")
+            self._whole_model_bytes = sum(sizes)
+        return self._whole_model_bytes
+
+    def _on_senders_node(self, stages: Sequence[Sequence], engines: Sequence, deadline: Deadline) -> bool:
+        """Whether every engine runs on the node of every stage's sender (then buckets are staged there once)."""
+        if self._placement is None or self._placement[0] != tuple(engines):
+            refs = [workers[0].node_id.remote() for workers in stages] + [e.node_id.remote() for e in engines]
+            nodes = set(deadline.get(refs, "asking where the senders and engines run"))
+            self._placement = (tuple(engines), len(nodes) == 1)
+        return self._placement[1]
+
+
 def send_stages(stages: Sequence[Sequence], engines: Sequence, plan: ExportPlan, deadline: Deadline,
                 pause: Callable[[], None], whole_model_bytes: int = 0, check_room: bool = True) -> list[dict[str, int]]:
     """Every bucket of every pipeline stage into every engine. ``stages[k]``: stage k's DP-rank-0 ranks, its sender
@@ -155,6 +227,18 @@ def send_stages(stages: Sequence[Sequence], engines: Sequence, plan: ExportPlan,
     return sent
 
 
+def _stage_bucket(engine, bucket_ref):  # the engine writes it to its own staged files, generating on
+    return engine.stage_weight_bucket.remote(bucket_ref)
+
+
+def _load_staged_bucket(engine, bucket_ref):  # the bucket is a file on the engine's node
+    return engine.load_staged_weight_bucket.remote(bucket_ref)
+
+
+def _load_bucket(engine, bucket_ref):  # the bucket travels through the object store
+    return engine.load_weight_bucket.remote(bucket_ref)
+
+
 def _take_buckets(streams: list[list], engines: Sequence, deadline: Deadline, pause: Callable[[], None],
                   stage_first: bool, same_node: bool) -> list[dict]:
     """`send_stages`' loop over the senders' streams: each bucket into every engine at once, or, staged first, every
@@ -163,8 +247,8 @@ def _take_buckets(streams: list[list], engines: Sequence, deadline: Deadline, pa
         pause()
     # per bucket: the engines' call now (load it, or stage it on their node); staged first on the senders' node, the
     # bucket files wait to be loaded once paused
-    take_now = None if stage_first and same_node else "stage_bucket" if stage_first else \
-        "load_staged" if same_node else "load_bucket"
+    take_now = None if stage_first and same_node else (
+        _stage_bucket if stage_first else _load_staged_bucket if same_node else _load_bucket)
     sent = [{"buckets": 0, "tensors": 0, "bytes": 0, "wire_bytes": 0} for _ in streams]
     staged_files: list = []
 
@@ -187,7 +271,7 @@ def _take_buckets(streams: list[list], engines: Sequence, deadline: Deadline, pa
         if take_now is None:
             staged_files.append((stage, bucket_ref))
             continue
-        calls = [engine.weight_rpc.remote(take_now, bucket_ref) for engine in engines]
+        calls = [take_now(engine, bucket_ref) for engine in engines]
         count(stage, deadline.get(calls, f"{'staging' if stage_first else 'loading'} a weight bucket", engines)[0])
     for stage_streams in streams:  # the TP peers yield nothing; their end says they finished cleanly
         for stream in stage_streams[1:]:
@@ -197,10 +281,10 @@ def _take_buckets(streams: list[list], engines: Sequence, deadline: Deadline, pa
     if stage_first:
         pause()
         for stage, bucket_ref in staged_files:
-            calls = [engine.weight_rpc.remote("load_staged", bucket_ref) for engine in engines]
+            calls = [_load_staged_bucket(engine, bucket_ref) for engine in engines]
             count(stage, deadline.get(calls, "loading a staged weight bucket", engines)[0])
         if not same_node:
-            calls = [engine.weight_rpc.remote("load_staged_buckets") for engine in engines]
+            calls = [engine.load_staged_weight_buckets.remote() for engine in engines]
             deadline.get(calls, "loading the staged weight buckets", engines)
     return sent
 

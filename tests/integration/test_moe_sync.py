@@ -163,10 +163,10 @@ def qwen3_engines(ray_local, qwen3_case):
 
 
 def _sync_workers(engines: list, buckets: list[WeightBucket]) -> None:
-    ray.get([engine.weight_rpc.remote("begin") for engine in engines])
+    ray.get([engine.pause_for_weights.remote() for engine in engines])
     for bucket in buckets:
-        ray.get([engine.weight_rpc.remote("load_bucket", bucket) for engine in engines])
-    ray.get([engine.weight_rpc.remote("finish") for engine in engines])
+        ray.get([engine.load_weight_bucket.remote(bucket) for engine in engines])
+    ray.get([engine.finish_weight_sync.remote() for engine in engines])
 
 
 class TestQwen2MoeTp1Engine:

@@ -89,15 +89,15 @@ def synced(engines, tiny_model_dir, model_b, probe_ids):
             probe = TrainSample(probe_ids, 1, [1] * (len(probe_ids) - 1))
             actor_logprobs = group.compute_logprobs([probe], distribution=MODEL_DISTRIBUTION)[0]
             for transport in TRANSPORTS:
-                ray.get([engine.weight_rpc.remote("reload_from_files", str(tiny_model_dir)) for engine in engines])
+                ray.get([engine.reload_weights_from_files.remote(str(tiny_model_dir)) for engine in engines])
                 result.before[transport] = [
                     logprob_mismatch(ray.get(engine.score.remote(probe_ids)), actor_logprobs)[0] for engine in engines
                 ]
                 sync = WeightSync(group, BUCKET_MB, transport, timeout_s=120.0, engine_tp=ENGINE_TP)
                 result.stats[transport] = sync.sync(engines)
                 result.parity[transport] = check_engines_match_actor(group, engines, probe_ids, 1e-4, step=0)
-                result.digests[transport] = ray.get([engine.weight_rpc.remote("digest") for engine in engines])
-                result.versions[transport] = ray.get([engine.weight_rpc.remote("finished_syncs") for engine in engines])
+                result.digests[transport] = ray.get([engine.weights_digest.remote() for engine in engines])
+                result.versions[transport] = ray.get([engine.finished_weight_syncs.remote() for engine in engines])
                 sync.close(engines)
         finally:
             group.shutdown()
@@ -212,10 +212,10 @@ def delta_runs(engines, model_b, probe_ids, tiny_model_dir, retriever):
                                                                             result.killed_segments] if path.exists()]
                 synced(sync, step)
                 if layout == "tp1pp2" and step == RESTART_AFTER + 1:
-                    result.restart_digests = ray.get([engine.weight_rpc.remote("digest") for engine in engines])
-            result.delta_digests = ray.get([engine.weight_rpc.remote("digest") for engine in engines])
+                    result.restart_digests = ray.get([engine.weights_digest.remote() for engine in engines])
+            result.delta_digests = ray.get([engine.weights_digest.remote() for engine in engines])
             WeightSync(group, BUCKET_MB, "shm", timeout_s=120.0, engine_tp=ENGINE_TP).sync(engines)
-            result.full_digests = ray.get([engine.weight_rpc.remote("digest") for engine in engines])
+            result.full_digests = ray.get([engine.weights_digest.remote() for engine in engines])
         finally:
             group.shutdown()
         cache[layout] = result
@@ -288,7 +288,7 @@ def test_staged_while_generating_the_engines_keep_sampling_until_the_load(engine
             time.sleep(0.05)
         stats = WeightSync(group, BUCKET_MB, "shm", timeout_s=120.0, engine_tp=ENGINE_TP,
                            stage_while_generating=True).sync(engines)
-        timeline = ray.get(engines[0].weight_rpc.remote("sync_timeline"))
+        timeline = ray.get(engines[0].weight_sync_timeline.remote())
     finally:
         stop.set()
         if sampler.is_alive():
