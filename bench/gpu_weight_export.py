@@ -10,7 +10,7 @@ its weights the ways a sync does, each timed against the plain copy of the same 
                and its checksum); then one sync staged whole, read back and compared bit for bit with the weights
   broadcast  : the broadcast transport's sender (export, flatten into a device buffer, checksum, broadcast on the
                rank's own one-member group: nccl on a GPU)
-  delta      : a whole sync, one GRPO step at --lr, then a delta sync (bridge.delta): bytes on the wire against the
+  delta      : a whole sync, one GRPO step at --lr, then a delta sync (weights.delta): bytes on the wire against the
                whole model, and the deltas applied on a copy of the first sync give the new weights bit for bit
 The last line is PASS or FAIL (a read-back or a delta that differs from the weights).
 
@@ -188,7 +188,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    parser.add_argument("--bucket-mb", type=int, default=256, help="bridge.bucket_mb")
+    parser.add_argument("--bucket-mb", type=int, default=256, help="weights.bucket_mb")
     parser.add_argument("--repeats", type=int, default=3, help="timed syncs (and copies) of each kind")
     parser.add_argument("--lr", type=float, default=1e-6, help="the learning rate of the step between delta syncs")
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")

@@ -174,7 +174,7 @@ def _grpo(model: Path, data: Path, out: Path, seed: int, args: argparse.Namespac
               f"trainer.log_trajectories={str(args.task == 'multihop').lower()}",
               # a fine-tuned model's sharper distributions put fp32 engine-vs-actor logprob gaps near 1e-4 (1.05e-4
               # measured), the tiny config's limit for a random model; a broken sync is off by far more than 1e-3
-              "bridge.max_logprob_mismatch=1e-3", *_common(data, args), *args.grpo_override, *extra)
+              "weights.max_logprob_mismatch=1e-3", *_common(data, args), *args.grpo_override, *extra)
     return _em(summary)
 
 

@@ -3,7 +3,7 @@
 For a random model shaped like Qwen2.5-0.5B (tied embeddings, 494M parameters) this measures, in one run:
   baseline : vLLM `reload_weights` from the model's safetensors files, already in the page cache, on one engine
   sync     : the weight path (each pipeline stage's sender gathers its own TP shards -> HF names -> buckets ->
-             transport -> every engine), per actor layout, number of engines and transport (bridge.transport)
+             transport -> every engine), per actor layout, number of engines and transport (weights.transport)
 and prints a table: seconds, the ratio to the baseline, MiB each engine received, the senders' peak extra memory
 (private RSS, and shared memory: the object store's copies) in MiB and in buckets, and the engine-vs-actor probe
 gap. Then, per run, the seconds of each phase of its fastest sync (rlsearch.weights.clock.PHASES: the senders'
@@ -11,9 +11,9 @@ summed over pipeline stages, the engines' of the worst engine; they overlap, so 
 the fan-out cost (N engines over 1) and, last, the worst ratio of sync seconds to the baseline.
 
 Two variants of the shm transport run as their own "transports":
-  shm-staged : bridge.stage_while_generating: buckets staged before the engines pause; `pause s` is how long the
+  shm-staged : weights.stage_while_generating: buckets staged before the engines pause; `pause s` is how long the
                engines stood still (load + finish) against the sync's seconds
-  shm-delta  : bridge.delta: a whole sync first, then before each timed sync one optimizer step at --lr on a
+  shm-delta  : weights.delta: a whole sync first, then before each timed sync one optimizer step at --lr on a
                64-token sample; `MiB wire` is what the delta buckets took against `MiB/eng` of whole tensors
 
   .venv/bin/python bench/weight_sync.py --layouts tp1pp1,tp2pp2 --engines 1,2 --transports shm,broadcast
@@ -111,7 +111,7 @@ def print_phases(phases: dict[tuple[str, int, str], dict[str, float]],
               + " ".join(f"{times.get(name, 0.0):>8.2f}" for name in PHASES), flush=True)
 
 
-# bench transport -> (bridge.transport, WeightSync options)
+# bench transport -> (weights.transport, WeightSync options)
 TRANSPORTS = {
     "shm": ("shm", {}), "broadcast": ("broadcast", {}),
     "shm-staged": ("shm", {"stage_while_generating": True}), "shm-delta": ("shm", {"delta": True}),
@@ -222,7 +222,7 @@ def main() -> None:
                               f"{best.seconds / baseline:>5.2f}x {best.phases.get('pause', 0.0):>7.2f} "
                               f"{best.num_bytes / 2**20:>8.0f} {best.wire_bytes / 2**20:>8.1f} "
                               f"{private / 2**20:>9.0f} {shared / 2**20:>8.0f} {private / bucket_bytes:>7.2f} "
-                              f"{gap['bridge/logprob_mismatch_max']:>9.1e}", flush=True)
+                              f"{gap['weights/logprob_mismatch_max']:>9.1e}", flush=True)
             finally:
                 group.shutdown()
         after = min(reload_seconds() for _ in range(args.repeats + 1))

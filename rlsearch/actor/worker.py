@@ -78,7 +78,7 @@ class MegatronActorWorker:
         self.rank = rank
         self.world_size = world_size
         self._rendezvous: dict[str, Rendezvous] = {}
-        self._delta_encoder = DeltaEncoder()  # on a stage's sender: what it last sent under bridge.delta
+        self._delta_encoder = DeltaEncoder()  # on a stage's sender: what it last sent under weights.delta
         self._staged_buckets = shm.StagedBuckets()  # on a stage's sender: its bucket files in /dev/shm
 
     def open_rendezvous(self, purpose: str, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> str:
@@ -431,7 +431,7 @@ class MegatronActorWorker:
     def export_weight_buckets(self, plan: shm.ExportPlan) -> Iterator[WeightBucket | DeltaBucket | dict]:
         """This pipeline stage's weights in buckets (shm transport), yielded by the stage's sender: as files it
         writes in /dev/shm for engines on its node (their path and layout), else as object-store buckets, delta-
-        encoded under bridge.delta. Its TP peers (and, with expert parallelism, the ranks holding the other experts)
+        encoded under weights.delta. Its TP peers (and, with expert parallelism, the ranks holding the other experts)
         take part in the gathers and yield nothing. Called on the ranks of `ActorGroup.stage_workers` only."""
         sender = self._is_stage_sender()
         staged = encoder = None
@@ -446,7 +446,7 @@ class MegatronActorWorker:
                                       self._send_clock)
 
     def delta_base_id(self) -> str | None:
-        """The sync id of the weights this stage's sender last sent under bridge.delta (None: none kept)."""
+        """The sync id of the weights this stage's sender last sent under weights.delta (None: none kept)."""
         return self._delta_encoder.base_id
 
     def export_bytes(self) -> int:

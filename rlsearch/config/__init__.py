@@ -6,7 +6,6 @@ from .schema import (
     TRUNCATION_REASONS,
     ActorConfig,
     AlgoConfig,
-    BridgeConfig,
     BrowseConfig,
     DataConfig,
     EvalConfig,
@@ -26,6 +25,7 @@ from .schema import (
     ToolsConfig,
     TrainConfig,
     TrainerConfig,
+    WeightsConfig,
 )
 from .validate import (
     check_model_dir,
@@ -49,7 +49,7 @@ def load_eval_config(path: str | None, overrides: list[str] | None = None) -> Ev
 
 
 __all__ = [
-    "ActorConfig", "AlgoConfig", "BridgeConfig", "BrowseConfig", "ConfigError", "DataConfig", "EvalConfig",
+    "ActorConfig", "AlgoConfig", "WeightsConfig", "BrowseConfig", "ConfigError", "DataConfig", "EvalConfig",
     "EvalSettings", "JinaConfig", "JudgeConfig", "MCPConfig", "MCPServerConfig", "ModelConfig", "RetrieverConfig",
     "RewardConfig", "RolloutConfig", "RubricConfig", "SerperConfig", "SFTConfig", "SFTDataConfig", "ToolsConfig",
     "TrainConfig", "TrainerConfig", "TRUNCATION_REASONS",

@@ -20,19 +20,19 @@ def auto_dtype(requested: str, has_gpus: bool) -> str:
 
 
 def auto_transport(requested: str, has_gpus: bool, delta: bool) -> str:
-    """bridge.transport: auto -> broadcast (nccl) with GPUs, shm without or with delta syncs (bridge.delta)."""
+    """weights.transport: auto -> broadcast (nccl) with GPUs, shm without or with delta syncs (weights.delta)."""
     if requested != "auto":
         return requested
     return "broadcast" if has_gpus and not delta else "shm"
 
 
 def resolve_auto_keys(config: T, has_gpus: bool) -> T:
-    """A copy of `config` (any config with a model section; a training config also has bridge) with model.dtype and
-    bridge.transport concrete."""
+    """A copy of `config` (any config with a model section; a training config also has weights) with model.dtype and
+    weights.transport concrete."""
     changes = {"model": replace(config.model, dtype=auto_dtype(config.model.dtype, has_gpus))}
-    if hasattr(config, "bridge"):
-        bridge = config.bridge
-        changes["bridge"] = replace(bridge, transport=auto_transport(bridge.transport, has_gpus, bridge.delta))
+    if hasattr(config, "weights"):
+        weights = config.weights
+        changes["weights"] = replace(weights, transport=auto_transport(weights.transport, has_gpus, weights.delta))
     return replace(config, **changes)
 
 

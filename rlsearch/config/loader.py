@@ -13,6 +13,9 @@ import yaml
 
 T = TypeVar("T")
 
+# sections renamed since a release: the old name is refused with the new one, not silently dropped
+RENAMED_SECTIONS = {"bridge": "weights"}
+
 
 class ConfigError(ValueError):
     """A config problem; the message names the offending key and says what is accepted."""
@@ -36,6 +39,11 @@ def from_dict(schema: type[T], raw: dict[str, Any], prefix: str = "") -> T:
     unknown = [k for k in raw if k not in fields]
     if unknown:
         key = unknown[0]
+        if not prefix and RENAMED_SECTIONS.get(key) in fields:
+            new = RENAMED_SECTIONS[key]
+            first = next(iter(raw[key]), None) if isinstance(raw[key], dict) else None
+            example = f": write '{new}.{first}' for '{key}.{first}'" if first else ""
+            raise ConfigError(f"the config section '{key}' is now '{new}'{example}")
         close = difflib.get_close_matches(str(key), fields, n=1)
         hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(fields)}"
         raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")

@@ -362,7 +362,7 @@ class ToolsConfig:
 
 
 @dataclass
-class BridgeConfig:
+class WeightsConfig:
     bucket_mb: int = 256  # weight-sync bucket size
     # how buckets reach the engines. shm: files in /dev/shm that every engine on the sender's node maps (through the
     # Ray object store to other nodes); needs /dev/shm room for a few buckets per sender (containers: --shm-size).
@@ -377,7 +377,7 @@ class BridgeConfig:
     max_logprob_mismatch: float | None = None
     # shm transport, rollout.async_steps >= 1 and rollout.update_weights_in_flight: the buckets are staged in
     # /dev/shm on the engines' nodes while the engines keep generating, and the engines pause only to load them
-    # (bridge/pause_s); needs /dev/shm room for the whole model on the senders' node (with engines on other nodes,
+    # (weights/pause_s); needs /dev/shm room for the whole model on the senders' node (with engines on other nodes,
     # once per engine there)
     stage_while_generating: bool = True
     # send only the weights that changed since the last sync (positions and values, compressed; in bf16 at small
@@ -429,7 +429,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
-    bridge: BridgeConfig = field(default_factory=BridgeConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalSettings = field(default_factory=lambda: EvalSettings(max_examples=20))  # for trainer.eval_interval
 

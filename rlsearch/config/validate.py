@@ -23,7 +23,7 @@ _CHOICES = {
     "rollout.long_prompts": ("error", "cut"),
     "tools.retriever.backend": ("bm25", "dense", "hybrid"),
     "trainer.placement": ("colocated", "split"),
-    "bridge.transport": ("auto", "shm", "broadcast"),
+    "weights.transport": ("auto", "shm", "broadcast"),
 }
 BUILTIN_TOOLS = ("search", "browse", "web_search", "web_browse")  # the names tools.enabled accepts
 MIN_OBSERVATION_TOKENS = 16  # a smaller rollout.max_observation_tokens cannot hold the output tags
@@ -35,12 +35,12 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _POSITIVE = (
     "data.batch_size", "actor.tp", "actor.pp", "actor.cp", "actor.dp", "actor.max_tokens_per_microbatch",
     "rollout.group_size", "rollout.max_turns", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
-    "rollout.max_tokens_per_turn", "tools.retriever.topk", "trainer.total_steps", "bridge.bucket_mb",
+    "rollout.max_tokens_per_turn", "tools.retriever.topk", "trainer.total_steps", "weights.bucket_mb",
     "eval.n_samples", "eval.batch_size", "tools.retriever.batch_size", "tools.retriever.max_concurrency",
     "tools.mcp.timeout_s", "tools.mcp.max_concurrency", "tools.browse.timeout_s", "tools.browse.max_bytes",
     "tools.browse.max_concurrency", "tools.serper.num_results", "tools.serper.timeout_s", "tools.jina.timeout_s",
-    "rollout.num_engines", "rollout.tensor_parallel_size", "bridge.timeout_s", "rollout.agent_timeout_s",
-    "bridge.delta_full_every", "trainer.checkpoint_timeout_s",
+    "rollout.num_engines", "rollout.tensor_parallel_size", "weights.timeout_s", "rollout.agent_timeout_s",
+    "weights.delta_full_every", "trainer.checkpoint_timeout_s",
     "reward.judge.max_tokens", "reward.judge.max_concurrency", "reward.judge.timeout_s", "reward.rubric.max_searches",
 )
 
@@ -218,15 +218,15 @@ def _check_trained_distribution(config: TrainConfig) -> None:
             "weights and the KL would compare different distributions; lower rollout.temperature instead (eval may "
             "use top_p)"
         )
-    if config.bridge.delta and config.bridge.transport == "broadcast":
+    if config.weights.delta and config.weights.transport == "broadcast":
         raise ConfigError(
-            "'bridge.delta' needs 'bridge.transport' shm (or auto): each engine's host applies the changes to its copy "
-            "of the weights before its workers load them, and broadcast sends into the workers directly"
+            "'weights.delta' needs 'weights.transport' shm (or auto): each engine's host applies the changes to its "
+            "copy of the weights before its workers load them, and broadcast sends into the workers directly"
         )
-    limit = config.bridge.max_logprob_mismatch
+    limit = config.weights.max_logprob_mismatch
     if limit is not None and limit < 0:
         raise ConfigError(
-            f"'bridge.max_logprob_mismatch' must be >= 0 (0: no limit, empty: by model.dtype); got {limit}"
+            f"'weights.max_logprob_mismatch' must be >= 0 (0: no limit, empty: by model.dtype); got {limit}"
         )
 
 

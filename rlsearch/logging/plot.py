@@ -27,7 +27,7 @@ PANELS = (
     Panel("response length", ("rollout/response_len_mean", "rollout/model_tokens_mean")),
     Panel("KL", ("actor/approx_kl", "actor/kl_loss")),
     Panel("clip fraction", ("actor/clip_fraction",)),
-    Panel("logprob mismatch", ("bridge/logprob_mismatch_max", "rollout/actor_logprob_diff_mean")),
+    Panel("logprob mismatch", ("weights/logprob_mismatch_max", "rollout/actor_logprob_diff_mean")),
     Panel("SFT loss", ("sft/loss",)),
     Panel("grad norm", ("actor/grad_norm",)),
     Panel("learning rate", ("actor/lr",)),

@@ -17,7 +17,7 @@ _STEP_LINE_KEYS = (
     ("invalid", "rollout/invalid_calls_mean", "{:.2f}"),
     ("len", "rollout/response_len_mean", "{:.0f}"),
     ("loss", "actor/policy_loss", "{:+.4f}"),
-    ("mismatch", "bridge/logprob_mismatch_max", "{:.1e}"),
+    ("mismatch", "weights/logprob_mismatch_max", "{:.1e}"),
     ("time", "time/step_s", "{:.1f}s"),
 )
 

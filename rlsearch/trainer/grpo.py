@@ -202,7 +202,7 @@ class GRPOTrainer:
         import ray
         from transformers import AutoTokenizer
 
-        # the cluster's GPUs, not this process's, decide: model.dtype and bridge.transport `auto` become concrete here,
+        # the cluster's GPUs, not this process's, decide: model.dtype and weights.transport `auto` become concrete here,
         # once, and everything below (and config.json) sees those values
         has_gpus = cluster_has_gpus()
         self.config = config = resolve_auto_keys(config, has_gpus)
@@ -237,12 +237,12 @@ class GRPOTrainer:
             raise RuntimeError(f"the engine's token logit bias {engine_bias} differs from the actor's {logit_bias}: "
                                f"the engine tokenises rollout.logit_bias differently from {config.model.path}'s "
                                "tokenizer")
-        bridge = config.bridge
+        weights = config.weights
         self.weight_sync = WeightSync(
-            self.actor, bridge.bucket_mb, bridge.transport, bridge.timeout_s, config.rollout.tensor_parallel_size,
-            delta=bridge.delta, delta_full_every=bridge.delta_full_every,
+            self.actor, weights.bucket_mb, weights.transport, weights.timeout_s, config.rollout.tensor_parallel_size,
+            delta=weights.delta, delta_full_every=weights.delta_full_every,
             # syncs land on rollouts in flight only with async_steps >= 1: else staging first would only cost memory
-            stage_while_generating=bridge.stage_while_generating and config.rollout.update_weights_in_flight
+            stage_while_generating=weights.stage_while_generating and config.rollout.update_weights_in_flight
             and config.rollout.async_steps >= 1,
         )
         self.probe_ids = ray.get(
@@ -327,7 +327,7 @@ class GRPOTrainer:
             self.good_sampler_state = self.trained_sampler_state
             metrics = self.check_parity()
             print(f"[rlsearch] engine vs actor logprobs before training: max |diff| "
-                  f"{metrics['bridge/logprob_mismatch_max']:.2e} ({self.actor.spec.sampling.describe()})", flush=True)
+                  f"{metrics['weights/logprob_mismatch_max']:.2e} ({self.actor.spec.sampling.describe()})", flush=True)
             last_checkpoint = None
             history: list[dict[str, float]] = []
             if self.step >= self.config.trainer.total_steps:
@@ -520,7 +520,7 @@ class GRPOTrainer:
                 futures.wait([pending.trajectories for pending in self.rollouts])
         restarted = self._replace_dead_engines()
         if not (changed or restarted):
-            return {"time/sync_s": 0.0, "bridge/buckets": 0.0, "bridge/engines": 0.0, "bridge/sync_mib": 0.0}
+            return {"time/sync_s": 0.0, "weights/buckets": 0.0, "weights/engines": 0.0, "weights/sync_mib": 0.0}
         try:
             sync = self.weight_sync.sync(self.pool.engines)
         except WeightSyncError:
@@ -535,15 +535,15 @@ class GRPOTrainer:
         return {
             **parity,
             "time/sync_s": sync.seconds,
-            "bridge/buckets": float(sync.num_buckets),
-            "bridge/engines": float(sync.num_engines),
-            "bridge/sync_mib": sync.num_bytes / 2**20,
-            "bridge/wire_mib": sync.wire_bytes / 2**20,  # what the buckets took: less than sync_mib for a delta
-            "bridge/delta": float(sync.delta),
+            "weights/buckets": float(sync.num_buckets),
+            "weights/engines": float(sync.num_engines),
+            "weights/sync_mib": sync.num_bytes / 2**20,
+            "weights/wire_mib": sync.wire_bytes / 2**20,  # what the buckets took: less than sync_mib for a delta
+            "weights/delta": float(sync.delta),
             # where the sync's seconds went (rlsearch.weights.clock.PHASES), and the probe check after it
-            **{f"bridge/time/{phase}": seconds for phase, seconds in sync.phases.items()},
-            "bridge/time/probe": time.perf_counter() - probe_started,
-            "bridge/pause_s": sync.phases.get("pause", 0.0),  # how long the engines stood still
+            **{f"weights/time/{phase}": seconds for phase, seconds in sync.phases.items()},
+            "weights/time/probe": time.perf_counter() - probe_started,
+            "weights/pause_s": sync.phases.get("pause", 0.0),  # how long the engines stood still
         }
 
     def _run_metrics(self, step: int, update: PolicyUpdate | None, staleness: int) -> dict[str, float]:
@@ -637,7 +637,7 @@ class GRPOTrainer:
 
     def check_parity(self) -> dict[str, float]:
         """Every engine and the actor score the probe sequence; abort when one disagrees (stale or corrupt weights)."""
-        limit = self.config.bridge.max_logprob_mismatch
+        limit = self.config.weights.max_logprob_mismatch
         if limit is None:
             limit = default_mismatch_limit(self.config.model.dtype)
         return check_engines_match_actor(self.actor, self.pool.engines, self.probe_ids, limit, self.step)

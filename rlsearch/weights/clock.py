@@ -1,5 +1,5 @@
 """Seconds per phase of a weight sync, measured where each phase runs (an actor rank, an engine, the driver) and
-summed up by the driver into `SyncStats.phases` (logged as bridge/time/<phase>)."""
+summed up by the driver into `SyncStats.phases` (logged as weights/time/<phase>)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every wait of a sync against one deadline (`bridge.timeout_s`): a sync that cannot finish raises, naming the
+"""Every wait of a sync against one deadline (`weights.timeout_s`): a sync that cannot finish raises, naming the
 engines that did not answer or died, instead of hanging."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Deadline:
         if len(ready) < len(refs):
             late = [self._engine_name(owner) for ref, owner in zip(refs, owners or []) if ref not in ready]
             raise WeightSyncError(
-                f"weight sync: {what} did not finish within bridge.timeout_s={self.timeout_s:g} s"
+                f"weight sync: {what} did not finish within weights.timeout_s={self.timeout_s:g} s"
                 f"{' (waiting on ' + ', '.join(late) + ')' if late else ''}; {self._engine_health()}"
             )
 

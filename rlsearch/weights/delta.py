@@ -1,4 +1,4 @@
-"""Delta syncs (`bridge.delta`): a sender sends only the elements of its tensors that changed since the last sync.
+"""Delta syncs (`weights.delta`): a sender sends only the elements of its tensors that changed since the last sync.
 
 Between two RL steps nearly every bf16 weight is bit-identical (an Adam step of lr 1e-6 moves a weight of 0.02 by
 far less than its last bf16 bit). So each stage's sender keeps the HF tensors it sent last (`DeltaEncoder`, on the
@@ -9,7 +9,7 @@ smaller. Elements are compared bit by bit, so NaN, -0.0 and every rounding survi
 
 Both sides name the weights they hold by a sync id. A delta is sent only when the sender and every engine hold the
 same id; a restarted engine (it holds none), a sync that failed part-way (both sides drop their id when a sync starts
-and take the new one only at its end) or every `bridge.delta_full_every`-th sync sends every tensor whole.
+and take the new one only at its end) or every `weights.delta_full_every`-th sync sends every tensor whole.
 A delta bucket carries the checksum of the whole tensors, which the engine's workers verify after the engine host
 rebuilt them: a base that drifted is an error, not silently wrong weights.
 """

@@ -66,7 +66,7 @@ def new_weight_group(address: str, world_size: int, rank: int, name: str, timeou
     if len(backends) > 1:
         raise MixedBackends(
             f"the weight group {name} mixes backends {sorted(backends)}: the actor's sender and the engine workers "
-            "must all have GPUs (nccl) or none (gloo); use bridge.transport=shm otherwise"
+            "must all have GPUs (nccl) or none (gloo); use weights.transport=shm otherwise"
         )
     with _without_watchdog_teardown(backend):
         group, _ = _new_process_group_helper(

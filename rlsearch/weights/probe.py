@@ -11,14 +11,14 @@ import ray
 
 PROBE_TOKENS = 16  # sampled after the probe prompt by each engine
 PROBE_SEED = 20_260_525  # the same draw on every engine and after every sync
-# bridge.max_logprob_mismatch's default: above the engine-vs-actor gaps that numerics give, far below those of weights
+# weights.max_logprob_mismatch's default: above the engine-vs-actor gaps that numerics give, far below those of weights
 # one update stale. Measured on CPU (docs/reliability.md, "The probe check"): numerics up to 6e-4 in float32 and 3.8e-2
 # in bfloat16 (the SFT-warm-started tiny Qwen2, temperatures 0.3-1.3), one stale update 0.54 and more
 MISMATCH_BY_DTYPE = {"float32": 2e-3, "bfloat16": 1e-1}
 
 
 def default_mismatch_limit(dtype: str) -> float:
-    """bridge.max_logprob_mismatch's default for `model.dtype`."""
+    """weights.max_logprob_mismatch's default for `model.dtype`."""
     return MISMATCH_BY_DTYPE[dtype]
 
 
@@ -49,13 +49,13 @@ def check_engines_match_actor(actor_group: ContinuationScorer, engines: Sequence
         if limit and not worst <= limit:
             raise RuntimeError(
                 f"rollout engine {index} and the actor disagree on the probe sequence after step {step}: max |logprob "
-                f"diff| {worst:.3e} > bridge.max_logprob_mismatch={limit:g}. Either the engine runs other weights than "
-                "the actor (a broken weight sync) or it samples from another distribution than the actor scores "
+                f"diff| {worst:.3e} > weights.max_logprob_mismatch={limit:g}. Either the engine runs other weights "
+                "than the actor (a broken weight sync) or it samples from another distribution than the actor scores "
                 "(temperature, logit bias); stopping before training on such samples."
             )
         worst_max = max(worst_max, worst)
         means.append(mean)
-    return {"bridge/logprob_mismatch_max": worst_max, "bridge/logprob_mismatch_mean": sum(means) / len(means)}
+    return {"weights/logprob_mismatch_max": worst_max, "weights/logprob_mismatch_mean": sum(means) / len(means)}
 
 
 def logprob_mismatch(engine_logprobs: Sequence[float], actor_logprobs: Sequence[float]) -> tuple[float, float]:

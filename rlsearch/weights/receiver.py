@@ -6,7 +6,7 @@ the session, check that every parameter got weights and no HF name came twice, r
 requests, resume). Requests in flight go on with the new weights: their KV blocks are recomputed. A failed sync
 leaves the engine paused, so nothing samples from half-loaded weights.
 
-Staged first (`bridge.stage_while_generating`), buckets reach the engine before `begin`: the sender's files on this
+Staged first (`weights.stage_while_generating`), buckets reach the engine before `begin`: the sender's files on this
 node, or buckets this engine wrote to its own files with `stage_bucket` while it kept generating; the pause then
 covers only loading them (`load_staged` / `load_staged_buckets`) and `finish`.
 """
@@ -33,7 +33,7 @@ class EngineWeightReceiver:
         self.llm = llm
         self.version = 0  # syncs finished on this engine
         self.clock = PhaseClock()  # the current sync's stage / load / finish / pause seconds
-        self.delta = DeltaBase()  # the whole tensors of the last delta-mode sync (bridge.delta)
+        self.delta = DeltaBase()  # the whole tensors of the last delta-mode sync (weights.delta)
         self.timeline: dict[str, float] = {}  # wall-clock times of the current sync: opened, paused, resumed
         self._paused_at = 0.0
         self._staged: list[dict] = []  # bucket files this engine staged itself (path, layout), in arrival order

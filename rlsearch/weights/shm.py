@@ -61,11 +61,11 @@ def check_staging_space(directory: str, bytes_needed: int, what: str) -> None:
     gib = 2**30
     # the size suggested keeps a GiB more for what else lives there (vLLM's message queues, NCCL, Ray)
     raise StagingSpaceError(
-        f"weight sync (bridge.transport=shm): {directory} on {socket.gethostname()} has {free / gib:.2f} GiB free, "
+        f"weight sync (weights.transport=shm): {directory} on {socket.gethostname()} has {free / gib:.2f} GiB free, "
         f"but {what} need {bytes_needed / gib:.2f} GiB, and a full {directory} kills the process writing to it. "
         f"Give it room (Docker: --shm-size={math.ceil(bytes_needed / gib) + 1}g; Kubernetes: an emptyDir with medium: "
-        "Memory mounted at /dev/shm), lower bridge.bucket_mb, or set bridge.transport=broadcast, which stages nothing "
-        "there"
+        "Memory mounted at /dev/shm), lower weights.bucket_mb, or set weights.transport=broadcast, which stages "
+        "nothing there"
     )
 
 
@@ -80,9 +80,9 @@ def check_staging_room(stages: Sequence[Sequence], engines: Sequence, bucket_byt
     checked by an actor on that node. On the senders' node (`same_node`) each stage's sender keeps
     SENDER_FILES_AT_ONCE buckets; otherwise each engine stages one bucket at a time on its own node. Staged first
     (`whole_model_bytes` > 0), each place keeps the whole model instead. A tensor larger than a bucket travels alone,
-    so this is the need for bridge.bucket_mb-sized buckets."""
-    mib = f"{bucket_bytes / 2**20:g} MiB (bridge.bucket_mb)"
-    whole = f"the whole model ({whole_model_bytes / 2**30:.2f} GiB, bridge.stage_while_generating)"
+    so this is the need for weights.bucket_mb-sized buckets."""
+    mib = f"{bucket_bytes / 2**20:g} MiB (weights.bucket_mb)"
+    whole = f"the whole model ({whole_model_bytes / 2**30:.2f} GiB, weights.stage_while_generating)"
     if same_node:
         need, what = len(stages) * SENDER_FILES_AT_ONCE * bucket_bytes, \
             f"{len(stages)} sender(s) x {SENDER_FILES_AT_ONCE} staged buckets x {mib}"
@@ -117,14 +117,14 @@ class ExportPlan:
     bucket_bytes: int
     stage_in_shared_memory: bool  # the sender writes flat files in /dev/shm (engines on its node) or yields buckets
     keep_staged: bool = False  # staged first: the sender writes every bucket to its own file (no file reused)
-    sync_id: str | None = None  # bridge.delta: this sync's id; buckets are delta-encoded (None: no delta encoding)
-    delta_of: str | None = None  # bridge.delta: the id of the weights every engine holds (None: send them whole)
+    sync_id: str | None = None  # weights.delta: this sync's id; buckets are delta-encoded (None: no delta encoding)
+    delta_of: str | None = None  # weights.delta: the id of the weights every engine holds (None: send them whole)
 
 
 class ShmTransport:
     """The driver's side: where the buckets go (the senders' node, or the object store), the delta bookkeeping of
-    bridge.delta, and the /dev/shm room check; `send_stages` moves the buckets. ``delta``, ``delta_full_every`` and
-    ``stage_first`` (bridge.stage_while_generating, with updates landing on rollouts in flight) as `bridge.*`."""
+    weights.delta, and the /dev/shm room check; `send_stages` moves the buckets. ``delta``, ``delta_full_every`` and
+    ``stage_first`` (weights.stage_while_generating, with updates landing on rollouts in flight) as `weights.*`."""
 
     def __init__(self, bucket_bytes: int, delta: bool = False, delta_full_every: int = 10,
                  stage_first: bool = False) -> None:
@@ -164,7 +164,7 @@ class ShmTransport:
         pass
 
     def _delta_plan(self, plan: ExportPlan, stages: Sequence[Sequence], held: list, deadline: Deadline) -> ExportPlan:
-        """Under bridge.delta: this sync's id, and a delta against the last one's weights where every engine and
+        """Under weights.delta: this sync's id, and a delta against the last one's weights where every engine and
         sender still holds them and no full sync is due."""
         if not self.delta:
             return plan

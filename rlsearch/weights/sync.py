@@ -3,14 +3,14 @@
 1. every engine opens the sync (dropping what a failed one left) and says which delta base it holds;
 2. every engine pauses (requests kept) and opens a reload session;
 3. each pipeline stage's sender (DP rank 0, TP rank 0) sends its own layers through the transport
-   (`bridge.transport`, one `WeightTransport` chosen at start-up): `ShmTransport` (shared-memory files, the stages
+   (`weights.transport`, one `WeightTransport` chosen at start-up): `ShmTransport` (shared-memory files, the stages
    at once) or `BroadcastTransport` (torch.distributed, stage by stage in pipeline order);
 4. every engine closes its session (each parameter loaded, no HF name twice), resets its prefix cache and resumes.
-With the shm transport and `bridge.stage_while_generating`, step 3's buckets are staged on the engines' nodes
-before step 2, while the engines keep generating: they pause only to load them and finish. With `bridge.delta` the
-buckets go through Ray's object store delta-encoded (`delta.py`), whole every `bridge.delta_full_every`-th sync
+With the shm transport and `weights.stage_while_generating`, step 3's buckets are staged on the engines' nodes
+before step 2, while the engines keep generating: they pause only to load them and finish. With `weights.delta` the
+buckets go through Ray's object store delta-encoded (`delta.py`), whole every `weights.delta_full_every`-th sync
 and whenever an engine or a sender does not hold the last sync's weights.
-Every wait is bounded by `bridge.timeout_s`; a sync that cannot finish raises `WeightSyncError` naming the engines
+Every wait is bounded by `weights.timeout_s`; a sync that cannot finish raises `WeightSyncError` naming the engines
 that did not answer, and leaves the engines paused. The next sync forms the broadcast groups anew.
 """
 
@@ -43,15 +43,15 @@ class SyncStats:
 
 
 class WeightSync:
-    """Syncs ``actor_group``'s weights into engines (RolloutWorker handles) with the transport of `bridge`;
-    ``delta``, ``delta_full_every`` and ``stage_while_generating`` as `bridge.*` (shm transport only)."""
+    """Syncs ``actor_group``'s weights into engines (RolloutWorker handles) with the transport of `weights`;
+    ``delta``, ``delta_full_every`` and ``stage_while_generating`` as `weights.*` (shm transport only)."""
 
     def __init__(self, actor_group, bucket_mb: float, transport: str, timeout_s: float, engine_tp: int, *,
                  delta: bool = False, delta_full_every: int = 10, stage_while_generating: bool = False) -> None:
         if transport not in ("shm", "broadcast"):
             raise ValueError(f"unknown weight transport {transport!r} (shm | broadcast)")
         if delta and transport != "shm":
-            raise ValueError("delta syncs (bridge.delta) need bridge.transport=shm")
+            raise ValueError("delta syncs (weights.delta) need weights.transport=shm")
         self.actor = actor_group
         self.timeout_s = timeout_s
         bucket_bytes = int(bucket_mb * 1024 * 1024)

@@ -1,5 +1,5 @@
 """What a transport is to the driver's sync (sync.py): one object per run, `ShmTransport` (shm.py) or
-`BroadcastTransport` (broadcast.py), chosen once from `bridge.transport`."""
+`BroadcastTransport` (broadcast.py), chosen once from `weights.transport`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .deadline import Deadline
 @dataclass
 class SentWeights:
     """What one sync sent: per pipeline stage its buckets, tensors, payload bytes, bytes moved and sender's phase
-    seconds; and, under bridge.delta, the id of the weights the engines hold once they finish it."""
+    seconds; and, under weights.delta, the id of the weights the engines hold once they finish it."""
 
     stages: list[dict]
     sync_id: str | None = None

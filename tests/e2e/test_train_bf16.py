@@ -26,9 +26,9 @@ def test_a_bf16_run_with_two_engines_trains_two_steps_under_the_bf16_probe_limit
     assert json.loads((out / "config.json").read_text())["model"]["dtype"] == "bfloat16"
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
-    assert [e.value for e in events.Scalars("bridge/engines")] == [2.0, 2.0]
+    assert [e.value for e in events.Scalars("weights/engines")] == [2.0, 2.0]
     assert [e.value for e in events.Scalars("actor/update_ok")] == [1.0, 1.0]
-    gaps = [e.value for e in events.Scalars("bridge/logprob_mismatch_max")]
+    gaps = [e.value for e in events.Scalars("weights/logprob_mismatch_max")]
     limit = default_mismatch_limit("bfloat16")
     assert len(gaps) == 2 and all(1e-4 < gap < limit for gap in gaps), (gaps, limit)
     # the rollout's tokens are trained against the distribution they were sampled from, within bf16 numerics (raw

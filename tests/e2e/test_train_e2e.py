@@ -15,7 +15,7 @@ REQUIRED_SCALARS = (
     "reward/mean", "reward/std", "reward/em", "rollout/response_len_mean", "rollout/turns_mean",
     "rollout/tool_calls_mean", "rollout/invalid_calls_mean", "rollout/tool_errors", "actor/policy_loss",
     "actor/clip_fraction", "actor/approx_kl", "actor/grad_norm", "time/rollout_s", "time/train_s", "time/sync_s",
-    "bridge/logprob_mismatch_max",
+    "weights/logprob_mismatch_max",
 )
 
 
@@ -50,7 +50,7 @@ def test_default_run_is_quiet_names_its_logs_and_trains_from_step_1(default_run)
         assert [e.step for e in events.Scalars(name)] == list(range(1, 31)), name
     assert events.Scalars("reward/std")[0].value > 0
     assert events.Scalars("actor/grad_norm")[0].value > 0
-    assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-3
+    assert max(e.value for e in events.Scalars("weights/logprob_mismatch_max")) < 1e-3
     config = json.loads((out / "config.json").read_text())
     for step in range(1, 31):
         rows = [json.loads(line) for line in (out / "trajectories" / f"step_{step:06d}.jsonl").open()]
@@ -78,7 +78,7 @@ def test_run_search_grpo_script_trains_with_tp2_pp2_and_async_rollout(tmp_path):
     # a random model earns no reward, so gradients may be zero here; the layout parity tests check the math
     assert [e.step for e in events.Scalars("actor/update_ok")] == [1, 2]
     assert all(e.value == 1.0 for e in events.Scalars("actor/update_ok"))
-    assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-4
+    assert max(e.value for e in events.Scalars("weights/logprob_mismatch_max")) < 1e-4
     assert [e.value for e in events.Scalars("rollout/staleness")] == [0.0, 1.0]
     # the step-1 sync may land on step 2's rollout in flight (rollout.update_weights_in_flight)
     assert all(0.0 <= e.value <= 1.0 for e in events.Scalars("rollout/mixed_policy_fraction"))
@@ -136,7 +136,7 @@ def test_run_search_grpo_script_trains_with_two_tp2_engines_over_broadcast(tmp_p
 
     out = tmp_path / "run"
     result = _run(["bash", "examples/run_search_grpo.sh", "rollout.num_engines=2", "rollout.tensor_parallel_size=2",
-                   "bridge.transport=broadcast", "trainer.total_steps=2", f"trainer.output_dir={out}"], timeout=1200)
+                   "weights.transport=broadcast", "trainer.total_steps=2", f"trainer.output_dir={out}"], timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "rollout engines: 2 x TP2; engine 0 on node" in result.stdout
     assert "step 2/2 | reward" in result.stdout
@@ -147,8 +147,8 @@ def test_run_search_grpo_script_trains_with_two_tp2_engines_over_broadcast(tmp_p
         assert sum(groups) == 4 and min(groups) >= 1, groups  # batch_size 4: each group on one engine, both used
         tokens = [events.Scalars(f"rollout/engine{engine}/sampled_tokens")[step].value for engine in (0, 1)]
         assert min(tokens) > 0
-    assert [e.value for e in events.Scalars("bridge/engines")] == [2.0, 2.0]
-    assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-4
+    assert [e.value for e in events.Scalars("weights/engines")] == [2.0, 2.0]
+    assert max(e.value for e in events.Scalars("weights/logprob_mismatch_max")) < 1e-4
 
 
 def test_train_and_eval_run_a_user_agent_through_the_endpoint(tmp_path):
@@ -169,7 +169,7 @@ def test_train_and_eval_run_a_user_agent_through_the_endpoint(tmp_path):
     assert [e.value for e in events.Scalars("actor/update_ok")] == [1.0, 1.0]
     assert all(e.value > 0 for e in events.Scalars("actor/grad_norm"))
     assert all(e.value > 0.1 for e in events.Scalars("actor/entropy"))
-    assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-4
+    assert max(e.value for e in events.Scalars("weights/logprob_mismatch_max")) < 1e-4
     # on-policy: the CP actor's logprobs of the sampled tokens are the engine's
     assert all(e.value < 1e-4 for e in events.Scalars("rollout/actor_logprob_diff_mean"))
     searched = 0
@@ -214,7 +214,7 @@ def test_filter_groups_drops_every_group_of_a_random_model_and_the_run_goes_on(t
     assert [(e.step, e.value) for e in events.Scalars("rollout/groups_dropped")] == [(1, 3.0), (2, 3.0)]  # ceil(2*1.5)
     assert [e.value for e in events.Scalars("rollout/groups_kept")] == [0.0, 0.0]
     assert [e.value for e in events.Scalars("actor/updates")] == [0.0, 0.0]
-    assert [e.value for e in events.Scalars("bridge/engines")] == [0.0, 0.0]  # no new weights, no sync
+    assert [e.value for e in events.Scalars("weights/engines")] == [0.0, 0.0]  # no new weights, no sync
     assert [e.value for e in events.Scalars("reward/em")] == [0.0, 0.0]
     assert len((out / "trajectories" / "step_000001.jsonl").read_text().splitlines()) == 12  # 3 prompts x 4
     # weights never changed: nothing to checkpoint (an optimizer that never stepped has no state)

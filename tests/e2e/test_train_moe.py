@@ -1,6 +1,6 @@
 """The MoE example config end to end on CPU: a tiny Qwen3-MoE whose experts are split over two actor ranks
 (actor.ep=2), routing replayed in every update, weights synced into the vLLM engine after each step, as deltas
-(bridge.delta) staged while the engine generates the next step's rollout (rollout.async_steps=1)."""
+(weights.delta) staged while the engine generates the next step's rollout (rollout.async_steps=1)."""
 
 import os
 import subprocess
@@ -14,7 +14,7 @@ def test_moe_config_trains_three_steps_with_expert_parallelism(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "RLSEARCH_CONFIG": "examples/configs/search_grpo_moe_tiny.yaml"}
     result = subprocess.run(
-        ["bash", "examples/run_search_grpo.sh", "trainer.total_steps=3", "data.batch_size=2", "bridge.delta=true",
+        ["bash", "examples/run_search_grpo.sh", "trainer.total_steps=3", "data.batch_size=2", "weights.delta=true",
          "rollout.async_steps=1",
          f"trainer.output_dir={out}"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200, env=env,
@@ -25,8 +25,9 @@ def test_moe_config_trains_three_steps_with_expert_parallelism(tmp_path):
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     for name in ("actor/update_ok", "actor/updates", "moe/expert_load_max_over_mean", "moe/dropped_token_fraction",
-                 "moe/expert_load_max_over_mean/layer_1", "bridge/logprob_mismatch_max", "bridge/pause_s",
-                 "bridge/time/export", "bridge/time/stage", "bridge/time/load", "bridge/time/probe", "bridge/delta"):
+                 "moe/expert_load_max_over_mean/layer_1", "weights/logprob_mismatch_max", "weights/pause_s",
+                 "weights/time/export", "weights/time/stage", "weights/time/load", "weights/time/probe",
+                 "weights/delta"):
         assert [e.step for e in events.Scalars(name)] == [1, 2, 3], name
     assert all(e.value == 1.0 for e in events.Scalars("actor/update_ok"))
     assert all(e.value == 2.0 for e in events.Scalars("actor/updates"))  # two mini-batches: routing replay acts
@@ -34,13 +35,13 @@ def test_moe_config_trains_three_steps_with_expert_parallelism(tmp_path):
     assert all(1.0 <= e.value <= 8.0 for e in events.Scalars("moe/expert_load_max_over_mean"))
     assert all(e.value == 0.0 for e in events.Scalars("moe/dropped_token_fraction"))
     # staged first: the engine stood still only to load the staged buckets and finish, not while they were exported
-    pauses, syncs = events.Scalars("bridge/pause_s"), events.Scalars("time/sync_s")
+    pauses, syncs = events.Scalars("weights/pause_s"), events.Scalars("time/sync_s")
     assert all(0.0 < pause.value < sync.value for pause, sync in zip(pauses, syncs))
     # the first sync sends the weights whole, the next ones only what changed (experts no token reached, and
     # embedding rows of tokens not in the batch, keep their bits)
-    assert [e.value for e in events.Scalars("bridge/delta")] == [0.0, 1.0, 1.0]
-    wire, whole = events.Scalars("bridge/wire_mib"), events.Scalars("bridge/sync_mib")
+    assert [e.value for e in events.Scalars("weights/delta")] == [0.0, 1.0, 1.0]
+    wire, whole = events.Scalars("weights/wire_mib"), events.Scalars("weights/sync_mib")
     assert wire[0].value >= whole[0].value
     assert all(w.value < s.value for w, s in zip(wire[1:], whole[1:]))
     # the engine samples from the weights the actor trains after every sync (experts included)
-    assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-3
+    assert max(e.value for e in events.Scalars("weights/logprob_mismatch_max")) < 1e-3

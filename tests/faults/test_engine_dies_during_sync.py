@@ -27,7 +27,7 @@ def test_an_engine_that_dies_during_a_sync_is_restarted_and_synced(tmp_path, tin
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
     # a random model earns no reward; the k1 KL term changes the weights every step, so every step syncs
     command = _command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, f"rollout.num_engines={engines}",
-                       f"trainer.total_steps={STEPS}", "trainer.save_interval=0", "bridge.transport=shm",
+                       f"trainer.total_steps={STEPS}", "trainer.save_interval=0", "weights.transport=shm",
                        "algo.kl_coef=0.1", "algo.kl_estimator=k1")
     before = _sender_files()
     # the actor's sender writes its first bucket file when the first sync (after step 1's update) starts
@@ -40,6 +40,6 @@ def test_an_engine_that_dies_during_a_sync_is_restarted_and_synced(tmp_path, tin
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     assert [e.value for e in events.Scalars("rollout/engine_restarts_total")] == [1.0] * STEPS
-    assert [e.value for e in events.Scalars("bridge/engines")] == [float(engines)] * STEPS
+    assert [e.value for e in events.Scalars("weights/engines")] == [float(engines)] * STEPS
     # every engine, the restarted one included, samples from the weights the actor trained, after every sync
-    assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-4
+    assert max(e.value for e in events.Scalars("weights/logprob_mismatch_max")) < 1e-4

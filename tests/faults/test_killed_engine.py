@@ -71,4 +71,4 @@ def test_a_killed_engine_is_replaced_and_the_run_goes_on(tmp_path, tiny_model_di
         per_engine = [events.Scalars(f"rollout/engine{engine}/groups")[step_index].value for engine in (0, 1)]
         assert sum(per_engine) == 4 and min(per_engine) >= 1, per_engine
     # the probe check covers every engine after every sync, the restarted one included
-    assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-4
+    assert max(e.value for e in events.Scalars("weights/logprob_mismatch_max")) < 1e-4

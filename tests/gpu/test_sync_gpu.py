@@ -80,7 +80,7 @@ def test_broadcast_over_nccl_and_shm_syncs_pass_the_probe_check():
 
 
 def test_three_training_steps(tmp_path, tiny_model_dir, toy_data):
-    """`rlsearch train` on the tiny model with one engine: the run resolves bridge.transport=auto to broadcast (nccl)
+    """`rlsearch train` on the tiny model with one engine: the run resolves weights.transport=auto to broadcast (nccl)
     from the cluster's GPUs, trains 3 steps, and every sync passes the probe check."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -90,16 +90,16 @@ def test_three_training_steps(tmp_path, tiny_model_dir, toy_data):
         sys.executable, "-m", "rlsearch", "train", "--config", "examples/configs/search_grpo_tiny.yaml",
         f"model.path={tiny_model_dir}", f"data.train_files=[{toy_data.train}]",
         f"tools.retriever.corpus={toy_data.corpus}", f"tools.retriever.index_cache_dir={tmp_path / 'bm25'}",
-        "bridge.transport=auto", "bridge.max_logprob_mismatch=1e-3", "trainer.total_steps=3",
+        "weights.transport=auto", "weights.max_logprob_mismatch=1e-3", "trainer.total_steps=3",
         f"trainer.output_dir={out}",
     ], cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
     print("\n".join(f"[gpu] train: {line}" for line in result.stdout.splitlines()), flush=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     config = json.loads((out / "config.json").read_text())
-    assert (config["model"]["dtype"], config["bridge"]["transport"]) == ("float32", "broadcast")
+    assert (config["model"]["dtype"], config["weights"]["transport"]) == ("float32", "broadcast")
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     syncs = [event.value for event in events.Scalars("time/sync_s")]
     print(f"[gpu] train: sync seconds per step {', '.join(f'{s:.2f}' for s in syncs)}", flush=True)
     assert len(syncs) == 3
-    assert max(event.value for event in events.Scalars("bridge/logprob_mismatch_max")) < 1e-3
+    assert max(event.value for event in events.Scalars("weights/logprob_mismatch_max")) < 1e-3

@@ -262,7 +262,7 @@ def test_moe_parity_and_sync_from_expert_parallel_actor_into_two_tp2_engines(qwe
             stats = sync.sync(engines)
             assert stats.num_tensors == len(qwen3_case.states[0])  # every expert once, from the rank that owns it
             gaps.append(check_engines_match_actor(group, engines, probe, PROBE_LIMIT, step)[
-                "bridge/logprob_mismatch_max"])
+                "weights/logprob_mismatch_max"])
             scores.append(ray.get(engines[0].score.remote(probe)))
         print(f"EP{ep} actor -> 2 engines x TP2, probe gap after sync 1, 2: {gaps}")
         moved = (torch.tensor(scores[0]) - torch.tensor(scores[1])).abs().max().item()

@@ -24,7 +24,7 @@ import time
 from tests.conftest import REPO_ROOT
 
 # each node: 2 logical CPUs (the TP2 actor's bundle fits one node, the rollout worker's CPU the other) and room in
-# the object store for the weight buckets in flight (bridge.bucket_mb=64, two at a time)
+# the object store for the weight buckets in flight (weights.bucket_mb=64, two at a time)
 NODE = {"num_cpus": 2, "node_ip_address": "127.0.0.1", "object_store_memory": 400 * 1024 * 1024}
 
 
@@ -92,7 +92,7 @@ def test_split_placement_multinode_trains_two_steps(tmp_path, tiny_model_dir, to
         watchdog.cancel()
         cluster_up = time.perf_counter() - started
         out = tmp_path / "run"
-        result = _train(address, out, assets, env, "trainer.total_steps=2", "data.batch_size=2", "bridge.bucket_mb=64",
+        result = _train(address, out, assets, env, "trainer.total_steps=2", "data.batch_size=2", "weights.bucket_mb=64",
                         "trainer.log_trajectories=false")
     finally:
         watchdog.cancel()
@@ -118,7 +118,7 @@ def test_split_placement_multinode_trains_two_steps(tmp_path, tiny_model_dir, to
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("actor/update_ok")] == [(1, 1.0), (2, 1.0)]
-    assert max(e.value for e in events.Scalars("bridge/logprob_mismatch_max")) < 1e-4
+    assert max(e.value for e in events.Scalars("weights/logprob_mismatch_max")) < 1e-4
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def test_fanout_every_engine_matches_the_actor_after_each_transport(synced, layo
     result = synced(layout)
     for transport in TRANSPORTS:
         assert min(result.before[transport]) > 1e-2, "the engines did not start from other weights"
-        assert result.parity[transport]["bridge/logprob_mismatch_max"] <= 1e-4
+        assert result.parity[transport]["weights/logprob_mismatch_max"] <= 1e-4
         assert result.stats[transport].num_engines == ENGINES
         versions = result.versions[transport]
         assert len(set(versions)) == 1, f"engines ended with different weight versions: {versions}"
@@ -179,7 +179,7 @@ class DeltaRun:
 
 @pytest.fixture(scope="module")
 def delta_runs(engines, model_b, probe_ids, tiny_model_dir, retriever):
-    """Per layout: DELTA_STEPS optimizer steps, each followed by a delta sync into both engines (bridge.delta)."""
+    """Per layout: DELTA_STEPS optimizer steps, each followed by a delta sync into both engines (weights.delta)."""
     from tests.integration.actor_helpers import hf_logprobs, scored_batch
 
     cache: dict[str, DeltaRun] = {}
@@ -195,7 +195,7 @@ def delta_runs(engines, model_b, probe_ids, tiny_model_dir, retriever):
         def synced(sync: WeightSync, step: int) -> None:
             result.stats.append(sync.sync(engines))
             parity = check_engines_match_actor(group, engines, probe_ids, 1e-4, step=step)
-            result.parity.append(parity["bridge/logprob_mismatch_max"])
+            result.parity.append(parity["weights/logprob_mismatch_max"])
 
         try:
             sync = WeightSync(group, BUCKET_MB, "shm", timeout_s=120.0, engine_tp=ENGINE_TP, delta=True,
@@ -264,7 +264,7 @@ def test_an_engine_restarted_mid_run_gets_a_whole_sync(delta_runs):
 
 
 def test_staged_while_generating_the_engines_keep_sampling_until_the_load(engines, model_b, probe_ids):
-    """With bridge.stage_while_generating the buckets are staged before the engines pause: requests keep finishing
+    """With weights.stage_while_generating the buckets are staged before the engines pause: requests keep finishing
     while the senders export (TP2: a gather and merge of every tensor, about a second here), and the pause is only
     the load and the reset."""
     import threading

@@ -22,6 +22,17 @@ def test_unknown_key_names_the_key_and_suggests():
         load_config(TrainConfig, None, ["nosuchsection.x=1"])
 
 
+def test_a_renamed_section_names_its_new_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"the config section 'bridge' is now 'weights': write 'weights\.bucket_mb' "
+                                          r"for 'bridge\.bucket_mb'"):
+        load_config(TrainConfig, None, ["bridge.bucket_mb=64"])
+    path = tmp_path / "c.yaml"
+    path.write_text("bridge:\n  transport: shm\n")
+    with pytest.raises(ConfigError, match=r"section 'bridge' is now 'weights': write 'weights\.transport'"):
+        load_train_config(str(path))
+    assert load_config(TrainConfig, None, ["weights.bucket_mb=64"]).weights.bucket_mb == 64
+
+
 def test_unknown_key_in_yaml(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("rollout:\n  max_turn: 3\n")
@@ -47,8 +58,8 @@ def test_unknown_key_in_yaml(tmp_path):
         ("rollout.temperature=0", r"'rollout\.temperature' is 0\.0: training samples, so it must be > 0"),
         ("rollout.top_p=0.9", r"'rollout\.top_p' is 0\.9: training needs 1\.0\. The engine would report logprobs of "
                               r"the nucleus"),
-        ("bridge.max_logprob_mismatch=-1", r"'bridge\.max_logprob_mismatch' must be >= 0"),
-        ("bridge.delta_full_every=0", r"'bridge\.delta_full_every' must be > 0"),
+        ("weights.max_logprob_mismatch=-1", r"'weights\.max_logprob_mismatch' must be >= 0"),
+        ("weights.delta_full_every=0", r"'weights\.delta_full_every' must be > 0"),
         ("actor.cp=0", r"'actor\.cp' must be > 0"),
         ("actor.logits_chunk_tokens=-8", r"'actor\.logits_chunk_tokens' must be >= 0 \(0: one chunk\)"),
         ("rollout.context=summarize", r"'rollout\.context' must be one of append, fold, drop_observations"),
@@ -65,8 +76,8 @@ def test_bad_values_name_the_key(override, message):
 
 
 def test_delta_syncs_refuse_the_broadcast_transport():
-    with pytest.raises(ConfigError, match=r"'bridge\.delta' needs 'bridge\.transport' shm \(or auto\)"):
-        load_train_config(None, ["bridge.delta=true", "bridge.transport=broadcast"])
+    with pytest.raises(ConfigError, match=r"'weights\.delta' needs 'weights\.transport' shm \(or auto\)"):
+        load_train_config(None, ["weights.delta=true", "weights.transport=broadcast"])
 
 
 def test_missing_config_file(tmp_path):
@@ -79,7 +90,7 @@ def test_example_config_loads():
 
     config = load_train_config(str(REPO_ROOT / "examples/configs/search_grpo_tiny.yaml"))
     assert config.rollout.protocol == "search_r1"
-    assert config.bridge.max_logprob_mismatch is None  # by model.dtype
+    assert config.weights.max_logprob_mismatch is None  # by model.dtype
 
 
 def test_the_probe_limit_follows_the_dtype_and_eval_may_use_top_p(tmp_path):
@@ -88,8 +99,8 @@ def test_the_probe_limit_follows_the_dtype_and_eval_may_use_top_p(tmp_path):
     from tests.conftest import REPO_ROOT
 
     assert default_mismatch_limit("float32") < default_mismatch_limit("bfloat16")
-    assert load_train_config(None, ["bridge.max_logprob_mismatch=2e-4"]).bridge.max_logprob_mismatch == 2e-4
-    assert load_train_config(None, ["bridge.max_logprob_mismatch=0"]).bridge.max_logprob_mismatch == 0.0
+    assert load_train_config(None, ["weights.max_logprob_mismatch=2e-4"]).weights.max_logprob_mismatch == 2e-4
+    assert load_train_config(None, ["weights.max_logprob_mismatch=0"]).weights.max_logprob_mismatch == 0.0
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -149,24 +160,24 @@ def test_sft_config_example_and_errors_name_the_key():
 
 
 def test_device_keys_resolve_once_from_the_clusters_gpus():
-    """model.dtype and bridge.transport `auto` become concrete for the cluster (the trainer passes
+    """model.dtype and weights.transport `auto` become concrete for the cluster (the trainer passes
     `rlsearch.ray_setup.cluster_has_gpus()`); an explicit value is kept either way."""
     from rlsearch.config import SFTConfig, resolve_auto_keys
 
     config = load_train_config(None, [])
-    assert (config.model.dtype, config.bridge.transport, config.rollout.enforce_eager) == ("auto", "auto", "auto")
+    assert (config.model.dtype, config.weights.transport, config.rollout.enforce_eager) == ("auto", "auto", "auto")
     on_cpu = resolve_auto_keys(config, has_gpus=False)
-    assert (on_cpu.model.dtype, on_cpu.bridge.transport) == ("float32", "shm")
+    assert (on_cpu.model.dtype, on_cpu.weights.transport) == ("float32", "shm")
     on_gpu = resolve_auto_keys(config, has_gpus=True)
-    assert (on_gpu.model.dtype, on_gpu.bridge.transport) == ("bfloat16", "broadcast")
+    assert (on_gpu.model.dtype, on_gpu.weights.transport) == ("bfloat16", "broadcast")
     assert on_gpu.rollout == config.rollout and config.model.dtype == "auto"  # a copy; the engine keys stay auto
-    explicit = load_train_config(None, ["model.dtype=float32", "bridge.transport=shm"])
-    assert (resolve_auto_keys(explicit, True).model.dtype, resolve_auto_keys(explicit, True).bridge.transport) == (
+    explicit = load_train_config(None, ["model.dtype=float32", "weights.transport=shm"])
+    assert (resolve_auto_keys(explicit, True).model.dtype, resolve_auto_keys(explicit, True).weights.transport) == (
         "float32", "shm")
-    assert resolve_auto_keys(SFTConfig(), True).model.dtype == "bfloat16"  # no bridge section: only the dtype
+    assert resolve_auto_keys(SFTConfig(), True).model.dtype == "bfloat16"  # no weights section: only the dtype
     # delta syncs are applied by the engines' hosts: auto picks shm for them on GPUs too
-    delta = load_train_config(None, ["bridge.delta=true"])
-    assert resolve_auto_keys(delta, True).bridge.transport == "shm"
+    delta = load_train_config(None, ["weights.delta=true"])
+    assert resolve_auto_keys(delta, True).weights.transport == "shm"
 
 
 def test_engine_device_keys_accept_auto_true_false_and_shares():
@@ -180,7 +191,7 @@ def test_engine_device_keys_accept_auto_true_false_and_shares():
         ("rollout.gpu_memory_utilization=0", r"'rollout\.gpu_memory_utilization' must be in \(0, 1\]"),
         ("rollout.gpu_memory_utilization=1.2", r"'rollout\.gpu_memory_utilization' must be in \(0, 1\]"),
         ("model.dtype=float16", r"'model\.dtype' must be one of auto, float32, bfloat16; got 'float16'"),
-        ("bridge.transport=nccl", r"'bridge\.transport' must be one of auto, shm, broadcast; got 'nccl'"),
+        ("weights.transport=nccl", r"'weights\.transport' must be one of auto, shm, broadcast; got 'nccl'"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_train_config(None, [override])

@@ -31,11 +31,11 @@ def test_a_full_tmpfs_stops_the_sync_with_what_it_needs(small_tmpfs):
     check_staging_space(str(small_tmpfs), 4 * MIB, "a test's buckets")  # room: nothing raised
     (small_tmpfs / "other").write_bytes(os.urandom(6 * MIB))  # someone else's 6 MiB: about 2 MiB left
     with pytest.raises(StagingSpaceError) as raised:
-        check_staging_space(str(small_tmpfs), 4 * MIB, "1 sender(s) x 4 staged buckets x 1 MiB (bridge.bucket_mb)")
+        check_staging_space(str(small_tmpfs), 4 * MIB, "1 sender(s) x 4 staged buckets x 1 MiB (weights.bucket_mb)")
     message = str(raised.value)
     assert f"{small_tmpfs} on " in message
-    assert "has 0.00 GiB free, but 1 sender(s) x 4 staged buckets x 1 MiB (bridge.bucket_mb) need 0.00 GiB" in message
-    for advice in ("--shm-size=2g", "medium: Memory", "lower bridge.bucket_mb", "bridge.transport=broadcast"):
+    assert "has 0.00 GiB free, but 1 sender(s) x 4 staged buckets x 1 MiB (weights.bucket_mb) need 0.00 GiB" in message
+    for advice in ("--shm-size=2g", "medium: Memory", "lower weights.bucket_mb", "weights.transport=broadcast"):
         assert advice in message
     assert isinstance(raised.value, ConfigError)  # the command line reports it as bad input, without a traceback
     check_staging_space(str(small_tmpfs), 1 * MIB, "a test's buckets")

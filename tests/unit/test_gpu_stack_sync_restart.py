@@ -55,7 +55,7 @@ def _trainer(dies: bool) -> GRPOTrainer:
     trainer.weight_version = 0
     trainer.pool = Pool()
     trainer.weight_sync = Sync(trainer.pool, engine_dies=dies)
-    trainer.check_parity = lambda: {"bridge/logprob_mismatch_max": 1e-6}
+    trainer.check_parity = lambda: {"weights/logprob_mismatch_max": 1e-6}
     return trainer
 
 
@@ -64,7 +64,7 @@ def test_an_engine_that_died_during_a_sync_is_restarted_and_synced(capsys) -> No
     metrics = trainer._sync_weights(changed=True, timings={})
     assert trainer.pool.restarted == [1] and trainer.engine_restarts == 1
     assert trainer.weight_sync.synced == [["engine 0", "engine 1 (restarted)"]]
-    assert metrics["bridge/engines"] == 2.0 and trainer.weight_version == 1
+    assert metrics["weights/engines"] == 2.0 and trainer.weight_version == 1
     assert "restarted rollout engine 1, which died" in capsys.readouterr().out
 
 

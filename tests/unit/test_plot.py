@@ -21,7 +21,7 @@ def _log_grpo_run(run_dir: Path, steps: int) -> None:
             "reward/mean": 0.1 * step, "reward/em": 0.05 * step, "rollout/turns_mean": 2.0,
             "rollout/tool_calls_mean": 1.0, "rollout/invalid_calls_mean": 0.1, "rollout/response_len_mean": 80.0,
             "rollout/model_tokens_mean": 20.0, "actor/approx_kl": 1e-3, "actor/kl_loss": 0.0,
-            "actor/clip_fraction": 0.01, "bridge/logprob_mismatch_max": 3e-6, "actor/grad_norm": 0.5,
+            "actor/clip_fraction": 0.01, "weights/logprob_mismatch_max": 3e-6, "actor/grad_norm": 0.5,
             "actor/lr": 1e-5, "time/step_s": 10.0,
         })
     logger.log_metrics(steps, {"eval/overall/em": 0.4})

@@ -149,8 +149,8 @@ def test_parity_check_fails_on_nan_probe_logprobs(limit: float, monkeypatch) -> 
     )):
         _check([engine], [-1.0, math.nan, -0.5], limit, monkeypatch)
     ok = _check([engine, [-1.0, -2.0, -0.5001]], [-1.0, -2.0, -0.50005], limit, monkeypatch)
-    assert ok["bridge/logprob_mismatch_max"] == pytest.approx(5e-5)
-    assert ok["bridge/logprob_mismatch_mean"] == pytest.approx(5e-5 / 3)
+    assert ok["weights/logprob_mismatch_max"] == pytest.approx(5e-5)
+    assert ok["weights/logprob_mismatch_mean"] == pytest.approx(5e-5 / 3)
     if limit:  # every engine is checked, not just the first
         with pytest.raises(RuntimeError, match="rollout engine 1 and the actor disagree on the probe sequence after "
                                                "step 5"):
