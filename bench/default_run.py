@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlsearch.logging import read_scalars  # noqa: E402
+from rlsearch.runlog import read_scalars  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 METRICS = (  # label, scalar

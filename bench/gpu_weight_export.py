@@ -134,7 +134,7 @@ def broadcast_sync(worker, bucket_bytes: int) -> tuple[float, dict[str, float]]:
     from rlsearch.weights.bucket import flatten_tensors, iter_buckets
     from rlsearch.weights.clock import PhaseClock
     from rlsearch.weights.export import export_stage_weights
-    from rlsearch.weights.group import broadcast_within, group_device
+    from rlsearch.weights.process_group import broadcast_within, group_device
 
     clock = PhaseClock()
     device = group_device(dist.get_backend())

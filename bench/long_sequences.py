@@ -2,7 +2,7 @@
 parallelism and prefix merging, each against its "before" path measured in the same run.
 
 Part 1, one trajectory of each --sizes length (a short prompt, then a response of the rest, every response token
-trained), one GRPO train step (`ActorGroup.train_step`, fp32, off-policy old logprobs, token_mean weights) per
+trained), one GRPO train step (`ActorRanks.train_step`, fp32, off-policy old logprobs, token_mean weights) per
 configuration:
   unchunked     : actor.logits_chunk_tokens 0, the whole output layer in one piece (the before path: its logits,
                   softmax and their gradient need about 3 x vocab x 4 B per trained position, 1.8 MB for Qwen's
@@ -16,7 +16,7 @@ segment is the previous one with the last --changed-tokens tokens of its history
   merged             : actor.merge_prefixes true (the segments as one prefix tree)
   one segment        : the final segment alone as one sample, every turn in it trained: about as many tokens and
                        trained positions as the tree, in one causal block (what merging can hope to cost)
-Every configuration runs in a fresh ActorGroup (shut down after) on a random Qwen2 of the `tiny` shape of
+Every configuration runs in a fresh ActorRanks (shut down after) on a random Qwen2 of the `tiny` shape of
 bench/common.py (real Qwen vocabulary) with rotary positions up to the longest sequence. One untimed warm-up step
 on a short sample first creates the optimizer state; the timed step follows. Memory is each rank's resident set
 (read inside the rank's process): "step peak" is its peak RSS during the timed step (the kernel's VmHWM, reset
@@ -221,13 +221,13 @@ class MemoryWatchdog:
 
 
 def run_configuration(spec, samples: list[TrainSample], watchdog: MemoryWatchdog, seed: int) -> Result:
-    """A fresh ActorGroup: an untimed warm-up step, then the timed step with each rank's memory; shut down after."""
+    """A fresh ActorRanks: an untimed warm-up step, then the timed step with each rank's memory; shut down after."""
     import ray
 
-    from rlsearch.actor import ActorGroup
+    from rlsearch.actor import ActorRanks
 
     result = Result()
-    group = ActorGroup(spec)
+    group = ActorRanks(spec)
     alive = True
     try:
         group.train_step(warmup_sample(seed))  # the optimizer's state exists from here on

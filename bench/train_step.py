@@ -3,7 +3,7 @@
 Both sides take the same search-agent-like batch (prompt not trained, response with masked observation spans,
 off-policy old logprobs, GRPO-style advantages) and run one optimizer step of the same PPO-clip token loss
 (token_mean weights, clip 0.2, AdamW lr 1e-5, grad-norm clip 1.0) per training step:
-  megatron : the actor's real path, `ActorGroup.train_step` -> `MegatronActorWorker.train_step` at TP1PP1: sequences
+  megatron : the actor's real path, `ActorRanks.train_step` -> `MegatronActorWorker.train_step` at TP1PP1: sequences
              packed back to back into `thd` micro-batches of <= --max-tokens-per-microbatch tokens (no padding),
              logits only at response positions, Megatron DDP + optimizer
   hf       : AutoModelForCausalLM (sdpa attention) on padded [B, T] micro-batches of --hf-micro-batch sequences
@@ -280,7 +280,7 @@ def main() -> None:
 
     import ray
 
-    from rlsearch.actor import ActorGroup, ActorWorkerSpec, SamplingDistribution
+    from rlsearch.actor import ActorRanks, ActorWorkerSpec, SamplingDistribution
     from rlsearch.actor.batch import pack_indices
     from rlsearch.config import ActorConfig, AlgoConfig
     from rlsearch.trainer import init_ray
@@ -313,7 +313,7 @@ def main() -> None:
         str(model_path), args.dtype, threads, args.hf_micro_batch, args.hf_layout
     )
     algo = AlgoConfig(clip_ratio_low=CLIP_RATIO, clip_ratio_high=CLIP_RATIO)
-    groups: dict[str, ActorGroup] = {}
+    groups: dict[str, ActorRanks] = {}
     try:
         for ep in expert_parallel:
             name = "megatron" if expert_parallel == [1] else f"mg-ep{ep}"
@@ -322,7 +322,7 @@ def main() -> None:
                                 max_tokens_per_microbatch=args.max_tokens_per_microbatch)
             spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, SamplingDistribution(TEMPERATURE),
                                    args.warmup + args.steps, args.seed)
-            groups[name] = ActorGroup(spec, num_gpus_per_rank=gpu_share / ep)
+            groups[name] = ActorRanks(spec, num_gpus_per_rank=gpu_share / ep)
         first_ranks = {name: group.workers[0] for name, group in groups.items()}
         hf_threads = ray.get(hf.threads.remote())
         hf_batches, hf_slots, hf_rows = ray.get(hf.padding.remote(samples))

@@ -148,7 +148,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import ray
 
-    from rlsearch.actor import MODEL_DISTRIBUTION, ActorGroup, ActorWorkerSpec
+    from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, ActorWorkerSpec
     from rlsearch.config import ActorConfig, AlgoConfig, RolloutConfig, ToolsConfig
     from rlsearch.ray_setup import cluster_has_gpus, init_ray
     from rlsearch.rollout import EnginePool, EngineSpec
@@ -189,7 +189,7 @@ def main() -> None:
             tp, pp = (int(part) for part in layout.removeprefix("tp").split("pp"))
             spec = ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp, lr=args.lr), AlgoConfig(),
                                    MODEL_DISTRIBUTION, 100, 1)
-            group = ActorGroup(spec, num_gpus_per_rank=1 if cluster_has_gpus() else 0)
+            group = ActorRanks(spec, num_gpus_per_rank=1 if cluster_has_gpus() else 0)
             try:
                 senders = [workers[0] for workers in group.stage_workers()]
                 pids = ray.get([sender.__ray_call__.remote(lambda worker: os.getpid()) for sender in senders])

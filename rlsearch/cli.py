@@ -26,7 +26,7 @@ def _run_summarised(command: str, load, run, output_dir_of, args: argparse.Names
     both without a traceback; any other error keeps its traceback, and every failure names the logs dir."""
     from .config import ConfigError
     from .data import DatasetError
-    from .logging import route_library_logs
+    from .runlog import route_library_logs
 
     log_dir = None
     try:
@@ -84,7 +84,7 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from .logging import plot_run
+    from .runlog import plot_run
 
     try:
         path = plot_run(args.run_dir)
@@ -318,7 +318,7 @@ examples:
 
 
 def add_inspect_parser(commands) -> None:
-    from .inspect import QUERY_NAMES
+    from .inspection import QUERY_NAMES
 
     inspect = commands.add_parser(
         "inspect", help="query a run's trajectories (SQLite index) as tables, or write them as an HTML page",
@@ -344,7 +344,7 @@ def add_inspect_parser(commands) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .inspect import InspectError, inspect_command
+    from .inspection import InspectError, inspect_command
 
     try:
         print(inspect_command(args.run_dir, args.query, args.question, args.step, args.eval, args.html, args.out))

@@ -28,7 +28,7 @@ def init_ray(address: str = "", num_cpus: int = 0) -> bool:
         os.environ.setdefault(key, value)
     import ray
 
-    from .logging import process_log_dir
+    from .runlog import process_log_dir
 
     if ray.is_initialized():
         return False

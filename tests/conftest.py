@@ -47,11 +47,11 @@ def pytest_sessionfinish(session):
 
 
 class SharedEngines:
-    """The engines many modules share (`rollout_worker`, `actor_group`, `engine_bench`): each is started on first use
+    """The engines many modules share (`rollout_worker`, `actor_ranks`, `engine_bench`): each is started on first use
     and released right after the last test that uses it. The modules using them run one after another, so the
     memory-heavy modules (several TP2 engines and a multi-rank actor) never run beside them within CI's 24 GiB."""
 
-    NAMES = ("rollout_worker", "actor_group", "engine_bench")
+    NAMES = ("rollout_worker", "actor_ranks", "engine_bench")
 
     def __init__(self) -> None:
         self._held: dict[str, tuple[object, object]] = {}  # name -> (the engine, its release)
@@ -205,12 +205,12 @@ def start_actor_group(model_dir):
     `start_rollout_worker`'s distribution (temperature 1, TEST_ROLLOUT's logit bias)."""
     from transformers import AutoTokenizer
 
-    from rlsearch.actor import ActorGroup, ActorWorkerSpec, SamplingDistribution
+    from rlsearch.actor import ActorRanks, ActorWorkerSpec, SamplingDistribution
     from rlsearch.config import ActorConfig, AlgoConfig
     from rlsearch.rollout import token_logit_bias
 
     bias = token_logit_bias(AutoTokenizer.from_pretrained(model_dir), TEST_ROLLOUT["logit_bias"])
-    return ActorGroup(ActorWorkerSpec(
+    return ActorRanks(ActorWorkerSpec(
         model_path=str(model_dir), dtype="float32", actor=ActorConfig(lr=1e-4),
         algo=AlgoConfig(), sampling=SamplingDistribution(1.0, bias), total_steps=10, seed=1,
     ))
@@ -237,11 +237,11 @@ def rollout_worker(ray_local, tiny_model_dir, retriever):
 
 
 @pytest.fixture(scope="module")
-def actor_group(ray_local, tiny_model_dir):
+def actor_ranks(ray_local, tiny_model_dir):
     """`start_actor_group` over the session's tiny model; shared (SharedEngines)."""
     def start():
         group = start_actor_group(tiny_model_dir)
         return group, lambda: _shut_down_if_ray_runs(ray_local, group)
 
-    return SHARED_ENGINES.get("actor_group", start)
+    return SHARED_ENGINES.get("actor_ranks", start)
 

@@ -2,10 +2,10 @@
 
 from .batch import TrainSample
 from .distribution import MODEL_DISTRIBUTION, SamplingDistribution
-from .group import ActorGroup
+from .ranks import ActorRanks
 from .worker import ActorWorkerSpec, MegatronActorWorker, RankInfo
 
 __all__ = [
-    "MODEL_DISTRIBUTION", "ActorGroup", "ActorWorkerSpec", "MegatronActorWorker", "RankInfo", "SamplingDistribution",
+    "MODEL_DISTRIBUTION", "ActorRanks", "ActorWorkerSpec", "MegatronActorWorker", "RankInfo", "SamplingDistribution",
     "TrainSample",
 ]

@@ -1,6 +1,6 @@
 """One Megatron-core rank of the policy: logprobs, GRPO training steps, weight export, checkpoints.
 
-`ActorGroup` (group.py) runs TP x PP x DP of these as Ray actors. Every method that runs megatron code is a
+`ActorRanks` (ranks.py) runs TP x PP x DP of these as Ray actors. Every method that runs megatron code is a
 collective: the group calls it on all ranks at once. Results come back from the "output ranks" (last
 pipeline stage, tensor-parallel rank 0), one per data-parallel shard.
 """
@@ -20,18 +20,18 @@ from ..algo import Objective
 from ..config import ActorConfig, AlgoConfig
 from ..devices import local_device
 from ..lifetime import forked_children_die_with_this_process
-from ..logging import redirect_worker_output
 from ..megatron.cpu_compat import cuda_available
 from ..megatron.model import MoESettings, build_model_chunks, export_hf_named, make_bridge, resolve_transformer_impl
 from ..megatron.parallel import PROCESS_GROUP_TIMEOUT_S, init_megatron_parallel
 from ..megatron.training import build_training_model, load_training_state, save_training_state
 from ..rendezvous import Rendezvous
+from ..runlog import redirect_worker_output
 from ..weights import broadcast, shm
 from ..weights.bucket import WeightBucket
 from ..weights.clock import PhaseClock
 from ..weights.delta import DeltaBucket, DeltaEncoder
 from ..weights.export import export_stage_weights
-from ..weights.group import destroy_weight_group, new_weight_group
+from ..weights.process_group import destroy_weight_group, new_weight_group
 from .batch import MicroBatch, Packing, TrainSample, collate, pack_micro_batches
 from .distribution import SamplingDistribution
 from .logits import token_logprobs
@@ -432,7 +432,7 @@ class MegatronActorWorker:
         """This pipeline stage's weights in buckets (shm transport), yielded by the stage's sender: as files it
         writes in /dev/shm for engines on its node (their path and layout), else as object-store buckets, delta-
         encoded under weights.delta. Its TP peers (and, with expert parallelism, the ranks holding the other experts)
-        take part in the gathers and yield nothing. Called on the ranks of `ActorGroup.stage_workers` only."""
+        take part in the gathers and yield nothing. Called on the ranks of `ActorRanks.stage_workers` only."""
         sender = self._is_stage_sender()
         staged = encoder = None
         if plan.stage_in_shared_memory and sender:
@@ -451,7 +451,7 @@ class MegatronActorWorker:
 
     def export_bytes(self) -> int:
         """Bytes the weight path exports from this rank's weights: its TP shards and experts, and, on the stage's
-        sender, the tensors every TP rank holds whole. Summed over a stage's `ActorGroup.stage_workers`: the bytes of
+        sender, the tensors every TP rank holds whole. Summed over a stage's `ActorRanks.stage_workers`: the bytes of
         the stage (a tied embedding counted on both ends)."""
         total = 0
         for chunk in self.model:

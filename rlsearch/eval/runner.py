@@ -188,7 +188,7 @@ class EvalRun:
         )
         _write_json_atomically(self.output_dir / SUMMARY_FILE, summary.to_json())
         if self.config.log_dir:
-            from ..logging import RunLogger
+            from ..runlog import RunLogger
 
             logger = RunLogger(self.config.log_dir, log_trajectories=False)
             logger.log_metrics(self.config.log_step, summary.scalars())

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from ..config import RetrieverConfig, RolloutConfig, ToolsConfig
-from ..logging import redirect_worker_output
 from ..loop_thread import LoopThread
+from ..runlog import redirect_worker_output
 from ..tools import ToolProtocol, ToolRegistry, build_registry, make_protocol
 from ..trajectory import Trajectory
 from ..weights import EngineWeightReceiver, WeightEndpoint

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
-from ..actor import ActorGroup, ActorWorkerSpec, SamplingDistribution, TrainSample
+from ..actor import ActorRanks, ActorWorkerSpec, SamplingDistribution, TrainSample
 from ..checkpoint import CheckpointError, CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import MODEL_DIR
 from ..config import (
@@ -30,16 +30,16 @@ from ..config import (
 )
 from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate
-from ..logging import RunLogger, format_step_line, plot_run
 from ..ray_setup import actor_states, cluster_has_gpus, init_ray
 from ..reward import check_scorers, score_trajectories
 from ..rollout import EnginePool, EngineSpec, NoEngineLeftError, PromptItem, Trajectory, token_logit_bias
+from ..runlog import RunLogger, format_step_line, plot_run
 from ..weights import WeightSync, WeightSyncError, check_engines_match_actor, default_mismatch_limit
 from .metrics import staleness_metrics, token_staleness, trajectory_metrics
 from .placement import check_retriever_reachable, describe_placement, plan_placement
 from .sampler import EpochSampler, SamplerState
-from .samples import StepBatch, actor_logprobs_of, overlong_masked, select_groups, train_samples
 from .skip_guard import NonFiniteStepsError, SkipGuard
+from .step_batch import StepBatch, actor_logprobs_of, overlong_masked, select_groups, train_samples
 from .update import PolicyUpdate, policy_update
 
 PROBE_CONTINUATION = "<search> who founded the town </search>"
@@ -229,7 +229,7 @@ class GRPOTrainer:
             starting_pool = starter.submit(start_engines)
             try:
                 with _timed(seconds, "actor ranks"):
-                    self.actor = ActorGroup(actor_spec, num_gpus_per_rank=gpus, **place.actor_options)
+                    self.actor = ActorRanks(actor_spec, num_gpus_per_rank=gpus, **place.actor_options)
             finally:
                 self.pool = starting_pool.result()  # also when the actor failed: close() then stops the engines
         engine_bias = ray.get(self.pool.engines[0].token_logit_bias.remote(), timeout=60)

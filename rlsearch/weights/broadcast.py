@@ -1,6 +1,6 @@
 """The broadcast transport: per pipeline stage, a torch.distributed group of that stage's sender (rank 0) and every
 worker of every engine (engine i's TP workers at `rank_offsets`), gloo on CPU and nccl on GPU: the same code
-(group.py), each broadcast bounded by the sync's deadline.
+(process_group.py), each broadcast bounded by the sync's deadline.
 
 The sender drives its stage: for each bucket it asks every engine to receive (a Ray call that blocks in the
 engine workers' `broadcast`), broadcasts the flat buffer, and waits for every engine to have loaded it. Buckets
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .bucket import flatten_tensors, iter_buckets
 from .clock import PhaseClock
 from .deadline import Deadline
-from .group import broadcast_within, group_device, rank_offsets
+from .process_group import broadcast_within, group_device, rank_offsets
 from .transport import SentWeights
 
 

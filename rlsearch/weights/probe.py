@@ -23,20 +23,20 @@ def default_mismatch_limit(dtype: str) -> float:
 
 
 class ContinuationScorer(Protocol):
-    """The actor side of the probe check (rlsearch.actor.ActorGroup is one)."""
+    """The actor side of the probe check (rlsearch.actor.ActorRanks is one)."""
 
     def score_continuations(self, prompt: list[int], continuations: Sequence[list[int]]) -> list[list[float]]:
         ...
 
 
-def check_engines_match_actor(actor_group: ContinuationScorer, engines: Sequence, probe_prompt: list[int],
+def check_engines_match_actor(actor_ranks: ContinuationScorer, engines: Sequence, probe_prompt: list[int],
                               limit: float, step: int) -> dict[str, float]:
     """Every engine samples PROBE_TOKENS tokens after `probe_prompt` at the rollout's distribution, and the actor
     scores each engine's tokens under that same distribution; raise when any engine disagrees by more than `limit`
     (0: never on the size of the gap) or any side has NaN/inf logprobs. Returns the worst engine's max and the mean
     gap."""
     sampled = ray.get([engine.sample_probe.remote(probe_prompt, PROBE_TOKENS, PROBE_SEED) for engine in engines])
-    actor_scored = actor_group.score_continuations(probe_prompt, [token_ids for token_ids, _ in sampled])
+    actor_scored = actor_ranks.score_continuations(probe_prompt, [token_ids for token_ids, _ in sampled])
     worst_max, means = 0.0, []
     for index, ((_, engine_logprobs), actor_logprobs) in enumerate(zip(sampled, actor_scored)):
         nonfinite = nonfinite_logprobs(engine_logprobs, actor_logprobs)

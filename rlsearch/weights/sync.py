@@ -43,16 +43,16 @@ class SyncStats:
 
 
 class WeightSync:
-    """Syncs ``actor_group``'s weights into engines (RolloutWorker handles) with the transport of `weights`;
+    """Syncs ``actor_ranks``'s weights into engines (RolloutWorker handles) with the transport of `weights`;
     ``delta``, ``delta_full_every`` and ``stage_while_generating`` as `weights.*` (shm transport only)."""
 
-    def __init__(self, actor_group, bucket_mb: float, transport: str, timeout_s: float, engine_tp: int, *,
+    def __init__(self, actor_ranks, bucket_mb: float, transport: str, timeout_s: float, engine_tp: int, *,
                  delta: bool = False, delta_full_every: int = 10, stage_while_generating: bool = False) -> None:
         if transport not in ("shm", "broadcast"):
             raise ValueError(f"unknown weight transport {transport!r} (shm | broadcast)")
         if delta and transport != "shm":
             raise ValueError("delta syncs (weights.delta) need weights.transport=shm")
-        self.actor = actor_group
+        self.actor = actor_ranks
         self.timeout_s = timeout_s
         bucket_bytes = int(bucket_mb * 1024 * 1024)
         self.transport: WeightTransport = BroadcastTransport(bucket_bytes, engine_tp) if transport == "broadcast" \

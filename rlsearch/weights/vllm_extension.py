@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .bucket import FlatLayout, unflatten_tensors
-from .group import broadcast_within, destroy_weight_group, group_device, new_weight_group
+from .process_group import broadcast_within, destroy_weight_group, group_device, new_weight_group
 from .vllm_moe import cpu_moe_experts
 
 

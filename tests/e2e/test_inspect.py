@@ -1,5 +1,5 @@
 """`rlsearch inspect` on a real run's trajectories: every query's figures against the same figures computed here from
-the raw JSONL (plain Python, nothing shared with rlsearch.inspect), the incremental index, the malformed-line error,
+the raw JSONL (plain Python, nothing shared with rlsearch.inspection), the incremental index, the malformed-line error,
 the HTML page token by token, and the command line."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from statistics import fmean
 import pytest
 
 from rlsearch.cli import main
-from rlsearch.inspect import (
+from rlsearch.inspection import (
     QUERY_NAMES,
     InspectError,
     answers_without_search,
@@ -454,17 +454,17 @@ def test_html_without_a_tokenizer_shows_the_turns_text_and_says_so(real_run, tmp
 
 
 def test_html_pages_are_capped_with_a_note(real_run, tmp_path, monkeypatch):
-    import rlsearch.inspect.page
+    import rlsearch.inspection.page
 
     run = _copy_run(real_run, tmp_path / "capped")
     (run / "config.json").write_text("{}")  # no tokenizer: this test is about which trajectories are shown
     update_index(run)
-    monkeypatch.setattr(rlsearch.inspect.page, "MAX_PAGE_TRAJECTORIES", 10)
+    monkeypatch.setattr(rlsearch.inspection.page, "MAX_PAGE_TRAJECTORIES", 10)
     db = open_index(run)
     try:
         latest = write_page(db, run, "train", None)
         one_step = write_page(db, run, "train", 1)
-        monkeypatch.setattr(rlsearch.inspect.page, "MAX_PAGE_TRAJECTORIES", 5)
+        monkeypatch.setattr(rlsearch.inspection.page, "MAX_PAGE_TRAJECTORIES", 5)
         part_of_a_step = write_page(db, run, "train", 1)
     finally:
         db.close()

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rlsearch.actor import ActorGroup
+from rlsearch.actor import ActorRanks
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
 
 # warm-up: the learning rate changes every step, so a lost schedule position shows
@@ -28,7 +28,7 @@ def test_resume_tp1pp1_checkpoint_into_tp2pp1_trains_on_identically(ray_local, t
     checkpoint = tmp_path / "megatron"
     checkpoint.mkdir()
 
-    source = ActorGroup(actor_spec(tiny_model_dir, 1, 1, 1, SETTINGS))
+    source = ActorRanks(actor_spec(tiny_model_dir, 1, 1, 1, SETTINGS))
     try:
         first = source.train_step(samples)
         source.save_checkpoint(str(checkpoint))
@@ -38,7 +38,7 @@ def test_resume_tp1pp1_checkpoint_into_tp2pp1_trains_on_identically(ray_local, t
     finally:
         source.shutdown()
 
-    resumed = ActorGroup(actor_spec(tiny_model_dir, 2, 1, 1, SETTINGS))
+    resumed = ActorRanks(actor_spec(tiny_model_dir, 2, 1, 1, SETTINGS))
     try:
         assert resumed.load_checkpoint(str(checkpoint), restore_rng=False) == 1  # the scheduler's step count
         loaded_weights = resumed.hf_state_dict()

@@ -15,7 +15,7 @@ import pytest
 from rlsearch.config import AlgoConfig, MCPConfig, MCPServerConfig, RetrieverConfig, RolloutConfig, ToolsConfig
 from rlsearch.rollout.worker import rollout_protocol
 from rlsearch.tools import ToolSetupError, build_registry
-from rlsearch.trainer.samples import train_samples
+from rlsearch.trainer.step_batch import train_samples
 from tests.integration.engine_bench import prompt_items
 
 BUDGET = 120  # rollout.max_response_tokens of these runs

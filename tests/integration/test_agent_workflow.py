@@ -17,7 +17,7 @@ import pytest
 from examples.agents.search_r1 import agent as search_r1_agent
 from rlsearch.config import AlgoConfig
 from rlsearch.tools import ToolCall
-from rlsearch.trainer.samples import train_samples
+from rlsearch.trainer.step_batch import train_samples
 from tests.integration.engine_bench import prompt_items
 
 LOGPROB_TOLERANCE = 1e-5  # two batchings of one engine may reorder float32 sums: a few ulps, never another token

@@ -1,7 +1,7 @@
 """A weight broadcast that cannot finish fails after its deadline, on nccl as on gloo: one code path
-(rlsearch.weights.group), run here on gloo between real processes (Ray actors). The collective runs asynchronously and
-is polled; past the deadline its group is aborted and CollectiveTimeout raised, so neither side hangs or is torn down
-by torch's watchdog: the same processes form a new group and broadcast through it."""
+(rlsearch.weights.process_group), run here on gloo between real processes (Ray actors). The collective runs
+asynchronously and is polled; past the deadline its group is aborted and CollectiveTimeout raised, so neither side hangs
+or is torn down by torch's watchdog: the same processes form a new group and broadcast through it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlsearch.rendezvous import Rendezvous
-from rlsearch.weights.group import CollectiveTimeout, broadcast_within, destroy_weight_group, new_weight_group
+from rlsearch.weights.process_group import CollectiveTimeout, broadcast_within, destroy_weight_group, new_weight_group
 
 DEADLINE_S = 3.0
 

@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch
 
-from rlsearch.actor import MODEL_DISTRIBUTION, ActorGroup, TrainSample
+from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, TrainSample
 from rlsearch.algo import loss_token_weights
 from rlsearch.weights import WeightSync, logprob_mismatch
 from tests.integration.actor_helpers import actor_spec, hf_logprobs
@@ -83,7 +83,7 @@ def batch(tiny_model_dir):
 def run_layout(ray_local, tiny_model_dir, rollout_worker, batch, tmp_path_factory):
     samples, _ = batch
     cache: dict[str, LayoutRun] = {}
-    kept: dict[str, ActorGroup] = {}  # the baseline's group, which later loads cp2's checkpoint
+    kept: dict[str, ActorRanks] = {}  # the baseline's group, which later loads cp2's checkpoint
 
     def run(name: str) -> LayoutRun:
         if name in cache:
@@ -91,7 +91,7 @@ def run_layout(ray_local, tiny_model_dir, rollout_worker, batch, tmp_path_factor
         tp, pp, cp, merge = LAYOUTS[name]
         chunk = 0 if name == "baseline" else 16
         extra = {"cp": cp, "merge_prefixes": merge, "logits_chunk_tokens": chunk, "max_tokens_per_microbatch": 200}
-        group = ActorGroup(actor_spec(tiny_model_dir, tp, pp, 1, extra))
+        group = ActorRanks(actor_spec(tiny_model_dir, tp, pp, 1, extra))
         if name == "baseline":
             kept[name] = group
         try:

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from rlsearch.actor import ActorGroup
+from rlsearch.actor import ActorRanks
 from rlsearch.config import AlgoConfig
 from rlsearch.trainer.update import policy_update
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
@@ -28,7 +28,7 @@ def run_layout(ray_local, tiny_model_dir):
         if name not in cache:
             tp, pp = LAYOUTS[name]
             spec = replace(actor_spec(tiny_model_dir, tp, pp, 1, {"lr": LR}), algo=ALGO)
-            group = ActorGroup(spec)
+            group = ActorRanks(spec)
             try:
                 # the crafted old logprobs are dropped: the update computes the old policy's itself
                 update = policy_update(group, [replace(s, old_logprobs=None) for s in samples], ALGO)

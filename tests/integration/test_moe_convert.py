@@ -125,13 +125,13 @@ def test_moe_export_loads_in_vllm(round_trip):
 def test_training_checkpoint_at_ep2_converts_bit_exact(ray_local, moe_model_dirs, tmp_path):
     """A run's checkpoint (model, optimizer, scheduler, RNG) saved by an actor at ep=2 after a step: its export is
     the trained actor's weights, every expert included."""
-    from rlsearch.actor import ActorGroup
+    from rlsearch.actor import ActorRanks
     from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
 
     model_dir = moe_model_dirs["qwen3_moe"]
     samples, _ = scored_batch(lambda batch: hf_logprobs(model_dir, batch))
     started = time.perf_counter()
-    group = ActorGroup(actor_spec(model_dir, 1, 1, 2, {"ep": 2}))
+    group = ActorRanks(actor_spec(model_dir, 1, 1, 2, {"ep": 2}))
     try:
         group.train_step(samples)
         trained = group.hf_state_dict()

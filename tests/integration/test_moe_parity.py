@@ -15,7 +15,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from rlsearch.actor import ActorGroup
+from rlsearch.actor import ActorRanks
 from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch, sent_tensors
 
@@ -56,7 +56,7 @@ def run_layout(ray_local, moe_model_dirs, batches):
         if (arch, layout) not in cache:
             pp, dp, ep = LAYOUTS[layout]
             samples, _ = batches[arch]
-            group = ActorGroup(actor_spec(moe_model_dirs[arch], 1, pp, dp, {"ep": ep}))
+            group = ActorRanks(actor_spec(moe_model_dirs[arch], 1, pp, dp, {"ep": ep}))
             try:
                 sent = sent_tensors(group, 64)
                 logprobs = group.compute_logprobs(samples)

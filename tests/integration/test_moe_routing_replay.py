@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from rlsearch.actor import ActorGroup
+from rlsearch.actor import ActorRanks
 from rlsearch.config import AlgoConfig
 from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 from rlsearch.trainer.update import policy_update
@@ -29,7 +29,7 @@ def moe_group(ray_local, tmp_path_factory):
     samples, _ = scored_batch(lambda batch: hf_logprobs(model_dir, batch))
     spec = actor_spec(model_dir, 1, 1, 2, {"ep": 2, "lr": 0.05})
     spec = dataclasses.replace(spec, algo=AlgoConfig(routing_replay="old", num_minibatches=2))
-    group = ActorGroup(spec)
+    group = ActorRanks(spec)
     yield group, samples
     group.shutdown()
 

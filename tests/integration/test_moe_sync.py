@@ -18,7 +18,7 @@ import ray
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlsearch.actor import MODEL_DISTRIBUTION, ActorGroup, ActorWorkerSpec, SamplingDistribution, TrainSample
+from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, ActorWorkerSpec, SamplingDistribution, TrainSample
 from rlsearch.checkpoint import write_hf_model
 from rlsearch.config import ActorConfig, AlgoConfig, RetrieverConfig, RolloutConfig
 from rlsearch.loop_thread import LoopThread
@@ -238,7 +238,7 @@ def test_moe_parity_and_sync_from_expert_parallel_actor_into_two_tp2_engines(qwe
     engines, _ = qwen3_engines
     tokenizer = AutoTokenizer.from_pretrained(qwen3_case.model_dir)
     bias = token_logit_bias(tokenizer, TEST_ROLLOUT["logit_bias"])
-    group = ActorGroup(ActorWorkerSpec(
+    group = ActorRanks(ActorWorkerSpec(
         model_path=str(qwen3_case.model_dir), dtype="float32",
         actor=ActorConfig(dp=ep, ep=ep, lr=1e-3, max_tokens_per_microbatch=160), algo=AlgoConfig(),
         sampling=SamplingDistribution(1.0, bias), total_steps=4, seed=1,

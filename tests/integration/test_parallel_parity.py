@@ -13,7 +13,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from rlsearch.actor import MODEL_DISTRIBUTION, ActorGroup, TrainSample
+from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, TrainSample
 from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 from rlsearch.weights import WeightSync, logprob_mismatch
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch, sent_tensors
@@ -57,7 +57,7 @@ def run_layout(ray_local, tiny_model_dir, rollout_worker, batch):
         if name in cache:
             return cache[name]
         tp, pp, dp, extra = LAYOUTS[name]
-        group = ActorGroup(actor_spec(tiny_model_dir, tp, pp, dp, extra))
+        group = ActorRanks(actor_spec(tiny_model_dir, tp, pp, dp, extra))
         try:
             initial_export = sent_tensors(group, 64)
             logprobs = group.compute_logprobs(samples)
@@ -133,7 +133,7 @@ def test_architecture_parity_and_round_trip(ray_local, tmp_path_factory, archite
                                                                         tie_word_embeddings=tied),
     )
     samples, reference = scored_batch(lambda s: hf_logprobs(model_dir, s))
-    group = ActorGroup(actor_spec(model_dir, tp, pp, 1, {}))
+    group = ActorRanks(actor_spec(model_dir, tp, pp, 1, {}))
     try:
         sent = sent_tensors(group, 64)
         logprobs = group.compute_logprobs(samples)

@@ -10,8 +10,8 @@ import socket
 import pytest
 import torch
 
-from rlsearch.actor import ActorGroup, TrainSample
-from rlsearch.weights.group import broadcast_within, new_weight_group
+from rlsearch.actor import ActorRanks, TrainSample
+from rlsearch.weights.process_group import broadcast_within, new_weight_group
 from tests.integration.actor_helpers import actor_spec
 
 
@@ -27,7 +27,7 @@ def take(address: str) -> int:
     return 0
 
 
-class ContestedActorGroup(ActorGroup):
+class ContestedActorGroup(ActorRanks):
     """An actor group whose chosen rendezvous port something tries to take before the ranks join."""
 
     def _open_rendezvous(self) -> str:

@@ -18,9 +18,9 @@ TIS_CAP = 2.0  # algo.tis_cap's default
 
 
 @pytest.fixture(scope="module")
-def synced_bench(engine_bench, actor_group):
+def synced_bench(engine_bench, actor_ranks):
     """The engine with the actor's current weights (earlier tests may have trained the session's actor)."""
-    engine_bench.load_weights(actor_group.hf_state_dict())
+    engine_bench.load_weights(actor_ranks.hf_state_dict())
     return engine_bench
 
 
@@ -35,20 +35,20 @@ def gap_and_tis(trajectories, actor_logprobs) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.0, 1.3])
-def test_the_actor_scores_the_distribution_the_engine_sampled_from(synced_bench, actor_group, toy_data, temperature):
+def test_the_actor_scores_the_distribution_the_engine_sampled_from(synced_bench, actor_ranks, toy_data, temperature):
     loop = synced_bench.loop(temperature=temperature)
     trajectories = synced_bench.events.run(loop.run(prompt_items(toy_data), step=1))
     samples = [TrainSample(t.token_ids, len(t.prompt_ids), t.loss_mask) for t in trajectories]
     assert sum(sum(t.loss_mask) for t in trajectories) > 100
 
     sampled = SamplingDistribution(temperature, loop.logit_bias)
-    gap, tis_mean = gap_and_tis(trajectories, actor_group.compute_logprobs(samples, distribution=sampled))
+    gap, tis_mean = gap_and_tis(trajectories, actor_ranks.compute_logprobs(samples, distribution=sampled))
     assert gap <= GAP_TOLERANCE
     assert abs(tis_mean - 1.0) <= TIS_TOLERANCE
 
     # scoring at another temperature, or the raw model (what vLLM reports by default), is caught
     def gap_under(distribution: SamplingDistribution) -> float:
-        return gap_and_tis(trajectories, actor_group.compute_logprobs(samples, distribution=distribution))[0]
+        return gap_and_tis(trajectories, actor_ranks.compute_logprobs(samples, distribution=distribution))[0]
 
     assert gap_under(SamplingDistribution(temperature * 1.15, loop.logit_bias)) > 10 * GAP_TOLERANCE
     assert gap_under(MODEL_DISTRIBUTION) > 0.05

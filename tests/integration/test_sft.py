@@ -14,7 +14,7 @@ from rlsearch.config import ActorConfig, SFTConfig, SFTDataConfig
 from rlsearch.data import make_toy_data
 from rlsearch.data.chat import load_chat_dataset
 from rlsearch.data.demos import bm25_search, write_demonstrations
-from rlsearch.logging import read_scalars
+from rlsearch.runlog import read_scalars
 from rlsearch.trainer import EpochSampler, run_sft
 
 STEPS = 6

@@ -29,7 +29,7 @@ def rollout_worker(ray_local, tiny_model_dir, retriever):
 
 
 @pytest.fixture(scope="module")
-def actor_group(ray_local, tiny_model_dir):
+def actor_ranks(ray_local, tiny_model_dir):
     group = start_actor_group(tiny_model_dir)
     yield group
     group.shutdown()

@@ -11,7 +11,7 @@ import pytest
 
 def test_a_call_past_its_time_limit_is_named_and_a_failure_is_raised_at_once(ray_local) -> None:
     ray = ray_local
-    from rlsearch.actor.group import wait_for_ranks
+    from rlsearch.actor.ranks import wait_for_ranks
 
     @ray.remote(num_cpus=0)
     def rank(seconds: float, fail: bool = False) -> float:

@@ -16,7 +16,7 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
-from rlsearch.actor import MODEL_DISTRIBUTION, ActorGroup, SamplingDistribution, TrainSample
+from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, SamplingDistribution, TrainSample
 from rlsearch.config import RetrieverConfig, RolloutConfig
 from rlsearch.rollout import EngineSpec, RolloutWorker
 from rlsearch.weights import WeightSync, WeightSyncError, check_engines_match_actor, logprob_mismatch
@@ -83,7 +83,7 @@ def synced(engines, tiny_model_dir, model_b, probe_ids):
     def run(layout: str) -> LayoutSyncs:
         if layout in cache:
             return cache[layout]
-        group = ActorGroup(actor_spec(model_b, *LAYOUTS[layout], 1, {}, sampling))
+        group = ActorRanks(actor_spec(model_b, *LAYOUTS[layout], 1, {}, sampling))
         result = LayoutSyncs()
         try:
             probe = TrainSample(probe_ids, 1, [1] * (len(probe_ids) - 1))
@@ -189,7 +189,7 @@ def delta_runs(engines, model_b, probe_ids, tiny_model_dir, retriever):
     def run(layout: str) -> DeltaRun:
         if layout in cache:
             return cache[layout]
-        group = ActorGroup(actor_spec(model_b, *LAYOUTS[layout], 1, {}, sampling))
+        group = ActorRanks(actor_spec(model_b, *LAYOUTS[layout], 1, {}, sampling))
         result = DeltaRun()
 
         def synced(sync: WeightSync, step: int) -> None:
@@ -269,7 +269,7 @@ def test_staged_while_generating_the_engines_keep_sampling_until_the_load(engine
     the load and the reset."""
     import threading
 
-    group = ActorGroup(actor_spec(model_b, 2, 1, 1, {}))
+    group = ActorRanks(actor_spec(model_b, 2, 1, 1, {}))
     finished: list[float] = []
     stop = threading.Event()
 
@@ -304,7 +304,7 @@ def test_staged_while_generating_the_engines_keep_sampling_until_the_load(engine
 
 def test_broadcast_sync_into_a_dead_engine_raises_within_the_timeout(engines, model_b):
     """Run last in this module: it kills engine 1."""
-    group = ActorGroup(actor_spec(model_b, 1, 1, 1, {}))
+    group = ActorRanks(actor_spec(model_b, 1, 1, 1, {}))
     try:
         sync = WeightSync(group, BUCKET_MB, "broadcast", timeout_s=20.0, engine_tp=ENGINE_TP)
         sync.sync(engines)

@@ -11,13 +11,13 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rlsearch"
 
 # each room is a top-level module or folder of rlsearch ("rlsearch" is the package's own __init__)
 FLOORS: list[set[str]] = [
-    {"rlsearch", "trajectory", "algo", "devices", "files", "lifetime", "loop_thread", "rendezvous", "logging"},
+    {"rlsearch", "trajectory", "algo", "devices", "files", "lifetime", "loop_thread", "rendezvous", "runlog"},
     {"config", "ray_setup"},
     {"megatron"},
     {"weights", "tools"},
     {"actor", "rollout", "data", "checkpoint"},
     {"reward"},
-    {"eval", "inspect", "doctor", "supervisor"},
+    {"eval", "inspection", "doctor", "supervisor"},
     {"trainer"},
     {"cli"},
     {"__main__"},

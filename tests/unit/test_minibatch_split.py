@@ -14,7 +14,7 @@ from rlsearch.actor import TrainSample
 from rlsearch.algo import groups_with_signal, grpo_objective, minibatch_bounds, sft_objective
 from rlsearch.config import AlgoConfig, ConfigError, load_train_config
 from rlsearch.rollout import Trajectory
-from rlsearch.trainer.samples import minibatches, overlong_masked, select_groups, train_samples
+from rlsearch.trainer.step_batch import minibatches, overlong_masked, select_groups, train_samples
 from rlsearch.trainer.update import policy_update
 
 

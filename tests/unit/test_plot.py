@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from rlsearch.cli import main
-from rlsearch.logging import RunLogger, plot_run, read_scalars
+from rlsearch.runlog import RunLogger, plot_run, read_scalars
 
 GRPO_PANELS = ["reward", "exact match", "turns", "tool calls", "response length", "KL", "clip fraction",
                "logprob mismatch", "grad norm", "learning rate"]

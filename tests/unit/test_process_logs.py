@@ -8,7 +8,7 @@ from tests.conftest import REPO_ROOT
 
 ROUTE_AND_LOG = """
 import logging, os, subprocess, sys, warnings
-from rlsearch.logging import redirect_worker_output, route_library_logs
+from rlsearch.runlog import redirect_worker_output, route_library_logs
 log_dir = route_library_logs(sys.argv[1], verbose=sys.argv[2] == "verbose")
 print("log dir", log_dir)
 logging.getLogger("vllm.engine").warning("an engine warning")
@@ -51,7 +51,7 @@ def test_verbose_leaves_library_logs_on_the_terminal(tmp_path):
 
 
 def test_a_worker_outside_ray_keeps_its_output(tmp_path, monkeypatch):
-    from rlsearch.logging import redirect_worker_output
+    from rlsearch.runlog import redirect_worker_output
 
     monkeypatch.setenv("RLSEARCH_LOG_DIR", str(tmp_path))
     assert redirect_worker_output("actor-rank0") is None

@@ -134,10 +134,10 @@ def _check(engines: list[list[float]], actor: list[float], limit: float, monkeyp
         })})
         for lp in engines
     ]
-    actor_group = type("Actor", (), {
+    actor_ranks = type("Actor", (), {
         "score_continuations": lambda self, prompt, continuations: [actor for _ in continuations]
     })()
-    return check_engines_match_actor(actor_group, handles, [1, 2, 3], limit, step=5)
+    return check_engines_match_actor(actor_ranks, handles, [1, 2, 3], limit, step=5)
 
 
 @pytest.mark.parametrize("limit", [1e-4, 0.0], ids=["limit", "limit-disabled"])

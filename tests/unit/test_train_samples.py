@@ -7,7 +7,7 @@ import pytest
 
 from rlsearch.config import AlgoConfig
 from rlsearch.rollout import Trajectory
-from rlsearch.trainer.samples import train_samples
+from rlsearch.trainer.step_batch import train_samples
 
 
 def _trajectory(group_id: int, reward: float) -> Trajectory:
@@ -39,7 +39,7 @@ def test_unmasked_observations_train_every_response_token() -> None:
 
 
 def test_actor_logprobs_go_back_to_their_trajectory_and_segment() -> None:
-    from rlsearch.trainer.samples import actor_logprobs_of
+    from rlsearch.trainer.step_batch import actor_logprobs_of
     from rlsearch.trajectory import Segment
 
     failed, first, second = _trajectory(0, 0.0), _trajectory(0, 1.0), _trajectory(0, 0.0)

@@ -15,7 +15,7 @@ import httpx
 
 import rlsearch
 from rlsearch.lifetime import die_with_parent
-from rlsearch.logging import process_log_dir
+from rlsearch.runlog import process_log_dir
 
 from ..http import MCP_TOKEN_ENV, RETRIEVER_TOKEN_ENV, bearer_headers
 

@@ -1,4 +1,4 @@
-"""ActorGroup: TP x PP x DP Megatron ranks as Ray actors, driven as one."""
+"""ActorRanks: TP x PP x DP Megatron ranks as Ray actors, driven as one."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def wait_for_ranks(refs: list, timeout_s: float | None = None, what: str = "") -
     return ray.get(refs)
 
 
-class ActorGroup:
+class ActorRanks:
     """Ranks are placed by a placement group, one bundle (a CPU, and a GPU when given) per rank, packed onto as
     few nodes as possible so tensor-parallel peers share a node. Rank order follows Megatron's: TP fastest.
 
