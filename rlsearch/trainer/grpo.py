@@ -37,6 +37,7 @@ from ..runlog import RunLogger, format_step_line, plot_run
 from ..weights import WeightSync, WeightSyncError, check_engines_match_actor, default_mismatch_limit
 from .metrics import staleness_metrics, token_staleness, trajectory_metrics
 from .placement import check_retriever_reachable, describe_placement, plan_placement
+from .progress import RunParts, RunProgress
 from .sampler import EpochSampler, SamplerState
 from .skip_guard import NonFiniteStepsError, SkipGuard
 from .step_batch import StepBatch, actor_logprobs_of, overlong_masked, select_groups, train_samples
@@ -150,24 +151,11 @@ class GRPOTrainer:
         self.examples = self._load_examples()
         check_model_layout(config.model.path, config.actor, config.algo.routing_replay)
         self.sampler = EpochSampler(self.examples, seed=config.trainer.seed, shuffle=config.data.shuffle)
-        self.step = 0
-        self.resumed_step = 0
-        # whether the actor's weights and optimizer have been updated (in this run, or in the one it resumes): an
-        # optimizer that never stepped has no state to checkpoint
-        self.weights_updated = False
-        self.weight_version = 0  # optimizer updates synced into the engine (this process's)
         self.rollouts: deque[PendingRollout] = deque()
-        self.next_rollout_step = 1
-        self.trained_sampler_state = SamplerState()
-        # steps skipped for a NaN/inf loss or grad norm; the data position after the last step that updated weights
+        # steps skipped for a NaN/inf loss or grad norm
         self.skip_guard = SkipGuard(config.trainer.max_consecutive_skips)
-        self.good_sampler_state = SamplerState()
-        self.saved_checkpoints: dict[int, Path] = {}  # step -> a checkpoint of it (saved by this process, or resumed)
-        self.tool_servers = None
-        self.pool: EnginePool | None = None
-        self.engine_restarts = 0  # rollout engines that died and were replaced
-        self.restarts_by_step: dict[int, int] = {}  # engine restarts of the current step
-        self.actor = None
+        self.progress = RunProgress()
+        self.parts = RunParts(CheckpointStore(self.output_dir, keep=config.trainer.keep_checkpoints))
 
     def _load_examples(self) -> list[QAExample]:
         config = self.config
@@ -185,15 +173,14 @@ class GRPOTrainer:
 
         config = self.config
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.checkpoints = CheckpointStore(self.output_dir, keep=config.trainer.keep_checkpoints)
         resume_from = self._checkpoint_to_resume()
         seconds: dict[str, float] = {}  # of each start-up phase, for the line that reports them
         try:
             with _timed(seconds, "tool servers"):
-                self.tool_servers = ToolServers(config.tools).start()
+                self.parts.tool_servers = ToolServers(config.tools).start()
         except ToolSetupError as error:
             raise ConfigError(str(error)) from error
-        tools = self.tool_servers.tools  # the config with the started servers' URLs filled in
+        tools = self.parts.tool_servers.tools  # the config with the started servers' URLs filled in
         actor = config.actor
         world = actor.world_size
         rollout = config.rollout
@@ -229,40 +216,42 @@ class GRPOTrainer:
             starting_pool = starter.submit(start_engines)
             try:
                 with _timed(seconds, "actor ranks"):
-                    self.actor = ActorRanks(actor_spec, num_gpus_per_rank=gpus, **place.actor_options)
+                    self.parts.actor = ActorRanks(actor_spec, num_gpus_per_rank=gpus, **place.actor_options)
             finally:
-                self.pool = starting_pool.result()  # also when the actor failed: close() then stops the engines
-        engine_bias = ray.get(self.pool.engines[0].token_logit_bias.remote(), timeout=60)
+                self.parts.pool = starting_pool.result()  # also when the actor failed: close() then stops the engines
+        engine_bias = ray.get(self.parts.pool.engines[0].token_logit_bias.remote(), timeout=60)
         if engine_bias != logit_bias:
             raise RuntimeError(f"the engine's token logit bias {engine_bias} differs from the actor's {logit_bias}: "
                                f"the engine tokenises rollout.logit_bias differently from {config.model.path}'s "
                                "tokenizer")
         weights = config.weights
-        self.weight_sync = WeightSync(
-            self.actor, weights.bucket_mb, weights.transport, weights.timeout_s, config.rollout.tensor_parallel_size,
+        self.parts.weight_sync = WeightSync(
+            self.parts.actor, weights.bucket_mb, weights.transport, weights.timeout_s, rollout.tensor_parallel_size,
             delta=weights.delta, delta_full_every=weights.delta_full_every,
             # syncs land on rollouts in flight only with async_steps >= 1: else staging first would only cost memory
             stage_while_generating=weights.stage_while_generating and config.rollout.update_weights_in_flight
             and config.rollout.async_steps >= 1,
         )
-        self.probe_ids = ray.get(
-            self.pool.engines[0].probe_sequence.remote(self.examples[0].question, PROBE_CONTINUATION)
+        self.parts.probe_ids = ray.get(
+            self.parts.pool.engines[0].probe_sequence.remote(self.examples[0].question, PROBE_CONTINUATION)
         )
-        line, engine_ips = describe_placement(config.trainer.placement, self.actor.workers, self.pool.engines)
+        line, engine_ips = describe_placement(config.trainer.placement, self.parts.actor.workers,
+                                              self.parts.pool.engines)
         print(line, flush=True)
         check_retriever_reachable(tools, engine_ips)
         if resume_from is not None:
             with _timed(seconds, "resume"):
                 self._resume(resume_from)
         print(_startup_line(seconds), flush=True)
-        self.logger = RunLogger(self.output_dir, config.trainer.log_trajectories, resumed_step=self.resumed_step)
+        self.parts.logger = RunLogger(self.output_dir, config.trainer.log_trajectories,
+                                      resumed_step=self.progress.resumed_step)
 
     def _checkpoint_to_resume(self) -> ResumePoint | None:
         resume = self.config.trainer.resume
         if resume == "none":
             return None
         if resume == "auto":
-            path, skipped = self.checkpoints.newest_complete()
+            path, skipped = self.parts.checkpoints.newest_complete()
             for warning in skipped:
                 print(f"[rlsearch] warning: {warning}", flush=True)
             if path is None:
@@ -283,21 +272,21 @@ class GRPOTrainer:
         the step counter, data order and sampling seeds continue where the checkpoint left them."""
         # checkpoints from before actor.cp and actor.ep had no "cp" and "ep"
         same_layout = {"cp": 1, "ep": 1, **point.layout} == self._layout()
-        self.actor.load_checkpoint(str(point.path / MODEL_DIR), restore_rng=same_layout)
-        self.step = self.resumed_step = point.step
-        self.weights_updated = True
-        self.next_rollout_step = point.step + 1
+        self.parts.actor.load_checkpoint(str(point.path / MODEL_DIR), restore_rng=same_layout)
+        self.progress.step = self.progress.resumed_step = point.step
+        self.progress.weights_updated = True
+        self.progress.next_rollout_step = point.step + 1
         self.sampler.restore(point.sampler)
-        self.trained_sampler_state = point.sampler
-        self.saved_checkpoints[point.step] = point.path
-        sync = self.weight_sync.sync(self.pool.engines)
+        self.progress.trained_sampler_state = point.sampler
+        self.progress.saved_checkpoints[point.step] = point.path
+        sync = self.parts.weight_sync.sync(self.parts.pool.engines)
         saved = point.layout
         layouts = "" if same_layout else (
             f", resharded from tp{saved['tp']} pp{saved['pp']} cp{saved.get('cp', 1)} dp{saved['dp']} (per-rank RNG "
             "states start fresh)"
         )
-        print(f"[rlsearch] resumed from {point.path} after step {self.step}{layouts}; weights synced to the engine "
-              f"in {sync.seconds:.1f} s", flush=True)
+        print(f"[rlsearch] resumed from {point.path} after step {self.progress.step}{layouts}; weights synced to the "
+              f"engine in {sync.seconds:.1f} s", flush=True)
 
     def _layout(self) -> dict[str, int]:
         actor = self.config.actor
@@ -307,14 +296,7 @@ class GRPOTrainer:
         }
 
     def close(self, graceful: bool = True) -> None:
-        if self.actor is not None:
-            self.actor.shutdown(graceful)
-        if self.pool is not None:
-            self.pool.shutdown()
-        if self.tool_servers is not None:
-            self.tool_servers.stop()
-        if hasattr(self, "logger"):
-            self.logger.close()
+        self.parts.stop(graceful)
 
     # ---- the loop -------------------------------------------------------------------------------------
 
@@ -323,37 +305,40 @@ class GRPOTrainer:
         died: list[str] = []
         try:
             self._start()
-            self.skip_guard.last_good_step = self.step  # 0, or the step a resumed run continues after
-            self.good_sampler_state = self.trained_sampler_state
+            self.skip_guard.last_good_step = self.progress.step  # 0, or the step a resumed run continues after
+            self.progress.good_sampler_state = self.progress.trained_sampler_state
             metrics = self.check_parity()
             print(f"[rlsearch] engine vs actor logprobs before training: max |diff| "
-                  f"{metrics['weights/logprob_mismatch_max']:.2e} ({self.actor.spec.sampling.describe()})", flush=True)
+                  f"{metrics['weights/logprob_mismatch_max']:.2e} ({self.parts.actor.spec.sampling.describe()})",
+                  flush=True)
             last_checkpoint = None
             history: list[dict[str, float]] = []
-            if self.step >= self.config.trainer.total_steps:
-                print(f"[rlsearch] the run is already at step {self.step} of trainer.total_steps="
+            if self.progress.step >= self.config.trainer.total_steps:
+                print(f"[rlsearch] the run is already at step {self.progress.step} of trainer.total_steps="
                       f"{self.config.trainer.total_steps}: nothing to train. Raise trainer.total_steps to continue, "
                       "or set trainer.resume=none to start over", flush=True)
-            while self.step < self.config.trainer.total_steps:
-                self.step += 1
+            while self.progress.step < self.config.trainer.total_steps:
+                self.progress.step += 1
                 self._revive_tool_servers()
                 self._launch_rollouts()
                 metrics = self.train_step(self.rollouts.popleft())
                 history.append(metrics)
-                if self._prints_step(self.step):
-                    print(format_step_line(self.step, self.config.trainer.total_steps, metrics), flush=True)
+                if self._prints_step(self.progress.step):
+                    print(format_step_line(self.progress.step, self.config.trainer.total_steps, metrics), flush=True)
                 self._record_skip(metrics)
+                step, last_step = self.progress.step, self.config.trainer.total_steps
                 interval = self.config.trainer.save_interval
-                if self.step == self.config.trainer.total_steps or (interval and self.step % interval == 0):
+                if step == last_step or (interval and step % interval == 0):
                     last_checkpoint = self._checkpoint_if_updated()
                 interval = self.config.trainer.eval_interval
-                if interval and (self.step % interval == 0 or self.step == self.config.trainer.total_steps):
+                if interval and (step % interval == 0 or step == last_step):
                     self.evaluate_policy()
             return RunSummary(
-                output_dir=self.output_dir, tensorboard_dir=self.logger.tensorboard_dir,
-                trajectory_dir=self.logger.trajectory_dir if self.config.trainer.log_trajectories else None,
-                checkpoint=last_checkpoint, steps=self.step, seconds=time.perf_counter() - started,
-                last_metrics=metrics, resumed_step=self.resumed_step, curves=plot_run(self.output_dir), history=history,
+                output_dir=self.output_dir, tensorboard_dir=self.parts.logger.tensorboard_dir,
+                trajectory_dir=self.parts.logger.trajectory_dir if self.config.trainer.log_trajectories else None,
+                checkpoint=last_checkpoint, steps=self.progress.step, seconds=time.perf_counter() - started,
+                last_metrics=metrics, resumed_step=self.progress.resumed_step, curves=plot_run(self.output_dir),
+                history=history,
             )
         except Exception as error:
             # a Ray call failed, or the rollout lost its last engine: name the actors that died
@@ -373,28 +358,28 @@ class GRPOTrainer:
     def _dead_workers(self, timeout_s: float = 10.0) -> list[str]:
         """Names of the run's Ray actors whose process is gone: a call to a dead actor fails at once, a live one
         answers (or is busy, which is not dead)."""
-        engines = self.pool.engines if self.pool is not None else []
+        engines = self.parts.pool.engines if self.parts.pool is not None else []
         workers = [(f"rollout engine {index}", engine) for index, engine in enumerate(engines)] + (
-            self.actor.named_workers() if self.actor is not None else []
+            self.parts.actor.named_workers() if self.parts.actor is not None else []
         )
         states = actor_states([handle for _, handle in workers], timeout_s)
         return [name for (name, _), state in zip(workers, states) if state == "dead"]
 
     def _died_message(self, dead: list[str]) -> str:
-        checkpoint, _ = self.checkpoints.newest_complete()
+        checkpoint, _ = self.parts.checkpoints.newest_complete()
         resume = (
             f"the last complete checkpoint is {checkpoint}: run the same command again (trainer.resume=auto) to "
             "continue from it" if checkpoint else
             f"no checkpoint was saved yet (trainer.save_interval={self.config.trainer.save_interval})"
         )
-        return (f"{' and '.join(dead)} died (its process exited) during step {self.step}; the run stopped. "
+        return (f"{' and '.join(dead)} died (its process exited) during step {self.progress.step}; the run stopped. "
                 f"{resume}")
 
     def _revive_tool_servers(self) -> None:
         """A local tool server that died is started again before the next rollout is submitted (the calls that met
         it dead are error observations, counted in rollout/tool_errors)."""
-        if self.tool_servers is not None:
-            for line in self.tool_servers.revive():
+        if self.parts.tool_servers is not None:
+            for line in self.parts.tool_servers.revive():
                 print(f"[rlsearch] {line}", flush=True)
 
     def _launch_rollouts(self) -> None:
@@ -402,8 +387,8 @@ class GRPOTrainer:
         submitted under weight version v is trained on at most `async_steps` updates later; with
         `rollout.update_weights_in_flight` the syncs in between reach its later tokens, otherwise they wait for it."""
         config = self.config
-        last = min(self.step + config.rollout.async_steps, config.trainer.total_steps)
-        while self.next_rollout_step <= last:
+        last = min(self.progress.step + config.rollout.async_steps, config.trainer.total_steps)
+        while self.progress.next_rollout_step <= last:
             examples = self.sampler.next_batch(math.ceil(config.data.batch_size * config.data.oversample))
             items = [
                 PromptItem(example.id, example.question, group_id=index, sample_index=sample,
@@ -412,20 +397,20 @@ class GRPOTrainer:
                 for sample in range(config.rollout.group_size)
             ]
             self.rollouts.append(PendingRollout(
-                step=self.next_rollout_step, examples=examples,
-                trajectories=self.pool.submit(items, self.next_rollout_step), items=items,
-                weight_version=self.weight_version,
+                step=self.progress.next_rollout_step, examples=examples,
+                trajectories=self.parts.pool.submit(items, self.progress.next_rollout_step), items=items,
+                weight_version=self.progress.weight_version,
                 sampler=replace(self.sampler.state),
             ))
-            self.next_rollout_step += 1
+            self.progress.next_rollout_step += 1
 
     def train_step(self, rollout: PendingRollout) -> dict[str, float]:
         """One GRPO step on a submitted rollout; returns the step's metrics (also logged)."""
         config, timings = self.config, {}
         started = time.perf_counter()
-        trained_version = self.weight_version
+        trained_version = self.progress.weight_version
         staleness = trained_version - rollout.weight_version
-        self.trained_sampler_state = rollout.sampler
+        self.progress.trained_sampler_state = rollout.sampler
 
         # 1. rollout: the step's trajectories (submitted up to rollout.async_steps steps ago)
         with _timed(timings, "time/rollout_s"):
@@ -442,16 +427,16 @@ class GRPOTrainer:
         # 4. actor: reference logprobs for the KL penalty (algo.kl_coef)
         with _timed(timings, "time/ref_logprob_s"):
             if samples and config.algo.kl_coef > 0:
-                for sample, logprobs in zip(samples, self.actor.compute_logprobs(samples, reference=True)):
+                for sample, logprobs in zip(samples, self.parts.actor.compute_logprobs(samples, reference=True)):
                     sample.ref_logprobs = logprobs
 
         # 5. actor: the policy update, algo.ppo_epochs x algo.num_minibatches optimizer steps
         with _timed(timings, "time/train_s"):
-            update = policy_update(self.actor, samples, config.algo) if samples else None
+            update = policy_update(self.parts.actor, samples, config.algo) if samples else None
 
         # 6. weights: the engines get the new weights (none when nothing changed) and must match the actor
         changed = update is not None and update.changed_weights
-        self.weights_updated |= changed
+        self.progress.weights_updated |= changed
         sync_metrics = self._sync_weights(changed, timings)
 
         # 7. log
@@ -468,10 +453,10 @@ class GRPOTrainer:
             **timings,
             "time/step_s": time.perf_counter() - started,
         }
-        self.logger.log_metrics(self.step, metrics)
-        self.logger.log_histogram(self.step, "rollout/token_staleness", staleness_per_token)
+        self.parts.logger.log_metrics(self.progress.step, metrics)
+        self.parts.logger.log_histogram(self.progress.step, "rollout/token_staleness", staleness_per_token)
         actor_logprobs = actor_logprobs_of(batch.trajectories, samples)
-        self.logger.log_trajectories(self.step, [
+        self.parts.logger.log_trajectories(self.progress.step, [
             self._trajectory_record(t, rollout, actor_logprobs.get(id(t)), trained_version) for t in trajectories
         ])
         return metrics
@@ -492,10 +477,10 @@ class GRPOTrainer:
                 self._replace_dead_engines()
                 print(f"[rlsearch] every rollout engine died during the rollout of step {rollout.step} ({error}); "
                       "they were restarted and synced, and the rollout runs again", flush=True)
-            self.weight_sync.sync(self.pool.engines)
+            self.parts.weight_sync.sync(self.parts.pool.engines)
             self.check_parity()
-            rollout.weight_version = self.weight_version
-            rollout.trajectories = self.pool.submit(rollout.items, rollout.step)
+            rollout.weight_version = self.progress.weight_version
+            rollout.trajectories = self.parts.pool.submit(rollout.items, rollout.step)
 
     def _samples_to_train(self, step: int, trajectories: list[Trajectory], batch: StepBatch) -> list[TrainSample]:
         """The step's train samples; none (and a line saying why) when algo.filter_groups dropped every group. Raises
@@ -506,8 +491,8 @@ class GRPOTrainer:
                 f"and none can be trained on; the first: {trajectories[0].failed}"
             )
         if not batch.trajectories:
-            print(f"[rlsearch] step {self.step}: all {batch.groups_dropped} groups had the same outcome for every "
-                  f"sample ({batch.describe_dropped()}): nothing to learn from, no update", flush=True)
+            print(f"[rlsearch] step {self.progress.step}: all {batch.groups_dropped} groups had the same outcome for "
+                  f"every sample ({batch.describe_dropped()}): nothing to learn from, no update", flush=True)
             return []
         return train_samples(batch.trajectories, self.config.algo)
 
@@ -522,14 +507,14 @@ class GRPOTrainer:
         if not (changed or restarted):
             return {"time/sync_s": 0.0, "weights/buckets": 0.0, "weights/engines": 0.0, "weights/sync_mib": 0.0}
         try:
-            sync = self.weight_sync.sync(self.pool.engines)
+            sync = self.parts.weight_sync.sync(self.parts.pool.engines)
         except WeightSyncError:
             # an engine that died during the sync is replaced, and the sync (which forms its broadcast groups anew)
             # runs again once; the engines that lived stayed paused, so nothing sampled from half-loaded weights
             if not self._replace_dead_engines():
                 raise
-            sync = self.weight_sync.sync(self.pool.engines)
-        self.weight_version += changed
+            sync = self.parts.weight_sync.sync(self.parts.pool.engines)
+        self.progress.weight_version += changed
         probe_started = time.perf_counter()
         parity = self.check_parity()
         return {
@@ -549,45 +534,45 @@ class GRPOTrainer:
     def _run_metrics(self, step: int, update: PolicyUpdate | None, staleness: int) -> dict[str, float]:
         """Counters over the run and the rollout pool's view of the step."""
         skipped = update is not None and not update.changed_weights
-        tools = self.pool.tool_stats()
+        tools = self.parts.pool.tool_stats()
         return {
-            **self.pool.last_metrics(step),
+            **self.parts.pool.last_metrics(step),
             "actor/skipped_steps_total": float(self.skip_guard.total + skipped),
             "rollout/tool_failures_total": float(tools["failures"]),
             # calls the tools made (not answered by the tool store or an identical call in flight); paid: web APIs
             "rollout/tool_calls_out_total": float(tools.get("calls_out", 0)),
             "rollout/paid_calls_out_total": float(tools.get("paid_calls_out", 0)),
-            "rollout/engine_restarts_total": float(self.engine_restarts),
+            "rollout/engine_restarts_total": float(self.progress.engine_restarts),
             "rollout/staleness": float(staleness),
-            "time/engine_idle_s": self.pool.idle_seconds(),
+            "time/engine_idle_s": self.parts.pool.idle_seconds(),
         }
 
     def _checkpoint_if_updated(self) -> Path | None:
         """A checkpoint of the current step, unless no step has updated the weights yet (algo.filter_groups dropped
         every group so far): the weights are still model.path's and the optimizer has no state to save."""
-        if not self.weights_updated:
-            print(f"[rlsearch] no checkpoint after step {self.step}: no step has updated the weights yet, they are "
-                  f"model.path's ({self.config.model.path})", flush=True)
+        if not self.progress.weights_updated:
+            print(f"[rlsearch] no checkpoint after step {self.progress.step}: no step has updated the weights yet, "
+                  f"they are model.path's ({self.config.model.path})", flush=True)
             return None
         return self.save_checkpoint()
 
     def _replace_dead_engines(self) -> int:
         """Restart the rollout engines that died; returns how many. More than rollout.max_engine_restarts_per_step
         in one step stop the run (WorkerDiedError, naming the engines and the last checkpoint)."""
-        dead = self.pool.dead_engines()
+        dead = self.parts.pool.dead_engines()
         if dead:
-            restarts = self.restarts_by_step.get(self.step, 0) + len(dead)
+            restarts = self.progress.restarts_by_step.get(self.progress.step, 0) + len(dead)
             limit = self.config.rollout.max_engine_restarts_per_step
             if restarts > limit:
                 raise WorkerDiedError(self._died_message([f"rollout engine {index}" for index in dead]) + (
                     f" (after {restarts - len(dead)} engine restart(s) in this step: "
                     f"rollout.max_engine_restarts_per_step={limit})"))
-            self.restarts_by_step = {self.step: restarts}
+            self.progress.restarts_by_step = {self.progress.step: restarts}
         for index in dead:
-            self.pool.restart(index)
+            self.parts.pool.restart(index)
             print(f"[rlsearch] restarted rollout engine {index}, which died; the current weights are synced into it "
                   "before the next rollout", flush=True)
-        self.engine_restarts += len(dead)
+        self.progress.engine_restarts += len(dead)
         return len(dead)
 
     def _record_skip(self, metrics: dict[str, float]) -> None:
@@ -596,17 +581,18 @@ class GRPOTrainer:
         skipped = metrics.get("actor/skipped_nonfinite", 0.0) > 0
         if skipped:
             limit = self.config.trainer.max_consecutive_skips
-            print(f"[rlsearch] warning: step {self.step}: loss {metrics.get('actor/policy_loss', float('nan')):.4g}, "
+            loss = metrics.get("actor/policy_loss", float("nan"))
+            print(f"[rlsearch] warning: step {self.progress.step}: loss {loss:.4g}, "
                   f"NaN/inf in the loss or gradients: optimizer step skipped, weights unchanged "
                   f"({len(self.skip_guard.consecutive) + 1} in a row, stop at {limit or 'never'}; "
                   f"{self.skip_guard.total + 1} skipped in total)", flush=True)
         else:
-            self.good_sampler_state = self.trained_sampler_state
+            self.progress.good_sampler_state = self.progress.trained_sampler_state
         try:
-            self.skip_guard.record(self.step, skipped)
+            self.skip_guard.record(self.progress.step, skipped)
         except NonFiniteStepsError as error:
-            if error.last_good_step and self.weights_updated:
-                error.checkpoint = self._checkpoint_of_step(error.last_good_step, self.good_sampler_state)
+            if error.last_good_step and self.progress.weights_updated:
+                error.checkpoint = self._checkpoint_of_step(error.last_good_step, self.progress.good_sampler_state)
             else:  # a fresh run that never updated: the model is model.path's and the optimizer has no state to save
                 error.initial_model = self.config.model.path
             raise
@@ -614,7 +600,7 @@ class GRPOTrainer:
     def _checkpoint_of_step(self, step: int, sampler: SamplerState) -> Path:
         """A checkpoint whose trainer state is `step`: the one this process saved (or resumed from) then, or a new one
         of the current actor state, which is that step's when every step since was skipped."""
-        saved = self.saved_checkpoints.get(step)
+        saved = self.progress.saved_checkpoints.get(step)
         if saved is not None and saved.is_dir():
             print(f"[rlsearch] the checkpoint of step {step} is {saved}", flush=True)
             return saved
@@ -625,14 +611,14 @@ class GRPOTrainer:
         config = self.config
         eval_config = EvalConfig(
             model=config.model, eval=config.eval, rollout=config.rollout, reward=config.reward, tools=config.tools,
-            output_dir=str(self.output_dir / "eval" / f"step_{self.step:06d}"),
+            output_dir=str(self.output_dir / "eval" / f"step_{self.progress.step:06d}"),
         )
-        summary = evaluate(self.pool.generate, eval_config)
+        summary = evaluate(self.parts.pool.generate, eval_config)
         scalars = summary.scalars()
-        self.logger.log_metrics(self.step, scalars)
+        self.parts.logger.log_metrics(self.progress.step, scalars)
         overall = summary.metrics.get("overall", {})
-        print(f"[rlsearch] eval after step {self.step}: EM {overall.get('em', 0):.3f}, F1 {overall.get('f1', 0):.3f} "
-              f"({summary.output_dir})", flush=True)
+        print(f"[rlsearch] eval after step {self.progress.step}: EM {overall.get('em', 0):.3f}, "
+              f"F1 {overall.get('f1', 0):.3f} ({summary.output_dir})", flush=True)
         return scalars
 
     def check_parity(self) -> dict[str, float]:
@@ -640,7 +626,8 @@ class GRPOTrainer:
         limit = self.config.weights.max_logprob_mismatch
         if limit is None:
             limit = default_mismatch_limit(self.config.model.dtype)
-        return check_engines_match_actor(self.actor, self.pool.engines, self.probe_ids, limit, self.step)
+        parts = self.parts
+        return check_engines_match_actor(parts.actor, parts.pool.engines, parts.probe_ids, limit, self.progress.step)
 
     def _trajectory_record(
         self, trajectory: Trajectory, rollout: PendingRollout, actor_logprobs: list[list[float]] | None,
@@ -652,7 +639,7 @@ class GRPOTrainer:
         record = trajectory.to_json()
         example = rollout.examples[trajectory.group_id]
         record.update(
-            step=self.step, question=example.question, golden_answers=list(example.golden_answers),
+            step=self.progress.step, question=example.question, golden_answers=list(example.golden_answers),
             staleness=trained_version - min(trajectory.weight_versions, default=rollout.weight_version),
         )
         if actor_logprobs is not None:
@@ -665,11 +652,11 @@ class GRPOTrainer:
         """The actor state as the checkpoint of `step` (default: the current step) with the data position `sampler`
         (default: after the last trained batch)."""
         config = self.config
-        step = self.step if step is None else step
+        step = self.progress.step if step is None else step
         state = {
             # where the data stood after the last trained batch (batches already drawn for later steps are drawn
             # again after a resume)
-            "sampler": asdict(self.trained_sampler_state if sampler is None else sampler),
+            "sampler": asdict(self.progress.trained_sampler_state if sampler is None else sampler),
             # rollout sampling seeds are a function of (seed, step, prompt, sample, turn): this and the step are the
             # whole rollout-side state
             "seed": config.trainer.seed,
@@ -678,12 +665,12 @@ class GRPOTrainer:
         architecture = json.loads((Path(config.model.path) / "config.json").read_text()).get("model_type")
         info = {
             "layout": self._layout(), "architecture": architecture, "dtype": config.model.dtype,
-            "transformer_impl": self.actor.infos[0].transformer_impl,
+            "transformer_impl": self.parts.actor.infos[0].transformer_impl,
             "contents": ["model", "optimizer", "scheduler", "rng"],
         }
-        save = partial(self.actor.save_checkpoint, timeout_s=config.trainer.checkpoint_timeout_s)
-        path = self.checkpoints.save(step, save, state, config.model.path, info)
-        self.saved_checkpoints[step] = path
+        save = partial(self.parts.actor.save_checkpoint, timeout_s=config.trainer.checkpoint_timeout_s)
+        path = self.parts.checkpoints.save(step, save, state, config.model.path, info)
+        self.progress.saved_checkpoints[step] = path
         print(f"[rlsearch] checkpoint saved: {path}", flush=True)
         return path
 

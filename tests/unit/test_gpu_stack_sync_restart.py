@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from rlsearch.checkpoint import CheckpointStore
 from rlsearch.config import load_train_config
 from rlsearch.trainer.grpo import GRPOTrainer
+from rlsearch.trainer.progress import RunParts, RunProgress
 from rlsearch.weights import SyncStats, WeightSyncError
 
 
@@ -49,12 +51,9 @@ def _trainer(dies: bool) -> GRPOTrainer:
     trainer = GRPOTrainer.__new__(GRPOTrainer)
     trainer.config = load_train_config(None, [])
     trainer.rollouts = []
-    trainer.step = 1
-    trainer.engine_restarts = 0
-    trainer.restarts_by_step = {}
-    trainer.weight_version = 0
-    trainer.pool = Pool()
-    trainer.weight_sync = Sync(trainer.pool, engine_dies=dies)
+    trainer.progress = RunProgress(step=1)
+    pool = Pool()
+    trainer.parts = RunParts(CheckpointStore("/nonexistent"), pool=pool, weight_sync=Sync(pool, engine_dies=dies))
     trainer.check_parity = lambda: {"weights/logprob_mismatch_max": 1e-6}
     return trainer
 
@@ -62,30 +61,29 @@ def _trainer(dies: bool) -> GRPOTrainer:
 def test_an_engine_that_died_during_a_sync_is_restarted_and_synced(capsys) -> None:
     trainer = _trainer(dies=True)
     metrics = trainer._sync_weights(changed=True, timings={})
-    assert trainer.pool.restarted == [1] and trainer.engine_restarts == 1
-    assert trainer.weight_sync.synced == [["engine 0", "engine 1 (restarted)"]]
-    assert metrics["weights/engines"] == 2.0 and trainer.weight_version == 1
+    assert trainer.parts.pool.restarted == [1] and trainer.progress.engine_restarts == 1
+    assert trainer.parts.weight_sync.synced == [["engine 0", "engine 1 (restarted)"]]
+    assert metrics["weights/engines"] == 2.0 and trainer.progress.weight_version == 1
     assert "restarted rollout engine 1, which died" in capsys.readouterr().out
 
 
 def test_more_engine_restarts_in_a_step_than_allowed_stop_the_run(tmp_path) -> None:
-    from rlsearch.checkpoint import CheckpointStore
     from rlsearch.trainer import WorkerDiedError
 
     trainer = _trainer(dies=True)
     trainer.config = load_train_config(None, ["rollout.max_engine_restarts_per_step=0"])
-    trainer.checkpoints = CheckpointStore(tmp_path)
+    trainer.parts.checkpoints = CheckpointStore(tmp_path)
     with pytest.raises(WorkerDiedError, match=r"rollout engine 1 died \(its process exited\) during step 1; the run "
                        r"stopped\. no checkpoint was saved yet .*rollout\.max_engine_restarts_per_step=0"):
         trainer._sync_weights(changed=True, timings={})
-    assert trainer.pool.restarted == []
+    assert trainer.parts.pool.restarted == []
 
 
 def test_a_sync_that_fails_with_every_engine_alive_stops_the_run() -> None:
     trainer = _trainer(dies=False)
     with pytest.raises(WeightSyncError, match="waiting on engine 1"):
         trainer._sync_weights(changed=True, timings={})
-    assert trainer.pool.restarted == [] and trainer.weight_version == 0
+    assert trainer.parts.pool.restarted == [] and trainer.progress.weight_version == 0
 
 
 def test_a_rollout_on_which_every_engine_died_runs_again_on_restarted_synced_engines(capsys) -> None:
@@ -100,15 +98,15 @@ def test_a_rollout_on_which_every_engine_died_runs_again_on_restarted_synced_eng
         return done
 
     trainer = _trainer(dies=False)
-    trainer.weight_sync.failed = True  # its syncs succeed
-    trainer.pool.died_in_sync = True  # engine 1 is dead until restarted
+    trainer.parts.weight_sync.failed = True  # its syncs succeed
+    trainer.parts.pool.died_in_sync = True  # engine 1 is dead until restarted
     submitted = []
-    trainer.pool.submit = lambda items, step: submitted.append((items, step)) or future(["trajectory"])
+    trainer.parts.pool.submit = lambda items, step: submitted.append((items, step)) or future(["trajectory"])
     rollout = PendingRollout(step=1, examples=[], trajectories=future(error=NoEngineLeftError("every engine died")),
                              items=["item"], weight_version=0, sampler=None)
     assert trainer._rollout_trajectories(rollout) == ["trajectory"]
-    assert trainer.pool.restarted == [1] and submitted == [(["item"], 1)]
-    assert trainer.weight_sync.synced == [["engine 0", "engine 1 (restarted)"]]
+    assert trainer.parts.pool.restarted == [1] and submitted == [(["item"], 1)]
+    assert trainer.parts.weight_sync.synced == [["engine 0", "engine 1 (restarted)"]]
     assert "every rollout engine died during the rollout of step 1" in capsys.readouterr().out
 
     trainer = _trainer(dies=False)

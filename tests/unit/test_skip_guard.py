@@ -11,6 +11,7 @@ import pytest
 
 from rlsearch.config import ConfigError, load_train_config
 from rlsearch.trainer import GRPOTrainer, SamplerState
+from rlsearch.trainer.progress import RunProgress
 from rlsearch.trainer.skip_guard import NonFiniteStepsError, SkipGuard
 from rlsearch.weights import check_engines_match_actor, logprob_mismatch, nonfinite_logprobs
 
@@ -53,9 +54,7 @@ def _trainer(limit: int, saved: list) -> GRPOTrainer:
     trainer = GRPOTrainer.__new__(GRPOTrainer)
     trainer.config = load_train_config(None, [f"trainer.max_consecutive_skips={limit}"])
     trainer.skip_guard = SkipGuard(limit)
-    trainer.good_sampler_state = SamplerState()
-    trainer.saved_checkpoints = {}
-    trainer.weights_updated = True  # the steps that are not skipped below update the weights
+    trainer.progress = RunProgress(weights_updated=True)  # the steps that are not skipped below update the weights
 
     def save_checkpoint(step: int, sampler: SamplerState) -> Path:
         saved.append((step, sampler))
@@ -67,8 +66,9 @@ def _trainer(limit: int, saved: list) -> GRPOTrainer:
 
 def _run(trainer: GRPOTrainer, outcomes: list[bool]) -> None:
     for step, skipped in enumerate(outcomes, start=1):
-        trainer.step = step
-        trainer.trained_sampler_state = SamplerState(epoch=0, position=4 * step)  # the data after this step's batch
+        trainer.progress.step = step
+        # the data after this step's batch
+        trainer.progress.trained_sampler_state = SamplerState(epoch=0, position=4 * step)
         trainer._record_skip({"actor/skipped_nonfinite": float(skipped), "actor/policy_loss": math.nan})
 
 
@@ -87,7 +87,7 @@ def test_trainer_saves_the_last_good_step_with_its_data_position_and_stops(capsy
 def test_trainer_reuses_its_checkpoint_of_the_last_good_step(tmp_path: Path) -> None:
     saved: list = []
     trainer = _trainer(1, saved)
-    trainer.saved_checkpoints[1] = tmp_path  # saved by save_interval after step 1
+    trainer.progress.saved_checkpoints[1] = tmp_path  # saved by save_interval after step 1
     with pytest.raises(NonFiniteStepsError) as error:
         _run(trainer, [False, True])
     assert saved == [] and error.value.checkpoint == tmp_path

@@ -1,0 +1,61 @@
+"""A training run's two kinds of state: the parts it started (`RunParts`) and where it stands (`RunProgress`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..checkpoint import CheckpointStore
+from .sampler import SamplerState
+
+if TYPE_CHECKING:
+    from ..actor import ActorRanks
+    from ..rollout import EnginePool
+    from ..runlog import RunLogger
+    from ..tools import ToolServers
+    from ..weights import WeightSync
+
+
+@dataclass
+class RunProgress:
+    """Where the run stands: the step and the data position a checkpoint records, and the counters beside them."""
+
+    step: int = 0  # the step being trained (the last one trained, between steps)
+    resumed_step: int = 0  # the step a resumed run continued after (0: a fresh run)
+    # whether the actor's weights and optimizer have been updated (in this run, or in the one it resumes): an
+    # optimizer that never stepped has no state to checkpoint
+    weights_updated: bool = False
+    weight_version: int = 0  # optimizer updates synced into the engines (this process's)
+    next_rollout_step: int = 1  # the step whose rollout is submitted next (rollout.async_steps ahead)
+    # the data position after the last trained batch (batches drawn for later steps are drawn again after a resume),
+    # and after the last step that updated the weights (what a stop for NaN/inf steps records)
+    trained_sampler_state: SamplerState = field(default_factory=SamplerState)
+    good_sampler_state: SamplerState = field(default_factory=SamplerState)
+    saved_checkpoints: dict[int, Path] = field(default_factory=dict)  # step -> a checkpoint of it (saved or resumed)
+    engine_restarts: int = 0  # rollout engines that died and were replaced
+    restarts_by_step: dict[int, int] = field(default_factory=dict)  # engine restarts of the current step
+
+
+@dataclass
+class RunParts:
+    """What the run started, each part once (`GRPOTrainer._start` fills them in as they start), stopped together."""
+
+    checkpoints: CheckpointStore
+    tool_servers: ToolServers | None = None
+    pool: EnginePool | None = None
+    actor: ActorRanks | None = None
+    weight_sync: WeightSync | None = None
+    probe_ids: list[int] = field(default_factory=list)  # the probe check's sequence (weights.check_engines_match_actor)
+    logger: RunLogger | None = None
+
+    def stop(self, graceful: bool = True) -> None:
+        """Stop what started; `graceful` False when a Ray actor of the run died (no call waits for the dead)."""
+        if self.actor is not None:
+            self.actor.shutdown(graceful)
+        if self.pool is not None:
+            self.pool.shutdown()
+        if self.tool_servers is not None:
+            self.tool_servers.stop()
+        if self.logger is not None:
+            self.logger.close()
