@@ -86,11 +86,11 @@ def test_the_staging_check_runs_on_the_staging_node_and_names_the_need(ray_local
     check_staging_room([[node]], [node, node], 2**20, deadline, same_node=True)  # this node has room for 4 MiB
     huge = 64 * 2**30  # more than this machine's /dev/shm holds
     with pytest.raises(StagingSpaceError, match=r"but 2 sender\(s\) x 4 staged buckets x 65536 MiB "
-                       r"\(bridge\.bucket_mb\) need 512\.00 GiB") as raised:
+                       r"\(weights\.bucket_mb\) need 512\.00 GiB") as raised:
         check_staging_room([[node], [node]], [node, node], huge, deadline, same_node=True)
     assert "weights.transport=broadcast" in str(raised.value)
     assert "Traceback" not in str(raised.value)  # the actor's error, unwrapped
     with pytest.raises(StagingSpaceError, match=r"but 2 engine\(s\) x 1 staged bucket x 65536 MiB "
-                       r"\(bridge\.bucket_mb\) need 128\.00 GiB"):
+                       r"\(weights\.bucket_mb\) need 128\.00 GiB"):
         check_staging_room([[node]], [node, node], huge, deadline, same_node=False)
     ray_local.kill(node)
