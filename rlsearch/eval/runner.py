@@ -21,7 +21,7 @@ from ..config import ConfigError, EvalConfig, resolve_store_dirs, to_dict
 from ..data import DatasetError, QAExample, load_qa_dataset
 from ..files import atomic_path
 from ..reward import check_scorers, score_trajectories, trajectory_answer
-from ..rollout import EnginePool, EngineSpec, PromptItem, Trajectory, new_rollout_worker
+from ..rollout import EngineSpec, PromptItem, Trajectory, new_rollout_worker, start_engines, start_tool_servers
 from .metrics import OVERALL, render_hops_table, render_table, summarize, summarize_by_hops
 from .results import ResultKey, ResultsFile, result_key
 
@@ -234,16 +234,11 @@ def rollout_engines(config: EvalConfig) -> Iterator[tuple[GenerateFn, PreTrained
     """The rollout side of an eval run, built in this one place: tool servers, then one in-process vLLM engine
     (rollout.num_engines 1, tensor_parallel_size 1), or a local Ray instance with an EnginePool. Yields the generate
     function and the engine's tokenizer (None with a pool: `generate_pending` loads it)."""
-    from ..tools import ToolServers, ToolSetupError
-
+    servers = start_tool_servers(config.tools)
     try:
-        servers = ToolServers(config.tools).start()
-    except ToolSetupError as error:
-        raise ConfigError(str(error)) from error
-    try:
-        engine_spec = EngineSpec.from_config(config.model, config.rollout, config.eval.seed)
         tools = servers.tools  # the config with the started servers' URLs filled in
         if config.rollout.num_engines == 1 and config.rollout.tensor_parallel_size == 1:
+            engine_spec = EngineSpec.from_config(config.model, config.rollout, config.eval.seed)
             worker = new_rollout_worker(engine_spec, config.rollout, tools, config.eval.seed)
             try:
                 yield worker.generate, worker.engine.tokenizer
@@ -255,7 +250,7 @@ def rollout_engines(config: EvalConfig) -> Iterator[tuple[GenerateFn, PreTrained
             rollout = config.rollout
             own_ray = init_ray(num_cpus=rollout.num_engines * rollout.tensor_parallel_size)
             try:
-                pool = EnginePool(engine_spec, rollout, tools, config.eval.seed)
+                pool = start_engines(config.model, rollout, tools, config.eval.seed)
                 try:
                     yield pool.generate, None
                 finally:

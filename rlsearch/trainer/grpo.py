@@ -32,7 +32,14 @@ from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate
 from ..ray_setup import actor_states, cluster_has_gpus, init_ray
 from ..reward import check_scorers, score_trajectories
-from ..rollout import EnginePool, EngineSpec, NoEngineLeftError, PromptItem, Trajectory, token_logit_bias
+from ..rollout import (
+    EnginePool,
+    NoEngineLeftError,
+    PromptItem,
+    Trajectory,
+    start_tool_servers,
+    token_logit_bias,
+)
 from ..runlog import RunLogger, format_step_line, plot_run
 from ..weights import WeightSync, WeightSyncError, check_engines_match_actor, default_mismatch_limit
 from .metrics import staleness_metrics, token_staleness, trajectory_metrics
@@ -169,17 +176,12 @@ class GRPOTrainer:
     # ---- set-up ---------------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        from ..tools import ToolServers, ToolSetupError
-
         config = self.config
         self.output_dir.mkdir(parents=True, exist_ok=True)
         resume_from = self._checkpoint_to_resume()
         seconds: dict[str, float] = {}  # of each start-up phase, for the line that reports them
-        try:
-            with _timed(seconds, "tool servers"):
-                self.parts.tool_servers = ToolServers(config.tools).start()
-        except ToolSetupError as error:
-            raise ConfigError(str(error)) from error
+        with _timed(seconds, "tool servers"):
+            self.parts.tool_servers = start_tool_servers(config.tools)
         tools = self.parts.tool_servers.tools  # the config with the started servers' URLs filled in
         actor = config.actor
         world = actor.world_size
@@ -197,7 +199,6 @@ class GRPOTrainer:
         gpus = 1 if has_gpus else 0
         place = plan_placement(config.trainer.placement, world, gpus, config.trainer.ray_address,
                                rollout.num_engines, rollout.tensor_parallel_size)
-        engine_spec = EngineSpec.from_config(config.model, rollout, config.trainer.seed)
         # the actor scores tokens under the distribution the engines sample them from (their token-level bias)
         logit_bias = token_logit_bias(AutoTokenizer.from_pretrained(config.model.path), rollout.logit_bias)
         actor_spec = ActorWorkerSpec(
@@ -209,7 +210,7 @@ class GRPOTrainer:
 
         def start_engines() -> EnginePool:
             with _timed(seconds, "rollout engines"):
-                return EnginePool(engine_spec, rollout, tools, config.trainer.seed, **place.pool_options)
+                return start_engines(config.model, rollout, tools, config.trainer.seed, **place.pool_options)
 
         # the engines and the actor ranks start side by side (each is mostly one process importing and loading)
         with ThreadPoolExecutor(1, thread_name_prefix="engine-start") as starter, _timed(seconds, "side by side"):

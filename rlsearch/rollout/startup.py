@@ -1,0 +1,27 @@
+"""The rollout side of a run, started the same way by training and eval: the local tool servers first (their URLs go
+into the tools config the engines get), then the engines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import ConfigError, ModelConfig, RolloutConfig, ToolsConfig
+from ..tools import ToolServers, ToolSetupError
+from .engine import EngineSpec
+from .pool import EnginePool
+
+
+def start_tool_servers(tools: ToolsConfig) -> ToolServers:
+    """The local servers `tools` needs, started; `.tools` is the config with their URLs. A set-up problem (a missing
+    corpus, a server that does not come up) is a ConfigError that names it."""
+    try:
+        return ToolServers(tools).start()
+    except ToolSetupError as error:
+        raise ConfigError(str(error)) from error
+
+
+def start_engines(model: ModelConfig, rollout: RolloutConfig, tools: ToolsConfig, seed: int,
+                  **pool_options: Any) -> EnginePool:
+    """`rollout.num_engines` engines of `model` as Ray actors (Ray already running), with the tools of `tools` (the
+    started servers' config); `pool_options` place them (trainer.placement)."""
+    return EnginePool(EngineSpec.from_config(model, rollout, seed), rollout, tools, seed, **pool_options)
