@@ -260,3 +260,13 @@ def test_a_replay_serves_the_recorded_tools_and_results_and_names_a_missing_call
         replay.run([ToolCall("search", "what")])
     with pytest.raises(ReplayMissError, match="tools.json does not exist"):
         build_registry(ToolsConfig(cache_dir=str(tmp_path / "elsewhere"), replay=True), None, "")
+
+
+def test_a_tool_server_that_cannot_start_is_a_config_error_naming_the_key(tmp_path) -> None:
+    """Training and eval start their tool servers through rollout.start_tool_servers: bad input exits 2 with this."""
+    from rlsearch.config import RetrieverConfig, ToolsConfig
+    from rlsearch.rollout import start_tool_servers
+
+    missing = tmp_path / "no_corpus.jsonl"
+    with pytest.raises(ConfigError, match=rf"'tools.retriever.corpus' not found: {missing}"):
+        start_tool_servers(ToolsConfig(retriever=RetrieverConfig(corpus=str(missing))))
