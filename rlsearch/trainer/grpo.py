@@ -37,6 +37,7 @@ from ..rollout import (
     NoEngineLeftError,
     PromptItem,
     Trajectory,
+    start_engines,
     start_tool_servers,
     token_logit_bias,
 )
@@ -208,13 +209,13 @@ class GRPOTrainer:
             total_steps=config.trainer.total_steps * config.algo.num_minibatches * config.algo.ppo_epochs,
         )
 
-        def start_engines() -> EnginePool:
+        def start_pool() -> EnginePool:
             with _timed(seconds, "rollout engines"):
                 return start_engines(config.model, rollout, tools, config.trainer.seed, **place.pool_options)
 
         # the engines and the actor ranks start side by side (each is mostly one process importing and loading)
         with ThreadPoolExecutor(1, thread_name_prefix="engine-start") as starter, _timed(seconds, "side by side"):
-            starting_pool = starter.submit(start_engines)
+            starting_pool = starter.submit(start_pool)
             try:
                 with _timed(seconds, "actor ranks"):
                     self.parts.actor = ActorRanks(actor_spec, num_gpus_per_rank=gpus, **place.actor_options)
