@@ -141,21 +141,13 @@ def _is_ray_error(error: BaseException | None) -> bool:
     return False
 
 
-def _check_resume_dir(resume: str) -> None:
-    """A `trainer.resume` dir that is not a complete run checkpoint stops the run before anything starts."""
-    if resume in ("auto", "none"):
-        return
-    try:
-        load_run_checkpoint(resume)
-    except CheckpointError as error:
-        raise ConfigError(f"'trainer.resume' (auto, none or a checkpoint dir): {error}") from error
-
-
 class GRPOTrainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config = resolve_store_dirs(config, config.trainer.output_dir)  # tool and judge stores go there
         self.output_dir = Path(config.trainer.output_dir)
-        _check_resume_dir(config.trainer.resume)
+        self.parts = RunParts(CheckpointStore(self.output_dir, keep=config.trainer.keep_checkpoints))
+        # a trainer.resume dir that is no complete run checkpoint stops the run here, before anything starts
+        self.resume_point = self._checkpoint_to_resume()
         self.examples = self._load_examples()
         check_model_layout(config.model.path, config.actor, config.algo.routing_replay)
         self.sampler = EpochSampler(self.examples, seed=config.trainer.seed, shuffle=config.data.shuffle)
@@ -163,7 +155,6 @@ class GRPOTrainer:
         # steps skipped for a NaN/inf loss or grad norm
         self.skip_guard = SkipGuard(config.trainer.max_consecutive_skips)
         self.progress = RunProgress()
-        self.parts = RunParts(CheckpointStore(self.output_dir, keep=config.trainer.keep_checkpoints))
 
     def _load_examples(self) -> list[QAExample]:
         config = self.config
@@ -179,7 +170,6 @@ class GRPOTrainer:
     def _start(self) -> None:
         config = self.config
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        resume_from = self._checkpoint_to_resume()
         seconds: dict[str, float] = {}  # of each start-up phase, for the line that reports them
         with _timed(seconds, "tool servers"):
             self.parts.tool_servers = start_tool_servers(config.tools)
@@ -241,9 +231,9 @@ class GRPOTrainer:
                                               self.parts.pool.engines)
         print(line, flush=True)
         check_retriever_reachable(tools, engine_ips)
-        if resume_from is not None:
+        if self.resume_point is not None:
             with _timed(seconds, "resume"):
-                self._resume(resume_from)
+                self._resume(self.resume_point)
         print(_startup_line(seconds), flush=True)
         self.parts.logger = RunLogger(self.output_dir, config.trainer.log_trajectories,
                                       resumed_step=self.progress.resumed_step)
@@ -258,9 +248,13 @@ class GRPOTrainer:
                 print(f"[rlsearch] warning: {warning}", flush=True)
             if path is None:
                 return None
+            manifest, state = load_run_checkpoint(path)
         else:
             path = Path(resume)
-        manifest, state = load_run_checkpoint(path)
+            try:
+                manifest, state = load_run_checkpoint(path)
+            except CheckpointError as error:
+                raise ConfigError(f"'trainer.resume' (auto, none or a checkpoint dir): {error}") from error
         if state["seed"] != self.config.trainer.seed:
             raise ConfigError(
                 f"'trainer.seed' is {self.config.trainer.seed} but the checkpoint {path} was trained with seed "
