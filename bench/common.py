@@ -20,12 +20,20 @@ SHAPES = {
 }
 
 
-def build_model(shape: str, out_root: Path) -> Path:
-    """A random-init Qwen2 of the named shape with the real Qwen2 tokenizer (built offline, reused across runs)."""
+def build_model(shape: str, out_root: Path, max_positions: int = 0) -> Path:
+    """A random-init Qwen2 of the named shape with the real Qwen2 tokenizer (built offline, reused across runs).
+
+    ``max_positions`` above the default 4096 raises its rotary positions (the same weights: the same seed)."""
     from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 
-    path = out_root / f"qwen2-{shape}-random"
+    spec = TinyModelSpec(**SHAPES[shape])
+    suffix = ""
+    if max_positions > spec.max_position_embeddings:
+        spec = TinyModelSpec(**SHAPES[shape], max_position_embeddings=max_positions)
+        suffix = f"-pos{max_positions}"
+    path = out_root / f"qwen2-{shape}-random{suffix}"
     if not (path / "config.json").is_file():
-        print(f"building a random {shape}-shaped Qwen2 in {path} ...", flush=True)
-        make_tiny_model(path, TinyModelSpec(**SHAPES[shape]))
+        print(f"building a random {shape}-shaped Qwen2 (positions up to {spec.max_position_embeddings}) in {path} ...",
+              flush=True)
+        make_tiny_model(path, spec)
     return path

@@ -153,7 +153,7 @@ def main() -> None:
     from rlsearch.config import ActorConfig, AlgoConfig
 
     on_gpu = torch.cuda.is_available()
-    model_path = build_model(args.shape, Path(args.out))
+    model_path = build_model(args.shape, Path(args.out), max_positions=args.max_len)
     samples = make_samples(args.sequences, args.min_len, args.max_len, seed=0)
     tokens = sum(len(s.token_ids) for s in samples)
     response = sum(s.response_len for s in samples)

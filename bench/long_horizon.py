@@ -69,7 +69,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import SHAPES  # noqa: E402
+from bench.common import SHAPES, build_model  # noqa: E402
 from bench.rollout import BenchEngine  # noqa: E402
 from rlsearch.tools import Document, Tool, ToolCall, ToolResult, ToolSpec  # noqa: E402
 
@@ -79,17 +79,6 @@ BUCKET = 8  # turns per row of the prefix-cache table
 GPU_BLOCK = 16  # vLLM's default KV block size on GPU, for the block bound of a GPU engine
 STEP = 1
 MAX_POSITIONS = 16384  # the tiny shapes' 4096 positions hold about 45 turns of 24 tokens with their observations
-
-
-def build_long_model(shape: str, out_root: Path) -> Path:
-    """bench/common.py's random model of ``shape`` (the same weights: same seed) with MAX_POSITIONS positions."""
-    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
-
-    path = out_root / f"qwen2-{shape}-{MAX_POSITIONS // 1024}k-random"
-    if not (path / "config.json").is_file():
-        print(f"building a random {shape}-shaped Qwen2 with {MAX_POSITIONS} positions in {path} ...", flush=True)
-        make_tiny_model(path, TinyModelSpec(**SHAPES[shape], max_position_embeddings=MAX_POSITIONS))
-    return path
 
 
 def single_token_words(tokenizer, count: int, seed: int) -> list[str]:
@@ -487,7 +476,7 @@ def main() -> None:
     from rlsearch.rollout import AgentLoop, PromptItem
     from rlsearch.tools import ToolRegistry, make_protocol
 
-    model_path = build_long_model(args.shape, Path(args.out))
+    model_path = build_model(args.shape, Path(args.out), MAX_POSITIONS)
     query_len = args.tokens_per_turn - 6
     # the observation: 2 documents of 10 one-token words plus tags, ~40 tokens; room for 64 of them and the turns
     max_response = args.turns * (args.tokens_per_turn + 64)

@@ -51,6 +51,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from bench.common import SHAPES  # noqa: E402
+from bench.common import build_model as build_bench_model  # noqa: E402
 from rlsearch.actor.batch import TrainSample  # noqa: E402
 
 GB = 1e9
@@ -266,12 +267,7 @@ def make_spec(model_path: Path, chunk: int, cp: int, merge: bool, max_tokens: in
 
 def build_model(out: Path, max_positions: int) -> tuple[Path, int, int]:
     """The `tiny` bench shape with rotary positions up to `max_positions` (cached): (path, vocab rows, params)."""
-    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
-
-    path = out / f"qwen2-tiny-random-pos{max_positions}"
-    if not (path / "config.json").is_file():
-        print(f"building a random tiny Qwen2 (positions up to {max_positions}) in {path} ...", flush=True)
-        make_tiny_model(path, TinyModelSpec(**SHAPES["tiny"], max_position_embeddings=max_positions))
+    path = build_bench_model("tiny", out, max_positions)
     config = json.loads((path / "config.json").read_text())
     from safetensors import safe_open
 

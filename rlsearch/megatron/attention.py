@@ -174,13 +174,17 @@ def _masked_prefix_then_causal(q, prefix_key, prefix_value, own_key, own_value, 
 
 def _attend(q, k, v, scale: float, dropout: float, causal: bool = False, mask: torch.Tensor | None = None):
     """torch SDPA on [rows, heads, dim] tensors. Its fused kernels take 4-D inputs only (3-D ones fall back to the
-    math kernel), and with a mask grouped-query attention is fastest with the key groups repeated per head."""
+    math kernel), and with a mask grouped-query attention is fastest with the key groups repeated per head. On CUDA
+    in float32 the key groups are repeated too: there only the memory-efficient kernel takes float32, and it has no
+    grouped-query mode, so `enable_gqa` would pick the math kernel, whose rows x keys scores (kept for the backward)
+    ran an H100 out of memory at 16k tokens."""
     heads = q.shape[1]
-    if mask is not None:
+    repeat_groups = mask is not None or (q.is_cuda and q.dtype == torch.float32)
+    if repeat_groups:
         q, k, v = (_heads_first(x, heads) for x in (q, k, v))
     else:
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale, enable_gqa=mask is None,
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale, enable_gqa=not repeat_groups,
     )
     return out[0].transpose(0, 1)
