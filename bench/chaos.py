@@ -7,7 +7,8 @@ judge (a scripted OpenAI-compatible server this script runs, playing an external
 --save-interval steps. Every --every completed steps (after a random 0-5 s, so kills land in rollouts, training and
 syncs) one component is killed:
   engine    a rollout engine's Ray actor (`ray::RolloutWorker`): the trainer restarts it, syncs it, re-runs its groups
-  actor     the Megatron rank (`ray::MegatronActorWorker`): the driver stops, the supervisor resumes from the checkpoint
+  actor     the Megatron rank (`ray::MegatronActorWorker`): the trainer replaces the ranks and rewinds to the newest
+            checkpoint, the engines staying up (past trainer.max_actor_restarts the supervisor resumes the driver)
   driver    the training driver itself: the supervisor resumes it from the newest checkpoint
   retriever the local retrieval server: searches fail until the trainer starts it again before the next rollout
   mcp       the stdio MCP server: the next call starts it again
@@ -133,7 +134,8 @@ def write_config(args: argparse.Namespace, run_dir: Path, judge_port: int) -> Pa
                    "judge": {"base_url": f"http://127.0.0.1:{judge_port}/v1", "model": "chaos-judge", "timeout_s": 20}},
         "actor": {"lr": 1e-4},
         "trainer": {"total_steps": steps, "save_interval": args.save_interval, "keep_checkpoints": 2,
-                    "print_interval": 1, "output_dir": str(run_dir), "resume": "none", "seed": args.seed},
+                    "print_interval": 1, "output_dir": str(run_dir), "resume": "none", "seed": args.seed,
+                    "max_actor_restarts": args.kills},  # every rank kill recovered in the driver
     }
     path = run_dir / "chaos.yaml"
     path.write_text(json.dumps(config, indent=1))  # JSON is YAML
@@ -371,6 +373,7 @@ def main() -> None:
           f"{(steps[-1][0] if steps else 0) / 60:.1f} min to the last step line")
     log = (run_dir / "train.log").read_text()
     recoveries_logged = {"engines restarted": log.count("restarted rollout engine"),
+                         "actor ranks replaced": log.count("the actor ranks were replaced"),
                          "tool servers started again": log.count("started again on port")}
     print("recoveries the run printed: " + ", ".join(f"{name} {count}" for name, count in recoveries_logged.items()))
     startups = [(float(total), phases) for total, phases in re.findall(r"\[rlsearch\] started in ([\d.]+) s: (.*)",

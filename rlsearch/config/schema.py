@@ -418,6 +418,11 @@ class TrainerConfig:
     # a checkpoint save (every rank writing its shards) that takes longer stops the run, naming the checkpoint still
     # intact: a writer process that died would leave the save waiting forever
     checkpoint_timeout_s: float = 1800.0
+    # an actor rank that dies (killed, out of memory) is replaced: every rank restarts and the run rewinds to its
+    # newest complete checkpoint (the rollout engines stay up and get its weights), training the steps after it
+    # again. After this many replacements in one run a dead rank stops the run, naming the last checkpoint (0: stop
+    # at the first; `rlsearch train --restarts N` then runs the whole driver again)
+    max_actor_restarts: int = 3
 
 
 @dataclass

@@ -90,6 +90,8 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
         raise ConfigError("'rollout.async_steps' must be >= 0 (0: on-policy)")
     if config.rollout.max_engine_restarts_per_step < 0:
         raise ConfigError("'rollout.max_engine_restarts_per_step' must be >= 0 (0: a dead engine stops the run)")
+    if config.trainer.max_actor_restarts < 0:
+        raise ConfigError("'trainer.max_actor_restarts' must be >= 0 (0: a dead actor rank stops the run)")
     if config.trainer.max_consecutive_skips < 0:
         raise ConfigError("'trainer.max_consecutive_skips' must be >= 0 (0: never stop for NaN/inf steps)")
     if config.trainer.keep_checkpoints < 0:

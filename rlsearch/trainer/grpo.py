@@ -129,6 +129,10 @@ class PendingRollout:
 class WorkerDiedError(RuntimeError):
     """A Ray actor of the run (a Megatron rank or the rollout worker) died: its process exited or was killed."""
 
+    def __init__(self, message: str, dead: list[str]) -> None:
+        super().__init__(message)
+        self.dead = dead  # the names of the dead actors
+
 
 def _is_ray_error(error: BaseException | None) -> bool:
     """A Ray call failed: this error, or one it was raised from (a checkpoint that failed because a rank died)."""
@@ -199,6 +203,9 @@ class GRPOTrainer:
             total_steps=config.trainer.total_steps * config.algo.num_minibatches * config.algo.ppo_epochs,
         )
 
+        # kept: actor ranks that die are replaced by new ones (trainer.max_actor_restarts)
+        self._start_actor = partial(ActorRanks, actor_spec, num_gpus_per_rank=gpus, **place.actor_options)
+
         def start_pool() -> EnginePool:
             with _timed(seconds, "rollout engines"):
                 return start_engines(config.model, rollout, tools, config.trainer.seed, **place.pool_options)
@@ -208,7 +215,7 @@ class GRPOTrainer:
             starting_pool = starter.submit(start_pool)
             try:
                 with _timed(seconds, "actor ranks"):
-                    self.parts.actor = ActorRanks(actor_spec, num_gpus_per_rank=gpus, **place.actor_options)
+                    self.parts.actor = self._start_actor()
             finally:
                 self.parts.pool = starting_pool.result()  # also when the actor failed: close() then stops the engines
         engine_bias = ray.get(self.parts.pool.engines[0].token_logit_bias.remote(), timeout=60)
@@ -234,6 +241,7 @@ class GRPOTrainer:
         if self.resume_point is not None:
             with _timed(seconds, "resume"):
                 self._resume(self.resume_point)
+            self.progress.resumed_step = self.resume_point.step
         print(_startup_line(seconds), flush=True)
         self.parts.logger = RunLogger(self.output_dir, config.trainer.log_trajectories,
                                       resumed_step=self.progress.resumed_step)
@@ -255,6 +263,20 @@ class GRPOTrainer:
                 manifest, state = load_run_checkpoint(path)
             except CheckpointError as error:
                 raise ConfigError(f"'trainer.resume' (auto, none or a checkpoint dir): {error}") from error
+        return self._resume_point(path, manifest, state)
+
+    def _newest_own_checkpoint(self) -> ResumePoint | None:
+        """The newest checkpoint this process saved or resumed from that is still whole (None: none), not one an
+        earlier run left in output_dir (trainer.resume=none)."""
+        for step in sorted(self.progress.saved_checkpoints, reverse=True):
+            try:
+                return self._resume_point(self.progress.saved_checkpoints[step],
+                                          *load_run_checkpoint(self.progress.saved_checkpoints[step]))
+            except CheckpointError:
+                continue  # removed (trainer.keep_checkpoints) or damaged: an older one
+        return None
+
+    def _resume_point(self, path: Path, manifest: dict, state: dict) -> ResumePoint:
         if state["seed"] != self.config.trainer.seed:
             raise ConfigError(
                 f"'trainer.seed' is {self.config.trainer.seed} but the checkpoint {path} was trained with seed "
@@ -269,11 +291,8 @@ class GRPOTrainer:
         # checkpoints from before actor.cp and actor.ep had no "cp" and "ep"
         same_layout = {"cp": 1, "ep": 1, **point.layout} == self._layout()
         self.parts.actor.load_checkpoint(str(point.path / MODEL_DIR), restore_rng=same_layout)
-        self.progress.step = self.progress.resumed_step = point.step
+        self._rewind_progress(point.step, point.sampler)
         self.progress.weights_updated = True
-        self.progress.next_rollout_step = point.step + 1
-        self.sampler.restore(point.sampler)
-        self.progress.trained_sampler_state = point.sampler
         self.progress.saved_checkpoints[point.step] = point.path
         sync = self.parts.weight_sync.sync(self.parts.pool.engines)
         saved = point.layout
@@ -283,6 +302,15 @@ class GRPOTrainer:
         )
         print(f"[rlsearch] resumed from {point.path} after step {self.progress.step}{layouts}; weights synced to the "
               f"engine in {sync.seconds:.1f} s", flush=True)
+
+    def _rewind_progress(self, step: int, sampler: SamplerState) -> None:
+        """The run stands after `step` with the data position `sampler`: the next rollout is `step + 1`'s."""
+        self.progress.step = step
+        self.progress.next_rollout_step = step + 1
+        self.sampler.restore(sampler)
+        self.progress.trained_sampler_state = self.progress.good_sampler_state = sampler
+        self.skip_guard = SkipGuard(self.config.trainer.max_consecutive_skips)
+        self.skip_guard.last_good_step = step
 
     def _layout(self) -> dict[str, int]:
         actor = self.config.actor
@@ -301,49 +329,110 @@ class GRPOTrainer:
         died: list[str] = []
         try:
             self._start()
-            self.skip_guard.last_good_step = self.progress.step  # 0, or the step a resumed run continues after
-            self.progress.good_sampler_state = self.progress.trained_sampler_state
             metrics = self.check_parity()
             print(f"[rlsearch] engine vs actor logprobs before training: max |diff| "
                   f"{metrics['weights/logprob_mismatch_max']:.2e} ({self.parts.actor.spec.sampling.describe()})",
                   flush=True)
             last_checkpoint = None
-            history: list[dict[str, float]] = []
+            history: dict[int, dict[str, float]] = {}  # step -> its metrics (a step trained again replaces them)
             if self.progress.step >= self.config.trainer.total_steps:
                 print(f"[rlsearch] the run is already at step {self.progress.step} of trainer.total_steps="
                       f"{self.config.trainer.total_steps}: nothing to train. Raise trainer.total_steps to continue, "
                       "or set trainer.resume=none to start over", flush=True)
             while self.progress.step < self.config.trainer.total_steps:
-                self.progress.step += 1
-                self._revive_tool_servers()
-                self._launch_rollouts()
-                metrics = self.train_step(self.rollouts.popleft())
-                history.append(metrics)
-                if self._prints_step(self.progress.step):
-                    print(format_step_line(self.progress.step, self.config.trainer.total_steps, metrics), flush=True)
-                self._record_skip(metrics)
-                step, last_step = self.progress.step, self.config.trainer.total_steps
-                interval = self.config.trainer.save_interval
-                if step == last_step or (interval and step % interval == 0):
-                    last_checkpoint = self._checkpoint_if_updated()
-                interval = self.config.trainer.eval_interval
-                if interval and (step % interval == 0 or step == last_step):
-                    self.evaluate_policy()
+                try:
+                    metrics, checkpoint = self._run_step()
+                except Exception as error:
+                    self._replace_dead_actor(error)  # raises `error` unless actor ranks died and can be replaced
+                    history = {step: logged for step, logged in history.items() if step <= self.progress.step}
+                    continue
+                history[self.progress.step] = metrics
+                last_checkpoint = checkpoint or last_checkpoint
             return RunSummary(
                 output_dir=self.output_dir, tensorboard_dir=self.parts.logger.tensorboard_dir,
                 trajectory_dir=self.parts.logger.trajectory_dir if self.config.trainer.log_trajectories else None,
                 checkpoint=last_checkpoint, steps=self.progress.step, seconds=time.perf_counter() - started,
                 last_metrics=metrics, resumed_step=self.progress.resumed_step, curves=plot_run(self.output_dir),
-                history=history,
+                history=list(history.values()),
             )
+        except WorkerDiedError as error:
+            died = error.dead
+            raise
         except Exception as error:
             # a Ray call failed, or the rollout lost its last engine: name the actors that died
             died = self._dead_workers() if _is_ray_error(error) or isinstance(error, NoEngineLeftError) else []
             if died:
-                raise WorkerDiedError(self._died_message(died)) from error
+                raise WorkerDiedError(self._died_message(died), died) from error
             raise
         finally:
             self.close(graceful=not died)
+
+    def _run_step(self) -> tuple[dict[str, float], Path | None]:
+        """The next step, its progress line, then a checkpoint and an eval when they are due: (metrics, checkpoint)."""
+        self.progress.step += 1
+        self._revive_tool_servers()
+        self._launch_rollouts()
+        metrics = self.train_step(self.rollouts.popleft())
+        step, last_step = self.progress.step, self.config.trainer.total_steps
+        if self._prints_step(step):
+            print(format_step_line(step, last_step, metrics), flush=True)
+        self._record_skip(metrics)
+        checkpoint = None
+        interval = self.config.trainer.save_interval
+        if step == last_step or (interval and step % interval == 0):
+            checkpoint = self._checkpoint_if_updated()
+        interval = self.config.trainer.eval_interval
+        if interval and (step % interval == 0 or step == last_step):
+            self.evaluate_policy()
+        return metrics, checkpoint
+
+    def _replace_dead_actor(self, error: Exception) -> None:
+        """After a step failed: when actor ranks died and nothing else did, every rank is replaced (a Megatron group
+        cannot take one new rank) and the run rewinds to its newest complete checkpoint, or to the start before the
+        first; the rollout engines and tool servers stay up, and the engines get the checkpoint's weights. The steps
+        after the checkpoint are trained again (their trajectory records replaced), from the same prompts. Re-raises
+        `error` otherwise, and a WorkerDiedError after trainer.max_actor_restarts replacements."""
+        if not _is_ray_error(error) or self.parts.actor is None:
+            raise error
+        dead = self._dead_workers()
+        ranks = {name for name, _ in self.parts.actor.named_workers()}
+        if not dead or not set(dead) <= ranks:
+            raise error
+        limit = self.config.trainer.max_actor_restarts
+        if self.progress.actor_restarts >= limit:
+            raise WorkerDiedError(self._died_message(dead) + (
+                f" (after {self.progress.actor_restarts} actor restart(s) in this run: "
+                f"trainer.max_actor_restarts={limit})" if limit else ""), dead) from error
+        started, failed_step = time.perf_counter(), self.progress.step
+        self.progress.actor_restarts += 1
+        self.parts.actor.shutdown(graceful=False)
+        self.parts.actor = None
+        self.parts.actor = self._start_actor()
+        self.parts.weight_sync.replace_senders(self.parts.actor)
+        self._drop_pending_rollouts()
+        point = self._newest_own_checkpoint()
+        if point is not None:
+            self._resume(point)
+        else:  # no checkpoint yet: the new ranks hold model.path's weights, and the run starts over
+            self._rewind_progress(0, SamplerState())
+            self.progress.weights_updated = False
+            self.parts.weight_sync.sync(self.parts.pool.engines)
+        self.progress.weight_version += 1  # the engines counted the sync of the older weights as an update
+        self.parts.logger.close()  # a new logger drops the TensorBoard points of the steps trained again
+        self.parts.logger = RunLogger(self.output_dir, self.config.trainer.log_trajectories,
+                                      resumed_step=self.progress.step)
+        self.check_parity()
+        print(f"[rlsearch] {' and '.join(dead)} died during step {failed_step}: the actor ranks were replaced "
+              f"({self.progress.actor_restarts} of trainer.max_actor_restarts={limit}) and the run continues after "
+              f"step {self.progress.step} ({point.path if point else 'no checkpoint yet: from model.path'}), "
+              f"{time.perf_counter() - started:.1f} s; the rollout engines stayed up", flush=True)
+
+    def _drop_pending_rollouts(self) -> None:
+        """Rollouts already submitted were sampled for steps that are trained again from other weights: they finish
+        (or meet the pool's group timeout) and are dropped, their prompts drawn again."""
+        pending = [rollout.trajectories for rollout in self.rollouts]
+        self.rollouts.clear()
+        futures.wait(pending, timeout=self.parts.pool.group_timeout_s)
 
     def _prints_step(self, step: int) -> bool:
         """Whether `step` gets a progress line (trainer.print_interval)."""
@@ -539,6 +628,7 @@ class GRPOTrainer:
             "rollout/tool_calls_out_total": float(tools.get("calls_out", 0)),
             "rollout/paid_calls_out_total": float(tools.get("paid_calls_out", 0)),
             "rollout/engine_restarts_total": float(self.progress.engine_restarts),
+            "actor/restarts_total": float(self.progress.actor_restarts),
             "rollout/staleness": float(staleness),
             "time/engine_idle_s": self.parts.pool.idle_seconds(),
         }
@@ -560,9 +650,10 @@ class GRPOTrainer:
             restarts = self.progress.restarts_by_step.get(self.progress.step, 0) + len(dead)
             limit = self.config.rollout.max_engine_restarts_per_step
             if restarts > limit:
-                raise WorkerDiedError(self._died_message([f"rollout engine {index}" for index in dead]) + (
+                names = [f"rollout engine {index}" for index in dead]
+                raise WorkerDiedError(self._died_message(names) + (
                     f" (after {restarts - len(dead)} engine restart(s) in this step: "
-                    f"rollout.max_engine_restarts_per_step={limit})"))
+                    f"rollout.max_engine_restarts_per_step={limit})"), names)
             self.progress.restarts_by_step = {self.progress.step: restarts}
         for index in dead:
             self.parts.pool.restart(index)

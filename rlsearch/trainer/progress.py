@@ -35,6 +35,7 @@ class RunProgress:
     saved_checkpoints: dict[int, Path] = field(default_factory=dict)  # step -> a checkpoint of it (saved or resumed)
     engine_restarts: int = 0  # rollout engines that died and were replaced
     restarts_by_step: dict[int, int] = field(default_factory=dict)  # engine restarts of the current step
+    actor_restarts: int = 0  # times the actor ranks were replaced after one died (trainer.max_actor_restarts)
 
 
 @dataclass

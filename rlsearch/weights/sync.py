@@ -81,6 +81,12 @@ class WeightSync:
             wire_bytes=sum(s["wire_bytes"] for s in sent.stages), delta=sent.delta,
         )
 
+    def replace_senders(self, actor_ranks) -> None:
+        """New actor ranks send from now on (the old ones died): the next sync is a whole one, and the broadcast
+        transport forms its groups anew."""
+        self.actor = actor_ranks
+        self.transport.failed()
+
     @staticmethod
     def _pause(engines: Sequence, deadline: Deadline) -> None:
         deadline.get([engine.pause_for_weights.remote() for engine in engines], "pausing the engines", engines)

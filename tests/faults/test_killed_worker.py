@@ -1,10 +1,12 @@
-"""A Ray actor of a training run killed with SIGKILL (a Megatron rank; the rollout worker, once no engine restart is
-allowed, rollout.max_engine_restarts_per_step=0): the trainer stops within a bounded time naming the dead component
-and the last complete checkpoint, and `trainer.resume=auto` continues. (Engines restarted instead:
-test_killed_engine.py, test_engine_dies_during_sync.py.)"""
+"""A Ray actor of a training run killed with SIGKILL. The rollout worker, once no engine restart is allowed
+(rollout.max_engine_restarts_per_step=0): the trainer stops within a bounded time naming it and the last complete
+checkpoint. A Megatron rank: the actor ranks are replaced and the run rewinds to its newest checkpoint, each prompt
+still trained once; past trainer.max_actor_restarts the run stops, naming the rank and the checkpoint. (Engines
+restarted instead: test_killed_engine.py, test_engine_dies_during_sync.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +14,6 @@ import sys
 import time
 
 import psutil
-import pytest
 
 from tests.conftest import REPO_ROOT
 
@@ -32,35 +33,26 @@ def _command(tiny_model_dir, toy_data, index_cache, output_dir, *extra):
 def _ray_actor_process(driver_pid: int, actor_class: str) -> psutil.Process:
     """The process of the run's actor of that class (Ray titles it ``ray::Class.method``), under this driver only."""
     for process in psutil.Process(driver_pid).children(recursive=True):
-        try:
-            title = " ".join(process.cmdline())
-        except psutil.Error:
-            continue
-        if title.startswith(f"ray::{actor_class}"):
+        if _title(process).startswith(f"ray::{actor_class}"):
             return process
     raise AssertionError(f"no ray::{actor_class} process under the driver {driver_pid}")
 
 
-@pytest.mark.parametrize(
-    ("actor_class", "component", "extra"),
-    [("RolloutWorker", "rollout engine 0", ["rollout.max_engine_restarts_per_step=0"]),
-     ("MegatronActorWorker", "actor rank 0 (tp 0, pp 0, cp 0, dp 0)", [])],
-    ids=["rollout-worker", "actor-rank"],
-)
-def test_a_killed_worker_stops_the_run_naming_it_and_resume_continues(
-    tmp_path, tiny_model_dir, toy_data, actor_class, component, extra
-):
+def _wait_for(log_path, run, text: str, count: int = 1, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while log_path.read_text().count(text) < count:
+        assert run.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def test_a_killed_rollout_worker_stops_the_run_naming_it(tmp_path, tiny_model_dir, toy_data):
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
-    command = _command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, *extra)
+    command = _command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, "rollout.max_engine_restarts_per_step=0")
     with log_path.open("w") as log:
         run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 600
-        while "checkpoints/step_000001" not in log_path.read_text():
-            assert run.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.05)
-        victim = _ray_actor_process(run.pid, actor_class)
-        os.kill(victim.pid, signal.SIGKILL)
+        _wait_for(log_path, run, "checkpoints/step_000001")
+        os.kill(_ray_actor_process(run.pid, "RolloutWorker").pid, signal.SIGKILL)
         killed = time.monotonic()
         returncode = run.wait(timeout=STOP_WITHIN_S)
         stopped_after_s = time.monotonic() - killed
@@ -71,15 +63,74 @@ def test_a_killed_worker_stops_the_run_naming_it_and_resume_continues(
     assert returncode == 1, output[-3000:]
     assert stopped_after_s < STOP_WITHIN_S
     message = next(line for line in output.splitlines() if line.startswith("rlsearch train:"))
-    assert f"{component} died (its process exited)" in message
+    assert "rollout engine 0 died (its process exited)" in message
     assert f"the last complete checkpoint is {run_dir / 'checkpoints' / 'step_000001'}" in message
-    print(f"\n{component}: killed during step 2, the driver exited {stopped_after_s:.1f} s later")
+    print(f"\nrollout engine 0: killed during step 2, the driver exited {stopped_after_s:.1f} s later")
     assert "Traceback" not in output.split("checkpoints/step_000001")[-1]
     assert not list((run_dir / "checkpoints").glob(".incomplete_*"))
 
-    if actor_class == "MegatronActorWorker":
-        resumed = subprocess.run(command + ["trainer.resume=auto"], cwd=REPO_ROOT, capture_output=True, text=True,
-                                 timeout=900)
-        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-        assert f"resumed from {run_dir / 'checkpoints' / 'step_000001'}" in resumed.stdout
-        assert "step 2/2 | reward" in resumed.stdout
+
+def test_a_killed_actor_rank_is_replaced_and_the_async_run_rewinds_to_its_checkpoint_training_each_prompt_once(
+    tmp_path, tiny_model_dir, toy_data
+):
+    """4 async steps, a checkpoint every 2. The rank is killed right after step 3's line (step 4's rollout in
+    flight): the ranks are replaced, the run rewinds to step 2 and trains step 3 again; killed again, past
+    trainer.max_actor_restarts=1, the run stops naming the rank and the checkpoint of step 2."""
+    from collections import Counter
+
+    from rlsearch.data import load_qa_dataset
+    from rlsearch.trainer.sampler import EpochSampler
+
+    run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
+    command = _command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, "trainer.total_steps=4",
+                       "trainer.save_interval=2", "trainer.print_interval=1", "rollout.async_steps=1",
+                       "rollout.update_weights_in_flight=true", "trainer.max_actor_restarts=1")
+    with log_path.open("w") as log:
+        run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(log_path, run, "step 3/4 |")
+        engines = _engine_pids(run.pid)
+        os.kill(_ray_actor_process(run.pid, "MegatronActorWorker").pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _wait_for(log_path, run, "step 3/4 |", count=2, timeout_s=300)
+        recovered_s = time.monotonic() - killed
+        assert engines and _engine_pids(run.pid) == engines  # the engines stayed up
+        os.kill(_ray_actor_process(run.pid, "MegatronActorWorker").pid, signal.SIGKILL)
+        returncode = run.wait(timeout=STOP_WITHIN_S)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    output = log_path.read_text()
+    print(f"\nactor rank 0 killed after step 3: step 3 trained again {recovered_s:.1f} s later")
+    checkpoint = run_dir / "checkpoints" / "step_000002"
+    rank = "actor rank 0 (tp 0, pp 0, cp 0, dp 0)"
+    assert (f"{rank} died during step 4: the actor ranks were replaced (1 of trainer.max_actor_restarts=1) and the "
+            f"run continues after step 2 ({checkpoint})") in output, output[-3000:]
+    assert "restarted rollout engine" not in output
+    assert returncode == 1, output[-3000:]
+    message = next(line for line in output.splitlines() if line.startswith("rlsearch train:"))
+    assert f"{rank} died (its process exited) during step 4" in message
+    assert f"the last complete checkpoint is {checkpoint}" in message
+    assert "(after 1 actor restart(s) in this run: trainer.max_actor_restarts=1)" in message
+
+    config = json.loads((run_dir / "config.json").read_text())
+    batch_size, group_size = config["data"]["batch_size"], config["rollout"]["group_size"]
+    order = [e.id for e in EpochSampler(load_qa_dataset(toy_data.train), config["trainer"]["seed"],
+                                        config["data"]["shuffle"]).next_batch(3 * batch_size)]
+    records = [json.loads(line) for step in (1, 2, 3)
+               for line in (run_dir / "trajectories" / f"step_{step:06d}.jsonl").open()]
+    assert Counter((r["example_id"], r["sample_index"]) for r in records) == Counter(
+        {(example_id, sample): 1 for example_id in order for sample in range(group_size)})
+    assert not (run_dir / "trajectories" / "step_000004.jsonl").exists()
+
+
+def _engine_pids(driver_pid: int) -> list[int]:
+    return sorted(p.pid for p in psutil.Process(driver_pid).children(recursive=True)
+                  if _title(p).startswith("ray::RolloutWorker"))
+
+
+def _title(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
