@@ -10,20 +10,21 @@ Per process it records RSS, open file descriptors (`num_fds`) and inet sockets (
 
 Warm-up is the first --warmup steps (default: 10% of the steps and at least through the first checkpoint, 51 of the
 default 200: the first save starts a worker process that each rank keeps, +4 open files once). The reference points are
-samples taken as a step line arrives, so that every process is at the same point of the loop; step lines followed
-by a checkpoint or an eval are skipped (files open, memory in use for the save), so "warm" is the first other step
-line from the end of warm-up on and "end" the last other one (step N itself is always followed by the final
-checkpoint, so "end" is at most N-1). A process alive at both is steady; one that appears or goes away in between
-(a short-lived helper) is listed separately and not counted as growth. Per steady process the table shows RSS at
-"warm", the most after it (any sample up to step N), at "end" and the growth between them, also as the slope of a
-least-squares line through the step-line samples in between (% of the warm RSS per 100 steps, noisy over a short
-run). Open files and sockets: the most over the first few step lines from "warm" on against the fewest over the
-last few up to "end" (a count that flickers by one while a connection comes and goes is not growth, one that stays
-up is). A hang is no new step line for --hang-timeout seconds (default: 10x the median step time after step 3, at
-least 300 s; --startup-timeout before step 1, and the same limit for the exit after step N): the process tree is
-killed and the run fails. Goals: no hang; every steady process's RSS at "end" within 10% of its RSS at "warm"; no
-growth in open files or sockets. The exit code is non-zero when a goal fails or the trainer fails. Processes of
-the run still alive 15 s after the trainer exits are listed and killed.
+samples taken as a step line arrives, so that every process is at the same point of the loop; step lines followed by a
+checkpoint or an eval are skipped (files open, memory in use for the save), so "warm" is the first other step line from
+the end of warm-up on and "end" the last other one (step N itself is always followed by the final checkpoint, so "end"
+is at most N-1). A process alive at both is steady; one that appears or goes away in between (a short-lived helper) is
+listed separately and not counted as growth. Per steady process the table shows RSS at "warm", the most after it (any
+sample up to step N), at "end" and the growth between them, also as the slope of a least-squares line through the
+step-line samples in between (% of the warm RSS per 100 steps, noisy over a short run). Open files and sockets: the
+fewest over every sample of the first quarter of the span from "warm" to "end" against the fewest over its last quarter.
+A descriptor or connection that stays open raises that floor; one that comes and goes with a tool call does not (the
+rollout worker's sockets flicker 5-7 with its HTTP calls, and a comparison of single samples would call that growth). A
+hang is no new step line for --hang-timeout seconds (default: 10x the median step time after step 3, at least 300 s;
+--startup-timeout before step 1, and the same limit for the exit after step N): the process tree is killed and the run
+fails. Goals: no hang; every steady process's RSS at "end" within 10% of its RSS at "warm"; no growth in open files or
+sockets. The exit code is non-zero when a goal fails or the trainer fails. Processes of the run still alive 15 s after
+the trainer exits are listed and killed.
 
 The samples go to OUT/soak-samples.json (for plots), the trainer's output to OUT/soak-run/train.log. The last line
 is the figure. Not part of CI: 200 steps take about 30-60 minutes on 2 CPU cores.
@@ -334,7 +335,6 @@ def report_processes(monitor: ProcessMonitor, lines: list[StepLine],
                      last_line: StepLine) -> tuple[list[ProcessReport], list[TrackedProcess]]:
     """Steady processes (sampled at both the first and the last of `lines`) with their figures; the others apart."""
     reports, transient = [], []
-    window = max(1, min(5, len(lines) // 4))  # step lines on each side for the open files and sockets
     for tracked in monitor.processes.values():
         at_line = {sample.step: sample for sample in tracked.samples if sample.at_step_line}
         if not all(line.step in at_line for line in (lines[0], lines[-1])):
@@ -343,14 +343,16 @@ def report_processes(monitor: ProcessMonitor, lines: list[StepLine],
         line_samples = [at_line[line.step] for line in lines if line.step in at_line]
         warm, end = line_samples[0], line_samples[-1]
         after = [sample.rss for sample in tracked.samples if warm.seconds <= sample.seconds <= last_line.seconds]
+        span = [sample for sample in tracked.samples if warm.seconds <= sample.seconds <= end.seconds]
+        quarter = max(1, len(span) // 4)  # the floors of open files and sockets at the start and the end of the span
         slope = least_squares_slope([sample.step for sample in line_samples], [sample.rss for sample in line_samples])
         reports.append(ProcessReport(
             name=tracked.name, rss_warm=warm.rss, rss_max_after=max(after), rss_end=end.rss,
             growth=(end.rss - warm.rss) / warm.rss, slope_per_100_steps=100 * slope / warm.rss,
-            fds_warm=max(sample.fds for sample in line_samples[:window]),
-            fds_end=min(sample.fds for sample in line_samples[-window:]),
-            sockets_warm=max(sample.sockets for sample in line_samples[:window]),
-            sockets_end=min(sample.sockets for sample in line_samples[-window:]),
+            fds_warm=min(sample.fds for sample in span[:quarter]),
+            fds_end=min(sample.fds for sample in span[-quarter:]),
+            sockets_warm=min(sample.sockets for sample in span[:quarter]),
+            sockets_end=min(sample.sockets for sample in span[-quarter:]),
         ))
     reports.sort(key=lambda report: -report.rss_warm)
     return reports, transient
@@ -358,7 +360,7 @@ def report_processes(monitor: ProcessMonitor, lines: list[StepLine],
 
 def print_table(reports: list[ProcessReport], transient: list[TrackedProcess], warm: StepLine, end: StepLine) -> None:
     print(f"\nsteady processes: RSS MiB at step {warm.step} (warm), the most after it, at step {end.step} (end), "
-          f"growth, slope in % of warm per 100 steps; open fds and inet sockets, warm -> end")
+          f"growth, slope in % of warm per 100 steps; fewest open fds and inet sockets, first -> last quarter")
     width = max([len(report.name) for report in reports] + [20])
     print(f"{'process':<{width}} {'warm':>8} {'max':>8} {'end':>8} {'growth':>8} {'slope':>8} {'fds':>11} "
           f"{'sockets':>9}")
