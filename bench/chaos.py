@@ -168,9 +168,10 @@ def _step_lines(log_path: Path, events: queue.Queue, process: subprocess.Popen, 
 
 
 def victims(component: str, supervisor: psutil.Process) -> list[psutil.Process]:
-    """The processes of the run that `component` names (the driver: the supervisor's child)."""
+    """The processes of the run that `component` names (the driver: the supervisor's `rlsearch train` child; its other
+    children are the Ray instance it owns)."""
     if component == "driver":
-        return supervisor.children()
+        return [child for child in supervisor.children() if _command_line(child)[1:4] == ["-m", "rlsearch", "train"]]
     wanted = {"engine": "ray::RolloutWorker", "actor": "ray::MegatronActorWorker",
               "retriever": "rlsearch.tools.servers.retrieval", "mcp": "serve-mcp"}[component]
     found = []
@@ -183,6 +184,13 @@ def victims(component: str, supervisor: psutil.Process) -> list[psutil.Process]:
                 not _forked_by_a_worker(process, wanted):
             found.append(process)
     return found
+
+
+def _command_line(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
 
 
 def _forked_by_a_worker(process: psutil.Process, title: str) -> bool:

@@ -56,6 +56,7 @@ def _logs_hint(log_dir) -> str:
 def _train(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError
     from .config import ConfigError, load_train_config
+    from .ray_setup import ray_cpus
     from .supervisor import supervise_train, supervised
     from .trainer import GRPOTrainer, NonFiniteStepsError, WorkerDiedError
 
@@ -68,7 +69,10 @@ def _train(args: argparse.Namespace) -> int:
         except ConfigError as err:
             print(f"rlsearch train: {err}", file=sys.stderr)
             return 2
-        return supervise_train(args.config, args.overrides, args.verbose, args.restarts, config.trainer.output_dir)
+        cpus = 0 if config.trainer.ray_address else ray_cpus(
+            config.actor.world_size, config.rollout.num_engines, config.rollout.tensor_parallel_size)
+        return supervise_train(args.config, args.overrides, args.verbose, args.restarts, config.trainer.output_dir,
+                               ray_cpus=cpus)
 
     # train() also reports bad input as ConfigError: tool set-up, a checkpoint that does not fit the config
     return _run_summarised("train", load_train_config, lambda config: GRPOTrainer(config).train(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -20,7 +21,11 @@ class LoopThread:
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on the loop; blocks the calling thread until it is done (its exception is raised here)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+        return self.submit(coroutine).result()
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
+        """Run ``coroutine`` on the loop; its future, whose ``cancel()`` cancels the coroutine there."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import os
 
+# set by the supervisor of `rlsearch train --restarts` for its drivers: the address of the Ray instance it started,
+# which outlives each driver, and with it the rollout engines (detached actors a restarted driver adopts)
+SUPERVISOR_RAY_VARIABLE = "RLSEARCH_SUPERVISOR_RAY"
+RUN_NAMESPACE = "rlsearch-run"  # the Ray namespace of a supervised run's drivers: their engines' names live there
+
 WORKER_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
@@ -38,11 +43,25 @@ def init_ray(address: str = "", num_cpus: int = 0) -> bool:
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver)
         return True
+    if supervisor_ray_address():  # the supervisor's local instance, with the settings it started it with
+        ray.init(address=supervisor_ray_address(), namespace=RUN_NAMESPACE, runtime_env=runtime_env,
+                 log_to_driver=log_to_driver, configure_logging=True, logging_level="WARNING")
+        return True
     ray.init(
         _node_ip_address="127.0.0.1", num_cpus=max(num_cpus, os.cpu_count() or 1), include_dashboard=False,
         runtime_env=runtime_env, log_to_driver=log_to_driver, configure_logging=True, logging_level="WARNING",
     )
     return True
+
+
+def supervisor_ray_address() -> str:
+    """The Ray instance of this driver's supervisor (empty: none). The rollout engines outlive a driver there."""
+    return os.environ.get(SUPERVISOR_RAY_VARIABLE, "")
+
+
+def ray_cpus(actor_world_size: int, num_engines: int, engine_tp: int) -> int:
+    """The logical CPUs a local Ray instance needs for a run: one per Megatron rank, and per engine one per TP rank."""
+    return actor_world_size + num_engines * engine_tp
 
 
 def ray_env_defaults(address: str) -> dict[str, str]:

@@ -11,6 +11,7 @@ same on every engine, so the trajectories do not depend on how many engines ther
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import socket
 import time
 from collections import OrderedDict, deque
@@ -32,6 +33,8 @@ PORT_WINDOW = 100  # VLLM_PORT of engine i: base + PORT_WINDOW * i
 # vLLM picks its internal ports by binding and closing them: one taken meanwhile fails the engine's start, which then
 # starts again in a new port window, at most this many times in all
 START_ATTEMPTS = 3
+ADOPT_TIMEOUT_S = 120.0  # for an engine a restarted driver takes over to cancel the old driver's rollouts
+NAME_RELEASE_S = 30.0  # for Ray to release a killed detached engine's name
 KEPT_METRICS = 8  # steps whose rollout metrics last_metrics(step) still answers
 
 
@@ -181,12 +184,19 @@ class EnginePool:
     rollouts and an eval), and calls to `engines` from outside (weight syncs, probes) may run while they are in
     flight: every actor has a thread for each group it may be running and spare ones for those calls (a weight sync
     pauses generation, so it must never queue behind the groups it paused).
+
+    ``detached`` (a supervised run, `rlsearch train --restarts`, whose supervisor owns Ray): the engines and their
+    placement group are named, detached Ray actors that outlive the driver. A restarted driver's pool adopts the
+    live ones of the same settings (`RolloutWorker.adopt`: the old driver's rollouts cancelled, the tools set up for
+    the new servers) instead of starting them, ``adopted`` lists them, and the driver syncs its weights into them
+    before any rollout. Engines of other settings are stopped.
     """
 
     def __init__(
         self, engine_spec: EngineSpec, rollout: RolloutConfig, tools: ToolsConfig, seed: int, *,
         gpus_per_rank: int | None = None, placement_group: Any = None, bundle_index: int = 0,
         group_timeout_s: float = 1800.0, start_timeout_s: float = 900.0, worker_cls: type = RolloutWorker,
+        detached: bool = False,
     ) -> None:
         if rollout.num_engines < 1:
             raise ValueError(f"rollout.num_engines is {rollout.num_engines}; it must be at least 1")
@@ -197,6 +207,11 @@ class EnginePool:
         self.gpus_per_rank = gpus_per_rank
         self.group_timeout_s, self.start_timeout_s = group_timeout_s, start_timeout_s
         self.worker_cls = worker_cls
+        self.detached = detached
+        self.adopted: list[int] = []  # engines taken over from a driver that died (``detached``)
+        # an adopted engine must have been started with these settings (its vLLM ports aside)
+        settings = repr((dataclasses.replace(engine_spec, vllm_port=0), rollout, seed, gpus_per_rank))
+        self._settings_key = hashlib.sha256(settings.encode()).hexdigest()[:12]
         self.groups_in_flight = rollout.groups_per_engine if rollout.groups_per_engine > 0 else SPREAD_LIMIT
         self.base_port = engine_spec.vllm_port or _free_port_window()
         self.engines: list[Any] = []
@@ -205,6 +220,8 @@ class EnginePool:
         self._last_step: int | None = None
         self._submitter = ThreadPoolExecutor(max_workers=rollout.async_steps + 2, thread_name_prefix="engine-pool")
         self._own_group = placement_group is None
+        if self.detached:
+            self._stop_other_engines()
         if self._own_group:
             placement_group, bundle_index = self._reserve(), None
         self.placement_group, self._shared_bundle = placement_group, bundle_index
@@ -226,11 +243,39 @@ class EnginePool:
         """The resources of one engine."""
         return {"CPU": float(self.tp), **({"GPU": float(self.tp * self.gpus_per_rank)} if self.gpus_per_rank else {})}
 
+    def _name(self, index: int) -> str:
+        return f"rollout-engine-{index}-{self._settings_key}"
+
+    def _stop_other_engines(self) -> None:
+        """Stop the detached engines a driver of other settings left (they hold resources this pool needs)."""
+        import ray
+
+        ours = {self._name(index) for index in range(self.num_engines)}
+        for name in ray.util.list_named_actors():
+            if name.startswith("rollout-engine-") and name not in ours:
+                ray.kill(ray.get_actor(name), no_restart=True)
+        for group in ray.util.placement_group_table().values():
+            name = group.get("name", "")
+            if name.startswith("rollout-engines-") and name != self._group_name() and group["state"] != "REMOVED":
+                ray.util.remove_placement_group(ray.util.get_placement_group(name))
+
+    def _group_name(self) -> str:
+        return f"rollout-engines-{self._settings_key}"
+
     def _reserve(self) -> Any:
         import ray
         from ray.util.placement_group import placement_group
 
-        group = placement_group([self.bundle()] * self.num_engines, strategy="PACK")
+        name = self._group_name() if self.detached else ""
+        if name:
+            try:  # the group of the engines an earlier driver started
+                group = ray.util.get_placement_group(name)
+                ray.get(group.ready(), timeout=self.start_timeout_s)
+                return group
+            except ValueError:
+                pass
+        group = placement_group([self.bundle()] * self.num_engines, strategy="PACK", name=name,
+                                lifetime="detached" if name else None)
         try:
             ray.get(group.ready(), timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError as error:
@@ -242,11 +287,17 @@ class EnginePool:
             ) from error
         return group
 
-    def _start_engine(self, index: int) -> Any:
+    def _start_engine(self, index: int, adopt: bool = True) -> Any:
         """Start engine `index` in its bundle and wait until it is up; an engine whose start failed for a port taken
-        under it starts again in a new port window (START_ATTEMPTS in all)."""
+        under it starts again in a new port window (START_ATTEMPTS in all). ``detached``: first adopt the live engine
+        an earlier driver left under its name (unless not `adopt`)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if self.detached and adopt:
+            engine = self._adopt(index)
+            if engine is not None:
+                return engine
 
         bundle = index if self._shared_bundle is None else self._shared_bundle
         options = {
@@ -254,10 +305,12 @@ class EnginePool:
             "max_concurrency": self.groups_in_flight * (self.rollout.async_steps + 2) + CONTROL_SLOTS,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement_group, bundle),
         }
+        if self.detached:
+            options.update(name=self._name(index), lifetime="detached")
         port = self.base_port + PORT_WINDOW * index
         for attempt in range(1, START_ATTEMPTS + 1):
             spec = dataclasses.replace(self.engine_spec, seed=self.engine_spec.seed + index, vllm_port=port)
-            engine = new_rollout_worker(spec, self.rollout, self.tools, self.seed, options, self.worker_cls)
+            engine = self._new_worker(spec, options)
             try:
                 ray.get(engine.__ray_ready__.remote(), timeout=self.start_timeout_s)
                 return engine
@@ -272,6 +325,39 @@ class EnginePool:
                 print(f"[rlsearch] rollout engine {index}: a port of its window {port} was taken while it started; "
                       "starting it again on new ports", flush=True)
                 port = _free_port_window()
+
+    def _new_worker(self, spec: EngineSpec, options: dict[str, Any]) -> Any:
+        """The worker's Ray actor; a detached one's name may still be held for a moment by the one it replaces."""
+        deadline = time.monotonic() + NAME_RELEASE_S
+        while True:
+            try:
+                return new_rollout_worker(spec, self.rollout, self.tools, self.seed, options, self.worker_cls)
+            except ValueError as error:  # "The name ... is already taken"
+                if not self.detached or time.monotonic() > deadline:
+                    raise
+                print(f"[rlsearch] waiting for Ray to release the name of a stopped engine ({error})", flush=True)
+                time.sleep(0.5)
+
+    def _adopt(self, index: int) -> Any:
+        """The live engine an earlier driver left as engine `index`, taken over (None: none, or one that did not
+        answer, which is stopped)."""
+        import ray
+
+        try:
+            engine = ray.get_actor(self._name(index))
+        except ValueError:
+            return None
+        try:
+            cancelled = ray.get(engine.adopt.remote(self.tools), timeout=ADOPT_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
+            print(f"[rlsearch] rollout engine {index} of the previous driver did not answer ({type(error).__name__}); "
+                  "starting a new one", flush=True)
+            ray.kill(engine, no_restart=True)
+            return None
+        self.adopted.append(index)
+        print(f"[rlsearch] rollout engine {index} outlived the previous driver and was taken over ({cancelled} of its "
+              "rollouts cancelled)", flush=True)
+        return engine
 
     def describe(self) -> str:
         """Which Ray node each engine runs on, e.g. for the start-up log."""
@@ -361,7 +447,7 @@ class EnginePool:
         import ray
 
         ray.kill(self.engines[index], no_restart=True)
-        self.engines[index] = self._start_engine(index)
+        self.engines[index] = self._start_engine(index, adopt=False)
         self._dead.discard(index)
         return self.engines[index]
 

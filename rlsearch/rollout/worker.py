@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Coroutine, Iterator, Sequence
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -75,15 +76,18 @@ class RolloutWorker(WeightEndpoint):
         seed: int, tools: ToolsConfig | None = None,
     ) -> None:
         redirect_worker_output("rollout-engine")
+        self.rollout, self.seed, self.model_path = rollout, seed, engine_spec.model_path
         # the agent and the tools first: a bad set-up fails in a second, before the engine spends its start-up time
-        agent = None
+        self.agent = None
         if rollout.agent != "builtin":
             from .session import load_agent  # the endpoint's web stack is loaded only for user agents
 
-            agent = load_agent(rollout.agent)
+            self.agent = load_agent(rollout.agent)
         self.tools = build_registry(tools or ToolsConfig(), retriever, retriever_url)
         self._events = LoopThread("rollout-engine")
         self._idle = IdleClock()
+        self._rollouts: set[Future] = set()  # the generate calls in flight
+        self._rollouts_lock = threading.Lock()
         try:
             protocol = rollout_protocol(rollout, self.tools, engine_spec.model_path)
 
@@ -95,20 +99,52 @@ class RolloutWorker(WeightEndpoint):
             self.tools.close()
             self._events.stop()
             raise
-        self.loop = AgentLoop(self.engine, protocol, self.tools, rollout, seed)
+        self._start_driver(protocol)
+
+    def _start_driver(self, protocol: ToolProtocol) -> None:
+        """The agent loop over `self.tools`, and the user agent's endpoint when there is one."""
+        self.loop = AgentLoop(self.engine, protocol, self.tools, self.rollout, self.seed)
         self.driver = self.loop
-        if agent is not None:
+        if self.agent is not None:
             from .session import AgentRunner, SessionEndpoint
 
-            endpoint = SessionEndpoint(self.engine, self.tools, rollout, seed, self.loop.logit_bias)
-            self.driver = AgentRunner(endpoint, agent, self.loop.prompt_messages, rollout)
+            endpoint = SessionEndpoint(self.engine, self.tools, self.rollout, self.seed, self.loop.logit_bias)
+            self.driver = AgentRunner(endpoint, self.agent, self.loop.prompt_messages, self.rollout)
+
+    def _stop_driver(self) -> None:
+        if self.driver is not self.loop:
+            self._run(self.driver.endpoint.stop())
+            self.driver.stop()
+        self.tools.close()
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return self._events.run(coroutine)
 
     def generate(self, items: Sequence[PromptItem], step: int) -> list[Trajectory]:
         with self._idle.busy():
-            return self._run(self.driver.run(items, step))
+            rollout = self._events.submit(self.driver.run(items, step))
+            with self._rollouts_lock:
+                self._rollouts.add(rollout)
+            try:
+                return rollout.result()
+            finally:
+                with self._rollouts_lock:
+                    self._rollouts.discard(rollout)
+
+    def adopt(self, tools: ToolsConfig, timeout_s: float = 60.0) -> int:
+        """A new driver takes this worker over: the engine outlived the driver that started it (a detached actor,
+        under `rlsearch train --restarts`). The old driver's rollouts are cancelled (vLLM aborts their requests),
+        and the tools are set up anew from `tools`, the new driver's servers. The weights stay what the old driver
+        left, possibly half-loaded: the new driver syncs before it generates. Returns the rollouts cancelled."""
+        with self._rollouts_lock:
+            rollouts = list(self._rollouts)
+        for rollout in rollouts:
+            rollout.cancel()
+        wait(rollouts, timeout=timeout_s)
+        self._stop_driver()
+        self.tools = build_registry(tools, tools.retriever, tools.retriever.url)
+        self._start_driver(rollout_protocol(self.rollout, self.tools, self.model_path))
+        return len(rollouts)
 
     def node_id(self) -> str:
         """The Ray node this worker runs on (the trainer reports the placement at start-up)."""
@@ -146,9 +182,6 @@ class RolloutWorker(WeightEndpoint):
         return self.engine.weights
 
     def shutdown(self) -> None:
-        if self.driver is not self.loop:
-            self._run(self.driver.endpoint.stop())
-            self.driver.stop()
-        self.tools.close()
+        self._stop_driver()
         self._run(self.engine.shutdown())
         self._events.stop()

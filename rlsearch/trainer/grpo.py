@@ -30,7 +30,7 @@ from ..config import (
 )
 from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate
-from ..ray_setup import actor_states, cluster_has_gpus, init_ray
+from ..ray_setup import actor_states, cluster_has_gpus, init_ray, ray_cpus, supervisor_ray_address
 from ..reward import check_scorers, score_trajectories
 from ..rollout import (
     EnginePool,
@@ -42,7 +42,7 @@ from ..rollout import (
     token_logit_bias,
 )
 from ..runlog import RunLogger, format_step_line, plot_run
-from ..weights import WeightSync, WeightSyncError, check_engines_match_actor, default_mismatch_limit
+from ..weights import SyncStats, WeightSync, WeightSyncError, check_engines_match_actor, default_mismatch_limit
 from .metrics import staleness_metrics, token_staleness, trajectory_metrics
 from .placement import check_retriever_reachable, describe_placement, plan_placement
 from .progress import RunParts, RunProgress
@@ -182,7 +182,8 @@ class GRPOTrainer:
         world = actor.world_size
         rollout = config.rollout
         with _timed(seconds, "Ray"):
-            init_ray(config.trainer.ray_address, num_cpus=world + rollout.num_engines * rollout.tensor_parallel_size)
+            init_ray(config.trainer.ray_address,
+                     num_cpus=ray_cpus(world, rollout.num_engines, rollout.tensor_parallel_size))
         import ray
         from transformers import AutoTokenizer
 
@@ -208,7 +209,9 @@ class GRPOTrainer:
 
         def start_pool() -> EnginePool:
             with _timed(seconds, "rollout engines"):
-                return start_engines(config.model, rollout, tools, config.trainer.seed, **place.pool_options)
+                # under the supervisor the engines outlive this driver, and a restarted one takes them over
+                return start_engines(config.model, rollout, tools, config.trainer.seed,
+                                     detached=bool(supervisor_ray_address()), **place.pool_options)
 
         # the engines and the actor ranks start side by side (each is mostly one process importing and loading)
         with ThreadPoolExecutor(1, thread_name_prefix="engine-start") as starter, _timed(seconds, "side by side"):
@@ -242,6 +245,8 @@ class GRPOTrainer:
             with _timed(seconds, "resume"):
                 self._resume(self.resume_point)
             self.progress.resumed_step = self.resume_point.step
+        elif self.parts.pool.adopted:  # engines taken over from a dead driver hold its later weights
+            self._sync_engines()
         print(_startup_line(seconds), flush=True)
         self.parts.logger = RunLogger(self.output_dir, config.trainer.log_trajectories,
                                       resumed_step=self.progress.resumed_step)
@@ -294,7 +299,7 @@ class GRPOTrainer:
         self._rewind_progress(point.step, point.sampler)
         self.progress.weights_updated = True
         self.progress.saved_checkpoints[point.step] = point.path
-        sync = self.parts.weight_sync.sync(self.parts.pool.engines)
+        sync = self._sync_engines()
         saved = point.layout
         layouts = "" if same_layout else (
             f", resharded from tp{saved['tp']} pp{saved['pp']} cp{saved.get('cp', 1)} dp{saved['dp']} (per-rank RNG "
@@ -405,6 +410,7 @@ class GRPOTrainer:
                 f"trainer.max_actor_restarts={limit})" if limit else ""), dead) from error
         started, failed_step = time.perf_counter(), self.progress.step
         self.progress.actor_restarts += 1
+        self.progress.weight_version += 1  # the engines get other weights than the ones they sampled with
         self.parts.actor.shutdown(graceful=False)
         self.parts.actor = None
         self.parts.actor = self._start_actor()
@@ -416,8 +422,7 @@ class GRPOTrainer:
         else:  # no checkpoint yet: the new ranks hold model.path's weights, and the run starts over
             self._rewind_progress(0, SamplerState())
             self.progress.weights_updated = False
-            self.parts.weight_sync.sync(self.parts.pool.engines)
-        self.progress.weight_version += 1  # the engines counted the sync of the older weights as an update
+            self._sync_engines()
         self.parts.logger.close()  # a new logger drops the TensorBoard points of the steps trained again
         self.parts.logger = RunLogger(self.output_dir, self.config.trainer.log_trajectories,
                                       resumed_step=self.progress.step)
@@ -562,7 +567,7 @@ class GRPOTrainer:
                 self._replace_dead_engines()
                 print(f"[rlsearch] every rollout engine died during the rollout of step {rollout.step} ({error}); "
                       "they were restarted and synced, and the rollout runs again", flush=True)
-            self.parts.weight_sync.sync(self.parts.pool.engines)
+            self._sync_engines()
             self.check_parity()
             rollout.weight_version = self.progress.weight_version
             rollout.trajectories = self.parts.pool.submit(rollout.items, rollout.step)
@@ -591,15 +596,15 @@ class GRPOTrainer:
         restarted = self._replace_dead_engines()
         if not (changed or restarted):
             return {"time/sync_s": 0.0, "weights/buckets": 0.0, "weights/engines": 0.0, "weights/sync_mib": 0.0}
+        self.progress.weight_version += changed
         try:
-            sync = self.parts.weight_sync.sync(self.parts.pool.engines)
+            sync = self._sync_engines()
         except WeightSyncError:
             # an engine that died during the sync is replaced, and the sync (which forms its broadcast groups anew)
             # runs again once; the engines that lived stayed paused, so nothing sampled from half-loaded weights
             if not self._replace_dead_engines():
                 raise
-            sync = self.parts.weight_sync.sync(self.parts.pool.engines)
-        self.progress.weight_version += changed
+            sync = self._sync_engines()
         probe_started = time.perf_counter()
         parity = self.check_parity()
         return {
@@ -615,6 +620,10 @@ class GRPOTrainer:
             "weights/time/probe": time.perf_counter() - probe_started,
             "weights/pause_s": sync.phases.get("pause", 0.0),  # how long the engines stood still
         }
+
+    def _sync_engines(self) -> SyncStats:
+        """The actor's weights into every engine, which label what they sample with progress.weight_version."""
+        return self.parts.weight_sync.sync(self.parts.pool.engines, self.progress.weight_version)
 
     def _run_metrics(self, step: int, update: PolicyUpdate | None, staleness: int) -> dict[str, float]:
         """Counters over the run and the rollout pool's view of the step."""

@@ -31,7 +31,8 @@ class EngineWeightReceiver:
 
     def __init__(self, llm) -> None:
         self.llm = llm
-        self.version = 0  # syncs finished on this engine
+        self.version = 0  # the policy version of the weights (the driver's count of weight updates)
+        self.syncs = 0  # syncs finished on this engine
         self.clock = PhaseClock()  # the current sync's stage / load / finish / pause seconds
         self.delta = DeltaBase()  # the whole tensors of the last delta-mode sync (weights.delta)
         self.timeline: dict[str, float] = {}  # wall-clock times of the current sync: opened, paused, resumed
@@ -117,9 +118,10 @@ class EngineWeightReceiver:
             loaded = await self.llm.collective_rpc("rlsearch_receive_broadcast_bucket", args=(stage, wire))
         return tuple(loaded[0])
 
-    async def finish(self, sync_id: str | None = None) -> dict[str, float]:
-        """Close the session and resume; the delta base now holds the weights of `sync_id` (a delta-mode sync).
-        Returns this sync's seconds of staging, loading, finishing and standing still."""
+    async def finish(self, sync_id: str | None = None, version: int | None = None) -> dict[str, float]:
+        """Close the session and resume; the delta base now holds the weights of `sync_id` (a delta-mode sync), and
+        the weights are policy version `version` (the driver's; None: one more than before), which every token
+        sampled from them records. Returns this sync's seconds of staging, loading, finishing and standing still."""
         with self.clock.phase("finish"):
             problems = _report_problems(await self.llm.collective_rpc("rlsearch_finish_weight_update"))
             if problems:
@@ -127,7 +129,8 @@ class EngineWeightReceiver:
             # KV blocks computed with the old weights, cached or held by running requests, would silently mix old
             # and new weights: running requests are preempted (recomputed on resume) and the prefix cache is emptied
             await self.llm.reset_prefix_cache(reset_running_requests=True)
-            self.version += 1
+            self.version = self.version + 1 if version is None else version
+            self.syncs += 1
             if sync_id is not None:
                 self.delta.finish(sync_id)
             await self.llm.resume_generation()
@@ -136,7 +139,7 @@ class EngineWeightReceiver:
         return dict(self.clock.seconds)
 
     async def finished_syncs(self) -> int:
-        return self.version
+        return self.syncs
 
     async def sync_timeline(self) -> dict[str, float]:
         """Wall-clock times (time.time()) of the last sync: opened, paused, resumed."""
@@ -191,8 +194,8 @@ class WeightEndpoint:
     def receive_weight_broadcast(self, stage: int, wire: dict) -> tuple[int, int]:
         return self._run(self.weight_receiver.receive_broadcast(stage, wire))
 
-    def finish_weight_sync(self, sync_id: str | None = None) -> dict[str, float]:
-        return self._run(self.weight_receiver.finish(sync_id))
+    def finish_weight_sync(self, sync_id: str | None = None, version: int | None = None) -> dict[str, float]:
+        return self._run(self.weight_receiver.finish(sync_id, version))
 
     def finished_weight_syncs(self) -> int:
         return self._run(self.weight_receiver.finished_syncs())

@@ -58,15 +58,17 @@ class WeightSync:
         self.transport: WeightTransport = BroadcastTransport(bucket_bytes, engine_tp) if transport == "broadcast" \
             else ShmTransport(bucket_bytes, delta, delta_full_every, stage_first=stage_while_generating)
 
-    def sync(self, engines: Sequence) -> SyncStats:
+    def sync(self, engines: Sequence, version: int | None = None) -> SyncStats:
+        """The actor's weights into `engines`, which then report them as policy version `version` (None: each
+        counts one more)."""
         started = time.perf_counter()
         deadline = Deadline(self.timeout_s, engines)
         stages = self.actor.stage_workers()
         held = deadline.get([engine.open_weight_sync.remote() for engine in engines], "opening the sync", engines)
         try:
             sent = self.transport.send(stages, engines, held, deadline, lambda: self._pause(engines, deadline))
-            engine_phases = deadline.get([engine.finish_weight_sync.remote(sent.sync_id) for engine in engines],
-                                         "finishing the update", engines)
+            finishing = [engine.finish_weight_sync.remote(sent.sync_id, version) for engine in engines]
+            engine_phases = deadline.get(finishing, "finishing the update", engines)
         except WeightSyncError:
             self.transport.failed()
             raise

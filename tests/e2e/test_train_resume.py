@@ -1,5 +1,6 @@
 """A training run whose driver is killed with SIGKILL during step 3 is run again by its supervisor (`rlsearch train
---restarts 1`), resumes from its step-2 checkpoint to exactly the run that was never interrupted, and its checkpoint
+--restarts 1`), takes over the rollout engine the dead driver left under the supervisor's Ray, resumes from its
+step-2 checkpoint to exactly the run that was never interrupted, and its checkpoint
 converts to the trained HF model. An async run (rollout.async_steps=1) killed the same way, with step 4's rollout in
 flight, trains every prompt of the sampler's order exactly once. A rerun of the first 2 steps with tools.replay, from
 the uninterrupted run's tool store alone, samples the same tokens. (Resuming into another layout is
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 from tests.conftest import REPO_ROOT
@@ -67,8 +69,11 @@ def _kill_driver_after_step_2_checkpoint(supervisor: subprocess.Popen, log_path:
         time.sleep(0.05)
     time.sleep(delay_s)
     assert supervisor.poll() is None, log_path.read_text()[-3000:]
-    (driver,) = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text().split()
-    os.kill(int(driver), signal.SIGKILL)  # the driver only: its Ray workers and tool servers must go with it
+    # the driver only: its actor ranks and tool servers must go with it, the engines (under the supervisor's Ray)
+    # must be taken over by the next driver
+    (driver,) = [child for child in psutil.Process(supervisor.pid).children()
+                 if child.cmdline()[1:4] == ["-m", "rlsearch", "train"]]
+    os.kill(driver.pid, signal.SIGKILL)
 
 
 def _killed_and_resumed_output(supervisor: subprocess.Popen, log_path: Path) -> tuple[str, str]:
@@ -111,6 +116,8 @@ def runs(tmp_path_factory, tiny_model_dir, toy_data):
 def test_killed_run_resumes_after_its_last_checkpoint(runs):
     assert "step 2/4" in runs.killed_output and "step 3/4" not in runs.killed_output
     assert "resumed from" in runs.resumed_output and "step_000002 after step 2" in runs.resumed_output
+    # the engine lived on under the supervisor's Ray, and the new driver took it over instead of starting one
+    assert "rollout engine 0 outlived the previous driver and was taken over" in runs.resumed_output
     assert "step 1/4" not in runs.resumed_output and "step 3/4 | reward" in runs.resumed_output
     assert "trained 2 steps" in runs.resumed_output and "(resumed after step 2, now at step 4)" in runs.resumed_output
     restarts = (runs.resumed_dir / "logs" / "restarts.log").read_text().splitlines()
