@@ -290,16 +290,17 @@ class GRPOTrainer:
             )
         return ResumePoint(path, manifest["layout"], state["step"], SamplerState(**state["sampler"]))
 
-    def _resume(self, point: ResumePoint) -> None:
-        """Actor state from the checkpoint (resharded into this run's layout), then the engine gets those weights;
-        the step counter, data order and sampling seeds continue where the checkpoint left them."""
+    def _resume(self, point: ResumePoint, version: int | None = None) -> None:
+        """Actor state from the checkpoint (resharded into this run's layout), then the engine gets those weights (as
+        policy version `version`, default the current one); the step counter, data order and sampling seeds
+        continue where the checkpoint left them."""
         # checkpoints from before actor.cp and actor.ep had no "cp" and "ep"
         same_layout = {"cp": 1, "ep": 1, **point.layout} == self._layout()
         self.parts.actor.load_checkpoint(str(point.path / MODEL_DIR), restore_rng=same_layout)
         self._rewind_progress(point.step, point.sampler)
         self.progress.weights_updated = True
         self.progress.saved_checkpoints[point.step] = point.path
-        sync = self._sync_engines()
+        sync = self._sync_engines(version)
         saved = point.layout
         layouts = "" if same_layout else (
             f", resharded from tp{saved['tp']} pp{saved['pp']} cp{saved.get('cp', 1)} dp{saved['dp']} (per-rank RNG "
@@ -410,19 +411,19 @@ class GRPOTrainer:
                 f"trainer.max_actor_restarts={limit})" if limit else ""), dead) from error
         started, failed_step = time.perf_counter(), self.progress.step
         self.progress.actor_restarts += 1
-        self.progress.weight_version += 1  # the engines get other weights than the ones they sampled with
         self.parts.actor.shutdown(graceful=False)
         self.parts.actor = None
         self.parts.actor = self._start_actor()
         self.parts.weight_sync.replace_senders(self.parts.actor)
         self._drop_pending_rollouts()
         point = self._newest_own_checkpoint()
+        version = self.progress.weight_version + 1  # the engines get other weights than the ones they sampled with
         if point is not None:
-            self._resume(point)
+            self._resume(point, version)
         else:  # no checkpoint yet: the new ranks hold model.path's weights, and the run starts over
             self._rewind_progress(0, SamplerState())
             self.progress.weights_updated = False
-            self._sync_engines()
+            self._sync_engines(version)
         self.parts.logger.close()  # a new logger drops the TensorBoard points of the steps trained again
         self.parts.logger = RunLogger(self.output_dir, self.config.trainer.log_trajectories,
                                       resumed_step=self.progress.step)
@@ -596,15 +597,15 @@ class GRPOTrainer:
         restarted = self._replace_dead_engines()
         if not (changed or restarted):
             return {"time/sync_s": 0.0, "weights/buckets": 0.0, "weights/engines": 0.0, "weights/sync_mib": 0.0}
-        self.progress.weight_version += changed
+        version = self.progress.weight_version + changed
         try:
-            sync = self._sync_engines()
+            sync = self._sync_engines(version)
         except WeightSyncError:
             # an engine that died during the sync is replaced, and the sync (which forms its broadcast groups anew)
             # runs again once; the engines that lived stayed paused, so nothing sampled from half-loaded weights
             if not self._replace_dead_engines():
                 raise
-            sync = self._sync_engines()
+            sync = self._sync_engines(version)
         probe_started = time.perf_counter()
         parity = self.check_parity()
         return {
@@ -621,9 +622,13 @@ class GRPOTrainer:
             "weights/pause_s": sync.phases.get("pause", 0.0),  # how long the engines stood still
         }
 
-    def _sync_engines(self) -> SyncStats:
-        """The actor's weights into every engine, which label what they sample with progress.weight_version."""
-        return self.parts.weight_sync.sync(self.parts.pool.engines, self.progress.weight_version)
+    def _sync_engines(self, version: int | None = None) -> SyncStats:
+        """The actor's weights into every engine as policy version `version` (default: the current one), the label
+        of what they sample from them; progress.weight_version is that version once the sync finished."""
+        version = self.progress.weight_version if version is None else version
+        sync = self.parts.weight_sync.sync(self.parts.pool.engines, version)
+        self.progress.weight_version = version
+        return sync
 
     def _run_metrics(self, step: int, update: PolicyUpdate | None, staleness: int) -> dict[str, float]:
         """Counters over the run and the rollout pool's view of the step."""

@@ -37,13 +37,15 @@ class Sync:
         self.pool, self.engine_dies = pool, engine_dies
         self.failed = False
         self.synced: list[list[str]] = []
+        self.versions: list[int | None] = []  # the policy version each sync gave the engines
 
-    def sync(self, engines) -> SyncStats:
+    def sync(self, engines, version: int | None = None) -> SyncStats:
         if not self.failed:
             self.failed = True
             self.pool.died_in_sync = self.engine_dies
             raise WeightSyncError("weight sync: broadcasting stage 0's weights did not finish (waiting on engine 1)")
         self.synced.append(list(engines))
+        self.versions.append(version)
         return SyncStats(seconds=0.5, num_buckets=3, num_tensors=10, num_bytes=2**20, num_engines=len(engines))
 
 
@@ -64,6 +66,7 @@ def test_an_engine_that_died_during_a_sync_is_restarted_and_synced(capsys) -> No
     assert trainer.parts.pool.restarted == [1] and trainer.progress.engine_restarts == 1
     assert trainer.parts.weight_sync.synced == [["engine 0", "engine 1 (restarted)"]]
     assert metrics["weights/engines"] == 2.0 and trainer.progress.weight_version == 1
+    assert trainer.parts.weight_sync.versions == [1]  # the engines label what they sample with the driver's version
     assert "restarted rollout engine 1, which died" in capsys.readouterr().out
 
 
