@@ -176,10 +176,7 @@ def victims(component: str, supervisor: psutil.Process) -> list[psutil.Process]:
               "retriever": "rlsearch.tools.servers.retrieval", "mcp": "serve-mcp"}[component]
     found = []
     for process in process_tree(supervisor)[1:]:
-        try:
-            command = " ".join(process.cmdline())
-        except psutil.Error:
-            continue
+        command = " ".join(_command_line(process))
         if wanted in command and not (component == "engine" and "EngineCore" in command) and \
                 not _forked_by_a_worker(process, wanted):
             found.append(process)

@@ -35,6 +35,8 @@ PORT_WINDOW = 100  # VLLM_PORT of engine i: base + PORT_WINDOW * i
 START_ATTEMPTS = 3
 ADOPT_TIMEOUT_S = 120.0  # for an engine a restarted driver takes over to cancel the old driver's rollouts
 NAME_RELEASE_S = 30.0  # for Ray to release a killed detached engine's name
+ENGINE_NAME_PREFIX = "rollout-engine-"  # a detached engine's Ray name: the prefix, its index and the settings key
+GROUP_NAME_PREFIX = "rollout-engines-"  # its placement group's: the prefix and the settings key
 KEPT_METRICS = 8  # steps whose rollout metrics last_metrics(step) still answers
 
 
@@ -244,7 +246,7 @@ class EnginePool:
         return {"CPU": float(self.tp), **({"GPU": float(self.tp * self.gpus_per_rank)} if self.gpus_per_rank else {})}
 
     def _name(self, index: int) -> str:
-        return f"rollout-engine-{index}-{self._settings_key}"
+        return f"{ENGINE_NAME_PREFIX}{index}-{self._settings_key}"
 
     def _stop_other_engines(self) -> None:
         """Stop the detached engines a driver of other settings left (they hold resources this pool needs)."""
@@ -252,30 +254,30 @@ class EnginePool:
 
         ours = {self._name(index) for index in range(self.num_engines)}
         for name in ray.util.list_named_actors():
-            if name.startswith("rollout-engine-") and name not in ours:
+            if name.startswith(ENGINE_NAME_PREFIX) and name not in ours:
                 ray.kill(ray.get_actor(name), no_restart=True)
         for group in ray.util.placement_group_table().values():
             name = group.get("name", "")
-            if name.startswith("rollout-engines-") and name != self._group_name() and group["state"] != "REMOVED":
+            if name.startswith(GROUP_NAME_PREFIX) and name != self._group_name() and group["state"] != "REMOVED":
                 ray.util.remove_placement_group(ray.util.get_placement_group(name))
 
     def _group_name(self) -> str:
-        return f"rollout-engines-{self._settings_key}"
+        return f"{GROUP_NAME_PREFIX}{self._settings_key}"
 
     def _reserve(self) -> Any:
         import ray
         from ray.util.placement_group import placement_group
 
         name = self._group_name() if self.detached else ""
+        group = None
         if name:
             try:  # the group of the engines an earlier driver started
                 group = ray.util.get_placement_group(name)
-                ray.get(group.ready(), timeout=self.start_timeout_s)
-                return group
             except ValueError:
                 pass
-        group = placement_group([self.bundle()] * self.num_engines, strategy="PACK", name=name,
-                                lifetime="detached" if name else None)
+        if group is None:
+            group = placement_group([self.bundle()] * self.num_engines, strategy="PACK", name=name,
+                                    lifetime="detached" if name else None)
         try:
             ray.get(group.ready(), timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError as error:

@@ -273,10 +273,9 @@ class GRPOTrainer:
     def _newest_own_checkpoint(self) -> ResumePoint | None:
         """The newest checkpoint this process saved or resumed from that is still whole (None: none), not one an
         earlier run left in output_dir (trainer.resume=none)."""
-        for step in sorted(self.progress.saved_checkpoints, reverse=True):
+        for _, path in sorted(self.progress.saved_checkpoints.items(), reverse=True):
             try:
-                return self._resume_point(self.progress.saved_checkpoints[step],
-                                          *load_run_checkpoint(self.progress.saved_checkpoints[step]))
+                return self._resume_point(path, *load_run_checkpoint(path))
             except CheckpointError:
                 continue  # removed (trainer.keep_checkpoints) or damaged: an older one
         return None
@@ -401,9 +400,10 @@ class GRPOTrainer:
         if not _is_ray_error(error) or self.parts.actor is None:
             raise error
         dead = self._dead_workers()
-        ranks = {name for name, _ in self.parts.actor.named_workers()}
-        if not dead or not set(dead) <= ranks:
+        if not dead:
             raise error
+        if not set(dead) <= {name for name, _ in self.parts.actor.named_workers()}:  # engines died too: stop
+            raise WorkerDiedError(self._died_message(dead), dead) from error
         limit = self.config.trainer.max_actor_restarts
         if self.progress.actor_restarts >= limit:
             raise WorkerDiedError(self._died_message(dead) + (
@@ -412,7 +412,7 @@ class GRPOTrainer:
         started, failed_step = time.perf_counter(), self.progress.step
         self.progress.actor_restarts += 1
         self.parts.actor.shutdown(graceful=False)
-        self.parts.actor = None
+        self.parts.actor = None  # a failed start leaves nothing for close() to stop
         self.parts.actor = self._start_actor()
         self.parts.weight_sync.replace_senders(self.parts.actor)
         self._drop_pending_rollouts()
