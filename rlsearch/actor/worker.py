@@ -31,6 +31,7 @@ from ..weights.bucket import WeightBucket
 from ..weights.clock import PhaseClock
 from ..weights.delta import DeltaBucket, DeltaEncoder
 from ..weights.export import export_stage_weights
+from ..weights.gather import ShardGathers
 from ..weights.process_group import destroy_weight_group, new_weight_group
 from .batch import MicroBatch, Packing, TrainSample, collate, pack_micro_batches
 from .distribution import SamplingDistribution
@@ -80,6 +81,7 @@ class MegatronActorWorker:
         self._rendezvous: dict[str, Rendezvous] = {}
         self._delta_encoder = DeltaEncoder()  # on a stage's sender: what it last sent under weights.delta
         self._staged_buckets = shm.StagedBuckets()  # on a stage's sender: its bucket files in /dev/shm
+        self._shard_gathers = ShardGathers()  # its TP and EP shards' way to the stage's sender
 
     def open_rendezvous(self, purpose: str, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> str:
         """Open, on this rank's node, the store of a group (`purpose`: "actor" for the ranks' own, "weights-K" for
@@ -425,6 +427,9 @@ class MegatronActorWorker:
         state = {name: tensor.cpu().clone() for name, tensor in self.export_hf_weights()}
         return state if self.rank == 0 else None
 
+    def _stage_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return export_stage_weights(self.mbridge, self.model, self._shard_gathers)
+
     def _is_stage_sender(self) -> bool:
         return self.info.tp_rank == 0 and self.info.dp_rank == 0 and self.info.cp_rank == 0
 
@@ -442,7 +447,7 @@ class MegatronActorWorker:
             encoder = self._delta_encoder
             encoder.start(plan.delta_of)
         self._send_clock = PhaseClock()
-        yield from shm.stream_buckets(export_stage_weights(self.mbridge, self.model), plan, sender, staged, encoder,
+        yield from shm.stream_buckets(self._stage_weights(), plan, sender, staged, encoder,
                                       self._send_clock)
 
     def delta_base_id(self) -> str | None:
@@ -468,7 +473,7 @@ class MegatronActorWorker:
 
     def export_weights_as_peer(self) -> None:
         """A TP peer's part of its stage sender's `broadcast_weights`: its shards, gathered to the sender."""
-        for _ in export_stage_weights(self.mbridge, self.model):
+        for _ in self._stage_weights():
             pass
 
     def join_weight_group(self, address: str, world_size: int, timeout_s: float) -> None:
@@ -493,7 +498,7 @@ class MegatronActorWorker:
     def broadcast_weights(self, stage: int, engines: list, bucket_bytes: int, timeout_s: float) -> dict[str, int]:
         """As the stage's sender: this stage's weights broadcast into every engine (broadcast transport)."""
         return broadcast.broadcast_buckets(
-            export_stage_weights(self.mbridge, self.model), self._weight_group, stage, engines, bucket_bytes,
+            self._stage_weights(), self._weight_group, stage, engines, bucket_bytes,
             timeout_s,
         )
 
@@ -508,5 +513,6 @@ class MegatronActorWorker:
 
     def shutdown(self) -> None:
         self._staged_buckets.close()
+        self._shard_gathers.close()
         if dist.is_initialized():
             dist.destroy_process_group()

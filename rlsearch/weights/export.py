@@ -3,7 +3,8 @@
 mbridge's `export_weights` broadcasts every parameter of every stage to all stages and all-gathers TP on every
 rank, so every rank materialises the whole model once per sync. Here only the data-parallel rank 0 replica takes
 part: within each stage the TP shards of a parameter are gathered to TP rank 0 (the stage's sender), which merges
-them and converts the names to HF. Other TP ranks only send their shard; DP > 0 ranks do nothing. A tied embedding
+them and converts the names to HF (through shared memory where the ranks share a host, gather.py). Other TP ranks
+only send their shard; DP > 0 ranks do nothing. A tied embedding
 matrix, held by the first and the last stage, is sent by the first one only.
 
 With expert parallelism (MoE), the routed experts of a layer are split over the sender's expert-parallel group
@@ -17,25 +18,36 @@ import re
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
+
+from .gather import ShardGather, ShardGathers
 
 # a routed expert's weight under mbridge's global names (`...mlp.experts.linear_fc1.weight<expert>`)
 _EXPERT_NAME = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 
 
-def export_stage_weights(mbridge, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+def export_stage_weights(mbridge, chunks: list[torch.nn.Module], gathers: ShardGathers
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors of this rank's pipeline stage, yielded on its TP rank 0 (nothing elsewhere). A collective
-    over the stage's TP group: every TP rank of the stage iterates it."""
+    over the stage's TP group: every TP rank of the stage iterates it. `gathers`: the rank's own, kept across syncs."""
     from mbridge.core.util import unwrap_model
     from megatron.core import parallel_state as ps
 
-    tp_group = ps.get_tensor_model_parallel_group()
     tp_size = ps.get_tensor_model_parallel_world_size()
     ep_size = ps.get_expert_model_parallel_world_size()
     # an expert-parallel peer (DP rank > 0) takes part in the gathers of experts only
     in_sender_replica = ps.get_data_parallel_rank() == 0
     is_sender = ps.get_tensor_model_parallel_rank() == 0 and in_sender_replica
-    for chunk in unwrap_model(list(chunks)):
+    chunks = unwrap_model(list(chunks))
+    parameters = [p for chunk in chunks for p in chunk.parameters()]
+    # megatron marks an expert parameter allreduce=False; with expert parallelism experts gather over their own group
+    experts = {id(p): p for p in parameters if ep_size > 1 and not getattr(p, "allreduce", True)}
+    sharded = [p for p in parameters if getattr(p, "tensor_model_parallel", False) and id(p) not in experts]
+    tp_gather = ep_gather = None
+    if tp_size > 1 and in_sender_replica and sharded:
+        tp_gather = gathers.of("tp", ps.get_tensor_model_parallel_group(), max(map(_bytes, sharded)))
+    if ep_size > 1 and experts:
+        ep_gather = gathers.of("ep", ps.get_expert_model_parallel_group(), max(map(_bytes, experts.values())))
+    for chunk in chunks:
         local_to_global = mbridge._weight_name_mapping_mcore_local_to_global(chunk, consider_ep=False)
         tied_copy = getattr(chunk, "share_embeddings_and_output_weights", False) and not chunk.pre_process
         for name, parameter in chunk.named_parameters():
@@ -43,36 +55,36 @@ def export_stage_weights(mbridge, chunks: list[torch.nn.Module]) -> Iterator[tup
                 continue  # the first stage sends the shared matrix as the embedding
             global_name = local_to_global[name]
             tensor = parameter.detach()
-            if ep_size > 1 and not getattr(parameter, "allreduce", True):  # megatron's mark of an expert parameter
-                yield from _gathered_experts(mbridge, global_name, tensor, is_sender)
+            if id(parameter) in experts:
+                yield from _gathered_experts(mbridge, global_name, tensor, ep_gather, is_sender)
                 continue
             if not in_sender_replica:
                 continue
             if tp_size > 1 and getattr(parameter, "tensor_model_parallel", False):
-                shards = [torch.empty_like(tensor) for _ in range(tp_size)] if is_sender else None
-                dist.gather(tensor.contiguous(), shards, group_dst=0, group=tp_group)
+                shards = tp_gather.gather(tensor)
                 if not is_sender:
                     continue
+                # a merge copies: the merged tensor holds neither the gathered shards nor the other ranks' files
                 tensor = mbridge._weight_merge_across_tp(global_name, shards, parameter)
-                del shards  # not held while the merged tensor waits in a bucket
+                del shards
             elif not is_sender:
                 continue
             yield from zip(*mbridge._weight_to_hf_format(global_name, tensor))
 
 
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def _gathered_experts(
-    mbridge, global_name: str, tensor: torch.Tensor, is_sender: bool
+    mbridge, global_name: str, tensor: torch.Tensor, ep_gather: ShardGather, is_sender: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """One local expert weight of every rank of the expert-parallel group, gathered to its rank 0 (the sender) and
     yielded there under each one's global HF names."""
-    from megatron.core import parallel_state as ps
-
-    ep_size = ps.get_expert_model_parallel_world_size()
-    shards = [torch.empty_like(tensor) for _ in range(ep_size)] if is_sender else None
-    dist.gather(tensor.contiguous(), shards, group_dst=0, group=ps.get_expert_model_parallel_group())
+    shards = ep_gather.gather(tensor, keep=is_sender)  # each shard is yielded as it is, and waits in a bucket
     if not is_sender:
         return
-    experts_per_rank = mbridge.config.num_moe_experts // ep_size
+    experts_per_rank = mbridge.config.num_moe_experts // ep_gather.size
     for ep_rank, shard in enumerate(shards):
         yield from zip(*mbridge._weight_to_hf_format(shift_expert_name(global_name, ep_rank * experts_per_rank), shard))
 
