@@ -65,11 +65,22 @@ def export_stage_weights(mbridge, chunks: list[torch.nn.Module], gathers: ShardG
                 if not is_sender:
                     continue
                 # a merge copies: the merged tensor holds neither the gathered shards nor the other ranks' files
-                tensor = mbridge._weight_merge_across_tp(global_name, shards, parameter)
+                tensor = _merge_tp_shards(mbridge, global_name, shards, parameter)
                 del shards
             elif not is_sender:
                 continue
             yield from zip(*mbridge._weight_to_hf_format(global_name, tensor))
+
+
+def _merge_tp_shards(mbridge, global_name: str, shards: list[torch.Tensor], parameter) -> torch.Tensor:
+    """mbridge's merge of a parameter's TP shards, in one copy where mbridge makes two: the first layer of a gated
+    MLP, whose shards each hold a gate half and an up half (mbridge joins the gate halves, the up halves, then the
+    two: every byte twice)."""
+    if ("linear_fc1.weight" in global_name or "linear_fc1.bias" in global_name) \
+            and mbridge._get_mcore_config_by_name(global_name).gated_linear_unit:
+        halves = [shard.chunk(2) for shard in shards]
+        return torch.cat([gate for gate, _ in halves] + [up for _, up in halves], dim=0)
+    return mbridge._weight_merge_across_tp(global_name, shards, parameter)
 
 
 def _bytes(tensor: torch.Tensor) -> int:
