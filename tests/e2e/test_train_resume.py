@@ -1,8 +1,8 @@
 """A training run whose driver is killed with SIGKILL during step 3 is run again by its supervisor (`rlsearch train
 --restarts 1`), takes over the rollout engine the dead driver left under the supervisor's Ray, resumes from its
 step-2 checkpoint to exactly the run that was never interrupted, and its checkpoint
-converts to the trained HF model. An async run (rollout.async_steps=1) killed the same way, with step 4's rollout in
-flight, trains every prompt of the sampler's order exactly once. A rerun of the first 2 steps with tools.replay, from
+converts to the trained HF model. An async run (rollout.async_steps=1) with two engines, killed the same way with
+step 4's rollout in flight, takes both engines over and trains every prompt of the sampler's order exactly once. A rerun of the first 2 steps with tools.replay, from
 the uninterrupted run's tool store alone, samples the same tokens. (Resuming into another layout is
 tests/integration/test_actor_resume.py: bit-exact weights and the same next step at TP2.)"""
 
@@ -92,12 +92,13 @@ def runs(tmp_path_factory, tiny_model_dir, toy_data):
     # side by side: the uninterrupted run, the run to be killed, and the async run to be killed
     reference = _start(_command(assets, reference_dir), base / "reference.log")
     doomed = _start(_command(assets, resumed_dir, True), base / "doomed.log")
-    doomed_async = _start(_command(assets, async_dir, True, "rollout.async_steps=1"), base / "async.log")
+    doomed_async = _start(_command(assets, async_dir, True, "rollout.async_steps=1", "rollout.num_engines=2"),
+                          base / "async.log")
     _kill_driver_after_step_2_checkpoint(doomed, base / "doomed.log", delay_s=2.0)  # into step 3's rollout
     # step 3 trains on the rollout made during step 2, while step 4's is rolled out
     _kill_driver_after_step_2_checkpoint(doomed_async, base / "async.log", delay_s=0.3)
     killed_output, resumed_output = _killed_and_resumed_output(doomed, base / "doomed.log")
-    async_killed_output, _ = _killed_and_resumed_output(doomed_async, base / "async.log")
+    async_killed_output, async_resumed_output = _killed_and_resumed_output(doomed_async, base / "async.log")
     assert reference.wait(timeout=900) == 0, (base / "reference.log").read_text()[-3000:]
     replay_dir = base / "replay"  # no corpus, so a retriever could not even start
     replay = subprocess.run(
@@ -109,7 +110,8 @@ def runs(tmp_path_factory, tiny_model_dir, toy_data):
           f"{time.perf_counter() - started:.0f} s")
     return SimpleNamespace(assets=assets, base=base, reference_dir=reference_dir, resumed_dir=resumed_dir,
                            killed_output=killed_output, resumed_output=resumed_output, async_dir=async_dir,
-                           async_killed_output=async_killed_output, replay_dir=replay_dir,
+                           async_killed_output=async_killed_output, async_resumed_output=async_resumed_output,
+                           replay_dir=replay_dir,
                            replay_output=replay.stdout, reference_output=(base / "reference.log").read_text())
 
 
@@ -146,6 +148,8 @@ def test_an_async_run_killed_with_a_rollout_in_flight_trains_each_prompt_once_af
     from rlsearch.trainer.sampler import EpochSampler
 
     assert "step 2/4" in runs.async_killed_output and "step 3/4" not in runs.async_killed_output
+    for engine in (0, 1):  # each engine is taken over on its own: both lived on, neither was started anew
+        assert f"rollout engine {engine} outlived the previous driver and was taken over" in runs.async_resumed_output
     config = json.loads((runs.async_dir / "config.json").read_text())
     assert config["rollout"]["async_steps"] == 1
     batch_size, group_size = config["data"]["batch_size"], config["rollout"]["group_size"]
