@@ -1,10 +1,10 @@
 """A training run whose driver is killed with SIGKILL during step 3 is run again by its supervisor (`rlsearch train
 --restarts 1`), takes over the rollout engine the dead driver left under the supervisor's Ray, resumes from its
-step-2 checkpoint to exactly the run that was never interrupted, and its checkpoint
-converts to the trained HF model. An async run (rollout.async_steps=1) with two engines, killed the same way with
-step 4's rollout in flight, takes both engines over and trains every prompt of the sampler's order exactly once. A rerun of the first 2 steps with tools.replay, from
-the uninterrupted run's tool store alone, samples the same tokens. (Resuming into another layout is
-tests/integration/test_actor_resume.py: bit-exact weights and the same next step at TP2.)"""
+step-2 checkpoint to exactly the run that was never interrupted, and its checkpoint converts to the trained HF
+model. An async run (rollout.async_steps=1) with two engines, killed the same way with step 4's rollout in flight,
+takes both engines over and trains every prompt of the sampler's order exactly once. A rerun of the first 2 steps
+with tools.replay, from the uninterrupted run's tool store alone, samples the same tokens. (Resuming into another
+layout is tests/integration/test_actor_resume.py: bit-exact weights and the same next step at TP2.)"""
 
 from __future__ import annotations
 

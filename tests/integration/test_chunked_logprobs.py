@@ -9,11 +9,12 @@ weight, then tied), then re-form as TP1 (two data-parallel replicas) and score w
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.integration.spawned_ranks import run_spawned_ranks
 
 VOCAB = 151936
 HIDDEN = 64
@@ -145,23 +146,8 @@ def _max_diff(value: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory) -> dict[int, dict]:
     """tp -> `_score_cases`'s results."""
-    import torch.multiprocessing as mp
-
-    from rlsearch.rendezvous import Rendezvous
-
     out_dir = tmp_path_factory.mktemp("chunked_logprobs")
-    rendezvous = Rendezvous("127.0.0.1", TIME_LIMIT_S)
-    try:
-        ranks = mp.start_processes(_rank_main, args=(rendezvous.address, str(out_dir)), nprocs=2, join=False,
-                                   start_method="spawn")
-        deadline = time.monotonic() + TIME_LIMIT_S
-        while not ranks.join(timeout=2):  # raises when a rank fails
-            if time.monotonic() > deadline:
-                for process in ranks.processes:
-                    process.kill()
-                pytest.fail(f"the ranks did not finish in {TIME_LIMIT_S:g} s")
-    finally:
-        rendezvous.close()
+    run_spawned_ranks(_rank_main, 2, str(out_dir), TIME_LIMIT_S)
     return torch.load(out_dir / "results.pt")
 
 

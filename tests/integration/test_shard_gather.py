@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.spawned_ranks import run_spawned_ranks
+
 RANKS = 3
 CALLS = 7  # more than the files a rank keeps: every file is rewritten
 TIME_LIMIT_S = 120.0
@@ -95,23 +97,8 @@ def _rank_main(rank: int, rendezvous: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def gathered(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    from rlsearch.rendezvous import Rendezvous
-
     out_dir = tmp_path_factory.mktemp("shard_gather")
-    rendezvous = Rendezvous("127.0.0.1", TIME_LIMIT_S)
-    try:
-        ranks = mp.start_processes(_rank_main, args=(rendezvous.address, str(out_dir)), nprocs=RANKS, join=False,
-                                   start_method="spawn")
-        deadline = time.monotonic() + TIME_LIMIT_S
-        while not ranks.join(timeout=1):  # raises when a rank fails
-            if time.monotonic() > deadline:
-                for process in ranks.processes:
-                    process.kill()
-                pytest.fail(f"the ranks did not finish in {TIME_LIMIT_S:g} s")
-    finally:
-        rendezvous.close()
+    run_spawned_ranks(_rank_main, RANKS, str(out_dir), TIME_LIMIT_S)
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(RANKS)]
 
 
