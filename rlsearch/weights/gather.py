@@ -4,21 +4,21 @@ their weights in host memory, else through the process group's own gather (nccl 
 On CPU ranks, `dist.gather` over gloo sends each shard through a loopback TCP socket: at the 0.5B shape in bf16 a
 TP2 export spent 1.1-1.6 s of 1.4-2.9 s there, for 494 MB. Instead each other rank of the group copies its shard
 into one of two files of its own in /dev/shm, mapped by the group's rank 0, and a barrier hands it over: rank 0
-merges straight from the mapping while the others copy the next shard into their other file. The barrier of
-gather i+1 lets a rank overwrite the file of gather i-1 only once rank 0 has called gather i+1, that is, once it is
-done with gather i-1's views (its callers copy what they keep: `gather(..., keep=True)`).
+merges straight from the mapping while the others copy the next shard into their other file. A rank overwrites
+gather i-1's file in gather i+1, past the barrier of gather i, which rank 0 reaches only once it has called gather
+i and so is done with gather i-1's views (callers copy what they keep: `gather(..., keep=True)`).
 
 Whether a group uses shared memory is decided once, at its first gather, by all its ranks together: every rank holds
-its shard in host memory, has room for its two files, and rank 0 reads, through its own mapping of each other rank's
-files, the token that rank wrote there (so ranks on different hosts, or containers with separate /dev/shm, fall
-back to the process group). The files are named by pid and removed on `close`, or, after a kill, by the next
-gather opened on the host.
+its shard in host memory, gets room for its two files (reserved whole, so that a full /dev/shm shows at once rather
+than as a write that kills the rank), and rank 0 reads, through its own mapping of each other rank's files, the
+token that rank wrote there (so ranks on different hosts, or containers with separate /dev/shm, fall back to the
+process group). The files are named by pid and removed on `close`, or, after a kill, by the next gather opened on
+the host.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from pathlib import Path
 
@@ -87,16 +87,16 @@ class ShardGather:
     def _agree(self, tensor: torch.Tensor) -> bool:
         """Whether the group gathers through shared memory; every rank learns rank 0's decision."""
         own: dict = {"on_host": tensor.device.type == "cpu", "paths": [], "token": uuid.uuid4().hex}
-        need = FILES_PER_RANK * max(self.largest_bytes, _TOKEN_BYTES)
-        if self.rank != 0 and own["on_host"] and shutil.disk_usage(STAGING_DIR).free >= need:
+        if self.rank != 0 and own["on_host"]:
             for path in files_of_gone_owners(Path(STAGING_DIR), SHARD_FILE_PREFIX):
                 path.unlink(missing_ok=True)
-            for index in range(FILES_PER_RANK):
-                path = os.path.join(STAGING_DIR, owned_file_name(SHARD_FILE_PREFIX, index))
-                mapping = np.memmap(path, dtype=np.uint8, mode="w+", shape=(max(self.largest_bytes, _TOKEN_BYTES),))
-                mapping[:_TOKEN_BYTES] = np.frombuffer(own["token"].encode(), dtype=np.uint8)
-                self._own_files.append((path, mapping))
-                own["paths"].append(path)
+            try:
+                for index in range(FILES_PER_RANK):
+                    self._own_files.append(self._reserved_file(index, own["token"]))
+                    own["paths"].append(self._own_files[-1][0])
+            except OSError:  # no room in /dev/shm (a container's 64 MB): the process group's gather instead
+                self.close()
+                own["paths"] = []
         everyone: list = [None] * self.size
         dist.all_gather_object(everyone, own, group=self.group)
         decision = [self.rank == 0 and own["on_host"] and self._can_map(everyone[1:])]
@@ -104,6 +104,23 @@ class ShardGather:
         if not decision[0]:
             self.close()
         return decision[0]
+
+    def _reserved_file(self, index: int, token: str) -> tuple[str, np.memmap]:
+        """A new file of this rank's, its pages reserved (writing a mapped page past a full tmpfs would kill the
+        rank: SIGBUS), mapped, `token` in its first bytes. OSError when /dev/shm has no room for it."""
+        path = os.path.join(STAGING_DIR, owned_file_name(SHARD_FILE_PREFIX, index))
+        size = max(self.largest_bytes, _TOKEN_BYTES)
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(descriptor, 0, size)
+        except OSError:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(descriptor)
+        mapping = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
+        mapping[:_TOKEN_BYTES] = np.frombuffer(token.encode(), dtype=np.uint8)
+        return path, mapping
 
     def _can_map(self, peers: list[dict]) -> bool:
         """On rank 0: map every other rank's files and read back its token."""

@@ -2,10 +2,11 @@
 rank's tensor reaches rank 0 bit for bit, call after call, while rank 0 lags behind the others; kept shards stay
 valid; ranks that do not see each other's files (each its own staging directory, as containers with their own
 /dev/shm, where files of the same names are not the same files) fall back to the process group's gather with the
-same results; `close` removes the files."""
+same results, as do ranks of which one has no room for its files; `close` removes the files."""
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from datetime import timedelta
@@ -90,6 +91,19 @@ def _rank_main(rank: int, rendezvous: str, out_dir: str) -> None:
     results["separate_shared_memory"] = separate.shared_memory
     results["separate_files_left"] = sorted(p.name for p in own_dir.iterdir()) if rank else []
     separate.close()
+
+    gather_module.STAGING_DIR = str(own_dir)
+    if rank == RANKS - 1:  # no room in this rank's /dev/shm: it cannot reserve its files
+
+        def full(*_):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        os.posix_fallocate = full
+    crowded = gather_module.ShardGather(dist.new_group(list(range(RANKS))), _largest())
+    results["crowded"] = _gather_all(crowded, rank, lag_s=0.0)
+    results["crowded_shared_memory"] = crowded.shared_memory
+    results["crowded_files_left"] = sorted(p.name for p in own_dir.iterdir()) if rank else []
+    crowded.close()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -123,3 +137,12 @@ def test_ranks_that_cannot_see_each_others_files_fall_back_with_the_same_results
     assert kept == [True] * len(range(0, CALLS, 2))
     # the files written to offer the shared way were removed once the group fell back
     assert all(result["separate_files_left"] == [] for result in gathered)
+
+
+def test_a_rank_without_room_for_its_files_makes_the_group_fall_back(gathered):
+    assert [result["crowded_shared_memory"] for result in gathered] == [False] * RANKS
+    exact_now, kept = gathered[0]["crowded"]
+    assert exact_now == [True] * CALLS
+    assert kept == [True] * len(range(0, CALLS, 2))
+    # rank 1 had reserved its files: they went when the group fell back
+    assert all(result["crowded_files_left"] == [] for result in gathered)
