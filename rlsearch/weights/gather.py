@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..lifetime import files_of_gone_owners, owned_file_name
-from .shm import STAGING_DIR
+from .shm import STAGING_DIR, reserved_mapping
 
 SHARD_FILE_PREFIX = "rlsearch-shard-"  # + host-pid-index: a rank's shard files (`ShardGather`)
 FILES_PER_RANK = 2  # a rank copies one shard while rank 0 merges the one before
@@ -109,16 +109,7 @@ class ShardGather:
         """A new file of this rank's, its pages reserved (writing a mapped page past a full tmpfs would kill the
         rank: SIGBUS), mapped, `token` in its first bytes. OSError when /dev/shm has no room for it."""
         path = os.path.join(STAGING_DIR, owned_file_name(SHARD_FILE_PREFIX, index))
-        size = max(self.largest_bytes, _TOKEN_BYTES)
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.posix_fallocate(descriptor, 0, size)
-        except OSError:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(descriptor)
-        mapping = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
+        mapping = reserved_mapping(path, max(self.largest_bytes, _TOKEN_BYTES))
         mapping[:_TOKEN_BYTES] = np.frombuffer(token.encode(), dtype=np.uint8)
         return path, mapping
 

@@ -69,6 +69,20 @@ def check_staging_space(directory: str, bytes_needed: int, what: str) -> None:
     )
 
 
+def reserved_mapping(path: str, size: int) -> np.memmap:
+    """A new file of `size` bytes at `path`, its pages reserved, mapped for reading and writing. Reserving them up
+    front turns a full tmpfs into an OSError (ENOSPC) here, where a write to a mapped page would kill the process."""
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(descriptor, 0, size)
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(descriptor)
+    return np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
+
+
 def _check_staging_space_in(_actor, bytes_needed: int, what: str) -> None:
     """`check_staging_space` of this node's STAGING_DIR, run inside a Ray actor on that node (`__ray_call__`)."""
     check_staging_space(STAGING_DIR, bytes_needed, what)
@@ -337,7 +351,12 @@ class StagedBuckets:
             path, mapping = self.files[index]
             if mapping is None or mapping.size < total_bytes:  # a new file, or a larger bucket than it held
                 self._unpin(index)
-                mapping = np.memmap(path, dtype=np.uint8, mode="w+", shape=(max(total_bytes, 1),))
+                self.files[index] = (path, None)
+                try:
+                    mapping = reserved_mapping(path, max(total_bytes, 1))
+                except OSError:
+                    check_staging_space(STAGING_DIR, total_bytes, "the sender's next weight bucket file")
+                    raise
                 self.files[index] = (path, mapping)
             if index not in self._pinned and any(tensor.is_cuda for _, tensor in tensors):
                 self._pin(index, mapping)

@@ -40,3 +40,27 @@ def test_a_full_tmpfs_stops_the_sync_with_what_it_needs(small_tmpfs):
     assert isinstance(raised.value, ConfigError)  # the command line reports it as bad input, without a traceback
     check_staging_space(str(small_tmpfs), 1 * MIB, "a test's buckets")
 
+
+
+def test_a_sender_bucket_file_past_a_full_tmpfs_is_an_error_not_a_killed_sender(small_tmpfs):
+    """Past the check (another process filled the tmpfs meanwhile), a sender's bucket file that does not fit raises
+    StagingSpaceError when it is made, instead of a SIGBUS at the write that reaches a page the tmpfs cannot give.
+    In a child process, so that a regression kills the child and not the test run."""
+    import sys
+
+    (small_tmpfs / "other").write_bytes(os.urandom(6 * MIB))
+    script = (
+        "import torch\n"
+        "from rlsearch.weights import shm\n"
+        f"shm.STAGING_DIR = {str(small_tmpfs)!r}\n"
+        "staged = shm.StagedBuckets()\n"
+        "staged.start(keep_all=False)\n"
+        "try:\n"
+        "    staged.stage([('w', torch.ones(4 * 2**20, dtype=torch.uint8))])\n"
+        "except shm.StagingSpaceError as error:\n"
+        "    print('refused:', error)\n"
+    )
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])  # -7 would be SIGBUS
+    assert "refused:" in child.stdout and "the sender's next weight bucket file need 0.00 GiB" in child.stdout
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["other"]  # the file that did not fit is gone
