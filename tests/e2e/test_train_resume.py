@@ -1,8 +1,9 @@
 """A training run whose driver is killed with SIGKILL during step 3 is run again by its supervisor (`rlsearch train
 --restarts 1`), takes over the rollout engine the dead driver left under the supervisor's Ray, resumes from its
 step-2 checkpoint to exactly the run that was never interrupted, and its checkpoint converts to the trained HF
-model. An async run (rollout.async_steps=1) with two engines, killed the same way with step 4's rollout in flight,
-takes both engines over and trains every prompt of the sampler's order exactly once. A rerun of the first 2 steps
+model. An async run (rollout.async_steps=1) with two engines and a user agent (examples/agents/search_r1.py through
+the engines' endpoints), killed the same way with step 4's rollout in flight, takes both engines over, their
+endpoints included, and trains every prompt of the sampler's order exactly once. A rerun of the first 2 steps
 with tools.replay, from the uninterrupted run's tool store alone, samples the same tokens. (Resuming into another
 layout is tests/integration/test_actor_resume.py: bit-exact weights and the same next step at TP2.)"""
 
@@ -92,8 +93,8 @@ def runs(tmp_path_factory, tiny_model_dir, toy_data):
     # side by side: the uninterrupted run, the run to be killed, and the async run to be killed
     reference = _start(_command(assets, reference_dir), base / "reference.log")
     doomed = _start(_command(assets, resumed_dir, True), base / "doomed.log")
-    doomed_async = _start(_command(assets, async_dir, True, "rollout.async_steps=1", "rollout.num_engines=2"),
-                          base / "async.log")
+    doomed_async = _start(_command(assets, async_dir, True, "rollout.async_steps=1", "rollout.num_engines=2",
+                                   "rollout.agent=examples.agents.search_r1:agent"), base / "async.log")
     _kill_driver_after_step_2_checkpoint(doomed, base / "doomed.log", delay_s=2.0)  # into step 3's rollout
     # step 3 trains on the rollout made during step 2, while step 4's is rolled out
     _kill_driver_after_step_2_checkpoint(doomed_async, base / "async.log", delay_s=0.3)
@@ -158,6 +159,9 @@ def test_an_async_run_killed_with_a_rollout_in_flight_trains_each_prompt_once_af
         STEPS * batch_size)]
     records = [json.loads(line) for step in range(1, STEPS + 1)
                for line in (runs.async_dir / "trajectories" / f"step_{step:06d}.jsonl").open()]
+    # the user agent ran every trajectory, before the kill and through the taken-over engines' endpoints after it
+    assert config["rollout"]["agent"] == "examples.agents.search_r1:agent"
+    assert not any(r["failed"] for r in records)
     assert Counter((r["example_id"], r["sample_index"]) for r in records) == Counter(
         {(example_id, sample): 1 for example_id in order for sample in range(group_size)})
     for step in range(1, STEPS + 1):  # and in the sampler's order, step by step
