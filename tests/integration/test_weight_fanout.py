@@ -264,9 +264,10 @@ def test_an_engine_restarted_mid_run_gets_a_whole_sync(delta_runs):
 
 
 def test_staged_while_generating_the_engines_keep_sampling_until_the_load(engines, model_b, probe_ids):
-    """With weights.stage_while_generating the buckets are staged before the engines pause: requests keep finishing
-    while the senders export (TP2: a gather and merge of every tensor, about a second here), and the pause is only
-    the load and the reset."""
+    """With weights.stage_while_generating the buckets are staged before the engines pause: the engines pause only
+    once the senders have exported and staged every bucket, requests in flight meanwhile go on, and the pause is
+    only the load and the reset. (The TP2 export of this tiny model takes 0.15-1 s on 2 cores, too short a window to
+    count the requests that finish in it; the window is checked to hold the export instead.)"""
     import threading
 
     group = ActorRanks(actor_spec(model_b, 2, 1, 1, {}))
@@ -294,9 +295,10 @@ def test_staged_while_generating_the_engines_keep_sampling_until_the_load(engine
         if sampler.is_alive():
             sampler.join(timeout=60)
         group.shutdown()
-    while_staging = [t for t in finished if timeline["opened"] < t < timeline["paused"]]
-    assert len(while_staging) >= 2, (timeline, finished[-10:])
     phases = stats.phases
+    # an engine paused at the sync's opening (the sync not staged first) would show a window of milliseconds
+    assert timeline["paused"] - timeline["opened"] >= 0.9 * (phases["export"] + phases["pack"]), (timeline, phases)
+    assert any(t > timeline["resumed"] for t in finished)  # the sampler's requests went on through the sync
     assert phases["pause"] < stats.seconds
     assert phases["pause"] <= timeline["resumed"] - timeline["paused"] + 0.5
     assert stats.num_engines == ENGINES and stats.num_bytes > 0
