@@ -130,19 +130,12 @@ def test_each_other_rank_keeps_two_files_and_close_removes_them(gathered):
         assert result["files_after_close"] == []
 
 
-def test_ranks_that_cannot_see_each_others_files_fall_back_with_the_same_results(gathered):
-    assert [result["separate_shared_memory"] for result in gathered] == [False] * RANKS
-    exact_now, kept = gathered[0]["separate"]
+@pytest.mark.parametrize("case", ["separate", "crowded"], ids=["files_not_visible_to_rank_0", "a_rank_without_room"])
+def test_the_group_falls_back_to_the_process_group_with_the_same_results(gathered, case):
+    """"separate": the ranks cannot see each other's files; "crowded": one rank has no room for its files."""
+    assert [result[f"{case}_shared_memory"] for result in gathered] == [False] * RANKS
+    exact_now, kept = gathered[0][case]
     assert exact_now == [True] * CALLS
     assert kept == [True] * len(range(0, CALLS, 2))
-    # the files written to offer the shared way were removed once the group fell back
-    assert all(result["separate_files_left"] == [] for result in gathered)
-
-
-def test_a_rank_without_room_for_its_files_makes_the_group_fall_back(gathered):
-    assert [result["crowded_shared_memory"] for result in gathered] == [False] * RANKS
-    exact_now, kept = gathered[0]["crowded"]
-    assert exact_now == [True] * CALLS
-    assert kept == [True] * len(range(0, CALLS, 2))
-    # rank 1 had reserved its files: they went when the group fell back
-    assert all(result["crowded_files_left"] == [] for result in gathered)
+    # the files reserved to offer the shared way (by every rank that had room) went when the group fell back
+    assert all(result[f"{case}_files_left"] == [] for result in gathered)
