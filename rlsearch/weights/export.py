@@ -44,9 +44,9 @@ def export_stage_weights(mbridge, chunks: list[torch.nn.Module], gathers: ShardG
     sharded = [p for p in parameters if getattr(p, "tensor_model_parallel", False) and id(p) not in experts]
     tp_gather = ep_gather = None
     if tp_size > 1 and in_sender_replica and sharded:
-        tp_gather = gathers.of("tp", ps.get_tensor_model_parallel_group(), max(map(_bytes, sharded)))
+        tp_gather = gathers.of("tp", ps.get_tensor_model_parallel_group(), max(p.nbytes for p in sharded))
     if ep_size > 1 and experts:
-        ep_gather = gathers.of("ep", ps.get_expert_model_parallel_group(), max(map(_bytes, experts.values())))
+        ep_gather = gathers.of("ep", ps.get_expert_model_parallel_group(), max(p.nbytes for p in experts.values()))
     for chunk in chunks:
         local_to_global = mbridge._weight_name_mapping_mcore_local_to_global(chunk, consider_ep=False)
         tied_copy = getattr(chunk, "share_embeddings_and_output_weights", False) and not chunk.pre_process
@@ -81,10 +81,6 @@ def _merge_tp_shards(mbridge, global_name: str, shards: list[torch.Tensor], para
         halves = [shard.chunk(2) for shard in shards]
         return torch.cat([gate for gate, _ in halves] + [up for _, up in halves], dim=0)
     return mbridge._weight_merge_across_tp(global_name, shards, parameter)
-
-
-def _bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def _gathered_experts(

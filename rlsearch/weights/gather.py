@@ -36,8 +36,7 @@ _TOKEN_BYTES = 32
 
 def _uint8_view(mapping: np.memmap, tensor_like: torch.Tensor) -> torch.Tensor:
     """The first bytes of `mapping` as a tensor of `tensor_like`'s dtype and shape."""
-    nbytes = tensor_like.numel() * tensor_like.element_size()
-    return torch.from_numpy(mapping[:nbytes]).view(tensor_like.dtype).view(tensor_like.shape)
+    return torch.from_numpy(mapping[:tensor_like.nbytes]).view(tensor_like.dtype).view(tensor_like.shape)
 
 
 class ShardGather:
@@ -65,9 +64,9 @@ class ShardGather:
             shards = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else None
             dist.gather(tensor, shards, group_dst=0, group=self.group)
             return shards
-        if tensor.numel() * tensor.element_size() > self.largest_bytes:
-            raise ValueError(f"a shard of {tensor.numel() * tensor.element_size()} bytes is larger than the "
-                             f"{self.largest_bytes} this gather was sized for")
+        if tensor.nbytes > self.largest_bytes:
+            raise ValueError(f"a shard of {tensor.nbytes} bytes is larger than the {self.largest_bytes} this gather "
+                             "was sized for")
         slot = self._calls % FILES_PER_RANK
         self._calls += 1
         if self.rank != 0:
