@@ -105,7 +105,7 @@ def profile(worker, samples, steps: int, on_gpu: bool) -> None:
 
     # instance attributes shadow the methods for these steps only
     worker._run_pipeline = timed("forward+backward", worker._run_pipeline)
-    worker.optimizer.step = timed("optimizer", worker.optimizer.step)
+    worker.training.optimizer.step = timed("optimizer", worker.training.optimizer.step)
     try:
         sync()
         t0 = time.perf_counter()
@@ -114,7 +114,7 @@ def profile(worker, samples, steps: int, on_gpu: bool) -> None:
         sync()
         wall = time.perf_counter() - t0
     finally:
-        del worker._run_pipeline, worker.optimizer.step
+        del worker._run_pipeline, worker.training.optimizer.step
     other = wall - sum(totals.values())
     print(f"profile: {wall / steps * 1e3:.1f} ms/step = " + ", ".join(
         f"{name} {seconds / steps * 1e3:.1f} ms ({seconds / wall:.0%})" for name, seconds in totals.items())

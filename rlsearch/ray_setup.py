@@ -14,7 +14,10 @@ import os
 # set by the supervisor of `rlsearch train --restarts` for its drivers: the address of the Ray instance it started,
 # which outlives each driver, and with it the rollout engines (detached actors a restarted driver adopts)
 SUPERVISOR_RAY_VARIABLE = "RLSEARCH_SUPERVISOR_RAY"
-RUN_NAMESPACE = "rlsearch-run"  # the Ray namespace of a supervised run's drivers: their engines' names live there
+# the Ray namespace of a supervised run's drivers, where their engines' names live (default RUN_NAMESPACE): drivers
+# that share one (one after another) take over each other's engines; drivers running side by side need one each
+NAMESPACE_VARIABLE = "RLSEARCH_RAY_NAMESPACE"
+RUN_NAMESPACE = "rlsearch-run"
 
 WORKER_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -44,11 +47,14 @@ def init_ray(address: str = "", num_cpus: int = 0) -> bool:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver)
         return True
     if supervisor_ray_address():  # the supervisor's local instance, with the settings it started it with
-        ray.init(address=supervisor_ray_address(), namespace=RUN_NAMESPACE, runtime_env=runtime_env,
+        ray.init(address=supervisor_ray_address(), namespace=run_namespace(), runtime_env=runtime_env,
                  log_to_driver=log_to_driver, configure_logging=True, logging_level="WARNING")
         return True
+    # in the supervised drivers' namespace: a supervisor (or a test session) that starts the instance sees the engines
+    # its drivers leave there
     ray.init(
         _node_ip_address="127.0.0.1", num_cpus=max(num_cpus, os.cpu_count() or 1), include_dashboard=False,
+        namespace=run_namespace(),
         runtime_env=runtime_env, log_to_driver=log_to_driver, configure_logging=True, logging_level="WARNING",
     )
     return True
@@ -57,6 +63,11 @@ def init_ray(address: str = "", num_cpus: int = 0) -> bool:
 def supervisor_ray_address() -> str:
     """The Ray instance of this driver's supervisor (empty: none). The rollout engines outlive a driver there."""
     return os.environ.get(SUPERVISOR_RAY_VARIABLE, "")
+
+
+def run_namespace() -> str:
+    """The Ray namespace of a supervised driver (its engines are named there)."""
+    return os.environ.get(NAMESPACE_VARIABLE) or RUN_NAMESPACE
 
 
 def ray_cpus(actor_world_size: int, num_engines: int, engine_tp: int) -> int:

@@ -17,13 +17,19 @@ if [[ ! -f "$ASSETS/tiny-qwen2/config.json" || ! -f "$ASSETS/toy/sft.jsonl" ]]; 
     quietly "$ASSETS/make-tiny-model.log" "$PY" -m rlsearch make-tiny-model --out "$ASSETS/tiny-qwen2"
   quietly "$ASSETS/make-toy-data.log" "$PY" -m rlsearch make-toy-data --out "$ASSETS/toy"
 fi
+# Assets only some configs use are built when the config or an argument names them: the run script's config
+# (RLSEARCH_CONFIG), its overrides ("$@" of the script that sources this) and the SFT's (RLSEARCH_SFT_OVERRIDES).
+ASKED="$* ${RLSEARCH_SFT_OVERRIDES:-}"
+if [[ -n "${RLSEARCH_CONFIG:-}" && -f "$RLSEARCH_CONFIG" ]]; then
+  ASKED+=" $(cat "$RLSEARCH_CONFIG")"
+fi
 # the tiny MoE policy of examples/configs/search_grpo_moe_tiny.yaml (seconds)
-if [[ ! -f "$ASSETS/tiny-qwen3-moe/config.json" ]]; then
+if [[ "$ASKED" == *"$ASSETS/tiny-qwen3-moe"* && ! -f "$ASSETS/tiny-qwen3-moe/config.json" ]]; then
   quietly "$ASSETS/make-tiny-moe-model.log" "$PY" -m rlsearch make-tiny-model --architecture qwen3_moe \
     --out "$ASSETS/tiny-qwen3-moe"
 fi
-# the multihop task (questions of 2, 3 and 4 searches, single-token names; docs/tools.md) came later still
-if [[ ! -f "$ASSETS/multihop/sft.jsonl" ]]; then
+# the multihop task (questions of 2, 3 and 4 searches, single-token names; docs/tools.md)
+if [[ "$ASKED" == *"$ASSETS/multihop/"* && ! -f "$ASSETS/multihop/sft.jsonl" ]]; then
   echo "[rlsearch] building the multihop task once: questions that take 2, 3 or 4 searches ($ASSETS/multihop)"
   quietly "$ASSETS/make-multihop-data.log" "$PY" -m rlsearch make-toy-data --task multihop --learnable \
     --hops 2,3,4 --out "$ASSETS/multihop"

@@ -52,6 +52,8 @@ class SharedEngines:
     memory-heavy modules (several TP2 engines and a multi-rank actor) never run beside them within CI's 24 GiB."""
 
     NAMES = ("rollout_worker", "actor_ranks", "engine_bench")
+    # released after their last user too, but their users stay where they are: the training drivers' engines
+    UNGROUPED = ("driver_ray",)
 
     def __init__(self) -> None:
         self._held: dict[str, tuple[object, object]] = {}  # name -> (the engine, its release)
@@ -69,7 +71,8 @@ class SharedEngines:
         modules: dict[object, list] = {}
         for item in items:
             modules.setdefault(item.module, []).append(item)
-        users = [module for module, its in modules.items() if any(self._uses(item) for item in its)]
+        users = [module for module, its in modules.items()
+                 if any(set(self._uses(item)) - set(self.UNGROUPED) for item in its)]
         ordered, placed = [], False
         for module, its in modules.items():
             if module in users:
@@ -99,7 +102,7 @@ class SharedEngines:
     def _uses(cls, item) -> list[str]:
         """The shared engines `item` takes from conftest (a module may define its own fixture of the same name)."""
         definitions = item._fixtureinfo.name2fixturedefs
-        return [name for name in cls.NAMES if name in definitions
+        return [name for name in cls.NAMES + cls.UNGROUPED if name in definitions
                 and definitions[name][-1].func.__module__ == __name__]
 
 
@@ -108,15 +111,36 @@ SHARED_ENGINES = SharedEngines()
 
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
-    """`bash examples/run_search_grpo.sh` as the README gives it, with only the output dir moved: the SFT warm start
-    (made once into outputs/assets) and the 30 GRPO steps, run once per session. (output dir, CompletedProcess)."""
+    """`bash examples/run_search_grpo.sh` as the README gives it, with only the output dir and the warm start's dir
+    moved: the SFT warm start (made here every session, as on a fresh clone) and the 30 GRPO steps, run once per
+    session. (output dir, CompletedProcess)."""
     import subprocess
 
-    out = tmp_path_factory.mktemp("default_run") / "run"
-    env = {**os.environ, "RLSEARCH_WARM_START": "sft"}
+    base = tmp_path_factory.mktemp("default_run")
+    out = base / "run"
+    env = {**os.environ, "RLSEARCH_WARM_START": "sft", "RLSEARCH_SFT_DIR": str(base / "sft-tiny")}
     env.pop("RLSEARCH_VERBOSE", None)
     result = subprocess.run(["bash", "examples/run_search_grpo.sh", f"trainer.output_dir={out}"], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=1500, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, result
+
+
+@pytest.fixture(scope="session")
+def async_tp2pp2_run(tmp_path_factory, driver_ray):
+    """`bash examples/run_search_grpo.sh` (the random-init model) with four Megatron ranks (TP2 x PP2) on gloo and the
+    rollout of step 2 overlapping the training of step 1 (rollout.async_steps=1), two updates a step, an eval after
+    each step: 2 steps of 2 questions. One run, checked by test_train_e2e (the layout, async, eval) and test_inspect
+    (what the trajectories hold). (output dir, CompletedProcess)."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("async_tp2pp2") / "run"
+    result = subprocess.run(
+        ["bash", "examples/run_search_grpo.sh", "actor.tp=2", "actor.pp=2", "trainer.total_steps=2",
+         "data.batch_size=2", "rollout.async_steps=1", "algo.num_minibatches=2", "trainer.eval_interval=1",
+         "eval.max_examples=4", f"trainer.output_dir={out}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200,
+        env={**os.environ, "RLSEARCH_WARM_START": "none", **driver_ray})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, result
 
@@ -144,6 +168,27 @@ def ray_local():
     init_ray(num_cpus=8)  # logical CPUs: room for the 4-rank layouts' placement groups
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def driver_ray(ray_local) -> dict[str, str]:
+    """The environment for training drivers run as subprocesses (`rlsearch train`): they join the session's Ray
+    instance as a supervisor's drivers do, instead of starting one each, and leave their rollout engines running
+    (detached, in the run namespace), which the next driver of the same engine settings takes over instead of
+    starting its own (EnginePool's ``detached``). Ray's and the engines' start-ups are paid once per settings; the
+    engines are stopped after the last test using this (SharedEngines)."""
+    from rlsearch.ray_setup import SUPERVISOR_RAY_VARIABLE
+
+    def stop_left_engines() -> None:
+        from rlsearch.rollout import stop_detached_engines
+
+        if ray_local.is_initialized():
+            stop_detached_engines()
+
+    def start():
+        return {SUPERVISOR_RAY_VARIABLE: ray_local.get_runtime_context().gcs_address}, stop_left_engines
+
+    return SHARED_ENGINES.get("driver_ray", start)
 
 
 TEST_ROLLOUT = {

@@ -188,10 +188,13 @@ class EnginePool:
     pauses generation, so it must never queue behind the groups it paused).
 
     ``detached`` (a supervised run, `rlsearch train --restarts`, whose supervisor owns Ray): the engines and their
-    placement group are named, detached Ray actors that outlive the driver. A restarted driver's pool adopts the
-    live ones of the same settings (`RolloutWorker.adopt`: the old driver's rollouts cancelled, the tools set up for
-    the new servers) instead of starting them, ``adopted`` lists them, and the driver syncs its weights into them
-    before any rollout. Engines of other settings are stopped.
+    placement group are named, detached Ray actors that outlive the driver; `close` leaves them running. The next
+    driver's pool in the same Ray namespace adopts the live ones of the same engine settings (the vLLM engine: model,
+    dtype, length, TP, cache; the number of engines and their concurrency) instead of starting them
+    (`RolloutWorker.adopt`: the old driver's rollouts cancelled, the agent loop and tools set up anew for the new
+    driver's rollout settings and servers), ``adopted`` lists them, and the driver syncs its weights into them before
+    any rollout. Engines of other settings are stopped. Drivers running side by side on one Ray instance need a
+    namespace each (RLSEARCH_RAY_NAMESPACE).
     """
 
     def __init__(
@@ -211,10 +214,14 @@ class EnginePool:
         self.worker_cls = worker_cls
         self.detached = detached
         self.adopted: list[int] = []  # engines taken over from a driver that died (``detached``)
-        # an adopted engine must have been started with these settings (its vLLM ports aside)
-        settings = repr((dataclasses.replace(engine_spec, vllm_port=0), rollout, seed, gpus_per_rank))
-        self._settings_key = hashlib.sha256(settings.encode()).hexdigest()[:12]
         self.groups_in_flight = rollout.groups_per_engine if rollout.groups_per_engine > 0 else SPREAD_LIMIT
+        # threads of each engine's actor: its groups in flight for every overlapping rollout, and the control calls
+        self.max_concurrency = self.groups_in_flight * (rollout.async_steps + 2) + CONTROL_SLOTS
+        # an adopted engine must have been started with these settings (its vLLM ports aside); the agent loop's
+        # (the rest of `rollout`, `seed`, the tools) are set anew when it is adopted
+        settings = repr((dataclasses.replace(engine_spec, vllm_port=0), self.num_engines, gpus_per_rank,
+                         self.max_concurrency))
+        self._settings_key = hashlib.sha256(settings.encode()).hexdigest()[:12]
         self.base_port = engine_spec.vllm_port or _free_port_window()
         self.engines: list[Any] = []
         self._dead: set[int] = set()
@@ -250,16 +257,7 @@ class EnginePool:
 
     def _stop_other_engines(self) -> None:
         """Stop the detached engines a driver of other settings left (they hold resources this pool needs)."""
-        import ray
-
-        ours = {self._name(index) for index in range(self.num_engines)}
-        for name in ray.util.list_named_actors():
-            if name.startswith(ENGINE_NAME_PREFIX) and name not in ours:
-                ray.kill(ray.get_actor(name), no_restart=True)
-        for group in ray.util.placement_group_table().values():
-            name = group.get("name", "")
-            if name.startswith(GROUP_NAME_PREFIX) and name != self._group_name() and group["state"] != "REMOVED":
-                ray.util.remove_placement_group(ray.util.get_placement_group(name))
+        stop_detached_engines(keep={self._name(index) for index in range(self.num_engines)} | {self._group_name()})
 
     def _group_name(self) -> str:
         return f"{GROUP_NAME_PREFIX}{self._settings_key}"
@@ -304,7 +302,7 @@ class EnginePool:
         bundle = index if self._shared_bundle is None else self._shared_bundle
         options = {
             "num_cpus": self.tp, "num_gpus": self.tp * self.gpus_per_rank,
-            "max_concurrency": self.groups_in_flight * (self.rollout.async_steps + 2) + CONTROL_SLOTS,
+            "max_concurrency": self.max_concurrency,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement_group, bundle),
         }
         if self.detached:
@@ -350,7 +348,7 @@ class EnginePool:
         except ValueError:
             return None
         try:
-            cancelled = ray.get(engine.adopt.remote(self.tools), timeout=ADOPT_TIMEOUT_S)
+            cancelled = ray.get(engine.adopt.remote(self.tools, self.rollout, self.seed), timeout=ADOPT_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
             print(f"[rlsearch] rollout engine {index} of the previous driver did not answer ({type(error).__name__}); "
                   "starting a new one", flush=True)
@@ -453,6 +451,15 @@ class EnginePool:
         self._dead.discard(index)
         return self.engines[index]
 
+    def close(self) -> None:
+        """The driver is done with the engines: a detached pool leaves them running for the next driver (whoever owns
+        the Ray instance stops them: the supervisor, at its end); any other pool stops them."""
+        if self.detached:
+            self._submitter.shutdown(wait=False, cancel_futures=True)
+            self.engines = []
+        else:
+            self.shutdown()
+
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop every engine (gracefully where it answers within `timeout_s`), then free the placement group."""
         import ray
@@ -467,6 +474,29 @@ class EnginePool:
         if self._own_group and self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None
+
+
+def stop_detached_engines(keep: set[str] = frozenset()) -> int:
+    """Stop the detached engines (and free their placement groups) that drivers left in this Ray namespace, but those
+    named in `keep`; returns how many engines were stopped."""
+    import ray
+
+    stopped = 0
+    for name in ray.util.list_named_actors():
+        if name.startswith(ENGINE_NAME_PREFIX) and name not in keep:
+            try:
+                ray.kill(ray.get_actor(name), no_restart=True)
+                stopped += 1
+            except ValueError:  # gone meanwhile
+                pass
+    for group in ray.util.placement_group_table().values():
+        name = group.get("name", "")
+        if name.startswith(GROUP_NAME_PREFIX) and name not in keep and group["state"] != "REMOVED":
+            try:  # named groups are looked up in this namespace: another namespace's group is not ours to free
+                ray.util.remove_placement_group(ray.util.get_placement_group(name))
+            except ValueError:
+                pass
+    return stopped
 
 
 def _free_port() -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -26,6 +26,15 @@ def rollout_protocol(rollout: RolloutConfig, tools: ToolRegistry, model_path: st
     (``AgentExample.prompt_messages``), but only the built-in loop needs the tools its format names."""
     return make_protocol(rollout.protocol, tools.specs, rollout.prompt_file, model_path,
                          require_tools=rollout.agent == "builtin")
+
+
+def _load_agent(rollout: RolloutConfig) -> Callable | None:
+    """The user agent `rollout.agent` names (None: the built-in loop)."""
+    if rollout.agent == "builtin":
+        return None
+    from .session import load_agent  # the endpoint's web stack is loaded only for user agents
+
+    return load_agent(rollout.agent)
 
 
 class IdleClock:
@@ -78,11 +87,7 @@ class RolloutWorker(WeightEndpoint):
         redirect_worker_output("rollout-engine")
         self.rollout, self.seed, self.model_path = rollout, seed, engine_spec.model_path
         # the agent and the tools first: a bad set-up fails in a second, before the engine spends its start-up time
-        self.agent = None
-        if rollout.agent != "builtin":
-            from .session import load_agent  # the endpoint's web stack is loaded only for user agents
-
-            self.agent = load_agent(rollout.agent)
+        self.agent = _load_agent(rollout)
         self.tools = build_registry(tools or ToolsConfig(), retriever, retriever_url)
         self._events = LoopThread("rollout-engine")
         self._idle = IdleClock()
@@ -131,17 +136,22 @@ class RolloutWorker(WeightEndpoint):
                 with self._rollouts_lock:
                     self._rollouts.discard(rollout)
 
-    def adopt(self, tools: ToolsConfig, timeout_s: float = 60.0) -> int:
+    def adopt(self, tools: ToolsConfig, rollout: RolloutConfig, seed: int, timeout_s: float = 60.0) -> int:
         """A new driver takes this worker over: the engine outlived the driver that started it (a detached actor,
         under `rlsearch train --restarts`). The old driver's rollouts are cancelled (vLLM aborts their requests),
-        and the tools are set up anew from `tools`, the new driver's servers. The weights stay what the old driver
-        left, possibly half-loaded: the new driver syncs before it generates. Returns the rollouts cancelled."""
+        and the agent loop is set up anew for the new driver: its rollout settings (the agent, protocol, turns,
+        sampling; the engine's own, which the pool matched, stay), sampling seed and tools (`tools`, its servers).
+        The weights stay what the old driver left, possibly half-loaded: the new driver syncs before it generates.
+        Returns the rollouts cancelled."""
         with self._rollouts_lock:
             rollouts = list(self._rollouts)
-        for rollout in rollouts:
-            rollout.cancel()
+        for pending in rollouts:
+            pending.cancel()
         wait(rollouts, timeout=timeout_s)
         self._stop_driver()
+        if rollout.agent != self.rollout.agent:
+            self.agent = _load_agent(rollout)
+        self.rollout, self.seed = rollout, seed
         self.tools = build_registry(tools, tools.retriever, tools.retriever.url)
         self._start_driver(rollout_protocol(self.rollout, self.tools, self.model_path))
         return len(rollouts)

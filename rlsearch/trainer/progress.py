@@ -55,7 +55,7 @@ class RunParts:
         if self.actor is not None:
             self.actor.shutdown(graceful)
         if self.pool is not None:
-            self.pool.shutdown()
+            self.pool.close()
         if self.tool_servers is not None:
             self.tool_servers.stop()
         if self.logger is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import html
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -38,19 +37,13 @@ from rlsearch.inspection import (
 )
 from tests.conftest import REPO_ROOT
 
-# async rollout: step 2 samples with weights one update old (staleness 1); two updates a step: actor logprobs
-RUN_OVERRIDES = ["trainer.total_steps=2", "algo.num_minibatches=2", "rollout.async_steps=1", "data.batch_size=2"]
-
 
 @pytest.fixture(scope="module")
-def real_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("inspect") / "run"
-    # the random-init model (no SFT warm start): the rare outcomes are tested on edited records below
-    result = subprocess.run(["bash", "examples/run_search_grpo.sh", *RUN_OVERRIDES, f"trainer.output_dir={out}"],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "RLSEARCH_WARM_START": "none"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out
+def real_run(async_tp2pp2_run) -> Path:
+    """A real run of the random-init model (no SFT warm start; the rare outcomes are tested on edited records below):
+    async rollout, so step 2 samples with weights one update old (staleness 1), two updates a step (actor logprobs),
+    2 questions x 4 samples a step (conftest's run, which test_train_e2e checks too)."""
+    return async_tp2pp2_run[0]
 
 
 def _copy_run(run: Path, destination: Path) -> Path:

@@ -11,7 +11,7 @@ from rlsearch.weights import default_mismatch_limit
 from tests.e2e.test_train_e2e import _run
 
 
-def test_a_bf16_run_with_two_engines_trains_two_steps_under_the_bf16_probe_limit(tmp_path):
+def test_a_bf16_run_with_two_engines_trains_two_steps_under_the_bf16_probe_limit(tmp_path, driver_ray):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
@@ -19,7 +19,7 @@ def test_a_bf16_run_with_two_engines_trains_two_steps_under_the_bf16_probe_limit
     result = _run(["bash", "examples/run_search_grpo.sh", "model.dtype=bfloat16", "rollout.num_engines=2",
                    "rollout.temperature=0.7", "trainer.total_steps=2", "data.batch_size=2", "rollout.group_size=2",
                    "algo.num_minibatches=1", "rollout.max_tokens_per_turn=24", f"trainer.output_dir={out}"],
-                  timeout=1500)
+                  timeout=1500, **driver_ray)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 2/2 | reward" in result.stdout
     assert "engine vs actor logprobs before training: max |diff|" in result.stdout

@@ -20,6 +20,8 @@ REQUIRED_SCALARS = (
 
 
 def _run(args, timeout, warm_start="none", **env):
+    """`args` run from the repository root; `env` on top of this process's (the `driver_ray` fixture's environment: a
+    driver that joins the session's Ray and takes over the engines of the run before it)."""
     env = {**os.environ, "RLSEARCH_WARM_START": warm_start, **env}
     return subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -62,16 +64,12 @@ def test_default_run_is_quiet_names_its_logs_and_trains_from_step_1(default_run)
     assert any((checkpoint / "megatron").iterdir())
 
 
-def test_run_search_grpo_script_trains_with_tp2_pp2_and_async_rollout(tmp_path):
+def test_run_search_grpo_script_trains_with_tp2_pp2_and_async_rollout(async_tp2pp2_run):
     """Four Megatron ranks (TP2 x PP2) on gloo, packed micro-batches through the pipeline schedule; the rollout of
     step 2 overlaps the training of step 1 (rollout.async_steps=1), so it samples with weights one update old."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = tmp_path / "run"
-    result = _run(["bash", "examples/run_search_grpo.sh", "actor.tp=2", "actor.pp=2", "trainer.total_steps=2",
-                   "data.batch_size=2", "rollout.async_steps=1", f"trainer.output_dir={out}",
-                   "trainer.eval_interval=1", "eval.max_examples=4"], timeout=1200)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out, result = async_tp2pp2_run
     assert "step 2/2 | reward" in result.stdout
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
@@ -129,14 +127,15 @@ def test_a_supervised_run_does_not_retry_bad_input(tmp_path, tiny_model_dir):
     assert not (tmp_path / "run" / "logs" / "restarts.log").exists()
 
 
-def test_run_search_grpo_script_trains_with_two_tp2_engines_over_broadcast(tmp_path):
+def test_run_search_grpo_script_trains_with_two_tp2_engines_over_broadcast(tmp_path, driver_ray):
     """2 rollout engines x TP2 (4 vLLM workers, nobind threads) on 2 cores; weights reach both engines by the
     broadcast transport (gloo) after every step, and every engine passes the probe check."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
     result = _run(["bash", "examples/run_search_grpo.sh", "rollout.num_engines=2", "rollout.tensor_parallel_size=2",
-                   "weights.transport=broadcast", "trainer.total_steps=2", f"trainer.output_dir={out}"], timeout=1200)
+                   "weights.transport=broadcast", "trainer.total_steps=2", f"trainer.output_dir={out}"], timeout=1200,
+                  **driver_ray)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "rollout engines: 2 x TP2; engine 0 on node" in result.stdout
     assert "step 2/2 | reward" in result.stdout
@@ -151,7 +150,7 @@ def test_run_search_grpo_script_trains_with_two_tp2_engines_over_broadcast(tmp_p
     assert max(e.value for e in events.Scalars("weights/logprob_mismatch_max")) < 1e-4
 
 
-def test_train_and_eval_run_a_user_agent_through_the_endpoint(tmp_path):
+def test_train_and_eval_run_a_user_agent_through_the_endpoint(tmp_path, driver_ray):
     """`rollout.agent=examples.agents.search_r1:agent`: the agent drives every trajectory through the rollout
     worker's OpenAI-compatible endpoint, in training and in eval; none fails, and what trains is token-exact. The
     actor trains with context parallelism (actor.cp=2: every sequence split over two ranks) and small logit chunks,
@@ -161,7 +160,7 @@ def test_train_and_eval_run_a_user_agent_through_the_endpoint(tmp_path):
     agent = "rollout.agent=examples.agents.search_r1:agent"
     out = tmp_path / "run"
     result = _run(["bash", "examples/run_search_grpo.sh", agent, "actor.cp=2", "actor.logits_chunk_tokens=64",
-                   "trainer.total_steps=2", f"trainer.output_dir={out}"], timeout=1200)
+                   "trainer.total_steps=2", f"trainer.output_dir={out}"], timeout=1200, **driver_ray)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 2/2 | reward" in result.stdout
     events = EventAccumulator(str(out / "tensorboard"))

@@ -8,11 +8,11 @@ import subprocess
 from tests.conftest import REPO_ROOT
 
 
-def test_moe_config_trains_three_steps_with_expert_parallelism(tmp_path):
+def test_moe_config_trains_three_steps_with_expert_parallelism(tmp_path, driver_ray):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    env = {**os.environ, "RLSEARCH_CONFIG": "examples/configs/search_grpo_moe_tiny.yaml"}
+    env = {**os.environ, "RLSEARCH_CONFIG": "examples/configs/search_grpo_moe_tiny.yaml", **driver_ray}
     result = subprocess.run(
         ["bash", "examples/run_search_grpo.sh", "trainer.total_steps=3", "data.batch_size=2", "weights.delta=true",
          "rollout.async_steps=1",

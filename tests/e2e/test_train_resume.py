@@ -4,8 +4,10 @@ step-2 checkpoint to exactly the run that was never interrupted, and its checkpo
 model. An async run (rollout.async_steps=1) with two engines and a user agent (examples/agents/search_r1.py through
 the engines' endpoints), killed the same way with step 4's rollout in flight, takes both engines over, their
 endpoints included, and trains every prompt of the sampler's order exactly once. A rerun of the first 2 steps
-with tools.replay, from the uninterrupted run's tool store alone, samples the same tokens. (Resuming into another
-layout is tests/integration/test_actor_resume.py: bit-exact weights and the same next step at TP2.)"""
+with tools.replay, from the uninterrupted run's tool store alone, samples the same tokens on the engine it takes
+over from the uninterrupted run (both drivers join the test session's Ray). Each run is a fixture of its own, run
+one after another. (Resuming into another layout is tests/integration/test_actor_resume.py: bit-exact weights and
+the same next step at TP2.)"""
 
 from __future__ import annotations
 
@@ -85,62 +87,84 @@ def _killed_and_resumed_output(supervisor: subprocess.Popen, log_path: Path) -> 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model_dir, toy_data):
+def assets(tmp_path_factory, tiny_model_dir, toy_data):
     base = tmp_path_factory.mktemp("train_runs")
-    assets = SimpleNamespace(model=tiny_model_dir, data=toy_data, index_cache=base / "bm25")
-    reference_dir, resumed_dir, async_dir = base / "reference", base / "resumed", base / "async"
-    started = time.perf_counter()
-    # side by side: the uninterrupted run, the run to be killed, and the async run to be killed
-    reference = _start(_command(assets, reference_dir), base / "reference.log")
-    doomed = _start(_command(assets, resumed_dir, True), base / "doomed.log")
-    doomed_async = _start(_command(assets, async_dir, True, "rollout.async_steps=1", "rollout.num_engines=2",
-                                   "rollout.agent=examples.agents.search_r1:agent"), base / "async.log")
-    _kill_driver_after_step_2_checkpoint(doomed, base / "doomed.log", delay_s=2.0)  # into step 3's rollout
-    # step 3 trains on the rollout made during step 2, while step 4's is rolled out
-    _kill_driver_after_step_2_checkpoint(doomed_async, base / "async.log", delay_s=0.3)
-    killed_output, resumed_output = _killed_and_resumed_output(doomed, base / "doomed.log")
-    async_killed_output, async_resumed_output = _killed_and_resumed_output(doomed_async, base / "async.log")
-    assert reference.wait(timeout=900) == 0, (base / "reference.log").read_text()[-3000:]
-    replay_dir = base / "replay"  # no corpus, so a retriever could not even start
-    replay = subprocess.run(
+    return SimpleNamespace(model=tiny_model_dir, data=toy_data, index_cache=base / "bm25", base=base)
+
+
+def _run_to_the_end(command, log_path: Path, env: dict) -> str:
+    with log_path.open("w") as log:  # a file: the output of a long run is read once it ended
+        run = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=900,
+                             env={**os.environ, **env})
+    output = log_path.read_text()
+    assert run.returncode == 0, output[-3000:]
+    return output
+
+
+@pytest.fixture(scope="module")
+def reference(assets, driver_ray):
+    """The uninterrupted run, then a rerun of its first 2 steps with tools.replay from its tool store alone (no
+    corpus: a retriever could not even start), which takes over the reference's engine."""
+    reference_dir, replay_dir = assets.base / "reference", assets.base / "replay"
+    output = _run_to_the_end(_command(assets, reference_dir), assets.base / "reference.log", driver_ray)
+    replay_output = _run_to_the_end(
         _command(assets, replay_dir, False, "trainer.total_steps=2", "tools.replay=true",
                  f"tools.cache_dir={reference_dir / 'tool_store'}", "tools.retriever.corpus=/nonexistent"),
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
-    assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
-    print(f"\nreference + killed runs side by side, then the resumed runs and a replay: "
-          f"{time.perf_counter() - started:.0f} s")
-    return SimpleNamespace(assets=assets, base=base, reference_dir=reference_dir, resumed_dir=resumed_dir,
-                           killed_output=killed_output, resumed_output=resumed_output, async_dir=async_dir,
-                           async_killed_output=async_killed_output, async_resumed_output=async_resumed_output,
-                           replay_dir=replay_dir,
-                           replay_output=replay.stdout, reference_output=(base / "reference.log").read_text())
+        assets.base / "replay.log", driver_ray)
+    return SimpleNamespace(dir=reference_dir, output=output, replay_dir=replay_dir, replay_output=replay_output)
 
 
-def test_killed_run_resumes_after_its_last_checkpoint(runs):
-    assert "step 2/4" in runs.killed_output and "step 3/4" not in runs.killed_output
-    assert "resumed from" in runs.resumed_output and "step_000002 after step 2" in runs.resumed_output
+@pytest.fixture(scope="module")
+def killed(assets):
+    """The run killed during step 3's rollout, under its supervisor (its own Ray, which the engine outlives the
+    driver in)."""
+    resumed_dir, log_path = assets.base / "resumed", assets.base / "doomed.log"
+    doomed = _start(_command(assets, resumed_dir, True), log_path)
+    _kill_driver_after_step_2_checkpoint(doomed, log_path, delay_s=2.0)  # into step 3's rollout
+    killed_output, resumed_output = _killed_and_resumed_output(doomed, log_path)
+    return SimpleNamespace(dir=resumed_dir, killed_output=killed_output, resumed_output=resumed_output)
+
+
+@pytest.fixture(scope="module")
+def killed_async(assets):
+    """The async run with two engines and a user agent, killed right after step 2's checkpoint: step 3 trains on
+    the rollout made during step 2, while step 4's is rolled out."""
+    async_dir, log_path = assets.base / "async", assets.base / "async.log"
+    doomed = _start(_command(assets, async_dir, True, "rollout.async_steps=1", "rollout.num_engines=2",
+                             "rollout.agent=examples.agents.search_r1:agent"), log_path)
+    _kill_driver_after_step_2_checkpoint(doomed, log_path, delay_s=0.3)
+    killed_output, resumed_output = _killed_and_resumed_output(doomed, log_path)
+    return SimpleNamespace(dir=async_dir, killed_output=killed_output, resumed_output=resumed_output)
+
+
+def test_killed_run_resumes_after_its_last_checkpoint(killed):
+    assert "step 2/4" in killed.killed_output and "step 3/4" not in killed.killed_output
+    assert "resumed from" in killed.resumed_output and "step_000002 after step 2" in killed.resumed_output
     # the engine lived on under the supervisor's Ray, and the new driver took it over instead of starting one
-    assert "rollout engine 0 outlived the previous driver and was taken over" in runs.resumed_output
-    assert "step 1/4" not in runs.resumed_output and "step 3/4 | reward" in runs.resumed_output
-    assert "trained 2 steps" in runs.resumed_output and "(resumed after step 2, now at step 4)" in runs.resumed_output
-    restarts = (runs.resumed_dir / "logs" / "restarts.log").read_text().splitlines()
+    assert "rollout engine 0 outlived the previous driver and was taken over" in killed.resumed_output
+    assert "step 1/4" not in killed.resumed_output and "step 3/4 | reward" in killed.resumed_output
+    assert ("trained 2 steps" in killed.resumed_output
+            and "(resumed after step 2, now at step 4)" in killed.resumed_output)
+    restarts = (killed.dir / "logs" / "restarts.log").read_text().splitlines()
     assert len(restarts) == 1 and restarts[0].endswith(RESTART_LINE.removeprefix("[rlsearch] ").strip())
 
 
-def test_resumed_steps_equal_the_uninterrupted_run(runs):
-    reference, resumed = _scalars(runs.reference_dir), _scalars(runs.resumed_dir)
+def test_resumed_steps_equal_the_uninterrupted_run(reference, killed):
+    reference_scalars, resumed = _scalars(reference.dir), _scalars(killed.dir)
     for tag in COMPARED:
         # TensorBoard steps continue: 1-2 from the killed run, 3-4 from the resumed one, each step once
         assert [step for step, _ in resumed[tag]] == list(range(1, STEPS + 1)), tag
-        for (step, want), (_, got) in zip(reference[tag], resumed[tag]):
+        for (step, want), (_, got) in zip(reference_scalars[tag], resumed[tag]):
             assert got == pytest.approx(want, abs=1e-6, rel=1e-6), (tag, step)
     kl = dict(resumed["actor/kl_loss"])
     assert abs(kl[3]) > 1e-6  # the policy had moved from the reference: step 3 trained on restored weights
     for step in range(1, STEPS + 1):
-        assert _response_ids(runs.resumed_dir, step) == _response_ids(runs.reference_dir, step), step
+        assert _response_ids(killed.dir, step) == _response_ids(reference.dir, step), step
 
 
-def test_an_async_run_killed_with_a_rollout_in_flight_trains_each_prompt_once_after_async_resume(runs):
+def test_an_async_run_killed_with_a_rollout_in_flight_trains_each_prompt_once_after_async_resume(
+    killed_async, assets
+):
     """The checkpoint of step 2 records the data position after step 2's batch; the batches rolled out ahead of it
     (steps 3 and 4 here) are drawn again from there after the resume, so none is skipped or trained twice."""
     from collections import Counter
@@ -148,17 +172,17 @@ def test_an_async_run_killed_with_a_rollout_in_flight_trains_each_prompt_once_af
     from rlsearch.data import load_qa_dataset
     from rlsearch.trainer.sampler import EpochSampler
 
-    assert "step 2/4" in runs.async_killed_output and "step 3/4" not in runs.async_killed_output
+    assert "step 2/4" in killed_async.killed_output and "step 3/4" not in killed_async.killed_output
     for engine in (0, 1):  # each engine is taken over on its own: both lived on, neither was started anew
-        assert f"rollout engine {engine} outlived the previous driver and was taken over" in runs.async_resumed_output
-    config = json.loads((runs.async_dir / "config.json").read_text())
+        assert f"rollout engine {engine} outlived the previous driver and was taken over" in killed_async.resumed_output
+    config = json.loads((killed_async.dir / "config.json").read_text())
     assert config["rollout"]["async_steps"] == 1
     batch_size, group_size = config["data"]["batch_size"], config["rollout"]["group_size"]
-    examples = load_qa_dataset(runs.assets.data.train)
+    examples = load_qa_dataset(assets.data.train)
     order = [e.id for e in EpochSampler(examples, config["trainer"]["seed"], config["data"]["shuffle"]).next_batch(
         STEPS * batch_size)]
     records = [json.loads(line) for step in range(1, STEPS + 1)
-               for line in (runs.async_dir / "trajectories" / f"step_{step:06d}.jsonl").open()]
+               for line in (killed_async.dir / "trajectories" / f"step_{step:06d}.jsonl").open()]
     # the user agent ran every trajectory, before the kill and through the taken-over engines' endpoints after it
     assert config["rollout"]["agent"] == "examples.agents.search_r1:agent"
     assert not any(r["failed"] for r in records)
@@ -169,37 +193,41 @@ def test_an_async_run_killed_with_a_rollout_in_flight_trains_each_prompt_once_af
         assert sorted({r["example_id"] for r in rows}) == sorted(order[(step - 1) * batch_size:step * batch_size])
 
 
-def test_a_replay_of_the_run_from_its_tool_store_makes_no_call_and_samples_the_same_tokens(runs):
+def test_a_replay_of_the_run_from_its_tool_store_makes_no_call_and_samples_the_same_tokens(reference):
+    # the replay took the reference's engine over: a run's tokens do not depend on whose engine samples them
+    assert "rollout engine 0 outlived the previous driver and was taken over" in reference.replay_output
     for step in (1, 2):
-        assert _response_ids(runs.replay_dir, step) == _response_ids(runs.reference_dir, step), step
-        records = [json.loads(line) for line in (runs.replay_dir / "trajectories" / f"step_{step:06d}.jsonl").open()]
+        assert _response_ids(reference.replay_dir, step) == _response_ids(reference.dir, step), step
+        path = reference.replay_dir / "trajectories" / f"step_{step:06d}.jsonl"
+        records = [json.loads(line) for line in path.open()]
         calls = [call for r in records for turn in r["turns"] for call in turn["tool_calls"]]
         assert calls and all(call["cached"] and call["ok"] for call in calls)
-    assert "calls out        : per 1,000 trajectories: tools 0.0 (paid web APIs 0.0), judge 0.0" in runs.replay_output
+    assert ("calls out        : per 1,000 trajectories: tools 0.0 (paid web APIs 0.0), judge 0.0"
+            in reference.replay_output)
     recorded = re.search(r"calls out +: per 1,000 trajectories: tools ([\d.]+) \(paid web APIs 0.0\)",
-                         runs.reference_output)
-    assert recorded and float(recorded[1]) > 0, runs.reference_output[-2000:]
+                         reference.output)
+    assert recorded and float(recorded[1]) > 0, reference.output[-2000:]
 
 
-def test_checkpoints_are_complete_and_nothing_was_left_running(runs):
+def test_checkpoints_are_complete_and_nothing_was_left_running(killed, assets):
     from rlsearch.checkpoint import load_run_checkpoint
 
-    checkpoints = runs.resumed_dir / "checkpoints"
+    checkpoints = killed.dir / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000002", "step_000004"]
     manifest, state = load_run_checkpoint(checkpoints / "step_000004")
     assert state["step"] == 4 and state["sampler"] == {"epoch": 0, "position": 8}
     assert manifest["layout"] == {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "ep": 1, "virtual_pipeline_stages": 0}
-    leftovers = subprocess.run(["pgrep", "-f", str(runs.assets.index_cache)], capture_output=True, text=True)
+    leftovers = subprocess.run(["pgrep", "-f", str(assets.index_cache)], capture_output=True, text=True)
     assert leftovers.stdout == "", "a tool server of the killed run is still running"
 
 
-def test_convert_run_checkpoint_to_hf_gives_the_trained_model(runs, tiny_model_dir):
+def test_convert_run_checkpoint_to_hf_gives_the_trained_model(reference, tiny_model_dir):
     from safetensors.torch import load_file
 
     from rlsearch.checkpoint import mcore_to_hf
 
-    out = runs.base / "hf_step_4"
-    result = mcore_to_hf(runs.reference_dir / "checkpoints" / "step_000004", out, verify=True)
+    out = reference.dir.parent / "hf_step_4"
+    result = mcore_to_hf(reference.dir / "checkpoints" / "step_000004", out, verify=True)
     assert result.max_logit_diff < 1e-5  # transformers on the written dir vs the Megatron model from the checkpoint
     converted = {name: tensor for shard in out.glob("*.safetensors") for name, tensor in load_file(shard).items()}
     initial = load_file(tiny_model_dir / "model.safetensors")
