@@ -13,11 +13,10 @@ import subprocess
 import sys
 import time
 
-import psutil
-
 from tests.conftest import REPO_ROOT
+from tests.faults.processes import actor_rank_process, engine_processes
 
-STOP_WITHIN_S = 90  # from the kill to the driver's exit, engine and Ray shutdown included
+STOP_WITHIN_S = 90  # from the kill to the driver's exit, its shutdown included
 
 
 def _command(tiny_model_dir, toy_data, index_cache, output_dir, *extra):
@@ -30,14 +29,6 @@ def _command(tiny_model_dir, toy_data, index_cache, output_dir, *extra):
     ]
 
 
-def _ray_actor_process(driver_pid: int, actor_class: str) -> psutil.Process:
-    """The process of the run's actor of that class (Ray titles it ``ray::Class.method``), under this driver only."""
-    for process in psutil.Process(driver_pid).children(recursive=True):
-        if _title(process).startswith(f"ray::{actor_class}"):
-            return process
-    raise AssertionError(f"no ray::{actor_class} process under the driver {driver_pid}")
-
-
 def _wait_for(log_path, run, text: str, count: int = 1, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while log_path.read_text().count(text) < count:
@@ -45,14 +36,19 @@ def _wait_for(log_path, run, text: str, count: int = 1, timeout_s: float = 600) 
         time.sleep(0.05)
 
 
-def test_a_killed_rollout_worker_stops_the_run_naming_it(tmp_path, tiny_model_dir, toy_data):
+def _start(command, log_path, env: dict) -> subprocess.Popen:
+    with log_path.open("w") as log:
+        return subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+
+
+def test_a_killed_rollout_worker_stops_the_run_naming_it(tmp_path, tiny_model_dir, toy_data, driver_ray):
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
     command = _command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, "rollout.max_engine_restarts_per_step=0")
-    with log_path.open("w") as log:
-        run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    run = _start(command, log_path, driver_ray)
     try:
         _wait_for(log_path, run, "checkpoints/step_000001")
-        os.kill(_ray_actor_process(run.pid, "RolloutWorker").pid, signal.SIGKILL)
+        (engine,) = engine_processes().values()
+        os.kill(engine.pid, signal.SIGKILL)
         killed = time.monotonic()
         returncode = run.wait(timeout=STOP_WITHIN_S)
         stopped_after_s = time.monotonic() - killed
@@ -71,7 +67,7 @@ def test_a_killed_rollout_worker_stops_the_run_naming_it(tmp_path, tiny_model_di
 
 
 def test_a_killed_actor_rank_is_replaced_and_the_async_run_rewinds_to_its_checkpoint_training_each_prompt_once(
-    tmp_path, tiny_model_dir, toy_data
+    tmp_path, tiny_model_dir, toy_data, driver_ray
 ):
     """4 async steps, a checkpoint every 2. The rank is killed right after step 3's line (step 4's rollout in
     flight): the ranks are replaced, the run rewinds to step 2 and trains step 3 again; killed again, past
@@ -85,17 +81,16 @@ def test_a_killed_actor_rank_is_replaced_and_the_async_run_rewinds_to_its_checkp
     command = _command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, "trainer.total_steps=4",
                        "trainer.save_interval=2", "trainer.print_interval=1", "rollout.async_steps=1",
                        "rollout.update_weights_in_flight=true", "trainer.max_actor_restarts=1")
-    with log_path.open("w") as log:
-        run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    run = _start(command, log_path, driver_ray)
     try:
         _wait_for(log_path, run, "step 3/4 |")
-        engines = _engine_pids(run.pid)
-        os.kill(_ray_actor_process(run.pid, "MegatronActorWorker").pid, signal.SIGKILL)
+        engines = _engine_pids()
+        os.kill(actor_rank_process(run_dir).pid, signal.SIGKILL)
         killed = time.monotonic()
         _wait_for(log_path, run, "step 3/4 |", count=2, timeout_s=300)
         recovered_s = time.monotonic() - killed
-        assert engines and _engine_pids(run.pid) == engines  # the engines stayed up
-        os.kill(_ray_actor_process(run.pid, "MegatronActorWorker").pid, signal.SIGKILL)
+        assert engines and _engine_pids() == engines  # the engines stayed up
+        os.kill(actor_rank_process(run_dir).pid, signal.SIGKILL)
         returncode = run.wait(timeout=STOP_WITHIN_S)
     finally:
         if run.poll() is None:
@@ -124,13 +119,5 @@ def test_a_killed_actor_rank_is_replaced_and_the_async_run_rewinds_to_its_checkp
     assert not (run_dir / "trajectories" / "step_000004.jsonl").exists()
 
 
-def _engine_pids(driver_pid: int) -> list[int]:
-    return sorted(p.pid for p in psutil.Process(driver_pid).children(recursive=True)
-                  if _title(p).startswith("ray::RolloutWorker"))
-
-
-def _title(process: psutil.Process) -> str:
-    try:
-        return " ".join(process.cmdline())
-    except psutil.Error:
-        return ""
+def _engine_pids() -> list[int]:
+    return sorted(process.pid for process in engine_processes().values())
