@@ -23,10 +23,11 @@ Quick start (tiny model + generated corpus on CPU):
 def _run_summarised(command: str, load, run, output_dir_of, args: argparse.Namespace, failures: tuple = ()) -> int:
     """Load the config, send the libraries' logs to the run's logs dir (unless --verbose), run, print the run's
     summary. Bad input (config, dataset) exits 2 with its message, a failure in `failures` exits 1 with its message,
-    both without a traceback; any other error keeps its traceback, and every failure names the logs dir."""
+    and so does the failure of another process of the run (an engine, a rank), with its own error lines and log
+    file, all without a traceback; any other error keeps its traceback, and every failure names the logs dir."""
     from .config import ConfigError
     from .data import DatasetError
-    from .runlog import route_library_logs
+    from .runlog import process_failure, route_library_logs
 
     log_dir = None
     try:
@@ -39,10 +40,14 @@ def _run_summarised(command: str, load, run, output_dir_of, args: argparse.Names
     except failures as err:
         print(f"rlsearch {command}: {err}{_logs_hint(log_dir)}", file=sys.stderr)
         return 1
-    except BaseException:
-        if log_dir is not None:
-            print(f"rlsearch {command}: failed{_logs_hint(log_dir)}", file=sys.stderr, flush=True)
-        raise
+    except BaseException as err:
+        failed = process_failure(err, log_dir) if log_dir is not None and isinstance(err, Exception) else None
+        if failed is None:
+            if log_dir is not None:
+                print(f"rlsearch {command}: failed{_logs_hint(log_dir)}", file=sys.stderr, flush=True)
+            raise
+        print(failed.render(command) + _logs_hint(log_dir), file=sys.stderr, flush=True)
+        return 1
     print(summary.render(), flush=True)
     if log_dir is not None:
         print(f"  library logs     : {log_dir} (--verbose prints them here)", flush=True)

@@ -56,3 +56,60 @@ def test_a_worker_outside_ray_keeps_its_output(tmp_path, monkeypatch):
     monkeypatch.setenv("RLSEARCH_LOG_DIR", str(tmp_path))
     assert redirect_worker_output("actor-rank0") is None
     assert list(tmp_path.iterdir()) == []
+
+
+class _RayTaskError(Exception):
+    """What Ray raises in the driver for a task that raised in another process: its pid and the exception."""
+
+    def __init__(self, message: str, pid: int, cause: BaseException) -> None:
+        super().__init__(message)
+        self.pid, self.cause = pid, cause
+
+
+class EngineDeadError(Exception):
+    pass
+
+
+ENGINE_LOG = """Loading safetensors checkpoint shards: 100% Completed
+EngineCore encountered a fatal error.
+Traceback (most recent call last):
+  File "core.py", line 1496, in run_engine_core
+    raise RuntimeError("in a frame")
+RuntimeError: Unsupported CPU attention configuration: head_dim=16
+AsyncLLM output_handler failed.
+vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.
+Process EngineCore:
+RuntimeError: Unsupported CPU attention configuration: head_dim=16
+ray.exceptions.RayTaskError(EngineDeadError): ray::RolloutWorker.sample_probe() (pid=4242, ip=127.0.0.1)
+ValueError: a second error of its own
+"""
+
+
+def test_a_process_failure_is_reported_by_the_processs_own_error_lines(tmp_path):
+    """The root cause first, each line once, no line that only reports another failure (vLLM's EngineDeadError, Ray's
+    wrappers); the exception the process raised itself is one of its lines; no pid: not another process's failure."""
+    from rlsearch.runlog import process_failure
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rollout-engine-4242.log").write_text(ENGINE_LOG)
+    (logs / "actor-rank1-4343.log").write_text("a line\n")
+    dead = _RayTaskError("ray::RolloutWorker.sample_probe() (pid=4242)", 4242, EngineDeadError("see above"))
+    assert process_failure(RuntimeError("the probe failed"), logs) is None
+    wrapped = RuntimeError("the probe failed")
+    wrapped.__cause__ = dead
+    failure = process_failure(wrapped, logs)
+    assert failure.process == "the rollout engine in process 4242"
+    assert failure.errors == ("RuntimeError: Unsupported CPU attention configuration: head_dim=16",
+                              "ValueError: a second error of its own")
+    assert failure.render("train").splitlines() == [
+        "rlsearch train: the rollout engine in process 4242 failed: RuntimeError: Unsupported CPU attention "
+        "configuration: head_dim=16",
+        "  then: ValueError: a second error of its own",
+        f"  its log (the rest of what it wrote): {logs / 'rollout-engine-4242.log'}",
+    ]
+    raised = process_failure(_RayTaskError("(pid=4343)", 4343, RuntimeError("no Transformer Engine\nmore")), logs)
+    assert raised.process == "the actor rank 1 in process 4343"
+    assert raised.errors == ("RuntimeError: no Transformer Engine",)
+    # a process whose log is not in the logs dir (another run's) is still named, by its pid
+    assert process_failure(_RayTaskError("(pid=99)", 99, EngineDeadError("x")), logs).process == "the process 99"

@@ -1,0 +1,95 @@
+"""What the terminal shows when a run fails because one of its processes failed: a rollout engine, an actor rank or a
+tool server. The driver only sees the call that found it dead (a Ray error, vLLM's "EngineDeadError: ... See stack
+trace (above) for the root cause"); the root cause is what that process wrote, in its own file under the run's logs
+dir (`redirect_worker_output`: ``<role>-<pid>.log``). So the failure is reported by the process's own error lines and
+that file's path, without the driver's traceback."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+# a Python exception's last line, e.g. "RuntimeError: Unsupported CPU attention configuration: head_dim=16" or
+# "ray.exceptions.RayTaskError(ValueError): ..." (the type may be qualified; Ray adds the cause's type in brackets)
+ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt))"
+                        r"(?:\([\w.]+\))?: (.+)$")
+# errors that only say that another process failed: never the root cause
+WRAPPERS = {"EngineDeadError", "RayTaskError", "RayActorError", "ActorDiedError", "ActorUnavailableError",
+            "WorkerCrashedError", "WorkerDiedError", "RaySystemError"}
+ROLES = (("rollout-engine", "rollout engine"), ("actor-rank", "actor rank "), ("retriever", "retrieval server"),
+         ("mcp", "MCP server"))
+LOG_TAIL_BYTES = 256 * 1024  # the end of a process's log is where it failed
+MAX_LINES = 3
+
+
+@dataclass(frozen=True)
+class ProcessFailure:
+    process: str  # e.g. "the rollout engine in process 9199"
+    errors: tuple[str, ...]  # its own error lines, the earliest (the root cause) first
+    log: Path | None  # its log file, when the run's logs dir holds one
+
+    def render(self, command: str) -> str:
+        """The lines to print (rlsearch COMMAND: ...), without a traceback."""
+        first, *rest = self.errors or ("(no error line of its own: see its log)",)
+        lines = [f"rlsearch {command}: {self.process} failed: {first}"]
+        lines += [f"  then: {line}" for line in rest]
+        if self.log is not None:
+            lines.append(f"  its log (the rest of what it wrote): {self.log}")
+        return "\n".join(lines)
+
+
+def process_failure(error: BaseException, log_dir: Path | None) -> ProcessFailure | None:
+    """The failure of the run's process that `error` (raised in the driver) comes from, with its own error lines:
+    those of its log in `log_dir` and the exception it raised itself. None when `error` comes from no other process
+    (a Ray error names the process's pid)."""
+    pid, cause = None, None
+    for link in _chain(error):
+        pid = pid or getattr(link, "pid", None) or _pid_in(str(link))
+        own = getattr(link, "cause", None)  # a RayTaskError's: the exception the process raised
+        if cause is None and own is not None and type(own).__name__ not in WRAPPERS:
+            cause = own
+    if not pid:
+        return None
+    log = next(iter(sorted(log_dir.glob(f"*-{pid}.log"))), None) if log_dir is not None else None
+    errors = _error_lines(log) if log is not None else []
+    if cause is not None:
+        raised = f"{type(cause).__name__}: {cause}".strip().splitlines()[0]
+        errors = [line for line in errors if line != raised] + [raised]
+    return ProcessFailure(_describe(log, pid), tuple(errors[:MAX_LINES]), log)
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _pid_in(text: str) -> int | None:
+    match = re.search(r"\bpid=(\d+)", text)
+    return int(match[1]) if match else None
+
+
+def _error_lines(log: Path) -> list[str]:
+    """The distinct exception lines of `log`'s end, in order, without those that only report another failure."""
+    with log.open("rb") as file:
+        file.seek(max(0, log.stat().st_size - LOG_TAIL_BYTES))
+        text = file.read().decode("utf-8", errors="replace")
+    lines: list[str] = []
+    for line in text.splitlines():
+        match = ERROR_LINE.match(line.strip()) if not line.startswith((" ", "\t")) else None
+        if match and match[1] not in WRAPPERS and line.strip() not in lines:
+            lines.append(line.strip())
+    return lines
+
+
+def _describe(log: Path | None, pid: int) -> str:
+    if log is not None:
+        for prefix, role in ROLES:
+            if log.name.startswith(prefix):
+                detail = log.name.removeprefix(prefix).removesuffix(f"-{pid}.log")
+                return f"the {role}{detail} in process {pid}"
+    return f"the process {pid}"
