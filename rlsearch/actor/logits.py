@@ -74,7 +74,8 @@ def _chunk_logprobs(
     bias = distribution.bias_shard(vocab_start, vocab_start + partition, scaled.device)
     if bias is not None:
         scaled = scaled + bias
-    scaled = scaled / distribution.temperature
+    if distribution.temperature != 1.0:  # a division by 1 would be a full pass over the logits, and one more back
+        scaled = scaled / distribution.temperature
     # entropy before the cross entropy, which overwrites its input with the softmax; only on the first call: the
     # checkpoint's recompute in backward would otherwise redo it (and its all-reduces) for nothing
     if entropy_out is not None and not entropy_out:

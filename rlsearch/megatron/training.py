@@ -50,6 +50,7 @@ def build_training_model(chunks: list[torch.nn.Module], actor: ActorConfig, tota
         ),
         model,
     )
+    use_fused_cpu_adam(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if actor.lr_warmup_steps else actor.lr, max_lr=actor.lr,
         min_lr=actor.min_lr, lr_warmup_steps=actor.lr_warmup_steps,
@@ -61,6 +62,20 @@ def build_training_model(chunks: list[torch.nn.Module], actor: ActorConfig, tota
         override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
     )
     return TrainingModel(model, optimizer, scheduler)
+
+
+def use_fused_cpu_adam(optimizer: Any) -> None:
+    """Without Apex or Transformer Engine Megatron steps torch's AdamW, whose default foreach path makes about ten
+    passes over every parameter; on CPU its fused kernel makes one (10x faster over the tiny model's 39M parameters:
+    the optimizer step was a tenth of a CPU training step). The same update up to float rounding. Only for torch's
+    AdamW over CPU parameters: GPU steps keep Megatron's choice."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(inner, "optimizer", None)
+        if not isinstance(adam, torch.optim.AdamW):
+            continue
+        for group in adam.param_groups:
+            if all(param.device.type == "cpu" for param in group["params"]):
+                group["fused"], group["foreach"] = True, False
 
 
 def save_training_state(training: TrainingModel, path: str) -> None:
@@ -87,6 +102,7 @@ def load_training_state(training: TrainingModel, path: str, restore_rng: bool) -
             for index, chunk in enumerate(training.chunks):
                 chunk.module.load_state_dict(state["model"][f"model{index}"])
         training.optimizer.load_state_dict(state["optimizer"])
+    use_fused_cpu_adam(training.optimizer)  # the loaded param groups carry the saving run's flags
     training.scheduler.num_steps = 0  # load_state_dict adds the saved count to the current one
     training.scheduler.load_state_dict(state["scheduler"])
     if restore_rng:
