@@ -50,6 +50,7 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import parse_args  # noqa: E402
 from bench.rollout import SHAPES, BenchEngine, describe, make_agent_loop, prepare_assets, prompt_items  # noqa: E402
 
 
@@ -116,7 +117,7 @@ def main() -> None:
     parser.add_argument("--latency", choices=("uniform", "exponential"), default="uniform")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per loop; the best counts")
     parser.add_argument("--out", default="outputs/bench", help="where the random model and toy data are kept")
-    args = parser.parse_args()
+    args = parse_args(parser, dict(prompts=2, group_size=2, turns=2, repeats=1))
 
     from safetensors.torch import load_file
 

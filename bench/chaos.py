@@ -49,6 +49,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench.common import parse_args  # noqa: E402
 from bench.soak import REPO_ROOT, STEP_LINE, kill_processes, measure, prepare_assets, process_tree  # noqa: E402
 
 COMPONENTS = ("engine", "actor", "driver", "retriever", "mcp", "judge")
@@ -347,7 +348,7 @@ def main() -> None:
     parser.add_argument("--recovery-goal", type=float, default=60.0)
     parser.add_argument("--out", default="outputs/bench", help="assets are cached here; the run goes to OUT/chaos")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for the trainer")
-    args = parser.parse_args()
+    args = parse_args(parser, dict(kills=1, every=1, warmup=1, components=["retriever"], save_interval=1))
     unknown = set(args.components) - set(COMPONENTS)
     if unknown:
         parser.error(f"unknown components {sorted(unknown)}; choose from {', '.join(COMPONENTS)}")

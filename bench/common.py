@@ -37,3 +37,16 @@ def build_model(shape: str, out_root: Path, max_positions: int = 0) -> Path:
               flush=True)
         make_tiny_model(path, spec)
     return path
+
+
+def parse_args(parser, smoke: dict[str, object]):
+    """`parser.parse_args()` with a --smoke option: a run of seconds on the tiniest settings, `smoke`'s values over
+    the defaults (tests/integration/test_bench_smoke.py runs every bench this way, so that none rots unseen)."""
+    shown = ", ".join(f"--{key.replace('_', '-')} {value}" for key, value in smoke.items())
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"a smoke run of seconds, what the test suite runs: {shown or 'the defaults'}")
+    args = parser.parse_args()
+    if args.smoke:
+        for key, value in smoke.items():
+            setattr(args, key, value)
+    return args

@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import parse_args  # noqa: E402
 from rlsearch.runlog import read_scalars  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,13 +38,14 @@ METRICS = (  # label, scalar
 )
 
 
-def run_default(out: Path, seed: int, sft_dir: Path, *overrides: str) -> tuple[int, float]:
-    """One `bash examples/run_search_grpo.sh` into `out`; returns (terminal lines, seconds). Reused when finished."""
+def run_default(out: Path, seed: int, sft_dir: Path, sft_steps: int, *overrides: str) -> tuple[int, float]:
+    """One `bash examples/run_search_grpo.sh` into `out` (its SFT warm start `sft_steps` long, 0: the script's);
+    returns (terminal lines, seconds). Reused when finished."""
     log = out.with_suffix(".log")
     if (out / "tensorboard" / "curves.png").is_file() and log.is_file():
         return len(log.read_text().splitlines()), float("nan")
     env = {**os.environ, "RLSEARCH_WARM_START": "sft", "RLSEARCH_SFT_DIR": str(sft_dir),
-           "RLSEARCH_SFT_OVERRIDES": f"seed={seed}"}
+           "RLSEARCH_SFT_OVERRIDES": f"seed={seed}" + (f" data.max_steps={sft_steps}" if sft_steps else "")}
     started = time.perf_counter()
     with log.open("w") as terminal:
         code = subprocess.call(
@@ -84,7 +86,10 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/bench/default-run")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra override of every run (repeatable), e.g. trainer.total_steps=20")
-    args = parser.parse_args()
+    parser.add_argument("--sft-steps", type=int, default=0,
+                        help="steps of each seed's SFT warm start (0: the run script's, 60)")
+    args = parse_args(parser, dict(seeds=1, control=False, override=["trainer.total_steps=2", "data.batch_size=2"],
+                                   sft_steps=2))
     root = (REPO / args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
 
@@ -94,7 +99,8 @@ def main() -> None:
         for kind, extra in kinds:
             run = root / f"seed_{seed}" / kind
             run.parent.mkdir(parents=True, exist_ok=True)
-            lines, seconds = run_default(run, seed, root / f"seed_{seed}" / "sft", *args.override, *extra)
+            lines, seconds = run_default(run, seed, root / f"seed_{seed}" / "sft", args.sft_steps, *args.override,
+                                         *extra)
             figures = first_last(run)
             gains[kind].append(figures["reward"][1] - figures["reward"][0])
             cells = " | ".join(f"{label} {a:.3f} -> {b:.3f}" for label, (a, b) in figures.items())

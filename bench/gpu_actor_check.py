@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.common import SHAPES, build_model  # noqa: E402
+from bench.common import SHAPES, build_model, parse_args  # noqa: E402
 from rlsearch.algo import grpo_objective  # noqa: E402
 
 
@@ -145,7 +145,8 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0, help="phase-timed train steps (0: no profile)")
     parser.add_argument("--hf-micro-batch", type=int, default=4)
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
-    args = parser.parse_args()
+    args = parse_args(parser, dict(shape="tiny", sequences=4, min_len=40, max_len=80, train_steps=1, time_steps=1,
+                                   profile_steps=1))
 
     from transformers import AutoModelForCausalLM
 

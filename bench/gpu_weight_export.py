@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import SHAPES, build_model  # noqa: E402
+from bench.common import SHAPES, build_model, parse_args  # noqa: E402
 from bench.gpu_actor_check import _grpo_step, start_single_rank_worker  # noqa: E402
 
 
@@ -133,14 +133,13 @@ def broadcast_sync(worker, bucket_bytes: int) -> tuple[float, dict[str, float]]:
 
     from rlsearch.weights.bucket import flatten_tensors, iter_buckets
     from rlsearch.weights.clock import PhaseClock
-    from rlsearch.weights.export import export_stage_weights
     from rlsearch.weights.process_group import broadcast_within, group_device
 
     clock = PhaseClock()
     device = group_device(dist.get_backend())
 
     def send() -> None:
-        for tensors in iter_buckets(clock.timed("export", export_stage_weights(worker.mbridge, worker.model)),
+        for tensors in iter_buckets(clock.timed("export", worker.stage_weights()),
                                     bucket_bytes):
             with clock.phase("pack"):
                 _, flat = flatten_tensors(tensors, device)
@@ -192,7 +191,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed syncs (and copies) of each kind")
     parser.add_argument("--lr", type=float, default=1e-6, help="the learning rate of the step between delta syncs")
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
-    args = parser.parse_args()
+    args = parse_args(parser, dict(shape="tiny", dtype="float32", repeats=1))
 
     from bench.train_step import make_samples
     from rlsearch.config import ActorConfig, AlgoConfig

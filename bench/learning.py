@@ -62,7 +62,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import SHAPES  # noqa: E402
+from bench.common import SHAPES, parse_args  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -338,7 +338,11 @@ def main() -> None:
     parser.add_argument("--out", default=None,
                         help="default outputs/bench/learning (toy), outputs/bench/learning-multihop (multihop, both "
                         "contexts)")
-    args = _task_defaults(parser, parser.parse_args())
+    args = _task_defaults(parser, parse_args(parser, dict(
+        seeds=1, demo_corpora=2, sft_steps=2, grpo_steps=1, batch_size=2, group_size=2, eval_samples=1,
+        ablation=False)))
+    if args.smoke:  # 4 test questions
+        setattr(args, "num_entities" if args.task == "toy" else "num_chains", 8)
 
     root = Path(args.out).resolve()
     seeds = [run_seed(seed, root, args) for seed in range(1, args.seeds + 1)]

@@ -50,7 +50,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.common import SHAPES  # noqa: E402
+from bench.common import SHAPES, parse_args  # noqa: E402
 from bench.common import build_model as build_bench_model  # noqa: E402
 from rlsearch.actor.batch import TrainSample  # noqa: E402
 
@@ -389,7 +389,7 @@ def main() -> None:
                         help="a smoke run: sizes 1024,2048, 4 segments of 64-token turns")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
-    args = parser.parse_args()
+    args = parse_args(parser, dict(sizes="256,512", segments=2, turn_tokens=32, prompt_tokens=32))
     if args.quick:
         args.sizes, args.segments, args.turn_tokens, args.prompt_tokens = "1024,2048", 4, 64, 64
     args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]

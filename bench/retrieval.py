@@ -25,6 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench.common import parse_args  # noqa: E402
+
 
 def toy_questions(paths) -> list[dict]:
     return [json.loads(line) for path in (paths.train, paths.test) for line in path.open()]
@@ -55,7 +57,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="client requests in flight")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side; the best counts")
     parser.add_argument("--skip-dense", action="store_true", help="no recall comparison (no MiniLM encoding)")
-    args = parser.parse_args()
+    args = parse_args(parser, dict(entities=100, queries=64, repeats=1, skip_dense=True))
 
     from rlsearch.data import make_toy_data
     from rlsearch.tools import RetrievalClient, RetrieverProcess

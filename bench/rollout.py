@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import SHAPES, build_model  # noqa: E402
+from bench.common import SHAPES, build_model, parse_args  # noqa: E402
 
 # the tool path on a random model (as the tests' TEST_ROLLOUT), with room for several turns
 ROLLOUT = dict(
@@ -235,7 +235,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of each pooled engine")
     parser.add_argument("--groups-per-engine", type=int, default=0, help="rollout.groups_per_engine of the pool")
     parser.add_argument("--cpu-threads-bind", default="", help="rollout.cpu_threads_bind of TP engines, e.g. '0|1'")
-    args = parser.parse_args()
+    args = parse_args(parser, dict(prompts=2, group_size=2, repeats=1))
 
     from rlsearch.tools import RetrieverProcess
 

@@ -57,6 +57,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench.common import parse_args  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG = REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml"
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
@@ -417,7 +419,7 @@ def main() -> int:
     parser.add_argument("--startup-timeout", type=float, default=1200.0, help="seconds allowed before step 1")
     parser.add_argument("--out", default="outputs/bench", help="where the model, data, run and samples go")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for the trainer (key=value)")
-    args = parser.parse_args()
+    args = parse_args(parser, dict(steps=3, warmup=1, save_interval=2, interval=1.0))
     warmup = warmup_steps(args)
     if not 1 <= warmup < args.steps:
         parser.error(f"--warmup {warmup} must be at least 1 and below --steps {args.steps}")

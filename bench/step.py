@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import SHAPES, build_model  # noqa: E402
+from bench.common import SHAPES, build_model, parse_args  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PHASES = (
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--out", default="outputs/bench", help="where the random model, data and the run go")
-    args = parser.parse_args()
+    args = parse_args(parser, dict(shape="tiny", steps=1, batch_size=1, group_size=2, max_response_tokens=32))
 
     from rlsearch.config import load_train_config
     from rlsearch.data import make_toy_data

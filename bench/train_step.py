@@ -41,6 +41,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.common import parse_args  # noqa: E402
 from rlsearch.actor.batch import TrainSample  # noqa: E402
 
 CLIP_RATIO = 0.2
@@ -269,7 +270,8 @@ def main() -> None:
                      help="trl: left-padded prompts, logits only for response columns; right: right-padded, all logits")
     run.add_argument("--ep", default="1", help="expert-parallel sizes to time the Megatron actor at, e.g. 1,2 (MoE)")
     run.add_argument("--out", default="outputs/bench", help="where the random model is cached")
-    args = parser.parse_args()
+    args = parse_args(parser, dict(hidden=128, layers=1, heads=4, kv_heads=2, sequences=2, min_len=40, max_len=80,
+                                   steps=1, warmup=0))
 
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import SHAPES, build_model  # noqa: E402
+from bench.common import SHAPES, build_model, parse_args  # noqa: E402
 
 
 class PeakRss:
@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="timed repetitions (the best is reported)")
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
-    args = parser.parse_args()
+    args = parse_args(parser, dict(shape="tiny", layouts="tp1pp1", engines="1", transports="shm", repeats=1))
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import ray

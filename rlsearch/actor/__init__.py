@@ -1,11 +1,21 @@
-"""Megatron-core actor: model from HF via mbridge, logprobs and GRPO steps through the pipeline schedule."""
+"""Megatron-core actor: model from HF via mbridge, logprobs and GRPO steps through the pipeline schedule.
+
+`ActorRanks` (the ranks as Ray actors) is imported on first use: a rank's worker runs without Ray too (the GPU benches
+start one in their own process where only torch and Megatron are installed)."""
 
 from .batch import TrainSample
 from .distribution import MODEL_DISTRIBUTION, SamplingDistribution
-from .ranks import ActorRanks
 from .worker import ActorWorkerSpec, MegatronActorWorker, RankInfo
 
 __all__ = [
     "MODEL_DISTRIBUTION", "ActorRanks", "ActorWorkerSpec", "MegatronActorWorker", "RankInfo", "SamplingDistribution",
     "TrainSample",
 ]
+
+
+def __getattr__(name: str):
+    if name == "ActorRanks":
+        from .ranks import ActorRanks
+
+        return ActorRanks
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

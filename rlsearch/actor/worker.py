@@ -86,10 +86,12 @@ class MegatronActorWorker:
     def open_rendezvous(self, purpose: str, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> str:
         """Open, on this rank's node, the store of a group (`purpose`: "actor" for the ranks' own, "weights-K" for
         stage K's broadcast group) and keep it while this rank lives or until the group is left; returns its
-        "host:port", already listening (rlsearch.rendezvous)."""
-        import ray
+        "host:port", already listening (rlsearch.rendezvous). RLSEARCH_NODE_IP names the node's address without Ray."""
+        host = os.environ.get("RLSEARCH_NODE_IP")
+        if not host:
+            import ray
 
-        host = os.environ.get("RLSEARCH_NODE_IP") or ray.util.get_node_ip_address()
+            host = ray.util.get_node_ip_address()
         rendezvous = self._rendezvous[purpose] = Rendezvous(host, timeout_s)
         return rendezvous.address
 
@@ -427,7 +429,9 @@ class MegatronActorWorker:
         state = {name: tensor.cpu().clone() for name, tensor in self.export_hf_weights()}
         return state if self.rank == 0 else None
 
-    def _stage_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def stage_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors of this rank's pipeline stage, as a weight sync exports them (yielded on the stage's
+        TP rank 0; its TP peers take part in the gathers). A collective over the stage's TP group."""
         return export_stage_weights(self.mbridge, self.model, self._shard_gathers)
 
     def _is_stage_sender(self) -> bool:
@@ -447,7 +451,7 @@ class MegatronActorWorker:
             encoder = self._delta_encoder
             encoder.start(plan.delta_of)
         self._send_clock = PhaseClock()
-        yield from shm.stream_buckets(self._stage_weights(), plan, sender, staged, encoder,
+        yield from shm.stream_buckets(self.stage_weights(), plan, sender, staged, encoder,
                                       self._send_clock)
 
     def delta_base_id(self) -> str | None:
@@ -473,7 +477,7 @@ class MegatronActorWorker:
 
     def export_weights_as_peer(self) -> None:
         """A TP peer's part of its stage sender's `broadcast_weights`: its shards, gathered to the sender."""
-        for _ in self._stage_weights():
+        for _ in self.stage_weights():
             pass
 
     def join_weight_group(self, address: str, world_size: int, timeout_s: float) -> None:
@@ -498,7 +502,7 @@ class MegatronActorWorker:
     def broadcast_weights(self, stage: int, engines: list, bucket_bytes: int, timeout_s: float) -> dict[str, int]:
         """As the stage's sender: this stage's weights broadcast into every engine (broadcast transport)."""
         return broadcast.broadcast_buckets(
-            self._stage_weights(), self._weight_group, stage, engines, bucket_bytes,
+            self.stage_weights(), self._weight_group, stage, engines, bucket_bytes,
             timeout_s,
         )
 

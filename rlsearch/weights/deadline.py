@@ -6,8 +6,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import ray
-
 
 class WeightSyncError(RuntimeError):
     """A sync did not finish: the engines stay paused (nothing samples from half-loaded weights)."""
@@ -24,6 +22,8 @@ class Deadline:
 
     def wait(self, refs: Sequence, what: str, owners: Sequence | None = None) -> None:
         """Wait until all of `refs` are ready; `owners[i]` is the engine behind `refs[i]` when each is one engine's."""
+        import ray
+
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.remaining())
         if len(ready) < len(refs):
             late = [self._engine_name(owner) for ref, owner in zip(refs, owners or []) if ref not in ready]
@@ -33,6 +33,8 @@ class Deadline:
             )
 
     def get(self, refs: Sequence, what: str, owners: Sequence | None = None) -> list:
+        import ray
+
         self.wait(refs, what, owners)
         try:
             return ray.get(list(refs))

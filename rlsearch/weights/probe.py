@@ -7,8 +7,6 @@ import math
 from collections.abc import Sequence
 from typing import Protocol
 
-import ray
-
 PROBE_TOKENS = 16  # sampled after the probe prompt by each engine
 PROBE_SEED = 20_260_525  # the same draw on every engine and after every sync
 # weights.max_logprob_mismatch's default: above the engine-vs-actor gaps that numerics give, far below those of weights
@@ -35,6 +33,8 @@ def check_engines_match_actor(actor_ranks: ContinuationScorer, engines: Sequence
     scores each engine's tokens under that same distribution; raise when any engine disagrees by more than `limit`
     (0: never on the size of the gap) or any side has NaN/inf logprobs. Returns the worst engine's max and the mean
     gap."""
+    import ray
+
     sampled = ray.get([engine.sample_probe.remote(probe_prompt, PROBE_TOKENS, PROBE_SEED) for engine in engines])
     actor_scored = actor_ranks.score_continuations(probe_prompt, [token_ids for token_ids, _ in sampled])
     worst_max, means = 0.0, []

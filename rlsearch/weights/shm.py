@@ -27,7 +27,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import ray
 import torch
 
 from ..config import ConfigError
@@ -95,6 +94,8 @@ def check_staging_room(stages: Sequence[Sequence], engines: Sequence, bucket_byt
     SENDER_FILES_AT_ONCE buckets; otherwise each engine stages one bucket at a time on its own node. Staged first
     (`whole_model_bytes` > 0), each place keeps the whole model instead. A tensor larger than a bucket travels alone,
     so this is the need for weights.bucket_mb-sized buckets."""
+    import ray
+
     mib = f"{bucket_bytes / 2**20:g} MiB (weights.bucket_mb)"
     whole = f"the whole model ({whole_model_bytes / 2**30:.2f} GiB, weights.stage_while_generating)"
     if same_node:
@@ -257,6 +258,8 @@ def _take_buckets(streams: list[list], engines: Sequence, deadline: Deadline, pa
                   stage_first: bool, same_node: bool) -> list[dict]:
     """`send_stages`' loop over the senders' streams: each bucket into every engine at once, or, staged first, every
     bucket staged before `pause` and loaded after it. Returns each stage's buckets, tensors and bytes."""
+    import ray
+
     if not stage_first:
         pause()
     # per bucket: the engines' call now (load it, or stage it on their node); staged first on the senders' node, the
@@ -305,6 +308,8 @@ def _take_buckets(streams: list[list], engines: Sequence, deadline: Deadline, pa
 
 def _drain(streams: list, timeout_s: float) -> None:
     """Take and drop what `streams` still yield, for at most `timeout_s` seconds in all."""
+    import ray
+
     end = time.monotonic() + timeout_s
     for stream in streams:
         try:

