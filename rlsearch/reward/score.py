@@ -60,7 +60,8 @@ class RewardScorer:
     def score(self, trajectories: Sequence[Trajectory], examples: Sequence[QAExample]) -> dict[str, float]:
         """Set each trajectory's reward and scores (em, f1, substring_em, has_answer; correct for the judge;
         rubric, format, citation, search for rubrics). ``examples[i]`` is the row of ``trajectories[i]``.
-        Returns reward/judged, reward/judge_requests, reward/judge_cache_hits and reward/judge_failures."""
+        Returns reward/judged, reward/judge_requests, reward/judge_cache_hits, reward/judge_failures and
+        reward/judge_failovers."""
         if len(trajectories) != len(examples):
             raise ValueError(f"{len(trajectories)} trajectories but {len(examples)} examples; give one per trajectory")
         names = self._scorer_names(examples)  # every row's scorer is known before anything is scored
@@ -72,18 +73,22 @@ class RewardScorer:
             if name in JUDGED_SCORERS and not trajectory.failed and trajectory.agent_reward is None:
                 judged.append((trajectory, example, name))
         counters = JudgeCounters()
-        failures = 0
+        failures = failovers = 0
         if judged:
             loop = self._start_judge()
+            failovers_before = self._judge.endpoints.failovers
             failures = loop.run(self._judge_all(judged, counters))
+            failovers = self._judge.endpoints.failovers - failovers_before
         return {
             "reward/judged": float(len(judged)), "reward/judge_requests": float(counters.requests),
             "reward/judge_cache_hits": float(counters.cache_hits), "reward/judge_failures": float(failures),
+            # requests that moved on from a failed judge endpoint to the next (reward.judge.endpoints)
+            "reward/judge_failovers": float(failovers),
         }
 
     def close(self) -> None:
         if self._loop is not None:
-            self._loop.run(self._judge.client.close())
+            self._loop.run(self._judge.close())
             self._loop.stop()
             self._loop = self._judge = None
 

@@ -641,6 +641,8 @@ class GRPOTrainer:
             # calls the tools made (not answered by the tool store or an identical call in flight); paid: web APIs
             "rollout/tool_calls_out_total": float(tools.get("calls_out", 0)),
             "rollout/paid_calls_out_total": float(tools.get("paid_calls_out", 0)),
+            # calls of the web adapters and the browse summariser that moved on from a failed endpoint to the next
+            "rollout/tool_failovers_total": float(tools.get("failovers", 0)),
             "rollout/engine_restarts_total": float(self.progress.engine_restarts),
             "actor/restarts_total": float(self.progress.actor_restarts),
             "rollout/staleness": float(staleness),

@@ -75,19 +75,19 @@ def _browse(tools: ToolsConfig, *_: object) -> Tool:
 
 
 def _web_search(tools: ToolsConfig, *_: object) -> Tool:
-    from .web import SerperSearchTool, api_key
+    from .web import SerperSearchTool, web_endpoints
 
     config = tools.serper
-    key = api_key(config.api_key_env, "web_search")
-    return SerperSearchTool(config.url, key, config.num_results, config.timeout_s, config.max_retries)
+    return SerperSearchTool(web_endpoints(config, "web_search"), config.num_results, config.timeout_s,
+                            config.max_retries, cooldown_s=config.cooldown_s)
 
 
 def _web_browse(tools: ToolsConfig, *_: object) -> Tool:
-    from .web import JinaReaderTool, api_key
+    from .web import JinaReaderTool, web_endpoints
 
     config = tools.jina
-    key = api_key(config.api_key_env, "web_browse")
-    return JinaReaderTool(config.url, key, config.max_chars, config.timeout_s, config.max_retries)
+    return JinaReaderTool(web_endpoints(config, "web_browse"), config.max_chars, config.timeout_s, config.max_retries,
+                          cooldown_s=config.cooldown_s)
 
 
 _BUILDERS: dict[str, Callable[[ToolsConfig, RetrieverConfig, str], Tool]] = {
