@@ -375,6 +375,12 @@ def _check_tools(config: TrainConfig | EvalConfig) -> None:
     if retriever.index and retriever.backend != "dense":
         raise ConfigError(f"'tools.retriever.index' is a dense index searched with the encoder's embeddings: set "
                           f"tools.retriever.backend=dense (it is {retriever.backend})")
+    if retriever.index and not retriever.encoder:
+        raise ConfigError("'tools.retriever.index' needs 'tools.retriever.encoder': the HuggingFace encoder the index "
+                          "was built with (e.g. intfloat/e5-base-v2 for Search-R1's e5_Flat.index)")
+    if retriever.index and tools.mcp.start_local:
+        raise ConfigError("'tools.mcp.start_local' serves the corpus with rlsearch's own indexes and cannot use "
+                          "'tools.retriever.index'; point tools.mcp.servers at your own MCP server instead")
     for section in ("serper", "jina"):
         _check_failover(f"tools.{section}", getattr(tools, section), needs_model=False)
     _check_summariser(tools)
