@@ -176,3 +176,17 @@ def test_a_500k_line_corpus_is_served_without_reading_it_into_memory(tmp_path, e
           f"(index + offsets {index_and_offsets / 2**20:.1f} MiB)")
     assert growth < corpus_bytes / 4
     assert Path(f"{corpus}.offsets.npy").is_file()  # cached beside the corpus: the next start reads no line
+
+
+def test_retrieval_bench_smoke_runs_the_prebuilt_case():
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    result = subprocess.run([sys.executable, "bench/retrieval.py", "--smoke"], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for line in ("prebuilt Flat index, 2000 passages", "serving after", "server RSS", "faiss directly",
+                 "http queries/s / in-process bm25s queries/s"):
+        assert line in result.stdout

@@ -17,9 +17,8 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import bm25s
 import fastapi
 import numpy as np
 from pydantic import BaseModel, Field, StrictBool, StrictStr
@@ -29,6 +28,9 @@ from ..search_api import MAX_QUERIES, MAX_QUERY_CHARS, MAX_TOPK
 from .corpus import Corpus, Hits
 from .options import BACKENDS, add_retriever_server_arguments
 from .serving import guard, serve_app
+
+if TYPE_CHECKING:
+    import bm25s  # imported where BM25 is used: a server of a prebuilt dense index does without its memory
 
 STOPWORDS = "en"
 RRF_K = 60  # reciprocal rank fusion constant (Cormack et al.): score = sum over rankings of 1 / (RRF_K + rank)
@@ -59,6 +61,8 @@ class BM25Retriever:
     @classmethod
     def build(cls, corpus: Corpus, cache_dir: str | Path | None = None) -> BM25Retriever:
         """Build the index, or reload the one cached for identical corpus bytes."""
+        import bm25s
+
         cached_index_dir = Path(cache_dir) / _index_dir_name(corpus.digest) if cache_dir else None
         if cached_index_dir is not None and cached_index_dir.is_dir():
             index = bm25s.BM25.load(str(cached_index_dir), show_progress=False)
@@ -77,6 +81,8 @@ class BM25Retriever:
         topk = min(topk, self.num_documents)
         if not queries or topk < 1:
             return [[] for _ in queries]
+        import bm25s
+
         query_tokens = bm25s.tokenize(queries, stopwords=STOPWORDS, return_ids=False, show_progress=False)
         indices, scores = self._index.retrieve(query_tokens, k=topk, show_progress=False)
         return [self._hits(row, row_scores) for row, row_scores in zip(indices, scores, strict=True)]
@@ -140,10 +146,14 @@ def build_retriever(
 
 
 def _index_dir_name(corpus_digest: str) -> str:
+    import bm25s
+
     return f"bm25s-{bm25s.__version__}-{STOPWORDS}-{corpus_digest}"
 
 
 def _build_index(contents: list[str]) -> bm25s.BM25:
+    import bm25s
+
     index = bm25s.BM25()
     index.index(bm25s.tokenize(contents, stopwords=STOPWORDS, show_progress=False), show_progress=False)
     return index
