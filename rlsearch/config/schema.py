@@ -303,7 +303,7 @@ class RetrieverConfig:
     # query prefix ("query: " for e5, bge's instruction), the pooling and whether embeddings are L2-normalised
     # (all but dpr), as Search-R1's retrieval_server.py does
     encoder_family: str = ""
-    pooling: str = ""  # with index: mean | cls | pooler; empty: the family's (bge cls, others mean)
+    pooling: str = "auto"  # with index: auto (the family's: bge cls, others mean) | mean | cls | pooler
     query_prefix: str | None = None  # with index: text put before every query; null: the family's
     faiss_gpu: bool = False  # with index: search on the GPUs (float16, sharded) where faiss has GPU support
     topk: int = 3  # passages per search

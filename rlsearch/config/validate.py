@@ -22,7 +22,7 @@ _CHOICES = {
     "rollout.context": ("append", "fold", "drop_observations"),
     "rollout.long_prompts": ("error", "cut"),
     "tools.retriever.backend": ("bm25", "dense", "hybrid"),
-    "tools.retriever.pooling": ("", "mean", "cls", "pooler"),
+    "tools.retriever.pooling": ("auto", "mean", "cls", "pooler"),
     "trainer.placement": ("colocated", "split"),
     "weights.transport": ("auto", "shm", "broadcast"),
 }

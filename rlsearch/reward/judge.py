@@ -8,7 +8,6 @@ import asyncio
 import hashlib
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ from rlsearch.files import atomic_path
 from rlsearch.reward.verdict import parse_verdict
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
-_PLACEHOLDER = re.compile(r"\{(\w+)\}")
 _RETRYABLE_STATUS = frozenset({408, 429})
 
 
@@ -51,29 +49,6 @@ class JudgeEndpoint:
 def judge_endpoints(config: JudgeConfig) -> list[EndpointConfig]:
     """reward.judge.endpoints, or the one endpoint of base_url, model and api_key_env."""
     return list(config.endpoints) or [EndpointConfig(config.base_url, config.model, config.api_key_env)]
-
-
-@dataclass(frozen=True)
-class PromptTemplate:
-    """A prompt file whose ``{name}`` placeholders are filled in; other braces (JSON examples) stay as written."""
-
-    path: Path
-    text: str
-
-    @classmethod
-    def load(cls, path: str, default_name: str, required: tuple[str, ...], key: str) -> PromptTemplate:
-        resolved = Path(path) if path else PROMPTS_DIR / default_name
-        if not resolved.is_file():
-            raise ConfigError(f"'{key}' not found: {resolved}")
-        text = resolved.read_text(encoding="utf-8")
-        missing = [name for name in required if f"{{{name}}}" not in text]
-        if missing:
-            raise ConfigError(f"'{key}' ({resolved}) lacks the placeholder {{{missing[0]}}}; it needs "
-                              + ", ".join(f"{{{name}}}" for name in required))
-        return cls(resolved, text)
-
-    def render(self, **values: str) -> str:
-        return _PLACEHOLDER.sub(lambda match: values.get(match[1], match[0]), self.text)
 
 
 class ReplyCache:

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rlsearch.config import RewardConfig
+from rlsearch.config.prompt import PromptFile
 from rlsearch.data import QAExample
 from rlsearch.loop_thread import LoopThread
-from rlsearch.reward.judge import Judge, JudgeCounters, JudgeError, PromptTemplate
+from rlsearch.reward.judge import PROMPTS_DIR, Judge, JudgeCounters, JudgeError
 from rlsearch.reward.qa import extract_answer, score_response, substring_match
 from rlsearch.reward.registry import (
     JUDGED_SCORERS,
@@ -42,8 +43,8 @@ class RewardScorer:
         self.config = config
         self._judge: Judge | None = None
         self._loop: LoopThread | None = None
-        self._judge_prompt: PromptTemplate | None = None
-        self._rubric_prompt: PromptTemplate | None = None
+        self._judge_prompt: PromptFile | None = None
+        self._rubric_prompt: PromptFile | None = None
 
     def check(self, examples: Sequence[QAExample]) -> None:
         """The start-up check: every scorer named in `reward.scorers` is known, every row has a known scorer
@@ -111,10 +112,11 @@ class RewardScorer:
     def _start_judge(self) -> LoopThread:
         if self._loop is None:
             judge = self.config.judge
-            self._judge_prompt = PromptTemplate.load(
-                judge.prompt_file, "judge.txt", ("question", "golden_answers", "response"), "reward.judge.prompt_file")
-            self._rubric_prompt = PromptTemplate.load(
-                judge.rubric_prompt_file, "rubric.txt", ("question", "response", "rubric"),
+            self._judge_prompt = PromptFile.load(
+                judge.prompt_file, PROMPTS_DIR / "judge.txt", ("question", "golden_answers", "response"),
+                "reward.judge.prompt_file")
+            self._rubric_prompt = PromptFile.load(
+                judge.rubric_prompt_file, PROMPTS_DIR / "rubric.txt", ("question", "response", "rubric"),
                 "reward.judge.rubric_prompt_file")
             self._judge = Judge(judge)
             self._loop = LoopThread("rlsearch-judge")

@@ -211,6 +211,7 @@ class EnginePool:
         self.worker_cls = worker_cls
         self.detached = detached
         self.adopted: list[int] = []  # engines taken over from a driver that died (``detached``)
+        self.helpers: list[Any] = []  # frozen engines the tools call (rollout.frozen), stopped with the pool
         # an adopted engine must have been started with these settings (its vLLM ports aside)
         settings = repr((dataclasses.replace(engine_spec, vllm_port=0), rollout, seed, gpus_per_rank))
         self._settings_key = hashlib.sha256(settings.encode()).hexdigest()[:12]
@@ -464,6 +465,12 @@ class EnginePool:
         for engine in self.engines:
             ray.kill(engine, no_restart=True)
         self.engines = []
+        if self.helpers:
+            ray.wait([helper.shutdown.remote() for helper in self.helpers], num_returns=len(self.helpers),
+                     timeout=timeout_s)
+            for helper in self.helpers:
+                ray.kill(helper, no_restart=True)
+            self.helpers = []
         if self._own_group and self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None

@@ -11,7 +11,7 @@ from typing import TypeVar
 import httpx
 
 from ..failover import Failover
-from .base import ToolError, ToolTimeout
+from .base import ToolError, ToolSetupError, ToolTimeout
 
 E = TypeVar("E")
 
@@ -23,6 +23,16 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: the tool servers answer larger reques
 def read_token(token_env: str) -> str:
     """The token in the environment variable ``token_env`` ("" when the name is empty or the variable unset)."""
     return os.environ.get(token_env, "").strip() if token_env else ""
+
+
+def api_key(variable: str, tool: str) -> str:
+    key = os.environ.get(variable, "").strip()
+    if not key:
+        raise ToolSetupError(
+            f"tool '{tool}' needs an API key in the environment variable {variable}, which is not set; "
+            f"export {variable}=... or remove '{tool}' from tools.enabled"
+        )
+    return key
 
 
 def bearer_headers(token_env: str) -> dict[str, str]:

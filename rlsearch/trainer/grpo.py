@@ -647,6 +647,7 @@ class GRPOTrainer:
             "rollout/paid_calls_out_total": float(tools.get("paid_calls_out", 0)),
             # calls of the web adapters and the browse summariser that moved on from a failed endpoint to the next
             "rollout/tool_failovers_total": float(tools.get("failovers", 0)),
+            "rollout/summariser_calls_total": float(tools.get("summariser_calls", 0)),  # pages the browse agent read
             "rollout/engine_restarts_total": float(self.progress.engine_restarts),
             "actor/restarts_total": float(self.progress.actor_restarts),
             "rollout/staleness": float(staleness),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ...config import RetrieverConfig, ToolsConfig, store_dir
+from ...config.prompt import PromptFile
 from ..base import Tool, ToolCall, ToolResult, ToolSetupError, ToolSpec
 from .cache import ToolCache
 from .registry import ToolRegistry
@@ -67,11 +68,19 @@ def _search(tools: ToolsConfig, retriever: RetrieverConfig, retriever_url: str) 
 
 
 def _browse(tools: ToolsConfig, *_: object) -> Tool:
-    from .browse import BrowseTool, SafeFetcher, URLGuard
+    from .browse import BrowseAgent, BrowseTool, SafeFetcher, URLGuard
+    from .summarise import SUMMARY_PROMPT, build_summariser
 
     config = tools.browse
+    agent = None
+    summariser_config = config.summariser
+    summariser = build_summariser(summariser_config)
+    if summariser is not None:
+        prompt = PromptFile.load(summariser_config.prompt_file, SUMMARY_PROMPT, ("question", "query", "page"),
+                                 "tools.browse.summariser.prompt_file")
+        agent = BrowseAgent(summariser, prompt, summariser_config.max_page_chars)
     fetcher = SafeFetcher(URLGuard(config.allow_networks), config.timeout_s, config.max_bytes, config.max_redirects)
-    return BrowseTool(fetcher, config.max_chars, config.max_concurrency)
+    return BrowseTool(fetcher, config.max_chars, config.max_concurrency, agent)
 
 
 def _web_search(tools: ToolsConfig, *_: object) -> Tool:

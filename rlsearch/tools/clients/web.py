@@ -7,7 +7,6 @@ in order with failover (`rlsearch.failover`), a dead one skipped for a cool-down
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -16,22 +15,12 @@ import httpx
 
 from ...config import EndpointConfig, JinaConfig, SerperConfig
 from ...failover import Failover
-from ..base import Document, PerCallTool, ToolCall, ToolError, ToolSetupError, ToolSpec
-from ..http import send_with_failover
+from ..base import Document, PerCallTool, ToolCall, ToolError, ToolSpec
+from ..http import api_key, send_with_failover
 from .browse import BlockedURL, url_parameters
 
 WEB_SEARCH_DESCRIPTION = "search the web (Google via Serper); the query is a search query, results are snippets"
 WEB_BROWSE_DESCRIPTION = "read a web page as text (via Jina Reader); the query is the page's http(s) URL"
-
-
-def api_key(variable: str, tool: str) -> str:
-    key = os.environ.get(variable, "").strip()
-    if not key:
-        raise ToolSetupError(
-            f"tool '{tool}' needs an API key in the environment variable {variable}, which is not set; "
-            f"export {variable}=... or remove '{tool}' from tools.enabled"
-        )
-    return key
 
 
 @dataclass(frozen=True, eq=False)

@@ -96,7 +96,7 @@ def _index_arguments(retriever: RetrieverConfig) -> list[str]:
     arguments = ["--index", retriever.index]
     if retriever.encoder_family:
         arguments.append(f"--encoder-family={retriever.encoder_family}")
-    if retriever.pooling:
+    if retriever.pooling != "auto":
         arguments.append(f"--pooling={retriever.pooling}")
     if retriever.query_prefix is not None:
         arguments.append(f"--query-prefix={retriever.query_prefix}")  # one token: the prefix may start with "-"

@@ -50,8 +50,9 @@ def add_prebuilt_index_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --index: e5, bge, contriever, jina, dpr or another name; picks the query prefix, the pooling and "
         "the normalisation as Search-R1 does (default: from the encoder's name)",
     )
-    parser.add_argument("--pooling", "--pooling_method", dest="pooling", default="", choices=("", "mean", "cls",
-                        "pooler"), help="with --index: how token states become a vector (default: the family's)")
+    parser.add_argument("--pooling", "--pooling_method", dest="pooling", default="auto",
+                        choices=("auto", "mean", "cls", "pooler"),
+                        help="with --index: how token states become a vector (default auto: the family's)")
     parser.add_argument("--query-prefix", dest="query_prefix", default=None,
                         help="with --index: text put before each query (default: the family's, e.g. 'query: ' for e5)")
     parser.add_argument("--faiss-gpu", "--faiss_gpu", dest="faiss_gpu", action="store_true",

@@ -46,14 +46,14 @@ class EncoderSettings:
 
     path: str  # a local dir, or a hub name transformers finds in its cache (HF_HUB_OFFLINE=1 never downloads)
     family: str = ""  # e5, bge, contriever, jina, dpr, or another name (no prefix, mean pooling); empty: from path
-    pooling: str = ""  # mean | cls | pooler; empty: the family's
+    pooling: str = "auto"  # auto (the family's) | mean | cls | pooler
     query_prefix: str | None = None  # None: the family's
 
     def resolve(self) -> tuple[str, str, bool]:
         """(query prefix, pooling, normalize)."""
         name = (self.family or Path(self.path.rstrip("/")).name).lower()
         family = next((rules for key, rules in FAMILIES.items() if key in name), EncoderFamily())
-        pooling = self.pooling or family.pooling
+        pooling = family.pooling if self.pooling in ("", "auto") else self.pooling
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}; got {pooling!r}")
         prefix = family.query_prefix if self.query_prefix is None else self.query_prefix

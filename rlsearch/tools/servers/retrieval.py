@@ -177,7 +177,7 @@ class PrebuiltIndex:
 
     index: str
     encoder_family: str = ""
-    pooling: str = ""
+    pooling: str = "auto"
     query_prefix: str | None = None
     faiss_gpu: bool = False
 
