@@ -185,7 +185,7 @@ def test_retrieval_bench_smoke_runs_the_prebuilt_case():
     from tests.conftest import REPO_ROOT
 
     result = subprocess.run([sys.executable, "bench/retrieval.py", "--smoke"], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     for line in ("prebuilt Flat index, 2000 passages", "serving after", "server RSS", "faiss directly",
                  "http queries/s / in-process bm25s queries/s"):

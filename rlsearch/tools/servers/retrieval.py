@@ -353,7 +353,7 @@ def serve_from_args(args: argparse.Namespace) -> None:
             token_env=args.token_env, limits=limits, prebuilt=prebuilt, default_topk=args.topk,
         )
     except (ValueError, FileNotFoundError) as error:  # a set-up problem: the message says what to give
-        raise SystemExit(f"serve-retriever: {error}") from error
+        raise SystemExit(f"serve-retriever: {type(error).__name__}: {error}") from error
 
 
 def main() -> None:
