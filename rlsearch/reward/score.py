@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rlsearch.config import RewardConfig
+from rlsearch.config.prompt import PromptFile
 from rlsearch.data import QAExample
 from rlsearch.loop_thread import LoopThread
-from rlsearch.reward.judge import Judge, JudgeCounters, JudgeError, PromptTemplate
+from rlsearch.reward.judge import PROMPTS_DIR, Judge, JudgeCounters, JudgeError
 from rlsearch.reward.qa import extract_answer, score_response, substring_match
 from rlsearch.reward.registry import (
     JUDGED_SCORERS,
@@ -42,8 +43,8 @@ class RewardScorer:
         self.config = config
         self._judge: Judge | None = None
         self._loop: LoopThread | None = None
-        self._judge_prompt: PromptTemplate | None = None
-        self._rubric_prompt: PromptTemplate | None = None
+        self._judge_prompt: PromptFile | None = None
+        self._rubric_prompt: PromptFile | None = None
 
     def check(self, examples: Sequence[QAExample]) -> None:
         """The start-up check: every scorer named in `reward.scorers` is known, every row has a known scorer
@@ -60,7 +61,8 @@ class RewardScorer:
     def score(self, trajectories: Sequence[Trajectory], examples: Sequence[QAExample]) -> dict[str, float]:
         """Set each trajectory's reward and scores (em, f1, substring_em, has_answer; correct for the judge;
         rubric, format, citation, search for rubrics). ``examples[i]`` is the row of ``trajectories[i]``.
-        Returns reward/judged, reward/judge_requests, reward/judge_cache_hits and reward/judge_failures."""
+        Returns reward/judged, reward/judge_requests, reward/judge_cache_hits, reward/judge_failures and
+        reward/judge_failovers."""
         if len(trajectories) != len(examples):
             raise ValueError(f"{len(trajectories)} trajectories but {len(examples)} examples; give one per trajectory")
         names = self._scorer_names(examples)  # every row's scorer is known before anything is scored
@@ -72,18 +74,22 @@ class RewardScorer:
             if name in JUDGED_SCORERS and not trajectory.failed and trajectory.agent_reward is None:
                 judged.append((trajectory, example, name))
         counters = JudgeCounters()
-        failures = 0
+        failures = failovers = 0
         if judged:
             loop = self._start_judge()
+            failovers_before = self._judge.endpoints.failovers
             failures = loop.run(self._judge_all(judged, counters))
+            failovers = self._judge.endpoints.failovers - failovers_before
         return {
             "reward/judged": float(len(judged)), "reward/judge_requests": float(counters.requests),
             "reward/judge_cache_hits": float(counters.cache_hits), "reward/judge_failures": float(failures),
+            # requests that moved on from a failed judge endpoint to the next (reward.judge.endpoints)
+            "reward/judge_failovers": float(failovers),
         }
 
     def close(self) -> None:
         if self._loop is not None:
-            self._loop.run(self._judge.client.close())
+            self._loop.run(self._judge.close())
             self._loop.stop()
             self._loop = self._judge = None
 
@@ -106,10 +112,11 @@ class RewardScorer:
     def _start_judge(self) -> LoopThread:
         if self._loop is None:
             judge = self.config.judge
-            self._judge_prompt = PromptTemplate.load(
-                judge.prompt_file, "judge.txt", ("question", "golden_answers", "response"), "reward.judge.prompt_file")
-            self._rubric_prompt = PromptTemplate.load(
-                judge.rubric_prompt_file, "rubric.txt", ("question", "response", "rubric"),
+            self._judge_prompt = PromptFile.load(
+                judge.prompt_file, PROMPTS_DIR / "judge.txt", ("question", "golden_answers", "response"),
+                "reward.judge.prompt_file")
+            self._rubric_prompt = PromptFile.load(
+                judge.rubric_prompt_file, PROMPTS_DIR / "rubric.txt", ("question", "response", "rubric"),
                 "reward.judge.rubric_prompt_file")
             self._judge = Judge(judge)
             self._loop = LoopThread("rlsearch-judge")

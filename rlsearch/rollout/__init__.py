@@ -3,12 +3,14 @@
 from ..trajectory import ToolCallRecord, Trajectory, Turn
 from .agent_loop import AgentLoop, PromptItem, request_seed, token_logit_bias
 from .engine import EngineSpec, VLLMEngine, configure_vllm_environment
+from .frozen import FrozenEngine, start_frozen_summariser
 from .pool import EnginePool, NoEngineLeftError, dispatch_groups, new_rollout_worker, stop_detached_engines
 from .startup import start_engines, start_tool_servers
 from .worker import RolloutWorker
 
 __all__ = [
-    "AgentLoop", "EnginePool", "EngineSpec", "NoEngineLeftError", "PromptItem", "RolloutWorker", "ToolCallRecord",
-    "Trajectory", "Turn", "VLLMEngine", "configure_vllm_environment", "dispatch_groups", "new_rollout_worker",
-    "request_seed", "start_engines", "start_tool_servers", "stop_detached_engines", "token_logit_bias",
+    "AgentLoop", "EnginePool", "EngineSpec", "FrozenEngine", "NoEngineLeftError", "PromptItem", "RolloutWorker",
+    "ToolCallRecord", "Trajectory", "Turn", "VLLMEngine", "configure_vllm_environment", "dispatch_groups",
+    "new_rollout_worker", "request_seed", "start_engines", "start_frozen_summariser", "start_tool_servers",
+    "stop_detached_engines", "token_logit_bias",
 ]

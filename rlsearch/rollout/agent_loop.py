@@ -374,8 +374,11 @@ class AgentLoop:
             (trajectory, turn, index) for trajectory, turn in calling for index, record in enumerate(turn.tool_calls)
             if record.error_kind is None
         ]
-        records = [turn.tool_calls[index] for _, turn, index in pending]
-        calls = [ToolCall(record.name, record.query, record.attrs, record.arguments) for record in records]
+        calls = [
+            ToolCall(record.name, record.query, record.attrs, record.arguments,
+                     question=self._contexts[id(trajectory)].question)
+            for trajectory, turn, index in pending for record in [turn.tool_calls[index]]
+        ]
         started = time.perf_counter()
         results = await asyncio.get_running_loop().run_in_executor(pool, self.tools.run, calls)
         waited = time.perf_counter() - started

@@ -214,6 +214,7 @@ class EnginePool:
         self.worker_cls = worker_cls
         self.detached = detached
         self.adopted: list[int] = []  # engines taken over from a driver that died (``detached``)
+        self.helpers: list[Any] = []  # frozen engines the tools call (rollout.frozen), stopped with the pool
         self.groups_in_flight = rollout.groups_per_engine if rollout.groups_per_engine > 0 else SPREAD_LIMIT
         # threads of each engine's actor: its groups in flight for every overlapping rollout, and the control calls
         self.max_concurrency = self.groups_in_flight * (rollout.async_steps + 2) + CONTROL_SLOTS
@@ -471,6 +472,12 @@ class EnginePool:
         for engine in self.engines:
             ray.kill(engine, no_restart=True)
         self.engines = []
+        if self.helpers:
+            ray.wait([helper.shutdown.remote() for helper in self.helpers], num_returns=len(self.helpers),
+                     timeout=timeout_s)
+            for helper in self.helpers:
+                ray.kill(helper, no_restart=True)
+            self.helpers = []
         if self._own_group and self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None

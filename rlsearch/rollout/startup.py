@@ -8,6 +8,7 @@ from typing import Any
 from ..config import ConfigError, ModelConfig, RolloutConfig, ToolsConfig
 from ..tools import ToolServers, ToolSetupError
 from .engine import EngineSpec
+from .frozen import start_frozen_summariser
 from .pool import EnginePool
 
 
@@ -23,5 +24,19 @@ def start_tool_servers(tools: ToolsConfig) -> ToolServers:
 def start_engines(model: ModelConfig, rollout: RolloutConfig, tools: ToolsConfig, seed: int,
                   **pool_options: Any) -> EnginePool:
     """`rollout.num_engines` engines of `model` as Ray actors (Ray already running), with the tools of `tools` (the
-    started servers' config); `pool_options` place them (trainer.placement)."""
-    return EnginePool(EngineSpec.from_config(model, rollout, seed), rollout, tools, seed, **pool_options)
+    started servers' config); `pool_options` place them (trainer.placement). The frozen engine of the browse
+    summariser (tools.browse.summariser.engine) starts first, and stops with the pool."""
+    from ..ray_setup import cluster_has_gpus
+
+    tools, frozen = start_frozen_summariser(tools, seed, gpus=1 if cluster_has_gpus() else 0)
+    try:
+        pool = EnginePool(EngineSpec.from_config(model, rollout, seed), rollout, tools, seed, **pool_options)
+    except BaseException:
+        if frozen is not None:
+            import ray
+
+            ray.kill(frozen)
+        raise
+    if frozen is not None:
+        pool.helpers.append(frozen)
+    return pool

@@ -1,9 +1,12 @@
-"""TensorBoard scalars + per-step trajectory JSONL under one run directory."""
+"""TensorBoard scalars + per-step trajectory JSONL under one run directory, and the same scalars, the run's config and
+each step's sample table in Weights & Biases where asked (``trainer.loggers: [tensorboard, wandb]``)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -30,10 +33,68 @@ def format_step_line(step: int, total_steps: int, metrics: Mapping[str, float]) 
     return " | ".join(parts)
 
 
+SAMPLE_COLUMNS = ("example_id", "sample_index", "question", "golden_answers", "response", "reward", "finish_reason",
+                  "num_turns")
+WANDB_DIR = "wandb"
+WANDB_RUN_ID_FILE = "rlsearch-run-id"  # under output_dir/wandb: a resumed run logs into the same wandb run
+
+
+class WandbRun:
+    """The wandb side of a run: its config at the start, the scalars of every step, a table of each step's samples.
+    Under output_dir/wandb; WANDB_MODE=offline writes it all there with nothing to reach (`wandb sync` uploads it).
+    A resumed run continues the same wandb run (its id is kept beside it); wandb keeps no step twice, so the steps a
+    rewind trains again keep their first values there (TensorBoard shows the new ones)."""
+
+    def __init__(self, output_dir: Path, config: Mapping | None, project: str, name: str) -> None:
+        try:
+            import wandb
+        except ImportError as error:
+            raise RuntimeError("trainer.loggers names wandb, which is not installed: pip install wandb (it is in "
+                               "requirements/*.txt), or drop it from trainer.loggers") from error
+
+        directory = output_dir / WANDB_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        id_file = directory / WANDB_RUN_ID_FILE
+        if not id_file.is_file():
+            id_file.write_text(secrets.token_hex(4))  # a wandb run id: lowercase letters and digits
+        self._wandb = wandb
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or project, name=name or output_dir.resolve().name,
+            dir=str(output_dir), id=id_file.read_text().strip(), resume="allow", config=dict(config or {}),
+            # rlsearch's own lines stay as they are: wandb neither captures the terminal nor prints its banner
+            settings=wandb.Settings(console="off", silent=True),
+        )
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def log_samples(self, step: int, records: Sequence[dict]) -> None:
+        table = self._wandb.Table(columns=list(SAMPLE_COLUMNS))
+        for record in records:
+            table.add_data(*_sample_row(record))
+        self.run.log({"samples": table}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _sample_row(record: dict) -> list:
+    """A trajectory record's row of the sample table: what was asked, what the policy wrote and saw, its reward."""
+    response = "".join(turn.get("text", "") + (turn.get("observation") or "") for turn in record.get("turns", []))
+    golden = record.get("golden_answers") or []
+    row = {**record, "response": response, "golden_answers": "; ".join(map(str, golden))}
+    return [row.get(column) for column in SAMPLE_COLUMNS]
+
+
 class RunLogger:
-    def __init__(self, output_dir: str | Path, log_trajectories: bool = True, resumed_step: int = 0) -> None:
+    def __init__(
+        self, output_dir: str | Path, log_trajectories: bool = True, resumed_step: int = 0,
+        loggers: Sequence[str] = ("tensorboard",), config: Mapping | None = None, wandb_project: str = "rlsearch",
+        wandb_run_name: str = "",
+    ) -> None:
         """`resumed_step`: the step a resumed run continues after. TensorBoard then drops what an earlier run logged
-        for later steps (a step that was logged but not checkpointed is trained again), so each step shows once."""
+        for later steps (a step that was logged but not checkpointed is trained again), so each step shows once.
+        `loggers` with wandb: also a `WandbRun` of `config` (trainer.wandb_project, trainer.wandb_run_name)."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.output_dir = Path(output_dir)
@@ -45,12 +106,16 @@ class RunLogger:
             self.trajectory_dir.mkdir(parents=True, exist_ok=True)
         purge_step = resumed_step + 1 if resumed_step else None
         self.writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=purge_step)
+        self.wandb = WandbRun(self.output_dir, config, wandb_project, wandb_run_name) if "wandb" in loggers else None
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(key, value, global_step=step)
+        scalars = {key: value for key, value in metrics.items()
+                   if isinstance(value, (int, float)) and math.isfinite(value)}
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, global_step=step)
         self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log_metrics(step, scalars)
 
     def log_histogram(self, step: int, key: str, values: Sequence[float]) -> None:
         """A TensorBoard histogram (nothing for no values)."""
@@ -58,6 +123,10 @@ class RunLogger:
             self.writer.add_histogram(key, np.asarray(values, dtype=np.float64), global_step=step)
 
     def log_trajectories(self, step: int, records: Iterable[dict]) -> Path | None:
+        """The step's trajectory JSONL (trainer.log_trajectories) and its wandb sample table (trainer.loggers)."""
+        records = list(records)
+        if self.wandb is not None:
+            self.wandb.log_samples(step, records)
         if not self.write_trajectories:
             return None
         path = self.trajectory_dir / f"step_{step:06d}.jsonl"
@@ -68,3 +137,5 @@ class RunLogger:
 
     def close(self) -> None:
         self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()

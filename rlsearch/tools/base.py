@@ -30,6 +30,9 @@ class ToolCall:
     attrs: dict[str, str] = field(default_factory=dict)  # extra attributes of a <call_tool> tag, as written
     # typed JSON arguments (a native tool call, a JSON <call_tool> body); None: the call is query + attrs
     arguments: dict | None = None
+    # the trajectory's question, for a tool whose result depends on it (ToolSpec.reads_question: browse with a
+    # summariser); the registry clears it for the others, so their calls and stored results do not depend on it
+    question: str = ""
 
 
 class TurnKind(str, Enum):
@@ -70,6 +73,7 @@ class ToolSpec:
     name: str
     description: str
     parameters: dict = field(default_factory=query_parameters)  # JSON schema of the arguments (native tool calls)
+    reads_question: bool = False  # its result depends on ToolCall.question (which is then part of a call's identity)
 
 
 @dataclass

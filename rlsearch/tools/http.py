@@ -1,15 +1,19 @@
-"""HTTP requests with retries (transport errors, timeouts, 429 and 5xx, with exponential backoff); bearer tokens
-from environment variables."""
+"""HTTP requests with retries and failover over endpoints (transport errors, timeouts, 429 and 5xx, with exponential
+backoff); bearer tokens from environment variables."""
 
 from __future__ import annotations
 
 import os
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import httpx
 
-from .base import ToolError, ToolTimeout
+from ..failover import Failover
+from .base import ToolError, ToolSetupError, ToolTimeout
+
+E = TypeVar("E")
 
 RETRIEVER_TOKEN_ENV = "RLSEARCH_RETRIEVER_TOKEN"  # default variable holding the retrieval server's bearer token
 MCP_TOKEN_ENV = "RLSEARCH_MCP_TOKEN"  # default variable holding the MCP server's bearer token
@@ -19,6 +23,16 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: the tool servers answer larger reques
 def read_token(token_env: str) -> str:
     """The token in the environment variable ``token_env`` ("" when the name is empty or the variable unset)."""
     return os.environ.get(token_env, "").strip() if token_env else ""
+
+
+def api_key(variable: str, tool: str) -> str:
+    key = os.environ.get(variable, "").strip()
+    if not key:
+        raise ToolSetupError(
+            f"tool '{tool}' needs an API key in the environment variable {variable}, which is not set; "
+            f"export {variable}=... or remove '{tool}' from tools.enabled"
+        )
+    return key
 
 
 def bearer_headers(token_env: str) -> dict[str, str]:
@@ -45,33 +59,56 @@ def send_with_retries(
     on_retry: Callable[[], None] | None = None,
     auth_hint: str = "",
 ) -> httpx.Response:
-    """The first response that is neither retried nor a 4xx rejection.
+    """The first response that is neither retried nor a 4xx rejection, from one endpoint (`send_with_failover`)."""
+    return send_with_failover(lambda _: send(), Failover([what]), what, max_retries, backoff_s, timeout_s,
+                              on_retry, auth_hint)
 
-    Raises ToolError naming ``what`` for a rejection (4xx other than 429, not retried; a 401/403 message ends with
-    ``auth_hint``, e.g. which variable holds the token) or when the attempts run out; ToolTimeout instead when the
-    last attempt timed out.
+
+def send_with_failover(
+    send: Callable[[E], httpx.Response],
+    endpoints: Failover[E],
+    what: str,
+    max_retries: int,
+    backoff_s: float,
+    timeout_s: float,
+    on_retry: Callable[[], None] | None = None,
+    auth_hint: str = "",
+) -> httpx.Response:
+    """The first response that is neither retried nor a 4xx rejection; ``send(endpoint)`` sends to one endpoint.
+
+    Transport errors, timeouts, 429 and 5xx put the endpoint in cool-down and the next attempt goes to the next
+    endpoint (`Failover`), with exponential backoff between rounds over all of them. Raises ToolError naming
+    ``what`` for a rejection (4xx other than 429, not retried; a 401/403 message ends with ``auth_hint``, e.g. which
+    variable holds the token) or when the attempts run out; ToolTimeout instead when the last attempt timed out.
+    ``on_retry`` is called before every attempt after the first.
     """
-    last_error, timed_out = "", False
-    for attempt in range(max_retries + 1):
-        if attempt > 0:
-            if on_retry is not None:
-                on_retry()
-            time.sleep(backoff_s * 2 ** (attempt - 1))
+    last_error, timed_out, attempts = "", False, 0
+    for attempt in endpoints.attempts(max_retries, backoff_s):
+        if attempts and on_retry is not None:
+            on_retry()
+        attempts += 1
+        time.sleep(attempt.wait_s)
         try:
-            response = send()
+            response = send(attempt.endpoint)
         except httpx.TimeoutException as error:
             last_error, timed_out = f"timed out after {timeout_s:g} s ({type(error).__name__})", True
+            endpoints.failed(attempt.endpoint)
             continue
         except httpx.TransportError as error:
             last_error, timed_out = f"{type(error).__name__}: {error}", False
+            endpoints.failed(attempt.endpoint)
             continue
         if response.status_code >= 500 or response.status_code == 429:
             last_error, timed_out = f"HTTP {response.status_code}: {response.text[:200]}", False
+            endpoints.failed(attempt.endpoint)
             continue
+        endpoints.succeeded(attempt.endpoint)
         if response.status_code in (401, 403) and auth_hint:
             raise ToolError(f"{what} rejected: HTTP {response.status_code}: {auth_hint}")
         if response.status_code >= 400:
             raise ToolError(f"{what} rejected: HTTP {response.status_code} {response.text[:500]}")
         return response
+    endpoints.give_up()
     error_type = ToolTimeout if timed_out else ToolError
-    raise error_type(f"{what} failed after {max_retries + 1} attempts; last error: {last_error}")
+    where = f" over {len(endpoints.endpoints)} endpoints" if len(endpoints.endpoints) > 1 else ""
+    raise error_type(f"{what} failed after {attempts} attempts{where}; last error: {last_error}")

@@ -248,8 +248,13 @@ class GRPOTrainer:
         elif self.parts.pool.adopted:  # engines taken over from a dead driver hold its later weights
             self._sync_engines()
         print(_startup_line(seconds), flush=True)
-        self.parts.logger = RunLogger(self.output_dir, config.trainer.log_trajectories,
-                                      resumed_step=self.progress.resumed_step)
+        self.parts.logger = self._new_logger(self.progress.resumed_step)
+
+    def _new_logger(self, resumed_step: int) -> RunLogger:
+        trainer = self.config.trainer
+        return RunLogger(self.output_dir, trainer.log_trajectories, resumed_step=resumed_step, loggers=trainer.loggers,
+                         config=to_dict(self.config), wandb_project=trainer.wandb_project,
+                         wandb_run_name=trainer.wandb_run_name)
 
     def _checkpoint_to_resume(self) -> ResumePoint | None:
         resume = self.config.trainer.resume
@@ -425,8 +430,7 @@ class GRPOTrainer:
             self.progress.weights_updated = False
             self._sync_engines(version)
         self.parts.logger.close()  # a new logger drops the TensorBoard points of the steps trained again
-        self.parts.logger = RunLogger(self.output_dir, self.config.trainer.log_trajectories,
-                                      resumed_step=self.progress.step)
+        self.parts.logger = self._new_logger(self.progress.step)
         self.check_parity()
         print(f"[rlsearch] {' and '.join(dead)} died during step {failed_step}: the actor ranks were replaced "
               f"({self.progress.actor_restarts} of trainer.max_actor_restarts={limit}) and the run continues after "
@@ -641,6 +645,9 @@ class GRPOTrainer:
             # calls the tools made (not answered by the tool store or an identical call in flight); paid: web APIs
             "rollout/tool_calls_out_total": float(tools.get("calls_out", 0)),
             "rollout/paid_calls_out_total": float(tools.get("paid_calls_out", 0)),
+            # calls of the web adapters and the browse summariser that moved on from a failed endpoint to the next
+            "rollout/tool_failovers_total": float(tools.get("failovers", 0)),
+            "rollout/summariser_calls_total": float(tools.get("summariser_calls", 0)),  # pages the browse agent read
             "rollout/engine_restarts_total": float(self.progress.engine_restarts),
             "actor/restarts_total": float(self.progress.actor_restarts),
             "rollout/staleness": float(staleness),

@@ -17,6 +17,11 @@ BENCHES = sorted(path.name for path in (REPO_ROOT / "bench").glob("*.py") if pat
 GPU_BENCHES = {"gpu_actor_check.py", "gpu_weight_export.py"}
 NOT_ON_THE_GPU_MACHINE = "ray,vllm,transformer_engine"
 WITHOUT_PACKAGES = Path(__file__).with_name("without_packages.py")
+# lines a bench's smoke run prints when its parts all ran (beside the exit status)
+PRINTED = {
+    "retrieval.py": ("prebuilt Flat index, 2000 passages", "serving after", "server RSS", "faiss directly",
+                     "http queries/s / in-process bm25s queries/s"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,3 +41,5 @@ def test_bench_runs_in_smoke_mode(bench, bench_out):
     assert "Traceback" not in output, output[-4000:]
     if bench in GPU_BENCHES:
         assert result.stdout.rstrip().endswith("PASS"), result.stdout[-2000:]
+    for line in PRINTED.get(bench, ()):
+        assert line in result.stdout, (line, result.stdout[-2000:])

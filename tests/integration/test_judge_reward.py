@@ -45,7 +45,7 @@ def test_verdicts_end_to_end_then_every_reply_from_the_cache(tmp_path) -> None:
         assert [t.reward for t in trajectories] == [1.0, 1.0, 0.1, 1.0, 1.0, 0.1, 0.0]
         assert [t.scores["correct"] for t in trajectories] == [1, 1, 0, 1, 1, 0, 0]
         assert stats == {"reward/judged": 7, "reward/judge_requests": 6, "reward/judge_cache_hits": 0,
-                         "reward/judge_failures": 0}
+                         "reward/judge_failures": 0, "reward/judge_failovers": 0}
         assert len(list((tmp_path / "cache").glob("*/*.json"))) == 6
         assert not list((tmp_path / "cache").glob("*/*.tmp-*"))
         # the same responses again, by a new scorer (a new process): no request reaches the judge
@@ -148,7 +148,7 @@ def test_garbage_verdict_is_excluded_and_counted_never_scored_zero(tmp_path) -> 
         assert "correct" not in garbage.scores and "correct" not in empty.scores
         assert failed_agent.failed.startswith("the agent raised") and "correct" not in failed_agent.scores
         assert stats == {"reward/judged": 3, "reward/judge_requests": 3, "reward/judge_cache_hits": 0,
-                         "reward/judge_failures": 2}
+                         "reward/judge_failures": 2, "reward/judge_failovers": 0}
         # cached garbage stays a failure, without asking again
         again = answered("<answer>garbage</answer>")
         stats = scorer.score([again], [row()])

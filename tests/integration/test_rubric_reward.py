@@ -75,7 +75,7 @@ def test_weighted_mean_and_extra_terms(tmp_path) -> None:
     assert "rubric" not in garbage.scores
     # 3 + 3 + 4 criteria
     assert stats == {"reward/judged": 3, "reward/judge_requests": 10, "reward/judge_cache_hits": 0,
-                     "reward/judge_failures": 1}
+                     "reward/judge_failures": 1, "reward/judge_failovers": 0}
     # the judge saw the answer block's content, one criterion per request
     assert sum('Answer: Paris, 2.1 million people <cite id="abc12345">census</cite>\n' in p for p in stub.prompts) == 3
 

@@ -7,9 +7,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from threaded_server import serve_in_thread
 
-from rlsearch.config import RetrieverConfig, ToolsConfig
+from rlsearch.config import EndpointConfig, RetrieverConfig, ToolsConfig
 from rlsearch.tools import ErrorKind, ToolCall, ToolSetupError, build_registry
-from rlsearch.tools.clients.web import JinaReaderTool, SerperSearchTool
+from rlsearch.tools.clients.web import JinaReaderTool, SerperSearchTool, WebEndpoint
 
 KEY = "test-key-123"
 ATTEMPTS: dict[str, int] = {}
@@ -39,6 +39,16 @@ async def jina(request: Request) -> JSONResponse:
     return JSONResponse({"code": 200, "status": 20000, "data": {"title": "Page", "url": page_url, "content": content}})
 
 
+@pytest.fixture
+def unused_url() -> str:
+    """A loopback URL nothing listens on: connections are refused, as to a killed server."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}/search"
+
+
 @pytest.fixture(scope="module")
 def api():
     routes = [Route("/search", serper, methods=["POST"]), Route("/{rest:path}", jina)]
@@ -47,7 +57,7 @@ def api():
 
 
 def test_serper_search_returns_snippets_through_the_real_client(api: str) -> None:
-    tool = SerperSearchTool(f"{api}/search", KEY, num_results=3, backoff_s=0.01)
+    tool = SerperSearchTool([WebEndpoint(f"{api}/search", KEY)], num_results=3, backoff_s=0.01)
     (result,) = tool.run_batch([ToolCall("web_search", "velmora mayor")])
     assert [d.title for d in result.documents] == [f"velmora mayor result {i}" for i in (1, 2, 3)]
     assert [(d.url, d.text) for d in result.documents][0] == ("https://example.org/1", "snippet 1")
@@ -55,21 +65,21 @@ def test_serper_search_returns_snippets_through_the_real_client(api: str) -> Non
 
 
 def test_serper_retries_server_errors_then_succeeds(api: str) -> None:
-    tool = SerperSearchTool(f"{api}/search", KEY, num_results=2, max_retries=2, backoff_s=0.01)
+    tool = SerperSearchTool([WebEndpoint(f"{api}/search", KEY)], num_results=2, max_retries=2, backoff_s=0.01)
     (result,) = tool.run_batch([ToolCall("web_search", "flaky")])
     assert result.ok and len(result.documents) == 2 and ATTEMPTS["flaky"] == 3
     tool.close()
 
 
 def test_serper_wrong_key_is_a_tool_error_not_a_crash(api: str) -> None:
-    tool = SerperSearchTool(f"{api}/search", "wrong", backoff_s=0.01)
+    tool = SerperSearchTool([WebEndpoint(f"{api}/search", "wrong")], backoff_s=0.01)
     (result,) = tool.run_batch([ToolCall("web_search", "x")])
     assert result.error_kind is ErrorKind.TOOL_ERROR and "rejected: HTTP 403" in result.error
     tool.close()
 
 
 def test_jina_reader_returns_the_page_as_a_webpage(api: str) -> None:
-    tool = JinaReaderTool(f"{api}/", KEY, max_chars=60, backoff_s=0.01)
+    tool = JinaReaderTool([WebEndpoint(f"{api}/", KEY)], max_chars=60, backoff_s=0.01)
     page, refused = tool.run_batch([
         ToolCall("web_browse", "https://example.org/a?b=1"), ToolCall("web_browse", "file:///etc/passwd"),
     ])
@@ -95,3 +105,25 @@ def test_web_tools_refuse_to_start_without_their_api_key(monkeypatch: pytest.Mon
     (result,) = registry.run([ToolCall("web_search", "from config")])
     assert len(result.documents) == tools.serper.num_results == 5
     registry.close()
+
+
+def test_web_search_fails_over_past_a_dead_endpoint_and_skips_it_while_it_cools_down(
+    monkeypatch: pytest.MonkeyPatch, api: str, unused_url: str,
+) -> None:
+    monkeypatch.setenv("SERPER_API_KEY", KEY)
+    tools = ToolsConfig(enabled=["web_search"])
+    tools.serper.endpoints = [EndpointConfig(unused_url, api_key_env="SERPER_API_KEY"),
+                              EndpointConfig(f"{api}/search", api_key_env="SERPER_API_KEY")]
+    tools.serper.max_retries, tools.serper.cooldown_s = 0, 60.0
+    registry = build_registry(tools, RetrieverConfig(), "")
+    first, second = (registry.run([ToolCall("web_search", query)])[0] for query in ("first", "second"))
+    assert [d.title for d in first.documents][:1] == ["first result 1"]
+    assert [d.title for d in second.documents][:1] == ["second result 1"]
+    assert registry.stats()["failovers"] == 1  # the second call went straight to the live endpoint
+    registry.close()
+    # both dead: a counted error observation after one round, no hang
+    tool = SerperSearchTool([WebEndpoint(unused_url, KEY), WebEndpoint(unused_url + "/again", KEY)], max_retries=0)
+    (dead,) = tool.run_batch([ToolCall("web_search", "x")])
+    assert dead.error_kind is ErrorKind.TOOL_ERROR and "failed after 2 attempts over 2 endpoints" in dead.error
+    assert tool.endpoints.exhausted == 1 and tool.stats() == {"failovers": 1}
+    tool.close()

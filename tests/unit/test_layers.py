@@ -11,7 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rlsearch"
 
 # each room is a top-level module or folder of rlsearch ("rlsearch" is the package's own __init__)
 FLOORS: list[set[str]] = [
-    {"rlsearch", "trajectory", "algo", "devices", "files", "lifetime", "loop_thread", "rendezvous", "runlog"},
+    {"rlsearch", "trajectory", "algo", "devices", "failover", "files", "lifetime", "loop_thread", "rendezvous",
+     "runlog"},
     {"config", "ray_setup"},
     {"megatron"},
     {"weights", "tools"},

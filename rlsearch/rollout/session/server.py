@@ -94,7 +94,7 @@ class SessionEndpoint:
         tokens = SessionTokens(self.tokenizer, self.end_of_turn)
         session = AgentSession(
             session_id, f"{self.base_url}/sessions/{session_id}/v1", MODEL_NAME, tokens, self.tools,
-            self.config.max_turns, self.config.assistant_prefix,
+            self.config.max_turns, self.config.assistant_prefix, question=item.question,
         )
         self._sessions[session_id] = (session, item, step)
         return session

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ...tools import ToolCall, ToolRegistry, ToolResult, ToolSpec
 from ...tools.protocols.chat_tools import openai_tool_schemas
@@ -69,8 +69,11 @@ class SessionTools:
         return (await self.run([call]))[0]
 
     async def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
+        """The calls' results; each call carries the trajectory's question (for a tool that reads it: browse with
+        a summariser)."""
         started = time.perf_counter()
-        results = await asyncio.to_thread(self._registry.run, list(calls))
+        asked = [call if call.question else replace(call, question=self._session.question) for call in calls]
+        results = await asyncio.to_thread(self._registry.run, asked)
         self._session.record_tool_calls(calls, results, time.perf_counter() - started)
         return results
 
@@ -82,9 +85,10 @@ class AgentSession:
 
     def __init__(
         self, session_id: str, base_url: str, model: str, tokens: SessionTokens, registry: ToolRegistry,
-        max_turns: int, assistant_prefix: str,
+        max_turns: int, assistant_prefix: str, question: str = "",
     ) -> None:
         self.id = session_id
+        self.question = question  # the example's question, which the tools that read it get
         self.base_url = base_url
         self.model = model
         self.tokens = tokens

@@ -1,4 +1,4 @@
-"""``browse``: fetch a web page for the model, safely.
+"""``browse``: fetch a web page for the model, safely; with a browse agent, a summariser model reads it for the model.
 
 Only http and https. The host is resolved first and every address is checked: loopback, private, link-local
 (which holds the cloud metadata endpoint 169.254.169.254), multicast, reserved and unspecified addresses are
@@ -19,7 +19,9 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
+from ...config.prompt import PromptFile
 from ..base import Document, PerCallTool, ToolCall, ToolError, ToolSpec, ToolTimeout
+from .summarise import Summariser
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[[str, int], list[str]]
@@ -189,19 +191,45 @@ def url_parameters() -> dict:
             "required": ["url"]}
 
 
+@dataclass
+class BrowseAgent:
+    """A summariser that reads each fetched page for the policy: ``prompt`` (a PromptFile with {question}, {query},
+    {page}) filled with the trajectory's question, the URL and the page's first ``max_page_chars``."""
+
+    summariser: Summariser
+    prompt: PromptFile
+    max_page_chars: int = 6000
+
+
 class BrowseTool(PerCallTool):
-    def __init__(self, fetcher: SafeFetcher, max_chars: int = 8000, max_concurrency: int = 4) -> None:
-        super().__init__(ToolSpec("browse", BROWSE_DESCRIPTION, url_parameters()), max_concurrency)
+    """``browse``: the page's text, or with ``agent`` the summary its summariser writes of it (the question is then
+    part of each call's identity: the tool store keeps a summary per question and URL)."""
+
+    def __init__(self, fetcher: SafeFetcher, max_chars: int = 8000, max_concurrency: int = 4,
+                 agent: BrowseAgent | None = None) -> None:
+        spec = ToolSpec("browse", BROWSE_DESCRIPTION, url_parameters(), reads_question=agent is not None)
+        super().__init__(spec, max_concurrency)
         self.fetcher = fetcher
         self.max_chars = max_chars
+        self.agent = agent
 
     def call(self, call: ToolCall) -> list[Document]:
         page = self.fetcher.fetch(call.query.strip())
+        if self.agent is not None:
+            text = f"{page.title}\n{page.text[: self.agent.max_page_chars]}".strip()
+            prompt = self.agent.prompt.render(question=call.question, query=call.query.strip(), page=text)
+            summary = self.agent.summariser.summarise(prompt)
+            return [Document(text=summary, title=page.title, url=page.url, kind="webpage")]
         text = page.text[: self.max_chars]
         if page.truncated or len(page.text) > self.max_chars:
             text += " ..."
         return [Document(text=text, title=page.title, url=page.url, kind="webpage")]
 
+    def stats(self) -> dict[str, int]:
+        return self.agent.summariser.stats() if self.agent is not None else {}
+
     def close(self) -> None:
         super().close()
         self.fetcher.close()
+        if self.agent is not None:
+            self.agent.summariser.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ...config import RetrieverConfig, ToolsConfig, store_dir
+from ...config.prompt import PromptFile
 from ..base import Tool, ToolCall, ToolResult, ToolSetupError, ToolSpec
 from .cache import ToolCache
 from .registry import ToolRegistry
@@ -67,27 +68,35 @@ def _search(tools: ToolsConfig, retriever: RetrieverConfig, retriever_url: str) 
 
 
 def _browse(tools: ToolsConfig, *_: object) -> Tool:
-    from .browse import BrowseTool, SafeFetcher, URLGuard
+    from .browse import BrowseAgent, BrowseTool, SafeFetcher, URLGuard
+    from .summarise import SUMMARY_PROMPT, build_summariser
 
     config = tools.browse
+    agent = None
+    summariser_config = config.summariser
+    summariser = build_summariser(summariser_config)
+    if summariser is not None:
+        prompt = PromptFile.load(summariser_config.prompt_file, SUMMARY_PROMPT, ("question", "query", "page"),
+                                 "tools.browse.summariser.prompt_file")
+        agent = BrowseAgent(summariser, prompt, summariser_config.max_page_chars)
     fetcher = SafeFetcher(URLGuard(config.allow_networks), config.timeout_s, config.max_bytes, config.max_redirects)
-    return BrowseTool(fetcher, config.max_chars, config.max_concurrency)
+    return BrowseTool(fetcher, config.max_chars, config.max_concurrency, agent)
 
 
 def _web_search(tools: ToolsConfig, *_: object) -> Tool:
-    from .web import SerperSearchTool, api_key
+    from .web import SerperSearchTool, web_endpoints
 
     config = tools.serper
-    key = api_key(config.api_key_env, "web_search")
-    return SerperSearchTool(config.url, key, config.num_results, config.timeout_s, config.max_retries)
+    return SerperSearchTool(web_endpoints(config, "web_search"), config.num_results, config.timeout_s,
+                            config.max_retries, cooldown_s=config.cooldown_s)
 
 
 def _web_browse(tools: ToolsConfig, *_: object) -> Tool:
-    from .web import JinaReaderTool, api_key
+    from .web import JinaReaderTool, web_endpoints
 
     config = tools.jina
-    key = api_key(config.api_key_env, "web_browse")
-    return JinaReaderTool(config.url, key, config.max_chars, config.timeout_s, config.max_retries)
+    return JinaReaderTool(web_endpoints(config, "web_browse"), config.max_chars, config.timeout_s, config.max_retries,
+                          cooldown_s=config.cooldown_s)
 
 
 _BUILDERS: dict[str, Callable[[ToolsConfig, RetrieverConfig, str], Tool]] = {

@@ -1,5 +1,6 @@
-"""A run's store of tool results: every successful result by (tool, query, attributes), and the tools' specs, so that
-a rerun or an eval can replay the run without calling a tool (tools.replay)."""
+"""A run's store of tool results: every successful result by (tool, query, attributes; the question for a tool that
+reads it), and the tools' specs, so that a rerun or an eval can replay the run without calling a tool
+(tools.replay)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,8 @@ def _key_fields(call: ToolCall) -> dict:
     fields = {"tool": call.name, "query": call.query, "attrs": dict(sorted(call.attrs.items()))}
     if call.arguments is not None:  # typed calls differ by their arguments (the query may be empty)
         fields["arguments"] = call.arguments
+    if call.question:  # a tool that reads the question (a summarised browse) answers each question apart
+        fields["question"] = call.question
     return fields
 
 

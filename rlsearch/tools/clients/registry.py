@@ -65,7 +65,9 @@ class ToolRegistry:
                     ErrorKind.UNKNOWN_TOOL, f"unknown tool '{call.name}'; available tools: {available}"
                 )
                 continue
-            call = calls[index] = with_query(call, self._tools[call.name].spec.parameters)
+            spec = self._tools[call.name].spec
+            call = calls[index] = with_query(call if spec.reads_question else replace(call, question=""),
+                                             spec.parameters)
             cached = self.cache.get(call) if self.cache else None
             if cached is not None:
                 results[index] = ToolResult(documents=cached, cached=True)

@@ -40,10 +40,14 @@ class ToolServers:
         if needs_retriever or self.config.mcp.start_local:
             if not Path(retriever.corpus).is_file():
                 raise ToolSetupError(f"'tools.retriever.corpus' not found: {retriever.corpus}")
+        if needs_retriever and retriever.index and not Path(retriever.index).is_file():
+            raise ToolSetupError(f"'tools.retriever.index' not found: {retriever.index}")
         try:
             if needs_retriever:
                 self.retriever = RetrieverProcess(
-                    retriever.corpus, token_env=retriever.token_env, **_server_options(retriever)
+                    retriever.corpus, token_env=retriever.token_env, extra_arguments=_index_arguments(retriever),
+                    # a prebuilt index's corpus is scanned for line starts once, and a GPU index is copied over
+                    startup_timeout_s=1800.0 if retriever.index else 120.0, **_server_options(retriever),
                 ).start()
                 retriever = dataclasses.replace(retriever, url=self.retriever.url)
             mcp = self.config.mcp
@@ -83,3 +87,19 @@ class ToolServers:
 
 def _server_options(retriever: RetrieverConfig) -> dict:
     return {"cache_dir": retriever.index_cache_dir, "backend": retriever.backend, "encoder": retriever.encoder}
+
+
+def _index_arguments(retriever: RetrieverConfig) -> list[str]:
+    """``serve-retriever``'s options for tools.retriever.index (none without one)."""
+    if not retriever.index:
+        return []
+    arguments = ["--index", retriever.index]
+    if retriever.encoder_family:
+        arguments.append(f"--encoder-family={retriever.encoder_family}")
+    if retriever.pooling != "auto":
+        arguments.append(f"--pooling={retriever.pooling}")
+    if retriever.query_prefix is not None:
+        arguments.append(f"--query-prefix={retriever.query_prefix}")  # one token: the prefix may start with "-"
+    if retriever.faiss_gpu:
+        arguments.append("--faiss-gpu")
+    return arguments

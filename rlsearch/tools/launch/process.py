@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,8 +51,10 @@ class CorpusServerProcess:
         backend: str = "bm25",
         encoder: str = "",
         token_env: str | None = None,
+        extra_arguments: Sequence[str] = (),
     ) -> None:
         self.corpus = corpus
+        self.extra_arguments = list(extra_arguments)  # more command-line options of the server
         self.cache_dir = cache_dir
         self.host = host
         self.port = port
@@ -130,7 +133,7 @@ class CorpusServerProcess:
             arguments += ["--encoder", self.encoder]
         if self.cache_dir is not None:
             arguments += ["--cache-dir", str(self.cache_dir)]
-        return arguments
+        return arguments + self.extra_arguments
 
     def _new_log_path(self) -> Path:
         """A new file in the run's logs dir, else in cache_dir (or the temp dir)."""

@@ -115,7 +115,7 @@ def create_mcp_app(
 def serve_from_args(args: argparse.Namespace) -> None:
     """``serve_mcp`` with the options of ``add_mcp_server_arguments``."""
     serve_mcp(
-        args.corpus, args.host, args.port, args.cache_dir, args.backend, args.encoder, args.token_env,
+        args.corpus, args.host, args.port, args.cache_dir, args.backend or "bm25", args.encoder, args.token_env,
         args.max_body_bytes, args.transport,
     )
 

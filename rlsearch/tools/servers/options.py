@@ -12,8 +12,10 @@ BACKENDS = ("bm25", "dense", "hybrid")
 
 def add_retriever_arguments(parser: argparse.ArgumentParser) -> None:
     """The corpus and index options of the tool servers (``serve-retriever``, ``serve-mcp``), minus ``--port``."""
-    parser.add_argument("--corpus", required=True, help='JSONL corpus, one {"id", "contents"} object per line')
-    parser.add_argument("--backend", default="bm25", choices=BACKENDS, help="hybrid: BM25 + dense by rank fusion")
+    parser.add_argument("--corpus", "--corpus_path", dest="corpus", required=True,
+                        help='JSONL corpus, one {"id", "contents"} object per line')
+    parser.add_argument("--backend", default=None, choices=BACKENDS,
+                        help="bm25 (default), dense or hybrid (BM25 + dense by rank fusion); --index implies dense")
     parser.add_argument("--encoder", default="", help="sentence-transformers dir for dense/hybrid (default MiniLM)")
     parser.add_argument("--cache-dir", default=None, help="where indexes and embeddings are kept for reuse")
     parser.add_argument(
@@ -23,11 +25,38 @@ def add_retriever_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_retriever_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every option of ``serve-retriever`` (``python -m rlsearch.tools.servers.retrieval``)."""
+    """Every option of ``serve-retriever`` (``python -m rlsearch.tools.servers.retrieval``). Search-R1's
+    retrieval_server.py flags are accepted as aliases, so its command line works as it is."""
     add_retriever_arguments(parser)
+    add_prebuilt_index_arguments(parser)
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--topk", type=_positive_int, default=3,
+                        help="passages for a request that gives no topk (default: 3)")
     add_access_arguments(parser, RETRIEVER_TOKEN_ENV)
     add_retrieval_limit_arguments(parser)
+
+
+def add_prebuilt_index_arguments(parser: argparse.ArgumentParser) -> None:
+    """A prebuilt FAISS index and how its encoder embeds queries (Search-R1's names as aliases)."""
+    parser.add_argument(
+        "--index", "--index_path", dest="index", default="",
+        help="a prebuilt FAISS index whose rows are the corpus lines (e.g. Search-R1's e5_Flat.index); searched with "
+        "--encoder's query embeddings, the corpus read per hit",
+    )
+    # Search-R1's name for the encoder; --encoder itself is a shared option
+    parser.add_argument("--retriever_model", dest="encoder", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--encoder-family", "--retriever_name", dest="encoder_family", default="",
+        help="with --index: e5, bge, contriever, jina, dpr or another name; picks the query prefix, the pooling and "
+        "the normalisation as Search-R1 does (default: from the encoder's name)",
+    )
+    parser.add_argument("--pooling", "--pooling_method", dest="pooling", default="auto",
+                        choices=("auto", "mean", "cls", "pooler"),
+                        help="with --index: how token states become a vector (default auto: the family's)")
+    parser.add_argument("--query-prefix", dest="query_prefix", default=None,
+                        help="with --index: text put before each query (default: the family's, e.g. 'query: ' for e5)")
+    parser.add_argument("--faiss-gpu", "--faiss_gpu", dest="faiss_gpu", action="store_true",
+                        help="with --index: search on the GPUs where faiss has GPU support (else on the CPU, said)")
 
 
 def add_mcp_server_arguments(parser: argparse.ArgumentParser) -> None:

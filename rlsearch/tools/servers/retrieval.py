@@ -13,12 +13,12 @@ import asyncio
 import json
 import os
 import shutil
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import bm25s
 import fastapi
 import numpy as np
 from pydantic import BaseModel, Field, StrictBool, StrictStr
@@ -28,6 +28,9 @@ from ..search_api import MAX_QUERIES, MAX_QUERY_CHARS, MAX_TOPK
 from .corpus import Corpus, Hits
 from .options import BACKENDS, add_retriever_server_arguments
 from .serving import guard, serve_app
+
+if TYPE_CHECKING:
+    import bm25s  # imported where BM25 is used: a server of a prebuilt dense index does without its memory
 
 STOPWORDS = "en"
 RRF_K = 60  # reciprocal rank fusion constant (Cormack et al.): score = sum over rankings of 1 / (RRF_K + rank)
@@ -58,6 +61,8 @@ class BM25Retriever:
     @classmethod
     def build(cls, corpus: Corpus, cache_dir: str | Path | None = None) -> BM25Retriever:
         """Build the index, or reload the one cached for identical corpus bytes."""
+        import bm25s
+
         cached_index_dir = Path(cache_dir) / _index_dir_name(corpus.digest) if cache_dir else None
         if cached_index_dir is not None and cached_index_dir.is_dir():
             index = bm25s.BM25.load(str(cached_index_dir), show_progress=False)
@@ -76,6 +81,8 @@ class BM25Retriever:
         topk = min(topk, self.num_documents)
         if not queries or topk < 1:
             return [[] for _ in queries]
+        import bm25s
+
         query_tokens = bm25s.tokenize(queries, stopwords=STOPWORDS, return_ids=False, show_progress=False)
         indices, scores = self._index.retrieve(query_tokens, k=topk, show_progress=False)
         return [self._hits(row, row_scores) for row, row_scores in zip(indices, scores, strict=True)]
@@ -114,11 +121,21 @@ class HybridRetriever:
 
 
 def build_retriever(
-    corpus_path: str | Path, backend: str = "bm25", cache_dir: str | Path | None = None, encoder: str = ""
+    corpus_path: str | Path, backend: str = "bm25", cache_dir: str | Path | None = None, encoder: str = "",
+    prebuilt: PrebuiltIndex | None = None,
 ) -> Retriever:
-    """A retriever of the given backend; indexes and embeddings are cached under ``cache_dir`` when given."""
+    """A retriever of the given backend; indexes and embeddings are cached under ``cache_dir`` when given. With
+    ``prebuilt`` (backend dense): that index over the corpus, searched with ``encoder`` as it was built."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown retrieval backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if prebuilt is not None:
+        if backend != "dense":
+            raise ValueError(f"a prebuilt index is searched with its encoder's embeddings (backend dense); backend "
+                             f"{backend} cannot use it")
+        from .prebuilt import PrebuiltIndexRetriever
+
+        return PrebuiltIndexRetriever.load(prebuilt.index, corpus_path, prebuilt.encoder_settings(encoder), cache_dir,
+                                           prebuilt.faiss_gpu)
     corpus = Corpus.read(corpus_path)
     if backend == "bm25":
         return BM25Retriever.build(corpus, cache_dir)
@@ -129,10 +146,14 @@ def build_retriever(
 
 
 def _index_dir_name(corpus_digest: str) -> str:
+    import bm25s
+
     return f"bm25s-{bm25s.__version__}-{STOPWORDS}-{corpus_digest}"
 
 
 def _build_index(contents: list[str]) -> bm25s.BM25:
+    import bm25s
+
     index = bm25s.BM25()
     index.index(bm25s.tokenize(contents, stopwords=STOPWORDS, show_progress=False), show_progress=False)
     return index
@@ -150,9 +171,31 @@ def _save_atomically(index: bm25s.BM25, target_dir: Path) -> None:
         shutil.rmtree(staging_dir)
 
 
+@dataclass(frozen=True)
+class PrebuiltIndex:
+    """A prebuilt FAISS index to serve (``serve-retriever --index``) and how its encoder embeds queries."""
+
+    index: str
+    encoder_family: str = ""
+    pooling: str = "auto"
+    query_prefix: str | None = None
+    faiss_gpu: bool = False
+
+    def encoder_settings(self, encoder: str):
+        from .prebuilt import EncoderSettings
+
+        if not encoder:
+            raise ValueError(f"the prebuilt index {self.index} needs the encoder it was built with: give --encoder "
+                             "(Search-R1: --retriever_model), a HuggingFace encoder dir")
+        if self.encoder_family.lower() == "bm25":
+            raise ValueError("a Search-R1 BM25 index (pyserini/Lucene) is not a FAISS index: serve the corpus with "
+                             "--backend bm25 instead (rlsearch builds its own BM25 index)")
+        return EncoderSettings(encoder, self.encoder_family, self.pooling, self.query_prefix)
+
+
 class RetrieveRequest(BaseModel):
     queries: list[StrictStr]
-    topk: int = Field(default=3, ge=1)  # the upper bound is the server's RequestLimits.max_topk
+    topk: int | None = Field(default=None, ge=1)  # None: the server's default; at most its RequestLimits.max_topk
     return_scores: StrictBool = False
 
 
@@ -176,7 +219,7 @@ class RequestLimits:
                     f"queries[{index}] has {len(query)} characters; this server's limit is "
                     f"max_query_chars={self.max_query_chars}"
                 )
-        if request.topk > self.max_topk:
+        if request.topk is not None and request.topk > self.max_topk:
             return f"topk={request.topk} is over this server's limit max_topk={self.max_topk}"
         return None
 
@@ -235,10 +278,12 @@ class MicroBatcher:
 
 
 def create_app(
-    retriever: Retriever, limits: RequestLimits = RequestLimits(), token_env: str = RETRIEVER_TOKEN_ENV
+    retriever: Retriever, limits: RequestLimits = RequestLimits(), token_env: str = RETRIEVER_TOKEN_ENV,
+    default_topk: int = 3,
 ):
     """The ASGI app: /health and /retrieve behind the token check (the token is read from the variable
-    ``token_env`` now; unset or "": none required) and the body-size bound."""
+    ``token_env`` now; unset or "": none required) and the body-size bound. A request without topk gets
+    ``default_topk`` passages per query."""
     batcher = MicroBatcher(retriever)
 
     @asynccontextmanager
@@ -258,7 +303,7 @@ def create_app(
         violation = limits.violation(request)
         if violation is not None:
             return fastapi.responses.JSONResponse({"detail": violation}, status_code=422)
-        results = await batcher.search(request.queries, request.topk)
+        results = await batcher.search(request.queries, request.topk or default_topk)
         if request.return_scores:
             body = {"result": [[{"document": doc, "score": score} for doc, score in hits] for hits in results]}
         else:
@@ -278,23 +323,37 @@ def serve_retriever(
     encoder: str = "",
     token_env: str = RETRIEVER_TOKEN_ENV,
     limits: RequestLimits = RequestLimits(),
+    prebuilt: PrebuiltIndex | None = None,
+    default_topk: int = 3,
 ) -> None:
-    """Index ``corpus`` and serve it until interrupted. ``port=0`` picks a free port (printed). When the variable
-    ``token_env`` is set, requests need its token; ``limits`` bound each request."""
-    retriever = build_retriever(corpus, backend, cache_dir, encoder)
-    app = create_app(retriever, limits, token_env)
+    """Index ``corpus`` (or load its ``prebuilt`` index) and serve it until interrupted. ``port=0`` picks a free
+    port (printed). When the variable ``token_env`` is set, requests need its token; ``limits`` bound each request."""
+    started = time.perf_counter()
+    retriever = build_retriever(corpus, backend, cache_dir, encoder, prebuilt)
+    app = create_app(retriever, limits, token_env, default_topk)
     secured = ", bearer token required" if app.requires_token else ""
-    announcement = f"retriever listening on {{url}} ({len(retriever.corpus)} documents, {backend}{secured})"
+    what = f"{backend}, index {prebuilt.index}" if prebuilt else backend
+    announcement = (f"retriever listening on {{url}} ({len(retriever.corpus)} documents, {what}{secured}; ready in "
+                    f"{time.perf_counter() - started:.1f} s)")
     serve_app(app, host, port, announcement)
 
 
 def serve_from_args(args: argparse.Namespace) -> None:
     """``serve_retriever`` with the options of ``add_retriever_server_arguments``."""
     limits = RequestLimits(args.max_body_bytes, args.max_queries, args.max_query_chars, args.max_topk)
-    serve_retriever(
-        args.corpus, host=args.host, port=args.port, cache_dir=args.cache_dir, backend=args.backend,
-        encoder=args.encoder, token_env=args.token_env, limits=limits,
-    )
+    prebuilt = None
+    if args.index:
+        if args.backend not in (None, "dense"):
+            raise SystemExit(f"--index serves a prebuilt dense index: --backend {args.backend} cannot use it")
+        prebuilt = PrebuiltIndex(args.index, args.encoder_family, args.pooling, args.query_prefix, args.faiss_gpu)
+    try:
+        serve_retriever(
+            args.corpus, host=args.host, port=args.port, cache_dir=args.cache_dir,
+            backend=args.backend or ("dense" if prebuilt else "bm25"), encoder=args.encoder or "",
+            token_env=args.token_env, limits=limits, prebuilt=prebuilt, default_topk=args.topk,
+        )
+    except (ValueError, FileNotFoundError) as error:  # a set-up problem: the message says what to give
+        raise SystemExit(f"serve-retriever: {type(error).__name__}: {error}") from error
 
 
 def main() -> None:
