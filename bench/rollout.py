@@ -58,7 +58,7 @@ class BenchEngine:
         self.events = LoopThread("bench-engine")
 
         async def start():
-            return VLLMEngine(EngineSpec(str(model_path), max_model_len=max_model_len))
+            return VLLMEngine(EngineSpec(str(model_path), kv_cache_gib=0.25, max_model_len=max_model_len))
 
         self.engine = self.events.run(start())
 

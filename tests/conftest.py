@@ -191,6 +191,7 @@ def driver_ray(ray_local) -> dict[str, str]:
     return SHARED_ENGINES.get("driver_ray", start)
 
 
+TEST_KV_CACHE_GIB = 0.25  # each test engine's KV cache: plenty for the tiny model, 0.75 GiB of host memory less
 TEST_ROLLOUT = {
     "max_turns": 3, "max_response_tokens": 256, "max_tokens_per_turn": 48, "assistant_prefix": "<search>",
     "logit_bias": {"</search>": 12.0},
@@ -240,7 +241,7 @@ def start_rollout_worker(ray, model_dir, retriever_url: str):
     from rlsearch.rollout import EngineSpec, RolloutWorker
 
     return ray.remote(RolloutWorker).options(num_cpus=0).remote(
-        EngineSpec(str(model_dir), max_model_len=768), RolloutConfig(**TEST_ROLLOUT),
+        EngineSpec(str(model_dir), kv_cache_gib=TEST_KV_CACHE_GIB, max_model_len=768), RolloutConfig(**TEST_ROLLOUT),
         RetrieverConfig(topk=2, max_retries=1, backoff_s=0.05, timeout_s=2.0), retriever_url, 1,
     )
 

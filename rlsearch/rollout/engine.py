@@ -53,8 +53,6 @@ def configure_vllm_environment(spec: EngineSpec) -> None:
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     on_cpu = local_gpu_index() is None
-    if on_cpu:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(spec.kv_cache_gib))))
     if spec.tensor_parallel_size > 1 and on_cpu:
         # vLLM's default binding wants a NUMA node per worker and asserts on a machine with one
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_threads_bind or "nobind"
@@ -88,8 +86,11 @@ class VLLMEngine:
                 extra["kv_cache_memory_bytes"] = int(spec.kv_cache_gib * 2**30)
         else:
             # after a partial (chunked) prefill vLLM rewinds the request's seeded generator, which a CPU generator
-            # cannot do (the EngineCore dies): prefills are scheduled whole instead
-            extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(2048, spec.max_model_len)}
+            # cannot do (the EngineCore dies): prefills are scheduled whole instead. The KV cache is host memory the
+            # worker fills at start-up: a fraction of a GiB holds a tiny model's rollouts (VLLM_CPU_KVCACHE_SPACE,
+            # vLLM's whole-GiB setting, still wins where it is set)
+            extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(2048, spec.max_model_len),
+                     "kv_cache_memory_bytes": int((spec.kv_cache_gib or 1.0) * 2**30)}
         SegmentRecord.remove_orphans()  # of engines on this host that were killed
         self._segments = SegmentRecord()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(

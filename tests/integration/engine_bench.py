@@ -12,7 +12,7 @@ from rlsearch.rollout import AgentLoop, EngineSpec, PromptItem, VLLMEngine
 from rlsearch.rollout.session import AgentRunner, SessionEndpoint
 from rlsearch.tools import build_registry, make_protocol
 from rlsearch.weights.bucket import pack_bucket
-from tests.conftest import TEST_ROLLOUT
+from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 
 AUTOMATON_QUERIES = [" inventor", " river"]  # the search automaton's queries, the first its greedy choice
 
@@ -25,7 +25,8 @@ class Bench:
         self.events = LoopThread("test-engine")
 
         async def start() -> VLLMEngine:
-            return VLLMEngine(EngineSpec(str(model_dir), max_model_len=4096))  # test_long_horizon: a 4k window
+            # a 4k window: test_long_horizon
+            return VLLMEngine(EngineSpec(str(model_dir), kv_cache_gib=TEST_KV_CACHE_GIB, max_model_len=4096))
 
         self.engine = self.events.run(start())
         self.tools = build_registry(ToolsConfig(), RetrieverConfig(topk=2, timeout_s=300.0, max_retries=0),

@@ -25,7 +25,7 @@ from rlsearch.loop_thread import LoopThread
 from rlsearch.rollout import AgentLoop, EngineSpec, PromptItem, Trajectory, VLLMEngine
 from rlsearch.tools import build_registry, make_protocol
 from rlsearch.weights.bucket import pack_bucket
-from tests.conftest import TEST_ROLLOUT
+from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 from tests.integration.threaded_server import serve_in_thread
 
 AUTOMATON_QUERY = " inventor"
@@ -40,7 +40,7 @@ class Engine:
         self.events = LoopThread("test-engine")
 
         async def start() -> VLLMEngine:
-            return VLLMEngine(EngineSpec(str(model_dir), max_model_len=768))
+            return VLLMEngine(EngineSpec(str(model_dir), kv_cache_gib=TEST_KV_CACHE_GIB, max_model_len=768))
 
         self.engine = self.events.run(start())
         self.weights = "random"

@@ -16,6 +16,7 @@ from rlsearch.data import load_qa_dataset
 from rlsearch.rollout import AgentLoop, PromptItem
 from rlsearch.tools import ErrorKind, MCPServerProcess, build_registry, make_protocol
 from rlsearch.trainer.metrics import trajectory_metrics
+from tests.conftest import TEST_KV_CACHE_GIB
 
 # The closing tag is 4 tokens; with this bias about 1 in 8 samples writes it within a turn. Seeds are fixed, so the
 # steps below always give the same calls: step 1 one call (and unparseable follow-ups), step 3 calls in the
@@ -43,7 +44,8 @@ def call_tool_worker(ray_local, tiny_model_dir, mcp_server):
 
     # max_concurrency=2: tool_stats can be read while a rollout runs
     worker = ray_local.remote(RolloutWorker).options(num_cpus=0, max_concurrency=2).remote(
-        EngineSpec(str(tiny_model_dir), max_model_len=1024), RolloutConfig(**CALL_TOOL_ROLLOUT), RetrieverConfig(),
+        EngineSpec(str(tiny_model_dir), kv_cache_gib=TEST_KV_CACHE_GIB, max_model_len=1024),
+        RolloutConfig(**CALL_TOOL_ROLLOUT), RetrieverConfig(),
         "", 1, tools=mcp_tools(mcp_server.url, timeout_s=5.0, max_retries=1, backoff_s=0.05),
     )
     yield worker

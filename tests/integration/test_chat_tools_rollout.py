@@ -17,6 +17,7 @@ from rlsearch.rollout import EngineSpec, PromptItem, RolloutWorker
 from rlsearch.tools import Document, RetrievalClient
 from rlsearch.tools.protocols.chat_tools import KNOWN_SEAMS, template_mismatches
 from rlsearch.trainer.metrics import trajectory_metrics
+from tests.conftest import TEST_KV_CACHE_GIB
 from tests.integration.test_call_tool_rollout import assert_masks_follow_turns
 
 CALLS = ({"query": "mayor"}, {"query": "river", "topk": 1})  # the retriever's default 2 passages, then 1
@@ -30,7 +31,8 @@ CHAT_TOOLS_ROLLOUT = {
 @pytest.fixture(scope="module")
 def chat_worker(tiny_model_dir, retriever):
     worker = RolloutWorker(
-        EngineSpec(str(tiny_model_dir), max_model_len=1024), RolloutConfig(**CHAT_TOOLS_ROLLOUT),
+        EngineSpec(str(tiny_model_dir), kv_cache_gib=TEST_KV_CACHE_GIB, max_model_len=1024),
+        RolloutConfig(**CHAT_TOOLS_ROLLOUT),
         RetrieverConfig(topk=2, max_retries=1, backoff_s=0.05, timeout_s=5.0), retriever.url, 1,
     )
     yield worker

@@ -18,7 +18,7 @@ from rlsearch.config import RetrieverConfig, RolloutConfig, ToolsConfig
 from rlsearch.data import load_qa_dataset
 from rlsearch.rollout import EnginePool, EngineSpec, PromptItem, Trajectory
 from rlsearch.trainer.placement import check_retriever_reachable, describe_placement
-from tests.conftest import TEST_ROLLOUT
+from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (engines, tensor_parallel_size); the first is the reference
 GROUPS, GROUP_SIZE, STEP, SEED = 4, 3, 3, 11
@@ -40,7 +40,8 @@ def runs(ray_local, tiny_model_dir, retriever, toy_data):
     results = {}
     for engines, tp in LAYOUTS:
         rollout = RolloutConfig(**TEST_ROLLOUT, num_engines=engines, tensor_parallel_size=tp, groups_per_engine=1)
-        spec = EngineSpec(str(tiny_model_dir), max_model_len=768, tensor_parallel_size=tp)
+        spec = EngineSpec(str(tiny_model_dir), kv_cache_gib=TEST_KV_CACHE_GIB, max_model_len=768,
+                          tensor_parallel_size=tp)
         started = time.perf_counter()
         pool = EnginePool(spec, rollout, _tools(retriever), SEED)
         start_s = time.perf_counter() - started

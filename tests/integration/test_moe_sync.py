@@ -25,7 +25,7 @@ from rlsearch.loop_thread import LoopThread
 from rlsearch.rollout import EngineSpec, RolloutWorker, VLLMEngine, token_logit_bias
 from rlsearch.weights import WeightSync, check_engines_match_actor, vllm_moe
 from rlsearch.weights.bucket import WeightBucket, pack_bucket
-from tests.conftest import TEST_ROLLOUT
+from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 from tests.integration.actor_helpers import hf_logprobs, scored_batch
 
 TOLERANCE = 1e-5  # fp32 engine vs fp32 HF: the probe measured 9.5e-7
@@ -91,7 +91,7 @@ class LocalEngine:
         self.events = LoopThread("moe-engine")
 
         async def start() -> VLLMEngine:
-            return VLLMEngine(EngineSpec(str(model_dir), max_model_len=512))
+            return VLLMEngine(EngineSpec(str(model_dir), kv_cache_gib=TEST_KV_CACHE_GIB, max_model_len=512))
 
         self.engine = self.events.run(start())
 
@@ -149,8 +149,8 @@ def qwen3_engines(ray_local, qwen3_case):
     handles, start_gaps = [], []
     try:
         for index in range(TP2_ENGINES):
-            spec = EngineSpec(str(qwen3_case.model_dir), max_model_len=512, seed=index, tensor_parallel_size=2,
-                              vllm_port=29800 + 100 * index)
+            spec = EngineSpec(str(qwen3_case.model_dir), kv_cache_gib=TEST_KV_CACHE_GIB, max_model_len=512, seed=index,
+                              tensor_parallel_size=2, vllm_port=29800 + 100 * index)
             handle = ray.remote(RolloutWorker).options(num_cpus=0).remote(
                 spec, RolloutConfig(**TEST_ROLLOUT), RetrieverConfig(topk=2), "http://127.0.0.1:9", 1,
             )

@@ -20,7 +20,7 @@ from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, SamplingDistribution,
 from rlsearch.config import RetrieverConfig, RolloutConfig
 from rlsearch.rollout import EngineSpec, RolloutWorker
 from rlsearch.weights import WeightSync, WeightSyncError, check_engines_match_actor, logprob_mismatch
-from tests.conftest import TEST_ROLLOUT
+from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 from tests.integration.actor_helpers import actor_spec
 
 ENGINES, ENGINE_TP = 2, 2
@@ -38,8 +38,8 @@ def model_b(tmp_path_factory):
 
 
 def _start_engine(tiny_model_dir, retriever, index: int):
-    spec = EngineSpec(str(tiny_model_dir), max_model_len=768, seed=index, tensor_parallel_size=ENGINE_TP,
-                      vllm_port=29600 + 100 * index)
+    spec = EngineSpec(str(tiny_model_dir), kv_cache_gib=TEST_KV_CACHE_GIB, max_model_len=768, seed=index,
+                      tensor_parallel_size=ENGINE_TP, vllm_port=29600 + 100 * index)
     handle = ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=8).remote(
         spec, RolloutConfig(**TEST_ROLLOUT), RetrieverConfig(topk=2), retriever.url, 1,
     )
