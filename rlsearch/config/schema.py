@@ -189,8 +189,8 @@ class RolloutConfig:
     # CPU only, engines with tensor_parallel_size > 1: VLLM_CPU_OMP_THREADS_BIND of their workers. Empty: nobind
     # (vLLM's default binding asserts on a machine with one NUMA node); e.g. "0|1" pins worker i to core i
     cpu_threads_bind: str = ""
-    # KV cache per engine worker in GiB. > 0: that size on CPU (VLLM_CPU_KVCACHE_SPACE, whole GiB) and on GPU (vLLM's
-    # kv_cache_memory_bytes; rollout.gpu_memory_utilization then no longer sizes it). 0: 1 GiB on CPU; on GPU what
+    # KV cache per engine worker in GiB (vLLM's kv_cache_memory_bytes; fractions too). > 0: that size on CPU and on
+    # GPU (rollout.gpu_memory_utilization then no longer sizes it). 0: 1 GiB on CPU; on GPU what
     # rollout.gpu_memory_utilization leaves after the weights and activations
     kv_cache_gib: float = 0.0
     # GPU only: the share of each engine GPU vLLM may take (weights, activations, KV cache); the rest is headroom for
