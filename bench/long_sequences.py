@@ -27,7 +27,7 @@ loading included). A watchdog kills a configuration's ranks when the machine's a
 The last lines are the goals: the 32k step peak per rank <= 8 GB (chunked at CP1, or with CP2 if needed), and the
 merged tree's step <= 1.3 x the one-segment step.
 
-  .venv/bin/python bench/long_sequences.py --quick            # small sizes, a smoke run of a few minutes
+  .venv/bin/python bench/long_sequences.py --smoke            # one 512-token size, 2 segments: about a minute
   .venv/bin/python bench/long_sequences.py                    # 4k-32k and 16 segments: 10-25 minutes on 2 cores
   .venv/bin/python bench/long_sequences.py --sizes 32768 --segments 0   # the 32k figures only
 """
@@ -385,13 +385,9 @@ def main() -> None:
                              "start less --min-free-gb and 2 GB of headroom")
     parser.add_argument("--min-free-gb", type=float, default=1.5,
                         help="the watchdog kills a configuration when the machine has less available than this")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: sizes 1024,2048, 4 segments of 64-token turns")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
-    args = parse_args(parser, dict(sizes="256,512", segments=2, turn_tokens=32, prompt_tokens=32))
-    if args.quick:
-        args.sizes, args.segments, args.turn_tokens, args.prompt_tokens = "1024,2048", 4, 64, 64
+    args = parse_args(parser, dict(sizes="512", segments=2, turn_tokens=32, prompt_tokens=32))
     args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if args.segments == 1:
         parser.error("--segments must be 0 (skip part 2) or at least 2")
