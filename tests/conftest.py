@@ -22,6 +22,21 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     _skip_gpu_tests_without_cuda(items)
     items[:] = SHARED_ENGINES.group_users(items)
+    _assign_lanes(items)
+
+
+# `bash scripts/test.sh` runs the suite in two lanes side by side (pytest-xdist: -n 2 --dist loadgroup), each a worker
+# process with session fixtures of its own: the tests that run training drivers and benches as subprocesses, and the
+# tests that run engines and ranks from the pytest process. A training run alone keeps about 1.3 of 2 cores busy.
+SUBPROCESS_LANE = ("tests/e2e/", "tests/faults/", "tests/integration/test_bench_smoke.py",
+                   "tests/integration/test_multinode.py")
+
+
+def _assign_lanes(items) -> None:
+    for item in items:
+        shared = set(SHARED_ENGINES.uses(item)) - set(SharedEngines.UNGROUPED)
+        lane = "subprocesses" if item.nodeid.startswith(SUBPROCESS_LANE) and not shared else "in-process"
+        item.add_marker(pytest.mark.xdist_group(lane))
 
 
 def _skip_gpu_tests_without_cuda(items) -> None:
@@ -72,7 +87,7 @@ class SharedEngines:
         for item in items:
             modules.setdefault(item.module, []).append(item)
         users = [module for module, its in modules.items()
-                 if any(set(self._uses(item)) - set(self.UNGROUPED) for item in its)]
+                 if any(set(self.uses(item)) - set(self.UNGROUPED) for item in its)]
         ordered, placed = [], False
         for module, its in modules.items():
             if module in users:
@@ -81,7 +96,7 @@ class SharedEngines:
                     placed = True
             else:
                 ordered += its
-        self._last_user = {name: item.nodeid for item in ordered for name in self._uses(item)}
+        self._last_user = {name: item.nodeid for item in ordered for name in self.uses(item)}
         return ordered
 
     def release_after(self, item) -> None:
@@ -99,7 +114,7 @@ class SharedEngines:
             held[1]()
 
     @classmethod
-    def _uses(cls, item) -> list[str]:
+    def uses(cls, item) -> list[str]:
         """The shared engines `item` takes from conftest (a module may define its own fixture of the same name)."""
         definitions = item._fixtureinfo.name2fixturedefs
         return [name for name in cls.NAMES + cls.UNGROUPED if name in definitions
