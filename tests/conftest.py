@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import tempfile
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (tests/gpu, run by scripts/gpu_check.sh); skipped "
                             "without one")
+    config.addinivalue_line("markers", "memory_heavy: holds several GiB of engines and ranks at once (a module's "
+                            "pytestmark, or a test's): never beside another such module or test in the other lane")
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: the run order below is the final one
@@ -30,6 +36,45 @@ def pytest_collection_modifyitems(config, items):
 # tests that run engines and ranks from the pytest process. A training run alone keeps about 1.3 of 2 cores busy.
 SUBPROCESS_LANE = ("tests/e2e/", "tests/faults/", "tests/integration/test_bench_smoke.py",
                    "tests/integration/test_multinode.py")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _memory_heavy_module(request):
+    """A module marked memory_heavy (its pytestmark) holds the lanes' memory lock from its first test to its last."""
+    marked = any(mark.name == "memory_heavy" for mark in getattr(request.module, "pytestmark", []))
+    with MEMORY_LOCK.held() if marked else nullcontext():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _memory_heavy_test(request):
+    """A test marked memory_heavy holds the lanes' memory lock while it runs."""
+    marked = request.node.get_closest_marker("memory_heavy") is not None and not any(
+        mark.name == "memory_heavy" for mark in getattr(request.module, "pytestmark", []))
+    with MEMORY_LOCK.held() if marked else nullcontext():
+        yield
+
+
+class MemoryLock:
+    """An exclusive lock (flock) the two lanes share: the modules and tests that hold several GiB at once (2 x TP2
+    engines, MoE engines beside expert-parallel ranks) take it, so that two of them never run side by side within
+    CI's 24 GiB. Within one lane it is free: a lane runs one test at a time."""
+
+    def __init__(self) -> None:
+        checkout = hashlib.sha1(str(REPO_ROOT).encode()).hexdigest()[:8]  # lanes of one suite, not another checkout's
+        self.path = Path(tempfile.gettempdir()) / f"rlsearch-tests-{checkout}.lock"
+
+    @contextmanager
+    def held(self):
+        with self.path.open("a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+MEMORY_LOCK = MemoryLock()
 
 
 def _assign_lanes(items) -> None:
