@@ -22,6 +22,8 @@ def pytest_configure(config):
                             "without one")
     config.addinivalue_line("markers", "memory_heavy: holds several GiB of engines and ranks at once (a module's "
                             "pytestmark, or a test's): never beside another such module or test in the other lane")
+    if not config.pluginmanager.hasplugin("xdist"):  # RLSEARCH_TEST_LANES=1: the lanes' marks are left unread
+        config.addinivalue_line("markers", "xdist_group(name): the lane a test runs in (pytest-xdist)")
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: the run order below is the final one
@@ -32,10 +34,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 # `bash scripts/test.sh` runs the suite in two lanes side by side (pytest-xdist: -n 2 --dist loadgroup), each a worker
-# process with session fixtures of its own: the tests that run training drivers and benches as subprocesses, and the
-# tests that run engines and ranks from the pytest process. A training run alone keeps about 1.3 of 2 cores busy.
-SUBPROCESS_LANE = ("tests/e2e/", "tests/faults/", "tests/integration/test_bench_smoke.py",
-                   "tests/integration/test_multinode.py")
+# process with session fixtures of its own: the tests that run training drivers as subprocesses on the session's Ray
+# (driver_ray), and the others: engines and ranks run from the pytest process, the benches' smoke runs, unit tests.
+# A training run alone keeps about 1.3 of 2 cores busy; the lanes take about as long as each other.
+SUBPROCESS_LANE = ("tests/e2e/", "tests/faults/", "tests/integration/test_multinode.py")
 
 
 @pytest.fixture(scope="module", autouse=True)

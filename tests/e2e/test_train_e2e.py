@@ -127,6 +127,7 @@ def test_a_supervised_run_does_not_retry_bad_input(tmp_path, tiny_model_dir):
     assert not (tmp_path / "run" / "logs" / "restarts.log").exists()
 
 
+@pytest.mark.memory_heavy
 def test_run_search_grpo_script_trains_with_two_tp2_engines_over_broadcast(tmp_path, driver_ray):
     """2 rollout engines x TP2 (4 vLLM workers, nobind threads) on 2 cores; weights reach both engines by the
     broadcast transport (gloo) after every step, and every engine passes the probe check."""

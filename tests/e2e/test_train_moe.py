@@ -5,9 +5,12 @@
 import os
 import subprocess
 
+import pytest
+
 from tests.conftest import REPO_ROOT
 
 
+@pytest.mark.memory_heavy
 def test_moe_config_trains_three_steps_with_expert_parallelism(tmp_path, driver_ray):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

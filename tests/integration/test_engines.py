@@ -20,6 +20,8 @@ from rlsearch.rollout import EnginePool, EngineSpec, PromptItem, Trajectory
 from rlsearch.trainer.placement import check_retriever_reachable, describe_placement
 from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 
+pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module
+
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (engines, tensor_parallel_size); the first is the reference
 GROUPS, GROUP_SIZE, STEP, SEED = 4, 3, 3, 11
 

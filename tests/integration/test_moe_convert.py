@@ -27,6 +27,8 @@ from rlsearch.checkpoint import CheckpointStore, HFExport, hf_to_mcore, mcore_to
 from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 from tests.integration.test_convert import _assert_bit_exact, _convert_cli, _converted_tensors
 
+pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module
+
 ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
 TOLERANCE = 1e-5  # fp32 against fp32
 PROMPT_IDS = torch.randint(0, 151_000, (1, 48), generator=torch.Generator().manual_seed(5))

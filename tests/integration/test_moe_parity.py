@@ -19,6 +19,8 @@ from rlsearch.actor import ActorRanks
 from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch, sent_tensors
 
+pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module
+
 ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
 # name -> (pp, dp, ep)
 LAYOUTS = {"ep1": (1, 1, 1), "ep2": (1, 2, 2), "pp2ep2": (2, 2, 2)}

@@ -28,6 +28,8 @@ from rlsearch.weights.bucket import WeightBucket, pack_bucket
 from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 from tests.integration.actor_helpers import hf_logprobs, scored_batch
 
+pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module
+
 TOLERANCE = 1e-5  # fp32 engine vs fp32 HF: the probe measured 9.5e-7
 NAIVE_GAP = 1e-2  # what the plain load_weights path must be caught above (the probe measured 0.1-0.8)
 PROBE = "<|im_start|>user\nWho wrote the novel Dune? Search first.<|im_end|>\n<|im_start|>assistant\n<search> Dune"

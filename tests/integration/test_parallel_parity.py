@@ -18,6 +18,8 @@ from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 from rlsearch.weights import WeightSync, logprob_mismatch
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch, sent_tensors
 
+pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module
+
 # name -> (tp, pp, dp, extra actor settings)
 LAYOUTS = {
     "tp1pp1": (1, 1, 1, {}),

@@ -23,6 +23,8 @@ from rlsearch.weights import WeightSync, WeightSyncError, check_engines_match_ac
 from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 from tests.integration.actor_helpers import actor_spec
 
+pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module
+
 ENGINES, ENGINE_TP = 2, 2
 LAYOUTS = {"tp1pp1": (1, 1), "tp2pp1": (2, 1), "tp1pp2": (1, 2)}
 TRANSPORTS = ("shm", "broadcast")
