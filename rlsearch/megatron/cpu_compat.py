@@ -2,7 +2,9 @@
 
 `apply_cpu_patches()` is a no-op in a process with a GPU: the GPU path runs megatron unpatched.
 What each patch covers (megatron-cpu.md has the investigation):
-- RNG tracker: CudaRNGStatesTracker.add/fork call torch.cuda.get_rng_state(); ours keeps CPU generator states.
+- RNG tracker: CudaRNGStatesTracker.add/fork call torch.cuda.get_rng_state(); ours keeps CPU generator states. The
+  activation checkpointing (actor.recompute: CheckpointFunction, CheckpointWithoutOutput) saves "the CUDA RNG state"
+  before a recomputed forward and restores it for the recomputation: the CPU generator is that state here.
 - Device mode: hard-coded device="cuda" / .cuda() across megatron (schedules, causal masks) become CPU. The
   TorchFunctionMode is thread-local: enter it on the thread that calls megatron (a sync Ray actor runs
   __init__ and every method on the main thread).
@@ -182,3 +184,5 @@ def _install_cpu_rng_tracker() -> None:
 
     megatron_random.CudaRNGStatesTracker = CpuRNGStatesTracker
     megatron_random.initialize_rng_tracker(force_reset=True)
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)

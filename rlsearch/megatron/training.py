@@ -47,6 +47,8 @@ def build_training_model(chunks: list[torch.nn.Module], actor: ActorConfig, tota
             adam_beta1=actor.adam_beta1, adam_beta2=actor.adam_beta2, clip_grad=actor.clip_grad,
             bf16=config.bf16, params_dtype=config.params_dtype,
             use_distributed_optimizer=actor.use_distributed_optimizer,
+            optimizer_cpu_offload=actor.optimizer_offload_fraction > 0,
+            optimizer_offload_fraction=actor.optimizer_offload_fraction,
         ),
         model,
     )
@@ -100,6 +102,7 @@ def _sharded_state(training: TrainingModel, is_loading: bool, with_rng: bool) ->
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     model_state = model_sharded_state(training.chunks)
+    _create_missing_adam_state(training.optimizer)
     # the distributed optimizer's canonical (per-parameter) layout, so its state loads into any TP/PP/DP
     metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
     state = {
@@ -117,6 +120,27 @@ def _sharded_state(training: TrainingModel, is_loading: bool, with_rng: bool) ->
             position += (ps.get_context_parallel_rank(),)
         state["rng"] = ShardedObject("rng_state", _rng_state(), layout, position, replica_id=0)
     return state
+
+
+def _create_missing_adam_state(optimizer) -> None:
+    """torch's Adam creates its state (`step` and the two moments) at its first step. Megatron's distributed optimizer,
+    without Apex or Transformer Engine, reads `step` from that state whenever it builds a state dict, to save or to
+    load into, and fails on a fresh optimizer (`assert len(steps) == 1`): its state is created here as torch's first
+    step would (zeros at step 0). A load overwrites it; a save records step 0, as the first step would find it."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = part.optimizer
+        if not isinstance(part, DistributedOptimizer) or inner.state:
+            continue
+        for group in inner.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for param in group["params"]:
+                inner.state[param] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu"),
+                    "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                }
 
 
 def _rng_state() -> dict:
