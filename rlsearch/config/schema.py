@@ -66,8 +66,8 @@ class ActorConfig:
     # layer spec only: with Transformer Engine the segments train one by one (said at start-up); not with cp > 1
     merge_prefixes: bool = True
     virtual_pipeline_stages: int = 0  # > 1: interleaved pipeline schedule with this many model chunks per stage
-    # shard optimizer states (Adam's moments, the fp32 main weights) over the data-parallel ranks (ZeRO-1); its
-    # checkpoints resume at any actor.dp, with or without it
+    # shard optimizer states (Adam's moments, the fp32 main weights) over the data-parallel ranks (ZeRO-1). Its
+    # checkpoints resume at any actor.dp (tp, pp), with the distributed optimizer: a run that switches it is refused
     use_distributed_optimizer: bool = False
     # activation recomputation: none | selective | full. full: each group of transformer layers keeps only its input
     # and runs its forward again in the backward pass (the least memory, about 1.3x the step time); selective: only

@@ -127,8 +127,10 @@ def _create_missing_adam_state(optimizer) -> None:
     without Apex or Transformer Engine, reads `step` from that state whenever it builds a state dict, to save or to
     load into, and fails on a fresh optimizer (`assert len(steps) == 1`): its state is created here as torch's first
     step would (zeros at step 0). A load overwrites it; a save records step 0, as the first step would find it."""
-    from megatron.core.optimizer import DistributedOptimizer
+    from megatron.core.optimizer import DistributedOptimizer, distrib_optimizer
 
+    if distrib_optimizer.HAVE_APEX_OR_TE:  # their fused Adam keeps `step` in its parameter groups
+        return
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = part.optimizer
         if not isinstance(part, DistributedOptimizer) or inner.state:

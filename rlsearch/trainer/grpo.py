@@ -289,6 +289,14 @@ class GRPOTrainer:
                 f"{state['seed']}; a resumed run keeps its seed so the data order and sampling continue. Drop the "
                 f"override, or start a fresh run with trainer.resume=none"
             )
+        saved = state["config"]["actor"].get("use_distributed_optimizer", False)
+        if saved != self.config.actor.use_distributed_optimizer:
+            raise ConfigError(
+                f"'actor.use_distributed_optimizer' is {str(not saved).lower()} but the checkpoint {path} was written "
+                f"with {str(saved).lower()}: the two keep Adam's states in different checkpoint layouts. Resume with "
+                f"actor.use_distributed_optimizer={str(saved).lower()} (any actor.dp, tp or pp), or start a fresh run "
+                "from its weights (rlsearch convert mcore-to-hf, then model.path)"
+            )
         return ResumePoint(path, manifest["layout"], state["step"], SamplerState(**state["sampler"]))
 
     def _resume(self, point: ResumePoint, version: int | None = None) -> None:
