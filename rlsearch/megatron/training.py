@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from types import MethodType
 from typing import Any
 
 import numpy as np
@@ -89,6 +90,7 @@ def load_training_state(training: TrainingModel, path: str, restore_rng: bool) -
             for index, chunk in enumerate(training.chunks):
                 chunk.module.load_state_dict(state["model"][f"model{index}"])
         training.optimizer.load_state_dict(state["optimizer"])
+        _unshare_adam_steps(training.optimizer)
     training.scheduler.num_steps = 0  # load_state_dict adds the saved count to the current one
     training.scheduler.load_state_dict(state["scheduler"])
     if restore_rng:
@@ -102,7 +104,7 @@ def _sharded_state(training: TrainingModel, is_loading: bool, with_rng: bool) ->
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     model_state = model_sharded_state(training.chunks)
-    _create_missing_adam_state(training.optimizer)
+    _work_around_torch_adam(training.optimizer)
     # the distributed optimizer's canonical (per-parameter) layout, so its state loads into any TP/PP/DP
     metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
     state = {
@@ -122,18 +124,24 @@ def _sharded_state(training: TrainingModel, is_loading: bool, with_rng: bool) ->
     return state
 
 
-def _create_missing_adam_state(optimizer) -> None:
-    """torch's Adam creates its state (`step` and the two moments) at its first step. Megatron's distributed optimizer,
-    without Apex or Transformer Engine, reads `step` from that state whenever it builds a state dict, to save or to
-    load into, and fails on a fresh optimizer (`assert len(steps) == 1`): its state is created here as torch's first
-    step would (zeros at step 0). A load overwrites it; a save records step 0, as the first step would find it."""
+def _work_around_torch_adam(optimizer) -> None:
+    """Gaps of megatron-core 0.16.1's distributed optimizer over torch's Adam, which it uses without Apex or
+    Transformer Engine (their fused Adam keeps `step` in its parameter groups, torch's per parameter):
+    - it reads `step` from the per-parameter state torch's Adam creates at its first step whenever it builds a state
+      dict, to save or to load into, so a fresh optimizer fails (`assert len(steps) == 1`). The state is created here
+      as that first step would (zeros at step 0): a load overwrites it, a save records step 0.
+    - loading a fully_reshardable checkpoint copies every per-parameter state into place, `step` included, which the
+      checkpoint keeps in its parameter groups instead (KeyError: 'step'): only the states it holds are copied."""
     from megatron.core.optimizer import DistributedOptimizer, distrib_optimizer
 
-    if distrib_optimizer.HAVE_APEX_OR_TE:  # their fused Adam keeps `step` in its parameter groups
+    if distrib_optimizer.HAVE_APEX_OR_TE:
         return
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(part, DistributedOptimizer):
+            continue
+        part._set_main_param_and_optimizer_states = MethodType(_set_saved_states, part)
         inner = part.optimizer
-        if not isinstance(part, DistributedOptimizer) or inner.state:
+        if inner.state:
             continue
         for group in inner.param_groups:
             on_device = group.get("fused") or group.get("capturable")
@@ -143,6 +151,31 @@ def _create_missing_adam_state(optimizer) -> None:
                     "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
                 }
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """The third gap (see `_work_around_torch_adam`): a load gives every parameter's Adam state one shared `step`
+    tensor, which torch's Adam then increments once per parameter at the next step (a wrong bias correction). Each
+    parameter gets its own."""
+    from megatron.core.optimizer import DistributedOptimizer, distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(part, DistributedOptimizer):
+            for state in part.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = state["step"].clone()
+
+
+def _set_saved_states(self, model_param, tensors: dict) -> None:
+    """DistributedOptimizer._set_main_param_and_optimizer_states (its path without a precision-aware optimizer),
+    copying the states in `tensors` rather than every state the optimizer holds."""
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    destination = {"param": main_param, **self.optimizer.state[main_param]}
+    for key, tensor in tensors.items():
+        destination[key].copy_(tensor)
 
 
 def _rng_state() -> dict:

@@ -19,7 +19,7 @@ from rlsearch.checkpoint import CheckpointStore, mcore_to_hf
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
 
 # warm-up: the learning rate changes every step, so a lost schedule position shows
-SETTINGS = {"lr_warmup_steps": 3, "lr": 1e-4, "use_distributed_optimizer": True}
+SETTINGS = {"lr_warmup_steps": 5, "lr": 1e-4, "use_distributed_optimizer": True}
 STEPS = 4
 SAVED_AFTER = 2
 # name -> (dp, extra actor settings) of the actors that resume the checkpoint
