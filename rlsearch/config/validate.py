@@ -76,6 +76,8 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
                 f"'algo.overlong_reasons[{index}]' is {reason!r}; the reasons are {', '.join(TRUNCATION_REASONS)}"
             )
     _check_actor(config.actor)
+    if config.model.dtype != "auto":
+        _check_optimizer_offload_dtype(config.actor, config.model.dtype)
     _check_routing_replay(config.algo.routing_replay)
     if config.actor.virtual_pipeline_stages < 0 or config.actor.virtual_pipeline_stages == 1:
         raise ConfigError("'actor.virtual_pipeline_stages' must be 0 (off) or >= 2")
@@ -145,6 +147,16 @@ def _check_actor(actor: ActorConfig) -> None:
     _check_memory_settings(actor)
 
 
+def _check_optimizer_offload_dtype(actor: ActorConfig, dtype: str) -> None:
+    if actor.optimizer_offload_fraction > 0 and dtype == "float32":
+        raise ConfigError(
+            f"'actor.optimizer_offload_fraction' is {actor.optimizer_offload_fraction} with float32 weights "
+            "(model.dtype): Megatron's hybrid optimizer offloads the distributed optimizer's float32 main copies of "
+            "bfloat16 weights, and float32 weights have none (it refuses them: \"can't optimize a non-leaf Tensor\"); "
+            "use model.dtype=bfloat16 or actor.optimizer_offload_fraction=0"
+        )
+
+
 def _check_memory_settings(actor: ActorConfig) -> None:
     """Recomputation and offloading: what Megatron's TransformerConfig and optimizer would refuse when the ranks build
     their models, said at start-up with our keys."""
@@ -200,9 +212,11 @@ def _check_memory_settings(actor: ActorConfig) -> None:
         )
 
 
-def check_actor_devices(actor: ActorConfig, has_gpus: bool) -> None:
-    """ConfigError when the actor's memory settings cannot run on the cluster's devices: checked by the driver once it
-    knows whether the cluster has GPUs, before any rank starts."""
+def check_actor_devices(actor: ActorConfig, has_gpus: bool, dtype: str) -> None:
+    """ConfigError when the actor's memory settings cannot run on the cluster's devices or in the model dtype
+    (`dtype`, model.dtype resolved: auto follows the devices). Checked by the driver once it knows whether the cluster
+    has GPUs, before any rank starts."""
+    _check_optimizer_offload_dtype(actor, dtype)
     if has_gpus:
         return
     if actor.activation_offload != "none":
@@ -366,6 +380,8 @@ def validate_sft_config(config: SFTConfig) -> SFTConfig:
             f"data.max_tokens = {config.data.max_tokens}"
         )
     _check_actor(config.actor)
+    if config.model.dtype != "auto":
+        _check_optimizer_offload_dtype(config.actor, config.model.dtype)
     return config
 
 

@@ -191,8 +191,8 @@ class GRPOTrainer:
         # the cluster's GPUs, not this process's, decide: model.dtype and weights.transport `auto` become concrete here,
         # once, and everything below (and config.json) sees those values
         has_gpus = cluster_has_gpus()
-        check_actor_devices(config.actor, has_gpus)  # before any engine or actor rank starts
         self.config = config = resolve_auto_keys(config, has_gpus)
+        check_actor_devices(config.actor, has_gpus, config.model.dtype)  # before any engine or actor rank starts
         (self.output_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
         gpus = 1 if has_gpus else 0
         place = plan_placement(config.trainer.placement, world, gpus, config.trainer.ray_address,

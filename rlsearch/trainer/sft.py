@@ -93,8 +93,8 @@ def run_sft(config: SFTConfig) -> SFTSummary:
     world = config.actor.world_size
     init_ray(config.ray_address, num_cpus=world)
     has_gpus = cluster_has_gpus()  # the cluster's GPUs decide model.dtype auto, as in training
-    check_actor_devices(config.actor, has_gpus)
     config = resolve_auto_keys(config, has_gpus)
+    check_actor_devices(config.actor, has_gpus, config.model.dtype)
     (output_dir / "sft_config.json").write_text(json.dumps(to_dict(config), indent=2))
     spec = ActorWorkerSpec(
         model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=AlgoConfig(),

@@ -274,6 +274,9 @@ def test_recompute_and_offload_keys_are_checked_at_start_up_naming_the_key(tmp_p
     load_train_config(None, ["actor.recompute=selective", "actor.recompute_modules=[core_attn,mlp,layernorm]",
                              "actor.activation_offload=fine_grained"])
     load_train_config(None, ["actor.use_distributed_optimizer=true", "actor.optimizer_offload_fraction=0.5"])
+    with pytest.raises(ConfigError, match=r"with float32 weights \(model\.dtype\)"):
+        load_train_config(None, ["actor.use_distributed_optimizer=true", "actor.optimizer_offload_fraction=0.5",
+                                 "model.dtype=float32"])
     for overrides, message in [
         (["actor.recompute=always"], r"'actor\.recompute' must be one of none, selective, full"),
         (["actor.recompute=full", "actor.recompute_method=all"], r"'actor\.recompute_method' must be one of uniform"),
@@ -298,12 +301,18 @@ def test_recompute_and_offload_keys_are_checked_at_start_up_naming_the_key(tmp_p
     with pytest.raises(ConfigError, match=r"'actor\.recompute' must be one of"):
         load_sft_config(None, ["actor.recompute=layers"])  # the SFT actor is the same actor
 
-    check_actor_devices(ActorConfig(activation_offload="layer"), has_gpus=True)
+    check_actor_devices(ActorConfig(activation_offload="layer"), has_gpus=True, dtype="bfloat16")
     with pytest.raises(ConfigError, match=r"'actor\.activation_offload' is fine_grained but the cluster has no GPU: .*"
                                           r"where a CPU rank keeps them already"):
-        check_actor_devices(ActorConfig(activation_offload="fine_grained"), has_gpus=False)
+        check_actor_devices(ActorConfig(activation_offload="fine_grained"), has_gpus=False, dtype="bfloat16")
     with pytest.raises(ConfigError, match=r"moe_act but the cluster has no GPU"):
-        check_actor_devices(ActorConfig(recompute="selective", recompute_modules=["moe_act"]), has_gpus=False)
+        check_actor_devices(ActorConfig(recompute="selective", recompute_modules=["moe_act"]), has_gpus=False,
+                            dtype="float32")
+    offload = ActorConfig(use_distributed_optimizer=True, optimizer_offload_fraction=0.5)
+    check_actor_devices(offload, has_gpus=False, dtype="bfloat16")  # runs on CPU too (tests/integration)
+    with pytest.raises(ConfigError, match=r"'actor\.optimizer_offload_fraction' is 0\.5 with float32 weights .*: "
+                                          r"Megatron's hybrid optimizer offloads"):
+        check_actor_devices(offload, has_gpus=True, dtype="float32")
 
     dense, moe, qwen3_moe = tmp_path / "dense", tmp_path / "moe", tmp_path / "qwen3_moe"
     shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "num_hidden_layers": 4}
