@@ -7,6 +7,7 @@ pipeline stage, tensor-parallel rank 0), one per data-parallel shard.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,14 @@ from ..config import ActorConfig, AlgoConfig
 from ..devices import local_device
 from ..lifetime import forked_children_die_with_this_process
 from ..megatron.cpu_compat import cuda_available
-from ..megatron.model import MoESettings, build_model_chunks, export_hf_named, make_bridge, resolve_transformer_impl
+from ..megatron.model import (
+    ActivationMemory,
+    MoESettings,
+    build_model_chunks,
+    export_hf_named,
+    make_bridge,
+    resolve_transformer_impl,
+)
 from ..megatron.parallel import PROCESS_GROUP_TIMEOUT_S, init_megatron_parallel
 from ..megatron.training import build_training_model, load_training_state, save_training_state
 from ..rendezvous import Rendezvous
@@ -102,17 +110,22 @@ class MegatronActorWorker:
         return ray.get_runtime_context().get_node_id()
 
     def initialize(self, rendezvous: str) -> RankInfo:
-        from megatron.core import parallel_state as ps
-
+        """Join the ranks' process group at `rendezvous`, then `build` this rank's part of the actor."""
         actor = self.spec.actor
         cores = os.cpu_count() or 1
         torch.set_num_threads(actor.num_threads or max(1, cores // self.world_size))
-        on_cpu = not cuda_available()
         init_megatron_parallel(
             self.rank, self.world_size, rendezvous, tp=actor.tp, pp=actor.pp, cp=actor.cp, ep=actor.ep,
             virtual_pipeline_stages=actor.virtual_pipeline_stages, backend=actor.backend, seed=self.spec.seed,
         )
+        return self.build()
 
+    def build(self) -> RankInfo:
+        """This rank's models, optimizer and MoE routers, in the process group `initialize` joined. A test may build
+        actors of several configs with the same layout in one group (one after another)."""
+        from megatron.core import parallel_state as ps
+
+        actor = self.spec.actor
         self.transformer_impl = resolve_transformer_impl(actor.transformer_impl)
         dtype = _DTYPES[self.spec.dtype]
         # mbridge's HF <-> Megatron mapper (rlsearch.weights is the weight path that uses it)
@@ -120,7 +133,13 @@ class MegatronActorWorker:
             dispatcher=actor.moe_dispatcher, aux_loss_coef=actor.moe_aux_loss_coef, z_loss_coef=actor.moe_z_loss_coef,
             record_routing=self.spec.algo.routing_replay == "old",
         )
-        self.mbridge = make_bridge(self.spec.model_path, dtype, self.transformer_impl, on_cpu, moe)
+        activations = ActivationMemory(
+            recompute=actor.recompute, recompute_method=actor.recompute_method,
+            recompute_num_layers=actor.recompute_num_layers, recompute_modules=tuple(actor.recompute_modules),
+            offload=actor.activation_offload,
+        )
+        self.mbridge = make_bridge(self.spec.model_path, dtype, self.transformer_impl, not cuda_available(), moe,
+                                   activations)
         chunks = self._build_chunks()
         self.training = build_training_model(chunks, self.spec.actor, self.spec.total_steps)
         self.model = self.training.chunks
@@ -229,14 +248,11 @@ class MegatronActorWorker:
             if self.transformer_impl == "local":
                 mb.layout.rotary = rotary_table(_unwrap(chunk), mb.layout.positions)
             if routed:
-                self.routers.free(chunk)
-                if self._recorded_routing is not None:
-                    self.routers.record(chunk)
-                elif mb.routed_experts is not None:
-                    self.routers.replay(chunk, mb.routed_experts)
+                self.routers.route(chunk, record=self._recorded_routing is not None, replay=mb.routed_experts)
             self._logit_index = mb.logit_index
             try:
-                output = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+                with self.routers.forward_pass() if routed else contextlib.nullcontext():
+                    output = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
             finally:
                 self._logit_index = None
             if routed and self._recorded_routing is not None:

@@ -30,6 +30,7 @@ from .schema import (
     WeightsConfig,
 )
 from .validate import (
+    check_actor_devices,
     check_model_dir,
     check_model_layout,
     validate_eval_config,
@@ -57,5 +58,6 @@ __all__ = [
     "SummariserConfig", "ToolsConfig", "TrainConfig", "TrainerConfig", "TRUNCATION_REASONS",
     "auto_dtype", "from_dict", "load_config", "load_eval_config", "load_sft_config", "load_train_config",
     "resolve_auto_keys", "resolve_store_dirs", "store_dir", "to_dict",
-    "check_model_dir", "check_model_layout", "validate_eval_config", "validate_sft_config", "validate_train_config",
+    "check_actor_devices", "check_model_dir", "check_model_layout", "validate_eval_config", "validate_sft_config",
+    "validate_train_config",
 ]

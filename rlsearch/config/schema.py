@@ -66,7 +66,32 @@ class ActorConfig:
     # layer spec only: with Transformer Engine the segments train one by one (said at start-up); not with cp > 1
     merge_prefixes: bool = True
     virtual_pipeline_stages: int = 0  # > 1: interleaved pipeline schedule with this many model chunks per stage
-    use_distributed_optimizer: bool = False  # shard optimizer states over data-parallel ranks (ZeRO-1)
+    # shard optimizer states (Adam's moments, the fp32 main weights) over the data-parallel ranks (ZeRO-1). Its
+    # checkpoints resume at any actor.dp (tp, pp), with the distributed optimizer: a run that switches it is refused
+    use_distributed_optimizer: bool = False
+    # activation recomputation: none | selective | full. full: each group of transformer layers keeps only its input
+    # and runs its forward again in the backward pass (the least memory, about 1.3x the step time); selective: only
+    # the modules of actor.recompute_modules run again. Logprobs and gradients are those without recomputation
+    recompute: str = "none"
+    # full only: uniform (a stage's layers in groups of actor.recompute_num_layers, each group keeping only its input)
+    # | block (only the first actor.recompute_num_layers layers of each stage recompute; the others keep everything)
+    recompute_method: str = "uniform"
+    # full only: layers per recomputed group (uniform: must divide the layers of a pipeline stage) or recomputed
+    # layers per stage (block: at most the layers of a stage)
+    recompute_num_layers: int = 1
+    # selective only: Megatron's modules to recompute: core_attn (attention scores), mlp (dense MLPs), layernorm,
+    # moe (whole MoE layers), moe_act (the experts' activation; grouped-GEMM experts: Transformer Engine only),
+    # shared_experts (MoE models with shared experts)
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    # activations kept in host memory between the forward and the backward pass, GPU only (on CPU they are in host
+    # memory already): none | layer (Transformer Engine's per-layer offload of all but the last layer: needs
+    # the Transformer Engine layer spec, actor.pp 1 and actor.recompute none) | fine_grained (Megatron's offload of
+    # the inputs of the attention, its norms and projections, and of the MLP norm; not with actor.recompute full)
+    activation_offload: str = "none"
+    # the share of the optimizer's states (Adam's moments and fp32 main weights) kept and updated in host memory by
+    # Megatron's hybrid CPU/GPU optimizer (optimizer_cpu_offload); 0: none, 1: all. Needs
+    # actor.use_distributed_optimizer. On CPU every state is in host memory already (the same code runs)
+    optimizer_offload_fraction: float = 0.0
     num_threads: int = 0  # torch intra-op threads per rank; 0 = cores / ranks
 
     @property

@@ -15,6 +15,9 @@ _CHOICES = {
     "actor.backend": ("auto", "gloo", "nccl"),
     "actor.transformer_impl": ("auto", "local", "transformer_engine"),
     "actor.lr_decay_style": ("constant", "linear", "cosine"),
+    "actor.recompute": ("none", "selective", "full"),
+    "actor.recompute_method": ("uniform", "block"),
+    "actor.activation_offload": ("none", "layer", "fine_grained"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean"),
     "algo.overlong": ("keep", "mask"),
@@ -28,6 +31,9 @@ _CHOICES = {
 }
 BUILTIN_TOOLS = ("search", "browse", "web_search", "web_browse")  # the names tools.enabled accepts
 LOGGERS = ("tensorboard", "wandb")  # what trainer.loggers accepts
+# what actor.recompute=selective may recompute: Megatron's module names (its mla_up_proj is for MLA models, which
+# rlsearch does not build)
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts")
 MIN_OBSERVATION_TOKENS = 16  # a smaller rollout.max_observation_tokens cannot hold the output tags
 # the retrieval server's default request limits (rlsearch.tools.search_api.MAX_QUERIES, MAX_TOPK)
 RETRIEVER_MAX_QUERIES = 512
@@ -74,6 +80,8 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
                 f"'algo.overlong_reasons[{index}]' is {reason!r}; the reasons are {', '.join(TRUNCATION_REASONS)}"
             )
     _check_actor(config.actor)
+    if config.model.dtype != "auto":
+        _check_optimizer_offload_dtype(config.actor, config.model.dtype)
     _check_routing_replay(config.algo.routing_replay)
     if config.actor.virtual_pipeline_stages < 0 or config.actor.virtual_pipeline_stages == 1:
         raise ConfigError("'actor.virtual_pipeline_stages' must be 0 (off) or >= 2")
@@ -140,6 +148,93 @@ def _check_actor(actor: ActorConfig) -> None:
         raise ConfigError(
             f"'actor.cp' is {actor.cp} but 'actor.max_tokens_per_microbatch' is {actor.max_tokens_per_microbatch}: "
             f"context parallelism cuts every sequence into 2 x cp = {2 * actor.cp} chunks"
+        )
+    _check_memory_settings(actor)
+
+
+def _check_optimizer_offload_dtype(actor: ActorConfig, dtype: str) -> None:
+    if actor.optimizer_offload_fraction > 0 and dtype == "float32":
+        raise ConfigError(
+            f"'actor.optimizer_offload_fraction' is {actor.optimizer_offload_fraction} with float32 weights "
+            "(model.dtype): Megatron's hybrid optimizer offloads the distributed optimizer's float32 main copies of "
+            "bfloat16 weights, and float32 weights have none (it refuses them: \"can't optimize a non-leaf Tensor\"); "
+            "use model.dtype=bfloat16 or actor.optimizer_offload_fraction=0"
+        )
+
+
+def _check_memory_settings(actor: ActorConfig) -> None:
+    """Recomputation and offloading: what Megatron's TransformerConfig and optimizer would refuse when the ranks build
+    their models, said at start-up with our keys."""
+    if actor.recompute == "full" and actor.recompute_num_layers < 1:
+        raise ConfigError(f"'actor.recompute_num_layers' must be >= 1 with actor.recompute=full; got "
+                          f"{actor.recompute_num_layers}")
+    if actor.recompute == "selective":
+        if not actor.recompute_modules:
+            raise ConfigError("'actor.recompute_modules' is empty with actor.recompute=selective: name the modules to "
+                              f"recompute ({', '.join(RECOMPUTE_MODULES)})")
+        for index, module in enumerate(actor.recompute_modules):
+            if module not in RECOMPUTE_MODULES:
+                raise ConfigError(f"'actor.recompute_modules[{index}]' is {module!r}; the modules are "
+                                  f"{', '.join(RECOMPUTE_MODULES)}")
+        if "moe_act" in actor.recompute_modules and actor.transformer_impl == "local":
+            raise ConfigError(
+                "'actor.recompute_modules' has moe_act: Megatron recomputes the experts' activation only in "
+                "grouped-GEMM experts, which the local layer spec (actor.transformer_impl=local) does not build; "
+                "recompute moe (the whole MoE layer) instead"
+            )
+    offload = actor.activation_offload
+    if offload == "layer":
+        if actor.recompute != "none":
+            raise ConfigError(
+                f"'actor.activation_offload' is layer with actor.recompute={actor.recompute}: Megatron's layer offload "
+                "does not work with activation recomputation; choose one (fine_grained offload combines with "
+                "actor.recompute=selective)"
+            )
+        if actor.pp > 1:
+            raise ConfigError(
+                f"'actor.activation_offload' is layer with actor.pp={actor.pp}: Megatron's layer offload does not "
+                "support pipeline parallelism; use actor.activation_offload=fine_grained or actor.pp=1"
+            )
+        if actor.transformer_impl == "local":
+            raise ConfigError(
+                "'actor.activation_offload' is layer with actor.transformer_impl=local: the layer offload is "
+                "Transformer Engine's; use actor.activation_offload=fine_grained with the local layer spec"
+            )
+    if offload == "fine_grained" and actor.recompute == "full":
+        raise ConfigError(
+            "'actor.activation_offload' is fine_grained with actor.recompute=full: full recomputation keeps only each "
+            "recomputed group's input, so the modules fine_grained offloads keep nothing to offload; use one of them, "
+            "or actor.recompute=selective"
+        )
+    fraction = actor.optimizer_offload_fraction
+    if not 0.0 <= fraction <= 1.0:
+        raise ConfigError(f"'actor.optimizer_offload_fraction' must be between 0 (off) and 1 (every state); got "
+                          f"{fraction}")
+    if fraction > 0 and not actor.use_distributed_optimizer:
+        raise ConfigError(
+            f"'actor.optimizer_offload_fraction' is {fraction} but 'actor.use_distributed_optimizer' is false: "
+            "Megatron offloads the states of its distributed optimizer; set actor.use_distributed_optimizer=true"
+        )
+
+
+def check_actor_devices(actor: ActorConfig, has_gpus: bool, dtype: str) -> None:
+    """ConfigError when the actor's memory settings cannot run on the cluster's devices or in the model dtype
+    (`dtype`, model.dtype resolved: auto follows the devices). Checked by the driver once it knows whether the cluster
+    has GPUs, before any rank starts."""
+    _check_optimizer_offload_dtype(actor, dtype)
+    if has_gpus:
+        return
+    if actor.activation_offload != "none":
+        raise ConfigError(
+            f"'actor.activation_offload' is {actor.activation_offload} but the cluster has no GPU: offloading moves "
+            "activations from GPU memory to host memory, where a CPU rank keeps them already; use "
+            "actor.activation_offload=none (actor.recompute saves memory on CPU)"
+        )
+    if actor.recompute == "selective" and "moe_act" in actor.recompute_modules:
+        raise ConfigError(
+            "'actor.recompute_modules' has moe_act but the cluster has no GPU: without one the actor builds the local "
+            "layer spec, whose experts are not grouped-GEMM (Megatron recomputes the experts' activation only "
+            "there); recompute moe (the whole MoE layer) instead"
         )
 
 
@@ -208,6 +303,42 @@ def check_model_layout(model_dir: str | Path, actor: ActorConfig, routing_replay
     if routing_replay != "none" and not _num_experts(_hf_config(model_dir)):
         raise ConfigError(f"'algo.routing_replay' is {routing_replay} but {model_dir} is a dense model (no experts "
                           "to route); use algo.routing_replay=none")
+    problem = _memory_settings_problem(model_dir, actor)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _memory_settings_problem(model_dir: str | Path, actor: ActorConfig) -> str | None:
+    """Why recomputation or offloading as configured does not fit the model at `model_dir` (None: it does)."""
+    config = _hf_config(model_dir)
+    layers = config.get("num_hidden_layers") or 0
+    stage_layers = layers // (actor.pp * max(actor.virtual_pipeline_stages, 1))
+    where = "a pipeline stage" if actor.virtual_pipeline_stages < 2 else "a virtual pipeline stage"
+    count = actor.recompute_num_layers
+    if actor.recompute == "full" and actor.recompute_method == "uniform" and stage_layers % count:
+        return (f"'actor.recompute_num_layers' ({count}) must divide the {stage_layers} layers of {where} with "
+                f"actor.recompute_method=uniform (groups of {count} layers recompute together)")
+    if actor.recompute == "full" and actor.recompute_method == "block" and count > stage_layers:
+        return (f"'actor.recompute_num_layers' ({count}) is more than the {stage_layers} layers of {where} "
+                "(actor.recompute_method=block recomputes that many layers per stage)")
+    if actor.recompute == "selective":
+        modules = set(actor.recompute_modules)
+        experts = _num_experts(config)
+        moe_modules = sorted(modules & {"moe", "moe_act", "shared_experts"})
+        if moe_modules and not experts:
+            return (f"'actor.recompute_modules' has {', '.join(moe_modules)} but {model_dir} is a dense model (no MoE "
+                    "layers to recompute); use core_attn, mlp or layernorm")
+        if "shared_experts" in modules and not config.get("shared_expert_intermediate_size"):
+            return (f"'actor.recompute_modules' has shared_experts but the MoE model {model_dir} has no shared "
+                    "experts; use moe")
+        dense_layers = config.get("mlp_only_layers") or (config.get("decoder_sparse_step") or 1) > 1
+        if "mlp" in modules and experts and not dense_layers:
+            return (f"'actor.recompute_modules' has mlp but every layer of {model_dir} is a MoE layer (mlp recomputes "
+                    "dense MLPs); use moe")
+    if actor.activation_offload == "layer" and layers < 2:
+        return (f"'actor.activation_offload' is layer but {model_dir} has {layers} layer: the layer offload keeps the "
+                "last layer's activations on the device, so it needs at least two")
+    return None
 
 
 def _check_trained_distribution(config: TrainConfig) -> None:
@@ -254,6 +385,8 @@ def validate_sft_config(config: SFTConfig) -> SFTConfig:
             f"data.max_tokens = {config.data.max_tokens}"
         )
     _check_actor(config.actor)
+    if config.model.dtype != "auto":
+        _check_optimizer_offload_dtype(config.actor, config.model.dtype)
     return config
 
 

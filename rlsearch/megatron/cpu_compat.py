@@ -2,7 +2,9 @@
 
 `apply_cpu_patches()` is a no-op in a process with a GPU: the GPU path runs megatron unpatched.
 What each patch covers (megatron-cpu.md has the investigation):
-- RNG tracker: CudaRNGStatesTracker.add/fork call torch.cuda.get_rng_state(); ours keeps CPU generator states.
+- RNG tracker: CudaRNGStatesTracker.add/fork call torch.cuda.get_rng_state(); ours keeps CPU generator states. The
+  activation checkpointing (actor.recompute: CheckpointFunction, CheckpointWithoutOutput) saves "the CUDA RNG state"
+  before a recomputed forward and restores it for the recomputation: the CPU generator is that state here.
 - Device mode: hard-coded device="cuda" / .cuda() across megatron (schedules, causal masks) become CPU. The
   TorchFunctionMode is thread-local: enter it on the thread that calls megatron (a sync Ray actor runs
   __init__ and every method on the main thread).
@@ -11,6 +13,11 @@ What each patch covers (megatron-cpu.md has the investigation):
 - Backward passes: the device mode is not active inside autograd `Function.backward` (the engine runs it under the
   thread-local state of the graph, without torch-function modes), so every custom backward runs inside the mode too
   (megatron's `_gather_along_first_dim` allocates with device=torch.cuda.current_device() there).
+- Optimizer offload (actor.optimizer_offload_fraction): Megatron's HybridDeviceOptimizer splits the parameters by
+  `is_cuda` and gives a share of the GPU-resident ones a host copy (pinned) updated by a CPU optimizer; with no
+  parameter on a GPU it offloads nothing and then fails its first step. Here the model's parameters stand for the
+  GPU-resident ones, so the split, the host copies, their updates and the copy back run as on a GPU; pinning memory
+  is a no-op.
 - MoE (megatron-core 0.16.1, local spec, SequentialMLP; ../shared/reference/moe_cpu): the alltoall dispatcher makes a
   `torch.cuda.Stream()` and synchronises its device-to-host copy through CUDA streams and events; and it hands its
   split sizes to `all_to_all_single` as numpy arrays made by a helper that converts only CUDA tensors.
@@ -50,6 +57,7 @@ def apply_cpu_patches() -> None:
         torch.cuda.synchronize = lambda *args, **kwargs: None
         _run_backward_in_device_mode()
         _patch_moe()
+        _patch_optimizer_offload()
         _applied = True
     if threading.get_ident() not in _mode_threads:
         _CudaToCpuMode().__enter__()
@@ -73,7 +81,9 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs:
             kwargs["device"] = _as_cpu_device(kwargs["device"])
-        if func is torch.Tensor.cuda:
+        if kwargs.get("pin_memory"):  # page-locked memory is for copies to a GPU (and needs its driver)
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             return func(*args).replace("torch.", "torch.cuda.", 1)
@@ -145,6 +155,37 @@ def _patch_moe() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu_as_numpy_too
 
 
+def _patch_optimizer_offload() -> None:
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    HybridDeviceOptimizer._get_sub_optimizer_param_groups = _split_with_the_parameters_on_the_device
+
+
+def _split_with_the_parameters_on_the_device(self, offload_fraction: float):
+    """HybridDeviceOptimizer._get_sub_optimizer_param_groups (megatron-core 0.16.1) with every parameter counted as
+    GPU-resident (the original tests `is_cuda`): the first parameters up to `offload_fraction` of the elements get a
+    host copy (a CPU optimizer's), the others stay with the device optimizer; fp32 copies of low-precision ones."""
+    total = sum(param.numel() for group in self.param_groups for param in group["params"])
+    threshold, offloaded = total * offload_fraction, 0
+    cpu_groups, device_groups, to_copy, to_parameter, fp32_copies = [], [], {}, {}, {}
+    for group in self.param_groups:
+        cpu_group, device_group = {**group, "params": []}, {**group, "params": []}
+        for original in group["params"]:
+            param, copied = original, offloaded < threshold
+            if copied:
+                param = original.detach().clone()
+                offloaded += param.numel()
+            if self.param_update_in_fp32 and param.dtype != torch.float32:
+                param = param.detach().clone().float()
+                fp32_copies[original] = param
+            if copied:
+                to_copy[original], to_parameter[param] = param, original
+            (cpu_group if copied else device_group)["params"].append(param)
+        device_groups += [device_group] if device_group["params"] else []
+        cpu_groups += [cpu_group] if cpu_group["params"] else []
+    return cpu_groups, device_groups, to_copy, to_parameter, fp32_copies
+
+
 def _install_cpu_rng_tracker() -> None:
     from megatron.core.tensor_parallel import random as megatron_random
 
@@ -182,3 +223,5 @@ def _install_cpu_rng_tracker() -> None:
 
     megatron_random.CudaRNGStatesTracker = CpuRNGStatesTracker
     megatron_random.initialize_rng_tracker(force_reset=True)
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)

@@ -34,6 +34,37 @@ class MoESettings:
     record_routing: bool = False  # build the routers with Megatron's RouterReplay (algo.routing_replay=old)
 
 
+@dataclass(frozen=True)
+class ActivationMemory:
+    """How the model keeps what its backward pass needs (ActorConfig's recompute* and activation_offload keys, checked
+    at start-up by rlsearch.config)."""
+
+    recompute: str = "none"  # none | selective | full
+    recompute_method: str = "uniform"  # full: uniform | block
+    recompute_num_layers: int = 1  # full: layers per recomputed group (uniform) or per stage (block)
+    recompute_modules: tuple[str, ...] = ("core_attn",)  # selective: Megatron's module names
+    offload: str = "none"  # none | layer | fine_grained
+
+    def megatron_args(self, num_layers: int, transformer_impl: str, is_moe: bool) -> dict:
+        """Megatron TransformerConfig fields for these settings, for a model of `num_layers` layers."""
+        args: dict = {}
+        if self.recompute == "selective":
+            args.update(recompute_granularity="selective", recompute_modules=list(self.recompute_modules))
+        elif self.recompute == "full":
+            args.update(recompute_granularity="full", recompute_method=self.recompute_method,
+                        recompute_num_layers=self.recompute_num_layers)
+        if self.offload == "layer":
+            # every layer but the last, whose activations the backward pass needs first (Megatron's maximum)
+            args.update(cpu_offloading=True, cpu_offloading_num_layers=num_layers - 1, cpu_offloading_activations=True,
+                        cpu_offloading_weights=False)
+        elif self.offload == "fine_grained":
+            modules = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
+            if is_moe and transformer_impl == "transformer_engine":
+                modules += ["expert_fc1", "moe_act"]  # Megatron offloads these in grouped-GEMM experts only
+            args.update(fine_grained_activation_offloading=True, offload_modules=modules)
+        return args
+
+
 _LOCAL_SPEC_LAYERNORM_NAMES = {
     "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
     "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
@@ -65,7 +96,7 @@ def check_architecture(model_type: str | None, hf_dir: str) -> None:
 
 
 def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: bool,
-                moe: MoESettings = MoESettings()):
+                moe: MoESettings = MoESettings(), activations: ActivationMemory = ActivationMemory()):
     """An mbridge Bridge for the HF model at `hf_dir`, configured for our runtime (call after parallel init)."""
     from mbridge.core.bridge import _MODEL_REGISTRY
     from transformers import AutoConfig
@@ -113,6 +144,7 @@ def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: 
         runtime_args.update(use_cpu_initialization=True)
     if is_moe:
         runtime_args.update(_moe_runtime_args(hf_config.model_type, transformer_impl, moe))
+    runtime_args.update(activations.megatron_args(hf_config.num_hidden_layers, transformer_impl, is_moe))
     bridge.set_extra_args(**runtime_args)
     return bridge
 

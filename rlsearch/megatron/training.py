@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from types import MethodType
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,8 @@ def build_training_model(chunks: list[torch.nn.Module], actor: ActorConfig, tota
             adam_beta1=actor.adam_beta1, adam_beta2=actor.adam_beta2, clip_grad=actor.clip_grad,
             bf16=config.bf16, params_dtype=config.params_dtype,
             use_distributed_optimizer=actor.use_distributed_optimizer,
+            optimizer_cpu_offload=actor.optimizer_offload_fraction > 0,
+            optimizer_offload_fraction=actor.optimizer_offload_fraction,
         ),
         model,
     )
@@ -102,6 +105,7 @@ def load_training_state(training: TrainingModel, path: str, restore_rng: bool) -
             for index, chunk in enumerate(training.chunks):
                 chunk.module.load_state_dict(state["model"][f"model{index}"])
         training.optimizer.load_state_dict(state["optimizer"])
+        _settle_loaded_optimizer(training.optimizer)
     use_fused_cpu_adam(training.optimizer)  # the loaded param groups carry the saving run's flags
     training.scheduler.num_steps = 0  # load_state_dict adds the saved count to the current one
     training.scheduler.load_state_dict(state["scheduler"])
@@ -116,11 +120,13 @@ def _sharded_state(training: TrainingModel, is_loading: bool, with_rng: bool) ->
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     model_state = model_sharded_state(training.chunks)
+    _fill_optimizer_gaps(training.optimizer)
     # the distributed optimizer's canonical (per-parameter) layout, so its state loads into any TP/PP/DP
     metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+    optimizer_state = training.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)
     state = {
         "model": model_state,
-        "optimizer": training.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata),
+        "optimizer": optimizer_state if is_loading else _without_classes(optimizer_state),
         "scheduler": training.scheduler.state_dict(),
     }
     if with_rng:
@@ -133,6 +139,86 @@ def _sharded_state(training: TrainingModel, is_loading: bool, with_rng: bool) ->
             position += (ps.get_context_parallel_rank(),)
         state["rng"] = ShardedObject("rng_state", _rng_state(), layout, position, replica_id=0)
     return state
+
+
+def _fill_optimizer_gaps(optimizer) -> None:
+    """Gaps of megatron-core 0.16.1's distributed optimizer when it saves or loads, filled on each of ours:
+    - with torch's Adam (its optimizer without Apex or Transformer Engine, whose fused Adam keeps `step` in its
+      parameter groups rather than per parameter) it reads `step` from the state torch's Adam creates at its first
+      step whenever it builds a state dict, so a fresh optimizer can neither save nor load (`assert len(steps) == 1`):
+      the state is created as that step would (zeros at step 0); a load overwrites it, a save records step 0;
+    - loading a fully_reshardable checkpoint copies every per-parameter state into place, torch's `step` included,
+      which the checkpoint keeps in its parameter groups (KeyError: 'step'): the states both sides hold are copied;
+    - after a load the hybrid optimizer of actor.optimizer_offload_fraction copies every parameter's master weights
+      into its fp32 copy, and the distributed optimizer's fp32 main weights have none (KeyError): those with a copy.
+    After a load: `_settle_loaded_optimizer`."""
+    from megatron.core.optimizer import DistributedOptimizer, distrib_optimizer
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(part, DistributedOptimizer):
+            continue
+        part._set_main_param_and_optimizer_states = MethodType(_set_states_held_by_both, part)
+        inner = part.optimizer
+        if isinstance(inner, HybridDeviceOptimizer):
+            inner._update_fp32_params_by_new_state = MethodType(_update_existing_fp32_copies, inner)
+        if distrib_optimizer.HAVE_APEX_OR_TE or inner.state:
+            continue
+        for group in inner.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for param in group["params"]:
+                inner.state[param] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu"),
+                    "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                }
+
+
+def _set_states_held_by_both(self, model_param, tensors: dict) -> None:
+    """DistributedOptimizer._set_main_param_and_optimizer_states (its path without a precision-aware optimizer),
+    copying the states that both `tensors` (from the checkpoint) and the optimizer hold."""
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    destination = {"param": main_param, **self.optimizer.state[main_param]}
+    for key in destination.keys() & tensors.keys():
+        destination[key].copy_(tensors[key])
+
+
+def _update_existing_fp32_copies(self) -> None:
+    """HybridDeviceOptimizer._update_fp32_params_by_new_state for the parameters it keeps an fp32 copy of."""
+    for param, fp32_param in self.param_to_fp32_param.items():
+        fp32_param.data.copy_(self.state[param]["master_param"])
+
+
+def _without_classes(state):
+    """`state` (nested dicts and lists) without the entries whose value is a class: the hybrid optimizer of
+    actor.optimizer_offload_fraction names its sub-optimizers' classes in its parameter groups, and torch.load refuses
+    classes in a checkpoint (weights_only) when a run resumes or the converter reads it. It keeps its own."""
+    if isinstance(state, dict):
+        return {key: _without_classes(value) for key, value in state.items() if not isinstance(value, type)}
+    if isinstance(state, list):
+        return [_without_classes(value) for value in state]
+    return state
+
+
+def _settle_loaded_optimizer(optimizer) -> None:
+    """What megatron-core 0.16.1's distributed optimizer leaves unsettled after a load:
+    - every parameter's torch-Adam state shares one `step` tensor, which torch's Adam then increments once per
+      parameter at the next step (a wrong bias correction): each parameter gets its own;
+    - the host copies of the hybrid optimizer (actor.optimizer_offload_fraction) still hold the main weights from
+      before the load, which wrote the main weights themselves: they are copied again."""
+    from megatron.core.optimizer import DistributedOptimizer
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(part, DistributedOptimizer):
+            continue
+        for state in part.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        if isinstance(part.optimizer, HybridDeviceOptimizer):
+            for host_copy, main_param in part.optimizer.cpu_copys_map_gpu_param.items():
+                host_copy.data.copy_(main_param.data)
 
 
 def _rng_state() -> dict:

@@ -22,6 +22,7 @@ from ..config import (
     ConfigError,
     EvalConfig,
     TrainConfig,
+    check_actor_devices,
     check_model_dir,
     check_model_layout,
     resolve_auto_keys,
@@ -191,6 +192,7 @@ class GRPOTrainer:
         # once, and everything below (and config.json) sees those values
         has_gpus = cluster_has_gpus()
         self.config = config = resolve_auto_keys(config, has_gpus)
+        check_actor_devices(config.actor, has_gpus, config.model.dtype)  # before any engine or actor rank starts
         (self.output_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
         gpus = 1 if has_gpus else 0
         place = plan_placement(config.trainer.placement, world, gpus, config.trainer.ray_address,
@@ -291,6 +293,14 @@ class GRPOTrainer:
                 f"'trainer.seed' is {self.config.trainer.seed} but the checkpoint {path} was trained with seed "
                 f"{state['seed']}; a resumed run keeps its seed so the data order and sampling continue. Drop the "
                 f"override, or start a fresh run with trainer.resume=none"
+            )
+        saved = state["config"]["actor"].get("use_distributed_optimizer", False)
+        if saved != self.config.actor.use_distributed_optimizer:
+            raise ConfigError(
+                f"'actor.use_distributed_optimizer' is {str(not saved).lower()} but the checkpoint {path} was written "
+                f"with {str(saved).lower()}: the two keep Adam's states in different checkpoint layouts. Resume with "
+                f"actor.use_distributed_optimizer={str(saved).lower()} (any actor.dp, tp or pp), or start a fresh run "
+                "from its weights (rlsearch convert mcore-to-hf, then model.path)"
             )
         return ResumePoint(path, manifest["layout"], state["step"], SamplerState(**state["sampler"]))
 

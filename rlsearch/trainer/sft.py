@@ -15,7 +15,16 @@ from pathlib import Path
 from ..actor import MODEL_DISTRIBUTION, ActorRanks, ActorWorkerSpec, TrainSample
 from ..algo import loss_token_weights
 from ..checkpoint import write_hf_model
-from ..config import AlgoConfig, ConfigError, SFTConfig, check_model_dir, check_model_layout, resolve_auto_keys, to_dict
+from ..config import (
+    AlgoConfig,
+    ConfigError,
+    SFTConfig,
+    check_actor_devices,
+    check_model_dir,
+    check_model_layout,
+    resolve_auto_keys,
+    to_dict,
+)
 from ..data.chat import ChatExample, load_chat_dataset
 from ..ray_setup import cluster_has_gpus, init_ray
 from ..runlog import RunLogger, plot_run
@@ -85,6 +94,7 @@ def run_sft(config: SFTConfig) -> SFTSummary:
     init_ray(config.ray_address, num_cpus=world)
     has_gpus = cluster_has_gpus()  # the cluster's GPUs decide model.dtype auto, as in training
     config = resolve_auto_keys(config, has_gpus)
+    check_actor_devices(config.actor, has_gpus, config.model.dtype)
     (output_dir / "sft_config.json").write_text(json.dumps(to_dict(config), indent=2))
     spec = ActorWorkerSpec(
         model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=AlgoConfig(),

@@ -110,6 +110,20 @@ def test_train_cli_rejects_bad_input_with_a_clear_message(tmp_path, tiny_model_d
     assert expected.format(bad=bad) in result.stderr
 
 
+def test_activation_offload_stops_a_cpu_run_before_any_rank_starts(tmp_path, tiny_model_dir, toy_data, retriever):
+    """actor.activation_offload on a cluster without GPUs: refused once the trainer knows the cluster's devices,
+    naming the key and why, with exit status 2, before any engine or actor rank starts (no logs of theirs)."""
+    out = tmp_path / "run"
+    result = _run([sys.executable, "-m", "rlsearch", "train", "--config", "examples/configs/search_grpo_tiny.yaml",
+                   f"model.path={tiny_model_dir}", f"data.train_files=[{toy_data.train}]",
+                   f"tools.retriever.url={retriever.url}", f"trainer.output_dir={out}",
+                   "actor.activation_offload=layer"], timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert ("'actor.activation_offload' is layer but the cluster has no GPU: offloading moves activations from GPU "
+            "memory to host memory, where a CPU rank keeps them already") in result.stderr
+    assert not [path.name for path in (out / "logs").glob("*") if path.name.startswith(("actor-rank", "rollout"))]
+
+
 def test_a_supervised_run_does_not_retry_bad_input(tmp_path, tiny_model_dir):
     """`--restarts`: bad input stops at once, whether the supervisor finds it (a config key) or its driver does (a
     malformed row, exit status 2): no restart."""

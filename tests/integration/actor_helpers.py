@@ -1,5 +1,5 @@
-"""Actor test inputs shared by the layout and checkpoint tests: HF reference logprobs, a scored packed batch, and
-an actor spec for a layout."""
+"""Actor test inputs shared by the layout and checkpoint tests: HF reference logprobs, a scored packed batch, a batch of
+multi-segment trajectories (prefix trees) and plain samples, and an actor spec for a layout."""
 
 from __future__ import annotations
 
@@ -40,6 +40,42 @@ def scored_batch(hf_logprobs_fn) -> tuple[list[TrainSample], list[torch.Tensor]]
         noise = 0.3 * torch.randn(len(logprobs), generator=generator)
         sample.old_logprobs = (logprobs + noise).tolist()
         sample.advantage = [1.0, -0.5, 0.8, 0.3, -1.2, 0.6, 0.9, -0.2][index]
+        sample.token_weights = w
+    return samples, reference
+
+
+def _trajectory_segments(generator: torch.Generator, shared: list[int | None]) -> list[tuple[list[int], int]]:
+    """(token ids, response start) per segment: each segment repeats `shared[i]` tokens of the previous one (None:
+    all of it, an agent that only appends) and adds a new prompt tail and a response."""
+    segments, history = [], torch.randint(0, 151_000, (14,), generator=generator).tolist()
+    for keep in shared:
+        prompt = history if keep is None else history[:keep] + torch.randint(0, 151_000, (6,), generator=generator
+                                                                             ).tolist()
+        response = torch.randint(0, 151_000, (18,), generator=generator).tolist()
+        segments.append((prompt + response, len(prompt)))
+        history = prompt + response
+    return segments
+
+
+def long_sequence_batch(model_dir) -> tuple[list[TrainSample], list[torch.Tensor]]:
+    """Re-rendered multi-segment trajectories (segments sharing prefixes of different lengths, and none) and plain
+    samples of different lengths, scored off-policy like `scored_batch`; with the HF reference logprobs."""
+    generator = torch.Generator().manual_seed(3)
+    shapes = [
+        (_trajectory_segments(generator, [None, 20, 33]), 0),  # re-rendered: prefixes of different lengths
+        (_trajectory_segments(generator, [None, None, None]), 1),  # appended: each segment extends the one before
+        (_trajectory_segments(generator, [None, 0]), 2),  # nothing shared after the first segment
+    ]
+    samples = [TrainSample(ids, start, [0 if 5 <= i < 9 else 1 for i in range(len(ids) - start)], prefix_group=g)
+               for segments, g in shapes for ids, start in segments]
+    for length in (23, 61, 40):
+        ids = torch.randint(0, 151_000, (length,), generator=generator).tolist()
+        samples.append(TrainSample(ids, 9, [1] * (length - 9)))
+    reference = hf_logprobs(model_dir, samples)
+    weights = loss_token_weights([s.loss_mask for s in samples], "token_mean")
+    for index, (sample, logprobs, w) in enumerate(zip(samples, reference, weights)):
+        sample.old_logprobs = (logprobs + 0.3 * torch.randn(len(logprobs), generator=generator)).tolist()
+        sample.advantage = (1.0, -0.6, 0.4, -1.1, 0.8)[index % 5]
         sample.token_weights = w
     return samples, reference
 

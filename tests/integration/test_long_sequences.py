@@ -16,9 +16,8 @@ import ray
 import torch
 
 from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, TrainSample
-from rlsearch.algo import loss_token_weights
 from rlsearch.weights import WeightSync, logprob_mismatch
-from tests.integration.actor_helpers import actor_spec, hf_logprobs
+from tests.integration.actor_helpers import actor_spec, long_sequence_batch
 
 # name -> (tp, pp, cp, merge_prefixes)
 LAYOUTS = {
@@ -28,40 +27,6 @@ LAYOUTS = {
     "pp2cp2": (1, 2, 2, True),
 }
 PARITY = 1e-5
-
-
-def _trajectory_segments(generator: torch.Generator, shared: list[int | None]) -> list[tuple[list[int], int]]:
-    """(token ids, response start) per segment: each segment repeats `shared[i]` tokens of the previous one (None:
-    all of it, an agent that only appends) and adds a new prompt tail and a response."""
-    segments, history = [], torch.randint(0, 151_000, (14,), generator=generator).tolist()
-    for keep in shared:
-        prompt = history if keep is None else history[:keep] + torch.randint(0, 151_000, (6,), generator=generator
-                                                                             ).tolist()
-        response = torch.randint(0, 151_000, (18,), generator=generator).tolist()
-        segments.append((prompt + response, len(prompt)))
-        history = prompt + response
-    return segments
-
-
-def long_sequence_batch(model_dir) -> tuple[list[TrainSample], list[torch.Tensor]]:
-    generator = torch.Generator().manual_seed(3)
-    shapes = [
-        (_trajectory_segments(generator, [None, 20, 33]), 0),  # re-rendered: prefixes of different lengths
-        (_trajectory_segments(generator, [None, None, None]), 1),  # appended: each segment extends the one before
-        (_trajectory_segments(generator, [None, 0]), 2),  # nothing shared after the first segment
-    ]
-    samples = [TrainSample(ids, start, [0 if 5 <= i < 9 else 1 for i in range(len(ids) - start)], prefix_group=g)
-               for segments, g in shapes for ids, start in segments]
-    for length in (23, 61, 40):
-        ids = torch.randint(0, 151_000, (length,), generator=generator).tolist()
-        samples.append(TrainSample(ids, 9, [1] * (length - 9)))
-    reference = hf_logprobs(model_dir, samples)
-    weights = loss_token_weights([s.loss_mask for s in samples], "token_mean")
-    for index, (sample, logprobs, w) in enumerate(zip(samples, reference, weights)):
-        sample.old_logprobs = (logprobs + 0.3 * torch.randn(len(logprobs), generator=generator)).tolist()
-        sample.advantage = (1.0, -0.6, 0.4, -1.1, 0.8)[index % 5]
-        sample.token_weights = w
-    return samples, reference
 
 
 @dataclass

@@ -97,3 +97,20 @@ def test_config_resume_path_is_checked_at_start_up(tmp_path):
     with pytest.raises(ConfigError, match=r"'trainer.resume'.*not an rlsearch checkpoint"):
         GRPOTrainer(load_train_config(config, [f"trainer.resume={tmp_path}"]))
     assert load_train_config(config, ["trainer.resume=none"]).trainer.resume == "none"
+
+
+def test_a_checkpoint_resumes_only_with_the_optimizer_kind_that_wrote_it(tmp_path):
+    """The distributed optimizer's states and the plain optimizer's are laid out differently in a checkpoint: a run
+    that switches actor.use_distributed_optimizer stops at start-up saying which to use."""
+    from rlsearch.config import TrainConfig, to_dict
+    from rlsearch.trainer import GRPOTrainer
+
+    store = CheckpointStore(tmp_path / "run")
+    saved = TrainConfig()
+    saved.actor.use_distributed_optimizer = True
+    state = {"sampler": {"epoch": 0, "position": 4}, "seed": 1, "config": to_dict(saved)}
+    path = store.save(2, _write_model, state, _hf_dir(tmp_path), INFO)
+    config = REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml"
+    with pytest.raises(ConfigError, match=r"'actor\.use_distributed_optimizer' is false but the checkpoint .* was "
+                                          r"written with true: .* Resume with actor\.use_distributed_optimizer=true"):
+        GRPOTrainer(load_train_config(config, [f"trainer.resume={path}"]))

@@ -1,6 +1,6 @@
 import pytest
 
-from rlsearch.config import ConfigError, TrainConfig, load_config, load_train_config
+from rlsearch.config import ConfigError, TrainConfig, load_config, load_sft_config, load_train_config
 
 
 def test_defaults_and_dotted_overrides(tmp_path):
@@ -142,8 +142,6 @@ def test_trainer_placement_choices_and_split_needs_a_cluster():
 
 
 def test_sft_config_example_and_errors_name_the_key():
-    from rlsearch.config import load_sft_config
-
     config = load_sft_config("examples/configs/sft_tiny.yaml", ["data.max_steps=5"])
     assert config.data.max_steps == 5 and config.actor.lr == pytest.approx(3e-3)
     for override, message in [
@@ -263,3 +261,82 @@ def test_the_context_window_sizes_engines_and_micro_batches_and_bounds_context_m
                                  "rollout.manage_context_at=2000"])
     # append never manages the context: any threshold is accepted
     assert load_train_config(None, ["rollout.manage_context_at=10"]).rollout.context == "append"
+
+
+def test_recompute_and_offload_keys_are_checked_at_start_up_naming_the_key(tmp_path):
+    """Every refusal Megatron would raise when the ranks build the model (or when the optimizer is built) comes at
+    start-up, naming our keys; offloading activations is refused on a cluster without GPUs."""
+    import json
+
+    from rlsearch.config import ActorConfig, check_actor_devices, check_model_layout
+
+    load_train_config(None, ["actor.recompute=full", "actor.recompute_method=block", "actor.recompute_num_layers=2"])
+    load_train_config(None, ["actor.recompute=selective", "actor.recompute_modules=[core_attn,mlp,layernorm]",
+                             "actor.activation_offload=fine_grained"])
+    load_train_config(None, ["actor.use_distributed_optimizer=true", "actor.optimizer_offload_fraction=0.5"])
+    with pytest.raises(ConfigError, match=r"with float32 weights \(model\.dtype\)"):
+        load_train_config(None, ["actor.use_distributed_optimizer=true", "actor.optimizer_offload_fraction=0.5",
+                                 "model.dtype=float32"])
+    for overrides, message in [
+        (["actor.recompute=always"], r"'actor\.recompute' must be one of none, selective, full"),
+        (["actor.recompute=full", "actor.recompute_method=all"], r"'actor\.recompute_method' must be one of uniform"),
+        (["actor.recompute=full", "actor.recompute_num_layers=0"], r"'actor\.recompute_num_layers' must be >= 1"),
+        (["actor.recompute=selective", "actor.recompute_modules=[]"], r"'actor\.recompute_modules' is empty"),
+        (["actor.recompute=selective", "actor.recompute_modules=[core_attn,mla_up_proj]"],
+         r"'actor\.recompute_modules\[1\]' is 'mla_up_proj'; the modules are core_attn, mlp"),
+        (["actor.recompute=selective", "actor.recompute_modules=[moe_act]", "actor.transformer_impl=local"],
+         r"moe_act: .* grouped-GEMM experts, which the local layer spec"),
+        (["actor.activation_offload=disk"], r"'actor\.activation_offload' must be one of none, layer, fine_grained"),
+        (["actor.activation_offload=layer", "actor.recompute=selective"],
+         r"layer with actor\.recompute=selective: Megatron's layer offload does not work with activation recomp"),
+        (["actor.activation_offload=layer", "actor.pp=2"], r"layer with actor\.pp=2: .* pipeline parallelism"),
+        (["actor.activation_offload=layer", "actor.transformer_impl=local"], r"the layer offload is\s+Transformer"),
+        (["actor.activation_offload=fine_grained", "actor.recompute=full"], r"fine_grained with actor\.recompute=full"),
+        (["actor.optimizer_offload_fraction=1.5"], r"'actor\.optimizer_offload_fraction' must be between 0 .* and 1"),
+        (["actor.optimizer_offload_fraction=0.5"],
+         r"'actor\.optimizer_offload_fraction' is 0\.5 but 'actor\.use_distributed_optimizer' is false"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_train_config(None, overrides)
+    with pytest.raises(ConfigError, match=r"'actor\.recompute' must be one of"):
+        load_sft_config(None, ["actor.recompute=layers"])  # the SFT actor is the same actor
+
+    check_actor_devices(ActorConfig(activation_offload="layer"), has_gpus=True, dtype="bfloat16")
+    with pytest.raises(ConfigError, match=r"'actor\.activation_offload' is fine_grained but the cluster has no GPU: .*"
+                                          r"where a CPU rank keeps them already"):
+        check_actor_devices(ActorConfig(activation_offload="fine_grained"), has_gpus=False, dtype="bfloat16")
+    with pytest.raises(ConfigError, match=r"moe_act but the cluster has no GPU"):
+        check_actor_devices(ActorConfig(recompute="selective", recompute_modules=["moe_act"]), has_gpus=False,
+                            dtype="float32")
+    offload = ActorConfig(use_distributed_optimizer=True, optimizer_offload_fraction=0.5)
+    check_actor_devices(offload, has_gpus=False, dtype="bfloat16")  # runs on CPU too (tests/integration)
+    with pytest.raises(ConfigError, match=r"'actor\.optimizer_offload_fraction' is 0\.5 with float32 weights .*: "
+                                          r"Megatron's hybrid optimizer offloads"):
+        check_actor_devices(offload, has_gpus=True, dtype="float32")
+
+    dense, moe, qwen3_moe = tmp_path / "dense", tmp_path / "moe", tmp_path / "qwen3_moe"
+    shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "num_hidden_layers": 4}
+    shared_expert = {"shared_expert_intermediate_size": 64}
+    for directory, extra in ((dense, {"model_type": "qwen2"}),
+                             (moe, {"model_type": "qwen2_moe", "num_experts": 8, **shared_expert}),
+                             (qwen3_moe, {"model_type": "qwen3_moe", "num_experts": 8})):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({**shape, **extra}))
+    check_model_layout(dense, ActorConfig(pp=2, recompute="full", recompute_num_layers=2))
+    check_model_layout(moe, ActorConfig(recompute="selective", recompute_modules=["moe", "shared_experts"]))
+    for model, actor, message in [
+        (dense, ActorConfig(pp=2, recompute="full", recompute_num_layers=3),
+         r"'actor\.recompute_num_layers' \(3\) must divide the 2 layers of a pipeline stage"),
+        (dense, ActorConfig(pp=2, virtual_pipeline_stages=2, recompute="full", recompute_num_layers=2),
+         r"must divide the 1 layers of a virtual pipeline stage"),
+        (dense, ActorConfig(recompute="full", recompute_method="block", recompute_num_layers=5),
+         r"'actor\.recompute_num_layers' \(5\) is more than the 4 layers of a pipeline stage"),
+        (dense, ActorConfig(recompute="selective", recompute_modules=["core_attn", "moe"]),
+         r"has moe but .* is a dense model"),
+        (qwen3_moe, ActorConfig(recompute="selective", recompute_modules=["shared_experts"]),
+         r"has shared_experts but the MoE model .* has no shared experts; use moe"),
+        (qwen3_moe, ActorConfig(recompute="selective", recompute_modules=["mlp"]),
+         r"has mlp but every layer of .* is a MoE layer"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            check_model_layout(model, actor)
