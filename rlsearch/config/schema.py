@@ -67,6 +67,15 @@ class ActorConfig:
     merge_prefixes: bool = True
     virtual_pipeline_stages: int = 0  # > 1: interleaved pipeline schedule with this many model chunks per stage
     use_distributed_optimizer: bool = False  # shard optimizer states over data-parallel ranks (ZeRO-1)
+    # activation recomputation: none | selective (the modules of actor.recompute_modules) | full (whole layers:
+    # only their inputs are kept, each layer group is run again in the backward pass)
+    recompute: str = "none"
+    recompute_method: str = "uniform"  # full: uniform (groups of recompute_num_layers) | block (the first N per stage)
+    recompute_num_layers: int = 1  # full: layers per recomputed group (uniform) or recomputed layers per stage (block)
+    # selective: the Megatron modules recomputed: core_attn, mlp, layernorm, moe, moe_act, shared_experts
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    activation_offload: str = "none"  # none | layer | fine_grained: activations kept in host memory until the backward
+    optimizer_offload_fraction: float = 0.0  # share of the optimizer states (and fp32 master weights) on the host
     num_threads: int = 0  # torch intra-op threads per rank; 0 = cores / ranks
 
     @property
@@ -423,6 +432,14 @@ class TrainerConfig:
     # again. After this many replacements in one run a dead rank stops the run, naming the last checkpoint (0: stop
     # at the first; `rlsearch train --restarts N` then runs the whole driver again)
     max_actor_restarts: int = 3
+    # the memory plan (`rlsearch plan`) checked at start-up, before anything starts: error stops a run whose actor
+    # ranks or engines do not fit their device's memory (exit code 2, saying what would fit); warn prints it and runs
+    # anyway; off skips the check
+    memory_check: str = "error"
+    # the memory the plan is checked against, GB: per GPU on GPUs, the host's on CPU (actor ranks and engines share
+    # it). 0: detected (the driver's first GPU, else the host's memory); a driver without a GPU that joins a cluster
+    # (trainer.ray_address) cannot see its GPUs: set it there, else the check is skipped
+    device_memory_gb: float = 0.0
 
 
 @dataclass
