@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rlsearch"
 FLOORS: list[set[str]] = [
     {"rlsearch", "trajectory", "algo", "devices", "files", "lifetime", "loop_thread", "rendezvous", "runlog"},
     {"config", "ray_setup"},
-    {"megatron"},
+    {"megatron", "memory"},
     {"weights", "tools"},
     {"actor", "rollout", "data", "checkpoint"},
     {"reward"},
