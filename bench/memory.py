@@ -200,7 +200,8 @@ def _part_of(module_name: str) -> str:
 
 
 def run_fit_child(job: dict) -> None:
-    """Bytes per token that each part of the model saves for the backward pass in one training step: a result line."""
+    """Bytes per token that each part of the model saves in the forward pass of one training step for its backward
+    pass (what a checkpoint recomputes inside the backward pass is not kept, so not counted): a result line."""
     from functools import partial
 
     from bench.gpu_actor_check import start_single_rank_worker
@@ -218,12 +219,21 @@ def run_fit_child(job: dict) -> None:
     stack: list[str] = []
     saved: dict[str, int] = {}
     seen: set[int] = set()
+    def enter(part: str) -> None:
+        stack.append(part)
+
+    def leave() -> None:  # a forward hook that returned something would replace the module's output
+        stack.pop()
+
     for chunk in worker.model:
         for name, module in chunk.named_modules():
-            module.register_forward_pre_hook(lambda _m, _a, name=name: stack.append(_part_of(name)))
-            module.register_forward_hook(lambda _m, _a, _o: stack.pop())
+            part = _part_of(name)
+            module.register_forward_pre_hook(lambda _m, _a, part=part: enter(part))
+            module.register_forward_hook(lambda _m, _a, _o: leave())
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if torch._C._current_graph_task_id() != -1:  # a recomputation inside the backward pass: not kept
+            return tensor
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in seen and storage.data_ptr() not in parameters:
             seen.add(storage.data_ptr())
@@ -338,22 +348,31 @@ def run_fit(args: argparse.Namespace) -> None:
     norms = [parts.get("norms", 0) / shape.hidden for shape, parts in dense]
     mlp = [parts.get("mlp", 0) / shape.ffn for shape, parts in dense]
     outside = [parts["outside"] / shape.hidden for shape, parts in dense]
-    # core attention: least squares of core_query x heads*dim + core_kv x kv_heads*dim
-    design = torch.tensor([[s.heads * s.head_dim, s.kv_heads * s.head_dim] for s, _ in dense], dtype=torch.float64)
+    # core attention: least squares of core_query x heads*dim + core_kv x kv_heads*dim + core_rotary x dim
+    design = torch.tensor([[s.heads * s.head_dim, s.kv_heads * s.head_dim, s.head_dim] for s, _ in dense],
+                          dtype=torch.float64)
     target = torch.tensor([[parts.get("core_attn", 0)] for _, parts in dense], dtype=torch.float64)
     core = torch.linalg.lstsq(design, target).solution[:, 0].tolist()
     linear = [parts.get("linear_inputs", 0) / (2 * s.hidden + s.heads * s.head_dim + s.ffn) for s, parts in dense]
     moe = [(shape, parts) for name, shape, parts in rows if shape.experts]
-    print(f"\ncoefficients ({args.dtype}, {'GPU' if torch.cuda.is_available() else 'CPU'}, {len(dense)} dense shapes):"
-          f"\n  norms      {_spread(norms)} x hidden\n  core_query {core[0]:.3f} x heads*head_dim\n  core_kv    "
-          f"{core[1]:.3f} x kv_heads*head_dim\n  mlp        {_spread(mlp)} x ffn\n  outside    {_spread(outside)} "
-          f"x hidden (per token, not per layer)\n  linear inputs / (2 hidden + heads*head_dim + ffn): "
-          f"{_spread(linear)} (1 when they are exactly the inputs)")
+    lines = [
+        ("norms", f"{_spread(norms)} x hidden"),
+        ("core_query", f"{core[0]:.3f} x heads x head_dim"),
+        ("core_kv", f"{core[1]:.3f} x kv_heads x head_dim"),
+        ("core_rotary", f"{core[2]:.3f} x head_dim"),
+        ("mlp", f"{_spread(mlp)} x ffn"),
+        ("outside", f"{_spread(outside)} x hidden, per token (not per layer)"),
+        ("linear inputs", f"{_spread(linear)} x (2 hidden + heads x head_dim + ffn): 1 when exactly the inputs"),
+    ]
+    device = "GPU" if torch.cuda.is_available() else "CPU"
+    print(f"\ncoefficients ({args.dtype}, {device}, {len(dense)} dense shapes; in units of the dtype's bytes):")
+    for name, text in lines:
+        print(f"  {name:<14}{text}")
     for shape, parts in moe:
         routed = shape.experts_per_token * shape.expert_ffn + shape.shared_expert_ffn
         dispatch = (parts.get("mlp", 0) + parts.get("dispatch", 0) - _mean(mlp) * routed) / (
             shape.experts_per_token * shape.hidden)
-        print(f"  dispatch   {dispatch:.3f} x top-k x hidden (MoE, after mlp x the routed FFN widths)")
+        print(f"  {'dispatch':<14}{dispatch:.3f} x top-k x hidden (MoE: beyond mlp x the routed FFN widths)")
 
 
 def _mean(values: list[float]) -> float:

@@ -1,10 +1,12 @@
 """The arithmetic of the memory plan: one actor rank per pipeline stage and the rollout engines, for a model shape,
 a layout, a dtype, recomputation, offloading and the tokens of one micro-batch, against one device's memory.
 
-A rank's peak is its static part (weights, fp32 gradients, the optimizer's states, a frozen reference model) plus
-the larger of the backward pass's peak (saved activations, what recomputation runs again, the logits chunk) and the
-optimizer step's workspace, plus the process's runtime. On CPU the actor ranks and the engines share the host, so
-the plan adds them up against the host's memory; on GPUs each rank has its own, and the engines their own."""
+A rank's peak is its static part (weights, fp32 gradients, the optimizer's states, a frozen reference model), plus
+the larger of the backward pass's peak and the optimizer step's workspace, plus the process's workspace and runtime.
+The backward pass holds the activations kept for it and, one at a time, either the logits chunk (first) or a layer's
+backward (what recomputation runs again and the gradients of that layer's activations). On CPU the actor ranks and
+the engines share the host, so the plan adds them up against the host's memory; on GPUs each rank has its own, and
+the engines their own."""
 
 from __future__ import annotations
 
@@ -133,9 +135,10 @@ class RankMemory:
     gradients: float
     optimizer: float  # on the device; the offloaded share is in `host`
     reference: float
-    activations: float  # saved for the backward pass at its peak, with what recomputation runs again
+    activations: float  # kept for the backward pass by the layers whose forward passes are in flight
     activations_per_token_layer: float  # what one layer keeps per token (after recomputation's savings)
-    logits: float  # one chunk of the output layer in the backward pass
+    backward: float  # one layer's backward at a time: what recomputation runs again, its activations' gradients
+    logits: float  # one chunk of the output layer in the backward pass (last stage)
     optimizer_step: float  # the optimizer step's workspace (activations are freed by then)
     workspace: float  # what the process holds beyond the tensors above once built (buffers, caches)
     runtime: float  # the process beyond its tensors (CPU: the interpreter and libraries; GPU: CUDA context)
@@ -148,7 +151,8 @@ class RankMemory:
     @property
     def step(self) -> float:
         """The tensors at the step's peak: what bench/memory.py measures (allocated on GPU, RSS growth on CPU)."""
-        return self.static + max(self.activations + self.logits, self.optimizer_step) + self.workspace
+        return self.static + max(self.activations + max(self.backward, self.logits), self.optimizer_step) + (
+            self.workspace)
 
     @property
     def total(self) -> float:
@@ -193,8 +197,10 @@ class MemoryPlan:
         layout, engines = self.inputs.actor.layout, self.inputs.engines
         per_stage_ranks = layout.ranks // layout.pp
         ranks = sum(rank.total + rank.host for rank in self.ranks) * per_stage_ranks
-        engine = self.engine.total * engines.count * engines.tp if self.engine else 0.0
-        return ranks + engine + self.host_overhead
+        if self.engine is None:
+            return ranks + self.host_overhead
+        engines_total = (self.engine.total * engines.tp + self.coefficients.engine_driver) * engines.count
+        return ranks + engines_total + self.host_overhead
 
     @property
     def needed(self) -> float:
@@ -247,12 +253,16 @@ class MemoryPlan:
         rows += [
             ("activations", rank.activations,
              f"{math.ceil(actor.tokens / actor.layout.cp):,} tokens x {layers} layers, "
-             f"{rank.activations_per_token_layer / 1e3:,.1f} KB a token and layer kept"
-             + (", with what recomputation runs again" if actor.recompute != "none" else "")),
-            ("logits chunk", rank.logits, f"{positions:,} positions x {shape.vocab // actor.layout.tp:,} vocabulary "
-             "rows, fp32 and the softmax's copies"),
+             f"{rank.activations_per_token_layer / 1e3:,.1f} KB a token and layer kept"),
+            ("backward", rank.backward, "a layer's backward at a time" + (
+                ": what recomputation runs again and its gradients" if actor.recompute != "none" else
+                ": the gradients of its activations") + (" (the larger of this and the logits chunk counts)"
+                                                         if rank.logits else "")),
         ]
-        if rank.optimizer_step > rank.activations + rank.logits:
+        if rank.logits:
+            rows.append(("logits chunk", rank.logits, f"{positions:,} positions x {shape.vocab // actor.layout.tp:,} "
+                         "vocabulary rows: fp32 logits and the softmax's copies"))
+        if rank.optimizer_step > rank.activations + max(rank.backward, rank.logits):
             rows.append(("optimizer step", rank.optimizer_step, "its workspace, larger than the backward pass's peak"))
         rows += [
             ("workspace", rank.workspace, "buffers and caches of the built model beyond its tensors"),
@@ -269,7 +279,8 @@ class MemoryPlan:
             lines.append(
                 f"host    : {ranks} actor rank(s) {_gb(sum(r.total + r.host for r in self.ranks) / len(self.ranks))} "
                 f"each, {engines.count} engine(s) x {engines.tp} worker(s) "
-                f"{_gb(self.engine.total if self.engine else 0)} each, the driver, Ray and tool servers "
+                f"{_gb(self.engine.total if self.engine else 0)} each and a rollout worker "
+                f"{_gb(self.coefficients.engine_driver)} per engine, the driver, Ray and tool servers "
                 f"{_gb(self.host_overhead)}: {_gb(self.host_total)} of {_gb(device.memory)}"
             )
         lines += [f"note    : {note}" for note in self.notes]
@@ -325,6 +336,7 @@ def layer_activation_bytes(shape: ModelShape, actor: ActorMemorySettings, coeffi
         "norms": coefficients.norms * h,
         "linear_inputs": 2 * h + query + ffn,  # the inputs of linear_qkv, fc1 (h each), linear_proj and fc2
         "core_attn": coefficients.core_query * query + coefficients.core_kv * key_value
+        + coefficients.core_rotary * shape.head_dim
         # the local spec's context parallelism gathers every rank's keys and values before attending
         + coefficients.core_kv * key_value * (cp - 1),
         "mlp": coefficients.mlp * ffn + dispatch,
@@ -354,14 +366,14 @@ def _selective_savings(parts: dict[str, float], shape: ModelShape, actor: ActorM
 
 
 def _activations(shape: ModelShape, actor: ActorMemorySettings, coefficients: ActivationCoefficients,
-                 stage: int) -> tuple[float, float, float]:
-    """(bytes on the device at the backward pass's peak, bytes a token and layer keeps, bytes offloaded to the host)
-    of pipeline stage `stage`."""
+                 stage: int) -> tuple[float, float, float, float]:
+    """Of pipeline stage `stage`, in bytes: (activations kept on the device, what a token and layer keeps, one
+    layer's backward at a time, activations offloaded to the host)."""
     layout = actor.layout
     tokens = math.ceil(actor.tokens / layout.cp)
+    size = DTYPE_BYTES[actor.dtype]
     parts = layer_activation_bytes(shape, actor, coefficients)
     full_layer = sum(parts.values())
-    size = DTYPE_BYTES[actor.dtype]
     layer_input = shape.hidden * size
     chunks = max(layout.virtual_stages, 1)
     layers = shape.layers // (layout.pp * chunks)  # per model chunk
@@ -375,9 +387,8 @@ def _activations(shape: ModelShape, actor: ActorMemorySettings, coefficients: Ac
             kept = recomputed * layer_input + (layers - recomputed) * full_layer
             rerun = full_layer if recomputed else 0.0
     elif actor.recompute == "selective":
-        savings = _selective_savings(parts, shape, actor)
-        kept = layers * (full_layer - savings)
-        rerun = savings
+        rerun = _selective_savings(parts, shape, actor)
+        kept = layers * (full_layer - rerun)
     else:
         kept, rerun = layers * full_layer, 0.0
     # model chunks whose forward passes are in flight on this stage when its first backward pass starts: 1F1B's
@@ -396,8 +407,8 @@ def _activations(shape: ModelShape, actor: ActorMemorySettings, coefficients: Ac
     host = max(kept_total - resident, 0.0) * tokens
     kept_total = min(kept_total, resident)
     outside = coefficients.outside * shape.hidden * size
-    device = tokens * (kept_total + rerun + outside) + coefficients.backward * tokens * full_layer
-    return device, kept / layers, host
+    backward = tokens * (rerun + coefficients.backward * full_layer)
+    return tokens * (kept_total + outside), kept / layers, backward, host
 
 
 def _rank(shape: ModelShape, actor: ActorMemorySettings, device: Device, coefficients: ActivationCoefficients,
@@ -415,7 +426,7 @@ def _rank(shape: ModelShape, actor: ActorMemorySettings, device: Device, coeffic
     else:
         optimizer = per_parameter * count
     offloaded = optimizer * actor.optimizer_offload_fraction if device.kind == "gpu" else 0.0
-    activations, per_token_layer, activation_host = _activations(shape, actor, coefficients, stage)
+    activations, per_token_layer, backward, activation_host = _activations(shape, actor, coefficients, stage)
     if device.kind == "cpu":  # offloading moves nothing off a CPU rank: the host is its device
         activation_host = 0.0
     positions = _logit_positions(actor)
@@ -424,7 +435,7 @@ def _rank(shape: ModelShape, actor: ActorMemorySettings, device: Device, coeffic
     return RankMemory(
         stage=stage, parameters=count, weights=count * size, gradients=count * 4.0,
         optimizer=optimizer - offloaded, reference=count * size if actor.reference_model else 0.0,
-        activations=activations, activations_per_token_layer=per_token_layer, logits=logits,
+        activations=activations, activations_per_token_layer=per_token_layer, backward=backward, logits=logits,
         optimizer_step=coefficients.optimizer_step * (optimizer - offloaded) / per_parameter * 4,
         workspace=coefficients.workspace, runtime=coefficients.runtime, host=offloaded + activation_host,
     )
