@@ -148,9 +148,11 @@ def run_child(job: dict) -> None:
 
     torch.set_num_threads(job["threads"])
     on_gpu = torch.cuda.is_available()
-    baseline = 0 if on_gpu else _status_bytes("VmRSS")  # the idle process: imports done, nothing built
     for name in job["configurations"]:
         configuration = CONFIGURATIONS[name]
+        # the idle process: imports done, nothing built (after an earlier configuration of a smoke run: its memory
+        # handed back to the system first)
+        baseline = 0 if on_gpu else _idle_rss()
         result = {"configuration": name, "baseline": baseline}
         worker = None
         try:
@@ -178,7 +180,23 @@ def run_child(job: dict) -> None:
                 worker.shutdown()
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
+            if torch.distributed.is_initialized():  # a worker that failed to start after joining its group
+                torch.distributed.destroy_process_group()
+            del worker
         print(RESULT + json.dumps(result), flush=True)
+
+
+def _idle_rss() -> int:
+    """This process's resident set once freed memory is handed back to the system (glibc keeps it otherwise)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
+    return _status_bytes("VmRSS")
 
 
 # ---- the saved-tensor accounting (--fit), in the child process -----------------------------------------------------
@@ -305,18 +323,18 @@ def _row(result: dict, rows: list[dict]) -> str:
     head = f"{result['shape']:<8} {result['tokens']:>7,}  {result['configuration']:<25}"
     plan = f"{result['plan'] / GB:>8.2f}"
     if result.get("refused"):
-        return f"{head} {'-':>8} {'-':>9} {plan} {'-':>6}  refused: {result['refused']}"
+        return f"{head} {'-':>8} {'-':>9} {plan} {'-':>6} {'-':>7}  refused: {result['refused']}"
     none = next((row for row in rows if row["shape"] == result["shape"] and row["tokens"] == result["tokens"]
                  and row["configuration"] == "none" and not row.get("refused")), None)
     versus = f"{result['seconds'] / none['seconds']:.2f}x none" if none else ""
     return (f"{head} {result['seconds']:>8.1f} {result['peak'] / GB:>9.2f} {plan} "
-            f"{result['plan'] / result['peak']:>6.2f}  {versus}")
+            f"{result['plan'] / result['peak']:>6.2f} {result['baseline'] / GB:>7.2f}  {versus}")
 
 
 def table_header(on_gpu: bool) -> str:
-    what = "GPU max_memory_allocated" if on_gpu else "CPU peak RSS above the idle process"
+    what = "GPU max_memory_allocated" if on_gpu else "CPU peak RSS above the idle process (idle: its RSS)"
     header = (f"{'shape':<8} {'tokens':>7}  {'configuration':<25} {'seconds':>8} {'peak GB':>9} {'plan GB':>8} "
-              f"{'plan/peak':>6}")
+              f"{'plan/peak':>6} {'idle GB':>7}")
     return f"peak: {what}; plan: rlsearch.memory's step memory\n{header}\n{'-' * len(header)}"
 
 

@@ -167,11 +167,17 @@ class EngineMemory:
     kv_cache: float
     kv_needed: float  # the KV cache of one whole trajectory (rollout's window)
     runtime: float  # CPU: the engine's processes beyond weights and KV cache; GPU: vLLM's activations and graphs
-    budget: float  # GPU: what vLLM may take (gpu_memory_utilization x the GPU); CPU: 0
+    limit: float  # GPU: what vLLM may take (gpu_memory_utilization x the GPU, or the GPU with a KV cache size given)
 
     @property
     def total(self) -> float:
         return self.weights + self.kv_cache + self.runtime
+
+    @property
+    def fits(self) -> bool:
+        """vLLM starts only when its KV cache holds one whole trajectory (max_model_len), on a GPU beside the
+        weights."""
+        return self.kv_cache >= self.kv_needed and self.total <= self.limit
 
 
 @dataclass(frozen=True)
@@ -208,15 +214,17 @@ class MemoryPlan:
         return self.host_total if self.on_cpu else self.worst.total
 
     @property
+    def actor_fits(self) -> bool:
+        """The worst actor rank fits its GPU; on CPU everything fits the host."""
+        return self.needed <= self.inputs.device.memory
+
+    @property
     def engine_fits(self) -> bool:
-        if self.engine is None or self.on_cpu:
-            return True
-        engine = self.engine
-        return engine.weights + engine.runtime + engine.kv_needed <= max(engine.budget, engine.kv_cache + 1)
+        return self.engine is None or self.engine.fits
 
     @property
     def fits(self) -> bool:
-        return self.needed <= self.inputs.device.memory and self.engine_fits
+        return self.actor_fits and self.engine_fits
 
     def headline(self) -> str:
         """e.g. "225 GB per rank at 32,768 tokens" or "30.2 GB of host memory at 4,096 tokens"."""
@@ -286,8 +294,23 @@ class MemoryPlan:
         lines += [f"note    : {note}" for note in self.notes]
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"verdict : {verdict}: {self.headline()} of {_gb(device.memory)} ({device.name})"
-                     + ("" if self.engine_fits else "; the engines' GPUs cannot hold one trajectory's KV cache"))
+                     + ("" if self.engine_fits else f"; {self.engine_problem()}"))
         return "\n".join(lines)
+
+    def engine_problem(self) -> str:
+        """Why the engines cannot start, and what to do (empty when they can)."""
+        if self.engine_fits:
+            return ""
+        engine, engines = self.engine, self.inputs.engines
+        needed = (f"one {engines.window:,}-token trajectory needs {_gb(engine.kv_needed)} of KV cache per engine "
+                  f"worker")
+        if engine.kv_cache < engine.kv_needed and engines.kv_cache_gib:
+            return (f"{needed}, rollout.kv_cache_gib gives {_gb(engine.kv_cache)}: raise it"
+                    + ("" if self.on_cpu else " (or 0: what rollout.gpu_memory_utilization leaves)"))
+        if self.on_cpu:
+            return f"{needed}, and vLLM's default on CPU is {_gb(engine.kv_cache)}: set rollout.kv_cache_gib"
+        return (f"{needed} beside its weights ({_gb(engine.weights)}): raise rollout.tensor_parallel_size or "
+                "rollout.gpu_memory_utilization, or shorten the window")
 
     def _engine_line(self) -> str:
         engine, engines = self.engine, self.inputs.engines
@@ -449,13 +472,14 @@ def _engine(shape: ModelShape, actor: ActorMemorySettings, engines: EngineMemory
     weights = shape.total_parameters() * size / engines.tp
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * size / engines.tp
     kv_needed = kv_per_token * engines.window
-    if device.kind == "cpu":
-        kv = (engines.kv_cache_gib or CPU_DEFAULT_KV_CACHE_GIB) * GIB
-        return EngineMemory(weights, kv, kv_needed, coefficients.engine_runtime, budget=0.0)
-    budget = engines.gpu_memory_utilization * device.memory
     runtime = coefficients.engine_runtime
-    kv = engines.kv_cache_gib * GIB if engines.kv_cache_gib else max(budget - weights - runtime, 0.0)
-    return EngineMemory(weights, kv, kv_needed, runtime, budget=budget if not engines.kv_cache_gib else 0.0)
+    if device.kind == "cpu":  # the host's total is checked as a whole
+        kv = (engines.kv_cache_gib or CPU_DEFAULT_KV_CACHE_GIB) * GIB
+        return EngineMemory(weights, kv, kv_needed, runtime, limit=float("inf"))
+    if engines.kv_cache_gib:
+        return EngineMemory(weights, engines.kv_cache_gib * GIB, kv_needed, runtime, limit=device.memory)
+    budget = engines.gpu_memory_utilization * device.memory
+    return EngineMemory(weights, max(budget - weights - runtime, 0.0), kv_needed, runtime, limit=budget)
 
 
 def plan_memory(inputs: MemoryInputs) -> MemoryPlan:

@@ -115,7 +115,7 @@ def fitting_change(inputs: MemoryInputs, window: int = 0) -> Change | None:
     plan fits; None when none does."""
     for changed, overrides, factor in _candidates(inputs, window):
         plan = plan_memory(changed)
-        if plan.fits:
+        if plan.actor_fits:
             return Change(overrides, plan, factor)
     return None
 
@@ -130,7 +130,7 @@ def longest_fitting_tokens(inputs: MemoryInputs) -> int:
     base, _ = _changed(inputs, **changes)
 
     def fits(tokens: int) -> bool:
-        return plan_memory(dataclasses.replace(base, actor=dataclasses.replace(base.actor, tokens=tokens))).fits
+        return plan_memory(dataclasses.replace(base, actor=dataclasses.replace(base.actor, tokens=tokens))).actor_fits
 
     low, high = 0, inputs.actor.tokens // TOKEN_STEP  # in steps of TOKEN_STEP tokens: low fits, above high not
     while low < high:
@@ -144,19 +144,21 @@ def longest_fitting_tokens(inputs: MemoryInputs) -> int:
 
 def not_fitting_message(plan: MemoryPlan, window: int = 0) -> str:
     """What does not fit and what would, e.g. "needs 225 GB per rank at 32,768 tokens of 80.00 GB (NVIDIA H100);
-    with actor.recompute=full, 31.02 GB"."""
+    with actor.recompute=full, 31.02 GB"; and the engines' problem, if they have one."""
     device = plan.inputs.device
+    engines = f"the rollout engines: {plan.engine_problem()}" if not plan.engine_fits else ""
+    if plan.actor_fits:
+        return engines
     text = f"needs {plan.headline()} of {_gb(device.memory)} ({device.name})"
-    if not plan.engine_fits:
-        text += "; the rollout engines' GPUs cannot hold the weights and one trajectory's KV cache"
     change = fitting_change(plan.inputs, window)
     if change is not None:
-        return f"{text}; with {change.describe()}, {_gb(change.plan.needed)}"
-    tokens = longest_fitting_tokens(plan.inputs)
-    if tokens:
-        return (f"{text}; no change of recomputation, offloading or up to {MAX_MODEL_PARALLEL} model-parallel ranks "
-                f"fits; at most {tokens:,} tokens per micro-batch fit, with full recomputation")
-    return f"{text}; nothing fits on this device, not even a short micro-batch with full recomputation"
+        text += f"; with {change.describe()}, {_gb(change.plan.needed)}"
+    else:
+        tokens = longest_fitting_tokens(plan.inputs)
+        text += (f"; no change of recomputation, offloading or up to {MAX_MODEL_PARALLEL} model-parallel ranks fits; "
+                 + (f"at most {tokens:,} tokens per micro-batch fit, with full recomputation" if tokens else
+                    "nothing fits on this device, not even a short micro-batch with full recomputation"))
+    return f"{text}; {engines}" if engines else text
 
 
 def _gb(value: float) -> str:
@@ -211,6 +213,6 @@ def _cheapest_fit(inputs: MemoryInputs, layout: Layout) -> LayoutProposal | None
             changed, overrides = _changed(inputs, layout={name: getattr(layout, name) for name in _LAYOUT_KEYS},
                                           **settings)
             plan = plan_memory(changed)
-            if plan.fits:
+            if plan.actor_fits:
                 return LayoutProposal(Change(overrides, plan))
     return None

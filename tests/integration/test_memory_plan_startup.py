@@ -102,12 +102,13 @@ def test_rlsearch_plan_prints_the_plan_and_proposes_layouts(tmp_path, capsys):
                "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152_064,
                "tie_word_embeddings": False}
     (tmp_path / "config.json").write_text(json.dumps(seven_b))
-    overrides = [f"model.path={tmp_path}", "rollout.context_window=32768", "actor.max_tokens_per_microbatch=32768"]
+    overrides = [f"model.path={tmp_path}", "model.dtype=bfloat16", "rollout.context_window=32768",
+                 "actor.max_tokens_per_microbatch=32768"]
     assert main(["plan", "--config", EXAMPLE, *overrides, "--gpu-memory-gb", "80"]) == 2
     out = capsys.readouterr().out
     assert "verdict : does NOT fit" in out and "what would fit: needs " in out and "with actor.recompute=full" in out
     assert main(["plan", "--config", EXAMPLE, *overrides, "--gpu-memory-gb", "80", "--gpus", "8"]) == 0
     out = capsys.readouterr().out
-    proposals = out.split("that fit (more data parallelism first")[1].strip().splitlines()
+    proposals = out.split("then no offloading):")[1].strip().splitlines()
     assert proposals and all(" GB per GPU  actor." in line for line in proposals)
     assert "actor.dp=8" in proposals[0]
