@@ -107,6 +107,40 @@ def test_optimizer_offload_moves_its_share_to_the_host_on_gpu_only():
     assert (on_cpu.ranks[0].optimizer, on_cpu.ranks[0].host) == (pytest.approx(states), 0)
 
 
+# bench/memory.py --fit --dtype float32 --chunk 128 on this CPU (2026-11-27): what each part of a layer saves per
+# token in its forward pass, in float32 units; and outside the layers, per token
+MEASURED_FIT = {
+    # shape: (hidden, heads, kv heads, head dim, ffn) -> norms, linear_inputs, core_attn, mlp, outside
+    (128, 4, 2, 32, 256): (514.0, 640.0, 708.0, 1024.0, 391.2),
+    (256, 8, 2, 32, 256): (1026.0, 1024.0, 1096.0, 1024.0, 767.2),
+    (128, 4, 4, 32, 256): (514.0, 640.0, 900.0, 1024.0, 391.2),
+    (256, 4, 2, 64, 256): (1026.0, 1024.0, 1412.0, 1024.0, 767.2),
+    (128, 4, 2, 32, 1024): (514.0, 1408.0, 708.0, 4096.0, 391.2),
+}
+
+
+@pytest.mark.parametrize("widths", MEASURED_FIT)
+def test_a_layers_activations_are_the_measured_table(widths):
+    from rlsearch.memory import coefficients_for
+    from rlsearch.memory.plan import layer_activation_bytes
+
+    hidden, heads, kv_heads, head_dim, ffn = widths
+    shape = ModelShape(hidden=hidden, layers=2, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=ffn,
+                       vocab=151_680, qkv_bias=True)
+    coefficients = coefficients_for("cpu", "float32")
+    parts = layer_activation_bytes(shape, ActorMemorySettings(tokens=1024), coefficients)
+    measured = dict(zip(("norms", "linear_inputs", "core_attn", "mlp", "outside"), MEASURED_FIT[widths]))
+    planned = {name: value / 4 for name, value in parts.items()} | {"outside": coefficients.outside * hidden}
+    assert planned == {name: pytest.approx(value, rel=0.02) for name, value in measured.items()}
+    # the plan's rank keeps per token and layer exactly these parts; selective recomputation of core_attn keeps its
+    # inputs (query, key and value: (heads + 2 kv_heads) x head_dim) instead of what it saved
+    layer = sum(value for name, value in measured.items() if name != "outside") * 4
+    for recompute, kept in (("none", layer), ("selective", layer - (measured["core_attn"] - (
+            heads + 2 * kv_heads) * head_dim) * 4)):
+        plan = _plan(shape, dtype="float32", recompute=recompute, device=Device("cpu", 24 * GB, "host"))
+        assert plan.worst.activations_per_token_layer == pytest.approx(kept, rel=0.02)
+
+
 # the H200 table (bench/gpu_actor_check.py's worker, the 0.5B shape, bf16, one trajectory, 1024-position
 # logits chunks): tokens, actor keys, peak torch.cuda.max_memory_allocated in GiB
 H200_TABLE = [
