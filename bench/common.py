@@ -13,6 +13,15 @@ SHAPES = {
     # the tiny width with 4 layers and tied embeddings: learns the toy task's copies (bench/learning.py)
     "tiny-4l": dict(hidden_size=128, num_layers=4, num_attention_heads=4, num_key_value_heads=2,
                     intermediate_size=256, tie_word_embeddings=True),
+    # bench/memory.py --fit: the tiny shape with one width changed (heads and hidden; kv heads; head size; FFN)
+    "fit-heads": dict(hidden_size=256, num_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                      intermediate_size=256, tie_word_embeddings=False),
+    "fit-kv": dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                   intermediate_size=256, tie_word_embeddings=False),
+    "fit-head-dim": dict(hidden_size=256, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=256, tie_word_embeddings=False),
+    "fit-ffn": dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=1024, tie_word_embeddings=False),
     # a tiny Qwen3-MoE: 8 routed experts, 2 per token (the actor's MoE path: router, token dispatch, experts)
     "moe-tiny": dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=256, architecture="qwen3_moe", num_experts=8, experts_per_token=2,

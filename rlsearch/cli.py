@@ -61,6 +61,7 @@ def _logs_hint(log_dir) -> str:
 def _train(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError
     from .config import ConfigError, load_train_config
+    from .memory import check_train_memory
     from .ray_setup import ray_cpus
     from .supervisor import supervise_train, supervised
     from .trainer import GRPOTrainer, NonFiniteStepsError, WorkerDiedError
@@ -69,8 +70,9 @@ def _train(args: argparse.Namespace) -> int:
         print(f"rlsearch train: --restarts must be >= 0; got {args.restarts}", file=sys.stderr)
         return 2
     if args.restarts and not supervised():
-        try:  # bad input stops here, before any driver starts
+        try:  # bad input and a memory plan that does not fit stop here, before any driver or Ray starts
             config = load_train_config(args.config, args.overrides)
+            print(check_train_memory(config), flush=True)
         except ConfigError as err:
             print(f"rlsearch train: {err}", file=sys.stderr)
             return 2
@@ -83,6 +85,45 @@ def _train(args: argparse.Namespace) -> int:
     return _run_summarised("train", load_train_config, lambda config: GRPOTrainer(config).train(),
                            lambda config: config.trainer.output_dir, args,
                            (WorkerDiedError, NonFiniteStepsError, CheckpointError))
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from .config import ConfigError, load_train_config
+    from .memory import GB, Device, detect_device, plan_memory, propose_layouts, train_memory_inputs
+    from .memory.suggest import not_fitting_message
+
+    if args.gpus and not args.gpu_memory_gb:
+        print("rlsearch plan: --gpus needs --gpu-memory-gb (the memory of each GPU)", file=sys.stderr)
+        return 2
+    try:
+        config = load_train_config(args.config, args.overrides)
+        device = (Device("gpu", args.gpu_memory_gb * GB, "a GPU of --gpu-memory-gb") if args.gpu_memory_gb
+                  else detect_device(config))
+        if device is None:
+            raise ConfigError("this machine has no GPU and trainer.ray_address names a cluster: give the cluster's "
+                              "GPU memory with --gpu-memory-gb (or trainer.device_memory_gb)")
+        inputs = train_memory_inputs(config, device)
+        if args.tokens:
+            inputs = replace(inputs, actor=replace(inputs.actor, tokens=args.tokens))
+        plan = plan_memory(inputs)
+    except (ConfigError, ValueError, OSError) as err:
+        print(f"rlsearch plan: {err}", file=sys.stderr)
+        return 2
+    print(plan.render())
+    if not plan.fits:
+        print(f"\nwhat would fit: {not_fitting_message(plan, config.rollout.window)}")
+    if not args.gpus:
+        return 0 if plan.fits else 2
+    proposals = propose_layouts(inputs, args.gpus, args.gpu_memory_gb * GB)
+    print(f"\nlayouts of {args.gpus} actor GPU(s) of {args.gpu_memory_gb:g} GB at {inputs.actor.tokens:,} tokens per "
+          "micro-batch that fit (more data parallelism first, then less recomputation, then no offloading):")
+    for proposal in proposals:
+        print(f"  {proposal.plan.worst.total / GB:8.1f} GB per GPU  {proposal.change.describe()}")
+    if not proposals:
+        print("  none: fewer tokens per micro-batch, or more or larger GPUs")
+    return 0 if proposals else 2
 
 
 def _sft(args: argparse.Namespace) -> int:
@@ -392,6 +433,24 @@ def build_parser() -> argparse.ArgumentParser:
         "the run's newest checkpoint (trainer.resume=auto; set trainer.save_interval); each restart is printed and "
         "logged to OUTPUT_DIR/logs/restarts.log. Bad input and Ctrl-C are not retried. Default 0: no supervisor",
     )
+
+    plan = commands.add_parser(
+        "plan", help="the memory plan of a training config: per actor rank and engine, against the device's memory",
+        description="Print what one actor rank holds (weights, gradients, optimizer states, saved activations, the "
+        "logits chunk) and what each rollout engine holds (weights, KV cache) for the config's model (model.path's "
+        "config.json), layout, dtype, recomputation and offloading at its longest micro-batch, against the device's "
+        "memory (this machine's GPU, or its host memory on CPU, where ranks and engines share it; or "
+        "--gpu-memory-gb). When it does not fit, says what would. `rlsearch train` runs the same check before it "
+        "starts anything (trainer.memory_check). Exits 0 when it fits, 2 when it does not. The activation figures "
+        "come from bench/memory.py (docs/memory.md).",
+    )
+    _add_config_arguments(plan, "examples/configs/search_grpo_tiny.yaml", _plan)
+    plan.add_argument("--gpus", type=int, metavar="N", help="propose layouts (tp, pp, cp, dp, recomputation, "
+                      "offloading) of N actor GPUs for the model and length; needs --gpu-memory-gb")
+    plan.add_argument("--gpu-memory-gb", type=float, metavar="M", help="plan for GPUs of M GB each (e.g. 80 for an "
+                      "H100) instead of this machine's device")
+    plan.add_argument("--tokens", type=int, metavar="T", help="tokens per micro-batch to plan for (default: the "
+                      "config's actor.max_tokens_per_microbatch, or what one update's trajectories can fill)")
 
     evaluate = commands.add_parser(
         "eval", help="score a HuggingFace model as a search agent (eval-only, no training)",

@@ -514,6 +514,14 @@ class TrainerConfig:
     # again. After this many replacements in one run a dead rank stops the run, naming the last checkpoint (0: stop
     # at the first; `rlsearch train --restarts N` then runs the whole driver again)
     max_actor_restarts: int = 3
+    # the memory plan (`rlsearch plan`) checked at start-up, before anything starts: error stops a run whose actor
+    # ranks or engines do not fit their device's memory (exit code 2, saying what would fit); warn prints it and runs
+    # anyway; off skips the check
+    memory_check: str = "error"
+    # the memory the plan is checked against, GB: per GPU on GPUs, the host's on CPU (actor ranks and engines share
+    # it). 0: detected (the driver's first GPU, else the host's memory); a driver without a GPU that joins a cluster
+    # (trainer.ray_address) cannot see its GPUs: set it there, else the check is skipped
+    device_memory_gb: float = 0.0
 
 
 @dataclass

@@ -27,6 +27,7 @@ _CHOICES = {
     "tools.retriever.backend": ("bm25", "dense", "hybrid"),
     "tools.retriever.pooling": ("auto", "mean", "cls", "pooler"),
     "trainer.placement": ("colocated", "split"),
+    "trainer.memory_check": ("error", "warn", "off"),
     "weights.transport": ("auto", "shm", "broadcast"),
 }
 BUILTIN_TOOLS = ("search", "browse", "web_search", "web_browse")  # the names tools.enabled accepts
@@ -106,6 +107,9 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
         raise ConfigError("'trainer.max_actor_restarts' must be >= 0 (0: a dead actor rank stops the run)")
     if config.trainer.max_consecutive_skips < 0:
         raise ConfigError("'trainer.max_consecutive_skips' must be >= 0 (0: never stop for NaN/inf steps)")
+    if config.trainer.device_memory_gb < 0:
+        raise ConfigError(
+            f"'trainer.device_memory_gb' must be >= 0 (0: detected); got {config.trainer.device_memory_gb}")
     if config.trainer.keep_checkpoints < 0:
         raise ConfigError("'trainer.keep_checkpoints' must be >= 0 (0: keep all)")
     _check_loggers(config.trainer.loggers)

@@ -31,6 +31,7 @@ from ..config import (
 )
 from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate
+from ..memory import check_train_memory
 from ..ray_setup import actor_states, cluster_has_gpus, init_ray, ray_cpus, supervisor_ray_address
 from ..reward import check_scorers, score_trajectories
 from ..rollout import (
@@ -155,6 +156,8 @@ class GRPOTrainer:
         self.resume_point = self._checkpoint_to_resume()
         self.examples = self._load_examples()
         check_model_layout(config.model.path, config.actor, config.algo.routing_replay)
+        # the memory plan: a run whose ranks or engines cannot fit stops here, before Ray, tool servers or actors start
+        print(check_train_memory(config), flush=True)
         self.sampler = EpochSampler(self.examples, seed=config.trainer.seed, shuffle=config.data.shuffle)
         self.rollouts: deque[PendingRollout] = deque()
         # steps skipped for a NaN/inf loss or grad norm

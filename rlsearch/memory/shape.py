@@ -1,0 +1,101 @@
+"""A model's shape as the memory plan needs it, read from its HuggingFace config.json, and the parameters each
+pipeline stage of a Megatron layout holds on one rank."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# HF model types whose attention projections have biases (the others read `attention_bias`)
+_QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
+# HF model types with a norm on each head's query and key (Megatron's qk_layernorm)
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int  # a dense layer's FFN size
+    vocab: int
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    experts: int = 0  # routed experts per layer (0: dense)
+    experts_per_token: int = 0
+    expert_ffn: int = 0
+    shared_expert_ffn: int = 0  # Qwen2-MoE's shared expert (gated)
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> ModelShape:
+        heads = config["num_attention_heads"]
+        model_type = config.get("model_type", "")
+        experts = config.get("num_experts") or config.get("num_local_experts") or 0
+        return cls(
+            hidden=config["hidden_size"], layers=config["num_hidden_layers"], heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            ffn=config.get("intermediate_size", 0), vocab=config["vocab_size"],
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=model_type in _QKV_BIAS_TYPES or bool(config.get("attention_bias", False)),
+            qk_norm=model_type in _QK_NORM_TYPES,
+            experts=experts, experts_per_token=config.get("num_experts_per_tok", 0) if experts else 0,
+            expert_ffn=config.get("moe_intermediate_size", 0) if experts else 0,
+            shared_expert_ffn=config.get("shared_expert_intermediate_size", 0) if experts else 0,
+        )
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> ModelShape:
+        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+
+    def describe(self) -> str:
+        experts = (f", {self.experts} experts ({self.experts_per_token} per token, FFN {self.expert_ffn})"
+                   if self.experts else f", FFN {self.ffn}")
+        return (f"hidden {self.hidden}, {self.layers} layers, {self.heads} heads ({self.kv_heads} kv, dim "
+                f"{self.head_dim}){experts}, vocabulary {self.vocab}, {self.total_parameters() / 1e9:.2f}B parameters")
+
+    def total_parameters(self) -> int:
+        """Every parameter of the model once (tied embeddings once)."""
+        stage = stage_parameters(self, tp=1, pp=1, ep=1, stage=0)
+        return stage.dense + stage.expert
+
+
+@dataclass(frozen=True)
+class StageParameters:
+    """The parameters one rank of a pipeline stage holds."""
+
+    dense: int  # sharded over tensor-parallel ranks (norms and routers replicated), replicated over data-parallel
+    expert: int  # routed experts: split over expert-parallel ranks, replicated over the rest of data parallelism
+
+
+def stage_parameters(shape: ModelShape, tp: int, pp: int, ep: int, stage: int) -> StageParameters:
+    """Parameters on one rank of pipeline stage `stage` (of `pp`; each holds layers / pp layers, over all its virtual
+    stages). Megatron's layout: the embedding on the first stage, the final norm and the output layer on the last
+    (with tied embeddings and pp > 1 the last stage keeps its own copy of the embedding to project with)."""
+    h, d = shape.hidden, shape.head_dim
+    attention = (h * (shape.heads + 2 * shape.kv_heads) * d // tp + shape.heads * d * h // tp
+                 + (shape.heads + 2 * shape.kv_heads) * d // tp * shape.qkv_bias + 2 * d * shape.qk_norm)
+    norms = 2 * h
+    dense_per_layer = attention + norms
+    expert_per_layer = 0
+    if shape.experts:
+        dense_per_layer += shape.experts * h  # the router
+        if shape.shared_expert_ffn:
+            dense_per_layer += 3 * h * shape.shared_expert_ffn // tp + h  # the shared expert and its gate
+        expert_per_layer = shape.experts // ep * 3 * h * shape.expert_ffn
+    else:
+        dense_per_layer += 3 * h * shape.ffn // tp  # gate and up projections, then down
+    layers = shape.layers // pp
+    dense = layers * dense_per_layer
+    embedding = shape.vocab // tp * h
+    if stage == 0:
+        dense += embedding
+    if stage == pp - 1:
+        dense += h  # the final norm
+        if not shape.tied_embeddings or pp > 1:
+            dense += embedding  # the output layer
+    return StageParameters(dense=dense, expert=layers * expert_per_layer)

@@ -1,0 +1,32 @@
+"""bench/memory.py --smoke: every configuration gets a row with the plan's prediction, and either its measured peak
+and seconds or the reason it did not run."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from bench.memory import CONFIGURATIONS
+from tests.conftest import REPO_ROOT
+
+ROW = re.compile(r"^tiny\s+256\s+(?P<name>.+?)\s{2,}(?P<rest>.*)$")
+
+
+def test_bench_memory_smoke_has_a_row_with_a_prediction_per_configuration(tmp_path):
+    result = subprocess.run([sys.executable, "bench/memory.py", "--smoke", "--out", str(tmp_path)], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {}
+    for line in result.stdout.splitlines():
+        match = ROW.match(line)
+        if match:
+            rows[match.group("name").strip()] = match.group("rest").split()
+    assert set(rows) == set(CONFIGURATIONS), result.stdout
+    for name, fields in rows.items():
+        if fields[0] == "-":  # refused: "- - PLAN - - refused: why"
+            assert float(fields[2]) > 0 and fields[5] == "refused:" and len(fields) > 6, (name, fields)
+        else:  # seconds, peak GB, plan GB, plan/peak, idle GB
+            seconds, peak, plan, ratio, idle = map(float, fields[:5])
+            assert min(seconds, peak, plan, idle) > 0 and abs(ratio - plan / peak) < 0.02, (name, fields)
+    assert rows["none"][0] != "-", "the configuration without recomputation always runs"

@@ -1,0 +1,214 @@
+"""The memory plan's arithmetic: parameters, gradients and Adam's states per rank counted by hand for a small model
+at TP2/PP2/DP2 (with and without the distributed optimizer), the measured peaks it must predict (the issue's H200
+table, bench/memory.py's CPU rows), what it says would fit, and the layouts it proposes."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from rlsearch.memory import (
+    GB,
+    ActorMemorySettings,
+    Device,
+    Layout,
+    MemoryInputs,
+    ModelShape,
+    fitting_change,
+    plan_memory,
+    propose_layouts,
+    stage_parameters,
+)
+from rlsearch.memory.suggest import not_fitting_message
+
+GIB = 2**30
+# the embedded default: Qwen2, hidden 128, 2 layers, 4 heads (2 kv) of 32, FFN 256, the padded Qwen vocabulary
+TINY = ModelShape(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=256, vocab=151_680, qkv_bias=True)
+# Qwen2.5-0.5B (bench/common.py "0.5b"): tied embeddings, 151,936 rows
+HALF_B = ModelShape(hidden=896, layers=24, heads=14, kv_heads=2, head_dim=64, ffn=4864, vocab=151_936,
+                    tied_embeddings=True, qkv_bias=True)
+# Qwen2.5-7B
+SEVEN_B = ModelShape(hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, ffn=18944, vocab=152_064,
+                     qkv_bias=True)
+
+# one layer of TINY on one of two tensor-parallel ranks, tensor by tensor (Megatron's local spec)
+TINY_LAYER_TP2 = {
+    "input_layernorm.weight": 128,  # norms are replicated over TP
+    "self_attention.linear_qkv.weight": (4 + 2 + 2) * 32 * 128 // 2,  # 16,384: q, k, v rows split over TP
+    "self_attention.linear_qkv.bias": (4 + 2 + 2) * 32 // 2,  # 128
+    "self_attention.linear_proj.weight": 128 * (4 * 32) // 2,  # 8,192: columns split
+    "pre_mlp_layernorm.weight": 128,
+    "mlp.linear_fc1.weight": (2 * 256) * 128 // 2,  # 32,768: gate and up
+    "mlp.linear_fc2.weight": 128 * 256 // 2,  # 16,384
+}
+TINY_VOCAB_TP2 = 151_680 * 128 // 2  # the embedding (first stage) and the output layer (last), vocab rows split
+TINY_STAGE_TP2 = [
+    TINY_VOCAB_TP2 + sum(TINY_LAYER_TP2.values()),  # stage 0: embedding, layer 0
+    sum(TINY_LAYER_TP2.values()) + 128 + TINY_VOCAB_TP2,  # stage 1: layer 1, final norm, output layer
+]
+
+
+GPU_80GB = Device("gpu", 80 * GB, "an 80 GB GPU")
+
+
+def _plan(shape, tokens=4096, device=GPU_80GB, **settings):
+    return plan_memory(MemoryInputs(shape, ActorMemorySettings(tokens=tokens, **settings), device))
+
+
+def test_tiny_model_parameters_are_the_hf_checkpoints(tiny_model_dir):
+    from safetensors import safe_open
+
+    shape = ModelShape.from_model_dir(tiny_model_dir)
+    assert shape == TINY
+    numel = 0
+    for path in tiny_model_dir.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as handle:
+            for name in handle.keys():
+                dims = handle.get_slice(name).get_shape()
+                numel += dims[0] * (dims[1] if len(dims) > 1 else 1)
+    assert shape.total_parameters() == numel == 39_126_144
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_parameters_per_rank_at_tp2_pp2_are_counted_by_hand(stage):
+    parameters = stage_parameters(TINY, tp=2, pp=2, ep=1, stage=stage)
+    assert (parameters.dense, parameters.expert) == (TINY_STAGE_TP2[stage], 0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "distributed", "per_parameter"),
+    [
+        ("float32", False, {"weights": 4, "gradients": 4, "optimizer": 8}),  # fp32: Adam's two moments
+        ("float32", True, {"weights": 4, "gradients": 4, "optimizer": 8 / 2}),  # sharded over DP2
+        ("bfloat16", False, {"weights": 2, "gradients": 4, "optimizer": 12}),  # + Megatron's fp32 master weights
+        ("bfloat16", True, {"weights": 2, "gradients": 4, "optimizer": 12 / 2}),
+    ],
+)
+def test_weights_gradients_and_adam_per_rank_at_tp2_pp2_dp2(dtype, distributed, per_parameter):
+    layout = Layout(tp=2, pp=2, dp=2)
+    plan = _plan(TINY, layout=layout, dtype=dtype, distributed_optimizer=distributed)
+    for stage, rank in enumerate(plan.ranks):
+        count = TINY_STAGE_TP2[stage]
+        assert rank.parameters == count
+        assert {name: getattr(rank, name) for name in per_parameter} == {
+            name: pytest.approx(bytes_each * count, rel=1e-12) for name, bytes_each in per_parameter.items()}
+        assert rank.host == 0
+
+
+def test_optimizer_offload_moves_its_share_to_the_host_on_gpu_only():
+    on_gpu = _plan(TINY, dtype="bfloat16", distributed_optimizer=True, optimizer_offload_fraction=0.75)
+    rank = on_gpu.ranks[0]
+    states = 12 * TINY.total_parameters()
+    assert (rank.optimizer, rank.host) == (pytest.approx(0.25 * states), pytest.approx(0.75 * states))
+    on_cpu = _plan(TINY, dtype="bfloat16", distributed_optimizer=True, optimizer_offload_fraction=0.75,
+                   device=Device("cpu", 24 * GB, "host"))
+    assert (on_cpu.ranks[0].optimizer, on_cpu.ranks[0].host) == (pytest.approx(states), 0)
+
+
+# bench/memory.py --fit --dtype float32 --chunk 128 on this CPU (2026-11-27): what each part of a layer saves per
+# token in its forward pass, in float32 units; and outside the layers, per token
+MEASURED_FIT = {
+    # shape: (hidden, heads, kv heads, head dim, ffn) -> norms, linear_inputs, core_attn, mlp, outside
+    (128, 4, 2, 32, 256): (514.0, 640.0, 708.0, 1024.0, 391.2),
+    (256, 8, 2, 32, 256): (1026.0, 1024.0, 1096.0, 1024.0, 767.2),
+    (128, 4, 4, 32, 256): (514.0, 640.0, 900.0, 1024.0, 391.2),
+    (256, 4, 2, 64, 256): (1026.0, 1024.0, 1412.0, 1024.0, 767.2),
+    (128, 4, 2, 32, 1024): (514.0, 1408.0, 708.0, 4096.0, 391.2),
+}
+
+
+@pytest.mark.parametrize("widths", MEASURED_FIT)
+def test_a_layers_activations_are_the_measured_table(widths):
+    from rlsearch.memory import coefficients_for
+    from rlsearch.memory.plan import layer_activation_bytes
+
+    hidden, heads, kv_heads, head_dim, ffn = widths
+    shape = ModelShape(hidden=hidden, layers=2, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=ffn,
+                       vocab=151_680, qkv_bias=True)
+    coefficients = coefficients_for("cpu", "float32")
+    parts = layer_activation_bytes(shape, ActorMemorySettings(tokens=1024), coefficients)
+    measured = dict(zip(("norms", "linear_inputs", "core_attn", "mlp", "outside"), MEASURED_FIT[widths]))
+    planned = {name: value / 4 for name, value in parts.items()} | {"outside": coefficients.outside * hidden}
+    assert planned == {name: pytest.approx(value, rel=0.02) for name, value in measured.items()}
+    # the plan's rank keeps per token and layer exactly these parts; selective recomputation of core_attn keeps its
+    # inputs (query, key and value: (heads + 2 kv_heads) x head_dim) instead of what it saved
+    layer = sum(value for name, value in measured.items() if name != "outside") * 4
+    for recompute, kept in (("none", layer), ("selective", layer - (measured["core_attn"] - (
+            heads + 2 * kv_heads) * head_dim) * 4)):
+        plan = _plan(shape, dtype="float32", recompute=recompute, device=Device("cpu", 24 * GB, "host"))
+        assert plan.worst.activations_per_token_layer == pytest.approx(kept, rel=0.02)
+
+
+# the issue's H200 table (bench/gpu_actor_check.py's worker, the 0.5B shape, bf16, one trajectory, 1024-position
+# logits chunks): tokens, actor keys, peak torch.cuda.max_memory_allocated in GiB
+H200_TABLE = [
+    (65_065, {}, 103.9),
+    (65_065, {"recompute": "selective"}, 100.1),
+    (65_065, {"recompute": "full"}, 16.4),
+    (130_601, {"recompute": "full"}, 24.3),
+]
+
+
+@pytest.mark.parametrize(("tokens", "keys", "peak_gib"), H200_TABLE)
+def test_the_plan_predicts_the_h200_table_within_15_percent(tokens, keys, peak_gib):
+    plan = _plan(HALF_B, tokens=tokens, dtype="bfloat16", device=Device("gpu", 141 * GB, "H200"), **keys)
+    assert plan.worst.step / GIB == pytest.approx(peak_gib, rel=0.15)
+
+
+def test_a_7b_model_at_32k_tokens_does_not_fit_an_80gb_gpu_and_the_plan_says_what_would():
+    plan = _plan(SEVEN_B, tokens=32_768, dtype="bfloat16")
+    assert not plan.fits and plan.worst.activations > 150 * GB  # the issue's ~7 MB a token
+    message = not_fitting_message(plan)
+    match = re.fullmatch(r"needs ([\d,.]+) GB per rank at 32,768 tokens of 80\.00 GB \(an 80 GB GPU\); with "
+                         r"(actor\.\S+=\S+(?: actor\.\S+=\S+)*), ([\d.]+) GB", message)
+    assert match, message
+    change = fitting_change(plan.inputs)
+    assert match.group(2) == change.describe() and "actor.recompute=full" in change.describe()
+    assert change.plan.fits and change.plan.worst.total == pytest.approx(float(match.group(3)) * GB, rel=1e-3)
+
+
+def test_proposed_layouts_fit_use_every_gpu_and_put_data_parallelism_first():
+    proposals = propose_layouts(MemoryInputs(SEVEN_B, ActorMemorySettings(tokens=32_768, dtype="bfloat16"),
+                                             Device("gpu", 1.0, "unused")), gpus=8, gpu_memory=80 * GB)
+    assert proposals
+    model_parallel = []
+    for proposal in proposals:
+        plan = proposal.plan
+        layout = plan.inputs.actor.layout
+        assert plan.fits and plan.worst.total <= 80 * GB and layout.ranks == 8
+        assert f"actor.dp={layout.dp}" in proposal.change.describe() or layout.dp == 1
+        model_parallel.append(layout.tp * layout.pp * layout.cp)
+    assert model_parallel == sorted(model_parallel)
+    # one GPU of 80 GB cannot hold a 7B model's Adam states at 32k tokens without offloading: tp1 pp1 cp1 dp8 needs
+    # the states sharded over the 8 ranks
+    first = proposals[0].plan.inputs.actor
+    assert (first.layout.dp, first.distributed_optimizer) == (8, True)
+
+
+def test_the_cpu_plan_adds_the_ranks_and_engines_up_against_the_host():
+    from rlsearch.memory import EngineMemorySettings
+
+    device = Device("cpu", 24 * GB, "host")
+    settings = ActorMemorySettings(tokens=4096, layout=Layout(tp=2, dp=2))
+    engines = EngineMemorySettings(count=2, tp=2, window=768)
+    plan = plan_memory(MemoryInputs(TINY, settings, device, engines))
+    rank, engine = plan.ranks[0], plan.engine
+    drivers = 2 * plan.coefficients.engine_driver  # the rollout worker of each engine
+    assert plan.host_total == pytest.approx(4 * rank.total + 4 * engine.total + drivers + plan.host_overhead)
+    assert engine.kv_cache == 1 * GIB and engine.weights == pytest.approx(TINY.total_parameters() * 4 / 2)
+    tight = plan_memory(MemoryInputs(TINY, settings, Device("cpu", plan.host_total - 1, "host"), engines))
+    assert not tight.fits and tight.headline().endswith("of host memory at 4,096 tokens")
+
+
+def test_hf_configs_of_moe_and_qwen3_models_are_read(tmp_path):
+    config = {"model_type": "qwen3_moe", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "vocab_size": 151_680,
+              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = ModelShape.from_model_dir(tmp_path)
+    assert (shape.qk_norm, shape.qkv_bias, shape.experts, shape.expert_ffn) == (True, False, 8, 128)
+    # EP2: each rank holds 4 of the 8 experts of each layer (gate, up and down: 3 x 128 x 128)
+    per_rank = stage_parameters(shape, tp=1, pp=1, ep=2, stage=0)
+    assert per_rank.expert == 2 * 4 * 3 * 128 * 128
