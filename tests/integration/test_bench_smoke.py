@@ -13,7 +13,10 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
-BENCHES = sorted(path.name for path in (REPO_ROOT / "bench").glob("*.py") if path.name != "common.py")
+# benches whose smoke run a test of their own runs and reads (the same command)
+OWN_SMOKE_TEST = {"memory.py": "tests/integration/test_bench_memory_smoke.py"}
+BENCHES = sorted(path.name for path in (REPO_ROOT / "bench").glob("*.py")
+                 if path.name != "common.py" and path.name not in OWN_SMOKE_TEST)
 GPU_BENCHES = {"gpu_actor_check.py", "gpu_weight_export.py"}
 NOT_ON_THE_GPU_MACHINE = "ray,vllm,transformer_engine"
 WITHOUT_PACKAGES = Path(__file__).with_name("without_packages.py")
