@@ -24,7 +24,8 @@ What each patch covers (megatron-cpu.md has the investigation):
 
 `define_missing_te_names()` runs on GPUs too: megatron-core 0.16.1's MoE router reads `moe_utils.te_general_gemm`,
 which is defined only when Transformer Engine imports, so a MoE model without Transformer Engine fails its first
-forward with a NameError on a GPU as on a CPU (seen on an H100).
+forward with a NameError on a GPU as on a CPU (seen on an H100); and its CheckpointWithoutOutput (selective
+recomputation of the norms) asks Transformer Engine whether fp8 is on even when fp8 is off.
 """
 
 from __future__ import annotations
@@ -131,10 +132,23 @@ _NOOP_STREAM = _NoopStream()
 def define_missing_te_names() -> None:
     """Megatron's Transformer Engine names that its code reads without checking they exist, as None (its own "no
     Transformer Engine" value) where Transformer Engine is not installed."""
+    from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    if not megatron_random.HAVE_TE and not getattr(megatron_random.CheckpointWithoutOutput, "_fp8_fixed", False):
+        # its __init__ sets `self.fp8 = fp8 is not None`, True for the default fp8=False, and its forward then reads
+        # Transformer Engine's FP8GlobalStateManager: selective recomputation of the norms (actor.recompute_modules
+        # layernorm) failed with a NameError without Transformer Engine
+        init = megatron_random.CheckpointWithoutOutput.__init__
+
+        def without_fp8(self, fp8=False):
+            init(self, fp8)
+            self.fp8 = False
+
+        megatron_random.CheckpointWithoutOutput.__init__ = without_fp8
+        megatron_random.CheckpointWithoutOutput._fp8_fixed = True
 
 
 def _patch_moe() -> None:
