@@ -345,10 +345,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hang-timeout", type=float, default=600.0)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
-    parser.add_argument("--recovery-goal", type=float, default=60.0)
+    parser.add_argument("--recovery-goal", type=float, default=60.0,
+                        help="seconds from a kill to the next step line (the smoke run, on a loaded test machine, "
+                             "checks that it recovers, not how fast: 600)")
     parser.add_argument("--out", default="outputs/bench", help="assets are cached here; the run goes to OUT/chaos")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for the trainer")
-    args = parse_args(parser, dict(kills=1, every=1, warmup=1, components=["retriever"], save_interval=1))
+    args = parse_args(parser, dict(kills=1, every=1, warmup=1, components=["retriever"], save_interval=1,
+                                     recovery_goal=600.0))
     unknown = set(args.components) - set(COMPONENTS)
     if unknown:
         parser.error(f"unknown components {sorted(unknown)}; choose from {', '.join(COMPONENTS)}")
