@@ -29,16 +29,17 @@ def pytest_configure(config):
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: the run order below is the final one
 def pytest_collection_modifyitems(config, items):
     _skip_gpu_tests_without_cuda(items)
-    items[:] = SHARED_ENGINES.group_users(items)
-    _assign_lanes(items)
+    items[:] = _assign_lanes(SHARED_ENGINES.group_users(items))
 
 
 # `bash scripts/test.sh` runs the suite in two lanes side by side (pytest-xdist: -n 2 --dist loadgroup), each a worker
-# process with session fixtures of its own: the tests that run training drivers as subprocesses on the session's Ray
-# (driver_ray), and the others: engines and ranks run from the pytest process, the benches' smoke runs, unit tests.
-# A training run alone keeps about 1.3 of 2 cores busy; the lanes take about as long as each other.
-SUBPROCESS_LANE = ("tests/e2e/", "tests/faults/", "tests/integration/test_multinode.py")
-
+# process with session fixtures of its own. A lane takes a group of tests at a time, the next one when it is almost
+# done: first the two long groups (the training drivers run as subprocesses on the lane's Ray, driver_ray, taking its
+# engines over; the tests of the engines and ranks shared in-process, SharedEngines), then every other module, and
+# every bench's smoke run, on its own, the longest first. A training run alone keeps about 1.3 of 2 cores busy.
+DRIVER_TESTS = ("tests/e2e/", "tests/faults/", "tests/integration/test_multinode.py")
+BENCH_SMOKE = "tests/integration/test_bench_smoke.py"
+LONG_BENCH_SMOKES = ("chaos", "learning", "default_run", "long_sequences", "soak")  # 1-4 minutes each; the others <1
 
 @pytest.fixture(scope="module", autouse=True)
 def _memory_heavy_module(request):
@@ -79,11 +80,23 @@ class MemoryLock:
 MEMORY_LOCK = MemoryLock()
 
 
-def _assign_lanes(items) -> None:
+def _assign_lanes(items) -> list:
+    """`items` in the order the lanes take them, each marked with its group (xdist_group)."""
+    def group(item) -> tuple[int, str]:
+        module = item.nodeid.split("::")[0]
+        if item.nodeid.startswith(DRIVER_TESTS):
+            return 0, "drivers"
+        if set(SHARED_ENGINES.uses(item)) - set(SharedEngines.UNGROUPED):
+            return 1, "shared-engines"
+        if module == BENCH_SMOKE:
+            long = any(f"[{name}.py]" in item.nodeid for name in LONG_BENCH_SMOKES)
+            return (2 if long else 4), item.nodeid
+        return (3 if module.startswith("tests/integration/") else 5), module
+
+    groups = {item.nodeid: group(item) for item in items}
     for item in items:
-        shared = set(SHARED_ENGINES.uses(item)) - set(SharedEngines.UNGROUPED)
-        lane = "subprocesses" if item.nodeid.startswith(SUBPROCESS_LANE) and not shared else "in-process"
-        item.add_marker(pytest.mark.xdist_group(lane))
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid][1]))
+    return sorted(items, key=lambda item: groups[item.nodeid][0])  # stable: the order within a group is kept
 
 
 def _skip_gpu_tests_without_cuda(items) -> None:

@@ -18,6 +18,7 @@ OWN_SMOKE_TEST = {"memory.py": "tests/integration/test_bench_memory_smoke.py"}
 BENCHES = sorted(path.name for path in (REPO_ROOT / "bench").glob("*.py")
                  if path.name != "common.py" and path.name not in OWN_SMOKE_TEST)
 GPU_BENCHES = {"gpu_actor_check.py", "gpu_weight_export.py"}
+MEMORY_HEAVY = {"chaos.py"}  # two engines beside the actor ranks: not beside the other lane's heavy tests
 NOT_ON_THE_GPU_MACHINE = "ray,vllm,transformer_engine"
 WITHOUT_PACKAGES = Path(__file__).with_name("without_packages.py")
 # lines a bench's smoke run prints when its parts all ran (beside the exit status)
@@ -33,7 +34,8 @@ def bench_out(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("bench")
 
 
-@pytest.mark.parametrize("bench", BENCHES)
+@pytest.mark.parametrize("bench", [pytest.param(bench, marks=pytest.mark.memory_heavy) if bench in MEMORY_HEAVY
+                                   else bench for bench in BENCHES])
 def test_bench_runs_in_smoke_mode(bench, bench_out):
     command = [f"bench/{bench}", "--smoke", "--out", str(bench_out / bench.removesuffix(".py"))]
     if bench in GPU_BENCHES:
