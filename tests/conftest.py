@@ -26,10 +26,16 @@ def pytest_configure(config):
         config.addinivalue_line("markers", "xdist_group(name): the lane a test runs in (pytest-xdist)")
 
 
+def pytest_itemcollected(item):
+    """Each test's lane group, as it is collected: pytest-xdist reads the groups into the tests' ids in its own
+    pytest_collection_modifyitems, before ours."""
+    item.add_marker(pytest.mark.xdist_group(_lane_group(item)[1]))
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: the run order below is the final one
 def pytest_collection_modifyitems(config, items):
     _skip_gpu_tests_without_cuda(items)
-    items[:] = _assign_lanes(SHARED_ENGINES.group_users(items))
+    items[:] = sorted(SHARED_ENGINES.group_users(items), key=lambda item: _lane_group(item)[0])  # stable sort
 
 
 # `bash scripts/test.sh` runs the suite in two lanes side by side (pytest-xdist: -n 2 --dist loadgroup), each a worker
@@ -80,23 +86,17 @@ class MemoryLock:
 MEMORY_LOCK = MemoryLock()
 
 
-def _assign_lanes(items) -> list:
-    """`items` in the order the lanes take them, each marked with its group (xdist_group)."""
-    def group(item) -> tuple[int, str]:
-        module = item.nodeid.split("::")[0]
-        if item.nodeid.startswith(DRIVER_TESTS):
-            return 0, "drivers"
-        if set(SHARED_ENGINES.uses(item)) - set(SharedEngines.UNGROUPED):
-            return 1, "shared-engines"
-        if module == BENCH_SMOKE:
-            long = any(f"[{name}.py]" in item.nodeid for name in LONG_BENCH_SMOKES)
-            return (2 if long else 4), item.nodeid
-        return (3 if module.startswith("tests/integration/") else 5), module
-
-    groups = {item.nodeid: group(item) for item in items}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid][1]))
-    return sorted(items, key=lambda item: groups[item.nodeid][0])  # stable: the order within a group is kept
+def _lane_group(item) -> tuple[int, str]:
+    """The group a lane takes `item` in, and the rank of its kind in the order the lanes take groups."""
+    module = item.nodeid.split("::")[0]
+    if item.nodeid.startswith(DRIVER_TESTS):
+        return 0, "drivers"
+    if set(SHARED_ENGINES.uses(item)) - set(SharedEngines.UNGROUPED):
+        return 1, "shared-engines"
+    if module == BENCH_SMOKE:
+        long = any(f"[{name}.py]" in item.nodeid for name in LONG_BENCH_SMOKES)
+        return (2 if long else 4), "bench-" + item.nodeid.split("[")[-1].split("]")[0]
+    return (3 if module.startswith("tests/integration/") else 5), module
 
 
 def _skip_gpu_tests_without_cuda(items) -> None:
