@@ -32,6 +32,24 @@ def pytest_itemcollected(item):
     item.add_marker(pytest.mark.xdist_group(_lane_group(item)[1]))
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's loadgroup scheduling with the groups taken in the order of the tests (the longest first, as
+    pytest_collection_modifyitems puts them), where xdist takes the groups with the most tests first."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class InTestOrder(LoadGroupScheduling):
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "_in_test_order", False):  # the queue is complete on the first assignment
+                first_test = {scope: index for index, scope in enumerate(dict.fromkeys(
+                    self._split_scope(nodeid) for nodeid in self.collection))}
+                for scope in sorted(self.workqueue, key=first_test.__getitem__):
+                    self.workqueue.move_to_end(scope)
+                self._in_test_order = True
+            super()._assign_work_unit(node)
+
+    return InTestOrder(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: the run order below is the final one
 def pytest_collection_modifyitems(config, items):
     _skip_gpu_tests_without_cuda(items)
