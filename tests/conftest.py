@@ -68,18 +68,21 @@ LONG_BENCH_SMOKES = ("chaos", "learning", "default_run", "long_sequences", "soak
 @pytest.fixture(scope="module", autouse=True)
 def _memory_heavy_module(request):
     """A module marked memory_heavy (its pytestmark) holds the lanes' memory lock from its first test to its last."""
-    marked = any(mark.name == "memory_heavy" for mark in getattr(request.module, "pytestmark", []))
-    with MEMORY_LOCK.held() if marked else nullcontext():
+    with MEMORY_LOCK.held() if _module_memory_heavy(request.module) else nullcontext():
         yield
 
 
 @pytest.fixture(autouse=True)
 def _memory_heavy_test(request):
     """A test marked memory_heavy holds the lanes' memory lock while it runs."""
-    marked = request.node.get_closest_marker("memory_heavy") is not None and not any(
-        mark.name == "memory_heavy" for mark in getattr(request.module, "pytestmark", []))
+    marked = request.node.get_closest_marker("memory_heavy") is not None and not _module_memory_heavy(request.module)
     with MEMORY_LOCK.held() if marked else nullcontext():
         yield
+
+
+def _module_memory_heavy(module) -> bool:
+    marks = getattr(module, "pytestmark", [])
+    return any(mark.name == "memory_heavy" for mark in (marks if isinstance(marks, list) else [marks]))
 
 
 class MemoryLock:
