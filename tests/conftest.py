@@ -32,6 +32,7 @@ def pytest_itemcollected(item):
     item.add_marker(pytest.mark.xdist_group(_lane_group(item)[1]))
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: RLSEARCH_TEST_LANES=1 runs without it
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's loadgroup scheduling with the groups taken in the order of the tests (the longest first, as
     pytest_collection_modifyitems puts them), where xdist takes the groups with the most tests first."""
@@ -110,10 +111,10 @@ MEMORY_LOCK = MemoryLock()
 def _lane_group(item) -> tuple[int, str]:
     """The group a lane takes `item` in, and the rank of its kind in the order the lanes take groups."""
     module = item.nodeid.split("::")[0]
+    if set(SHARED_ENGINES.uses(item)) - set(SharedEngines.UNGROUPED):  # wherever it is: started once, in one lane
+        return 1, "shared-engines"
     if item.nodeid.startswith(DRIVER_TESTS):
         return 0, "drivers"
-    if set(SHARED_ENGINES.uses(item)) - set(SharedEngines.UNGROUPED):
-        return 1, "shared-engines"
     if module == BENCH_SMOKE:
         long = any(f"[{name}.py]" in item.nodeid for name in LONG_BENCH_SMOKES)
         return (2 if long else 4), "bench-" + item.nodeid.split("[")[-1].split("]")[0]
