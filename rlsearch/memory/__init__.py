@@ -6,7 +6,7 @@ Pure arithmetic over a few plain dataclasses (plan.py), with the per-token activ
 bench/memory.py (coefficients.py). check.py builds the inputs from a training config and is the check every
 `rlsearch train` runs before anything starts."""
 
-from .check import check_train_memory, detect_device, plan_train_config, train_memory_inputs
+from .check import QUIET_BELOW, check_train_memory, detect_device, plan_train_config, train_memory_inputs
 from .coefficients import coefficients_for
 from .plan import (
     GB,
@@ -25,6 +25,7 @@ from .suggest import LayoutProposal, fitting_change, propose_layouts
 __all__ = [
     "GB", "ActorMemorySettings", "Device", "EngineMemorySettings", "Layout", "LayoutProposal", "MemoryInputs",
     "MemoryPlan", "ModelShape", "RankMemory", "StageParameters",
-    "check_train_memory", "coefficients_for", "detect_device", "fitting_change", "plan_memory", "plan_train_config",
+    "QUIET_BELOW", "check_train_memory", "coefficients_for", "detect_device", "fitting_change", "plan_memory",
+    "plan_train_config",
     "propose_layouts", "stage_parameters", "train_memory_inputs",
 ]

@@ -11,6 +11,8 @@ from .plan import GB, ActorMemorySettings, Device, EngineMemorySettings, Layout,
 from .shape import ModelShape
 from .suggest import not_fitting_message
 
+QUIET_BELOW = 0.75  # a plan that fits within this share of the memory says nothing at start-up
+
 
 def host_memory() -> float:
     """The host's memory in bytes: MemTotal, or a lower cgroup limit (a container's)."""
@@ -92,8 +94,9 @@ def plan_train_config(config: TrainConfig, device: Device | None = None) -> Memo
 
 
 def check_train_memory(config: TrainConfig) -> str:
-    """The start-up check (trainer.memory_check): a line to print when the plan fits, is not checked or is only
-    warned about; a ConfigError saying what would fit when it does not fit and the check is `error`."""
+    """The start-up check (trainer.memory_check): a line to print when the plan fits with little to spare (empty when
+    it fits within QUIET_BELOW of the memory), is not checked or is only warned about; a ConfigError saying what
+    would fit when it does not fit and the check is `error`."""
     mode = config.trainer.memory_check
     if mode == "off":
         return "[rlsearch] memory plan: not checked (trainer.memory_check=off)"
@@ -104,6 +107,8 @@ def check_train_memory(config: TrainConfig) -> str:
                 "Ray starts; set trainer.device_memory_gb to their memory, or run `rlsearch plan --gpus N "
                 "--gpu-memory-gb M`")
     if plan.fits:
+        if plan.needed < QUIET_BELOW * plan.inputs.device.memory:
+            return ""
         return f"[rlsearch] memory plan: {plan.headline()} of {plan.inputs.device.memory / GB:,.1f} GB: fits"
     message = f"the memory plan does not fit: {not_fitting_message(plan, config.rollout.window)}"
     if mode == "warn":

@@ -157,7 +157,8 @@ class GRPOTrainer:
         self.examples = self._load_examples()
         check_model_layout(config.model.path, config.actor, config.algo.routing_replay)
         # the memory plan: a run whose ranks or engines cannot fit stops here, before Ray, tool servers or actors start
-        print(check_train_memory(config), flush=True)
+        if memory_line := check_train_memory(config):
+            print(memory_line, flush=True)
         self.sampler = EpochSampler(self.examples, seed=config.trainer.seed, shuffle=config.data.shuffle)
         self.rollouts: deque[PendingRollout] = deque()
         # steps skipped for a NaN/inf loss or grad norm
