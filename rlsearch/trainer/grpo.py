@@ -74,7 +74,6 @@ class RunSummary:
         trained = self.steps - self.resumed_step
         resumed = f" (resumed after step {self.resumed_step}, now at step {self.steps})" if self.resumed_step else ""
         lines = [
-            "",
             f"rlsearch: trained {trained} steps in {self.seconds:.0f} s{resumed}",
             f"  final reward {metrics.get('reward/mean', 0):.3f}, EM {metrics.get('reward/em', 0):.3f}, "
             f"turns {metrics.get('rollout/turns_mean', 0):.2f}, "
