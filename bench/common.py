@@ -4,24 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+TINY = dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+            tie_word_embeddings=False)
 SHAPES = {
     # Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads (2 kv), intermediate 4864, tied embeddings
     "0.5b": dict(hidden_size=896, num_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=256, tie_word_embeddings=False),
+    "tiny": dict(TINY),
     # the tiny width with 4 layers and tied embeddings: learns the toy task's copies (bench/learning.py)
-    "tiny-4l": dict(hidden_size=128, num_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                    intermediate_size=256, tie_word_embeddings=True),
+    "tiny-4l": dict(TINY, num_layers=4, tie_word_embeddings=True),
     # bench/memory.py --fit: the tiny shape with one width changed (heads and hidden; kv heads; head size; FFN)
-    "fit-heads": dict(hidden_size=256, num_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                      intermediate_size=256, tie_word_embeddings=False),
-    "fit-kv": dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                   intermediate_size=256, tie_word_embeddings=False),
-    "fit-head-dim": dict(hidden_size=256, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=256, tie_word_embeddings=False),
-    "fit-ffn": dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    intermediate_size=1024, tie_word_embeddings=False),
+    "fit-heads": dict(TINY, hidden_size=256, num_attention_heads=8),
+    "fit-kv": dict(TINY, num_key_value_heads=4),
+    "fit-head-dim": dict(TINY, hidden_size=256),
+    "fit-ffn": dict(TINY, intermediate_size=1024),
     # a tiny Qwen3-MoE: 8 routed experts, 2 per token (the actor's MoE path: router, token dispatch, experts)
     "moe-tiny": dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=256, architecture="qwen3_moe", num_experts=8, experts_per_token=2,
