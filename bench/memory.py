@@ -110,22 +110,24 @@ class PeakMeter:
         return _status_bytes("VmHWM")
 
 
-def _refusal(configuration: dict, worker) -> str:
-    """Why the built worker does not run `configuration` (empty when it does): Megatron's config must say it."""
+def _not_applied(configuration: dict, worker) -> str:
+    """What of `configuration` Megatron's config of the built worker does not say (empty when it says all): a row
+    measured without it would be mislabelled."""
     config = worker.model[0].config
     recompute = configuration.get("recompute", "none")
     if recompute != "none" and config.recompute_granularity != recompute:
-        return f"actor.recompute={recompute} is not applied by this branch's actor (issue 46 part 1)"
+        return f"actor.recompute={recompute} is not in Megatron's config (recompute_granularity " \
+               f"{config.recompute_granularity})"
     offload = configuration.get("activation_offload", "none")
     applied = {"layer": getattr(config, "cpu_offloading", False),
                "fine_grained": getattr(config, "fine_grained_activation_offloading", False)}
     if offload != "none" and not applied[offload]:
-        return f"actor.activation_offload={offload} is not applied by this branch's actor (issue 46 part 2)"
+        return f"actor.activation_offload={offload} is not in Megatron's config"
     if configuration.get("optimizer_offload_fraction"):
         optimizer = worker.training.optimizer
         configs = [getattr(inner, "config", None) for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
         if not any(getattr(inner, "optimizer_cpu_offload", False) for inner in configs):
-            return "actor.optimizer_offload_fraction is not applied by this branch's actor (issue 46 part 2)"
+            return "actor.optimizer_offload_fraction is not in Megatron's optimizer config"
     return ""
 
 
@@ -143,7 +145,7 @@ def run_child(job: dict) -> None:
     from bench.gpu_actor_check import start_single_rank_worker
     from bench.long_sequences import single_trajectory, warmup_sample
     from rlsearch.algo import grpo_objective
-    from rlsearch.config import ActorConfig, AlgoConfig
+    from rlsearch.config import ActorConfig, AlgoConfig, check_actor_devices
 
     torch.set_num_threads(job["threads"])
     on_gpu = torch.cuda.is_available()
@@ -157,8 +159,9 @@ def run_child(job: dict) -> None:
         try:
             actor = ActorConfig(max_tokens_per_microbatch=job["tokens"] + 8, logits_chunk_tokens=job["chunk"],
                                 num_threads=job["threads"], **configuration)
+            check_actor_devices(actor, on_gpu, job["dtype"])  # what `rlsearch train` refuses at start-up
             worker = start_single_rank_worker(Path(job["model"]), job["dtype"], actor, AlgoConfig(), 4)
-            result["refused"] = _refusal(configuration, worker)
+            result["refused"] = _not_applied(configuration, worker)
             if not result["refused"]:
                 step = partial(worker.train_step, dp_size=1, objective=partial(grpo_objective, algo=worker.spec.algo))
                 step(warmup_sample(0))
@@ -172,7 +175,7 @@ def run_child(job: dict) -> None:
                 result["seconds"] = time.perf_counter() - started
                 result["peak"] = meter.stop() - baseline
                 result["grad_norm"] = stats["grad_norm"]
-        except Exception as error:  # a refusal at start-up or a failed step: reported in the table
+        except Exception as error:  # a refusal at start-up (ours or Megatron's) or a failed step: in the table
             result["refused"] = _first_line(error)
         finally:
             if worker is not None:
