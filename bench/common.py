@@ -10,6 +10,9 @@ SHAPES = {
     # Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads (2 kv), intermediate 4864, tied embeddings
     "0.5b": dict(hidden_size=896, num_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, tie_word_embeddings=True),
+    # Qwen2.5-7B: hidden 3584, 28 layers, 28 heads (4 kv), intermediate 18944, untied (issue 46's one-GPU goal)
+    "7b": dict(hidden_size=3584, num_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, tie_word_embeddings=False),
     "tiny": dict(TINY),
     # the tiny width with 4 layers and tied embeddings: learns the toy task's copies (bench/learning.py)
     "tiny-4l": dict(TINY, num_layers=4, tie_word_embeddings=True),
