@@ -53,6 +53,7 @@ import torch  # noqa: E402
 from bench.common import SHAPES, parse_args  # noqa: E402
 from bench.common import build_model as build_bench_model  # noqa: E402
 from rlsearch.actor.batch import TrainSample  # noqa: E402
+from rlsearch.devices import cpu_threads_each  # noqa: E402
 
 GB = 1e9
 CHUNK_TOKENS = 1024
@@ -291,7 +292,7 @@ def _gb(values: list[float]) -> str:
 
 
 def _threads(args: argparse.Namespace, ranks: int) -> int:
-    return args.threads or max(1, (os.cpu_count() or 1) // ranks)
+    return args.threads or cpu_threads_each(ranks)
 
 
 def _limit_bytes(args: argparse.Namespace) -> float:

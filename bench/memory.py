@@ -44,6 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from bench.common import SHAPES, build_model  # noqa: E402
+from rlsearch.devices import cpu_cores  # noqa: E402
 
 GB = 1e9
 # configuration -> actor keys (issue 46's names)
@@ -414,7 +415,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="",
                         help="default: float32 on CPU, bfloat16 on GPU")
     parser.add_argument("--chunk", type=int, default=1024, help="actor.logits_chunk_tokens")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core, or RLSEARCH_CPU_CORES)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
     parser.add_argument("--smoke", action="store_true", help="tiny shape, 256 tokens, every configuration in one "
                         "process (seconds)")
@@ -429,7 +430,7 @@ def main() -> None:
         return run_fit_child(json.loads(args.fit_child))
     on_gpu = torch.cuda.is_available()
     args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
-    args.threads = args.threads or os.cpu_count() or 1
+    args.threads = args.threads or cpu_cores()
     if args.smoke:
         args.shapes, args.lengths, args.chunk = "tiny", "256", 64
     args.shapes = [s for s in (args.shapes or ("tiny,0.5b" if on_gpu else "tiny")).split(",") if s]

@@ -43,6 +43,7 @@ import torch  # noqa: E402
 
 from bench.common import parse_args  # noqa: E402
 from rlsearch.actor.batch import TrainSample  # noqa: E402
+from rlsearch.devices import cpu_cores  # noqa: E402
 
 CLIP_RATIO = 0.2
 LR = 1e-5
@@ -258,7 +259,7 @@ def main() -> None:
     run = parser.add_argument_group("run")
     run.add_argument("--steps", type=int, default=2, help="timed training steps per side")
     run.add_argument("--warmup", type=int, default=1, help="untimed training steps per side first")
-    run.add_argument("--threads", type=int, default=0, help="torch threads of each side; 0: all cores")
+    run.add_argument("--threads", type=int, default=0, help="torch threads of each side; 0: RLSEARCH_CPU_CORES or all")
     run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                      help="auto: CUDA when available (the actor's auto backend and layer spec), else CPU")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -278,7 +279,7 @@ def main() -> None:
     elif args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but CUDA is not available")
     on_gpu = torch.cuda.is_available() and args.device != "cpu"
-    threads = args.threads or os.cpu_count() or 1
+    threads = args.threads or cpu_cores()
 
     import ray
 

@@ -16,6 +16,25 @@ import torch
 # the second install step of the GPU stack (scripts/setup.sh): Transformer Engine's torch extension must be built for
 # the torch that is installed, which build isolation would replace by the newest one
 TRANSFORMER_ENGINE_INSTALL = "pip install --no-build-isolation -r requirements/gpu-te.txt"
+# the CPU cores a run's processes share (default: all of the machine's), for a run beside others on one machine: the
+# test suite's lanes each get their share. Two processes each running as many threads as the machine has cores take
+# twice as long as with one thread each (a tiny model's training steps, 2 cores)
+CPU_CORES_VARIABLE = "RLSEARCH_CPU_CORES"
+
+
+def cpu_cores() -> int:
+    """The CPU cores this run's processes share: RLSEARCH_CPU_CORES where it is set, else the machine's."""
+    value = os.environ.get(CPU_CORES_VARIABLE, "")
+    if not value:
+        return os.cpu_count() or 1
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{CPU_CORES_VARIABLE}={value!r}: set it to a whole number of cores (at least 1), or unset it")
+    return int(value)
+
+
+def cpu_threads_each(processes: int) -> int:
+    """torch threads for each of `processes` processes that compute side by side on the run's CPU cores."""
+    return max(1, cpu_cores() // processes)
 
 
 def local_gpu_index() -> int | None:

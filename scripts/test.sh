@@ -9,4 +9,9 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
 LANES=(-n "${RLSEARCH_TEST_LANES:-2}" --dist loadgroup)
 if [ "${RLSEARCH_TEST_LANES:-2}" = 1 ]; then LANES=(-p no:xdist); fi
+# each lane's processes share the lane's cores: torch, OpenMP (faiss) and the vLLM engines run that many threads, not
+# one per core of the machine each (two 2-thread processes on 2 cores took twice as long as two 1-thread processes)
+LANE_CORES=$(( $(nproc) / ${RLSEARCH_TEST_LANES:-2} ))
+export RLSEARCH_CPU_CORES="${RLSEARCH_CPU_CORES:-$(( LANE_CORES > 0 ? LANE_CORES : 1 ))}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$RLSEARCH_CPU_CORES}"
 exec "$VENV/bin/python" -m pytest tests "${LANES[@]}" --durations=25 "$@"

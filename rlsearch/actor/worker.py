@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..algo import Objective
 from ..config import ActorConfig, AlgoConfig
-from ..devices import local_device
+from ..devices import cpu_threads_each, local_device
 from ..lifetime import forked_children_die_with_this_process
 from ..megatron.cpu_compat import cuda_available
 from ..megatron.model import (
@@ -112,8 +112,7 @@ class MegatronActorWorker:
     def initialize(self, rendezvous: str) -> RankInfo:
         """Join the ranks' process group at `rendezvous`, then `build` this rank's part of the actor."""
         actor = self.spec.actor
-        cores = os.cpu_count() or 1
-        torch.set_num_threads(actor.num_threads or max(1, cores // self.world_size))
+        torch.set_num_threads(actor.num_threads or cpu_threads_each(self.world_size))
         init_megatron_parallel(
             self.rank, self.world_size, rendezvous, tp=actor.tp, pp=actor.pp, cp=actor.cp, ep=actor.ep,
             virtual_pipeline_stages=actor.virtual_pipeline_stages, backend=actor.backend, seed=self.spec.seed,

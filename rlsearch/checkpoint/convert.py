@@ -259,6 +259,7 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
+    from ..devices import cpu_threads_each
     from ..megatron.parallel import init_megatron_parallel
 
     # megatron and mbridge warn about missing Apex / Transformer Engine and deprecated settings on every import, and
@@ -266,7 +267,7 @@ def _rank_main(
     warnings.filterwarnings("ignore", module=r"(megatron|mbridge)\.")
     warnings.filterwarnings("ignore", category=FutureWarning)
     try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(cpu_threads_each(world_size))
         tp, pp, ep = layout
         init_megatron_parallel(rank, world_size, rendezvous, tp=tp, pp=pp, ep=ep)
         queue.put((rank, "ok", job(*job_args)))

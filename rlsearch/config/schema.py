@@ -92,7 +92,7 @@ class ActorConfig:
     # Megatron's hybrid CPU/GPU optimizer (optimizer_cpu_offload); 0: none, 1: all. Needs
     # actor.use_distributed_optimizer. On CPU every state is in host memory already (the same code runs)
     optimizer_offload_fraction: float = 0.0
-    num_threads: int = 0  # torch intra-op threads per rank; 0 = cores / ranks
+    num_threads: int = 0  # torch intra-op threads per rank; 0 = cores / ranks (cores: RLSEARCH_CPU_CORES or all)
 
     @property
     def world_size(self) -> int:

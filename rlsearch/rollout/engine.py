@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from ..config import ModelConfig, RolloutConfig, auto_dtype
-from ..devices import local_gpu_index
+from ..devices import CPU_CORES_VARIABLE, cpu_cores, local_gpu_index
 from ..lifetime import SegmentRecord
 from ..weights import VLLM_WORKER_EXTENSION, EngineWeightReceiver
 
@@ -53,13 +53,15 @@ def configure_vllm_environment(spec: EngineSpec) -> None:
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     on_cpu = local_gpu_index() is None
-    if spec.tensor_parallel_size > 1 and on_cpu:
-        # vLLM's default binding wants a NUMA node per worker and asserts on a machine with one
+    cores_shared = bool(os.environ.get(CPU_CORES_VARIABLE))
+    if on_cpu and (spec.tensor_parallel_size > 1 or cores_shared):
+        # vLLM's default binding wants a NUMA node per worker and asserts on a machine with one; a binding to the
+        # machine's cores would take all of them from the runs beside this one
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_threads_bind or "nobind"
         if os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
             # an unbound TP worker runs OMP_NUM_THREADS threads (a Ray actor's is its num_cpus): the workers share
             # the engine's CPUs instead of each taking all of them (measured on 2 cores, TP2: 5x faster)
-            cpus = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+            cpus = cpu_cores() if cores_shared else int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
             os.environ["OMP_NUM_THREADS"] = str(max(1, cpus // spec.tensor_parallel_size))
     if spec.vllm_port:
         # engines on one node would otherwise race for the same internal ports (vLLM #39015)

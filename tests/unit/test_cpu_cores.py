@@ -1,0 +1,67 @@
+"""The CPU cores a run's processes share (RLSEARCH_CPU_CORES, the test suite's per-lane share): the actor ranks' torch
+threads and the vLLM engines' OpenMP threads come from it; unset, they come from the machine's cores as before."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rlsearch.devices import CPU_CORES_VARIABLE, cpu_cores, cpu_threads_each
+from rlsearch.rollout.engine import EngineSpec, configure_vllm_environment
+
+VLLM_THREAD_VARIABLES = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                         "VLLM_HOST_IP", "VLLM_PORT")
+
+
+@pytest.fixture
+def environment(monkeypatch):
+    """os.environ restored after the test, with the variables configure_vllm_environment writes unset."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in (CPU_CORES_VARIABLE, *VLLM_THREAD_VARIABLES):
+        monkeypatch.setenv(name, "placeholder")  # recorded, so the code's own writes are undone too
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_unset_means_every_core_of_the_machine(environment):
+    assert cpu_cores() == os.cpu_count()
+    assert cpu_threads_each(1) == os.cpu_count()
+    assert cpu_threads_each(10_000) == 1
+
+
+@pytest.mark.parametrize(("cores", "processes", "threads"), [("1", 1, 1), ("1", 2, 1), ("4", 2, 2), ("6", 4, 1)])
+def test_set_cores_are_split_between_the_processes(environment, cores, processes, threads):
+    environment.setenv(CPU_CORES_VARIABLE, cores)
+    assert cpu_cores() == int(cores)
+    assert cpu_threads_each(processes) == threads
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1", "1.5"])
+def test_a_value_that_is_not_a_count_of_cores_is_refused_naming_the_variable(environment, value):
+    environment.setenv(CPU_CORES_VARIABLE, value)
+    with pytest.raises(ValueError, match=f"{CPU_CORES_VARIABLE}={value!r}: set it to a whole number of cores"):
+        cpu_cores()
+
+
+@pytest.mark.parametrize(("cores", "tp", "threads"), [("2", 1, "2"), ("2", 2, "1"), ("1", 2, "1"), ("8", 2, "4")])
+def test_engines_on_shared_cores_run_unbound_with_their_share_of_threads(environment, cores, tp, threads):
+    environment.setenv(CPU_CORES_VARIABLE, cores)
+    configure_vllm_environment(EngineSpec("model", tensor_parallel_size=tp))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert os.environ["OMP_NUM_THREADS"] == threads
+
+
+def test_a_tp1_engine_on_the_whole_machine_keeps_vllms_own_binding(environment):
+    configure_vllm_environment(EngineSpec("model"))
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    assert "OMP_NUM_THREADS" not in os.environ
+
+
+def test_an_explicit_binding_wins_over_the_shared_cores(environment):
+    environment.setenv(CPU_CORES_VARIABLE, "2")
+    environment.setenv("OMP_NUM_THREADS", "7")
+    configure_vllm_environment(EngineSpec("model", tensor_parallel_size=2, cpu_threads_bind="0|1"))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert os.environ["OMP_NUM_THREADS"] == "7"
