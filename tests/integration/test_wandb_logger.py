@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,8 @@ def wandb_records(path: Path) -> list:
             position += _BLOCK - position % _BLOCK
             continue
         _, length, kind = struct.unpack("<IHB", data[position : position + _HEADER])
+        if position + _HEADER + length > len(data):  # a chunk still being written
+            break
         chunk = data[position + _HEADER : position + _HEADER + length]
         position += _HEADER + length
         if kind in (_FULL, _FIRST):
@@ -57,11 +60,25 @@ def _items(items) -> dict:
     return values
 
 
+def complete_records(run_file: Path, timeout_s: float = 60.0) -> list:
+    """The run file's records once its last, the exit record, is there: `run.finish()` returns when wandb-core has
+    taken the exit, and its writer may flush the file's last block a moment later (on a loaded machine, after the
+    test read it: the history records were missing)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = wandb_records(run_file)
+        if records and records[-1].WhichOneof("record_type") == "exit":
+            return records
+        assert time.monotonic() < deadline, (f"{run_file} has no exit record {timeout_s:g} s after the run finished",
+                                             [record.WhichOneof("record_type") for record in records])
+        time.sleep(0.2)
+
+
 def read_offline_run(output_dir: Path) -> tuple[dict, dict[str, list[tuple[int, float]]], dict[int, dict]]:
     """(config, scalars by key as (step, value), the non-scalar items of each step) of the run under output_dir."""
     (run_file,) = (output_dir / "wandb").glob("offline-run-*/run-*.wandb")
     config, scalars, others = {}, {}, {}
-    for record in wandb_records(run_file):
+    for record in complete_records(run_file):
         kind = record.WhichOneof("record_type")
         if kind in ("run", "config"):
             config.update(_items((record.run.config if kind == "run" else record.config).update))
