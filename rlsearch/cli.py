@@ -604,6 +604,14 @@ def _doctor(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
+    if os.environ.get("RLSEARCH_CPU_CORES"):  # refused here, not by the first rank or engine that reads it
+        from .devices import cpu_cores
+
+        try:
+            cpu_cores()
+        except ValueError as err:
+            print(f"rlsearch: {err}", file=sys.stderr)
+            return 2
     return args.func(args)
 
 

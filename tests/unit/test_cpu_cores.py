@@ -65,3 +65,11 @@ def test_an_explicit_binding_wins_over_the_shared_cores(environment):
     configure_vllm_environment(EngineSpec("model", tensor_parallel_size=2, cpu_threads_bind="0|1"))
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
     assert os.environ["OMP_NUM_THREADS"] == "7"
+
+
+def test_the_cli_refuses_a_bad_value_before_it_starts_anything(environment, capsys):
+    from rlsearch.cli import main
+
+    environment.setenv(CPU_CORES_VARIABLE, "all")
+    assert main(["train", "--config", "examples/configs/search_grpo_tiny.yaml"]) == 2
+    assert f"rlsearch: {CPU_CORES_VARIABLE}='all': set it to a whole number of cores" in capsys.readouterr().err
