@@ -67,9 +67,15 @@ BENCH_SMOKE = "tests/integration/test_bench_smoke.py"
 LONG_BENCH_SMOKES = ("chaos", "learning", "default_run", "long_sequences", "soak")  # 1-4 minutes each; the others <1
 
 @pytest.fixture(scope="module", autouse=True)
-def _memory_heavy_module(request):
-    """A module marked memory_heavy (its pytestmark) holds the lanes' memory lock from its first test to its last."""
-    with MEMORY_LOCK.held() if _module_memory_heavy(request.module) else nullcontext():
+def _module_memory(request):
+    """A module marked memory_heavy (its pytestmark) holds the lanes' memory lock from its first test to its last.
+    The lane's idle pooled ranks are stopped before it and before any module that does not use them: they wait only
+    among the groups of one module, or of modules that use the pool one after another."""
+    heavy = _module_memory_heavy(request.module)
+    if heavy or not any("rank_pool" in item.fixturenames for item in request.session.items
+                        if item.module is request.module):
+        RANK_POOL.drain()
+    with MEMORY_LOCK.held() if heavy else nullcontext():
         yield
 
 
@@ -77,6 +83,8 @@ def _memory_heavy_module(request):
 def _memory_heavy_test(request):
     """A test marked memory_heavy holds the lanes' memory lock while it runs."""
     marked = request.node.get_closest_marker("memory_heavy") is not None and not _module_memory_heavy(request.module)
+    if marked:
+        RANK_POOL.drain()
     with MEMORY_LOCK.held() if marked else nullcontext():
         yield
 
@@ -106,6 +114,61 @@ class MemoryLock:
 
 
 MEMORY_LOCK = MemoryLock()
+
+
+class RankPool:
+    """Started Megatron rank processes (Ray actors) that the in-process actor groups of a lane re-use: a group of n
+    ranks takes n idle ones, starting the missing ones, and `reset`s them into its layout (ActorRanks' ``workers``),
+    which saves each rank its start: a Ray worker and ~8 s of imports (torch, Megatron, mbridge, transformers). A
+    group whose test failed is shut down, not kept. At most MAX_IDLE processes (~0.65 GB each) wait between groups;
+    `drain` stops them (`_module_memory` says when)."""
+
+    MAX_IDLE = 4
+
+    def __init__(self) -> None:
+        self._idle: list = []
+
+    @contextmanager
+    def group(self, spec):
+        """An ActorRanks of `spec` on pooled processes, theirs again after the block."""
+        import ray
+
+        from rlsearch.actor import ActorRanks, MegatronActorWorker
+
+        size = spec.actor.world_size
+        taken, self._idle = self._idle[:size], self._idle[size:]
+        start = ray.remote(MegatronActorWorker).options(num_cpus=0)
+        taken += [start.remote(spec, rank, size) for rank in range(len(taken), size)]
+        try:
+            group = ActorRanks(spec, workers=taken)
+        except BaseException:
+            for worker in taken:
+                ray.kill(worker)
+            raise
+        finished = False
+        try:
+            yield group
+            finished = True
+        finally:
+            if finished:
+                self._idle += group.release()
+                self._keep(self.MAX_IDLE)
+            else:
+                group.shutdown(graceful=False)
+
+    def drain(self) -> None:
+        self._keep(0)
+
+    def _keep(self, count: int) -> None:
+        import ray
+
+        while len(self._idle) > count:
+            worker = self._idle.pop()
+            if ray.is_initialized():
+                ray.kill(worker)
+
+
+RANK_POOL = RankPool()
 
 
 def _lane_group(item) -> tuple[int, str]:
@@ -264,7 +327,14 @@ def ray_local():
 
     init_ray(num_cpus=8)  # logical CPUs: room for the 4-rank layouts' placement groups
     yield ray
+    RANK_POOL.drain()
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def rank_pool(ray_local) -> RankPool:
+    """The lane's pool of started actor ranks: `with rank_pool.group(spec) as group` (RankPool)."""
+    return RANK_POOL
 
 
 @pytest.fixture(scope="session")

@@ -36,10 +36,14 @@ class ActorRanks:
 
     ``placement_group`` (trainer.placement=split): a group the caller reserved whose bundle ``bundle_index`` holds
     every rank (a CPU, and a GPU when given, per rank), so all ranks share that bundle's node. The group becomes
-    this one's: ``shutdown`` removes it, with anything else placed in it (the trainer's rollout worker)."""
+    this one's: ``shutdown`` removes it, with anything else placed in it (the trainer's rollout worker).
+
+    ``workers``: started rank processes (MegatronActorWorker actors, one per rank, placed by whoever started them)
+    to `reset` into this group instead of starting new ones; `release` hands them back for the next group."""
 
     def __init__(
-        self, spec: ActorWorkerSpec, num_gpus_per_rank: float = 0.0, placement_group=None, bundle_index: int = 0
+        self, spec: ActorWorkerSpec, num_gpus_per_rank: float = 0.0, placement_group=None, bundle_index: int = 0,
+        workers: Sequence[ray.actor.ActorHandle] = (),
     ) -> None:
         from ray.util.placement_group import placement_group as new_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -49,23 +53,30 @@ class ActorRanks:
         actor = spec.actor
         self.world_size = actor.world_size
         self.dp_size = actor.dp
-        reserved = placement_group is not None  # by the caller: every rank in its bundle `bundle_index`
-        if not reserved:
-            bundle = {"CPU": 1.0, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
-            placement_group = new_placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
-        self.placement_group = placement_group
-        ray.get(self.placement_group.ready(), timeout=600)
-        remote_cls = ray.remote(MegatronActorWorker)
-        place = PlacementGroupSchedulingStrategy
-        self.workers = [
-            remote_cls.options(
-                num_cpus=1, num_gpus=num_gpus_per_rank,
-                scheduling_strategy=place(
-                    self.placement_group, placement_group_bundle_index=bundle_index if reserved else rank
-                ),
-            ).remote(spec, rank, self.world_size)
-            for rank in range(self.world_size)
-        ]
+        self.placement_group = None
+        if workers:
+            if len(workers) != self.world_size:
+                raise ValueError(f"{len(workers)} started ranks for a layout of {self.world_size}")
+            self.workers = list(workers)
+            ray.get([worker.reset.remote(spec, rank, self.world_size) for rank, worker in enumerate(self.workers)])
+        else:
+            reserved = placement_group is not None  # by the caller: every rank in its bundle `bundle_index`
+            if not reserved:
+                bundle = {"CPU": 1.0, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
+                placement_group = new_placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+            self.placement_group = placement_group
+            ray.get(self.placement_group.ready(), timeout=600)
+            remote_cls = ray.remote(MegatronActorWorker)
+            place = PlacementGroupSchedulingStrategy
+            self.workers = [
+                remote_cls.options(
+                    num_cpus=1, num_gpus=num_gpus_per_rank,
+                    scheduling_strategy=place(
+                        self.placement_group, placement_group_bundle_index=bundle_index if reserved else rank
+                    ),
+                ).remote(spec, rank, self.world_size)
+                for rank in range(self.world_size)
+            ]
         rendezvous = self._open_rendezvous()
         self.infos: list[RankInfo] = ray.get([w.initialize.remote(rendezvous) for w in self.workers])
 
@@ -224,4 +235,14 @@ class ActorRanks:
         finally:
             for worker in self.workers:
                 ray.kill(worker)
-            remove_placement_group(self.placement_group)
+            if self.placement_group is not None:
+                remove_placement_group(self.placement_group)
+
+    def release(self) -> list[ray.actor.ActorHandle]:
+        """The rank processes of a group made of started ones (``workers``), alive and `reset` (out of its groups,
+        their models and optimizers freed), for the next group."""
+        if self.placement_group is not None:
+            raise ValueError("release is for a group of started ranks (workers); this one started its own: shutdown")
+        ray.get([worker.reset.remote(self.spec, rank, self.world_size) for rank, worker in enumerate(self.workers)],
+                timeout=60)
+        return self.workers

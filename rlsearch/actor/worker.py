@@ -531,7 +531,29 @@ class MegatronActorWorker:
         return load_training_state(self.training, path, restore_rng)
 
     def shutdown(self) -> None:
+        """Leave every group this rank is in (its weight group too) and close the stores it opened."""
+        self._leave_weight_group()
+        for rendezvous in self._rendezvous.values():
+            rendezvous.close()
+        self._rendezvous.clear()
         self._staged_buckets.close()
         self._shard_gathers.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def reset(self, spec: ActorWorkerSpec, rank: int, world_size: int) -> None:
+        """This process as a new rank `rank` of `world_size` for `spec`, as if just started: it leaves its groups and
+        drops its models, optimizer and Megatron's parallel state; `initialize` follows. A started process costs
+        seconds of imports, so a run of many short-lived actors (the test suite) re-uses its ranks this way."""
+        import ctypes
+        import gc
+
+        from megatron.core import parallel_state as ps
+
+        self.shutdown()
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        self.__dict__.clear()
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # the freed model and optimizer back to the system, not kept by malloc
+        self.__init__(spec, rank, world_size)

@@ -8,7 +8,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rlsearch.actor import ActorRanks
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
 
 # warm-up: the learning rate changes every step, so a lost schedule position shows
@@ -20,7 +19,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
-def test_resume_tp1pp1_checkpoint_into_tp2pp1_trains_on_identically(ray_local, tiny_model_dir, tmp_path):
+def test_resume_tp1pp1_checkpoint_into_tp2pp1_trains_on_identically(rank_pool, tiny_model_dir, tmp_path):
     samples, _ = scored_batch(lambda s: hf_logprobs(tiny_model_dir, s))
     # the second step pushes the other way: with Adam's first moment restored the two gradients mostly cancel, while
     # a freshly started Adam would take a full step of size lr
@@ -28,24 +27,18 @@ def test_resume_tp1pp1_checkpoint_into_tp2pp1_trains_on_identically(ray_local, t
     checkpoint = tmp_path / "megatron"
     checkpoint.mkdir()
 
-    source = ActorRanks(actor_spec(tiny_model_dir, 1, 1, 1, SETTINGS))
-    try:
+    with rank_pool.group(actor_spec(tiny_model_dir, 1, 1, 1, SETTINGS)) as source:
         first = source.train_step(samples)
         source.save_checkpoint(str(checkpoint))
         saved_weights = source.hf_state_dict()
         second = source.train_step(reversed_samples)
         uninterrupted = source.hf_state_dict()
-    finally:
-        source.shutdown()
 
-    resumed = ActorRanks(actor_spec(tiny_model_dir, 2, 1, 1, SETTINGS))
-    try:
+    with rank_pool.group(actor_spec(tiny_model_dir, 2, 1, 1, SETTINGS)) as resumed:
         assert resumed.load_checkpoint(str(checkpoint), restore_rng=False) == 1  # the scheduler's step count
         loaded_weights = resumed.hf_state_dict()
         second_resumed = resumed.train_step(reversed_samples)
         resumed_weights = resumed.hf_state_dict()
-    finally:
-        resumed.shutdown()
 
     assert _max_diff(loaded_weights, saved_weights) == 0.0  # TP1 shards -> TP2 shards, bit-exact
     assert second["actor/lr"] > first["actor/lr"] > 0  # warm-up: each step has its own learning rate

@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlsearch.actor import ActorRanks
 from rlsearch.checkpoint import CheckpointStore, mcore_to_hf
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
 
@@ -41,13 +40,12 @@ def step_batches(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_local, tiny_model_dir, step_batches, tmp_path_factory):
+def uninterrupted(rank_pool, tiny_model_dir, step_batches, tmp_path_factory):
     """(weights after each step, metrics of each step, the run checkpoint after step SAVED_AFTER) of the DP2 actor,
-    which is killed at the end."""
+    whose ranks are reset at the end (RankPool): only the checkpoint remains of it."""
     store = CheckpointStore(tmp_path_factory.mktemp("run"))
-    group = ActorRanks(actor_spec(tiny_model_dir, 1, 1, 2, SETTINGS))
     weights, metrics, checkpoint = {}, {}, None
-    try:
+    with rank_pool.group(actor_spec(tiny_model_dir, 1, 1, 2, SETTINGS)) as group:
         for step, samples in enumerate(step_batches, start=1):
             metrics[step] = group.train_step(samples)
             weights[step] = group.hf_state_dict()
@@ -56,13 +54,11 @@ def uninterrupted(ray_local, tiny_model_dir, step_batches, tmp_path_factory):
                         "architecture": "qwen2", "dtype": "float32", "contents": ["model", "optimizer", "scheduler"],
                         "transformer_impl": group.infos[0].transformer_impl}
                 checkpoint = store.save(step, group.save_checkpoint, {"seed": 1}, tiny_model_dir, info)
-    finally:
-        group.shutdown(graceful=False)  # killed: the ranks are gone, only the checkpoint remains
     return weights, metrics, checkpoint
 
 
 @pytest.fixture(scope="module")
-def resumed(ray_local, tiny_model_dir, step_batches, uninterrupted):
+def resumed(rank_pool, tiny_model_dir, step_batches, uninterrupted):
     _, _, checkpoint = uninterrupted
     cache: dict[str, tuple] = {}
 
@@ -70,16 +66,13 @@ def resumed(ray_local, tiny_model_dir, step_batches, uninterrupted):
         """(the step count loaded, the weights loaded, weights after each later step, metrics of each later step)."""
         if name not in cache:
             dp, extra = RESUMED[name]
-            group = ActorRanks(actor_spec(tiny_model_dir, 1, 1, dp, {**SETTINGS, **extra}))
-            try:
+            with rank_pool.group(actor_spec(tiny_model_dir, 1, 1, dp, {**SETTINGS, **extra})) as group:
                 loaded_step = group.load_checkpoint(str(checkpoint / "megatron"), restore_rng=name == "dp2")
                 loaded = group.hf_state_dict()
                 weights, metrics = {}, {}
                 for step in range(SAVED_AFTER + 1, STEPS + 1):
                     metrics[step] = group.train_step(step_batches[step - 1])
                     weights[step] = group.hf_state_dict()
-            finally:
-                group.shutdown()
             cache[name] = (loaded_step, loaded, weights, metrics)
         return cache[name]
 

@@ -9,6 +9,7 @@ are on everywhere (chunks of 16 positions) except in the baseline, which takes t
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import pytest
@@ -45,7 +46,7 @@ def batch(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def run_layout(ray_local, tiny_model_dir, rollout_worker, batch, tmp_path_factory):
+def run_layout(rank_pool, tiny_model_dir, rollout_worker, batch, tmp_path_factory):
     samples, _ = batch
     cache: dict[str, LayoutRun] = {}
     kept: dict[str, ActorRanks] = {}  # the baseline's group, which later loads cp2's checkpoint
@@ -56,10 +57,11 @@ def run_layout(ray_local, tiny_model_dir, rollout_worker, batch, tmp_path_factor
         tp, pp, cp, merge = LAYOUTS[name]
         chunk = 0 if name == "baseline" else 16
         extra = {"cp": cp, "merge_prefixes": merge, "logits_chunk_tokens": chunk, "max_tokens_per_microbatch": 200}
-        group = ActorRanks(actor_spec(tiny_model_dir, tp, pp, 1, extra))
-        if name == "baseline":
-            kept[name] = group
-        try:
+        with contextlib.ExitStack() as this_run:
+            group = (held if name == "baseline" else this_run).enter_context(
+                rank_pool.group(actor_spec(tiny_model_dir, tp, pp, 1, extra)))
+            if name == "baseline":
+                kept[name] = group
             result = LayoutRun(group.compute_logprobs(samples), group.train_step(samples), group.hf_state_dict())
             if name == "cp2":
                 probe = ray.get(rollout_worker.probe_sequence.remote("Who founded Velmora?", "<search> mayor"))
@@ -69,9 +71,6 @@ def run_layout(ray_local, tiny_model_dir, rollout_worker, batch, tmp_path_factor
                 result.engine_vs_actor = logprob_mismatch(ray.get(rollout_worker.score.remote(probe)), actor_probe)[0]
                 checkpoint = tmp_path_factory.mktemp("cp2-checkpoint")
                 group.save_checkpoint(str(checkpoint))
-        finally:
-            if name != "baseline":
-                group.shutdown()
         if name == "cp2":
             run("baseline")  # its result is taken: its CP1 group now loads the checkpoint
             kept["baseline"].load_checkpoint(str(checkpoint), restore_rng=False)
@@ -79,9 +78,8 @@ def run_layout(ray_local, tiny_model_dir, rollout_worker, batch, tmp_path_factor
         cache[name] = result
         return result
 
-    yield run
-    for group in kept.values():
-        group.shutdown()
+    with contextlib.ExitStack() as held:  # the baseline's group, to the module's end
+        yield run
 
 
 def _assert_same_step(result: LayoutRun, baseline: LayoutRun, batch) -> None:

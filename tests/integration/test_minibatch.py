@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 
-from rlsearch.actor import ActorRanks
 from rlsearch.config import AlgoConfig
 from rlsearch.trainer.update import policy_update
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
@@ -20,7 +19,7 @@ LR = 1e-4
 
 
 @pytest.fixture(scope="module")
-def run_layout(ray_local, tiny_model_dir):
+def run_layout(rank_pool, tiny_model_dir):
     samples, _ = scored_batch(lambda s: hf_logprobs(tiny_model_dir, s))
     cache = {}
 
@@ -28,13 +27,10 @@ def run_layout(ray_local, tiny_model_dir):
         if name not in cache:
             tp, pp = LAYOUTS[name]
             spec = replace(actor_spec(tiny_model_dir, tp, pp, 1, {"lr": LR}), algo=ALGO)
-            group = ActorRanks(spec)
-            try:
+            with rank_pool.group(spec) as group:
                 # the crafted old logprobs are dropped: the update computes the old policy's itself
                 update = policy_update(group, [replace(s, old_logprobs=None) for s in samples], ALGO)
                 cache[name] = (update, group.hf_state_dict())
-            finally:
-                group.shutdown()
         return cache[name]
 
     return run

@@ -124,17 +124,15 @@ def test_moe_export_loads_in_vllm(round_trip):
     assert gap <= TOLERANCE
 
 
-def test_training_checkpoint_at_ep2_converts_bit_exact(ray_local, moe_model_dirs, tmp_path):
+def test_training_checkpoint_at_ep2_converts_bit_exact(rank_pool, moe_model_dirs, tmp_path):
     """A run's checkpoint (model, optimizer, scheduler, RNG) saved by an actor at ep=2 after a step: its export is
     the trained actor's weights, every expert included."""
-    from rlsearch.actor import ActorRanks
     from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
 
     model_dir = moe_model_dirs["qwen3_moe"]
     samples, _ = scored_batch(lambda batch: hf_logprobs(model_dir, batch))
     started = time.perf_counter()
-    group = ActorRanks(actor_spec(model_dir, 1, 1, 2, {"ep": 2}))
-    try:
+    with rank_pool.group(actor_spec(model_dir, 1, 1, 2, {"ep": 2})) as group:
         group.train_step(samples)
         trained = group.hf_state_dict()
         info = {
@@ -143,8 +141,6 @@ def test_training_checkpoint_at_ep2_converts_bit_exact(ray_local, moe_model_dirs
             "contents": ["model", "optimizer", "scheduler", "rng"],
         }
         checkpoint = CheckpointStore(tmp_path / "run").save(1, group.save_checkpoint, {}, model_dir, info)
-    finally:
-        group.shutdown()
     saved = time.perf_counter()
     export = mcore_to_hf(checkpoint, tmp_path / "hf")
     print(f"actor ep2 step + checkpoint {saved - started:.1f} s, mcore_to_hf {time.perf_counter() - saved:.1f} s")

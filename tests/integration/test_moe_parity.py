@@ -15,7 +15,6 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from rlsearch.actor import ActorRanks
 from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch, sent_tensors
 
@@ -51,15 +50,14 @@ class MoERun:
 
 
 @pytest.fixture(scope="module")
-def run_layout(ray_local, moe_model_dirs, batches):
+def run_layout(rank_pool, moe_model_dirs, batches):
     cache: dict[tuple[str, str], MoERun] = {}
 
     def run(arch: str, layout: str) -> MoERun:
         if (arch, layout) not in cache:
             pp, dp, ep = LAYOUTS[layout]
             samples, _ = batches[arch]
-            group = ActorRanks(actor_spec(moe_model_dirs[arch], 1, pp, dp, {"ep": ep}))
-            try:
+            with rank_pool.group(actor_spec(moe_model_dirs[arch], 1, pp, dp, {"ep": ep})) as group:
                 sent = sent_tensors(group, 64)
                 logprobs = group.compute_logprobs(samples)
                 losses, grad_norms = [], []
@@ -71,8 +69,6 @@ def run_layout(ray_local, moe_model_dirs, batches):
                     [len(workers) for workers in group.stage_workers()], sent, logprobs, losses, grad_norms,
                     group.hf_state_dict(),
                 )
-            finally:
-                group.shutdown()
         return cache[(arch, layout)]
 
     return run

@@ -9,7 +9,6 @@ import dataclasses
 import pytest
 import torch
 
-from rlsearch.actor import ActorRanks
 from rlsearch.config import AlgoConfig
 from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 from rlsearch.trainer.update import policy_update
@@ -24,14 +23,13 @@ def _tokens_per_expert(routing: list[torch.Tensor], num_experts: int) -> torch.T
 
 
 @pytest.fixture(scope="module")
-def moe_group(ray_local, tmp_path_factory):
+def moe_group(rank_pool, tmp_path_factory):
     model_dir = make_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", TinyModelSpec(architecture="qwen3_moe"))
     samples, _ = scored_batch(lambda batch: hf_logprobs(model_dir, batch))
     spec = actor_spec(model_dir, 1, 1, 2, {"ep": 2, "lr": 0.05})
     spec = dataclasses.replace(spec, algo=AlgoConfig(routing_replay="old", num_minibatches=2))
-    group = ActorRanks(spec)
-    yield group, samples
-    group.shutdown()
+    with rank_pool.group(spec) as group:
+        yield group, samples
 
 
 def test_routing_replay_routes_every_update_as_recorded(moe_group):

@@ -18,7 +18,7 @@ import ray
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, ActorWorkerSpec, SamplingDistribution, TrainSample
+from rlsearch.actor import MODEL_DISTRIBUTION, ActorWorkerSpec, SamplingDistribution, TrainSample
 from rlsearch.checkpoint import write_hf_model
 from rlsearch.config import ActorConfig, AlgoConfig, RetrieverConfig, RolloutConfig
 from rlsearch.loop_thread import LoopThread
@@ -230,7 +230,9 @@ PROBE_LIMIT = 1e-4  # engine vs actor on the probe after a sync (fp32; numerics 
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-def test_moe_parity_and_sync_from_expert_parallel_actor_into_two_tp2_engines(qwen3_engines, qwen3_case, ep):
+def test_moe_parity_and_sync_from_expert_parallel_actor_into_two_tp2_engines(
+    qwen3_engines, qwen3_case, ep, rank_pool
+):
     """HF, the actor and the engines agree on one sequence within TOLERANCE. Then two GRPO steps, each followed by a
     sync into both engines; after each the probe check (every engine samples at the rollout's distribution, the
     actor scores the same tokens) holds every engine within PROBE_LIMIT. Then the actor's weights through vLLM's own
@@ -240,46 +242,46 @@ def test_moe_parity_and_sync_from_expert_parallel_actor_into_two_tp2_engines(qwe
     engines, _ = qwen3_engines
     tokenizer = AutoTokenizer.from_pretrained(qwen3_case.model_dir)
     bias = token_logit_bias(tokenizer, TEST_ROLLOUT["logit_bias"])
-    group = ActorRanks(ActorWorkerSpec(
+    spec = ActorWorkerSpec(
         model_path=str(qwen3_case.model_dir), dtype="float32",
         actor=ActorConfig(dp=ep, ep=ep, lr=1e-3, max_tokens_per_microbatch=160), algo=AlgoConfig(),
         sampling=SamplingDistribution(1.0, bias), total_steps=4, seed=1,
-    ))
-    samples, _ = scored_batch(lambda batch: hf_logprobs(qwen3_case.model_dir, batch))
-    sync = WeightSync(group, 1, "shm", 300.0, engine_tp=2)  # 1 MB buckets: a layer's experts span several
-    probe = qwen3_case.ids
-    try:
-        # before training: HF, the Megatron actor and both engines on one sequence, the same weights
-        sync.sync(engines)
-        actor = group.compute_logprobs([TrainSample(probe, 1, [1] * (len(probe) - 1))],
-                                       distribution=MODEL_DISTRIBUTION)[0]
-        engine_scores = ray.get([engine.score.remote(probe) for engine in engines])
-        three_way = [qwen3_case.gap(actor, 0)] + [qwen3_case.gap(score, 0) for score in engine_scores] + [
-            max(abs(a - b) for a, b in zip(actor, score, strict=True)) for score in engine_scores]
-        print(f"EP{ep} one sequence, |Megatron - HF|, |engines - HF|, |Megatron - engines|: {three_way}")
-        assert max(three_way) <= TOLERANCE, three_way
-        scores, gaps = [], []
-        for step in (1, 2):
-            group.train_step(samples)
-            stats = sync.sync(engines)
-            assert stats.num_tensors == len(qwen3_case.states[0])  # every expert once, from the rank that owns it
-            gaps.append(check_engines_match_actor(group, engines, probe, PROBE_LIMIT, step)[
-                "weights/logprob_mismatch_max"])
-            scores.append(ray.get(engines[0].score.remote(probe)))
-        print(f"EP{ep} actor -> 2 engines x TP2, probe gap after sync 1, 2: {gaps}")
-        moved = (torch.tensor(scores[0]) - torch.tensor(scores[1])).abs().max().item()
-        assert moved > 1e-3  # the second step changed what the engines compute
-        naive_dir = qwen3_case.model_dir.parent / f"actor-ep{ep}"
-        write_hf_model(group.hf_state_dict().items(), naive_dir, qwen3_case.model_dir)
-        for engine in engines:
-            ray.get(engine.__ray_call__.remote(lambda worker, path=str(naive_dir): worker._run(
-                worker.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": path}))))
-            ray.get(engine.__ray_call__.remote(lambda worker: worker._run(worker.engine.llm.reset_prefix_cache())))
-        with pytest.raises(RuntimeError, match=r"rollout engine 0 and the actor disagree on the probe"):
-            check_engines_match_actor(group, engines, probe, PROBE_LIMIT, 3)
-    finally:
-        sync.close(engines)
-        group.shutdown()
+    )
+    with rank_pool.group(spec) as group:
+        samples, _ = scored_batch(lambda batch: hf_logprobs(qwen3_case.model_dir, batch))
+        sync = WeightSync(group, 1, "shm", 300.0, engine_tp=2)  # 1 MB buckets: a layer's experts span several
+        probe = qwen3_case.ids
+        try:
+            # before training: HF, the Megatron actor and both engines on one sequence, the same weights
+            sync.sync(engines)
+            actor = group.compute_logprobs([TrainSample(probe, 1, [1] * (len(probe) - 1))],
+                                           distribution=MODEL_DISTRIBUTION)[0]
+            engine_scores = ray.get([engine.score.remote(probe) for engine in engines])
+            three_way = [qwen3_case.gap(actor, 0)] + [qwen3_case.gap(score, 0) for score in engine_scores] + [
+                max(abs(a - b) for a, b in zip(actor, score, strict=True)) for score in engine_scores]
+            print(f"EP{ep} one sequence, |Megatron - HF|, |engines - HF|, |Megatron - engines|: {three_way}")
+            assert max(three_way) <= TOLERANCE, three_way
+            scores, gaps = [], []
+            for step in (1, 2):
+                group.train_step(samples)
+                stats = sync.sync(engines)
+                assert stats.num_tensors == len(qwen3_case.states[0])  # every expert once, from the rank that owns it
+                gaps.append(check_engines_match_actor(group, engines, probe, PROBE_LIMIT, step)[
+                    "weights/logprob_mismatch_max"])
+                scores.append(ray.get(engines[0].score.remote(probe)))
+            print(f"EP{ep} actor -> 2 engines x TP2, probe gap after sync 1, 2: {gaps}")
+            moved = (torch.tensor(scores[0]) - torch.tensor(scores[1])).abs().max().item()
+            assert moved > 1e-3  # the second step changed what the engines compute
+            naive_dir = qwen3_case.model_dir.parent / f"actor-ep{ep}"
+            write_hf_model(group.hf_state_dict().items(), naive_dir, qwen3_case.model_dir)
+            for engine in engines:
+                ray.get(engine.__ray_call__.remote(lambda worker, path=str(naive_dir): worker._run(
+                    worker.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": path}))))
+                ray.get(engine.__ray_call__.remote(lambda worker: worker._run(worker.engine.llm.reset_prefix_cache())))
+            with pytest.raises(RuntimeError, match=r"rollout engine 0 and the actor disagree on the probe"):
+                check_engines_match_actor(group, engines, probe, PROBE_LIMIT, 3)
+        finally:
+            sync.close(engines)
 
 
 def test_the_prepacked_path_refuses_an_unverified_vllm():

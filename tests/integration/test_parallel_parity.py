@@ -13,7 +13,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, TrainSample
+from rlsearch.actor import MODEL_DISTRIBUTION, TrainSample
 from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 from rlsearch.weights import WeightSync, logprob_mismatch
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch, sent_tensors
@@ -49,7 +49,7 @@ def batch(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def run_layout(ray_local, tiny_model_dir, rollout_worker, batch):
+def run_layout(rank_pool, tiny_model_dir, rollout_worker, batch):
     samples, _ = batch
     probe = ray.get(rollout_worker.probe_sequence.remote(PROBE_QUESTION, PROBE_CONTINUATION))
     probe_sample = TrainSample(probe, 1, [1] * (len(probe) - 1))
@@ -59,8 +59,7 @@ def run_layout(ray_local, tiny_model_dir, rollout_worker, batch):
         if name in cache:
             return cache[name]
         tp, pp, dp, extra = LAYOUTS[name]
-        group = ActorRanks(actor_spec(tiny_model_dir, tp, pp, dp, extra))
-        try:
+        with rank_pool.group(actor_spec(tiny_model_dir, tp, pp, dp, extra)) as group:
             initial_export = sent_tensors(group, 64)
             logprobs = group.compute_logprobs(samples)
             metrics = group.train_step(samples)
@@ -72,8 +71,6 @@ def run_layout(ray_local, tiny_model_dir, rollout_worker, batch):
                 WeightSync(group, bucket_mb, "shm", 120.0, engine_tp=1).sync([rollout_worker])
                 sweep[bucket_mb] = ray.get(rollout_worker.score.remote(probe))
             engine_vs_actor = max(logprob_mismatch(engine, actor_probe)[0] for engine in sweep.values())
-        finally:
-            group.shutdown()
         cache[name] = LayoutRun(initial_export, logprobs, metrics, trained, sent, engine_vs_actor, sweep)
         return cache[name]
 
@@ -129,19 +126,16 @@ def test_bridge_bucket_size_sweep_gives_identical_engine_logprobs(run_layout):
     [("qwen2", True, 1, 2), ("llama", False, 2, 1), ("qwen3", True, 2, 2)],
     ids=["qwen2-tied-tp1pp2", "llama-tp2pp1", "qwen3-tied-tp2pp2"],
 )
-def test_architecture_parity_and_round_trip(ray_local, tmp_path_factory, architecture, tied, tp, pp):
+def test_architecture_parity_and_round_trip(rank_pool, tmp_path_factory, architecture, tied, tp, pp):
     model_dir = make_tiny_model(
         tmp_path_factory.mktemp(architecture) / "model", TinyModelSpec(architecture=architecture,
                                                                         tie_word_embeddings=tied),
     )
     samples, reference = scored_batch(lambda s: hf_logprobs(model_dir, s))
-    group = ActorRanks(actor_spec(model_dir, tp, pp, 1, {}))
-    try:
+    with rank_pool.group(actor_spec(model_dir, tp, pp, 1, {})) as group:
         sent = sent_tensors(group, 64)
         logprobs = group.compute_logprobs(samples)
         metrics = group.train_step(samples)
-    finally:
-        group.shutdown()
     assert max((torch.tensor(a) - b).abs().max().item() for a, b in zip(logprobs, reference)) < 1e-5
     original = load_file(str(model_dir / "model.safetensors"))
     assert set(sent) == set(original)

@@ -77,7 +77,7 @@ def probe_ids(engines):
 
 
 @pytest.fixture(scope="module")
-def synced(engines, tiny_model_dir, model_b, probe_ids):
+def synced(engines, tiny_model_dir, model_b, probe_ids, rank_pool):
     cache: dict[str, LayoutSyncs] = {}
     # the engines' distribution (TEST_ROLLOUT's logit bias), which the probe check scores at
     sampling = SamplingDistribution(1.0, ray.get(engines[0].token_logit_bias.remote()))
@@ -85,9 +85,8 @@ def synced(engines, tiny_model_dir, model_b, probe_ids):
     def run(layout: str) -> LayoutSyncs:
         if layout in cache:
             return cache[layout]
-        group = ActorRanks(actor_spec(model_b, *LAYOUTS[layout], 1, {}, sampling))
         result = LayoutSyncs()
-        try:
+        with rank_pool.group(actor_spec(model_b, *LAYOUTS[layout], 1, {}, sampling)) as group:
             probe = TrainSample(probe_ids, 1, [1] * (len(probe_ids) - 1))
             actor_logprobs = group.compute_logprobs([probe], distribution=MODEL_DISTRIBUTION)[0]
             for transport in TRANSPORTS:
@@ -101,8 +100,6 @@ def synced(engines, tiny_model_dir, model_b, probe_ids):
                 result.digests[transport] = ray.get([engine.weights_digest.remote() for engine in engines])
                 result.versions[transport] = ray.get([engine.finished_weight_syncs.remote() for engine in engines])
                 sync.close(engines)
-        finally:
-            group.shutdown()
         cache[layout] = result
         return result
 
@@ -180,7 +177,7 @@ class DeltaRun:
 
 
 @pytest.fixture(scope="module")
-def delta_runs(engines, model_b, probe_ids, tiny_model_dir, retriever):
+def delta_runs(engines, model_b, probe_ids, tiny_model_dir, retriever, rank_pool):
     """Per layout: DELTA_STEPS optimizer steps, each followed by a delta sync into both engines (weights.delta)."""
     from tests.integration.actor_helpers import hf_logprobs, scored_batch
 
@@ -191,7 +188,6 @@ def delta_runs(engines, model_b, probe_ids, tiny_model_dir, retriever):
     def run(layout: str) -> DeltaRun:
         if layout in cache:
             return cache[layout]
-        group = ActorRanks(actor_spec(model_b, *LAYOUTS[layout], 1, {}, sampling))
         result = DeltaRun()
 
         def synced(sync: WeightSync, step: int) -> None:
@@ -199,7 +195,7 @@ def delta_runs(engines, model_b, probe_ids, tiny_model_dir, retriever):
             parity = check_engines_match_actor(group, engines, probe_ids, 1e-4, step=step)
             result.parity.append(parity["weights/logprob_mismatch_max"])
 
-        try:
+        with rank_pool.group(actor_spec(model_b, *LAYOUTS[layout], 1, {}, sampling)) as group:
             sync = WeightSync(group, BUCKET_MB, "shm", timeout_s=120.0, engine_tp=ENGINE_TP, delta=True,
                               delta_full_every=10)
             synced(sync, 0)
@@ -218,8 +214,6 @@ def delta_runs(engines, model_b, probe_ids, tiny_model_dir, retriever):
             result.delta_digests = ray.get([engine.weights_digest.remote() for engine in engines])
             WeightSync(group, BUCKET_MB, "shm", timeout_s=120.0, engine_tp=ENGINE_TP).sync(engines)
             result.full_digests = ray.get([engine.weights_digest.remote() for engine in engines])
-        finally:
-            group.shutdown()
         cache[layout] = result
         return result
 
@@ -265,38 +259,39 @@ def test_an_engine_restarted_mid_run_gets_a_whole_sync(delta_runs):
     assert result.stats[2 + RESTART_AFTER].delta  # and the sync after it is a delta again
 
 
-def test_staged_while_generating_the_engines_keep_sampling_until_the_load(engines, model_b, probe_ids):
+def test_staged_while_generating_the_engines_keep_sampling_until_the_load(
+    engines, model_b, probe_ids, rank_pool
+):
     """With weights.stage_while_generating the buckets are staged before the engines pause: the engines pause only
     once the senders have exported and staged every bucket, requests in flight meanwhile go on, and the pause is
     only the load and the reset. (The TP2 export of this tiny model takes 0.15-1 s on 2 cores, too short a window to
     count the requests that finish in it; the window is checked to hold the export instead.)"""
     import threading
 
-    group = ActorRanks(actor_spec(model_b, 2, 1, 1, {}))
-    finished: list[float] = []
-    stop = threading.Event()
+    with rank_pool.group(actor_spec(model_b, 2, 1, 1, {})) as group:
+        finished: list[float] = []
+        stop = threading.Event()
 
-    def sample() -> None:
-        seed = 0
-        while not stop.is_set():
-            ray.get(engines[0].sample_probe.remote(probe_ids, 4, seed))
-            finished.append(time.time())
-            seed += 1
+        def sample() -> None:
+            seed = 0
+            while not stop.is_set():
+                ray.get(engines[0].sample_probe.remote(probe_ids, 4, seed))
+                finished.append(time.time())
+                seed += 1
 
-    sampler = threading.Thread(target=sample)
-    try:
-        WeightSync(group, BUCKET_MB, "shm", timeout_s=120.0, engine_tp=ENGINE_TP).sync(engines)  # warm-up
-        sampler.start()
-        while not finished:
-            time.sleep(0.05)
-        stats = WeightSync(group, BUCKET_MB, "shm", timeout_s=120.0, engine_tp=ENGINE_TP,
-                           stage_while_generating=True).sync(engines)
-        timeline = ray.get(engines[0].weight_sync_timeline.remote())
-    finally:
-        stop.set()
-        if sampler.is_alive():
-            sampler.join(timeout=60)
-        group.shutdown()
+        sampler = threading.Thread(target=sample)
+        try:
+            WeightSync(group, BUCKET_MB, "shm", timeout_s=120.0, engine_tp=ENGINE_TP).sync(engines)  # warm-up
+            sampler.start()
+            while not finished:
+                time.sleep(0.05)
+            stats = WeightSync(group, BUCKET_MB, "shm", timeout_s=120.0, engine_tp=ENGINE_TP,
+                               stage_while_generating=True).sync(engines)
+            timeline = ray.get(engines[0].weight_sync_timeline.remote())
+        finally:
+            stop.set()
+            if sampler.is_alive():
+                sampler.join(timeout=60)
     phases = stats.phases
     # an engine paused at the sync's opening (the sync not staged first) would show a window of milliseconds
     assert timeline["paused"] - timeline["opened"] >= 0.9 * (phases["export"] + phases["pack"]), (timeline, phases)
