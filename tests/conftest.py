@@ -6,6 +6,7 @@ import fcntl
 import hashlib
 import os
 import tempfile
+import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -59,9 +60,10 @@ def pytest_collection_modifyitems(config, items):
 
 # `bash scripts/test.sh` runs the suite in two lanes side by side (pytest-xdist: -n 2 --dist loadgroup), each a worker
 # process with session fixtures of its own. A lane takes a group of tests at a time, the next one when it is almost
-# done: first the two long groups (the training drivers run as subprocesses on the lane's Ray, driver_ray, taking its
-# engines over; the tests of the engines and ranks shared in-process, SharedEngines), then every other module, and
-# every bench's smoke run, on its own, the longest first. A training run alone keeps about 1.3 of 2 cores busy.
+# done: first the three long groups (the training drivers run as subprocesses on the lane's Ray, driver_ray, taking its
+# engines over; the memory-heavy modules and tests, which take the lanes' memory lock, one after another; the tests of
+# the engines and ranks shared in-process, SharedEngines), then every other module, and every bench's smoke run, on its
+# own, the longest first. A training run alone keeps about 1.3 of 2 cores busy.
 DRIVER_TESTS = ("tests/e2e/", "tests/faults/", "tests/integration/test_multinode.py")
 BENCH_SMOKE = "tests/integration/test_bench_smoke.py"
 LONG_BENCH_SMOKES = ("chaos", "learning", "default_run", "long_sequences", "soak")  # 1-4 minutes each; the others <1
@@ -75,7 +77,7 @@ def _module_memory(request):
     if heavy or not any("rank_pool" in item.fixturenames for item in request.session.items
                         if item.module is request.module):
         RANK_POOL.drain()
-    with MEMORY_LOCK.held() if heavy else nullcontext():
+    with MEMORY_LOCK.held(request.module.__name__) if heavy else nullcontext():
         yield
 
 
@@ -85,7 +87,7 @@ def _memory_heavy_test(request):
     marked = request.node.get_closest_marker("memory_heavy") is not None and not _module_memory_heavy(request.module)
     if marked:
         RANK_POOL.drain()
-    with MEMORY_LOCK.held() if marked else nullcontext():
+    with MEMORY_LOCK.held(request.node.nodeid) if marked else nullcontext():
         yield
 
 
@@ -102,15 +104,32 @@ class MemoryLock:
     def __init__(self) -> None:
         checkout = hashlib.sha1(str(REPO_ROOT).encode()).hexdigest()[:8]  # lanes of one suite, not another checkout's
         self.path = Path(tempfile.gettempdir()) / f"rlsearch-tests-{checkout}.lock"
+        self.waits = self.path.with_suffix(".waits")  # "seconds holder" per wait of a second or more
 
     @contextmanager
-    def held(self):
+    def held(self, holder: str):
         with self.path.open("a") as handle:
+            asked = time.monotonic()
             fcntl.flock(handle, fcntl.LOCK_EX)
+            waited = time.monotonic() - asked
+            if waited >= 1.0:
+                with self.waits.open("a") as record:
+                    record.write(f"{waited:.0f} {holder}\n")
             try:
                 yield
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+    def summary(self) -> str | None:
+        """The lanes' waits for the lock in this run, in a line (None without any)."""
+        if not self.waits.exists():
+            return None
+        waits = [(float(seconds), holder) for seconds, holder in
+                 (line.split(" ", 1) for line in self.waits.read_text().splitlines())]
+        longest = max(waits)
+        return (f"memory lock: the lanes waited {sum(w for w, _ in waits):.0f} s for it, {len(waits)} times; the "
+                f"longest {longest[0]:.0f} s, before {longest[1]}")
 
 
 MEMORY_LOCK = MemoryLock()
@@ -176,6 +195,8 @@ def _lane_group(item) -> tuple[int, str]:
     module = item.nodeid.split("::")[0]
     if set(SHARED_ENGINES.uses(item)) - set(SharedEngines.UNGROUPED):  # wherever it is: started once, in one lane
         return 1, "shared-engines"
+    if item.get_closest_marker("memory_heavy") is not None:  # one after another in one lane: none waits for the lock
+        return 0, "memory-heavy"
     if item.nodeid.startswith(DRIVER_TESTS):
         return 0, "drivers"
     if module == BENCH_SMOKE:
@@ -202,8 +223,19 @@ def pytest_runtest_teardown(item, nextitem):
     SHARED_ENGINES.release_after(item)
 
 
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the run itself, not one of its lanes
+        MEMORY_LOCK.waits.unlink(missing_ok=True)
+
+
 def pytest_sessionfinish(session):
     SHARED_ENGINES.release_all()
+
+
+def pytest_terminal_summary(terminalreporter):
+    line = MEMORY_LOCK.summary()
+    if line:
+        terminalreporter.write_line(line)
 
 
 class SharedEngines:
