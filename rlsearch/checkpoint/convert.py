@@ -297,13 +297,11 @@ def _build(hf_dir: str, dtype: str, transformer_impl: str):
 
 def _save_model_shard(hf_dir: str, megatron_dir: str, dtype: str) -> str:
     """Rank job of hf_to_mcore; returns the layer spec used."""
-    from megatron.core import dist_checkpointing
-
-    from ..megatron.parallel import model_sharded_state
+    from ..megatron.parallel import model_sharded_state, save_sharded
 
     bridge, chunks, impl = _build(hf_dir, dtype, "auto")
     bridge.load_weights(chunks, hf_dir)
-    dist_checkpointing.save({"model": model_sharded_state(chunks)}, megatron_dir)
+    save_sharded({"model": model_sharded_state(chunks)}, megatron_dir)
     return impl
 
 

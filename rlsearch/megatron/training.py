@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..config import ActorConfig
 from .cpu_compat import cuda_available
-from .parallel import model_sharded_state
+from .parallel import model_sharded_state, save_sharded
 
 
 @dataclass
@@ -84,10 +84,8 @@ def use_fused_cpu_adam(optimizer: Any) -> None:
 def save_training_state(training: TrainingModel, path: str) -> None:
     """Megatron distributed checkpoint (torch_dist) of model, optimizer, LR scheduler and this rank's RNG states into
     an existing empty dir. A collective."""
-    from megatron.core import dist_checkpointing
-
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(training, is_loading=False, with_rng=True), path)
+    save_sharded(_sharded_state(training, is_loading=False, with_rng=True), path)
     dist.barrier()
 
 

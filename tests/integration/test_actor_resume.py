@@ -1,11 +1,14 @@
 """Actor checkpoints: saved from one layout, loaded into another (Megatron reshards on load), training goes on as
-if it had never stopped: same weights, same optimizer moments, same learning-rate schedule."""
+if it had never stopped: same weights, same optimizer moments, same learning-rate schedule. A save leaves no process
+behind."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import psutil
 import pytest
+import ray
 import torch
 
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
@@ -30,6 +33,8 @@ def test_resume_tp1pp1_checkpoint_into_tp2pp1_trains_on_identically(rank_pool, t
     with rank_pool.group(actor_spec(tiny_model_dir, 1, 1, 1, SETTINGS)) as source:
         first = source.train_step(samples)
         source.save_checkpoint(str(checkpoint))
+        # and left no process behind (no Manager server for the writer's results: megatron.parallel.save_sharded)
+        assert ray.get(source.workers[0].__ray_call__.remote(lambda _: psutil.Process().children(recursive=True))) == []
         saved_weights = source.hf_state_dict()
         second = source.train_step(reversed_samples)
         uninterrupted = source.hf_state_dict()
