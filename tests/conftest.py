@@ -60,10 +60,11 @@ def pytest_collection_modifyitems(config, items):
 
 # `bash scripts/test.sh` runs the suite in two lanes side by side (pytest-xdist: -n 2 --dist loadgroup), each a worker
 # process with session fixtures of its own. A lane takes a group of tests at a time, the next one when it is almost
-# done: first the three long groups (the training drivers run as subprocesses on the lane's Ray, driver_ray, taking its
-# engines over; the memory-heavy modules and tests, which take the lanes' memory lock, one after another; the tests of
-# the engines and ranks shared in-process, SharedEngines), then every other module, and every bench's smoke run, on its
-# own, the longest first. A training run alone keeps about 1.3 of 2 cores busy.
+# done: first the two long groups (the training drivers run as subprocesses on the lane's Ray, driver_ray, taking its
+# engines over; the tests of the engines and ranks shared in-process, SharedEngines), then every other module, and
+# every bench's smoke run, on its own, the longest first. A training run alone keeps about 1.3 of 2 cores busy.
+# (The memory-heavy modules and tests as one group of their own ran beside the drivers' heaviest runs and made the
+# suite slower, not faster; the lanes' waits for the memory lock are printed after the run.)
 DRIVER_TESTS = ("tests/e2e/", "tests/faults/", "tests/integration/test_multinode.py")
 BENCH_SMOKE = "tests/integration/test_bench_smoke.py"
 LONG_BENCH_SMOKES = ("chaos", "learning", "default_run", "long_sequences", "soak")  # 1-4 minutes each; the others <1
@@ -195,8 +196,6 @@ def _lane_group(item) -> tuple[int, str]:
     module = item.nodeid.split("::")[0]
     if set(SHARED_ENGINES.uses(item)) - set(SharedEngines.UNGROUPED):  # wherever it is: started once, in one lane
         return 1, "shared-engines"
-    if item.get_closest_marker("memory_heavy") is not None:  # one after another in one lane: none waits for the lock
-        return 0, "memory-heavy"
     if item.nodeid.startswith(DRIVER_TESTS):
         return 0, "drivers"
     if module == BENCH_SMOKE:

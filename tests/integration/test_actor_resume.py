@@ -34,7 +34,9 @@ def test_resume_tp1pp1_checkpoint_into_tp2pp1_trains_on_identically(rank_pool, t
         first = source.train_step(samples)
         source.save_checkpoint(str(checkpoint))
         # and left no process behind (no Manager server for the writer's results: megatron.parallel.save_sharded)
-        assert ray.get(source.workers[0].__ray_call__.remote(lambda _: psutil.Process().children(recursive=True))) == []
+        left = ray.get(source.workers[0].__ray_call__.remote(
+            lambda _: [" ".join(child.cmdline()) for child in psutil.Process().children(recursive=True)]))
+        assert left == [], left
         saved_weights = source.hf_state_dict()
         second = source.train_step(reversed_samples)
         uninterrupted = source.hf_state_dict()
