@@ -121,7 +121,6 @@ class MemoryLock:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
-
     def summary(self) -> str | None:
         """The lanes' waits for the lock in this run, in a line (None without any)."""
         if not self.waits.exists():
