@@ -14,4 +14,18 @@ if [ "${RLSEARCH_TEST_LANES:-2}" = 1 ]; then LANES=(-p no:xdist); fi
 LANE_CORES=$(( $(nproc) / ${RLSEARCH_TEST_LANES:-2} ))
 export RLSEARCH_CPU_CORES="${RLSEARCH_CPU_CORES:-$(( LANE_CORES > 0 ? LANE_CORES : 1 ))}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$RLSEARCH_CPU_CORES}"
-exec "$VENV/bin/python" -m pytest tests "${LANES[@]}" --durations=25 "$@"
+# The run's scratch: what the suite and the engines, ranks and Ray clusters it starts put in a temporary directory
+# (pytest's tmp_path, checkpoints, Ray's sessions, vLLM's sockets) goes to one folder per checkout, which the next run
+# clears and a green run removes. A run writes ~22 GB there (a tiny model's checkpoint with Adam's state is 0.44 GB),
+# and before this folder each run left it in /tmp. A passed test's tmp_path goes as soon as it ends.
+SCRATCH="/tmp/rls-$(printf %s "$RLSEARCH_ROOT" | sha1sum | cut -c1-8)"  # short: Ray's socket paths must fit 107 bytes
+rm -rf "$SCRATCH" && mkdir -p "$SCRATCH"
+export TMPDIR="$SCRATCH"
+status=0
+"$VENV/bin/python" -m pytest tests "${LANES[@]}" --durations=25 -o tmp_path_retention_policy=failed "$@" || status=$?
+if [ "$status" = 0 ]; then
+  rm -rf "$SCRATCH"
+else
+  echo "test.sh: the run's files are kept in $SCRATCH until the next run" >&2
+fi
+exit "$status"
