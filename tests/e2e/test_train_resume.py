@@ -87,8 +87,8 @@ def _killed_and_resumed_output(supervisor: subprocess.Popen, log_path: Path) -> 
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory, tiny_model_dir, toy_data):
-    base = tmp_path_factory.mktemp("train_runs")
+def assets(module_tmp, tiny_model_dir, toy_data):
+    base = module_tmp.mktemp("train_runs")
     return SimpleNamespace(model=tiny_model_dir, data=toy_data, index_cache=base / "bm25", base=base)
 
 

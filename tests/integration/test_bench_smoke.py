@@ -29,9 +29,9 @@ PRINTED = {
 
 
 @pytest.fixture(scope="module")
-def bench_out(tmp_path_factory) -> Path:
+def bench_out(module_tmp) -> Path:
     """Where every bench keeps its random models and toy data: built by the first bench that needs them."""
-    return tmp_path_factory.mktemp("bench")
+    return module_tmp.mktemp("bench")
 
 
 @pytest.mark.parametrize("bench", [pytest.param(bench, marks=pytest.mark.memory_heavy) if bench in MEMORY_HEAVY

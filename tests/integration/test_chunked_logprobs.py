@@ -144,9 +144,9 @@ def _max_diff(value: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def scored(tmp_path_factory) -> dict[int, dict]:
+def scored(module_tmp) -> dict[int, dict]:
     """tp -> `_score_cases`'s results."""
-    out_dir = tmp_path_factory.mktemp("chunked_logprobs")
+    out_dir = module_tmp.mktemp("chunked_logprobs")
     run_spawned_ranks(_rank_main, 2, str(out_dir), TIME_LIMIT_S)
     return torch.load(out_dir / "results.pt")
 

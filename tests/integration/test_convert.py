@@ -49,9 +49,9 @@ def _convert_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def tp2pp2_checkpoint(tiny_model_dir, tmp_path_factory) -> Path:
+def tp2pp2_checkpoint(tiny_model_dir, module_tmp) -> Path:
     started = time.perf_counter()
-    checkpoint = hf_to_mcore(tiny_model_dir, tmp_path_factory.mktemp("convert") / "tp2pp2", tp=2, pp=2)
+    checkpoint = hf_to_mcore(tiny_model_dir, module_tmp.mktemp("convert") / "tp2pp2", tp=2, pp=2)
     print(f"hf_to_mcore tp2pp2: {time.perf_counter() - started:.1f} s")
     return checkpoint
 

@@ -40,10 +40,10 @@ def step_batches(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(rank_pool, tiny_model_dir, step_batches, tmp_path_factory):
+def uninterrupted(rank_pool, tiny_model_dir, step_batches, module_tmp):
     """(weights after each step, metrics of each step, the run checkpoint after step SAVED_AFTER) of the DP2 actor,
     whose ranks are reset at the end (RankPool): only the checkpoint remains of it."""
-    store = CheckpointStore(tmp_path_factory.mktemp("run"))
+    store = CheckpointStore(module_tmp.mktemp("run"))
     weights, metrics, checkpoint = {}, {}, None
     with rank_pool.group(actor_spec(tiny_model_dir, 1, 1, 2, SETTINGS)) as group:
         for step, samples in enumerate(step_batches, start=1):

@@ -46,7 +46,7 @@ def batch(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def run_layout(rank_pool, tiny_model_dir, rollout_worker, batch, tmp_path_factory):
+def run_layout(rank_pool, tiny_model_dir, rollout_worker, batch, module_tmp):
     samples, _ = batch
     cache: dict[str, LayoutRun] = {}
     kept: dict[str, ActorRanks] = {}  # the baseline's group, which later loads cp2's checkpoint
@@ -69,7 +69,7 @@ def run_layout(rank_pool, tiny_model_dir, rollout_worker, batch, tmp_path_factor
                                                      distribution=MODEL_DISTRIBUTION)[0]
                 WeightSync(group, 64, "shm", 120.0, engine_tp=1).sync([rollout_worker])
                 result.engine_vs_actor = logprob_mismatch(ray.get(rollout_worker.score.remote(probe)), actor_probe)[0]
-                checkpoint = tmp_path_factory.mktemp("cp2-checkpoint")
+                checkpoint = module_tmp.mktemp("cp2-checkpoint")
                 group.save_checkpoint(str(checkpoint))
         if name == "cp2":
             run("baseline")  # its result is taken: its CP1 group now loads the checkpoint

@@ -52,19 +52,19 @@ class RoundTrip:
 
 
 @pytest.fixture(scope="module")
-def moe_model_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("moe-models")
+def moe_model_dirs(module_tmp) -> dict[str, Path]:
+    root = module_tmp.mktemp("moe-models")
     return {arch: make_tiny_model(root / arch, TinyModelSpec(architecture=arch)) for arch in ARCHITECTURES}
 
 
 @pytest.fixture(scope="module")
-def round_trip(moe_model_dirs, tmp_path_factory) -> Callable[[str, int], RoundTrip]:
+def round_trip(moe_model_dirs, module_tmp) -> Callable[[str, int], RoundTrip]:
     """HF -> Megatron at expert-parallel size ep -> HF (verified against the Megatron model), once per (arch, ep)."""
     cache: dict[tuple[str, int], RoundTrip] = {}
 
     def run(arch: str, ep: int) -> RoundTrip:
         if (arch, ep) not in cache:
-            root = tmp_path_factory.mktemp(f"{arch}-ep{ep}")
+            root = module_tmp.mktemp(f"{arch}-ep{ep}")
             started = time.perf_counter()
             checkpoint = hf_to_mcore(moe_model_dirs[arch], root / "megatron", ep=ep)
             converted = time.perf_counter()

@@ -29,8 +29,8 @@ CASES = [(arch, layout) for arch in ARCHITECTURES for layout in LAYOUTS if (arch
 
 
 @pytest.fixture(scope="module")
-def moe_model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe-models")
+def moe_model_dirs(module_tmp):
+    root = module_tmp.mktemp("moe-models")
     return {arch: make_tiny_model(root / arch, TinyModelSpec(architecture=arch)) for arch in ARCHITECTURES}
 
 

@@ -23,8 +23,8 @@ def _tokens_per_expert(routing: list[torch.Tensor], num_experts: int) -> torch.T
 
 
 @pytest.fixture(scope="module")
-def moe_group(rank_pool, tmp_path_factory):
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", TinyModelSpec(architecture="qwen3_moe"))
+def moe_group(rank_pool, module_tmp):
+    model_dir = make_tiny_model(module_tmp.mktemp("moe") / "qwen3_moe", TinyModelSpec(architecture="qwen3_moe"))
     samples, _ = scored_batch(lambda batch: hf_logprobs(model_dir, batch))
     spec = actor_spec(model_dir, 1, 1, 2, {"ep": 2, "lr": 0.05})
     spec = dataclasses.replace(spec, algo=AlgoConfig(routing_replay="old", num_minibatches=2))

@@ -127,13 +127,13 @@ class LocalEngine:
 
 
 @pytest.fixture(scope="class")
-def qwen2_case(tmp_path_factory) -> MoeCase:
-    return MoeCase("qwen2_moe", tmp_path_factory.mktemp("qwen2-moe"))
+def qwen2_case(module_tmp) -> MoeCase:
+    return MoeCase("qwen2_moe", module_tmp.mktemp("qwen2-moe"))
 
 
 @pytest.fixture(scope="module")
-def qwen3_case(tmp_path_factory) -> MoeCase:
-    return MoeCase("qwen3_moe", tmp_path_factory.mktemp("qwen3-moe"))
+def qwen3_case(module_tmp) -> MoeCase:
+    return MoeCase("qwen3_moe", module_tmp.mktemp("qwen3-moe"))
 
 
 @pytest.fixture(scope="class")

@@ -98,10 +98,10 @@ def _rank_main(rank: int, rendezvous: str, out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory) -> list[dict]:
+def runs(tiny_model_dir, module_tmp) -> list[dict]:
     samples, _ = scored_batch(lambda s: hf_logprobs(tiny_model_dir, s))
     flipped = [replace(sample, advantage=-sample.advantage) for sample in samples]
-    out_dir = tmp_path_factory.mktemp("optimizer-offload")
+    out_dir = module_tmp.mktemp("optimizer-offload")
     torch.save({"model_dir": str(tiny_model_dir), "batches": [samples, flipped] * (STEPS // 2)}, out_dir / "case.pt")
     run_spawned_ranks(_rank_main, 2, str(out_dir), TIME_LIMIT_S)
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(2)]

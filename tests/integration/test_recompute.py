@@ -48,9 +48,9 @@ TIME_LIMIT_S = 240.0
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tiny_model_dir, tmp_path_factory):
+def model_dirs(tiny_model_dir, module_tmp):
     # Qwen2-MoE: every layer routed, plus a gated shared expert
-    moe = make_tiny_model(tmp_path_factory.mktemp("recompute-moe") / "qwen2_moe",
+    moe = make_tiny_model(module_tmp.mktemp("recompute-moe") / "qwen2_moe",
                           TinyModelSpec(architecture="qwen2_moe"))
     return {"dense": tiny_model_dir, "moe": moe}
 
@@ -165,7 +165,7 @@ def _rank_main(rank: int, rendezvous: str, out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def run_layout(model_dirs, tmp_path_factory):
+def run_layout(model_dirs, module_tmp):
     cache: dict[str, list[dict]] = {}
     batches: dict[str, list] = {}
 
@@ -174,7 +174,7 @@ def run_layout(model_dirs, tmp_path_factory):
             layout = LAYOUTS[name]
             if layout.model not in batches:
                 batches[layout.model], _ = long_sequence_batch(model_dirs[layout.model])
-            out_dir = tmp_path_factory.mktemp(f"recompute-{name}")
+            out_dir = module_tmp.mktemp(f"recompute-{name}")
             torch.save({"layout": layout, "model_dir": str(model_dirs[layout.model]),
                         "samples": batches[layout.model]}, out_dir / "case.pt")
             world = layout.tp * layout.pp * layout.cp * layout.dp
