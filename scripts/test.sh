@@ -16,8 +16,7 @@ export RLSEARCH_CPU_CORES="${RLSEARCH_CPU_CORES:-$(( LANE_CORES > 0 ? LANE_CORES
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$RLSEARCH_CPU_CORES}"
 # The run's scratch: what the suite and the engines, ranks and Ray clusters it starts put in a temporary directory
 # (pytest's tmp_path, checkpoints, Ray's sessions, vLLM's sockets) goes to one folder per checkout, which the next run
-# clears and a green run removes. A run writes ~22 GB there (a tiny model's checkpoint with Adam's state is 0.44 GB),
-# and before this folder each run left it in /tmp. A passed test's tmp_path goes as soon as it ends.
+# clears and a green run removes; a passed test's tmp_path goes as soon as it ends (docs/testing.md, "Disk").
 SCRATCH="/tmp/rls-$(printf %s "$RLSEARCH_ROOT" | sha1sum | cut -c1-8)"  # short: Ray's socket paths must fit 107 bytes
 rm -rf "$SCRATCH" && mkdir -p "$SCRATCH"
 export TMPDIR="$SCRATCH"
