@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from rlsearch.megatron.processes import stop_rank_server
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -74,8 +76,11 @@ LONG_BENCH_SMOKES = ("chaos", "learning", "default_run", "long_sequences", "soak
 def _module_memory(request):
     """A module marked memory_heavy (its pytestmark) holds the lanes' memory lock from its first test to its last.
     The lane's idle pooled ranks are stopped before it and before any module that does not use them: they wait only
-    among the groups of one module, or of modules that use the pool one after another."""
+    among the groups of one module, or of modules that use the pool one after another. The lane's rank server
+    (rlsearch.megatron.processes: ~0.6 GB) is stopped before it too."""
     heavy = _module_memory_heavy(request.module)
+    if heavy:
+        stop_rank_server()
     if heavy or not any("rank_pool" in item.fixturenames for item in request.session.items
                         if item.module is request.module):
         RANK_POOL.drain()
@@ -89,6 +94,7 @@ def _memory_heavy_test(request):
     marked = request.node.get_closest_marker("memory_heavy") is not None and not _module_memory_heavy(request.module)
     if marked:
         RANK_POOL.drain()
+        stop_rank_server()
     with MEMORY_LOCK.held(request.node.nodeid) if marked else nullcontext():
         yield
 

@@ -1,18 +1,19 @@
 """Conversion between HuggingFace model dirs and Megatron distributed checkpoints (torch_dist, layout.py).
 
-- `hf_to_mcore`: tp x pp x ep spawned ranks each build their shard of the model, load the HF safetensors into it
+- `hf_to_mcore`: tp x pp x ep ranks each build their shard of the model, load the HF safetensors into it
   through mbridge and save together: a model-only checkpoint for that layout. With expert parallelism (MoE models)
   the ep data-parallel replicas each hold and save their own experts.
-- `mcore_to_hf`: one spawned rank (TP1PP1EP1) loads the "model" part of any checkpoint, a training run's or a
+- `mcore_to_hf`: one rank (TP1PP1EP1) loads the "model" part of any checkpoint, a training run's or a
   converted one (Megatron reshards whatever layout it was saved from; expert weights are keyed by global expert id,
   so every expert of an expert-parallel checkpoint lands in the one rank), exports HF-named tensors through mbridge
   and writes safetensors shards with their index, config and tokenizer; `verify` compares the logits of the written
   dir (HF transformers) with the Megatron model's.
 
-Ranks are spawned processes on gloo over 127.0.0.1 (one GPU each when there are enough GPUs, else CPU). An error in
-a rank surfaces in the caller: CheckpointError for a checkpoint that does not fit, ConversionError with the rank's
-traceback otherwise. Output is staged in `.incomplete_<name>` beside the output dir and renamed when complete, so a
-failed conversion leaves no half-written model behind. Nothing here imports megatron until a rank runs.
+Ranks are processes on gloo over 127.0.0.1 (one GPU each when there are enough GPUs, else CPU), started by
+rlsearch.megatron.processes (on CPU forked from a server that imports Megatron once). An error in a rank surfaces in
+the caller: CheckpointError for a checkpoint that does not fit, ConversionError with the rank's traceback otherwise.
+Output is staged in `.incomplete_<name>` beside the output dir and renamed when complete, so a failed conversion
+leaves no half-written model behind. Nothing here imports megatron until a rank runs.
 """
 
 from __future__ import annotations
@@ -196,23 +197,23 @@ def _publish(staging: Path, out: Path) -> Path:
 
 
 def _spawn(job: Callable[..., Any], layout: tuple[int, int, int], job_args: tuple) -> list[Any]:
-    """Run `job(*job_args)` on tp x pp x ep spawned Megatron ranks (`layout`; data-parallel size ep, each replica
+    """Run `job(*job_args)` on tp x pp x ep Megatron rank processes (`layout`; data-parallel size ep, each replica
     holding its own experts); their results in rank order."""
-    import torch.multiprocessing as mp
+    import multiprocessing
+
     from torch.multiprocessing.spawn import ProcessException
 
     from ..megatron.parallel import PROCESS_GROUP_TIMEOUT_S
+    from ..megatron.processes import rank_start_method, start_rank_processes
     from ..rendezvous import Rendezvous
 
     world_size = math.prod(layout)
-    queue = mp.get_context("spawn").SimpleQueue()
+    gpus = _gpu_per_rank(world_size)
+    queue = multiprocessing.get_context(rank_start_method(on_gpus=gpus is not None)).SimpleQueue()
     rendezvous = Rendezvous("127.0.0.1", PROCESS_GROUP_TIMEOUT_S)  # listening until the ranks are done
     try:
-        mp.start_processes(
-            _rank_main, args=(world_size, rendezvous.address, layout, _gpu_per_rank(world_size), queue, job,
-                              job_args),
-            nprocs=world_size, start_method="spawn",
-        )
+        start_rank_processes(_rank_main, (world_size, rendezvous.address, layout, gpus, queue, job, job_args),
+                             world_size, on_gpus=gpus is not None)
     except ProcessException as failure:
         reports = _drain(queue)
         failed = next((report for report in reports if report[1] == "error"), None)
@@ -252,7 +253,7 @@ def _rank_main(
     rank: int, world_size: int, rendezvous: str, layout: tuple[int, int, int], gpus: list[str] | None, queue,
     job: Callable[..., Any], job_args: tuple,
 ) -> None:
-    """Entry of a spawned rank: join the group, run the job, report its result or error to the parent."""
+    """Entry of a rank process: join the group, run the job, report its result or error to the parent."""
     os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank] if gpus else ""  # before anything initialises CUDA
     import warnings
 

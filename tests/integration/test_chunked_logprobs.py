@@ -3,7 +3,7 @@ the gradients w.r.t. the hidden states and the output-layer weight (own, or tied
 under a temperature and a logit bias on tokens in both TP halves; and those numbers are a plain full-vocabulary
 float64 log_softmax's.
 
-Two spawned ranks on gloo over the real vocabulary size (151936) with a small hidden size; they score at TP2 (own
+Two rank processes on gloo over the real vocabulary size (151936) with a small hidden size; they score at TP2 (own
 weight, then tied), then re-form as TP1 (two data-parallel replicas) and score with the own weight."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.spawned_ranks import run_spawned_ranks
+from tests.integration.rank_processes import run_rank_processes
 
 VOCAB = 151936
 HIDDEN = 64
@@ -147,7 +147,7 @@ def _max_diff(value: torch.Tensor, expected: torch.Tensor) -> float:
 def scored(module_tmp) -> dict[int, dict]:
     """tp -> `_score_cases`'s results."""
     out_dir = module_tmp.mktemp("chunked_logprobs")
-    run_spawned_ranks(_rank_main, 2, str(out_dir), TIME_LIMIT_S)
+    run_rank_processes(_rank_main, 2, str(out_dir), TIME_LIMIT_S)
     return torch.load(out_dir / "results.pt")
 
 

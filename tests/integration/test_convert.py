@@ -1,8 +1,8 @@
 """Checkpoint conversion HF <-> Megatron: bit-exact round trips through sharded layouts, the converted model's logits
 against Megatron's, dtype conversion, the CLI's errors on bad input, and the toolkit wrapper.
 
-Every conversion spawns its Megatron ranks (each imports megatron, ~10 s of CPU), so the TP2PP2 checkpoint is
-written once for the module."""
+Every conversion starts its Megatron ranks and builds and saves their models, so the TP2PP2 checkpoint is written once
+for the module."""
 
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def test_convert_cli_rejects_bad_input(make_case, tp2pp2_checkpoint, tmp_path):
 
 
 def test_convert_reports_a_rank_error_in_the_caller(tp2pp2_checkpoint, tmp_path):
-    """A base model that does not match the checkpoint fails inside the spawned rank; the caller gets its message."""
+    """A base model that does not match the checkpoint fails inside the conversion rank; the caller gets its message."""
     base = tmp_path / "base"
     shutil.copytree(tp2pp2_checkpoint / "hf", base)
     config = json.loads((base / "config.json").read_text())

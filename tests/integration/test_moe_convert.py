@@ -3,8 +3,8 @@ Megatron at expert-parallel sizes 1 and 2 -> HF (the single export rank loads an
 keyed by global expert id), bit-exact against the original safetensors; the result in transformers and in vLLM; a
 training run's EP2 checkpoint; the converter's layout errors.
 
-Tiny random models (8 experts, top-2) made once per module; every conversion spawns its Megatron ranks (each imports
-megatron, ~10 s of CPU), so each round trip runs once per module.
+Tiny random models (8 experts, top-2) made once per module; every conversion starts its Megatron ranks
+and builds their models, so each round trip runs once per module.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 distributed optimizer's states (Adam's moments and the fp32 main weights) in host memory, updated by a CPU
 optimizer, and copies the updated main weights back.
 
-Two spawned DP2 ranks build, one after another in one process group, a plain distributed-optimizer actor and one
+Two DP2 rank processes build, one after another in one process group, a plain distributed-optimizer actor and one
 offloading half of its optimizer, both in bfloat16 (the hybrid optimizer takes fp32 main copies of low-precision
 weights; with float32 weights the actor refuses it at start-up); both train four steps (the offloading one saving
 after the second), then a fresh offloading actor loads that checkpoint and trains steps 3 and 4 again. On CPU every
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.integration.actor_helpers import hf_logprobs, scored_batch
-from tests.integration.spawned_ranks import run_spawned_ranks
+from tests.integration.rank_processes import run_rank_processes
 
 FRACTION = 0.5
 STEPS = 4
@@ -103,7 +103,7 @@ def runs(tiny_model_dir, module_tmp) -> list[dict]:
     flipped = [replace(sample, advantage=-sample.advantage) for sample in samples]
     out_dir = module_tmp.mktemp("optimizer-offload")
     torch.save({"model_dir": str(tiny_model_dir), "batches": [samples, flipped] * (STEPS // 2)}, out_dir / "case.pt")
-    run_spawned_ranks(_rank_main, 2, str(out_dir), TIME_LIMIT_S)
+    run_rank_processes(_rank_main, 2, str(out_dir), TIME_LIMIT_S)
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(2)]
 
 

@@ -3,7 +3,7 @@ and every gradient it makes, at TP2, CP2, PP2 and EP2, with prefix trees and chu
 their recorded routing (algo.routing_replay=old), so a recomputed router must route as the forward pass it repeats did,
 also when the pipeline schedule has run later micro-batches' forwards in between.
 
-Each layout spawns its two ranks once; in them an actor of each mode (none, selective, full) is built in turn in the
+Each layout starts its two ranks once; in them an actor of each mode (none, selective, full) is built in turn in the
 same process group (`MegatronActorWorker.build`) from the same HF weights and takes one GRPO step on the same batch.
 Call counts of the layers and modules show what ran again.
 """
@@ -21,7 +21,7 @@ import torch
 
 from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 from tests.integration.actor_helpers import long_sequence_batch
-from tests.integration.spawned_ranks import run_spawned_ranks
+from tests.integration.rank_processes import run_rank_processes
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def run_layout(model_dirs, module_tmp):
             torch.save({"layout": layout, "model_dir": str(model_dirs[layout.model]),
                         "samples": batches[layout.model]}, out_dir / "case.pt")
             world = layout.tp * layout.pp * layout.cp * layout.dp
-            run_spawned_ranks(_rank_main, world, str(out_dir), TIME_LIMIT_S)
+            run_rank_processes(_rank_main, world, str(out_dir), TIME_LIMIT_S)
             cache[name] = [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world)]
         return cache[name]
 

@@ -1,4 +1,4 @@
-"""`ShardGather` (rlsearch/weights/gather.py) on three spawned gloo ranks of one host: through shared memory, every
+"""`ShardGather` (rlsearch/weights/gather.py) on three gloo rank processes of one host: through shared memory, every
 rank's tensor reaches rank 0 bit for bit, call after call, while rank 0 lags behind the others; kept shards stay
 valid; ranks that do not see each other's files (each its own staging directory, as containers with their own
 /dev/shm, where files of the same names are not the same files) fall back to the process group's gather with the
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.spawned_ranks import run_spawned_ranks
+from tests.integration.rank_processes import run_rank_processes
 
 RANKS = 3
 CALLS = 7  # more than the files a rank keeps: every file is rewritten
@@ -112,7 +112,7 @@ def _rank_main(rank: int, rendezvous: str, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def gathered(tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("shard_gather")
-    run_spawned_ranks(_rank_main, RANKS, str(out_dir), TIME_LIMIT_S)
+    run_rank_processes(_rank_main, RANKS, str(out_dir), TIME_LIMIT_S)
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(RANKS)]
 
 

@@ -1,4 +1,5 @@
-"""The ranks of a torch.distributed group as processes spawned by a test (no Ray, no engine)."""
+"""The ranks of a torch.distributed group as processes a test starts (no Ray, no engine): forked from the lane's
+rank server (rlsearch.megatron.processes), which has the imports of a Megatron rank done."""
 
 from __future__ import annotations
 
@@ -7,17 +8,15 @@ import time
 import pytest
 
 
-def run_spawned_ranks(rank_main, nprocs: int, out_dir: str, time_limit_s: float) -> None:
-    """`rank_main(rank, rendezvous_address, out_dir)` in `nprocs` spawned processes, the group's store opened here;
+def run_rank_processes(rank_main, nprocs: int, out_dir: str, time_limit_s: float) -> None:
+    """`rank_main(rank, rendezvous_address, out_dir)` in `nprocs` processes, the group's store opened here;
     the test fails when a rank fails, or, killing them all, when they have not finished within `time_limit_s`."""
-    import torch.multiprocessing as mp
-
+    from rlsearch.megatron.processes import start_rank_processes
     from rlsearch.rendezvous import Rendezvous
 
     rendezvous = Rendezvous("127.0.0.1", time_limit_s)
     try:
-        ranks = mp.start_processes(rank_main, args=(rendezvous.address, out_dir), nprocs=nprocs, join=False,
-                                   start_method="spawn")
+        ranks = start_rank_processes(rank_main, (rendezvous.address, out_dir), nprocs, join=False)
         deadline = time.monotonic() + time_limit_s
         while not ranks.join(timeout=1):  # raises when a rank fails
             if time.monotonic() > deadline:
