@@ -10,6 +10,9 @@ environment has them: the cluster decides.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable, Collection
+from typing import TypeVar
 
 # set by the supervisor of `rlsearch train --restarts` for its drivers: the address of the Ray instance it started,
 # which outlives each driver, and with it the rollout engines (detached actors a restarted driver adopts)
@@ -18,6 +21,9 @@ SUPERVISOR_RAY_VARIABLE = "RLSEARCH_SUPERVISOR_RAY"
 # that share one (one after another) take over each other's engines; drivers running side by side need one each
 NAMESPACE_VARIABLE = "RLSEARCH_RAY_NAMESPACE"
 RUN_NAMESPACE = "rlsearch-run"
+NAME_RELEASE_S = 30.0  # for Ray to release the name of a killed detached actor
+
+Started = TypeVar("Started")
 
 WORKER_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -40,7 +46,7 @@ def init_ray(address: str = "", num_cpus: int = 0) -> bool:
 
     if ray.is_initialized():
         return False
-    runtime_env = {"env_vars": {**WORKER_ENV, **_passthrough_env()}}
+    runtime_env = {"env_vars": {**WORKER_ENV, **worker_environment()}}
     # quiet (the default): workers write their output into the run's logs dir, not onto this terminal
     log_to_driver = process_log_dir() is None
     if address:
@@ -86,7 +92,7 @@ def ray_env_defaults(address: str) -> dict[str, str]:
     return defaults
 
 
-# sent to every worker (see _passthrough_env). Not CUDA_*: CUDA_VISIBLE_DEVICES is Ray's to set per worker, and
+# sent to every worker (see worker_environment). Not CUDA_*: CUDA_VISIBLE_DEVICES is Ray's to set per worker, and
 # CUDA_HOME / CUDA_PATH name directories of this machine; the two CUDA settings that change how a run computes are
 # named one by one
 PASSTHROUGH_PREFIXES = ("VLLM_", "RLSEARCH_", "NCCL_", "TORCH_NCCL_", "NVTE_")
@@ -94,7 +100,7 @@ PASSTHROUGH_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_DEVI
                      "CUDA_LAUNCH_BLOCKING")
 
 
-def _passthrough_env() -> dict[str, str]:
+def worker_environment() -> dict[str, str]:
     """Sent to every worker (needed when joining a cluster, whose workers do not inherit this environment): the
     VLLM_* settings, the RLSEARCH_* variables (the default tool-server token variables among them), and the NCCL,
     Transformer Engine and CUDA-allocator settings, which every rank of a communicator must share."""
@@ -102,6 +108,52 @@ def _passthrough_env() -> dict[str, str]:
         key: value for key, value in os.environ.items()
         if key.startswith(PASSTHROUGH_PREFIXES) or key in PASSTHROUGH_NAMES
     }
+
+
+def take_worker_environment(environment: dict[str, str]) -> None:
+    """In a worker a new driver takes over: the variables `worker_environment` sends become the new driver's
+    (`environment`, its `worker_environment()`): its logs dir among them. Those it does not set are removed."""
+    for key in [key for key in os.environ if key.startswith(PASSTHROUGH_PREFIXES) or key in PASSTHROUGH_NAMES]:
+        if key not in environment:
+            del os.environ[key]
+    os.environ.update(environment)
+
+
+def start_named_actor(start: Callable[[], Started]) -> Started:
+    """`start()`, which makes a named (detached) actor, tried again for up to NAME_RELEASE_S while Ray still holds
+    the name for the killed actor it replaces."""
+    deadline = time.monotonic() + NAME_RELEASE_S
+    while True:
+        try:
+            return start()
+        except ValueError as error:  # "The name ... is already taken"
+            if time.monotonic() > deadline:
+                raise
+            print(f"[rlsearch] waiting for Ray to release the name of a stopped actor ({error})", flush=True)
+            time.sleep(0.5)
+
+
+def stop_named_actors(actor_prefix: str, group_prefix: str, keep: Collection[str] = frozenset()) -> int:
+    """Stop the named actors of this Ray namespace whose names start with `actor_prefix`, and free its placement
+    groups named with `group_prefix`, but those named in `keep`; returns how many actors were stopped."""
+    import ray
+
+    stopped = 0
+    for name in ray.util.list_named_actors():
+        if name.startswith(actor_prefix) and name not in keep:
+            try:
+                ray.kill(ray.get_actor(name), no_restart=True)
+                stopped += 1
+            except ValueError:  # gone meanwhile
+                pass
+    for group in ray.util.placement_group_table().values():
+        name = group.get("name", "")
+        if name.startswith(group_prefix) and name not in keep and group["state"] != "REMOVED":
+            try:  # named groups are looked up in this namespace: another namespace's group is not ours to free
+                ray.util.remove_placement_group(ray.util.get_placement_group(name))
+            except ValueError:
+                pass
+    return stopped
 
 
 def cluster_has_gpus(resources: dict[str, float] | None = None) -> bool:

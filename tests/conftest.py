@@ -405,20 +405,23 @@ def rank_pool(ray_local) -> RankPool:
 @pytest.fixture(scope="session")
 def driver_ray(ray_local) -> dict[str, str]:
     """The environment for training drivers run as subprocesses (`rlsearch train`): they join the session's Ray
-    instance as a supervisor's drivers do, instead of starting one each, and leave their rollout engines running
-    (detached, in the run namespace), which the next driver of the same engine settings takes over instead of
-    starting its own (EnginePool's ``detached``). Ray's and the engines' start-ups are paid once per settings; the
-    engines are stopped after the last test using this (SharedEngines)."""
+    instance as a supervisor's drivers do, instead of starting one each, and leave their rollout engines and actor
+    ranks running (detached, in the run namespace), which the next driver of the same engine settings, or of as many
+    ranks, takes over instead of starting its own (EnginePool's and ActorRanks' ``detached``). Ray's, the engines'
+    and the ranks' start-ups are paid once per settings; what is left is stopped after the last test using this
+    (SharedEngines)."""
     from rlsearch.ray_setup import SUPERVISOR_RAY_VARIABLE
 
-    def stop_left_engines() -> None:
+    def stop_left_engines_and_ranks() -> None:
+        from rlsearch.actor import stop_detached_ranks
         from rlsearch.rollout import stop_detached_engines
 
         if ray_local.is_initialized():
             stop_detached_engines()
+            stop_detached_ranks()
 
     def start():
-        return {SUPERVISOR_RAY_VARIABLE: ray_local.get_runtime_context().gcs_address}, stop_left_engines
+        return {SUPERVISOR_RAY_VARIABLE: ray_local.get_runtime_context().gcs_address}, stop_left_engines_and_ranks
 
     return SHARED_ENGINES.get("driver_ray", start)
 

@@ -1,7 +1,7 @@
 """Megatron-core actor: model from HF via mbridge, logprobs and GRPO steps through the pipeline schedule.
 
-`ActorRanks` (the ranks as Ray actors) is imported on first use: a rank's worker runs without Ray too (the GPU benches
-start one in their own process where only torch and Megatron are installed)."""
+`ActorRanks` (the ranks as Ray actors) and `stop_detached_ranks` are imported on first use: a rank's worker runs
+without Ray too (the GPU benches start one in their own process where only torch and Megatron are installed)."""
 
 from .batch import TrainSample
 from .distribution import MODEL_DISTRIBUTION, SamplingDistribution
@@ -9,13 +9,13 @@ from .worker import ActorWorkerSpec, MegatronActorWorker, RankInfo
 
 __all__ = [
     "MODEL_DISTRIBUTION", "ActorRanks", "ActorWorkerSpec", "MegatronActorWorker", "RankInfo", "SamplingDistribution",
-    "TrainSample",
+    "TrainSample", "stop_detached_ranks",
 ]
 
 
 def __getattr__(name: str):
-    if name == "ActorRanks":
-        from .ranks import ActorRanks
+    if name in ("ActorRanks", "stop_detached_ranks"):
+        from . import ranks
 
-        return ActorRanks
+        return getattr(ranks, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

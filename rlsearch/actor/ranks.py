@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -10,9 +11,35 @@ import ray
 import torch
 
 from ..algo import Objective, grpo_objective, sft_objective
+from ..ray_setup import start_named_actor, stop_named_actors
 from .batch import TrainSample
 from .distribution import MODEL_DISTRIBUTION, SamplingDistribution
 from .worker import ActorWorkerSpec, MegatronActorWorker, RankInfo
+
+RANK_NAME_PREFIX = "actor-rank-"  # a detached rank's Ray name: the prefix, the layout key and the rank
+RANK_GROUP_PREFIX = "actor-ranks-"  # their placement group's: the prefix and the layout key
+ADOPT_TIMEOUT_S = 60.0  # for the ranks of the previous driver to reset
+
+
+class _DetachedNames:
+    """The Ray names of a detached group of `world_size` ranks of `bundle` each and of its placement group."""
+
+    def __init__(self, world_size: int, bundle: dict[str, float]) -> None:
+        key = hashlib.sha256(repr((world_size, sorted(bundle.items()))).encode()).hexdigest()[:12]
+        self.world_size, self.key = world_size, key
+        self.group = f"{RANK_GROUP_PREFIX}{key}"
+
+    def rank(self, rank: int) -> str:
+        return f"{RANK_NAME_PREFIX}{self.key}-{rank}"
+
+    def all(self) -> set[str]:
+        return {self.group, *(self.rank(rank) for rank in range(self.world_size))}
+
+
+def stop_detached_ranks(keep: set[str] = frozenset()) -> int:
+    """Stop the detached actor ranks (and free their placement groups) that drivers left in this Ray namespace, but
+    those named in `keep`; returns how many ranks were stopped."""
+    return stop_named_actors(RANK_NAME_PREFIX, RANK_GROUP_PREFIX, keep)
 
 
 def wait_for_ranks(refs: list, timeout_s: float | None = None, what: str = "") -> list:
@@ -39,13 +66,20 @@ class ActorRanks:
     this one's: ``shutdown`` removes it, with anything else placed in it (the trainer's rollout worker).
 
     ``workers``: started rank processes (MegatronActorWorker actors, one per rank, placed by whoever started them)
-    to `reset` into this group instead of starting new ones; `release` hands them back for the next group."""
+    to `reset` into this group instead of starting new ones; `release` hands them back for the next group.
+
+    ``detached`` (a supervised run, `rlsearch train --restarts`, whose supervisor owns Ray): the ranks and their
+    placement group are named, detached Ray actors that outlive the driver, as the rollout engines are
+    (`EnginePool`). The next driver's group of the same size and devices takes the live ones over (`reset` into its
+    spec and worker environment: a process's imports, ~8 s of CPU on a CPU host, and its CUDA start-up on a GPU are
+    paid once), ``adopted`` lists them, and ranks of another size or devices are stopped first. A graceful
+    `shutdown` resets them (their models and optimizer freed) and leaves them running; after a rank died every rank
+    is stopped."""
 
     def __init__(
         self, spec: ActorWorkerSpec, num_gpus_per_rank: float = 0.0, placement_group=None, bundle_index: int = 0,
-        workers: Sequence[ray.actor.ActorHandle] = (),
+        workers: Sequence[ray.actor.ActorHandle] = (), detached: bool = False,
     ) -> None:
-        from ray.util.placement_group import placement_group as new_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.spec = spec
@@ -54,31 +88,91 @@ class ActorRanks:
         self.world_size = actor.world_size
         self.dp_size = actor.dp
         self.placement_group = None
+        self.detached = detached
+        self.adopted: list[int] = []  # ranks taken over from the driver before (``detached``)
+        bundle = {"CPU": 1.0, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
+        self._names = _DetachedNames(self.world_size, bundle) if detached else None
         if workers:
+            if detached:
+                raise ValueError("started ranks (workers) are the caller's: they cannot be detached")
             if len(workers) != self.world_size:
                 raise ValueError(f"{len(workers)} started ranks for a layout of {self.world_size}")
             self.workers = list(workers)
             ray.get([worker.reset.remote(spec, rank, self.world_size) for rank, worker in enumerate(self.workers)])
         else:
             reserved = placement_group is not None  # by the caller: every rank in its bundle `bundle_index`
+            if detached and reserved:
+                raise ValueError("detached ranks reserve their own placement group")
+            if self._names is not None:  # another layout's ranks hold the resources this one needs
+                stop_detached_ranks(keep=self._names.all())
             if not reserved:
-                bundle = {"CPU": 1.0, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
-                placement_group = new_placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+                placement_group = self._reserve(bundle)
             self.placement_group = placement_group
             ray.get(self.placement_group.ready(), timeout=600)
             remote_cls = ray.remote(MegatronActorWorker)
             place = PlacementGroupSchedulingStrategy
-            self.workers = [
-                remote_cls.options(
-                    num_cpus=1, num_gpus=num_gpus_per_rank,
-                    scheduling_strategy=place(
-                        self.placement_group, placement_group_bundle_index=bundle_index if reserved else rank
-                    ),
-                ).remote(spec, rank, self.world_size)
-                for rank in range(self.world_size)
-            ]
+
+            def start(rank: int) -> ray.actor.ActorHandle:
+                options = dict(num_cpus=1, num_gpus=num_gpus_per_rank, scheduling_strategy=place(
+                    self.placement_group, placement_group_bundle_index=bundle_index if reserved else rank))
+                if self._names is None:
+                    return remote_cls.options(**options).remote(spec, rank, self.world_size)
+                options.update(name=self._names.rank(rank), lifetime="detached")
+                return start_named_actor(lambda: remote_cls.options(**options).remote(spec, rank, self.world_size))
+
+            taken = self._adopt() if self._names is not None else {}
+            self.workers = [taken[rank] if rank in taken else start(rank) for rank in range(self.world_size)]
         rendezvous = self._open_rendezvous()
         self.infos: list[RankInfo] = ray.get([w.initialize.remote(rendezvous) for w in self.workers])
+
+    def _reserve(self, bundle: dict[str, float]):
+        """A bundle per rank, packed; ``detached``: the named group an earlier driver's ranks of this layout left, or
+        a new one that outlives this driver."""
+        from ray.util.placement_group import placement_group
+
+        if self._names is None:
+            return placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        try:
+            group = ray.util.get_placement_group(self._names.group)
+            if ray.util.placement_group_table(group).get("state") != "REMOVED":
+                return group
+        except ValueError:
+            pass
+        return placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK",
+                               name=self._names.group, lifetime="detached")
+
+    def _adopt(self) -> dict[int, ray.actor.ActorHandle]:
+        """The live ranks an earlier driver left under this layout's names, `reset` into this group with this
+        driver's worker environment; one that does not answer in time (a killed driver may have left it inside a
+        collective) or fails to reset is stopped, and started anew by the caller."""
+        from ..ray_setup import worker_environment
+
+        found = {}
+        for rank in range(self.world_size):
+            try:
+                found[rank] = ray.get_actor(self._names.rank(rank))
+            except ValueError:
+                continue
+        environment = worker_environment()
+        resets = {rank: worker.reset.remote(self.spec, rank, self.world_size, environment)
+                  for rank, worker in found.items()}
+        if resets:
+            ray.wait(list(resets.values()), num_returns=len(resets), timeout=ADOPT_TIMEOUT_S)
+        taken = {}
+        for rank, reset in resets.items():
+            try:
+                ray.get(reset, timeout=0)
+                taken[rank] = found[rank]
+            except Exception as error:  # dead, hung or failing: a new process instead
+                print(f"[rlsearch] the detached actor rank {rank} could not be taken over ({type(error).__name__}); "
+                      "starting a new one", flush=True)
+                ray.kill(found[rank], no_restart=True)
+        self.adopted = sorted(taken)
+        if taken:
+            ranks = ", ".join(map(str, self.adopted))
+            print(f"[rlsearch] actor rank {ranks} outlived the previous driver and was taken over" if len(taken) == 1
+                  else f"[rlsearch] actor ranks {ranks} outlived the previous driver and were taken over", flush=True)
+        return taken
 
     def _open_rendezvous(self) -> str:
         """Rank 0 opens the ranks' store on its node, listening from now on (rlsearch.rendezvous): its address."""
@@ -226,16 +320,25 @@ class ActorRanks:
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop every rank: a clean process-group teardown first when ``graceful`` (not after a rank died: its peers
-        may be stuck at a collective), then the actors are killed."""
+        may be stuck at a collective), then the actors are killed. ``detached``: the placement group stays for the
+        next driver's ranks, and when ``graceful`` the ranks are reset and left running for it instead (killed when
+        a reset fails)."""
         from ray.util.placement_group import remove_placement_group
 
+        if self.detached and graceful:
+            try:
+                ray.get([worker.reset.remote(self.spec, rank, self.world_size)
+                         for rank, worker in enumerate(self.workers)], timeout=60)
+                return
+            except Exception:  # a rank that cannot be reset is stopped with the others
+                pass
         try:
             if graceful:
                 ray.get([worker.shutdown.remote() for worker in self.workers], timeout=30)
         finally:
             for worker in self.workers:
                 ray.kill(worker)
-            if self.placement_group is not None:
+            if self.placement_group is not None and not self.detached:
                 remove_placement_group(self.placement_group)
 
     def release(self) -> list[ray.actor.ActorHandle]:

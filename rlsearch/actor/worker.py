@@ -541,16 +541,23 @@ class MegatronActorWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def reset(self, spec: ActorWorkerSpec, rank: int, world_size: int) -> None:
+    def reset(self, spec: ActorWorkerSpec, rank: int, world_size: int, environment: dict[str, str] | None = None,
+              ) -> None:
         """This process as a new rank `rank` of `world_size` for `spec`, as if just started: it leaves its groups and
         drops its models, optimizer and Megatron's parallel state; `initialize` follows. A started process costs
-        seconds of imports, so a run of many short-lived actors (the test suite) re-uses its ranks this way."""
+        seconds of imports, so a run of many short-lived actors (the test suite) re-uses its ranks this way, and so
+        does a driver that takes over the detached ranks of the one before it, whose worker `environment`
+        (`rlsearch.ray_setup`: its logs dir, its RLSEARCH_* settings) the rank takes."""
         import ctypes
         import gc
 
         from megatron.core import parallel_state as ps
 
+        from ..ray_setup import take_worker_environment
+
         self.shutdown()
+        if environment is not None:
+            take_worker_environment(environment)
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         self.__dict__.clear()

@@ -18,10 +18,11 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ..config import RolloutConfig, ToolsConfig
-from ..ray_setup import cluster_has_gpus
+from ..ray_setup import cluster_has_gpus, start_named_actor, stop_named_actors
 from ..trajectory import Trajectory
 from .agent_loop import PromptItem
 from .engine import EngineSpec
@@ -34,7 +35,6 @@ PORT_WINDOW = 100  # VLLM_PORT of engine i: base + PORT_WINDOW * i
 # starts again in a new port window, at most this many times in all
 START_ATTEMPTS = 3
 ADOPT_TIMEOUT_S = 120.0  # for an engine a restarted driver takes over to cancel the old driver's rollouts
-NAME_RELEASE_S = 30.0  # for Ray to release a killed detached engine's name
 ENGINE_NAME_PREFIX = "rollout-engine-"  # a detached engine's Ray name: the prefix, its index and the settings key
 GROUP_NAME_PREFIX = "rollout-engines-"  # its placement group's: the prefix and the settings key
 KEPT_METRICS = 8  # steps whose rollout metrics last_metrics(step) still answers
@@ -329,15 +329,8 @@ class EnginePool:
 
     def _new_worker(self, spec: EngineSpec, options: dict[str, Any]) -> Any:
         """The worker's Ray actor; a detached one's name may still be held for a moment by the one it replaces."""
-        deadline = time.monotonic() + NAME_RELEASE_S
-        while True:
-            try:
-                return new_rollout_worker(spec, self.rollout, self.tools, self.seed, options, self.worker_cls)
-            except ValueError as error:  # "The name ... is already taken"
-                if not self.detached or time.monotonic() > deadline:
-                    raise
-                print(f"[rlsearch] waiting for Ray to release the name of a stopped engine ({error})", flush=True)
-                time.sleep(0.5)
+        start = partial(new_rollout_worker, spec, self.rollout, self.tools, self.seed, options, self.worker_cls)
+        return start_named_actor(start) if self.detached else start()
 
     def _adopt(self, index: int) -> Any:
         """The live engine an earlier driver left as engine `index`, taken over (None: none, or one that did not
@@ -486,24 +479,7 @@ class EnginePool:
 def stop_detached_engines(keep: set[str] = frozenset()) -> int:
     """Stop the detached engines (and free their placement groups) that drivers left in this Ray namespace, but those
     named in `keep`; returns how many engines were stopped."""
-    import ray
-
-    stopped = 0
-    for name in ray.util.list_named_actors():
-        if name.startswith(ENGINE_NAME_PREFIX) and name not in keep:
-            try:
-                ray.kill(ray.get_actor(name), no_restart=True)
-                stopped += 1
-            except ValueError:  # gone meanwhile
-                pass
-    for group in ray.util.placement_group_table().values():
-        name = group.get("name", "")
-        if name.startswith(GROUP_NAME_PREFIX) and name not in keep and group["state"] != "REMOVED":
-            try:  # named groups are looked up in this namespace: another namespace's group is not ours to free
-                ray.util.remove_placement_group(ray.util.get_placement_group(name))
-            except ValueError:
-                pass
-    return stopped
+    return stop_named_actors(ENGINE_NAME_PREFIX, GROUP_NAME_PREFIX, keep)
 
 
 def _free_port() -> int:

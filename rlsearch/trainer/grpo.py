@@ -209,8 +209,12 @@ class GRPOTrainer:
             total_steps=config.trainer.total_steps * config.algo.num_minibatches * config.algo.ppo_epochs,
         )
 
-        # kept: actor ranks that die are replaced by new ones (trainer.max_actor_restarts)
-        self._start_actor = partial(ActorRanks, actor_spec, num_gpus_per_rank=gpus, **place.actor_options)
+        # kept: actor ranks that die are replaced by new ones (trainer.max_actor_restarts). Under the supervisor the
+        # ranks outlive this driver as the engines do, and a restarted one takes them over (not in a split placement,
+        # whose group the trainer reserves)
+        detached_ranks = bool(supervisor_ray_address()) and not place.actor_options
+        self._start_actor = partial(ActorRanks, actor_spec, num_gpus_per_rank=gpus, detached=detached_ranks,
+                                    **place.actor_options)
 
         def start_pool() -> EnginePool:
             with _timed(seconds, "rollout engines"):

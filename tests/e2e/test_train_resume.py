@@ -72,8 +72,8 @@ def _kill_driver_after_step_2_checkpoint(supervisor: subprocess.Popen, log_path:
         time.sleep(0.05)
     time.sleep(delay_s)
     assert supervisor.poll() is None, log_path.read_text()[-3000:]
-    # the driver only: its actor ranks and tool servers must go with it, the engines (under the supervisor's Ray)
-    # must be taken over by the next driver
+    # the driver only: its tool servers must go with it, the engines and the actor ranks (under the supervisor's
+    # Ray) must be taken over by the next driver
     (driver,) = [child for child in psutil.Process(supervisor.pid).children()
                  if child.cmdline()[1:4] == ["-m", "rlsearch", "train"]]
     os.kill(driver.pid, signal.SIGKILL)
@@ -140,8 +140,10 @@ def killed_async(assets):
 def test_killed_run_resumes_after_its_last_checkpoint(killed):
     assert "step 2/4" in killed.killed_output and "step 3/4" not in killed.killed_output
     assert "resumed from" in killed.resumed_output and "step_000002 after step 2" in killed.resumed_output
-    # the engine lived on under the supervisor's Ray, and the new driver took it over instead of starting one
+    # the engine and the actor rank lived on under the supervisor's Ray, and the new driver took them over instead
+    # of starting new ones (the resumed steps equal the uninterrupted run's: the next test)
     assert "rollout engine 0 outlived the previous driver and was taken over" in killed.resumed_output
+    assert "actor rank 0 outlived the previous driver and was taken over" in killed.resumed_output
     assert "step 1/4" not in killed.resumed_output and "step 3/4 | reward" in killed.resumed_output
     assert ("trained 2 steps" in killed.resumed_output
             and "(resumed after step 2, now at step 4)" in killed.resumed_output)

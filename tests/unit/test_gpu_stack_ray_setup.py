@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from rlsearch.ray_setup import _passthrough_env, cluster_has_gpus
+import os
+from unittest.mock import patch
+
+from rlsearch.ray_setup import cluster_has_gpus, take_worker_environment, worker_environment
 
 
 def test_gpu_use_is_the_clusters_not_the_drivers():
@@ -21,6 +24,16 @@ def test_nccl_te_and_allocator_settings_reach_the_workers_but_not_the_device_mas
     kept_home = {"CUDA_VISIBLE_DEVICES": "0,1", "CUDA_HOME": "/usr/local/cuda-13.0", "NCCLX": "1", "HOME": "/root"}
     for key, value in {**forwarded, **kept_home}.items():
         monkeypatch.setenv(key, value)
-    sent = _passthrough_env()
+    sent = worker_environment()
     assert {key: sent.get(key) for key in forwarded} == forwarded
     assert not set(kept_home) & set(sent)
+
+
+def test_a_worker_taken_over_by_a_new_driver_has_that_drivers_settings_and_keeps_its_own():
+    """A detached rank the next driver takes over (ActorRanks' ``detached``): the variables drivers send become the
+    new driver's (its logs dir among them); those it does not send go; the process's own stay."""
+    with patch.dict(os.environ, {"RLSEARCH_LOG_DIR": "/old/run/logs", "RLSEARCH_FAULT_SETTING": "old",
+                                 "NCCL_IB_HCA": "mlx5", "CUDA_VISIBLE_DEVICES": "3", "HOME": "/root"}):
+        take_worker_environment({"RLSEARCH_LOG_DIR": "/new/run/logs", "VLLM_PORT": "21000"})
+        assert worker_environment() == {"RLSEARCH_LOG_DIR": "/new/run/logs", "VLLM_PORT": "21000"}
+        assert (os.environ["CUDA_VISIBLE_DEVICES"], os.environ["HOME"]) == ("3", "/root")
