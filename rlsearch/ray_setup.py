@@ -15,7 +15,8 @@ from collections.abc import Callable, Collection
 from typing import TypeVar
 
 # set by the supervisor of `rlsearch train --restarts` for its drivers: the address of the Ray instance it started,
-# which outlives each driver, and with it the rollout engines (detached actors a restarted driver adopts)
+# which outlives each driver, and with it the rollout engines and actor ranks (detached actors a restarted driver
+# adopts)
 SUPERVISOR_RAY_VARIABLE = "RLSEARCH_SUPERVISOR_RAY"
 # the Ray namespace of a supervised run's drivers, where their engines' names live (default RUN_NAMESPACE): drivers
 # that share one (one after another) take over each other's engines; drivers running side by side need one each
@@ -134,7 +135,7 @@ def start_named_actor(start: Callable[[], Started]) -> Started:
 
 
 def stop_named_actors(actor_prefix: str, group_prefix: str, keep: Collection[str] = frozenset()) -> int:
-    """Stop the named actors of this Ray namespace whose names start with `actor_prefix`, and free its placement
+    """Stop the named actors of this Ray namespace whose names start with `actor_prefix`, and free the placement
     groups named with `group_prefix`, but those named in `keep`; returns how many actors were stopped."""
     import ray
 
