@@ -114,9 +114,8 @@ def worker_environment() -> dict[str, str]:
 def take_worker_environment(environment: dict[str, str]) -> None:
     """In a worker a new driver takes over: the variables `worker_environment` sends become the new driver's
     (`environment`, its `worker_environment()`): its logs dir among them. Those it does not set are removed."""
-    for key in [key for key in os.environ if key.startswith(PASSTHROUGH_PREFIXES) or key in PASSTHROUGH_NAMES]:
-        if key not in environment:
-            del os.environ[key]
+    for key in worker_environment().keys() - environment.keys():
+        del os.environ[key]
     os.environ.update(environment)
 
 

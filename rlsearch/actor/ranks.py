@@ -98,7 +98,7 @@ class ActorRanks:
             if len(workers) != self.world_size:
                 raise ValueError(f"{len(workers)} started ranks for a layout of {self.world_size}")
             self.workers = list(workers)
-            ray.get([worker.reset.remote(spec, rank, self.world_size) for rank, worker in enumerate(self.workers)])
+            self._reset_all()
         else:
             reserved = placement_group is not None  # by the caller: every rank in its bundle `bundle_index`
             if detached and reserved:
@@ -130,16 +130,16 @@ class ActorRanks:
         a new one that outlives this driver."""
         from ray.util.placement_group import placement_group
 
+        bundles = [dict(bundle) for _ in range(self.world_size)]
         if self._names is None:
-            return placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+            return placement_group(bundles, strategy="PACK")
         try:
             group = ray.util.get_placement_group(self._names.group)
             if ray.util.placement_group_table(group).get("state") != "REMOVED":
                 return group
         except ValueError:
             pass
-        return placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK",
-                               name=self._names.group, lifetime="detached")
+        return placement_group(bundles, strategy="PACK", name=self._names.group, lifetime="detached")
 
     def _adopt(self) -> dict[int, ray.actor.ActorHandle]:
         """The live ranks an earlier driver left under this layout's names, `reset` into this group with this
@@ -327,8 +327,7 @@ class ActorRanks:
 
         if self.detached and graceful:
             try:
-                ray.get([worker.reset.remote(self.spec, rank, self.world_size)
-                         for rank, worker in enumerate(self.workers)], timeout=60)
+                self._reset_all(timeout_s=60)
                 return
             except Exception:  # a rank that cannot be reset is stopped with the others
                 pass
@@ -346,6 +345,10 @@ class ActorRanks:
         their models and optimizers freed), for the next group."""
         if self.placement_group is not None:
             raise ValueError("release is for a group of started ranks (workers); this one started its own: shutdown")
-        ray.get([worker.reset.remote(self.spec, rank, self.world_size) for rank, worker in enumerate(self.workers)],
-                timeout=60)
+        self._reset_all(timeout_s=60)
         return self.workers
+
+    def _reset_all(self, timeout_s: float | None = None) -> None:
+        """Every rank `reset` into this group's spec and rank: out of its groups, its models and optimizer freed."""
+        ray.get([worker.reset.remote(self.spec, rank, self.world_size) for rank, worker in enumerate(self.workers)],
+                timeout=timeout_s)
