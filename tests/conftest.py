@@ -77,7 +77,8 @@ def _module_memory(request):
     """A module marked memory_heavy (its pytestmark) holds the lanes' memory lock from its first test to its last.
     The lane's idle pooled ranks are stopped before it and before any module that does not use them: they wait only
     among the groups of one module, or of modules that use the pool one after another. The lane's rank server
-    (rlsearch.megatron.processes: ~0.6 GB) is stopped before it too."""
+    (rlsearch.megatron.processes: ~0.6 GB) is stopped before it too, and after each module of the drivers, whose lane
+    runs beside the memory-heavy modules without the lock (test_train_resume's conversion starts one)."""
     heavy = _module_memory_heavy(request.module)
     if heavy:
         stop_rank_server()
@@ -86,6 +87,8 @@ def _module_memory(request):
         RANK_POOL.drain()
     with MEMORY_LOCK.held(request.module.__name__) if heavy else nullcontext():
         yield
+    if request.node.nodeid.startswith(DRIVER_TESTS):
+        stop_rank_server()
 
 
 @pytest.fixture(autouse=True)
@@ -310,9 +313,13 @@ SHARED_ENGINES = SharedEngines()
 def default_run(tmp_path_factory):
     """`bash examples/run_search_grpo.sh` as the README gives it, with only the output dir and the warm start's dir
     moved: the SFT warm start (made here every session, as on a fresh clone) and the 30 GRPO steps, run once per
-    session. (output dir, CompletedProcess)."""
+    session. (output dir, CompletedProcess). It starts a Ray of its own: the engines and ranks the lane's earlier
+    drivers left running on driver_ray (~4.7 GB idle after the async TP2PP2 run) are stopped first. Beside them and
+    the other lane's memory-heavy parity module the suite used 22.5 of 24.1 GB here, and crossed Ray's memory monitor's
+    95% on CI, which killed a rank in each lane."""
     import subprocess
 
+    stop_what_drivers_left()
     base = tmp_path_factory.mktemp("default_run")
     out = base / "run"
     env = {**os.environ, "RLSEARCH_WARM_START": "sft", "RLSEARCH_SFT_DIR": str(base / "sft-tiny")}
@@ -412,18 +419,22 @@ def driver_ray(ray_local) -> dict[str, str]:
     (SharedEngines)."""
     from rlsearch.ray_setup import SUPERVISOR_RAY_VARIABLE
 
-    def stop_left_engines_and_ranks() -> None:
+    def start():
+        return {SUPERVISOR_RAY_VARIABLE: ray_local.get_runtime_context().gcs_address}, stop_what_drivers_left
+
+    return SHARED_ENGINES.get("driver_ray", start)
+
+
+def stop_what_drivers_left() -> None:
+    """Stop the rollout engines and actor ranks that drivers on this lane's Ray (driver_ray) left running."""
+    import ray
+
+    if ray.is_initialized():
         from rlsearch.actor import stop_detached_ranks
         from rlsearch.rollout import stop_detached_engines
 
-        if ray_local.is_initialized():
-            stop_detached_engines()
-            stop_detached_ranks()
-
-    def start():
-        return {SUPERVISOR_RAY_VARIABLE: ray_local.get_runtime_context().gcs_address}, stop_left_engines_and_ranks
-
-    return SHARED_ENGINES.get("driver_ray", start)
+        stop_detached_engines()
+        stop_detached_ranks()
 
 
 TEST_KV_CACHE_GIB = 0.25  # each test engine's KV cache: plenty for the tiny model, 0.75 GiB of host memory less

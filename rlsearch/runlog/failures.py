@@ -22,6 +22,9 @@ ROLES = (("rollout-engine", "rollout engine"), ("actor-rank", "actor rank "), ("
          ("mcp", "MCP server"))
 LOG_TAIL_BYTES = 256 * 1024  # the end of a process's log is where it failed
 MAX_LINES = 3
+# Ray's account of a worker that died without raising (a signal, the kernel's or Ray's own memory monitor)
+RAY_DEATH = re.compile(r"Worker exit type: (\w+) Worker exit detail: (.+)", re.S)
+DEATH_CHARS = 400
 
 
 @dataclass(frozen=True)
@@ -29,10 +32,13 @@ class ProcessFailure:
     process: str  # e.g. "the rollout engine in process 9199"
     errors: tuple[str, ...]  # its own error lines, the earliest (the root cause) first
     log: Path | None  # its log file, when the run's logs dir holds one
+    death: str = ""  # what Ray says of how it died, when it died without raising (e.g. "SYSTEM_ERROR: ...")
 
     def render(self, command: str) -> str:
         """The lines to print (rlsearch COMMAND: ...), without a traceback."""
-        first, *rest = self.errors or ("(no error line of its own: see its log)",)
+        silent = f"it died without an error line of its own; Ray: {self.death}" if self.death else (
+            "(no error line of its own: see its log)")
+        first, *rest = self.errors or (silent,)
         lines = [f"rlsearch {command}: {self.process} failed: {first}"]
         lines += [f"  then: {line}" for line in rest]
         if self.log is not None:
@@ -57,7 +63,7 @@ def process_failure(error: BaseException, log_dir: Path | None) -> ProcessFailur
     if cause is not None:
         raised = f"{type(cause).__name__}: {cause}".strip().splitlines()[0]
         errors = [line for line in errors if line != raised] + [raised]
-    return ProcessFailure(_describe(log, pid), tuple(errors[:MAX_LINES]), log)
+    return ProcessFailure(_describe(log, pid), tuple(errors[:MAX_LINES]), log, _ray_death(error))
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
@@ -69,8 +75,29 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
 
 
 def _pid_in(text: str) -> int | None:
-    match = re.search(r"\bpid=(\d+)", text)
+    match = re.search(r"\bpid(?:=|: )(\d+)", text)  # "(pid=4242, ip=...)" of a task, "pid: 4242" of a dead actor
     return int(match[1]) if match else None
+
+
+def _ray_death(error: BaseException) -> str:
+    """How Ray says the process died, its exit type and the detail's first sentences (a process killed by a signal,
+    by the kernel's OOM killer or by Ray's memory monitor leaves no error line of its own); empty when Ray says
+    nothing of it."""
+    for link in _chain(error):
+        text = " ".join(str(link).split())
+        match = RAY_DEATH.search(text)
+        if match:
+            return f"{match[1]}: {_first_sentences(match[2])}"
+        if type(link).__name__ == "OutOfMemoryError":  # a task's worker that Ray's memory monitor killed
+            return f"OUT_OF_MEMORY: {_first_sentences(text)}"
+    return ""
+
+
+def _first_sentences(text: str) -> str:
+    if len(text) <= DEATH_CHARS:
+        return text
+    end = text.rfind(". ", 0, DEATH_CHARS)
+    return text[:end + 1] if end > 0 else text[:DEATH_CHARS] + " ..."
 
 
 def _error_lines(log: Path) -> list[str]:

@@ -113,3 +113,53 @@ def test_a_process_failure_is_reported_by_the_processs_own_error_lines(tmp_path)
     assert raised.errors == ("RuntimeError: no Transformer Engine",)
     # a process whose log is not in the logs dir (another run's) is still named, by its pid
     assert process_failure(_RayTaskError("(pid=99)", 99, EngineDeadError("x")), logs).process == "the process 99"
+
+
+class ActorDiedError(Exception):
+    pass
+
+
+class OutOfMemoryError(Exception):
+    pass
+
+
+# Ray 2.60's message for an actor whose process was killed with SIGKILL during a call
+KILLED_ACTOR = (
+    "The actor died unexpectedly before finishing this task.\n\tclass_name: MegatronActorWorker\n\tactor_id: 13d4fd64"
+    "\n\tpid: 3823\n\tnamespace: rlsearch\n\tip: 127.0.0.1\nThe actor is dead because its worker process has died. "
+    "Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2. End "
+    "of file. Some common causes include: (1) the process was killed by the OOM killer due to high memory usage, (2) "
+    "ray stop --force was called, or (3) the worker crashed unexpectedly due to SIGSEGV or another unexpected error. "
+    "If the process was killed by the kernel OOM killer (verifiable by checking for OOM in dmesg of the OOMing node), "
+    "consider enabling resource isolation via --enable-resource-isolation to prevent node deaths by resource "
+    "contention and significant loss of progress by uninformed kernel OOM killing.")
+
+
+def test_a_process_that_died_without_an_error_line_is_reported_with_rays_account_of_its_death(tmp_path):
+    """A rank killed by a signal or for memory writes nothing: the terminal says how Ray saw it die, the exit type and
+    the detail's first sentences, instead of only pointing at the log."""
+    from rlsearch.runlog import process_failure
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "actor-rank0-3823.log").write_text("step 3 done\n")
+    killed = process_failure(ActorDiedError(KILLED_ACTOR), logs)
+    assert killed.process == "the actor rank 0 in process 3823"
+    assert killed.errors == ()
+    assert killed.death == (
+        "SYSTEM_ERROR: Worker unexpectedly exits with a connection error code 2. End of file. Some common causes "
+        "include: (1) the process was killed by the OOM killer due to high memory usage, (2) ray stop --force was "
+        "called, or (3) the worker crashed unexpectedly due to SIGSEGV or another unexpected error.")
+    assert killed.render("train").splitlines()[0] == (
+        f"rlsearch train: the actor rank 0 in process 3823 failed: it died without an error line of its own; Ray: "
+        f"{killed.death}")
+    evicted = OutOfMemoryError(
+        "Task was killed due to the node running low on memory.\nMemory on the node (IP: 127.0.0.1, ID: c018) where "
+        "the task (actor ID: 13d4, pid=3823, memory used=0.5GB) was running was 22.95GB / 24.14GB (0.950), which "
+        "exceeds the memory usage threshold of 0.95.")
+    failure = process_failure(evicted, logs)
+    assert failure.process == "the actor rank 0 in process 3823"
+    assert failure.death.startswith("OUT_OF_MEMORY: Task was killed due to the node running low on memory. Memory on")
+    assert failure.death.endswith("(0.950), which exceeds the memory usage threshold of 0.95.")
+    raised = _RayTaskError("(pid=3823)", 3823, RuntimeError("its own"))  # a process that raised: its own line only
+    assert process_failure(raised, logs).render("train").splitlines()[0].endswith("failed: RuntimeError: its own")
