@@ -167,8 +167,9 @@ def cluster_has_gpus(resources: dict[str, float] | None = None) -> bool:
 
 
 def actor_states(handles: list, timeout_s: float) -> list[str]:
-    """Per Ray actor handle: "live" (it answered a ping), "dead" (its process is gone: a call to it fails at once) or
-    "silent" (no answer within `timeout_s`: busy or hung, not known dead)."""
+    """Per Ray actor handle: "live" (it answered a ping), "dead" (its process is gone: a call to it fails at once; an
+    actor that Ray's memory monitor killed fails with OutOfMemoryError, not an actor error) or "silent" (no answer
+    within `timeout_s`: busy or hung, not known dead)."""
     import ray
 
     pings = [handle.__ray_ready__.remote() for handle in handles]
@@ -181,6 +182,6 @@ def actor_states(handles: list, timeout_s: float) -> list[str]:
         try:
             ray.get(ping)
             states.append("live")
-        except ray.exceptions.RayActorError:
+        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError):
             states.append("dead")
     return states

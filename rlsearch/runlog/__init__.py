@@ -1,12 +1,12 @@
 """Run outputs a person reads: TensorBoard scalars, trajectory JSONL, a progress line per step, PNG curves, and where
 the libraries' own logs go (a file per process under the run's logs/ dir unless verbose)."""
 
-from .failures import ProcessFailure, process_failure
+from .failures import ProcessFailure, process_failure, ray_death
 from .plot import CURVES_FILE, plot_run, read_scalars
 from .process_logs import process_log_dir, redirect_worker_output, route_library_logs
 from .writer import RunLogger, format_step_line
 
 __all__ = [
     "CURVES_FILE", "ProcessFailure", "RunLogger", "format_step_line", "plot_run", "process_failure",
-    "process_log_dir", "read_scalars", "redirect_worker_output", "route_library_logs",
+    "process_log_dir", "ray_death", "read_scalars", "redirect_worker_output", "route_library_logs",
 ]

@@ -63,7 +63,7 @@ def process_failure(error: BaseException, log_dir: Path | None) -> ProcessFailur
     if cause is not None:
         raised = f"{type(cause).__name__}: {cause}".strip().splitlines()[0]
         errors = [line for line in errors if line != raised] + [raised]
-    return ProcessFailure(_describe(log, pid), tuple(errors[:MAX_LINES]), log, _ray_death(error))
+    return ProcessFailure(_describe(log, pid), tuple(errors[:MAX_LINES]), log, ray_death(error))
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
@@ -79,7 +79,7 @@ def _pid_in(text: str) -> int | None:
     return int(match[1]) if match else None
 
 
-def _ray_death(error: BaseException) -> str:
+def ray_death(error: BaseException) -> str:
     """How Ray says the process died, its exit type and the detail's first sentences (a process killed by a signal,
     by the kernel's OOM killer or by Ray's memory monitor leaves no error line of its own); empty when Ray says
     nothing of it."""

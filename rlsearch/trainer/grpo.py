@@ -43,7 +43,7 @@ from ..rollout import (
     start_tool_servers,
     token_logit_bias,
 )
-from ..runlog import RunLogger, format_step_line, plot_run
+from ..runlog import RunLogger, format_step_line, plot_run, ray_death
 from ..weights import SyncStats, WeightSync, WeightSyncError, check_engines_match_actor, default_mismatch_limit
 from .metrics import staleness_metrics, token_staleness, trajectory_metrics
 from .placement import check_retriever_reachable, describe_placement, plan_placement
@@ -389,7 +389,7 @@ class GRPOTrainer:
             # a Ray call failed, or the rollout lost its last engine: name the actors that died
             died = self._dead_workers() if _is_ray_error(error) or isinstance(error, NoEngineLeftError) else []
             if died:
-                raise WorkerDiedError(self._died_message(died), died) from error
+                raise WorkerDiedError(self._died_message(died, error), died) from error
             raise
         finally:
             self.close(graceful=not died)
@@ -425,10 +425,10 @@ class GRPOTrainer:
         if not dead:
             raise error
         if not set(dead) <= {name for name, _ in self.parts.actor.named_workers()}:  # engines died too: stop
-            raise WorkerDiedError(self._died_message(dead), dead) from error
+            raise WorkerDiedError(self._died_message(dead, error), dead) from error
         limit = self.config.trainer.max_actor_restarts
         if self.progress.actor_restarts >= limit:
-            raise WorkerDiedError(self._died_message(dead) + (
+            raise WorkerDiedError(self._died_message(dead, error) + (
                 f" (after {self.progress.actor_restarts} actor restart(s) in this run: "
                 f"trainer.max_actor_restarts={limit})" if limit else ""), dead) from error
         started, failed_step = time.perf_counter(), self.progress.step
@@ -477,15 +477,18 @@ class GRPOTrainer:
         states = actor_states([handle for _, handle in workers], timeout_s)
         return [name for (name, _), state in zip(workers, states) if state == "dead"]
 
-    def _died_message(self, dead: list[str]) -> str:
+    def _died_message(self, dead: list[str], error: BaseException | None = None) -> str:
+        """What died, Ray's account of how when `error` (the driver's call that met it dead) carries one (a signal,
+        the OOM killer, Ray's memory monitor), and how to go on."""
         checkpoint, _ = self.parts.checkpoints.newest_complete()
         resume = (
             f"the last complete checkpoint is {checkpoint}: run the same command again (trainer.resume=auto) to "
             "continue from it" if checkpoint else
             f"no checkpoint was saved yet (trainer.save_interval={self.config.trainer.save_interval})"
         )
-        return (f"{' and '.join(dead)} died (its process exited) during step {self.progress.step}; the run stopped. "
-                f"{resume}")
+        how = ray_death(error) if error is not None else ""
+        return (f"{' and '.join(dead)} died (its process exited) during step {self.progress.step}"
+                f"{f' (Ray: {how})' if how else ''}; the run stopped. {resume}")
 
     def _revive_tool_servers(self) -> None:
         """A local tool server that died is started again before the next rollout is submitted (the calls that met
