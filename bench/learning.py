@@ -13,7 +13,7 @@ demonstrations over ~9,000 rare names it learns the copy too slowly for a CPU. O
 corpora over 1,000 names it cannot memorise (each corpus gives every name other facts) and sees every name often:
 the answer copy appears within 3,000 steps, and 165 train questions (each seen ~1.5 times in 30 GRPO steps) keep
 GRPO from memorising the train set instead of improving the copy.
-  random : `rlsearch eval` of the random model
+  random : `rlsearch eval` of the random model (--no-random-eval, and the smoke run, skip it: the same eval as sft's)
   sft    : `rlsearch sft` on the demonstrations (--sft-steps), then `rlsearch eval` of output_dir/hf
   grpo   : `rlsearch train` from the SFT model (--grpo-steps), scored on the test set after its last step through
            the same eval code path (trainer.eval_interval)
@@ -210,8 +210,11 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str,
     model = work / "random-model"
     if not (model / "config.json").is_file():
         make_tiny_model(model, TinyModelSpec(**{**SHAPES[args.shape], "tie_word_embeddings": True, "seed": seed}))
-    evals = {"random": work / f"eval-random{runs}", "sft": work / f"eval-sft{runs}"}
-    ems = {"random": _evaluate(model, data, evals["random"], args)}
+    evals = {"sft": work / f"eval-sft{runs}"}
+    ems = {"random": float("nan")}  # --no-random-eval: the same eval as the SFT model's, of a model that never answers
+    if args.random_eval:
+        evals["random"] = work / f"eval-random{runs}"
+        ems["random"] = _evaluate(model, data, evals["random"], args)
     sft = work / "sft"
     if not (sft / "hf" / "config.json").is_file():
         _rlsearch(work / "sft.log", "sft", "--config", "examples/configs/sft_tiny.yaml", f"model.path={model}",
@@ -236,6 +239,7 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str,
         for hops, em in _hop_ems(eval_dir / "summary.json").items():
             per_hop.setdefault(hops, {})[stage] = em
     for hops, hop_ems in per_hop.items():
+        hop_ems = per_hop[hops] = {"random": float("nan"), **hop_ems}
         hop_ems["grpo-sft"] = hop_ems["grpo"] - hop_ems["sft"]
         print(f"seed {seed}, {hops} hops: " + ", ".join(f"{key} EM {value:.3f}" for key, value in hop_ems.items()),
               flush=True)
@@ -335,12 +339,14 @@ def main() -> None:
                         help="an extra override of the GRPO runs, e.g. algo.num_minibatches=2 (repeatable)")
     parser.add_argument("--no-ablation", dest="ablation", action="store_false",
                         help="skip the GRPO run without observation masking")
+    parser.add_argument("--no-random-eval", dest="random_eval", action="store_false",
+                        help="skip the eval of the random-init model (EM random shows nan)")
     parser.add_argument("--out", default=None,
                         help="default outputs/bench/learning (toy), outputs/bench/learning-multihop (multihop, both "
                         "contexts)")
     args = _task_defaults(parser, parse_args(parser, dict(
         seeds=1, demo_corpora=2, sft_steps=2, grpo_steps=1, batch_size=2, group_size=2, eval_samples=1,
-        ablation=False)))
+        ablation=False, random_eval=False)))
     if args.smoke:  # 4 test questions
         setattr(args, "num_entities" if args.task == "toy" else "num_chains", 8)
 

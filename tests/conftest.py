@@ -6,6 +6,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 import time
 from contextlib import contextmanager, nullcontext
@@ -70,7 +71,7 @@ def pytest_collection_modifyitems(config, items):
 # suite slower, not faster; the lanes' waits for the memory lock are printed after the run.)
 DRIVER_TESTS = ("tests/e2e/", "tests/faults/", "tests/integration/test_multinode.py")
 BENCH_SMOKE = "tests/integration/test_bench_smoke.py"
-LONG_BENCH_SMOKES = ("chaos", "learning", "default_run", "long_sequences", "soak")  # 1-4 minutes each; the others <1
+LONG_BENCH_SMOKES = ("chaos", "learning", "long_sequences", "soak")  # 1-4 minutes each; the others <1
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_memory(request):
@@ -311,23 +312,27 @@ SHARED_ENGINES = SharedEngines()
 
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
-    """`bash examples/run_search_grpo.sh` as the README gives it, with only the output dir and the warm start's dir
-    moved: the SFT warm start (made here every session, as on a fresh clone) and the 30 GRPO steps, run once per
-    session. (output dir, CompletedProcess). It starts a Ray of its own: the engines and ranks the lane's earlier
-    drivers left running on driver_ray (~4.7 GB idle after the async TP2PP2 run) are stopped first. Beside them and
-    the other lane's memory-heavy parity module the suite used 22.5 of 24.1 GB here, and crossed Ray's memory monitor's
-    95% on CI, which killed a rank in each lane."""
+    """`bash examples/run_search_grpo.sh` as the README gives it, run once per session by bench/default_run.py (one
+    seed, no control: the script with the output dir, the warm start's dir and the seeds, 1 as by default, named),
+    which then reads the run's TensorBoard scalars as the bench does: the bench's smoke run besides (a run of its own
+    before 2026-11-29, 115 s of the suite). The SFT warm start is made here every session, as on a fresh clone, then
+    the 30 GRPO steps. (run dir, CompletedProcess of the run: its terminal output as stdout, stderr empty, the
+    bench's output). It starts a Ray of its own: the engines and ranks the lane's earlier drivers left running on
+    driver_ray (~4.7 GB idle after the async TP2PP2 run) are stopped first. Beside them and the other lane's
+    memory-heavy parity module the suite used 22.5 of 24.1 GB here, and crossed Ray's memory monitor's 95% on CI,
+    which killed a rank in each lane."""
     import subprocess
 
     stop_what_drivers_left()
-    base = tmp_path_factory.mktemp("default_run")
-    out = base / "run"
-    env = {**os.environ, "RLSEARCH_WARM_START": "sft", "RLSEARCH_SFT_DIR": str(base / "sft-tiny")}
-    env.pop("RLSEARCH_VERBOSE", None)
-    result = subprocess.run(["bash", "examples/run_search_grpo.sh", f"trainer.output_dir={out}"], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=1500, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out, result
+    root = tmp_path_factory.mktemp("default_run")
+    env = {key: value for key, value in os.environ.items() if key != "RLSEARCH_VERBOSE"}
+    bench = subprocess.run([sys.executable, "bench/default_run.py", "--seeds", "1", "--no-control", "--out", str(root)],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=1500, env=env)
+    run = root / "seed_1" / "learn"
+    terminal = run.with_suffix(".log")
+    assert bench.returncode == 0, (terminal.read_text()[-3000:] if terminal.is_file() else "") + bench.stdout[-3000:] \
+        + bench.stderr[-3000:]
+    return run, subprocess.CompletedProcess(bench.args, 0, stdout=terminal.read_text(), stderr=""), bench.stdout
 
 
 @pytest.fixture(scope="session")

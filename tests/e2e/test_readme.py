@@ -51,11 +51,11 @@ def comparable(lines: list[str], paths: dict[str, str]) -> list[str]:
 
 
 def test_the_readme_shows_the_lines_the_default_run_prints(default_run):
-    out, result = default_run
+    out, result, _ = default_run
     printed = (result.stdout + result.stderr).splitlines()
     # a fresh clone's first run also installs and builds the assets first: the README shows a run after that
     printed = [line for line in printed if not line.startswith(("[setup]", "[rlsearch] building"))]
-    paths = {str(out.parent / "sft-tiny"): "outputs/assets/sft-tiny", str(out): "outputs/search_grpo_tiny"}
+    paths = {str(out.parent / "sft"): "outputs/assets/sft-tiny", str(out): "outputs/search_grpo_tiny"}
     run, readme = comparable(printed, paths), comparable(readme_run_lines(), {})
     assert [words(line) for line in run] == [words(line) for line in readme], "\n".join(run)
     for ran, shown in zip(run, readme):

@@ -33,7 +33,7 @@ def test_default_run_is_quiet_names_its_logs_and_trains_from_step_1(default_run)
     logged (TensorBoard scalars, trajectories) and the last one checkpointed."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out, result = default_run
+    out, result, _ = default_run
     terminal = (result.stdout + result.stderr).splitlines()
     print("\n".join(terminal))
     assert len(terminal) <= 30, len(terminal)
@@ -62,6 +62,20 @@ def test_default_run_is_quiet_names_its_logs_and_trains_from_step_1(default_run)
     assert (out / "checkpoints" / "latest").read_text().strip() == checkpoint.name
     assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == 30
     assert any((checkpoint / "megatron").iterdir())
+
+
+def test_the_default_run_bench_reads_what_the_run_says_of_itself(default_run):
+    """bench/default_run.py ran the default run (conftest's `default_run`): its table's reward over the first and the
+    last third of the steps (read back from TensorBoard) is the run's own summary of its first and last 10 steps, and
+    it counted the run's terminal lines."""
+    _, result, bench = default_run
+    (row,) = [line for line in bench.splitlines() if line.startswith("seed 1 learn ")]
+    first, last = map(float, re.search(r"\| reward ([\d.]+) -> ([\d.]+) \|", row).groups())
+    summary = re.search(r"over the run     : reward ([\d.]+) -> ([\d.]+),", result.stdout)
+    assert abs(first - float(summary[1])) <= 1e-3 and abs(last - float(summary[2])) <= 1e-3, (row, summary[0])
+    assert f"| {len(result.stdout.splitlines())} terminal lines |" in row
+    assert re.search(r"^reward gain \(last third - first third\), mean \(std\) over 1 seeds: learning [-+][\d.]+$",
+                     bench, re.M), bench
 
 
 def test_run_search_grpo_script_trains_with_tp2_pp2_and_async_rollout(async_tp2pp2_run):

@@ -13,8 +13,9 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
-# benches whose smoke run a test of their own runs and reads (the same command)
-OWN_SMOKE_TEST = {"memory.py": "tests/integration/test_bench_memory_smoke.py"}
+# benches that a test of their own runs and reads: memory.py's smoke run, and default_run.py over the README's default
+# run (one seed: conftest's `default_run`, read by tests/e2e/test_train_e2e.py)
+OWN_SMOKE_TEST = {"memory.py": "tests/integration/test_bench_memory_smoke.py", "default_run.py": "tests/conftest.py"}
 BENCHES = sorted(path.name for path in (REPO_ROOT / "bench").glob("*.py")
                  if path.name != "common.py" and path.name not in OWN_SMOKE_TEST)
 GPU_BENCHES = {"gpu_actor_check.py", "gpu_weight_export.py"}
