@@ -112,7 +112,7 @@ def write_config(args: argparse.Namespace, run_dir: Path, judge_port: int) -> Pa
     """The run's config: the tiny call_tool setup with 2 engines, async rollouts, the stdio MCP server and the judge."""
     model, train, corpus = prepare_assets(Path(args.out))
     # a kill every `every` step lines; a resumed driver repeats the steps after its checkpoint, so steps run out last
-    steps = args.warmup + args.kills * args.every + 4
+    steps = args.warmup + args.kills * args.every + args.tail
     mcp_command = [sys.executable, "-m", "rlsearch", "serve-mcp", "--transport", "stdio", "--corpus", str(corpus),
                    "--cache-dir", str(Path(args.out) / "bm25_cache")]
     config = {
@@ -341,6 +341,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="completed steps before the first kill")
     parser.add_argument("--components", type=lambda s: s.split(","), default=list(COMPONENTS),
                         help="comma-separated, from " + ",".join(COMPONENTS))
+    parser.add_argument("--tail", type=int, default=4,
+                        help="steps after the last kill's: a killed driver or rank rewinds to its checkpoint, a "
+                             "killed tool server is started again before the next rollout (the smoke run: 2)")
     parser.add_argument("--save-interval", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hang-timeout", type=float, default=600.0)
@@ -350,7 +353,7 @@ def main() -> None:
                              "checks that it recovers, not how fast: 600)")
     parser.add_argument("--out", default="outputs/bench", help="assets are cached here; the run goes to OUT/chaos")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for the trainer")
-    args = parse_args(parser, dict(kills=1, every=1, warmup=1, components=["retriever"], save_interval=1,
+    args = parse_args(parser, dict(kills=1, every=1, warmup=1, tail=2, components=["retriever"], save_interval=1,
                                      recovery_goal=600.0,
                                      # one small engine: the retriever is the one killed (1.5 GiB instead of 2 x 2.3)
                                      overrides=["rollout.num_engines=1", "rollout.kv_cache_gib=0.25"]))
