@@ -17,16 +17,14 @@ CALLS = 6000
 GROWTH_LIMIT_MIB = 5.0
 
 
-def _ray_process(name: str) -> psutil.Process:
+def _gcs_server() -> psutil.Process:
     for process in psutil.Process().children(recursive=True):
         try:
-            if process.name() == name:
+            if process.name() == "gcs_server":
                 return process
         except psutil.NoSuchProcess:
             continue
-    raise AssertionError(f"no {name} under this process: the session's Ray is not the local instance")
-
-
+    raise AssertionError("no gcs_server under this process: the session's Ray is not the local instance")
 
 
 def test_thousands_of_actor_calls_do_not_grow_the_gcs(ray_local):
@@ -39,7 +37,7 @@ def test_thousands_of_actor_calls_do_not_grow_the_gcs(ray_local):
 
     echo = Echo.remote()
     assert ray.get(echo.ping.remote(7)) == 7
-    gcs = _ray_process("gcs_server")
+    gcs = _gcs_server()
     before = gcs.memory_info().rss
     for start in range(0, CALLS, 1000):
         assert ray.get([echo.ping.remote(value) for value in range(start, start + 1000)]) == list(
@@ -48,7 +46,6 @@ def test_thousands_of_actor_calls_do_not_grow_the_gcs(ray_local):
     grown_mib = (gcs.memory_info().rss - before) / 2**20
     ray.kill(echo)
     assert grown_mib < GROWTH_LIMIT_MIB, f"the GCS grew by {grown_mib:.1f} MiB over {CALLS} actor calls"
-
 
 
 IDLE_WORKERS_OF_A_NEW_INSTANCE = """
