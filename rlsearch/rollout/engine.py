@@ -12,9 +12,16 @@ that folder's receiver on this engine; ``weight_version`` counts the updates it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.context
 import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
 
 from ..config import ModelConfig, RolloutConfig, auto_dtype
@@ -47,8 +54,9 @@ class EngineSpec:
 
 
 def configure_vllm_environment(spec: EngineSpec) -> None:
-    """Settings vLLM reads from the environment. With V1 multiprocessing off the EngineCore runs in this process;
-    with tensor_parallel_size 1 the model runs there too (uni executor), otherwise in TP worker processes."""
+    """Settings vLLM reads from the environment. AsyncLLM runs its EngineCore in a child process whatever
+    VLLM_ENABLE_V1_MULTIPROCESSING says; with tensor_parallel_size 1 the model runs there too (uni executor),
+    otherwise in TP worker processes."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -73,6 +81,46 @@ def chosen_logprobs(token_ids: list[int], entries) -> list[float]:
     return [entry[token].logprob for token, entry in zip(token_ids, entries)]
 
 
+class _EngineCoreProcess(multiprocessing.context.ForkProcess):
+    """vLLM's EngineCore forked from the engine's process, which has imported vLLM, where vLLM would spawn it (on
+    CPU always), which imports vLLM again: 12 of a TP1 CPU engine's ~25 start-up core-seconds. A forked child holds
+    copies of its parent's descriptors, a Ray worker's sockets among them, and Ray sees a killed worker die only when
+    every copy is closed: the child stops itself as soon as its parent is gone (as the spawned one is stopped)."""
+
+    def run(self) -> None:
+        import torch
+
+        # the threads a spawned process's OpenMP would start with, where the fork inherits its parent's count
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
+        threading.Thread(target=_stop_when_parent_dies, args=(multiprocessing.parent_process().sentinel,),
+                         name="parent-watch", daemon=True).start()
+        super().run()
+
+
+def _stop_when_parent_dies(parent_sentinel: int, grace_s: float = 10.0) -> None:
+    multiprocessing.connection.wait([parent_sentinel])
+    os.kill(os.getpid(), signal.SIGTERM)  # vLLM's handler shuts the EngineCore and its TP workers down
+    time.sleep(grace_s)
+    os._exit(1)
+
+
+class _EngineCoreForkContext(multiprocessing.context.ForkContext):
+    Process = _EngineCoreProcess
+
+
+@contextlib.contextmanager
+def _engine_core_forked():
+    """vLLM starts the EngineCore it is asked for in this block by fork. Only where CUDA cannot be in use (CPU)."""
+    import vllm.v1.engine.utils as engine_utils
+
+    chosen_by_vllm = engine_utils.get_mp_context
+    engine_utils.get_mp_context = _EngineCoreForkContext
+    try:
+        yield
+    finally:
+        engine_utils.get_mp_context = chosen_by_vllm
+
+
 class VLLMEngine:
     """Owns one AsyncLLM; create it on the event loop that will call it."""
 
@@ -95,7 +143,7 @@ class VLLMEngine:
                      "kv_cache_memory_bytes": int((spec.kv_cache_gib or 1.0) * 2**30)}
         SegmentRecord.remove_orphans()  # of engines on this host that were killed
         self._segments = SegmentRecord()
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        engine_args = AsyncEngineArgs(
             model=spec.model_path,
             dtype=auto_dtype(spec.dtype, on_gpu),
             seed=spec.seed,
@@ -110,7 +158,9 @@ class VLLMEngine:
             # then top-k/top-p), which the actor reproduces; vLLM's default reports the raw model's
             logprobs_mode="processed_logprobs",
             **extra,
-        ))
+        )
+        with contextlib.nullcontext() if on_gpu else _engine_core_forked():
+            self.llm = AsyncLLM.from_engine_args(engine_args)
         self._segments.record()
         self.tokenizer = self.llm.get_tokenizer()
         self._request_ids = itertools.count()

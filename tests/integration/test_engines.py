@@ -3,16 +3,19 @@
 Real vLLM engines (tiny model, real BM25 server over HTTP): 2 x TP1 and 1 x TP2 run the same items at the same step,
 one pool after another (3 engine starts in all), against one engine's trajectories: engine 0 of the 2 x TP1 pool, fresh,
 given every group itself, one after another as a pool of one engine with one group in flight deals them (before
-2026-11-29 a 1 x TP1 pool of its own, a fourth start). A pool of stand-in workers (no vLLM) checks the Ray side
-cheaply: placement, per-engine seeds and ports, a dying engine, restart, shutdown.
+2026-11-29 a 1 x TP1 pool of its own, a fourth start). The last engine of each pool is then killed with SIGKILL: Ray
+sees it die and its vLLM processes (a forked EngineCore, TP workers) go. A pool of stand-in workers (no vLLM) checks
+the Ray side cheaply: placement, per-engine seeds and ports, a dying engine, restart, shutdown.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 
+import psutil
 import pytest
 import ray
 
@@ -26,6 +29,7 @@ pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside
 
 LAYOUTS = [(2, 1), (1, 2)]  # (engines, tensor_parallel_size)
 REFERENCE = "one engine"
+KILLED = "killed"
 GROUPS, GROUP_SIZE, STEP, SEED = 4, 3, 3, 11
 
 
@@ -65,11 +69,30 @@ def runs(ray_local, tiny_model_dir, retriever, toy_data):
             trajectories = pool.generate(_items(toy_data), STEP)
             generate_s = time.perf_counter() - started
             results[(engines, tp)] = (trajectories, pool.last_metrics(), pool.describe(), start_s, generate_s)
+            results[KILLED, (engines, tp)] = _kill(pool.engines[-1])
+            print(f"\n{engines} x TP{tp}: a killed engine's {results[KILLED, (engines, tp)][0]} vLLM processes, "
+                  f"seen dead after {results[KILLED, (engines, tp)][1]:.1f} s")
         finally:
             pool.shutdown()
         summary = pool_summary(results[(engines, tp)][1])
         print(f"\n{engines} x TP{tp}: start {start_s:.1f} s, generate {generate_s:.1f} s, {summary}")
     return results
+
+
+def _kill(engine) -> tuple[int, float, list[str]]:
+    """Kill `engine`'s Ray actor process with SIGKILL: its vLLM child processes, seconds until Ray says the actor
+    died, and the children still alive 15 s after that."""
+    pid = ray.get(engine.__ray_call__.remote(lambda _worker: os.getpid()))
+    children = psutil.Process(pid).children(recursive=True)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.perf_counter()
+    try:
+        ray.get(engine.__ray_call__.remote(lambda _worker: None), timeout=60)
+    except ray.exceptions.RayActorError:
+        pass
+    dead_after_s = time.perf_counter() - killed
+    _, alive = psutil.wait_procs(children, timeout=15)
+    return len(children), dead_after_s, [process.name() for process in alive]
 
 
 def pool_summary(metrics: dict[str, float]) -> str:
@@ -114,6 +137,16 @@ def test_each_group_runs_on_one_engine_and_every_engine_gets_work(runs, layout):
     assert re.fullmatch(rf"\[rlsearch\] rollout engines: {engines} x TP{tp}; "
                         + ", ".join(rf"engine {e} on node \w{{8}} \([\d.]+\)" for e in range(engines)), line)
     assert all(t.to_json()["engine"] == t.engine for t in trajectories)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["2xTP1", "1xTP2"])
+def test_a_killed_engine_is_seen_dead_at_once_and_leaves_no_vllm_process(runs, layout):
+    children, dead_after_s, alive = runs[KILLED, layout]
+    tp = layout[1]
+    assert children >= (1 if tp == 1 else 1 + tp), children  # the EngineCore, and a TP worker per rank beyond TP1
+    # the forked EngineCore holds copies of the actor's sockets: Ray sees the actor die only once it has gone too
+    assert dead_after_s < 10.0, dead_after_s
+    assert alive == [], alive
 
 
 # ---- the Ray side with stand-in workers (no vLLM) -------------------------------------------------------------
