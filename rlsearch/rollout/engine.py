@@ -81,11 +81,11 @@ def chosen_logprobs(token_ids: list[int], entries) -> list[float]:
     return [entry[token].logprob for token, entry in zip(token_ids, entries)]
 
 
-class _EngineCoreProcess(multiprocessing.context.ForkProcess):
-    """vLLM's EngineCore forked from the engine's process, which has imported vLLM, where vLLM would spawn it (on
-    CPU always), which imports vLLM again: 12 of a TP1 CPU engine's ~25 start-up core-seconds. A forked child holds
-    copies of its parent's descriptors, a Ray worker's sockets among them, and Ray sees a killed worker die only when
-    every copy is closed: the child stops itself as soon as its parent is gone (as the spawned one is stopped)."""
+class _ForkedVllmProcess(multiprocessing.context.ForkProcess):
+    """A vLLM process (EngineCore, TP worker) forked from its parent, which has imported vLLM, where vLLM would spawn
+    it (on CPU always), which imports vLLM again: ~10 core-seconds a process. A forked child holds copies of its
+    parent's descriptors, a Ray worker's sockets among them, and Ray sees a killed worker die only when every copy is
+    closed: the child stops itself as soon as its parent is gone (as a spawned one is stopped)."""
 
     def run(self) -> None:
         import torch
@@ -99,26 +99,32 @@ class _EngineCoreProcess(multiprocessing.context.ForkProcess):
 
 def _stop_when_parent_dies(parent_sentinel: int, grace_s: float = 10.0) -> None:
     multiprocessing.connection.wait([parent_sentinel])
-    os.kill(os.getpid(), signal.SIGTERM)  # vLLM's handler shuts the EngineCore and its TP workers down
+    os.kill(os.getpid(), signal.SIGTERM)  # vLLM's handlers shut an EngineCore and its TP workers down
     time.sleep(grace_s)
     os._exit(1)
 
 
-class _EngineCoreForkContext(multiprocessing.context.ForkContext):
-    Process = _EngineCoreProcess
+class _ForkContext(multiprocessing.context.ForkContext):
+    Process = _ForkedVllmProcess
 
 
 @contextlib.contextmanager
-def _engine_core_forked():
-    """vLLM starts the EngineCore it is asked for in this block by fork. Only where CUDA cannot be in use (CPU)."""
+def _vllm_processes_forked():
+    """vLLM forks the EngineCore it starts in this block, and the EngineCore its TP workers, unless their OpenMP
+    threads are bound to cores (an environment OpenMP reads when it starts, which a fork does not do). On CPU only:
+    a process that has used CUDA cannot be forked."""
     import vllm.v1.engine.utils as engine_utils
+    import vllm.v1.executor.multiproc_executor as multiproc_executor
 
-    chosen_by_vllm = engine_utils.get_mp_context
-    engine_utils.get_mp_context = _EngineCoreForkContext
+    modules = [engine_utils] + ([multiproc_executor] if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind" else [])
+    chosen_by_vllm = [module.get_mp_context for module in modules]
+    for module in modules:
+        module.get_mp_context = _ForkContext
     try:
         yield
     finally:
-        engine_utils.get_mp_context = chosen_by_vllm
+        for module, chosen in zip(modules, chosen_by_vllm):
+            module.get_mp_context = chosen
 
 
 class VLLMEngine:
@@ -159,7 +165,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             **extra,
         )
-        with contextlib.nullcontext() if on_gpu else _engine_core_forked():
+        with contextlib.nullcontext() if on_gpu else _vllm_processes_forked():
             self.llm = AsyncLLM.from_engine_args(engine_args)
         self._segments.record()
         self.tokenizer = self.llm.get_tokenizer()
