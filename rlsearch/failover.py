@@ -25,6 +25,7 @@ E = TypeVar("E")
 class Attempt(Generic[E]):
     endpoint: E
     wait_s: float  # to wait before sending it (a retry round's backoff)
+    issued_at: float  # the failover's clock when the attempt was handed out
 
 
 class Failover(Generic[E]):
@@ -41,6 +42,7 @@ class Failover(Generic[E]):
         self.exhausted = 0
         self._clock = clock
         self._down_until = [0.0] * len(self.endpoints)
+        self._failed_at = [float("-inf")] * len(self.endpoints)
         self._lock = threading.Lock()
 
     def attempts(self, max_retries: int, backoff_s: float) -> Iterator[Attempt[E]]:
@@ -59,16 +61,22 @@ class Failover(Generic[E]):
                 wait = backoff_s * 2 ** (round_index - 1) if round_index and not tried else 0.0
                 tried.add(index)
                 previous = index
-                yield Attempt(self.endpoints[index], wait)
+                yield Attempt(self.endpoints[index], wait, self._clock())
 
-    def succeeded(self, endpoint: E) -> None:
+    def succeeded(self, endpoint: E, issued_at: float = float("inf")) -> None:
+        """An answer ends the endpoint's cool-down, unless it failed after the answered attempt was issued (a request
+        in flight when the endpoint died can still be answered; the requests after it would not be)."""
         with self._lock:
-            self._down_until[self._index(endpoint)] = 0.0
+            index = self._index(endpoint)
+            if self._failed_at[index] <= issued_at:
+                self._down_until[index] = 0.0
 
     def failed(self, endpoint: E) -> None:
         """A transient failure: the endpoint is skipped for ``cooldown_s``."""
         with self._lock:
-            self._down_until[self._index(endpoint)] = self._clock() + self.cooldown_s
+            index = self._index(endpoint)
+            self._failed_at[index] = self._clock()
+            self._down_until[index] = self._failed_at[index] + self.cooldown_s
 
     def give_up(self) -> None:
         with self._lock:

@@ -175,7 +175,7 @@ class Judge:
                         model=endpoint.model, messages=[{"role": "user", "content": prompt}],
                         max_tokens=self.config.max_tokens, temperature=0.0,
                     )
-                    self.endpoints.succeeded(endpoint)
+                    self.endpoints.succeeded(endpoint, attempt.issued_at)
                     return response.choices[0].message.content or "", endpoint.model
                 except openai.APIStatusError as error:
                     transient = error.status_code in _RETRYABLE_STATUS or error.status_code >= 500

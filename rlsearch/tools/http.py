@@ -102,7 +102,7 @@ def send_with_failover(
             last_error, timed_out = f"HTTP {response.status_code}: {response.text[:200]}", False
             endpoints.failed(attempt.endpoint)
             continue
-        endpoints.succeeded(attempt.endpoint)
+        endpoints.succeeded(attempt.endpoint, attempt.issued_at)
         if response.status_code in (401, 403) and auth_hint:
             raise ToolError(f"{what} rejected: HTTP {response.status_code}: {auth_hint}")
         if response.status_code >= 400:

@@ -54,3 +54,21 @@ def test_one_endpoint_is_retried_as_plain_retries() -> None:
     assert walk(failover, lambda e: next(outcomes), max_retries=3, backoff_s=1.0) == [
         ("only", 0.0), ("only", 1.0), ("only", 2.0)]
     assert failover.failovers == 0 and failover.exhausted == 0
+
+
+def test_an_answer_to_a_request_sent_before_the_endpoint_failed_keeps_its_cooldown() -> None:
+    """A judge killed mid-run still answers the request it was serving; the requests after it must not go back."""
+    clock = Clock()
+    failover = Failover(["a", "b"], cooldown_s=30.0, clock=clock)
+    in_flight = next(failover.attempts(0, 0.0))
+    clock.now += 1.0
+    failing = next(failover.attempts(0, 0.0))
+    assert in_flight.endpoint == failing.endpoint == "a"
+    clock.now += 1.0
+    failover.failed(failing.endpoint)
+    clock.now += 1.0
+    failover.succeeded(in_flight.endpoint, in_flight.issued_at)
+    assert failover.is_down("a")
+    assert next(failover.attempts(0, 0.0)).endpoint == "b"
+    failover.succeeded("a", issued_at=clock.now)  # sent after the failure: its answer ends the cool-down
+    assert not failover.is_down("a")
