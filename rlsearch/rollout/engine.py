@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from ..config import ModelConfig, RolloutConfig, auto_dtype
 from ..devices import CPU_CORES_VARIABLE, cpu_cores, local_gpu_index
 from ..lifetime import SegmentRecord
+from ..runlog import in_ray_actor
 from ..weights import VLLM_WORKER_EXTENSION, EngineWeightReceiver
 
 
@@ -88,8 +89,11 @@ class _ForkedVllmProcess(multiprocessing.context.ForkProcess):
     closed: the child stops itself as soon as its parent is gone (as a spawned one is stopped)."""
 
     def run(self) -> None:
+        import ray._raylet
         import torch
 
+        # forked from a Ray actor, whose title Ray keeps where vLLM's setproctitle cannot find it
+        ray._raylet.setproctitle(f"VLLM::{self.name}")
         # the threads a spawned process's OpenMP would start with, where the fork inherits its parent's count
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
         threading.Thread(target=_stop_when_parent_dies, args=(multiprocessing.parent_process().sentinel,),
@@ -165,7 +169,10 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             **extra,
         )
-        with contextlib.nullcontext() if on_gpu else _vllm_processes_forked():
+        # a fork copies its parent's state: only a Ray actor's process, which holds nothing but this engine, is copied
+        # (a driver's or a test's would hand the EngineCore its terminal streams and vLLM state it set up before)
+        fork = not on_gpu and in_ray_actor()
+        with _vllm_processes_forked() if fork else contextlib.nullcontext():
             self.llm = AsyncLLM.from_engine_args(engine_args)
         self._segments.record()
         self.tokenizer = self.llm.get_tokenizer()

@@ -71,7 +71,7 @@ def redirect_worker_output(role: str) -> Path | None:
     Child processes started afterwards inherit the file. None when verbose, or outside a Ray actor (the same class
     used in the driver's own process leaves the driver's terminal alone)."""
     log_dir = process_log_dir()
-    if log_dir is None or not _in_ray_actor():
+    if log_dir is None or not in_ray_actor():
         return None
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"{role}-{os.getpid()}.log"
@@ -89,7 +89,8 @@ def _point_output_descriptors_at(path: Path) -> None:
     os.close(fd)
 
 
-def _in_ray_actor() -> bool:
+def in_ray_actor() -> bool:
+    """Whether this process is a Ray actor's (a process of its own), not a driver's or a script's."""
     if "ray" not in sys.modules:
         return False
     import ray
