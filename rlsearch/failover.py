@@ -42,7 +42,6 @@ class Failover(Generic[E]):
         self.exhausted = 0
         self._clock = clock
         self._down_until = [0.0] * len(self.endpoints)
-        self._failed_at = [float("-inf")] * len(self.endpoints)
         self._lock = threading.Lock()
 
     def attempts(self, max_retries: int, backoff_s: float) -> Iterator[Attempt[E]]:
@@ -68,15 +67,13 @@ class Failover(Generic[E]):
         in flight when the endpoint died can still be answered; the requests after it would not be)."""
         with self._lock:
             index = self._index(endpoint)
-            if self._failed_at[index] <= issued_at:
+            if self._down_until[index] - self.cooldown_s <= issued_at:  # the last failure's time
                 self._down_until[index] = 0.0
 
     def failed(self, endpoint: E) -> None:
         """A transient failure: the endpoint is skipped for ``cooldown_s``."""
         with self._lock:
-            index = self._index(endpoint)
-            self._failed_at[index] = self._clock()
-            self._down_until[index] = self._failed_at[index] + self.cooldown_s
+            self._down_until[self._index(endpoint)] = self._clock() + self.cooldown_s
 
     def give_up(self) -> None:
         with self._lock:

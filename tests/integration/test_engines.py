@@ -70,8 +70,9 @@ def runs(ray_local, tiny_model_dir, retriever, toy_data):
             generate_s = time.perf_counter() - started
             results[(engines, tp)] = (trajectories, pool.last_metrics(), pool.describe(), start_s, generate_s)
             results[KILLED, (engines, tp)] = _kill(pool.engines[-1])
-            print(f"\n{engines} x TP{tp}: a killed engine's {results[KILLED, (engines, tp)][0]} vLLM processes, "
-                  f"seen dead after {results[KILLED, (engines, tp)][1]:.1f} s")
+            children, dead_after_s, alive = results[KILLED, (engines, tp)]
+            print(f"\n{engines} x TP{tp}: a killed engine's {children} vLLM processes, seen dead after "
+                  f"{dead_after_s:.1f} s, {len(alive)} alive 15 s later")
         finally:
             pool.shutdown()
         summary = pool_summary(results[(engines, tp)][1])
