@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -19,6 +20,9 @@ from ..devices import local_device, local_gpu_index, transformer_engine_status
 # decoder-only models whose mbridge mapping is tested here: dense (tied and untied embeddings) and MoE
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", *MOE_ARCHITECTURES)
+# the mbridge.models module that registers each one's bridge
+_BRIDGE_MODULES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+                   "qwen2_moe": "qwen2moe"}
 
 # a routed expert's weight in the local spec (SequentialMLP)
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
@@ -98,13 +102,12 @@ def check_architecture(model_type: str | None, hf_dir: str) -> None:
 def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: bool,
                 moe: MoESettings = MoESettings(), activations: ActivationMemory = ActivationMemory()):
     """An mbridge Bridge for the HF model at `hf_dir`, configured for our runtime (call after parallel init)."""
-    from mbridge.core.bridge import _MODEL_REGISTRY
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     _expose_rope_theta(hf_config)
     check_architecture(hf_config.model_type, hf_dir)
-    base = _MODEL_REGISTRY[hf_config.model_type]
+    base = _registered_bridge(hf_config.model_type)
     overrides = {"_DIRECT_MAPPING": dict(base._DIRECT_MAPPING)}
     is_moe = hf_config.model_type in MOE_ARCHITECTURES
     if transformer_impl == "local":
@@ -187,6 +190,36 @@ def _sequential_expert_names(base):
         return names
 
     return local_to_global
+
+
+def _registered_bridge(model_type: str) -> type:
+    """mbridge's registered bridge class of `model_type`, importing only the module that registers it where mbridge
+    is not imported yet: the package's __init__ imports every bridge it has, the vision models' with transformers'
+    vision code, scipy and sklearn, 1.1 of the ~8 CPU-seconds of each rank's start here. The packages stay
+    importable as a whole: the first other name asked of them runs their __init__ (`_complete_mbridge`)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    for name in ("mbridge", "mbridge.models"):
+        if name not in sys.modules:
+            package = importlib.util.module_from_spec(importlib.util.find_spec(name))
+            package.__getattr__ = partial(_complete_mbridge, name)
+            sys.modules[name] = package
+    importlib.import_module(f"mbridge.models.{_BRIDGE_MODULES[model_type]}")
+    from mbridge.core.bridge import _MODEL_REGISTRY
+
+    return _MODEL_REGISTRY[model_type]
+
+
+def _complete_mbridge(package_name: str, name: str):
+    """Run the __init__ of the mbridge packages `_registered_bridge` left unrun, then give `name` of `package_name`."""
+    import sys
+
+    for package in (sys.modules["mbridge.models"], sys.modules["mbridge"]):
+        if package.__dict__.pop("__getattr__", None) is not None:
+            package.__spec__.loader.exec_module(package)
+    return getattr(sys.modules[package_name], name)
 
 
 def _expose_rope_theta(hf_config) -> None:
