@@ -53,8 +53,9 @@ class BenchEngine:
 
     def __init__(self, model_path: Path, max_model_len: int) -> None:
         from rlsearch.loop_thread import LoopThread
-        from rlsearch.rollout import EngineSpec, VLLMEngine
+        from rlsearch.rollout import EngineSpec, VLLMEngine, fork_vllm_processes_in_this_process
 
+        fork_vllm_processes_in_this_process()  # a bench's process holds nothing but the bench
         self.events = LoopThread("bench-engine")
 
         async def start():

@@ -151,7 +151,9 @@ def _plot(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from .config import load_eval_config
     from .eval import run_eval
+    from .rollout import fork_vllm_processes_in_this_process
 
+    fork_vllm_processes_in_this_process()  # the in-process engine's: this process holds nothing but the eval
     return _run_summarised("eval", load_eval_config, run_eval, lambda config: config.output_dir, args)
 
 

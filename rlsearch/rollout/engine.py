@@ -20,6 +20,7 @@ import multiprocessing.connection
 import multiprocessing.context
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -94,6 +95,10 @@ class _ForkedVllmProcess(multiprocessing.context.ForkProcess):
 
         # forked from a Ray actor, whose title Ray keeps where vLLM's setproctitle cannot find it
         ray._raylet.setproctitle(f"VLLM::{self.name}")
+        # Python's streams onto file descriptors 1 and 2, as a spawned process's are: a driver keeps its terminal in
+        # sys.stdout and sys.stderr and points 1 and 2 at its log file (rlsearch.runlog), where vLLM's output belongs
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own streams)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         # the threads a spawned process's OpenMP would start with, where the fork inherits its parent's count
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
         threading.Thread(target=_stop_when_parent_dies, args=(multiprocessing.parent_process().sentinel,),
@@ -110,6 +115,18 @@ def _stop_when_parent_dies(parent_sentinel: int, grace_s: float = 10.0) -> None:
 
 class _ForkContext(multiprocessing.context.ForkContext):
     Process = _ForkedVllmProcess
+
+
+_FORK_IN_THIS_PROCESS = False
+
+
+def fork_vllm_processes_in_this_process() -> None:
+    """Engines made in this process fork vLLM's processes on CPU, as a Ray actor's do (`_vllm_processes_forked`).
+    For a process that holds nothing but its own run, rlsearch's CLI or a bench: a fork copies what the process set
+    up before, and vLLM's start-up in the child trips over some modules another process may hold (in a test session,
+    llvmlite's, in the scan of every module vLLM's CPU kernel registration makes)."""
+    global _FORK_IN_THIS_PROCESS
+    _FORK_IN_THIS_PROCESS = True
 
 
 @contextlib.contextmanager
@@ -169,9 +186,9 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             **extra,
         )
-        # a fork copies its parent's state: only a Ray actor's process, which holds nothing but this engine, is copied
-        # (a driver's or a test's would hand the EngineCore its terminal streams and vLLM state it set up before)
-        fork = not on_gpu and in_ray_actor()
+        # a fork copies its parent's state: a Ray actor's process holds nothing but this engine, a CLI's or bench's
+        # nothing but its run (a test session's process holds what its earlier tests imported and set up)
+        fork = not on_gpu and (in_ray_actor() or _FORK_IN_THIS_PROCESS)
         with _vllm_processes_forked() if fork else contextlib.nullcontext():
             self.llm = AsyncLLM.from_engine_args(engine_args)
         self._segments.record()
