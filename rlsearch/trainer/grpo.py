@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
+from .. import STARTED_AT
 from ..actor import ActorRanks, ActorWorkerSpec, SamplingDistribution, TrainSample
 from ..checkpoint import CheckpointError, CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import MODEL_DIR
@@ -804,10 +805,8 @@ class GRPOTrainer:
 
 
 def _startup_line(seconds: dict[str, float]) -> str:
-    """How long the driver took to start, from its process's start, and where the time went."""
-    import psutil
-
-    total = time.time() - psutil.Process().create_time()
+    """How long the driver took to start, from rlsearch's start in its process, and where the time went."""
+    total = time.time() - STARTED_AT
     phases = [f"{name} {seconds[name]:.1f}" for name in ("tool servers", "Ray") if name in seconds]
     phases.append(f"rollout engines {seconds.get('rollout engines', 0.0):.1f} and actor ranks "
                   f"{seconds.get('actor ranks', 0.0):.1f} side by side ({seconds.get('side by side', 0.0):.1f})")

@@ -93,3 +93,14 @@ def test_the_readme_states_the_default_runs_time_and_step_times(default_run):
     stated = re.search(r"(\d+(?:\.\d+)?)-(\d+(?:\.\d+)?) s a step", readme)
     assert stated, "the README states no step time"
     assert (float(stated[1]), float(stated[2])) == (min(steps), max(steps))
+
+
+def test_the_default_runs_start_up_line_counts_from_the_trainings_own_start(default_run):
+    """The script exec's `rlsearch train` after its SFT warm start, in the same process: the start-up line counts from
+    rlsearch's start, not the process's (which counted the warm start in "the rest": 74 of a quiet run's 93 s)."""
+    terminal = default_run[1].stdout
+    warm_start = float(re.search(r"^\[rlsearch\] warm start: .* in (\d+) s, loss", terminal, re.MULTILINE)[1])
+    started = re.search(r"^\[rlsearch\] started in ([\d.]+) s: .*, the rest \(imports, data, checks\) ([\d.]+)$",
+                        terminal, re.MULTILINE)
+    assert started, terminal[:3000]
+    assert float(started[2]) < warm_start / 2, started[0]
