@@ -89,6 +89,15 @@ class _ForkedVllmProcess(multiprocessing.context.ForkProcess):
     parent's descriptors, a Ray worker's sockets among them, and Ray sees a killed worker die only when every copy is
     closed: the child stops itself as soon as its parent is gone (as a spawned one is stopped)."""
 
+    def start(self) -> None:
+        # the child's garbage collections then leave the objects it inherits alone, and their memory stays shared
+        # with the parent's instead of being copied page by page
+        gc.freeze()
+        try:
+            super().start()
+        finally:
+            gc.unfreeze()
+
     def run(self) -> None:
         import ray._raylet
         import torch
@@ -103,7 +112,23 @@ class _ForkedVllmProcess(multiprocessing.context.ForkProcess):
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
         threading.Thread(target=_stop_when_parent_dies, args=(multiprocessing.parent_process().sentinel,),
                          name="parent-watch", daemon=True).start()
+        _drop_modules_vllm_cannot_scan()
         super().run()
+
+
+def _drop_modules_vllm_cannot_scan() -> None:
+    """vLLM's CPU kernel registration scans every module in sys.modules and reads the vars() of each value there: a
+    value whose __dict__ is not a mapping fails it (llvmlite's library wrappers, which numba brings in, through
+    bm25s in a test session). A spawned process holds only vLLM's own imports; a forked one drops the modules with
+    such values from its sys.modules, which it never uses."""
+    for name, module in list(sys.modules.items()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            try:  # what the scan does with each value
+                if hasattr(value, "__dict__"):
+                    vars(value).get("kernel")
+            except Exception:
+                del sys.modules[name]
+                break
 
 
 def _stop_when_parent_dies(parent_sentinel: int, grace_s: float = 10.0) -> None:
@@ -122,9 +147,8 @@ _FORK_IN_THIS_PROCESS = False
 
 def fork_vllm_processes_in_this_process() -> None:
     """Engines made in this process fork vLLM's processes on CPU, as a Ray actor's do (`_vllm_processes_forked`).
-    For a process that holds nothing but its own run, rlsearch's CLI or a bench: a fork copies what the process set
-    up before, and vLLM's start-up in the child trips over some modules another process may hold (in a test session,
-    llvmlite's, in the scan of every module vLLM's CPU kernel registration makes)."""
+    For a process whose state rlsearch knows, rlsearch's CLI, a bench or the test session: a fork copies whatever the
+    process set up before (a script's own threads and locks among it), where a spawned process starts clean."""
     global _FORK_IN_THIS_PROCESS
     _FORK_IN_THIS_PROCESS = True
 
@@ -186,8 +210,8 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             **extra,
         )
-        # a fork copies its parent's state: a Ray actor's process holds nothing but this engine, a CLI's or bench's
-        # nothing but its run (a test session's process holds what its earlier tests imported and set up)
+        # a fork copies its parent's state: a Ray actor's process holds nothing but this engine; other processes
+        # say that theirs can be copied (fork_vllm_processes_in_this_process)
         fork = not on_gpu and (in_ray_actor() or _FORK_IN_THIS_PROCESS)
         with _vllm_processes_forked() if fork else contextlib.nullcontext():
             self.llm = AsyncLLM.from_engine_args(engine_args)
