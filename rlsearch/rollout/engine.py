@@ -102,7 +102,7 @@ class _ForkedVllmProcess(multiprocessing.context.ForkProcess):
         import ray._raylet
         import torch
 
-        # forked from a Ray actor, whose title Ray keeps where vLLM's setproctitle cannot find it
+        # vLLM's setproctitle cannot find the title in a forked process (a Ray actor's, which Ray keeps); Ray's can
         ray._raylet.setproctitle(f"VLLM::{self.name}")
         # Python's streams onto file descriptors 1 and 2, as a spawned process's are: a driver keeps its terminal in
         # sys.stdout and sys.stderr and points 1 and 2 at its log file (rlsearch.runlog), where vLLM's output belongs
