@@ -355,8 +355,10 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="key=value overrides for the trainer")
     args = parse_args(parser, dict(kills=1, every=1, warmup=1, tail=2, components=["retriever"], save_interval=1,
                                      recovery_goal=600.0,
-                                     # one small engine: the retriever is the one killed (1.5 GiB instead of 2 x 2.3)
-                                     overrides=["rollout.num_engines=1", "rollout.kv_cache_gib=0.25"]))
+                                     # one small engine: the retriever is the one killed (1.5 GiB instead of 2 x 2.3);
+                                     # the random model's turns run to the token limit: 24 tokens, not 96
+                                     overrides=["rollout.num_engines=1", "rollout.kv_cache_gib=0.25",
+                                                "rollout.max_tokens_per_turn=24"]))
     unknown = set(args.components) - set(COMPONENTS)
     if unknown:
         parser.error(f"unknown components {sorted(unknown)}; choose from {', '.join(COMPONENTS)}")

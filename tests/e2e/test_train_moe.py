@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, SHORT_TURNS
 
 
 @pytest.mark.memory_heavy
@@ -18,8 +18,7 @@ def test_moe_config_trains_three_steps_with_expert_parallelism(tmp_path, driver_
     env = {**os.environ, "RLSEARCH_CONFIG": "examples/configs/search_grpo_moe_tiny.yaml", **driver_ray}
     result = subprocess.run(
         ["bash", "examples/run_search_grpo.sh", "trainer.total_steps=3", "data.batch_size=2", "weights.delta=true",
-         "rollout.async_steps=1",
-         f"trainer.output_dir={out}"],
+         "rollout.async_steps=1", SHORT_TURNS, f"trainer.output_dir={out}"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200, env=env,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

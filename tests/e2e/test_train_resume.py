@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, SHORT_TURNS
 
 STEPS, SAVE_INTERVAL = 4, 2
 # A random model earns no reward, so GRPO alone would leave the weights as they are; the k1 KL term has a gradient
@@ -43,7 +43,7 @@ def _command(assets, output_dir, supervised: bool = False, *overrides: str):
         f"model.path={assets.model}", f"data.train_files=[{assets.data.train}]",
         f"tools.retriever.corpus={assets.data.corpus}", f"tools.retriever.index_cache_dir={assets.index_cache}",
         "data.batch_size=2", f"trainer.total_steps={STEPS}", f"trainer.save_interval={SAVE_INTERVAL}",
-        "algo.kl_coef=0.1", "algo.kl_estimator=k1", f"trainer.output_dir={output_dir}", *overrides,
+        "algo.kl_coef=0.1", "algo.kl_estimator=k1", SHORT_TURNS, f"trainer.output_dir={output_dir}", *overrides,
     ]
 
 
@@ -120,7 +120,7 @@ def killed(assets):
     driver in)."""
     resumed_dir, log_path = assets.base / "resumed", assets.base / "doomed.log"
     doomed = _start(_command(assets, resumed_dir, True), log_path)
-    _kill_driver_after_step_2_checkpoint(doomed, log_path, delay_s=2.0)  # into step 3's rollout
+    _kill_driver_after_step_2_checkpoint(doomed, log_path, delay_s=0.5)  # into step 3's rollout
     killed_output, resumed_output = _killed_and_resumed_output(doomed, log_path)
     return SimpleNamespace(dir=resumed_dir, killed_output=killed_output, resumed_output=resumed_output)
 

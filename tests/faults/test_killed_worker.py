@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, SHORT_TURNS
 from tests.faults.processes import actor_rank_process, engine_processes
 
 STOP_WITHIN_S = 90  # from the kill to the driver's exit, its shutdown included
@@ -24,8 +24,8 @@ def _command(tiny_model_dir, toy_data, index_cache, output_dir, *extra):
         sys.executable, "-m", "rlsearch", "train", "--config", "examples/configs/search_grpo_tiny.yaml",
         f"model.path={tiny_model_dir}", f"data.train_files=[{toy_data.train}]",
         f"tools.retriever.corpus={toy_data.corpus}", f"tools.retriever.index_cache_dir={index_cache}",
-        "data.batch_size=2", "trainer.total_steps=2", "trainer.save_interval=1", f"trainer.output_dir={output_dir}",
-        *extra,
+        "data.batch_size=2", "trainer.total_steps=2", "trainer.save_interval=1", SHORT_TURNS,
+        f"trainer.output_dir={output_dir}", *extra,
     ]
 
 

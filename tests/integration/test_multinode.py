@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, SHORT_TURNS
 
 # each node: 2 logical CPUs (the TP2 actor's bundle fits one node, the rollout worker's CPU the other) and room in
 # the object store for the weight buckets in flight (weights.bucket_mb=64, two at a time)
@@ -51,7 +51,7 @@ def _train(address: str, output_dir, assets, env: dict, *extra: str) -> subproce
         sys.executable, "-m", "rlsearch", "train", "--config", "examples/configs/search_grpo_tiny.yaml",
         f"model.path={model}", f"data.train_files=[{data.train}]", f"tools.retriever.corpus={data.corpus}",
         f"tools.retriever.index_cache_dir={index_cache}", f"trainer.ray_address={address}",
-        "trainer.placement=split", "actor.tp=2", f"trainer.output_dir={output_dir}", *extra,
+        "trainer.placement=split", "actor.tp=2", SHORT_TURNS, f"trainer.output_dir={output_dir}", *extra,
     ], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
