@@ -190,7 +190,6 @@ class GRPOTrainer:
             init_ray(config.trainer.ray_address,
                      num_cpus=ray_cpus(world, rollout.num_engines, rollout.tensor_parallel_size))
         import ray
-        from transformers import AutoTokenizer
 
         # the cluster's GPUs, not this process's, decide: model.dtype and weights.transport `auto` become concrete here,
         # once, and everything below (and config.json) sees those values
@@ -201,21 +200,6 @@ class GRPOTrainer:
         gpus = 1 if has_gpus else 0
         place = plan_placement(config.trainer.placement, world, gpus, config.trainer.ray_address,
                                rollout.num_engines, rollout.tensor_parallel_size)
-        # the actor scores tokens under the distribution the engines sample them from (their token-level bias)
-        logit_bias = token_logit_bias(AutoTokenizer.from_pretrained(config.model.path), rollout.logit_bias)
-        actor_spec = ActorWorkerSpec(
-            model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=config.algo,
-            sampling=SamplingDistribution(rollout.temperature, logit_bias), seed=config.trainer.seed,
-            # the LR schedule counts optimizer updates
-            total_steps=config.trainer.total_steps * config.algo.num_minibatches * config.algo.ppo_epochs,
-        )
-
-        # kept: actor ranks that die are replaced by new ones (trainer.max_actor_restarts). Under the supervisor the
-        # ranks outlive this driver as the engines do, and a restarted one takes them over (not in a split placement,
-        # whose group the trainer reserves)
-        detached_ranks = bool(supervisor_ray_address()) and not place.actor_options
-        self._start_actor = partial(ActorRanks, actor_spec, num_gpus_per_rank=gpus, detached=detached_ranks,
-                                    **place.actor_options)
 
         def start_pool() -> EnginePool:
             with _timed(seconds, "rollout engines"):
@@ -223,11 +207,19 @@ class GRPOTrainer:
                 return start_engines(config.model, rollout, tools, config.trainer.seed,
                                      detached=bool(supervisor_ray_address()), **place.pool_options)
 
-        # the engines and the actor ranks start side by side (each is mostly one process importing and loading)
+        # the engines and the actor ranks start side by side (each is mostly one process importing and loading); the
+        # ranks, which start faster, after the tokenizer the actor's distribution needs has been read
         with ThreadPoolExecutor(1, thread_name_prefix="engine-start") as starter, _timed(seconds, "side by side"):
             starting_pool = starter.submit(start_pool)
             try:
                 with _timed(seconds, "actor ranks"):
+                    logit_bias = _token_logit_bias(config)
+                    # kept: actor ranks that die are replaced by new ones (trainer.max_actor_restarts). Under the
+                    # supervisor the ranks outlive this driver as the engines do, and a restarted one takes them
+                    # over (not in a split placement, whose group the trainer reserves)
+                    self._start_actor = partial(
+                        ActorRanks, _actor_spec(config, logit_bias), num_gpus_per_rank=gpus,
+                        detached=bool(supervisor_ray_address()) and not place.actor_options, **place.actor_options)
                     self.parts.actor = self._start_actor()
             finally:
                 self.parts.pool = starting_pool.result()  # also when the actor failed: close() then stops the engines
@@ -802,6 +794,26 @@ class GRPOTrainer:
         self.progress.saved_checkpoints[step] = path
         print(f"[rlsearch] checkpoint saved: {path}", flush=True)
         return path
+
+
+def _token_logit_bias(config: TrainConfig) -> dict[int, float]:
+    """rollout.logit_bias per token, as the engines apply it (read with the model's tokenizer: ~3.5 s here with its
+    imports, none without a bias)."""
+    if not config.rollout.logit_bias:
+        return {}
+    from transformers import AutoTokenizer
+
+    return token_logit_bias(AutoTokenizer.from_pretrained(config.model.path), config.rollout.logit_bias)
+
+
+def _actor_spec(config: TrainConfig, logit_bias: dict[int, float]) -> ActorWorkerSpec:
+    """The actor ranks' spec: they score tokens under the distribution the engines sample them from."""
+    return ActorWorkerSpec(
+        model_path=config.model.path, dtype=config.model.dtype, actor=config.actor, algo=config.algo,
+        sampling=SamplingDistribution(config.rollout.temperature, logit_bias), seed=config.trainer.seed,
+        # the LR schedule counts optimizer updates
+        total_steps=config.trainer.total_steps * config.algo.num_minibatches * config.algo.ppo_epochs,
+    )
 
 
 def _startup_line(seconds: dict[str, float]) -> str:
