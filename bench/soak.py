@@ -419,9 +419,7 @@ def main() -> int:
     parser.add_argument("--startup-timeout", type=float, default=1200.0, help="seconds allowed before step 1")
     parser.add_argument("--out", default="outputs/bench", help="where the model, data, run and samples go")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for the trainer (key=value)")
-    # the smoke run's random model: 24 tokens a turn instead of 48 (its turns run to the limit), half a step's time
-    args = parse_args(parser, dict(steps=4, warmup=1, save_interval=3, interval=1.0,
-                                   overrides=["rollout.max_tokens_per_turn=24"]))
+    args = parse_args(parser, dict(steps=4, warmup=1, save_interval=3, interval=1.0))
     warmup = warmup_steps(args)
     if not 1 <= warmup < args.steps:
         parser.error(f"--warmup {warmup} must be at least 1 and below --steps {args.steps}")
