@@ -20,9 +20,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# The training runs of the random-init model (tests/e2e, tests/faults): its turns mostly run to the token limit, and
-# 24 tokens a turn instead of the tiny config's 48 take a step from 4.5 s to 2.5 s here (rollout, logprobs and
-# training all scale with the sampled tokens) while every step still has searches, invalid calls and truncations
+# The training runs of the random-init model (tests/e2e, tests/faults, test_multinode): its turns mostly run to the
+# token limit, and 24 tokens a turn instead of the tiny config's 48 take a step from 4.5 s to 2.5 s here (rollout,
+# logprobs and training all scale with the sampled tokens) while every step still has searches, invalid calls and
+# truncations
 SHORT_TURNS = "rollout.max_tokens_per_turn=24"
 
 
