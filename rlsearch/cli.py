@@ -23,8 +23,9 @@ Quick start (tiny model + generated corpus on CPU):
 def _run_summarised(command: str, load, run, output_dir_of, args: argparse.Namespace, failures: tuple = ()) -> int:
     """Load the config, send the libraries' logs to the run's logs dir (unless --verbose), run, print the run's
     summary. Bad input (config, dataset) exits 2 with its message, a failure in `failures` exits 1 with its message,
-    and so does the failure of another process of the run (an engine, a rank), with its own error lines and log
-    file, all without a traceback; any other error keeps its traceback, and every failure names the logs dir."""
+    and so does the failure of another process of the run (an engine, a rank) that the driver's error reports, with
+    that process's own error lines and log file, all without a traceback; any other error keeps its traceback (after
+    the lines of a process whose failure it was raised while handling), and every failure names the logs dir."""
     from .config import ConfigError
     from .data import DatasetError
     from .runlog import process_failure, route_library_logs
@@ -42,12 +43,14 @@ def _run_summarised(command: str, load, run, output_dir_of, args: argparse.Names
         return 1
     except BaseException as err:
         failed = process_failure(err, log_dir) if log_dir is not None and isinstance(err, Exception) else None
-        if failed is None:
-            if log_dir is not None:
-                print(f"rlsearch {command}: failed{_logs_hint(log_dir)}", file=sys.stderr, flush=True)
-            raise
-        print(failed.render(command) + _logs_hint(log_dir), file=sys.stderr, flush=True)
-        return 1
+        if failed is not None and failed.explains_driver_error:
+            print(failed.render(command) + _logs_hint(log_dir), file=sys.stderr, flush=True)
+            return 1
+        if failed is not None:  # what the process said, then the driver's own failure
+            print(failed.render(command), file=sys.stderr, flush=True)
+        if log_dir is not None:
+            print(f"rlsearch {command}: failed{_logs_hint(log_dir)}", file=sys.stderr, flush=True)
+        raise
     print(summary.render(), flush=True)
     if log_dir is not None:
         print(f"  library logs     : {log_dir} (--verbose prints them here)", flush=True)

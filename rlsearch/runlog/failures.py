@@ -2,7 +2,8 @@
 tool server. The driver only sees the call that found it dead (a Ray error, vLLM's "EngineDeadError: ... See stack
 trace (above) for the root cause"); the root cause is what that process wrote, in its own file under the run's logs
 dir (`redirect_worker_output`: ``<role>-<pid>.log``). So the failure is reported by the process's own error lines and
-that file's path, without the driver's traceback."""
+that file's path, without the driver's traceback, when the driver's error is that failure as Ray reported it (or
+raised from it); a driver error raised while handling one (a failure of the driver's own) keeps its traceback."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception
 # errors that only say that another process failed: never the root cause
 WRAPPERS = {"EngineDeadError", "RayTaskError", "RayActorError", "ActorDiedError", "ActorUnavailableError",
             "WorkerCrashedError", "WorkerDiedError", "RaySystemError"}
+# Ray's errors whose message names the process they come from ("pid=4242", "pid: 4242"); another error's text may name
+# a pid (a server's, in a message of the driver's) without coming from that process
+RAY_REPORTS = WRAPPERS | {"OutOfMemoryError"}
 ROLES = (("rollout-engine", "rollout engine"), ("actor-rank", "actor rank "), ("retriever", "retrieval server"),
          ("mcp", "MCP server"))
 LOG_TAIL_BYTES = 256 * 1024  # the end of a process's log is where it failed
@@ -33,6 +37,9 @@ class ProcessFailure:
     errors: tuple[str, ...]  # its own error lines, the earliest (the root cause) first
     log: Path | None  # its log file, when the run's logs dir holds one
     death: str = ""  # what Ray says of how it died, when it died without raising (e.g. "SYSTEM_ERROR: ...")
+    # the driver's error is this failure as Ray reported it (or raised from it), and the process says why (its own
+    # error lines, or Ray's account of its death): the driver's traceback adds nothing
+    explains_driver_error: bool = False
 
     def render(self, command: str) -> str:
         """The lines to print (rlsearch COMMAND: ...), without a traceback."""
@@ -48,11 +55,12 @@ class ProcessFailure:
 
 def process_failure(error: BaseException, log_dir: Path | None) -> ProcessFailure | None:
     """The failure of the run's process that `error` (raised in the driver) comes from, with its own error lines:
-    those of its log in `log_dir` and the exception it raised itself. None when `error` comes from no other process
-    (a Ray error names the process's pid)."""
-    pid, cause = None, None
-    for link in _chain(error):
-        pid = pid or getattr(link, "pid", None) or _pid_in(str(link))
+    the exception it raised itself first, then those of its log in `log_dir`. None when `error` comes from no other
+    process (a Ray error names the process's pid)."""
+    pid, cause, reported = None, None, False
+    for link, raised_from in _chain(error):
+        if not pid:
+            pid, reported = _reported_pid(link), raised_from
         own = getattr(link, "cause", None)  # a RayTaskError's: the exception the process raised
         if cause is None and own is not None and type(own).__name__ not in WRAPPERS:
             cause = own
@@ -62,20 +70,30 @@ def process_failure(error: BaseException, log_dir: Path | None) -> ProcessFailur
     errors = _error_lines(log) if log is not None else []
     if cause is not None:
         raised = f"{type(cause).__name__}: {cause}".strip().splitlines()[0]
-        errors = [line for line in errors if line != raised] + [raised]
-    return ProcessFailure(_describe(log, pid), tuple(errors[:MAX_LINES]), log, ray_death(error))
+        errors = [raised] + [line for line in errors if line != raised]
+    death = ray_death(error)
+    return ProcessFailure(_describe(log, pid), tuple(errors[:MAX_LINES]), log, death,
+                          explains_driver_error=reported and bool(errors or death))
 
 
-def _chain(error: BaseException) -> Iterator[BaseException]:
+def _chain(error: BaseException) -> Iterator[tuple[BaseException, bool]]:
+    """Each error of the chain, and whether every error before it was raised from the next (`raise ... from`), not
+    while handling it."""
     seen: set[int] = set()
+    raised_from = True
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        yield error
+        yield error, raised_from
+        raised_from = raised_from and error.__cause__ is not None
         error = error.__cause__ or error.__context__
 
 
-def _pid_in(text: str) -> int | None:
-    match = re.search(r"\bpid(?:=|: )(\d+)", text)  # "(pid=4242, ip=...)" of a task, "pid: 4242" of a dead actor
+def _reported_pid(error: BaseException) -> int | None:
+    """The pid of the process a Ray error comes from: a RayTaskError's attribute, or in the message of Ray's other
+    errors ("(pid=4242, ip=...)" of a task, "pid: 4242" of a dead actor)."""
+    if getattr(error, "pid", None):
+        return error.pid
+    match = re.search(r"\bpid(?:=|: )(\d+)", str(error)) if type(error).__name__ in RAY_REPORTS else None
     return int(match[1]) if match else None
 
 
@@ -83,7 +101,7 @@ def ray_death(error: BaseException) -> str:
     """How Ray says the process died, its exit type and the detail's first sentences (a process killed by a signal,
     by the kernel's OOM killer or by Ray's memory monitor leaves no error line of its own); empty when Ray says
     nothing of it."""
-    for link in _chain(error):
+    for link, _ in _chain(error):
         text = " ".join(str(link).split())
         match = RAY_DEATH.search(text)
         if match:

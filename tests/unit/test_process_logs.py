@@ -87,7 +87,7 @@ ValueError: a second error of its own
 
 def test_a_process_failure_is_reported_by_the_processs_own_error_lines(tmp_path):
     """The root cause first, each line once, no line that only reports another failure (vLLM's EngineDeadError, Ray's
-    wrappers); the exception the process raised itself is one of its lines; no pid: not another process's failure."""
+    wrappers); the exception the process raised itself comes first; no pid: not another process's failure."""
     from rlsearch.runlog import process_failure
 
     logs = tmp_path / "logs"
@@ -163,3 +163,67 @@ def test_a_process_that_died_without_an_error_line_is_reported_with_rays_account
     assert failure.death.endswith("(0.950), which exceeds the memory usage threshold of 0.95.")
     raised = _RayTaskError("(pid=3823)", 3823, RuntimeError("its own"))  # a process that raised: its own line only
     assert process_failure(raised, logs).render("train").splitlines()[0].endswith("failed: RuntimeError: its own")
+
+
+def test_the_exception_the_process_raised_comes_first_then_its_logs_lines(tmp_path):
+    """A log whose end already holds more error lines than are shown must not push out the exception the process
+    raised itself: that one is its root cause as Ray saw it."""
+    from rlsearch.runlog import process_failure
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    warnings = "".join(f"ValueError: a retried request {i}\n" for i in range(4))
+    (logs / "actor-rank0-4545.log").write_text(warnings)
+    failure = process_failure(_RayTaskError("(pid=4545)", 4545, MemoryError("CUDA out of memory")), logs)
+    assert failure.errors == ("MemoryError: CUDA out of memory", "ValueError: a retried request 0",
+                              "ValueError: a retried request 1")
+
+
+DRIVER_FAILS = """
+import sys
+from types import SimpleNamespace
+from rlsearch.cli import _run_summarised
+
+class _RayTaskError(Exception):
+    def __init__(self, message, pid, cause):
+        super().__init__(message)
+        self.pid, self.cause = pid, cause
+
+def run(config):
+    if sys.argv[2] == "names a pid":
+        raise KeyError("the retriever (pid=4242) answered without 'result'")
+    if sys.argv[2] == "while handling":
+        try:
+            raise _RayTaskError("(pid=4646)", 4646, RuntimeError("rank 0 ran out of memory"))
+        except _RayTaskError:
+            {}["driver bug"]
+    raise RuntimeError("the step failed") from _RayTaskError("(pid=4646)", 4646, RuntimeError("rank 0 ran out"))
+
+args = SimpleNamespace(config="", overrides=[], verbose=False)
+sys.exit(_run_summarised("train", lambda *_: None, run, lambda _: sys.argv[1], args))
+"""
+
+
+def _driver_failing(tmp_path, how: str) -> subprocess.CompletedProcess:
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    (tmp_path / "logs" / "actor-rank0-4646.log").write_text("RuntimeError: rank 0 ran out of memory\n")
+    return subprocess.run([sys.executable, "-c", DRIVER_FAILS, str(tmp_path), how], cwd=REPO_ROOT, text=True,
+                          capture_output=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if k != "RLSEARCH_VERBOSE"})
+
+
+def test_the_driver_traceback_is_dropped_only_when_the_process_failure_explains_it(tmp_path):
+    """A driver error that only names a pid, or one raised while handling a process's failure (a bug of the
+    driver's own), keeps its traceback; a driver error raised from the process's failure shows that process's own
+    error instead."""
+    named = _driver_failing(tmp_path, "names a pid")
+    assert "Traceback" in named.stderr and "KeyError: \"the retriever (pid=4242) answered without 'result'\"" in (
+        named.stderr), named.stderr
+    handling = _driver_failing(tmp_path, "while handling")
+    assert handling.stderr.startswith("rlsearch train: the actor rank 0 in process 4646 failed: RuntimeError: rank 0 "
+                                      "ran out of memory\n"), handling.stderr
+    assert "Traceback" in handling.stderr and "KeyError: 'driver bug'" in handling.stderr
+    explained = _driver_failing(tmp_path, "raised from")
+    assert explained.returncode == 1 and "Traceback" not in explained.stderr
+    assert explained.stderr.splitlines()[0] == ("rlsearch train: the actor rank 0 in process 4646 failed: "
+                                                "RuntimeError: rank 0 ran out")
