@@ -331,6 +331,14 @@ class RetrieverConfig:
     pooling: str = "auto"  # with index: auto (the family's: bge cls, others mean) | mean | cls | pooler
     query_prefix: str | None = None  # with index: text put before every query; null: the family's
     faiss_gpu: bool = False  # with index: search on the GPUs (float16, sharded) where faiss has GPU support
+    # with an IVF index: inverted lists searched per query; 0: the index file's (faiss's default 1, a fraction of
+    # the recall of a Flat index for an index of thousands of lists). The server says what it searches with
+    nprobe: int = 0
+    efSearch: int = 0  # with an HNSW index: candidates kept while searching the graph; 0: the index file's (16)
+    # with index: where the encoder runs. The server a run starts shares this machine with the run's actor ranks and
+    # rollout engines, which Ray places on its GPUs from cuda:0 up: cpu keeps the encoder off them; cuda:N names a
+    # GPU the run leaves free (numbered within CUDA_VISIBLE_DEVICES); auto: a GPU whenever one is visible
+    encoder_device: str = "cpu"
     topk: int = 3  # passages per search
     timeout_s: float = 10.0  # per request
     max_retries: int = 3  # retries of a failed request (transport errors, 429, 5xx)

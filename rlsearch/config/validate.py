@@ -40,6 +40,8 @@ MIN_OBSERVATION_TOKENS = 16  # a smaller rollout.max_observation_tokens cannot h
 RETRIEVER_MAX_QUERIES = 512
 RETRIEVER_MAX_TOPK = 100
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# the retrieval server's --encoder-device values (rlsearch.tools.servers.prebuilt.ENCODER_DEVICE)
+ENCODER_DEVICE = re.compile(r"auto|cpu|cuda(?::(\d+))?")
 
 _POSITIVE = (
     "data.batch_size", "actor.tp", "actor.pp", "actor.cp", "actor.dp", "actor.max_tokens_per_microbatch",
@@ -515,6 +517,7 @@ def _check_tools(config: TrainConfig | EvalConfig) -> None:
     if retriever.index and not retriever.encoder:
         raise ConfigError("'tools.retriever.index' needs 'tools.retriever.encoder': the HuggingFace encoder the index "
                           "was built with (e.g. intfloat/e5-base-v2 for Search-R1's e5_Flat.index)")
+    _check_prebuilt_index_options(retriever)
     if retriever.index and tools.mcp.start_local:
         raise ConfigError("'tools.mcp.start_local' serves the corpus with rlsearch's own indexes and cannot use "
                           "'tools.retriever.index'; point tools.mcp.servers at your own MCP server instead")
@@ -522,6 +525,19 @@ def _check_tools(config: TrainConfig | EvalConfig) -> None:
         _check_failover(f"tools.{section}", getattr(tools, section), needs_model=False)
     _check_summariser(tools)
     _check_replay_store("tools", tools.replay, tools.cache_dir, "tool_store")
+
+
+def _check_prebuilt_index_options(retriever) -> None:
+    for option in ("nprobe", "efSearch"):
+        value = getattr(retriever, option)
+        if value < 0:
+            raise ConfigError(f"'tools.retriever.{option}' must be >= 0 (0: the index file's); got {value}")
+        if value and not retriever.index:
+            raise ConfigError(f"'tools.retriever.{option}' sets how a prebuilt index is searched, and "
+                              "'tools.retriever.index' is empty: give the index, or drop the option")
+    if not ENCODER_DEVICE.fullmatch(retriever.encoder_device):
+        raise ConfigError(f"'tools.retriever.encoder_device' must be auto, cpu, cuda or cuda:N; got "
+                          f"{retriever.encoder_device!r}")
 
 
 def _check_failover(key: str, section, needs_model: bool) -> None:

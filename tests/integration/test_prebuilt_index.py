@@ -17,7 +17,14 @@ from threaded_server import serve_in_thread
 from rlsearch.tools import RetrieverProcess
 from rlsearch.tools.servers.dense import default_encoder_path
 from rlsearch.tools.servers.options import add_retriever_server_arguments
-from rlsearch.tools.servers.prebuilt import EncoderSettings, PrebuiltIndexRetriever
+from rlsearch.tools.servers.prebuilt import (
+    EncoderSettings,
+    PrebuiltIndexRetriever,
+    SearchWidth,
+    encoder_device,
+    gpu_refusal,
+    read_index,
+)
 from rlsearch.tools.servers.retrieval import create_app
 
 PREFIX = "search for: "  # a query prefix of our own: the server must put it where the reference does
@@ -51,7 +58,7 @@ def indexes(corpus, encoder_path) -> dict[str, Path]:
     contents = [json.loads(line)["contents"] for line in corpus.read_text().splitlines()]
     vectors = SentenceTransformer(encoder_path, device="cpu").encode(contents, normalize_embeddings=True)
     built = {}
-    for name, spec in (("flat", "Flat"), ("ivf", "IVF4,Flat"), ("hnsw", "HNSW16")):
+    for name, spec in (("flat", "Flat"), ("ivf", "IVF4,Flat"), ("hnsw", "HNSW16"), ("ivf16", "IVF16,Flat")):
         index = faiss.index_factory(vectors.shape[1], spec, faiss.METRIC_INNER_PRODUCT)
         index.train(vectors)
         index.add(vectors)
@@ -176,3 +183,56 @@ def test_a_500k_line_corpus_is_served_without_reading_it_into_memory(tmp_path, e
           f"(index + offsets {index_and_offsets / 2**20:.1f} MiB)")
     assert growth < corpus_bytes / 4
     assert Path(f"{corpus}.offsets.npy").is_file()  # cached beside the corpus: the next start reads no line
+
+
+def recall_against_flat(retriever: PrebuiltIndexRetriever, flat: PrebuiltIndexRetriever, queries: list[str],
+                        topk: int = 10) -> float:
+    """The fraction of the Flat index's top ``topk`` passages (the exact ones) that ``retriever`` finds too."""
+    found = [{hit["id"] for hit, _ in hits} for hits in retriever.search(queries, topk)]
+    exact = [{hit["id"] for hit, _ in hits} for hits in flat.search(queries, topk)]
+    return sum(len(a & b) for a, b in zip(found, exact)) / sum(len(b) for b in exact)
+
+
+def test_search_width_nprobe_and_efsearch_raise_recall_to_the_flat_indexs_and_are_said(
+        indexes, corpus, encoder_path, capsys):
+    """An IVF index searched with faiss's default nprobe (1 of 16 lists) misses most of what the Flat index finds;
+    --nprobe 16 visits every list and finds all of it. Each start says what it searches with."""
+    settings = EncoderSettings(encoder_path, pooling="mean")
+    queries = [f"{a} {b}" for a, b in zip(WORDS, WORDS[7:] + WORDS[:7])]
+    flat = PrebuiltIndexRetriever.load(indexes["flat"], corpus, settings)
+    capsys.readouterr()
+    narrow = PrebuiltIndexRetriever.load(indexes["ivf16"], corpus, settings)
+    assert f"{indexes['ivf16']} is searched with nprobe=1 of 16 lists (the index file's;" in capsys.readouterr().out
+    wide = PrebuiltIndexRetriever.load(indexes["ivf16"], corpus, settings, width=SearchWidth(nprobe=16))
+    assert capsys.readouterr().out == f"[rlsearch] {indexes['ivf16']} is searched with nprobe=16 of 16 lists\n"
+    assert recall_against_flat(narrow, flat, queries) < 0.5
+    assert recall_against_flat(wide, flat, queries) == 1.0
+    hnsw = PrebuiltIndexRetriever.load(indexes["hnsw"], corpus, settings, width=SearchWidth(efSearch=160))
+    assert capsys.readouterr().out == f"[rlsearch] {indexes['hnsw']} is searched with efSearch=160\n"
+    assert recall_against_flat(hnsw, flat, queries) == 1.0
+    # an option the index has no use for is refused, naming it and the one it takes
+    with pytest.raises(ValueError, match=rf"--nprobe \(tools.retriever.nprobe\) applies to an IVF index, and "
+                                         rf"{indexes['hnsw']} is an IndexHNSWFlat; this one takes --efSearch"):
+        read_index(indexes["hnsw"], width=SearchWidth(nprobe=8))
+
+
+def test_faiss_gpu_and_the_encoder_device_are_decided_from_the_devices_given(indexes):
+    """No GPU here: the decisions take the device facts (faiss's GPU count, torch's visible GPUs) as arguments. An
+    HNSW index, which faiss cannot put on a GPU, stays on the CPU with a reason; the encoder goes where it is told,
+    and the server a run starts is told cpu (Ray puts the run's ranks and engines on the GPUs from cuda:0 up)."""
+    from rlsearch.config import RetrieverConfig
+    from rlsearch.tools.launch.local import _index_arguments
+
+    assert gpu_refusal(read_index(indexes["flat"]), gpus=2) == gpu_refusal(read_index(indexes["ivf"]), gpus=2) == ""
+    assert gpu_refusal(read_index(indexes["hnsw"]), gpus=2) == (
+        "faiss cannot put an IndexHNSWFlat on a GPU (it takes Flat, IVF-Flat, IVF-PQ and IVF-SQ indexes)")
+    assert gpu_refusal(read_index(indexes["flat"]), gpus=0).startswith("this faiss has no GPU support")
+    assert [encoder_device(device, visible) for device, visible in
+            (("auto", 0), ("auto", 2), ("cpu", 2), ("cuda", 1), ("cuda:1", 2))] == ["cpu", "cuda", "cpu", "cuda",
+                                                                                      "cuda:1"]
+    for device, visible, error in (("cuda:2", 2, "sees 2 GPU\\(s\\), cuda:0 to cuda:1"), ("cuda", 0, "sees no GPU"),
+                                   ("gpu", 1, "must be auto, cpu, cuda or cuda:N")):
+        with pytest.raises(ValueError, match=error):
+            encoder_device(device, visible)
+    run_started = RetrieverConfig(index="e5_Flat.index", encoder="e5", backend="dense", nprobe=64)
+    assert _index_arguments(run_started) == ["--index", "e5_Flat.index", "--nprobe=64", "--encoder-device=cpu"]

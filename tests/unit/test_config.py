@@ -131,6 +131,26 @@ def test_tool_server_token_variables_and_request_limits():
             load_train_config(None, [override])
 
 
+def test_prebuilt_index_search_width_and_encoder_device_are_checked_naming_the_key():
+    from rlsearch.config import validate
+    from rlsearch.tools.servers import prebuilt
+
+    index = ["tools.retriever.index=e5_Flat.index", "tools.retriever.backend=dense", "tools.retriever.encoder=e5"]
+    config = load_train_config(None, [*index, "tools.retriever.nprobe=64", "tools.retriever.efSearch=128"])
+    assert (config.tools.retriever.nprobe, config.tools.retriever.efSearch) == (64, 128)
+    assert config.tools.retriever.encoder_device == "cpu"
+    assert validate.ENCODER_DEVICE.pattern == prebuilt.ENCODER_DEVICE.pattern
+    for overrides, message in [
+        (["tools.retriever.nprobe=8"], r"'tools\.retriever\.nprobe' sets how a prebuilt index is searched, and "
+                                       r"'tools\.retriever\.index' is empty"),
+        ([*index, "tools.retriever.efSearch=-1"], r"'tools\.retriever\.efSearch' must be >= 0"),
+        ([*index, "tools.retriever.encoder_device=gpu0"], r"'tools\.retriever\.encoder_device' must be auto, cpu, "
+                                                          r"cuda or cuda:N; got 'gpu0'"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_train_config(None, overrides)
+
+
 def test_trainer_placement_choices_and_split_needs_a_cluster():
     assert TrainConfig().trainer.placement == "colocated"
     split = load_train_config(None, ["trainer.placement=split", "trainer.ray_address=10.0.0.1:6379"])

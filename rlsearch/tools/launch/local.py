@@ -102,4 +102,6 @@ def _index_arguments(retriever: RetrieverConfig) -> list[str]:
         arguments.append(f"--query-prefix={retriever.query_prefix}")  # one token: the prefix may start with "-"
     if retriever.faiss_gpu:
         arguments.append("--faiss-gpu")
-    return arguments
+    arguments += [f"--{option}={getattr(retriever, option)}" for option in ("nprobe", "efSearch")
+                  if getattr(retriever, option)]
+    return [*arguments, f"--encoder-device={retriever.encoder_device}"]

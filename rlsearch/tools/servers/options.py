@@ -56,7 +56,17 @@ def add_prebuilt_index_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--query-prefix", dest="query_prefix", default=None,
                         help="with --index: text put before each query (default: the family's, e.g. 'query: ' for e5)")
     parser.add_argument("--faiss-gpu", "--faiss_gpu", dest="faiss_gpu", action="store_true",
-                        help="with --index: search on the GPUs where faiss has GPU support (else on the CPU, said)")
+                        help="with --index: search on the GPUs where faiss can put the index (Flat, IVF; not HNSW) and "
+                        "has GPU support (else on the CPU, said)")
+    parser.add_argument("--nprobe", type=_positive_int, default=0,
+                        help="with an IVF --index: inverted lists searched per query (default: the index file's; "
+                        "faiss's default 1 finds a fraction of what a Flat index finds); said at start-up")
+    parser.add_argument("--efSearch", type=_positive_int, default=0,
+                        help="with an HNSW --index: candidates kept while searching the graph (default: the index "
+                        "file's, faiss's default 16); said at start-up")
+    parser.add_argument("--encoder-device", default="auto",
+                        help="with --index: where the encoder runs: auto (a GPU when one is visible, default), cpu, "
+                        "cuda or cuda:N")
 
 
 def add_mcp_server_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from ..http import DEFAULT_MAX_BODY_BYTES, RETRIEVER_TOKEN_ENV
 from ..search_api import MAX_QUERIES, MAX_QUERY_CHARS, MAX_TOPK
 from .corpus import Corpus, Hits
 from .options import BACKENDS, add_retriever_server_arguments
+from .prebuilt import EncoderSettings, SearchWidth
 from .serving import guard, serve_app
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ def build_retriever(
         from .prebuilt import PrebuiltIndexRetriever
 
         return PrebuiltIndexRetriever.load(prebuilt.index, corpus_path, prebuilt.encoder_settings(encoder), cache_dir,
-                                           prebuilt.faiss_gpu)
+                                           prebuilt.faiss_gpu, prebuilt.width)
     corpus = Corpus.read(corpus_path)
     if backend == "bm25":
         return BM25Retriever.build(corpus, cache_dir)
@@ -180,17 +181,17 @@ class PrebuiltIndex:
     pooling: str = "auto"
     query_prefix: str | None = None
     faiss_gpu: bool = False
+    width: SearchWidth = SearchWidth()
+    encoder_device: str = "auto"
 
-    def encoder_settings(self, encoder: str):
-        from .prebuilt import EncoderSettings
-
+    def encoder_settings(self, encoder: str) -> EncoderSettings:
         if not encoder:
             raise ValueError(f"the prebuilt index {self.index} needs the encoder it was built with: give --encoder "
                              "(Search-R1: --retriever_model), a HuggingFace encoder dir")
         if self.encoder_family.lower() == "bm25":
             raise ValueError("a Search-R1 BM25 index (pyserini/Lucene) is not a FAISS index: serve the corpus with "
                              "--backend bm25 instead (rlsearch builds its own BM25 index)")
-        return EncoderSettings(encoder, self.encoder_family, self.pooling, self.query_prefix)
+        return EncoderSettings(encoder, self.encoder_family, self.pooling, self.query_prefix, self.encoder_device)
 
 
 class RetrieveRequest(BaseModel):
@@ -345,7 +346,8 @@ def serve_from_args(args: argparse.Namespace) -> None:
     if args.index:
         if args.backend not in (None, "dense"):
             raise SystemExit(f"--index serves a prebuilt dense index: --backend {args.backend} cannot use it")
-        prebuilt = PrebuiltIndex(args.index, args.encoder_family, args.pooling, args.query_prefix, args.faiss_gpu)
+        prebuilt = PrebuiltIndex(args.index, args.encoder_family, args.pooling, args.query_prefix, args.faiss_gpu,
+                                 SearchWidth(args.nprobe, args.efSearch), args.encoder_device)
     try:
         serve_retriever(
             args.corpus, host=args.host, port=args.port, cache_dir=args.cache_dir,
