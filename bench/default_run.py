@@ -11,6 +11,8 @@ against the control's.
 
   .venv/bin/python bench/default_run.py                 # 3 seeds + controls: ~20 min on 2 cores
   .venv/bin/python bench/default_run.py --seeds 1 --no-control
+  .venv/bin/python bench/default_run.py --check-readme LOG   # does LOG (what the README's command printed) agree
+                                                             # with the README? (bench/readme_check.py says how)
 Finished runs (a curves.png in place) are reused, so a stopped bench resumes.
 """
 
@@ -27,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import parse_args  # noqa: E402
+from bench.readme_check import check_file  # noqa: E402
 from rlsearch.runlog import read_scalars  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,8 +91,13 @@ def main() -> None:
                         help="an extra override of every run (repeatable), e.g. trainer.total_steps=20")
     parser.add_argument("--sft-steps", type=int, default=0,
                         help="steps of each seed's SFT warm start (0: the run script's, 60)")
+    parser.add_argument("--check-readme", type=Path, metavar="LOG",
+                        help="run nothing: check that LOG, what `bash examples/run_search_grpo.sh` printed, agrees "
+                             "with the README's block (exit 0), or name the first line and figure that does not (1)")
     args = parse_args(parser, dict(seeds=1, control=False, override=["trainer.total_steps=2", "data.batch_size=2"],
                                    sft_steps=2))
+    if args.check_readme:
+        raise SystemExit(check_file(args.check_readme, REPO / "README.md"))
     root = (REPO / args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
 
