@@ -4,17 +4,21 @@ share (each does its own I/O, sync or async, and asks this helper where to send 
 A call walks the endpoints in their configured order, those in cool-down last (the one whose cool-down ends first
 before the others); a transient failure (a timeout, a refused connection, HTTP 429 or 5xx) puts the endpoint in
 cool-down for ``cooldown_s`` and the call moves on to the next one at once (a failover). So a dead endpoint is skipped
-while a live one answers, and tried again once its cool-down is over. When every endpoint failed in a round, the call
-backs off and starts another round, at most ``max_retries`` more (one endpoint alone is retried exactly as before). A
-success ends an endpoint's cool-down. All endpoints down is an error after a bounded number of attempts, never a hang,
-and a call never waits for an endpoint to come back.
+while a live one answers, and tried again once its cool-down is over. When every endpoint failed in the first round,
+the call backs off and starts another round, at most ``max_retries`` more; a retry round tries the endpoints that are
+live again, or, when none is, the one whose cool-down ends first (one endpoint alone is retried exactly as before).
+So every endpoint down costs at most one attempt per endpoint and one per retry, not a round of them per retry. A
+success ends an endpoint's cool-down. A call may also have a deadline over all its attempts and waits: each attempt
+gets what is left of it, and no backoff starts that would pass it. All endpoints down is an error after a bounded
+number of attempts, never a hang, and a call never waits for an endpoint to come back.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -24,7 +28,6 @@ E = TypeVar("E")
 @dataclass
 class Attempt(Generic[E]):
     endpoint: E
-    wait_s: float  # to wait before sending it (a retry round's backoff)
     issued_at: float  # the failover's clock when the attempt was handed out
 
 
@@ -44,23 +47,11 @@ class Failover(Generic[E]):
         self._down_until = [0.0] * len(self.endpoints)
         self._lock = threading.Lock()
 
-    def attempts(self, max_retries: int, backoff_s: float) -> Iterator[Attempt[E]]:
-        """Where a call's attempts go, one at a time: the caller sends each, then reports `succeeded` (and stops) or
-        `failed` (and takes the next). Ends after ``max_retries`` + 1 rounds; the caller then counts `give_up`."""
-        previous: int | None = None
-        for round_index in range(max_retries + 1):
-            tried: set[int] = set()
-            while True:
-                index = self._next(tried)
-                if index is None:
-                    break
-                if previous is not None and index != previous:  # the previous endpoint failed: move on
-                    with self._lock:
-                        self.failovers += 1
-                wait = backoff_s * 2 ** (round_index - 1) if round_index and not tried else 0.0
-                tried.add(index)
-                previous = index
-                yield Attempt(self.endpoints[index], wait, self._clock())
+    def call(self, max_retries: int, backoff_s: float, timeout_s: float = math.inf,
+             deadline_s: float = 0.0) -> FailoverCall[E]:
+        """One call's attempts (`FailoverCall`): ``max_retries`` retry rounds, the k-th after a backoff of
+        ``backoff_s * 2**(k-1)``; each request within ``timeout_s``, all of them within ``deadline_s`` (0: none)."""
+        return FailoverCall(self, max_retries, backoff_s, timeout_s, deadline_s)
 
     def succeeded(self, endpoint: E, issued_at: float = float("inf")) -> None:
         """An answer ends the endpoint's cool-down, unless it failed after the answered attempt was issued (a request
@@ -83,19 +74,79 @@ class Failover(Generic[E]):
         with self._lock:
             return self._down_until[self._index(endpoint)] > self._clock()
 
-    def _next(self, tried: set[int]) -> int | None:
-        """The first endpoint not in cool-down and not tried this round; else, of those in cool-down and not tried,
-        the one whose cool-down ends first; None when the round tried them all."""
+    def _next(self, tried: set[int], first_round: bool) -> int | None:
+        """The first endpoint not in cool-down and not tried this round; else, when the round has tried none yet or
+        is the first, of those in cool-down and not tried, the one whose cool-down ends first; None when the round is
+        over."""
         with self._lock:
             now = self._clock()
             untried = [index for index in range(len(self.endpoints)) if index not in tried]
             live = [index for index in untried if self._down_until[index] <= now]
             if live:
                 return live[0]
-            return min(untried, key=self._down_until.__getitem__, default=None)
+            if first_round or not tried:
+                return min(untried, key=self._down_until.__getitem__, default=None)
+            return None
 
     def _index(self, endpoint: E) -> int:
         for index, candidate in enumerate(self.endpoints):
             if candidate is endpoint:
                 return index
         return self.endpoints.index(endpoint)
+
+
+class FailoverCall(Generic[E]):
+    """Where one call's attempts go, one at a time: ``wait_s()`` is how long to wait before the next one (a retry
+    round's backoff; 0 within a round), then ``next()`` picks its endpoint, once the caller is ready to send (after
+    the wait, holding whatever slot it needs). The caller sends it within ``request_timeout_s()`` and reports
+    `Failover.succeeded` (and stops) or `Failover.failed` (and asks again). Both give None when no attempt is left:
+    the rounds are over, or the deadline passed or would pass during the backoff (``out_of_time``); the caller then
+    counts `Failover.give_up`."""
+
+    def __init__(self, failover: Failover[E], max_retries: int, backoff_s: float, timeout_s: float,
+                 deadline_s: float) -> None:
+        self.failover = failover
+        self.max_retries, self.backoff_s, self.timeout_s = max_retries, backoff_s, timeout_s
+        self.deadline_s = deadline_s
+        self.deadline = failover._clock() + deadline_s if deadline_s else math.inf
+        self.sent = 0  # attempts handed out
+        self.out_of_time = False
+        self._round = 0
+        self._tried: set[int] = set()
+        self._previous: int | None = None
+
+    def time_left_s(self) -> float:
+        return self.deadline - self.failover._clock()
+
+    def request_timeout_s(self) -> float:
+        """The limit of the request about to be sent: the timeout, cut to what is left of the deadline."""
+        return min(self.timeout_s, self.time_left_s())
+
+    def wait_s(self) -> float | None:
+        """Seconds to wait before the next attempt; None when there is none."""
+        wait = 0.0
+        if self._tried and self.failover._next(self._tried, self._round == 0) is None:  # the round is over
+            if self._round == self.max_retries:
+                return None
+            self._round, self._tried = self._round + 1, set()
+            wait = self.backoff_s * 2 ** (self._round - 1)
+        if wait >= self.time_left_s():
+            self.out_of_time = True
+            return None
+        return wait
+
+    def next(self) -> Attempt[E] | None:
+        """The next attempt, its endpoint picked now; None when the deadline passed meanwhile (or after the last)."""
+        if self.time_left_s() <= 0:
+            self.out_of_time = True
+            return None
+        index = self.failover._next(self._tried, self._round == 0)
+        if index is None:
+            return None
+        if self._previous is not None and index != self._previous:  # the previous endpoint failed: move on
+            with self.failover._lock:
+                self.failover.failovers += 1
+        self._tried.add(index)
+        self._previous = index
+        self.sent += 1
+        return Attempt(self.failover.endpoints[index], self.failover._clock())

@@ -274,10 +274,14 @@ class JudgeConfig:
     max_tokens: int = 256  # of the judge's reply
     max_concurrency: int = 8  # requests in flight at once (over all trajectories being scored)
     requests_per_minute: float = 0.0  # request starts are spaced at least 60/requests_per_minute s apart; 0: no limit
-    timeout_s: float = 60.0  # per request
+    timeout_s: float = 60.0  # per request, its response read whole (a server trickling bytes is cut off)
     # more rounds over the endpoints after every one failed (a timeout, a connection error, HTTP 408, 429 or 5xx)
     max_retries: int = 3
     backoff_s: float = 1.0  # wait before round k (1, 2, ...): backoff_s * 2**(k-1)
+    # the whole call, over every endpoint, retry and backoff wait: each request gets what is left of it, and a call
+    # still failing then ends with its last error. 0: none beyond the attempts' own bound (one per endpoint and one
+    # per retry, each within timeout_s)
+    deadline_s: float = 0.0
     # replies kept on disk by hash(model, max_tokens, prompt) (the prompt holds the response): re-scoring the same
     # response asks nothing, and reward.judge.replay reruns from them. auto: <output_dir>/judge_cache; empty: none
     cache_dir: str = "auto"
@@ -340,7 +344,7 @@ class RetrieverConfig:
     # GPU the run leaves free (numbered within CUDA_VISIBLE_DEVICES); auto: a GPU whenever one is visible
     encoder_device: str = "cpu"
     topk: int = 3  # passages per search
-    timeout_s: float = 10.0  # per request
+    timeout_s: float = 10.0  # per request, its response read whole (a server trickling bytes is cut off)
     max_retries: int = 3  # retries of a failed request (transport errors, 429, 5xx)
     backoff_s: float = 0.5  # first retry delay; doubles each retry
     batch_size: int = 64  # client: queries per /retrieve request (at most 512, the server's default max_queries)
@@ -391,10 +395,14 @@ class SummariserConfig:
     prompt_file: str = ""
     max_page_chars: int = 6000  # page text put into the prompt
     max_tokens: int = 256  # of the summary
-    timeout_s: float = 60.0  # per request
+    timeout_s: float = 60.0  # per request, its response read whole (a server trickling bytes is cut off)
     max_retries: int = 1  # more rounds over the endpoints after every one failed
     backoff_s: float = 1.0  # wait before round k (1, 2, ...): backoff_s * 2**(k-1)
     cooldown_s: float = 30.0  # a failed endpoint is skipped for this long, then tried again
+    # the whole call, over every endpoint, retry and backoff wait: each request gets what is left of it, and a call
+    # still failing then ends with its last error. 0: none beyond the attempts' own bound (one per endpoint and one
+    # per retry, each within timeout_s)
+    deadline_s: float = 0.0
 
 
 @dataclass
@@ -419,9 +427,13 @@ class SerperConfig:
     # endpoints speaking Serper's API ({url, api_key_env}) tried in order with failover, instead of url/api_key_env
     endpoints: list[EndpointConfig] = field(default_factory=list)
     num_results: int = 5  # results per search
-    timeout_s: float = 15.0  # per request
+    timeout_s: float = 15.0  # per request, its response read whole (a server trickling bytes is cut off)
     max_retries: int = 2  # retry rounds over the endpoints after every one failed
     cooldown_s: float = 30.0  # a failed endpoint is skipped for this long, then tried again
+    # the whole call, over every endpoint, retry and backoff wait: each request gets what is left of it, and a call
+    # still failing then ends with its last error. 0: none beyond the attempts' own bound (one per endpoint and one
+    # per retry, each within timeout_s)
+    deadline_s: float = 0.0
 
 
 @dataclass
@@ -431,9 +443,13 @@ class JinaConfig:
     # endpoints speaking Jina Reader's API ({url, api_key_env}) tried in order with failover, instead of url/api_key_env
     endpoints: list[EndpointConfig] = field(default_factory=list)
     max_chars: int = 8000  # page text kept per fetch
-    timeout_s: float = 30.0  # per request
+    timeout_s: float = 30.0  # per request, its response read whole (a server trickling bytes is cut off)
     max_retries: int = 2  # retry rounds over the endpoints after every one failed
     cooldown_s: float = 30.0  # a failed endpoint is skipped for this long, then tried again
+    # the whole call, over every endpoint, retry and backoff wait: each request gets what is left of it, and a call
+    # still failing then ends with its last error. 0: none beyond the attempts' own bound (one per endpoint and one
+    # per retry, each within timeout_s)
+    deadline_s: float = 0.0
 
 
 @dataclass

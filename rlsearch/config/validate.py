@@ -541,7 +541,7 @@ def _check_prebuilt_index_options(retriever) -> None:
 
 
 def _check_failover(key: str, section, needs_model: bool) -> None:
-    """A section's endpoints list ({url, model, api_key_env}), max_retries and cooldown_s."""
+    """A section's endpoints list ({url, model, api_key_env}), max_retries, cooldown_s and deadline_s."""
     for index, endpoint in enumerate(section.endpoints):
         where = f"{key}.endpoints[{index}]"
         if not endpoint.url.startswith(("http://", "https://")):
@@ -549,7 +549,7 @@ def _check_failover(key: str, section, needs_model: bool) -> None:
         if needs_model and not endpoint.model:
             raise ConfigError(f"'{where}.model' is empty: name the model the endpoint serves")
         _check_env_name(f"{where}.api_key_env", endpoint.api_key_env)
-    for name in ("max_retries", "cooldown_s"):
+    for name in ("max_retries", "cooldown_s", "deadline_s"):
         if getattr(section, name) < 0:
             raise ConfigError(f"'{key}.{name}' must be >= 0; got {getattr(section, name)!r}")
 

@@ -159,28 +159,30 @@ class Judge:
         return reply
 
     async def _ask_with_failover(self, prompt: str, counters: JudgeCounters) -> tuple[str, str]:
-        """(the reply, the model that gave it): the endpoints in order (`Failover`), rounds over them with backoff.
-        Each attempt picks its endpoint once it holds a concurrency slot, so requests queued behind a judge that
-        died meanwhile go straight to the next one."""
+        """(the reply, the model that gave it): the endpoints in order (`Failover`), rounds over them with backoff,
+        all within reward.judge.deadline_s. A retry's backoff holds no concurrency slot; each attempt picks its
+        endpoint once it holds one, so requests queued behind a judge that died meanwhile go straight to the next
+        one. A request is given its whole time limit, the reply read in full, not each phase of it."""
         import openai
 
-        attempts, last_error = iter(self.endpoints.attempts(self.config.max_retries, self.config.backoff_s)), ""
-        sent = 0
-        while True:
+        config = self.config
+        call = self.endpoints.call(config.max_retries, config.backoff_s, config.timeout_s, config.deadline_s)
+        last_error = "none was sent: the deadline passed while it waited for a concurrency slot"
+        while (wait := call.wait_s()) is not None:
+            await asyncio.sleep(wait)
             async with self.in_flight:
-                attempt = next(attempts, None)
+                attempt = call.next()
                 if attempt is None:
                     break
-                await asyncio.sleep(attempt.wait_s)
                 await self.limiter.wait()
                 endpoint: JudgeEndpoint = attempt.endpoint
                 counters.requests += 1
-                sent += 1
+                limit = call.request_timeout_s()
                 try:
-                    response = await endpoint.client.chat.completions.create(
+                    response = await asyncio.wait_for(endpoint.client.chat.completions.create(
                         model=endpoint.model, messages=[{"role": "user", "content": prompt}],
-                        max_tokens=self.config.max_tokens, temperature=0.0,
-                    )
+                        max_tokens=config.max_tokens, temperature=0.0,
+                    ), limit)
                     self.endpoints.succeeded(endpoint, attempt.issued_at)
                     return response.choices[0].message.content or "", endpoint.model
                 except openai.APIStatusError as error:
@@ -188,12 +190,13 @@ class Judge:
                     if not transient:
                         raise JudgeError(f"HTTP {error.status_code}: {error.message}") from error
                     last_error = f"HTTP {error.status_code}"
-                except openai.APITimeoutError:
-                    last_error = f"timed out after {self.config.timeout_s} s"
+                except (openai.APITimeoutError, TimeoutError):
+                    last_error = f"timed out after {limit:.3g} s"
                 except openai.APIConnectionError as error:
                     last_error = f"connection error ({error.__cause__ or error})"
             self.endpoints.failed(endpoint)
             if len(self.endpoints.endpoints) > 1:
                 last_error = f"{endpoint.url}: {last_error}"
         self.endpoints.give_up()
-        raise JudgeError(f"{sent} attempt(s) failed, the last: {last_error}")
+        deadline = f" within reward.judge.deadline_s ({config.deadline_s:g} s)" if call.out_of_time else ""
+        raise JudgeError(f"{call.sent} attempt(s) failed{deadline}, the last: {last_error}")

@@ -4,6 +4,7 @@ worker holds it; ``complete`` answers chat prompts greedily."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import threading
 from typing import Any
@@ -32,8 +33,9 @@ class FrozenEngine:
         self.calls = 0  # prompts answered
         self._lock = threading.Lock()
 
-    def complete(self, prompts: list[str], max_tokens: int) -> list[str]:
-        """Each prompt as one user message under the model's chat template, answered greedily."""
+    def complete(self, prompts: list[str], max_tokens: int, timeout_s: float | None = None) -> list[str]:
+        """Each prompt as one user message under the model's chat template, answered greedily; TimeoutError after
+        ``timeout_s``, its requests aborted in the engine (a caller that gave up on them leaves nothing running)."""
         from vllm import SamplingParams
 
         tokenizer = self.engine.tokenizer
@@ -48,7 +50,7 @@ class FrozenEngine:
                     f"engine's {self.max_model_len} (tools.browse.summariser.engine_max_model_len; or lower "
                     "max_page_chars)")
         params = [SamplingParams(max_tokens=max_tokens, temperature=0.0) for _ in prompts]
-        outputs = self._events.run(self.engine.generate(ids, params))
+        outputs = self._events.run(asyncio.wait_for(self.engine.generate(ids, params), timeout_s))
         with self._lock:
             self.calls += len(prompts)
         return [output.outputs[0].text for output in outputs]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import httpx
@@ -51,7 +51,8 @@ def auth_hint(token_env: str, sent_token: bool, config_key: str) -> str:
 
 
 def send_with_retries(
-    send: Callable[[], httpx.Response],
+    client: httpx.Client,
+    request: Callable[[], httpx.Request],
     what: str,
     max_retries: int,
     backoff_s: float,
@@ -60,12 +61,13 @@ def send_with_retries(
     auth_hint: str = "",
 ) -> httpx.Response:
     """The first response that is neither retried nor a 4xx rejection, from one endpoint (`send_with_failover`)."""
-    return send_with_failover(lambda _: send(), Failover([what]), what, max_retries, backoff_s, timeout_s,
+    return send_with_failover(client, lambda _: request(), Failover([what]), what, max_retries, backoff_s, timeout_s,
                               on_retry, auth_hint)
 
 
 def send_with_failover(
-    send: Callable[[E], httpx.Response],
+    client: httpx.Client,
+    request: Callable[[E], httpx.Request],
     endpoints: Failover[E],
     what: str,
     max_retries: int,
@@ -73,25 +75,32 @@ def send_with_failover(
     timeout_s: float,
     on_retry: Callable[[], None] | None = None,
     auth_hint: str = "",
+    deadline_s: float = 0.0,
 ) -> httpx.Response:
-    """The first response that is neither retried nor a 4xx rejection; ``send(endpoint)`` sends to one endpoint.
+    """The first response that is neither retried nor a 4xx rejection; ``request(endpoint)`` is the request to one
+    endpoint, sent by ``client`` and read whole within ``timeout_s`` (`send_within`), all attempts within
+    ``deadline_s`` (0: none).
 
     Transport errors, timeouts, 429 and 5xx put the endpoint in cool-down and the next attempt goes to the next
-    endpoint (`Failover`), with exponential backoff between rounds over all of them. Raises ToolError naming
-    ``what`` for a rejection (4xx other than 429, not retried; a 401/403 message ends with ``auth_hint``, e.g. which
-    variable holds the token) or when the attempts run out; ToolTimeout instead when the last attempt timed out.
+    endpoint (`Failover`), with exponential backoff between rounds. Raises ToolError naming ``what`` for a rejection
+    (4xx other than 429, not retried; a 401/403 message ends with ``auth_hint``, e.g. which variable holds the token)
+    or when the attempts run out; ToolTimeout instead when the last attempt timed out or the deadline passed.
     ``on_retry`` is called before every attempt after the first.
     """
-    last_error, timed_out, attempts = "", False, 0
-    for attempt in endpoints.attempts(max_retries, backoff_s):
-        if attempts and on_retry is not None:
+    last_error, timed_out = "", False
+    call = endpoints.call(max_retries, backoff_s, timeout_s, deadline_s)
+    while (wait := call.wait_s()) is not None:
+        time.sleep(wait)
+        attempt = call.next()
+        if attempt is None:
+            break
+        if call.sent > 1 and on_retry is not None:
             on_retry()
-        attempts += 1
-        time.sleep(attempt.wait_s)
+        limit = call.request_timeout_s()
         try:
-            response = send(attempt.endpoint)
+            response = send_within(client, request(attempt.endpoint), limit)
         except httpx.TimeoutException as error:
-            last_error, timed_out = f"timed out after {timeout_s:g} s ({type(error).__name__})", True
+            last_error, timed_out = f"timed out after {limit:.3g} s ({type(error).__name__})", True
             endpoints.failed(attempt.endpoint)
             continue
         except httpx.TransportError as error:
@@ -109,6 +118,38 @@ def send_with_failover(
             raise ToolError(f"{what} rejected: HTTP {response.status_code} {response.text[:500]}")
         return response
     endpoints.give_up()
-    error_type = ToolTimeout if timed_out else ToolError
+    error_type = ToolTimeout if timed_out or call.out_of_time else ToolError
     where = f" over {len(endpoints.endpoints)} endpoints" if len(endpoints.endpoints) > 1 else ""
-    raise error_type(f"{what} failed after {attempts} attempts{where}; last error: {last_error}")
+    deadline = f" and its deadline of {deadline_s:g} s passed" if call.out_of_time else ""
+    raise error_type(f"{what} failed after {call.sent} attempts{where}{deadline}; last error: {last_error}")
+
+
+def send_within(client: httpx.Client, request: httpx.Request, timeout_s: float) -> httpx.Response:
+    """The response to ``request``, read whole within ``timeout_s`` (else httpx.ReadTimeout). httpx's own timeouts
+    bound each phase and each read in it, so a server that trickles a byte a second would never trip them: the body
+    is read chunk by chunk against the clock (a read itself waits at most ``timeout_s``)."""
+    request.extensions["timeout"] = httpx.Timeout(timeout_s).as_dict()
+    response = client.send(request, stream=True)
+    response.stream = _ReadBefore(response.stream, time.monotonic() + timeout_s, timeout_s, request)
+    try:
+        response.read()
+    finally:
+        response.close()
+    return response
+
+
+class _ReadBefore(httpx.SyncByteStream):
+    """A response body whose chunks must all arrive before ``deadline``."""
+
+    def __init__(self, stream, deadline: float, timeout_s: float, request: httpx.Request) -> None:
+        self._stream, self._deadline, self._timeout_s, self._request = stream, deadline, timeout_s, request
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._stream:
+            if time.monotonic() > self._deadline:
+                raise httpx.ReadTimeout(f"the response was not read whole within {self._timeout_s:.3g} s",
+                                        request=self._request)
+            yield chunk
+
+    def close(self) -> None:
+        self._stream.close()

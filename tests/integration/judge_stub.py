@@ -1,4 +1,5 @@
-"""A scripted OpenAI-compatible judge (chat/completions) on 127.0.0.1 that records every request it gets."""
+"""A scripted OpenAI-compatible judge (chat/completions) on 127.0.0.1 that records every request it gets, and one that
+never finishes an answer (`trickling_chat_server`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.applications import Starlette
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
 
 from rlsearch.data import QAExample
 from rlsearch.rollout import Trajectory
@@ -82,3 +86,34 @@ def answered(text: str, index: int = 0) -> Trajectory:
 def row(data_source: str = "judged", golden: tuple[str, ...] = ("Paris",), **fields) -> QAExample:
     return QAExample(id="q", question="What is the capital of France?", golden_answers=golden,
                      data_source=data_source, **fields)
+
+
+@dataclass
+class Trickler:
+    """An OpenAI-compatible chat server that never finishes an answer: a 200, then a space every ``every_s``
+    seconds for as long as the client reads. ``requests`` counts the requests, ``bytes_sent`` the spaces."""
+
+    every_s: float = 0.2
+    requests: int = 0
+    bytes_sent: int = 0
+
+    def app(self) -> Starlette:
+        async def trickle():
+            while True:
+                yield b" "
+                self.bytes_sent += 1
+                await asyncio.sleep(self.every_s)
+
+        async def complete(request: Request) -> StreamingResponse:
+            self.requests += 1
+            return StreamingResponse(trickle(), media_type="application/json")
+
+        return Starlette(routes=[Route("/{path:path}", complete, methods=["POST"])])
+
+
+@contextmanager
+def trickling_chat_server(every_s: float = 0.2) -> Iterator[tuple[Trickler, str]]:
+    """The trickler and its base URL (…/v1)."""
+    trickler = Trickler(every_s)
+    with serve_in_thread(trickler.app()) as url:
+        yield trickler, f"{url}/v1"

@@ -159,3 +159,20 @@ def test_a_run_whose_browse_summarises_through_a_frozen_engine_trains_two_steps(
         assert ray.get(engine.stats.remote())["calls"] == frozen_calls + live >= frozen_calls + 2
     finally:
         engine_bench.load_weights(load_file(f"{tiny_model_dir}/model.safetensors"))
+
+
+def test_a_summary_past_its_timeout_ends_in_the_engine_too_and_the_engine_answers_the_next(summariser_engine):
+    """The driver giving up on a summary (tools.browse.summariser.timeout_s) leaves nothing running: the frozen engine
+    ends the call itself at that timeout, its requests aborted, and answers the next call as before."""
+    from rlsearch.tools import ToolError
+    from rlsearch.tools.clients.summarise import EngineSummariser
+
+    tools, engine = summariser_engine
+    calls = ray.get(engine.stats.remote())["calls"]
+    with pytest.raises(TimeoutError):  # a RayTaskError of the engine's own TimeoutError
+        ray.get(engine.complete.remote(["Summarise the page."], SUMMARY_TOKENS, 0.001), timeout=60)
+    summariser = EngineSummariser(tools.browse.summariser.engine_actor, SUMMARY_TOKENS, timeout_s=0.001)
+    with pytest.raises(ToolError, match="the frozen engine took longer than 0.001 s"):
+        summariser.summarise("Summarise the page.")
+    (summary,) = ray.get(engine.complete.remote(["Summarise the page."], SUMMARY_TOKENS, 60.0), timeout=60)
+    assert summary.strip() and ray.get(engine.stats.remote())["calls"] == calls + 1

@@ -5,6 +5,7 @@ page are in its prompt, the failover is counted, and every endpoint down is an e
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -14,8 +15,9 @@ from starlette.routing import Route
 from threaded_server import serve_in_thread
 
 from rlsearch.config import BrowseConfig, EndpointConfig, RetrieverConfig, SummariserConfig, ToolsConfig
-from rlsearch.tools import ErrorKind, ToolCall, build_registry
-from tests.integration.judge_stub import Scripted, stub_judge
+from rlsearch.tools import ErrorKind, ToolCall, ToolTimeout, build_registry
+from rlsearch.tools.clients.summarise import build_summariser
+from tests.integration.judge_stub import Scripted, stub_judge, trickling_chat_server
 
 QUESTION = "Who founded Velmora?"
 
@@ -66,3 +68,43 @@ def test_browse_agent_with_every_summariser_down_is_an_error_result_not_a_hang(s
     assert time.monotonic() - started < 5.0
     assert result.error_kind is ErrorKind.TOOL_ERROR
     assert "browse summariser failed after 2 attempts over 2 endpoints" in result.error
+
+
+def ended_within(seconds: float, call) -> Exception:
+    """The error ``call()`` raised, on a thread given ``seconds`` to end (a hang guard far above what it needs)."""
+    raised: list[Exception] = []
+
+    def run() -> None:
+        try:
+            call()
+        except Exception as error:  # handed to the test
+            raised.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"the call did not end within {seconds:g} s"
+    assert raised, "the call returned an answer"
+    return raised[0]
+
+
+def test_a_summariser_that_trickles_bytes_is_cut_off_per_request_and_by_the_calls_deadline():
+    """Two endpoints that answer 200 and then a space every 0.2 s forever: httpx's read timeout (a byte within
+    timeout_s) never trips, so each request is held to timeout_s as a whole; and the call, over both endpoints and
+    its retries, to deadline_s: a, b (1 s each), the retry after 0.5 s gets 1 s, the next backoff would pass 4 s."""
+    with trickling_chat_server() as (trickler, url):
+        endpoints = [EndpointConfig(f"{url}/a", "a"), EndpointConfig(f"{url}/b", "b")]
+        per_request = build_summariser(SummariserConfig(endpoints=endpoints, timeout_s=1.0, max_retries=0))
+        error = ended_within(30, lambda: per_request.summarise("a page"))
+        assert isinstance(error, ToolTimeout) and str(error) == (
+            "browse summariser failed after 2 attempts over 2 endpoints; last error: timed out after 1 s (ReadTimeout)")
+        assert trickler.requests == 2 and trickler.bytes_sent >= 2
+        bounded = build_summariser(SummariserConfig(endpoints=endpoints, timeout_s=1.0, max_retries=5, backoff_s=0.5,
+                                                    deadline_s=4.0))
+        error = ended_within(30, lambda: bounded.summarise("a page"))
+        assert isinstance(error, ToolTimeout) and str(error).startswith(
+            "browse summariser failed after 3 attempts over 2 endpoints and its deadline of 4 s passed; last error: "
+            "timed out after"), error
+        assert trickler.requests == 2 + 3
+        per_request.close()
+        bounded.close()

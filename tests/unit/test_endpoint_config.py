@@ -17,6 +17,7 @@ from rlsearch.config import ConfigError, load_train_config
         (["reward.judge.endpoints=[{url: 'ftp://a', model: m}]"],
          r"'reward\.judge\.endpoints\[0\]\.url' must be an http\(s\) URL"),
         (["reward.judge.cooldown_s=-1"], r"'reward\.judge\.cooldown_s' must be >= 0"),
+        (["tools.browse.summariser.deadline_s=-5"], r"'tools\.browse\.summariser\.deadline_s' must be >= 0"),
         (["tools.serper.endpoints=[{url: 'http://s', api_key_env: 'BAD-NAME'}]"],
          r"'tools\.serper\.endpoints\[0\]\.api_key_env' must name an environment variable"),
         (["tools.enabled=[browse]", "tools.browse.summariser.engine=/m",

@@ -13,11 +13,17 @@ class Clock:
         return self.now
 
 
-def walk(failover: Failover, outcome, max_retries: int = 1, backoff_s: float = 1.0) -> list[tuple[str, float]]:
-    """The (endpoint, wait) of a call's attempts; ``outcome(endpoint)`` says whether that attempt succeeds."""
+def walk(failover: Failover, outcome, max_retries: int = 1, backoff_s: float = 1.0,
+         clock: Clock | None = None) -> list[tuple[str, float]]:
+    """The (endpoint, wait) of a call's attempts; ``outcome(endpoint)`` says whether that attempt succeeds. With
+    ``clock``, each attempt takes a second of it."""
     sent = []
-    for attempt in failover.attempts(max_retries, backoff_s):
-        sent.append((attempt.endpoint, attempt.wait_s))
+    call = failover.call(max_retries, backoff_s)
+    while (wait := call.wait_s()) is not None:
+        attempt = call.next()
+        sent.append((attempt.endpoint, wait))
+        if clock is not None:
+            clock.now += 1.0
         if outcome(attempt.endpoint):
             failover.succeeded(attempt.endpoint)
             return sent
@@ -39,11 +45,13 @@ def test_a_dead_endpoint_is_failed_over_then_skipped_until_its_cooldown_ends() -
 
 
 def test_all_dead_makes_bounded_rounds_with_backoff_and_counts_the_call() -> None:
-    failover = Failover(["a", "b"], cooldown_s=30.0, clock=Clock())
-    sent = walk(failover, lambda e: False, max_retries=2, backoff_s=0.5)
-    # round 1 tries both; each retry round starts after its backoff at the endpoint whose cool-down ends first
-    assert sent == [("a", 0.0), ("b", 0.0), ("a", 0.5), ("b", 0.0), ("a", 1.0), ("b", 0.0)]
-    assert failover.exhausted == 1 and failover.failovers == 5
+    clock = Clock()
+    failover = Failover(["a", "b"], cooldown_s=30.0, clock=clock)
+    sent = walk(failover, lambda e: False, max_retries=2, backoff_s=0.5, clock=clock)
+    # round 1 tries both; each retry round, after its backoff, the endpoint whose cool-down ends first, and no other
+    # that is still cooling down: one attempt per endpoint and one per retry, not a round of them per retry
+    assert sent == [("a", 0.0), ("b", 0.0), ("a", 0.5), ("b", 1.0)]
+    assert failover.exhausted == 1 and failover.failovers == 3
     # every endpoint in cool-down: a new call still tries (the soonest back), it never waits for one to recover
     assert walk(failover, lambda e: e == "b", max_retries=0) == [("a", 0.0), ("b", 0.0)]
 
@@ -60,15 +68,30 @@ def test_an_answer_to_a_request_sent_before_the_endpoint_failed_keeps_its_cooldo
     """A judge killed mid-run still answers the request it was serving; the requests after it must not go back."""
     clock = Clock()
     failover = Failover(["a", "b"], cooldown_s=30.0, clock=clock)
-    in_flight = next(failover.attempts(0, 0.0))
+    in_flight = failover.call(0, 0.0).next()
     clock.now += 1.0
-    failing = next(failover.attempts(0, 0.0))
+    failing = failover.call(0, 0.0).next()
     assert in_flight.endpoint == failing.endpoint == "a"
     clock.now += 1.0
     failover.failed(failing.endpoint)
     clock.now += 1.0
     failover.succeeded(in_flight.endpoint, in_flight.issued_at)
     assert failover.is_down("a")
-    assert next(failover.attempts(0, 0.0)).endpoint == "b"
+    assert failover.call(0, 0.0).next().endpoint == "b"
     failover.succeeded("a", issued_at=clock.now)  # sent after the failure: its answer ends the cool-down
     assert not failover.is_down("a")
+
+
+def test_a_deadline_bounds_the_call_its_requests_get_what_is_left_and_no_backoff_passes_it() -> None:
+    clock = Clock()
+    failover = Failover(["a", "b"], cooldown_s=30.0, clock=clock)
+    call = failover.call(max_retries=5, backoff_s=1.0, timeout_s=10.0, deadline_s=25.0)
+    timeouts = []
+    while (wait := call.wait_s()) is not None:
+        clock.now += wait
+        attempt = call.next()
+        timeouts.append(call.request_timeout_s())
+        clock.now += timeouts[-1]  # every request times out
+        failover.failed(attempt.endpoint)
+    # a and b at 10 s each, the retry after 1 s gets the 4 s left; the next backoff (2 s) would pass the deadline
+    assert timeouts == [10.0, 10.0, 4.0] and call.sent == 3 and call.out_of_time

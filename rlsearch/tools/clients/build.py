@@ -88,7 +88,7 @@ def _web_search(tools: ToolsConfig, *_: object) -> Tool:
 
     config = tools.serper
     return SerperSearchTool(web_endpoints(config, "web_search"), config.num_results, config.timeout_s,
-                            config.max_retries, cooldown_s=config.cooldown_s)
+                            config.max_retries, cooldown_s=config.cooldown_s, deadline_s=config.deadline_s)
 
 
 def _web_browse(tools: ToolsConfig, *_: object) -> Tool:
@@ -96,7 +96,7 @@ def _web_browse(tools: ToolsConfig, *_: object) -> Tool:
 
     config = tools.jina
     return JinaReaderTool(web_endpoints(config, "web_browse"), config.max_chars, config.timeout_s, config.max_retries,
-                          cooldown_s=config.cooldown_s)
+                          cooldown_s=config.cooldown_s, deadline_s=config.deadline_s)
 
 
 _BUILDERS: dict[str, Callable[[ToolsConfig, RetrieverConfig, str], Tool]] = {

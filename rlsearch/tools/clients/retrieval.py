@@ -88,8 +88,8 @@ class RetrievalClient:
 
     def _post_with_retries(self, endpoint: str, payload: dict) -> Any:
         response = send_with_retries(
-            lambda: self._http.post(endpoint, json=payload), endpoint, self.max_retries, self.backoff_s,
-            self.timeout_s, on_retry=lambda: self._count("num_retries"), auth_hint=self._auth_hint,
+            self._http, lambda: self._http.build_request("POST", endpoint, json=payload), endpoint, self.max_retries,
+            self.backoff_s, self.timeout_s, on_retry=lambda: self._count("num_retries"), auth_hint=self._auth_hint,
         )
         try:
             return response.json()

@@ -31,11 +31,11 @@ class EndpointSummariser:
     """``POST {url}/chat/completions`` of the first endpoint that answers (`Failover`)."""
 
     def __init__(self, endpoints: Sequence[EndpointConfig], max_tokens: int, timeout_s: float, max_retries: int,
-                 backoff_s: float, cooldown_s: float) -> None:
+                 backoff_s: float, cooldown_s: float, deadline_s: float = 0.0) -> None:
         keys = [api_key(endpoint.api_key_env, "browse (summariser)") if endpoint.api_key_env else ""
                 for endpoint in endpoints]
         self.endpoints = Failover(list(zip(endpoints, keys)), cooldown_s)
-        self.max_tokens, self.timeout_s = max_tokens, timeout_s
+        self.max_tokens, self.timeout_s, self.deadline_s = max_tokens, timeout_s, deadline_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self.calls = 0
         self._lock = threading.Lock()
@@ -45,15 +45,16 @@ class EndpointSummariser:
         with self._lock:
             self.calls += 1
 
-        def send(endpoint: tuple[EndpointConfig, str]) -> httpx.Response:
+        def request(endpoint: tuple[EndpointConfig, str]) -> httpx.Request:
             config, key = endpoint
             body = {"model": config.model, "messages": [{"role": "user", "content": prompt}],
                     "max_tokens": self.max_tokens, "temperature": 0.0}
             headers = {"Authorization": f"Bearer {key}"} if key else {}
-            return self._http.post(f"{config.url.rstrip('/')}/chat/completions", json=body, headers=headers)
+            return self._http.build_request("POST", f"{config.url.rstrip('/')}/chat/completions", json=body,
+                                            headers=headers)
 
-        response = send_with_failover(send, self.endpoints, "browse summariser", self.max_retries, self.backoff_s,
-                                      self.timeout_s)
+        response = send_with_failover(self._http, request, self.endpoints, "browse summariser", self.max_retries,
+                                      self.backoff_s, self.timeout_s, deadline_s=self.deadline_s)
         try:
             return response.json()["choices"][0]["message"]["content"] or ""
         except (ValueError, KeyError, IndexError, TypeError) as error:
@@ -86,9 +87,13 @@ class EngineSummariser:
 
         with self._lock:
             self.calls += 1
+        # the engine ends the call itself after timeout_s (its requests aborted); one still queued behind other calls
+        # when this gives up is cancelled, so that it never starts
+        summary = self._engine.complete.remote([prompt], self.max_tokens, self.timeout_s)
         try:
-            return ray.get(self._engine.complete.remote([prompt], self.max_tokens), timeout=self.timeout_s)[0]
-        except ray.exceptions.GetTimeoutError as error:
+            return ray.get(summary, timeout=self.timeout_s)[0]
+        except TimeoutError as error:  # Ray's GetTimeoutError here, or the engine's own (a RayTaskError of it)
+            ray.cancel(summary)
             raise ToolError(f"browse summariser: the frozen engine took longer than {self.timeout_s:g} s") from error
         except ray.exceptions.RayError as error:
             raise ToolError(f"browse summariser: the frozen engine failed: {error}") from error
@@ -104,7 +109,7 @@ def build_summariser(config: SummariserConfig) -> Summariser | None:
     """The summariser tools.browse.summariser names; None without one (browse then shows the page itself)."""
     if config.endpoints:
         return EndpointSummariser(config.endpoints, config.max_tokens, config.timeout_s, config.max_retries,
-                                  config.backoff_s, config.cooldown_s)
+                                  config.backoff_s, config.cooldown_s, config.deadline_s)
     if config.engine:
         if not config.engine_actor:
             raise ToolSetupError("tools.browse.summariser.engine is set but its frozen engine was not started: it "

@@ -42,11 +42,12 @@ class _WebTool(PerCallTool):
 
     def __init__(
         self, spec: ToolSpec, endpoints: Sequence[WebEndpoint], timeout_s: float, max_retries: int,
-        backoff_s: float, max_concurrency: int, cooldown_s: float,
+        backoff_s: float, max_concurrency: int, cooldown_s: float, deadline_s: float,
     ) -> None:
         super().__init__(spec, max_concurrency)
         self.endpoints = Failover(endpoints, cooldown_s)
         self.timeout_s = timeout_s
+        self.deadline_s = deadline_s  # of a call, over every endpoint and retry; 0: none
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self._http = httpx.Client(timeout=timeout_s)
@@ -63,8 +64,11 @@ class _WebTool(PerCallTool):
         """The JSON object answered to ``method`` at ``target(endpoint)``, the first endpoint that answers."""
         where = self.url if len(self.endpoints.endpoints) == 1 else f"{len(self.endpoints.endpoints)} endpoints"
         response = send_with_failover(
-            lambda endpoint: self._http.request(method, target(endpoint), headers=self._headers(endpoint), **kwargs),
+            self._http,
+            lambda endpoint: self._http.build_request(method, target(endpoint), headers=self._headers(endpoint),
+                                                      **kwargs),
             self.endpoints, f"{self.spec.name} ({where})", self.max_retries, self.backoff_s, self.timeout_s,
+            deadline_s=self.deadline_s,
         )
         try:
             body = response.json()
@@ -87,11 +91,11 @@ class SerperSearchTool(_WebTool):
 
     def __init__(
         self, endpoints: Sequence[WebEndpoint], num_results: int = 5, timeout_s: float = 15.0, max_retries: int = 2,
-        backoff_s: float = 0.5, max_concurrency: int = 4, cooldown_s: float = 30.0,
+        backoff_s: float = 0.5, max_concurrency: int = 4, cooldown_s: float = 30.0, deadline_s: float = 0.0,
     ) -> None:
         super().__init__(
             ToolSpec("web_search", WEB_SEARCH_DESCRIPTION), endpoints, timeout_s, max_retries, backoff_s,
-            max_concurrency, cooldown_s,
+            max_concurrency, cooldown_s, deadline_s,
         )
         self.num_results = num_results
 
@@ -115,11 +119,11 @@ class JinaReaderTool(_WebTool):
 
     def __init__(
         self, endpoints: Sequence[WebEndpoint], max_chars: int = 8000, timeout_s: float = 30.0, max_retries: int = 2,
-        backoff_s: float = 0.5, max_concurrency: int = 4, cooldown_s: float = 30.0,
+        backoff_s: float = 0.5, max_concurrency: int = 4, cooldown_s: float = 30.0, deadline_s: float = 0.0,
     ) -> None:
         super().__init__(
             ToolSpec("web_browse", WEB_BROWSE_DESCRIPTION, url_parameters()), endpoints, timeout_s, max_retries,
-            backoff_s, max_concurrency, cooldown_s,
+            backoff_s, max_concurrency, cooldown_s, deadline_s,
         )
         self.max_chars = max_chars
 
