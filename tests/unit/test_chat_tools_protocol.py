@@ -6,7 +6,6 @@ import asyncio
 import copy
 import json
 import random
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +24,7 @@ from rlsearch.tools.protocols.chat_tools import (
     template_mismatches,
 )
 from rlsearch.trainer.metrics import trajectory_metrics
+from tests.concurrency import InFlight
 
 SEARCH_PARAMETERS = {
     "type": "object",
@@ -278,22 +278,22 @@ def test_native_arguments_become_query_and_attributes() -> None:
     assert with_query(ToolCall("search", "", arguments={"topk": 3}), SEARCH_PARAMETERS).query == ""
 
 
-class SlowTool(PerCallTool):
-    """Answers ``name: query`` after ``delay_s``; keeps the calls it got."""
+class QueryTool(PerCallTool):
+    """Answers ``name: query``; keeps the calls it got, each made inside ``in_flight``."""
 
-    def __init__(self, name: str, delay_s: float = 0.0) -> None:
+    def __init__(self, name: str, in_flight: InFlight | None = None) -> None:
         super().__init__(ToolSpec(name, f"the {name} tool", SEARCH_PARAMETERS), max_concurrency=4)
-        self.delay_s = delay_s
+        self.in_flight = in_flight or InFlight()
         self.calls: list[ToolCall] = []
 
     def call(self, call: ToolCall) -> list[Document]:
         self.calls.append(call)
-        time.sleep(self.delay_s)
-        return [Document(text=f"{self.spec.name}: {call.query} {sorted(call.attrs.items())}", title=call.query)]
+        with self.in_flight:
+            return [Document(text=f"{self.spec.name}: {call.query} {sorted(call.attrs.items())}", title=call.query)]
 
 
 def test_registry_runs_native_calls_through_query_tools() -> None:
-    tool = SlowTool("search")
+    tool = QueryTool("search")
     registry = ToolRegistry([tool])
     (result,) = registry.run([ToolCall("search", "", arguments={"query": "river", "topk": 2})])
     assert result.ok and result.documents[0].text == "search: river [('topk', '2')]"
@@ -349,19 +349,20 @@ def run_scripted(tokenizer, registry: ToolRegistry, config: RolloutConfig, scrip
 
 
 def test_agent_loop_runs_the_calls_of_a_turn_at_once_in_call_order(tokenizer) -> None:
-    registry = ToolRegistry([SlowTool("search", delay_s=0.4), SlowTool("browse", delay_s=0.4)])
+    both_at_once = InFlight(meet=2)  # run one after the other, the first call would end at the hang guard
+    registry = ToolRegistry([QueryTool("search", both_at_once), QueryTool("browse", both_at_once)])
     two_calls = block("search", {"query": "alpha"}) + "\n" + block("browse", {"query": "page"})
     _, (trajectory,) = run_scripted(tokenizer, registry, RolloutConfig(protocol="chat_tools"), {
         "Who founded Velmora?": [(two_calls, True), ("<answer> Mebri </answer>", True)],
     })
     assert trajectory.turns[0].tool_outputs == ["[1] alpha\nsearch: alpha []", "[1] page\nbrowse: page []"]
-    assert 0.4 <= trajectory.tool_s < 0.75  # one after the other: 0.8 s
+    assert (both_at_once.calls, both_at_once.most) == (2, 2)
     registry.close()
 
 
 @pytest.mark.parametrize(("agent_loop", "batch_sizes"), [("per_sample", [2, 3]), ("turn_barrier", [5])])
 def test_both_schedules_keep_each_trajectory_s_calls_in_order(tokenizer, agent_loop: str, batch_sizes) -> None:
-    registry = BatchCountingRegistry([SlowTool("search"), SlowTool("browse")])
+    registry = BatchCountingRegistry([QueryTool("search"), QueryTool("browse")])
     scripts = {
         question: [("".join(block(tool, {"query": f"{question[:3]}{i}"}) for i, tool in enumerate(tools)), True),
                    ("<answer> x </answer>", True)]
@@ -379,7 +380,7 @@ def test_both_schedules_keep_each_trajectory_s_calls_in_order(tokenizer, agent_l
 
 
 def test_agent_loop_limits_errors_and_cut_turns_with_several_calls(tokenizer) -> None:
-    search, browse = SlowTool("search"), SlowTool("browse")
+    search, browse = QueryTool("search"), QueryTool("browse")
     registry = ToolRegistry([search, browse])
     config = RolloutConfig(protocol="chat_tools", max_turns=6, max_response_tokens=4000, max_tool_calls=5,
                            max_calls_per_tool={"browse": 1})

@@ -27,6 +27,7 @@ from rlsearch.tools import (
 )
 from rlsearch.tools.base import PerCallTool
 from rlsearch.tools.clients.build import _BUILDERS
+from tests.concurrency import InFlight
 
 
 class EchoTool(Tool):
@@ -107,16 +108,18 @@ def test_cache_answers_repeated_calls_without_the_tool(tmp_path) -> None:
 
 
 def test_per_call_tool_runs_calls_concurrently() -> None:
-    class SlowTool(PerCallTool):
-        def call(self, call: ToolCall) -> list[Document]:
-            time.sleep(0.2)
-            return [Document(text=call.query)]
+    four_at_once = InFlight(meet=4)
 
-    tool = SlowTool(ToolSpec("slow", "sleeps"), max_concurrency=4)
-    started = time.perf_counter()
-    results = tool.run_batch([ToolCall("slow", str(i)) for i in range(4)])
-    assert time.perf_counter() - started < 0.6
+    class MeetingTool(PerCallTool):
+        def call(self, call: ToolCall) -> list[Document]:
+            with four_at_once:
+                return [Document(text=call.query)]
+
+    tool = MeetingTool(ToolSpec("meeting", "waits for the other calls"), max_concurrency=4)
+    results = tool.run_batch([ToolCall("meeting", str(i)) for i in range(4)])
+    assert [r.error for r in results] == [None] * 4
     assert [r.documents[0].text for r in results] == ["0", "1", "2", "3"]
+    assert (four_at_once.calls, four_at_once.most) == (4, 4)
     tool.close()
 
 
