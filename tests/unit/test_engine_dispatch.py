@@ -5,34 +5,46 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from ray.exceptions import ActorDiedError
 
 from rlsearch.rollout import NoEngineLeftError, PromptItem, Trajectory, dispatch_groups
+from tests.concurrency import HANG_GUARD_S
 
 
 class FakeEngine:
-    """Sleeps `delay_s` per generate call; from call `dies_at` on (1-based) it raises Ray's ActorDiedError."""
+    """Sleeps `delay_s` per generate call, after `held_until()` is true when given (polled; a call still held after
+    the hang guard raises TimeoutError saying so); from call `dies_at` on (1-based) it raises Ray's ActorDiedError."""
 
-    def __init__(self, delay_s: float, dies_at: int = 0) -> None:
-        self.delay_s, self.dies_at = delay_s, dies_at
+    def __init__(self, delay_s: float, dies_at: int = 0, held_until: Callable[[], bool] | None = None) -> None:
+        self.delay_s, self.dies_at, self.held_until = delay_s, dies_at, held_until
         self.calls: list[list[int]] = []  # group ids of each call
-        self.spans: list[tuple[float, float]] = []  # (start, end) of each finished call, perf_counter seconds
+        self.finished = 0  # calls that returned or raised
         self.lock = threading.Lock()
 
     def generate(self, items: list[PromptItem], step: int) -> list[Trajectory]:
-        started = time.perf_counter()
         with self.lock:
             self.calls.append(sorted({item.group_id for item in items}))
             call = len(self.calls)
-        time.sleep(self.delay_s)
-        with self.lock:
-            self.spans.append((started, time.perf_counter()))
+        try:
+            self._hold()
+            time.sleep(self.delay_s)
+        finally:
+            with self.lock:
+                self.finished += 1
         if self.dies_at and call >= self.dies_at:
             raise ActorDiedError()
         return [Trajectory(item.example_id, item.group_id, item.sample_index, [step]) for item in items]
+
+    def _hold(self) -> None:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while self.held_until is not None and not self.held_until():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"hang guard: a call held {HANG_GUARD_S:g} s, never released")
+            time.sleep(0.01)
 
 
 def _items(groups: int, group_size: int = 3) -> list[PromptItem]:
@@ -71,16 +83,15 @@ def test_spread_deals_every_group_round_robin_at_once():
 
 
 def test_a_slow_engine_does_not_hold_the_fast_one_idle():
-    slow, fast = FakeEngine(0.4), FakeEngine(0.02)
-    result = _run([slow, fast], _items(groups=16), groups_per_engine=1)
-    assert slow.calls[0] == [0] and fast.calls[0] == [1]  # the deterministic first deal
-    assert result.groups[1] >= 3 * result.groups[0], result.groups
-    assert result.groups[0] + result.groups[1] == 16
-    # the fast engine got its next group as soon as it finished one, not when the slow one finished (a deal in step
-    # with the slow engine would leave it ~0.4 s idle between calls). Not its busy share of the wall: the slow engine's
-    # last group sets the wall, and on a loaded machine that share fell to 0.46 with nothing wrong.
-    gaps = [start - end for (_, end), (start, _) in zip(fast.spans, fast.spans[1:])]
-    assert max(gaps) < slow.delay_s / 2, gaps
+    # the slow engine's first group is held until the fast engine has started every other group: dealt in step with
+    # the slow engine, the fast one would get no second group and the slow one's call would end at its hang guard
+    groups = 16
+    fast = FakeEngine(0.02)
+    slow = FakeEngine(0.0, held_until=lambda: len(fast.calls) == groups - 1)
+    result = _run([slow, fast], _items(groups=groups), groups_per_engine=1, timeout_s=2 * HANG_GUARD_S)
+    assert slow.calls == [[0]] and fast.calls[0] == [1]  # the deterministic first deal
+    assert sorted(fast.calls) == [[g] for g in range(1, groups)]
+    assert result.groups == {0: 1, 1: groups - 1}
     assert result.busy_s[1] >= result.groups[1] * fast.delay_s  # busy_s counts each call in flight
 
 
@@ -104,7 +115,13 @@ def test_no_engine_left_is_a_clear_error():
 
 
 def test_a_stuck_engine_times_out_instead_of_hanging():
-    started = time.perf_counter()
-    with pytest.raises(TimeoutError, match="no rollout group finished within"):
-        _run([FakeEngine(3.0)], _items(groups=1), groups_per_engine=1, timeout_s=0.3)
-    assert time.perf_counter() - started < 5.0
+    released = threading.Event()
+    stuck = FakeEngine(0.0, held_until=released.is_set)
+    with ThreadPoolExecutor(max_workers=1) as threads:
+        try:
+            with pytest.raises(TimeoutError, match="no rollout group finished within"):
+                dispatch_groups(_items(groups=1), [0], lambda engine, group: threads.submit(stuck.generate, group, 7),
+                                groups_per_engine=1, timeout_s=0.3)
+            assert (len(stuck.calls), stuck.finished) == (1, 0)  # it gave up with the call still running
+        finally:
+            released.set()
