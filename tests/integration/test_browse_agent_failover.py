@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
 import pytest
 from starlette.applications import Starlette
@@ -62,10 +61,8 @@ def test_browse_agent_fails_over_to_a_live_summariser_and_counts_it(site):
 def test_browse_agent_with_every_summariser_down_is_an_error_result_not_a_hang(site):
     registry = build_registry(browse_tools([EndpointConfig(dead_url(), "a"), EndpointConfig(dead_url(), "b")]),
                               RetrieverConfig(), "")
-    started = time.monotonic()
     (result,) = registry.run([ToolCall("browse", site, question=QUESTION)])
     registry.close()
-    assert time.monotonic() - started < 5.0
     assert result.error_kind is ErrorKind.TOOL_ERROR
     assert "browse summariser failed after 2 attempts over 2 endpoints" in result.error
 
@@ -83,7 +80,7 @@ def ended_within(seconds: float, call) -> Exception:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(seconds)
-    assert not thread.is_alive(), f"the call did not end within {seconds:g} s"
+    assert not thread.is_alive(), f"hang guard: the call did not end within {seconds:g} s"
     assert raised, "the call returned an answer"
     return raised[0]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 import pytest
 
@@ -61,16 +60,13 @@ def test_a_run_that_does_not_fit_stops_before_anything_starts(tiny_model_dir, to
                                                               nothing_may_start):
     overrides = _overrides(tiny_model_dir, toy_data, tmp_path)
     memory = _memory_between_full_and_the_rest(overrides)
-    started = time.perf_counter()
     code = main(["train", "--config", EXAMPLE, "--verbose", *overrides, f"trainer.device_memory_gb={memory}"])
-    seconds = time.perf_counter() - started
     err = capsys.readouterr().err
     assert code == 2, err
     assert "the memory plan does not fit: needs " in err, err
     assert f"of host memory at {LONG:,} tokens of {memory:,.2f} GB (host memory, trainer.device_memory_gb)" in err
     assert "; with actor.recompute=full, " in err and "trainer.memory_check=warn runs it anyway" in err
     assert "verdict : does NOT fit" in err  # the plan itself follows the message
-    assert seconds < 20
     # the same under the supervisor (train --restarts): stopped before it starts a driver or Ray
     code = main(["train", "--config", EXAMPLE, "--verbose", "--restarts", "1", *overrides,
                  f"trainer.device_memory_gb={memory}"])

@@ -1,7 +1,6 @@
 import json
 import re
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -150,11 +149,9 @@ def test_changed_corpus_is_not_served_from_a_stale_cache(corpus_path: Path, tmp_
 def test_dead_server_raises_after_bounded_retries() -> None:
     url = f"http://127.0.0.1:{closed_port()}"
     client = RetrievalClient(url, timeout_s=1.0, max_retries=3, backoff_s=0.01)
-    started = time.monotonic()
     expected_message = f"{url}/retrieve failed after 4 attempts; last error: ConnectError"
     with pytest.raises(ToolError, match=re.escape(expected_message)):
         client.retrieve(["river"])
-    assert time.monotonic() - started < 3.0
     assert (client.num_requests, client.num_retries, client.num_failures) == (1, 3, 1)
     client.close()
 
