@@ -75,13 +75,11 @@ def test_judge_fails_over_to_the_second_endpoint_when_the_first_is_killed_mid_ru
         # a failover per request in flight when it died at most; later requests skip it (cool-down)
         assert 1 <= stats["reward/judge_failovers"] <= 2 and stats["reward/judge_failures"] == 0
 
-        # both dead: every trajectory fails, counted, in bounded time (a round over both refused endpoints, then the
-        # retry round's one attempt at the endpoint back first: not a round of them per retry)
+        # both dead: every trajectory fails, counted, after 3 attempts each (a round over both refused endpoints,
+        # then the retry round's one attempt at the endpoint back first: not a round of them per retry)
         second.kill()
         dead = [answered(f"<answer>town {i}</answer>", i) for i in range(4)]
-        started = time.monotonic()
         stats = scorer.score(dead, [row()] * 4)
-        assert time.monotonic() - started < 5.0
         assert stats["reward/judge_failures"] == 4 and all(t.failed.startswith("judge: 3 attempt(s) failed")
                                                            for t in dead)
 
