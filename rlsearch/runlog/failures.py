@@ -93,8 +93,13 @@ def _reported_pid(error: BaseException) -> int | None:
     errors ("(pid=4242, ip=...)" of a task, "pid: 4242" of a dead actor)."""
     if getattr(error, "pid", None):
         return error.pid
-    match = re.search(r"\bpid(?:=|: )(\d+)", str(error)) if type(error).__name__ in RAY_REPORTS else None
+    match = re.search(r"\bpid(?:=|: )(\d+)", str(error)) if _is_ray_report(error) else None
     return int(match[1]) if match else None
+
+
+def _is_ray_report(error: BaseException) -> bool:
+    """One of Ray's errors, or a class Ray made of one and the process's own (a task's "RayTaskError(ValueError)")."""
+    return any(cls.__name__ in RAY_REPORTS for cls in type(error).__mro__)
 
 
 def ray_death(error: BaseException) -> str:

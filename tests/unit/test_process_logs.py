@@ -227,3 +227,19 @@ def test_the_driver_traceback_is_dropped_only_when_the_process_failure_explains_
     assert explained.returncode == 1 and "Traceback" not in explained.stderr
     assert explained.stderr.splitlines()[0] == ("rlsearch train: the actor rank 0 in process 4646 failed: "
                                                 "RuntimeError: rank 0 ran out")
+
+
+def test_a_task_error_ray_made_of_the_processs_own_names_its_process():
+    """Ray raises a task's failure in the driver as a class it makes of RayTaskError and the process's own exception
+    ("RayTaskError(RuntimeError)"), whose only record of the process is its message's "(pid=..., ip=...)"."""
+    from ray.exceptions import RayTaskError
+
+    from rlsearch.runlog import process_failure
+
+    failed = RayTaskError("initialize", "Traceback (most recent call last):\nRuntimeError: no Transformer Engine",
+                          RuntimeError("no Transformer Engine"), proctitle="ray::MegatronActorWorker.initialize",
+                          pid=4747, ip="127.0.0.1").as_instanceof_cause()
+    assert type(failed).__name__ == "RayTaskError(RuntimeError)"
+    failure = process_failure(failed, None)
+    assert failure is not None and failure.process == "the process 4747"
+    assert failure.errors == ("RuntimeError: no Transformer Engine",) and failure.explains_driver_error
