@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from rlsearch.data import QAExample
 from rlsearch.rollout import Trajectory
+from tests.concurrency import InFlight
 from tests.integration.threaded_server import serve_in_thread
 
 
@@ -38,8 +39,7 @@ class StubJudge:
     started: list[float] = field(default_factory=list)  # monotonic time each request arrived
     prompts: list[str] = field(default_factory=list)
     attempts: Counter = field(default_factory=Counter)
-    in_flight: int = 0
-    max_in_flight: int = 0
+    in_flight: InFlight = field(default_factory=InFlight)  # the requests being answered
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -51,13 +51,9 @@ class StubJudge:
             self.started.append(time.monotonic())
             self.prompts.append(prompt)
             self.attempts[prompt] += 1
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
-            try:
+            async with self.in_flight:
                 action = self.script(prompt, self.attempts[prompt])
                 await asyncio.sleep(action.delay_s)
-            finally:
-                self.in_flight -= 1
             if action.status != 200:
                 return JSONResponse({"error": {"message": f"scripted {action.status}"}}, status_code=action.status)
             return {
@@ -71,9 +67,10 @@ class StubJudge:
 
 
 @contextmanager
-def stub_judge(script: Script) -> Iterator[tuple[StubJudge, str]]:
-    """The stub and its base URL (…/v1)."""
-    stub = StubJudge(script)
+def stub_judge(script: Script, meet: int = 0) -> Iterator[tuple[StubJudge, str]]:
+    """The stub and its base URL (…/v1); with ``meet=n`` a request is answered only once n are in flight at once
+    (`InFlight`)."""
+    stub = StubJudge(script, in_flight=InFlight(meet))
     with serve_in_thread(stub.app()) as url:
         yield stub, f"{url}/v1"
 

@@ -76,30 +76,30 @@ def test_a_replay_scores_from_the_recorded_replies_alone_and_names_a_missing_pro
 
 
 def test_request_rate_is_held_at_the_judge() -> None:
+    interval_s = 0.1
     with stub_judge(lambda prompt, attempt: Scripted("Verdict: correct")) as (stub, url):
-        scorer = _scorer(url, requests_per_minute=600, max_concurrency=8)  # one request start per 0.1 s
+        scorer = _scorer(url, requests_per_minute=60 / interval_s, max_concurrency=8)
+        scorer.score([answered("<answer>warm-up</answer>")], [row()])  # the client's set-up (2 s here) comes first
         trajectories = [answered(f"<answer>city {i}</answer>", i) for i in range(10)]
-        started = time.monotonic()
+        asked = time.monotonic()
         scorer.score(trajectories, [row()] * 10)
-        elapsed = time.monotonic() - started
         scorer.close()
-    assert len(stub.started) == 10
-    # starts leave the client 0.1 s apart; arrivals jitter by a connection set-up (the first gap measured 0.06 s)
-    assert max(sum(start <= t < start + 0.5 for t in stub.started) for start in stub.started) <= 6
-    assert stub.started[-1] - stub.started[0] >= 0.85 and elapsed >= 0.9
+    arrivals = sorted(stub.started[1:])
+    assert len(arrivals) == 10
+    # request k of these leaves the client k intervals after `asked` at the earliest and arrives later still: a bound
+    # from below, which no machine's slowness breaks (without the limit the 8 slots' requests arrive within 0.1 s)
+    assert [k for k, arrived in enumerate(arrivals) if arrived - asked < k * interval_s - 1e-3] == []
 
 
 def test_concurrency_is_held_at_the_judge_and_requests_overlap() -> None:
-    with stub_judge(lambda prompt, attempt: Scripted("Verdict: correct", delay_s=0.3)) as (stub, url):
+    # each request answered only once three are in flight at once (serial requests end at the stub's hang guard)
+    with stub_judge(lambda prompt, attempt: Scripted("Verdict: correct", delay_s=0.3), meet=3) as (stub, url):
         scorer = _scorer(url, max_concurrency=3)
         trajectories = [answered(f"<answer>city {i}</answer>", i) for i in range(12)]
-        started = time.monotonic()
         stats = scorer.score(trajectories, [row()] * 12)
-        elapsed = time.monotonic() - started
         scorer.close()
-    assert stub.max_in_flight == 3
+    assert (stub.in_flight.calls, stub.in_flight.most) == (12, 3)
     assert stats["reward/judge_requests"] == 12 and all(t.reward == 1.0 for t in trajectories)
-    assert elapsed < 3.0  # serial: 12 x 0.3 = 3.6 s; 4 waves of 3: ~1.2 s (1.9 s measured on 2 busy cores)
 
 
 def test_timeouts_and_server_errors_are_retried_then_fail_the_trajectory() -> None:
@@ -118,9 +118,7 @@ def test_timeouts_and_server_errors_are_retried_then_fail_the_trajectory() -> No
     with stub_judge(script) as (stub, url):
         scorer = _scorer(url, timeout_s=0.5, max_retries=2, backoff_s=0.05)
         trajectories = [answered(f"<answer>{answer}</answer>", i) for i, answer in enumerate(answers)]
-        started = time.monotonic()
         stats = scorer.score(trajectories, [row()] * len(answers))
-        elapsed = time.monotonic() - started
         scorer.close()
     assert [t.reward for t in trajectories[:3]] == [1.0, 1.0, 0.1] and not any(t.failed for t in trajectories[:3])
     assert trajectories[3].failed == "judge: 3 attempt(s) failed, the last: HTTP 503"
@@ -129,7 +127,6 @@ def test_timeouts_and_server_errors_are_retried_then_fail_the_trajectory() -> No
     assert [stub.attempts[p] for p in sorted(stub.attempts, key=lambda p: answers.index(_ANSWER.search(p)[1]))] == [
         2, 2, 2, 3, 3, 1]
     assert stats["reward/judge_requests"] == 13 and stats["reward/judge_failures"] == 3
-    assert elapsed < 3.0  # three 0.5 s timeouts in a row plus backoffs, every trajectory in parallel
 
 
 def test_garbage_verdict_is_excluded_and_counted_never_scored_zero(tmp_path) -> None:
@@ -211,10 +208,12 @@ def test_vllm_served_model_as_the_judge(vllm_judge_url, tmp_path) -> None:
     texts = [f"<answer>{answer}</answer>" for answer in ("Paris", "Lyon", "Marseille", "the capital")]
     trajectories = [answered(text, i) for i, text in enumerate(texts)]
     stats = scorer.score(trajectories, [row()] * 4)
-    judged = [t for t in trajectories if not t.failed]
-    assert stats["reward/judge_requests"] == 4 and stats["reward/judge_failures"] == 4 - len(judged)
-    assert all(t.scores["correct"] in (0.0, 1.0) for t in judged)
-    assert all(t.failed.startswith("judge: no verdict in the reply") for t in trajectories if t.failed)
+    failed = [t for t in trajectories if t.failed]
+    assert stats["reward/judge_requests"] == 4 and stats["reward/judge_failures"] == len(failed)
+    print(f"\nthe random judge's replies: {4 - len(failed)} with a verdict, {len(failed)} without")
+    # each of the four replies classified: a verdict scored 0 or 1, or none (the trajectory failed)
+    assert [t.scores["correct"] in (0.0, 1.0) if not t.failed else t.failed.startswith("judge: no verdict in the reply")
+            for t in trajectories] == [True] * 4
     records = [json.loads(path.read_text()) for path in (tmp_path / "cache").glob("*/*.json")]
     assert len(records) == 4 and {record["model"] for record in records} == {"tiny-judge"}
     again = [answered(text, i) for i, text in enumerate(texts)]
