@@ -12,6 +12,9 @@
 #                                                             # prefilled and the closing tag biased (see the config)
 #   RLSEARCH_CONFIG=examples/configs/search_grpo_moe_tiny.yaml bash examples/run_search_grpo.sh
 #                   # another config: trains its own model.path (no warm start unless RLSEARCH_WARM_START=sft)
+#   RLSEARCH_CONFIG=examples/configs/search_grpo_smollm2.yaml bash examples/run_search_grpo.sh
+#                   # a real pretrained model, SmolLM2-135M-Instruct: its model.path is its own SFT warm start, which
+#                   # scripts/prepare_default.sh builds once with the model and its toy data (docs/benchmarks.md)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/prepare_default.sh"
 

