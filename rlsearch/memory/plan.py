@@ -337,10 +337,12 @@ def _logit_positions(actor: ActorMemorySettings) -> int:
 
 
 def _ffn_width(shape: ModelShape, tp: int) -> float:
-    """The FFN width one token passes through on this rank: routed experts are not tensor-parallel, each token's
-    top-k copies go through theirs."""
+    """The FFN width one token passes through on this rank, per token of the micro-batch. MoE: each token's top-k
+    copies go through their experts, whose FFNs are split over the expert-tensor-parallel ranks (as many as tp);
+    Megatron trains MoE layers under tensor parallelism only with sequence parallelism, so an expert's rank takes the
+    copies of its tensor-parallel group's tokens (1/tp of the sequence each) through 1/tp of each FFN."""
     if shape.experts:
-        return shape.experts_per_token * shape.expert_ffn + shape.shared_expert_ffn / tp
+        return (shape.experts_per_token * shape.expert_ffn + shape.shared_expert_ffn) / tp
     return shape.ffn / tp
 
 

@@ -69,13 +69,17 @@ class StageParameters:
     """The parameters one rank of a pipeline stage holds."""
 
     dense: int  # sharded over tensor-parallel ranks (norms and routers replicated), replicated over data-parallel
-    expert: int  # routed experts: split over expert-parallel ranks, replicated over the rest of data parallelism
+    # routed experts: split over expert-parallel ranks, each expert's FFN over the tensor-parallel ones, replicated over
+    # the rest of data parallelism
+    expert: int
 
 
 def stage_parameters(shape: ModelShape, tp: int, pp: int, ep: int, stage: int) -> StageParameters:
     """Parameters on one rank of pipeline stage `stage` (of `pp`; each holds layers / pp layers, over all its virtual
     stages). Megatron's layout: the embedding on the first stage, the final norm and the output layer on the last
-    (with tied embeddings and pp > 1 the last stage keeps its own copy of the embedding to project with)."""
+    (with tied embeddings and pp > 1 the last stage keeps its own copy of the embedding to project with); routed
+    experts over the `ep` expert-parallel ranks, and each expert's FFN over the expert-tensor-parallel ones, as many as
+    `tp` (initialize_model_parallel's default, which rlsearch.megatron.parallel keeps)."""
     h, d = shape.hidden, shape.head_dim
     attention = (h * (shape.heads + 2 * shape.kv_heads) * d // tp + shape.heads * d * h // tp
                  + (shape.heads + 2 * shape.kv_heads) * d // tp * shape.qkv_bias + 2 * d * shape.qk_norm)
@@ -86,7 +90,7 @@ def stage_parameters(shape: ModelShape, tp: int, pp: int, ep: int, stage: int) -
         dense_per_layer += shape.experts * h  # the router
         if shape.shared_expert_ffn:
             dense_per_layer += 3 * h * shape.shared_expert_ffn // tp + h  # the shared expert and its gate
-        expert_per_layer = shape.experts // ep * 3 * h * shape.expert_ffn
+        expert_per_layer = shape.experts // ep * 3 * h * shape.expert_ffn // tp
     else:
         dense_per_layer += 3 * h * shape.ffn // tp  # gate and up projections, then down
     layers = shape.layers // pp
