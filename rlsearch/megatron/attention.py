@@ -12,11 +12,13 @@ with its own queries.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -84,7 +86,10 @@ class PackedDotProductAttention(DotProductAttention):
         # with query-key layer scaling the parent splits the scale between the scores and the softmax
         scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
         dropout = self.attention_dropout.p if self.training else 0.0
-        context = blocked_attention(query, key, value, layout.blocks, scale, dropout)
+        # as Megatron's attention draws its dropout without sequence parallelism: from the tensor-parallel rank's own
+        # stream (its heads), which recomputation saves and restores with the others
+        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
+            context = blocked_attention(query, key, value, layout.blocks, scale, dropout)
         return context.reshape(context.shape[0], self.hidden_size_per_partition)
 
     def _rotate(self, rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

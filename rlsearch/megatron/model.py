@@ -126,8 +126,8 @@ def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: 
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        # dropout is the model's own: mbridge maps config.json's attention_dropout and hidden_dropout (0 in Qwen2,
+        # Qwen3 and Llama), applied in training passes only (logprob passes run in eval mode)
         batch_p2p_sync=False,
         # batched send/recv on gloo is matched out of order with interleaved stages (silently wrong losses), and
         # mbridge's overlapped p2p for virtual stages needs it off on nccl as well
