@@ -4,11 +4,10 @@ Real servers on 127.0.0.1 (uvicorn in a thread, or the subprocess the trainer st
 """
 
 import json
-import time
 
 import httpx
 import pytest
-from threaded_server import serve_in_thread
+from threaded_server import ResponseLog, serve_in_thread
 
 from rlsearch.cli import build_parser
 from rlsearch.config import MCPConfig, MCPServerConfig, RetrieverConfig, ToolsConfig
@@ -47,12 +46,18 @@ def protected_retriever(bm25):
 
 
 @pytest.fixture(scope="module")
-def protected_mcp(bm25):
+def protected_mcp_server(bm25):
+    """The MCP server's URL and the log of its responses."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv(MCP_TOKEN_ENV, TOKEN)
-        app = create_mcp_app(bm25)
+        app = ResponseLog(create_mcp_app(bm25))
     with serve_in_thread(app) as url:
-        yield f"{url}/mcp"
+        yield f"{url}/mcp", app
+
+
+@pytest.fixture(scope="module")
+def protected_mcp(protected_mcp_server) -> str:
+    return protected_mcp_server[0]
 
 
 def retrieve(url: str, body, headers: dict | None = None, **kwargs) -> httpx.Response:
@@ -203,15 +208,23 @@ def test_mcp_client_with_the_token_lists_and_searches(protected_mcp, question, m
         ("wrong", "HTTP 401: the server refused the bearer token in RLSEARCH_MCP_TOKEN"),
     ],
 )
-def test_mcp_client_without_the_right_token_is_a_clear_setup_error(protected_mcp, monkeypatch, token, message):
+def test_mcp_client_without_the_right_token_is_a_clear_setup_error(protected_mcp_server, monkeypatch, token,
+                                                                    message):
+    url, responses = protected_mcp_server
     if token is None:
         monkeypatch.delenv(MCP_TOKEN_ENV, raising=False)
     else:
         monkeypatch.setenv(MCP_TOKEN_ENV, token)
-    started = time.perf_counter()
-    with pytest.raises(ToolSetupError, match=f"cannot list the tools of MCP server {protected_mcp}: {message}"):
-        MCPToolset([MCPServerSpec(protected_mcp)], timeout_s=10, max_retries=3, backoff_s=0.5)
-    assert time.perf_counter() - started < 3.0  # not retried (the backoff alone would take 0.5 + 1 + 2 s)
+
+    def requests_refused(max_retries: int) -> list[tuple[str, int]]:
+        before = len(responses.responses)
+        with pytest.raises(ToolSetupError, match=f"cannot list the tools of MCP server {url}: {message}"):
+            MCPToolset([MCPServerSpec(url)], timeout_s=10, max_retries=max_retries, backoff_s=0.05)
+        return responses.responses[before:]
+
+    one_attempt = requests_refused(max_retries=0)
+    assert one_attempt and {status for _, status in one_attempt} == {401}
+    assert requests_refused(max_retries=3) == one_attempt  # not retried: it would be refused again
 
 
 def test_mcp_server_refusals_are_jsonrpc_errors(protected_mcp) -> None:

@@ -1,4 +1,5 @@
-"""A real HTTP server on 127.0.0.1 (uvicorn in a thread) for tests that need one speaking a given API."""
+"""A real HTTP server on 127.0.0.1 (uvicorn in a thread) for tests that need one speaking a given API, and a log of
+the responses an app sent (`ResponseLog`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,27 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
+
+
+class ResponseLog:
+    """An ASGI app in front of ``app``: ``responses`` holds (request method, response status) of every HTTP response
+    it sent, in order (how a test counts the requests a server got, retries included)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.responses: list[tuple[str, int]] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":  # lifespan: the app's own start-up and shutdown
+            await self.app(scope, receive, send)
+            return
+
+        async def logged(message) -> None:
+            if message["type"] == "http.response.start":
+                self.responses.append((scope["method"], message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, logged)
 
 
 @contextmanager
