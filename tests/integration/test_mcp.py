@@ -10,6 +10,7 @@ import pytest
 from rlsearch.cli import build_parser
 from rlsearch.tools import ErrorKind, MCPServerProcess, ToolCall, ToolSetupError
 from rlsearch.tools.clients.mcp import MCPServerSpec, MCPToolset, tool_arguments
+from tests.concurrency import InFlight
 
 
 @pytest.fixture(scope="module")
@@ -139,33 +140,43 @@ def test_tool_servers_start_local_mcp_and_fill_in_its_url(toy_data, tmp_path) ->
 
 @pytest.fixture(scope="module")
 def slow_server():
-    """An MCP server (real HTTP, its own thread) whose tool sleeps as long as asked."""
+    """An MCP server (real HTTP, its own thread) whose tool `sleepy` sleeps as long as asked, and `paired` holds each
+    call until two are in flight at once (then as long as asked): its URL and paired's InFlight."""
     import asyncio
 
     from mcp.server.mcpserver import MCPServer
     from threaded_server import serve_in_thread
 
     server = MCPServer("slow")
+    two_at_once = InFlight(meet=2)
 
     @server.tool(name="sleepy", description="sleeps")
     async def sleepy(seconds: str) -> str:
         await asyncio.sleep(float(seconds))
         return f"slept {seconds}"
 
+    @server.tool(name="paired", description="waits for a second call, then sleeps")
+    async def paired(seconds: str) -> str:
+        async with two_at_once:
+            await asyncio.sleep(float(seconds))
+        return f"slept {seconds}"
+
     with serve_in_thread(server.streamable_http_app(stateless_http=True, json_response=True)) as url:
-        yield f"{url}/mcp"
+        yield f"{url}/mcp", two_at_once
 
 
 def test_mcp_timeout_is_its_own_error_kind_and_concurrency_is_bounded(slow_server) -> None:
-    import time
-
-    toolset = MCPToolset([MCPServerSpec(slow_server)], timeout_s=1.0, max_retries=0, max_concurrency=2)
+    url, two_at_once = slow_server
+    toolset = MCPToolset([MCPServerSpec(url, allow=("sleepy",))], timeout_s=1.0, max_retries=0)
     (sleepy,) = toolset.tools
     (late,) = sleepy.run_batch([ToolCall("sleepy", "5")])
     assert (late.error_kind, late.error) == (ErrorKind.TIMEOUT, "timed out after 1 s")
-    started = time.perf_counter()
-    results = sleepy.run_batch([ToolCall("sleepy", "0.4") for _ in range(4)])
-    elapsed = time.perf_counter() - started
+    toolset.close()
+    toolset = MCPToolset([MCPServerSpec(url, allow=("paired",))], timeout_s=60.0, max_retries=0, max_concurrency=2)
+    (paired,) = toolset.tools
+    # held until two are in flight: one call at a time would end at the server's hang guard
+    results = paired.run_batch([ToolCall("paired", "0.4") for _ in range(4)])
+    assert [r.error for r in results] == [None] * 4
     assert [r.documents[0].text for r in results] == ["slept 0.4"] * 4
-    assert 0.8 <= elapsed < 3.0  # two at a time: two rounds of 0.4 s
+    assert (two_at_once.calls, two_at_once.most) == (4, 2)  # and two at most: unbounded, all four would be
     toolset.close()
