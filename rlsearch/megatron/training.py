@@ -146,7 +146,8 @@ def _fill_optimizer_gaps(optimizer) -> None:
       step whenever it builds a state dict, so a fresh optimizer can neither save nor load (`assert len(steps) == 1`):
       the state is created as that step would (zeros at step 0); a load overwrites it, a save records step 0;
     - loading a fully_reshardable checkpoint copies every per-parameter state into place, torch's `step` included,
-      which the checkpoint keeps in its parameter groups (KeyError: 'step'): the states both sides hold are copied;
+      which the checkpoint keeps in its parameter groups (KeyError: 'step'): every other state is copied, and one
+      the checkpoint does not hold is refused;
     - after a load the hybrid optimizer of actor.optimizer_offload_fraction copies every parameter's master weights
       into its fp32 copy, and the distributed optimizer's fp32 main weights have none (KeyError): those with a copy.
     After a load: `_settle_loaded_optimizer`."""
@@ -156,7 +157,7 @@ def _fill_optimizer_gaps(optimizer) -> None:
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         if not isinstance(part, DistributedOptimizer):
             continue
-        part._set_main_param_and_optimizer_states = MethodType(_set_states_held_by_both, part)
+        part._set_main_param_and_optimizer_states = MethodType(_set_checkpointed_states, part)
         inner = part.optimizer
         if isinstance(inner, HybridDeviceOptimizer):
             inner._update_fp32_params_by_new_state = MethodType(_update_existing_fp32_copies, inner)
@@ -172,14 +173,36 @@ def _fill_optimizer_gaps(optimizer) -> None:
                 }
 
 
-def _set_states_held_by_both(self, model_param, tensors: dict) -> None:
-    """DistributedOptimizer._set_main_param_and_optimizer_states (its path without a precision-aware optimizer),
-    copying the states that both `tensors` (from the checkpoint) and the optimizer hold."""
+# the tensor of a fully_reshardable checkpoint each per-parameter state of the optimizer is loaded from (the hybrid
+# optimizer's `master_param` is its copy of the main parameter); torch Adam's `step` is in the checkpoint's parameter
+# groups instead, which the optimizer's load restores
+_CHECKPOINT_TENSOR_OF_STATE = {"param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
+                               "master_param": "param"}
+_STATES_IN_PARAMETER_GROUPS = ("step",)
+
+
+def _set_checkpointed_states(self, model_param, tensors: dict) -> None:
+    """DistributedOptimizer._set_main_param_and_optimizer_states (its path without a precision-aware optimizer):
+    every state the optimizer holds for `model_param` but `step`, copied from `tensors` (the checkpoint's). A state
+    that no checkpoint tensor is loaded into, a tensor the checkpoint lacks and one no state takes are a RuntimeError
+    naming them, before anything is copied: they would be left as they were (a fresh optimizer's zeros), or dropped."""
     group_index, group_order = self.model_param_group_index_map[model_param]
     main_param = self.optimizer.param_groups[group_index]["params"][group_order]
     destination = {"param": main_param, **self.optimizer.state[main_param]}
-    for key in destination.keys() & tensors.keys():
-        destination[key].copy_(tensors[key])
+    states = [key for key in destination if key not in _STATES_IN_PARAMETER_GROUPS]
+    sources = {_CHECKPOINT_TENSOR_OF_STATE[key] for key in states if key in _CHECKPOINT_TENSOR_OF_STATE}
+    problems = [f"the optimizer's state {key!r} is no tensor of a checkpoint" for key in states
+                if key not in _CHECKPOINT_TENSOR_OF_STATE]
+    problems += [f"the checkpoint has no {key!r} tensor" for key in sorted(sources - tensors.keys())]
+    problems += [f"the checkpoint's {key!r} tensor is no state of this optimizer"
+                 for key in sorted(tensors.keys() - sources)]
+    if problems:
+        raise RuntimeError(
+            f"loading the distributed optimizer's states of {self._param_name(model_param)}: {'; '.join(problems)}. "
+            "A checkpoint holds param, exp_avg and exp_avg_sq per parameter and step in its parameter groups (torch's "
+            "Adam): resume it with the optimizer that wrote it")
+    for key in states:
+        destination[key].copy_(tensors[_CHECKPOINT_TENSOR_OF_STATE[key]])
 
 
 def _update_existing_fp32_copies(self) -> None:
