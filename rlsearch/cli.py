@@ -94,7 +94,16 @@ def _plan(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from .config import ConfigError, load_train_config
-    from .memory import GB, Device, detect_device, plan_memory, propose_layouts, train_memory_inputs
+    from .memory import (
+        GB,
+        Device,
+        PlanDevices,
+        driver_machine,
+        plan_devices,
+        plan_memory,
+        propose_layouts,
+        train_memory_inputs,
+    )
     from .memory.suggest import not_fitting_message
 
     if args.gpus and not args.gpu_memory_gb:
@@ -102,12 +111,13 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     try:
         config = load_train_config(args.config, args.overrides)
-        device = (Device("gpu", args.gpu_memory_gb * GB, "a GPU of --gpu-memory-gb") if args.gpu_memory_gb
-                  else detect_device(config))
-        if device is None:
-            raise ConfigError("this machine has no GPU and trainer.ray_address names a cluster: give the cluster's "
-                              "GPU memory with --gpu-memory-gb (or trainer.device_memory_gb)")
-        inputs = train_memory_inputs(config, device)
+        # GPUs of --gpu-memory-gb may be another machine's: no host memory is checked
+        devices = (PlanDevices(Device("gpu", args.gpu_memory_gb * GB, "a GPU of --gpu-memory-gb"))
+                   if args.gpu_memory_gb else plan_devices(config, driver_machine()))
+        if devices.device is None:
+            raise ConfigError(f"{devices.unknown}; or give the GPUs' memory with --gpu-memory-gb (a CPU cluster: "
+                              "plan one of its nodes with trainer.ray_address= trainer.device_memory_gb=M)")
+        inputs = train_memory_inputs(config, devices.device, devices.host, devices.local)
         if args.tokens:
             inputs = replace(inputs, actor=replace(inputs.actor, tokens=args.tokens))
         plan = plan_memory(inputs)

@@ -63,6 +63,41 @@ def local_gpu_index() -> int | None:
     return min(visible.index(str(gpu)) for gpu in assigned)
 
 
+def gpu_name_and_memory(index: int) -> tuple[str, int]:
+    """The name and total memory in bytes of GPU `index` (this process's CUDA numbering: CUDA_VISIBLE_DEVICES
+    applied), from NVML, the driver's management library. Nothing of CUDA starts in this process: torch's
+    get_device_properties would initialise it, and a driver that has cannot fork processes that use CUDA. OSError
+    when NVML does not load, RuntimeError when it cannot tell."""
+    import ctypes
+
+    nvml = ctypes.CDLL("libnvidia-ml.so.1")
+
+    def call(function: str, *args) -> None:
+        status = getattr(nvml, function)(*args)
+        if status:
+            raise RuntimeError(f"NVML's {function} returned {status}")
+
+    class Memory(ctypes.Structure):
+        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+    visible = [device.strip() for device in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if device.strip()]
+    device = visible[index] if visible else str(index)  # an NVML index, or a GPU's or MIG instance's UUID
+    call("nvmlInit_v2")
+    try:
+        handle = ctypes.c_void_p()
+        if device.isdigit():
+            call("nvmlDeviceGetHandleByIndex_v2", ctypes.c_uint(int(device)), ctypes.byref(handle))
+        else:
+            call("nvmlDeviceGetHandleByUUID", device.encode(), ctypes.byref(handle))
+        name = ctypes.create_string_buffer(96)
+        call("nvmlDeviceGetName", handle, name, ctypes.c_uint(len(name)))
+        memory = Memory()
+        call("nvmlDeviceGetMemoryInfo", handle, ctypes.byref(memory))
+    finally:
+        nvml.nvmlShutdown()
+    return name.value.decode(), memory.total
+
+
 def local_device() -> torch.device:
     index = local_gpu_index()
     return torch.device("cpu") if index is None else torch.device("cuda", index)

@@ -4,9 +4,10 @@ a layout, a dtype, recomputation, offloading and the tokens of one micro-batch, 
 A rank's peak is its static part (weights, fp32 gradients, the optimizer's states, a frozen reference model), plus
 the larger of the backward pass's peak and the optimizer step's workspace, plus the process's workspace and runtime.
 The backward pass holds the activations kept for it and, one at a time, either the logits chunk (first) or a layer's
-backward (what recomputation runs again and the gradients of that layer's activations). On CPU the actor ranks and
-the engines share the host, so the plan adds them up against the host's memory; on GPUs each rank has its own, and
-the engines their own."""
+backward (what recomputation runs again and the gradients of that layer's activations). On CPU the actor ranks,
+the engines and every other process of the run share the host, so the plan adds them up against the host's memory;
+on GPUs each rank has its own, the engines and the browse summariser's frozen engine their own, and what their
+processes, the driver, Ray and the tool servers hold in host memory is added up against the host's."""
 
 from __future__ import annotations
 
@@ -118,11 +119,45 @@ class Device:
 
 
 @dataclass(frozen=True)
+class ServerMemory:
+    """A local tool server the run starts (the retriever, `tools.mcp.start_local`'s MCP server)."""
+
+    what: str  # for the printout, e.g. "retriever: prebuilt index e5_Flat.index (...), encoder e5-base-v2 (...)"
+    encoder: bool  # the process loads an encoder (dense retrieval, a prebuilt index); else BM25 only
+    files: float = 0.0  # bytes it reads into host memory: a prebuilt index (memory-mapped) and the encoder's weights
+
+
+@dataclass(frozen=True)
+class FrozenEngineSettings:
+    """The browse summariser's frozen vLLM engine (tools.browse.summariser.engine): one worker, never trained."""
+
+    shape: ModelShape
+    dtype: str
+    engine: EngineMemorySettings  # count 1, tp 1
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """What the run starts beside the actor ranks and the rollout engines, and where."""
+
+    servers: tuple[ServerMemory, ...] = ()
+    summariser: FrozenEngineSettings | None = None
+    # the actor ranks, the engines and Ray run on the host checked (a local Ray instance); False: on the nodes of a
+    # cluster (trainer.ray_address), and the host checked is the driver's (its servers and itself)
+    local: bool = True
+    notes: tuple[str, ...] = ()  # what is left out of the plan, and why
+
+
+@dataclass(frozen=True)
 class MemoryInputs:
     shape: ModelShape
     actor: ActorMemorySettings
     device: Device
     engines: EngineMemorySettings = EngineMemorySettings()
+    # GPUs: the host memory the run's processes share (None: not checked, e.g. planning GPUs of another machine);
+    # on CPU the device is the host
+    host: Device | None = None
+    run: RunParts = RunParts()
 
 
 @dataclass(frozen=True)
@@ -181,12 +216,22 @@ class EngineMemory:
 
 
 @dataclass(frozen=True)
+class HostPart:
+    """What one kind of process (or file) of the run holds in host memory, in bytes."""
+
+    name: str
+    memory: float
+    what: str
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     inputs: MemoryInputs
     ranks: list[RankMemory]  # one per pipeline stage
     engine: EngineMemory | None
     coefficients: ActivationCoefficients
-    host_overhead: float = 0.0  # CPU: the driver, Ray and the tool servers
+    summariser: EngineMemory | None = None  # the browse summariser's frozen engine
+    host_parts: list[HostPart] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -198,15 +243,14 @@ class MemoryPlan:
         return self.inputs.device.kind == "cpu"
 
     @property
+    def host(self) -> Device | None:
+        """The host memory the run's processes are checked against: the device on CPU."""
+        return self.inputs.device if self.on_cpu else self.inputs.host
+
+    @property
     def host_total(self) -> float:
-        """CPU: everything the run puts on the host (every actor rank, every engine, the driver's side)."""
-        layout, engines = self.inputs.actor.layout, self.inputs.engines
-        per_stage_ranks = layout.ranks // layout.pp
-        ranks = sum(rank.total + rank.host for rank in self.ranks) * per_stage_ranks
-        if self.engine is None:
-            return ranks + self.host_overhead
-        engines_total = (self.engine.total * engines.tp + self.coefficients.engine_driver) * engines.count
-        return ranks + engines_total + self.host_overhead
+        """Everything the run puts in the host's memory (on CPU every actor rank and engine too)."""
+        return sum(part.memory for part in self.host_parts)
 
     @property
     def needed(self) -> float:
@@ -219,12 +263,21 @@ class MemoryPlan:
         return self.needed <= self.inputs.device.memory
 
     @property
+    def host_fits(self) -> bool:
+        """The run's processes fit the host's memory (on CPU: `actor_fits`; a host not checked fits)."""
+        return self.host is None or self.host_total <= self.host.memory
+
+    @property
     def engine_fits(self) -> bool:
         return self.engine is None or self.engine.fits
 
     @property
+    def summariser_fits(self) -> bool:
+        return self.summariser is None or self.summariser.fits
+
+    @property
     def fits(self) -> bool:
-        return self.actor_fits and self.engine_fits
+        return self.actor_fits and self.host_fits and self.engine_fits and self.summariser_fits
 
     def headline(self) -> str:
         """e.g. "225 GB per rank at 32,768 tokens" or "30.2 GB of host memory at 4,096 tokens"."""
@@ -280,22 +333,40 @@ class MemoryPlan:
         ]
         lines += [f"  {name:<17}{_gb(value):>11}  {what}" for name, value, what in rows]
         if self.engine is not None:
-            lines.append(self._engine_line())
-        if self.on_cpu:
-            ranks = actor.layout.ranks
-            engines = inputs.engines
-            lines.append(
-                f"host    : {ranks} actor rank(s) {_gb(sum(r.total + r.host for r in self.ranks) / len(self.ranks))} "
-                f"each, {engines.count} engine(s) x {engines.tp} worker(s) "
-                f"{_gb(self.engine.total if self.engine else 0)} each and a rollout worker "
-                f"{_gb(self.coefficients.engine_driver)} per engine, the driver, Ray and tool servers "
-                f"{_gb(self.host_overhead)}: {_gb(self.host_total)} of {_gb(device.memory)}"
-            )
+            lines.append(self._engine_line("engines ", self.engine, inputs.engines))
+        if self.summariser is not None:
+            lines.append(self._engine_line("summary ", self.summariser, inputs.run.summariser.engine))
+        if self.host is not None:
+            lines.append("on the host (the device above):" if self.on_cpu
+                         else f"on the host ({self.host.name}, {_gb(self.host.memory)}):")
+            lines += [f"  {part.name:<17}{_gb(part.memory):>11}  {part.what}" for part in self.host_parts]
+            lines.append(f"  {'total':<17}{_gb(self.host_total):>11}")
         lines += [f"note    : {note}" for note in self.notes]
         verdict = "fits" if self.fits else "does NOT fit"
+        problems = [problem for problem in (self.host_problem(), self.engine_problem(), self.summariser_problem())
+                    if problem]
         lines.append(f"verdict : {verdict}: {self.headline()} of {_gb(device.memory)} ({device.name})"
-                     + ("" if self.engine_fits else f"; {self.engine_problem()}"))
+                     + "".join(f"; {problem}" for problem in problems))
         return "\n".join(lines)
+
+    def host_problem(self) -> str:
+        """GPUs: what does not fit the host's memory, its largest parts first (empty when it fits)."""
+        if self.on_cpu or self.host_fits:
+            return ""
+        largest = sorted(self.host_parts, key=lambda part: -part.memory)[:3]
+        return (f"the host's memory: the run's processes need {_gb(self.host_total)} of {_gb(self.host.memory)} "
+                f"({self.host.name}), the most {', '.join(f'{part.name} {_gb(part.memory)}' for part in largest)}")
+
+    def summariser_problem(self) -> str:
+        """Why the browse summariser's frozen engine cannot start (empty when it can)."""
+        if self.summariser_fits:
+            return ""
+        engine, window = self.summariser, self.inputs.run.summariser.engine.window
+        needed = f"one {window:,}-token summary prompt needs {_gb(engine.kv_needed)} of KV cache"
+        if self.on_cpu:
+            return f"the summariser engine: {needed}, and vLLM's default on CPU is {_gb(engine.kv_cache)}"
+        return (f"the summariser engine: {needed} beside its weights ({_gb(engine.weights)}) on one GPU: lower "
+                "tools.browse.summariser.engine_max_model_len, or give it a smaller model")
 
     def engine_problem(self) -> str:
         """Why the engines cannot start, and what to do (empty when they can)."""
@@ -312,12 +383,11 @@ class MemoryPlan:
         return (f"{needed} beside its weights ({_gb(engine.weights)}): raise rollout.tensor_parallel_size or "
                 "rollout.gpu_memory_utilization, or shorten the window")
 
-    def _engine_line(self) -> str:
-        engine, engines = self.engine, self.inputs.engines
+    def _engine_line(self, label: str, engine: EngineMemory, engines: EngineMemorySettings) -> str:
         kv = (f"KV cache {_gb(engine.kv_cache)}" + (" (what gpu_memory_utilization leaves)"
                                                     if not engines.kv_cache_gib and not self.on_cpu else ""))
         where = "each on its own GPU(s)" if not self.on_cpu else "on the host"
-        return (f"engines : {engines.count} x TP{engines.tp}, {where}; per worker: weights {_gb(engine.weights)}, "
+        return (f"{label}: {engines.count} x TP{engines.tp}, {where}; per worker: weights {_gb(engine.weights)}, "
                 f"{kv}, one {engines.window:,}-token trajectory needs {_gb(engine.kv_needed)} of KV cache, runtime "
                 f"{_gb(engine.runtime)}")
 
@@ -466,11 +536,11 @@ def _rank(shape: ModelShape, actor: ActorMemorySettings, device: Device, coeffic
     )
 
 
-def _engine(shape: ModelShape, actor: ActorMemorySettings, engines: EngineMemorySettings, device: Device,
+def _engine(shape: ModelShape, dtype: str, engines: EngineMemorySettings, device: Device,
             coefficients: ActivationCoefficients) -> EngineMemory | None:
     if not engines.count:
         return None
-    size = DTYPE_BYTES[actor.dtype]
+    size = DTYPE_BYTES[dtype]
     weights = shape.total_parameters() * size / engines.tp
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * size / engines.tp
     kv_needed = kv_per_token * engines.window
@@ -484,18 +554,56 @@ def _engine(shape: ModelShape, actor: ActorMemorySettings, engines: EngineMemory
     return EngineMemory(weights, max(budget - weights - runtime, 0.0), kv_needed, runtime, limit=budget)
 
 
+def _host_parts(inputs: MemoryInputs, ranks: list[RankMemory], engine: EngineMemory | None,
+                summariser: EngineMemory | None, coefficients: ActivationCoefficients) -> list[HostPart]:
+    """What each kind of the run's processes holds in host memory. On CPU the actor ranks and the engines hold
+    everything there; on GPUs their processes' host side and what they offload. Off a local Ray instance (a cluster)
+    only the driver and its tool servers are on the host checked."""
+    on_cpu, run = inputs.device.kind == "cpu", inputs.run
+    parts = []
+    if run.local or on_cpu:
+        layout, engines = inputs.actor.layout, inputs.engines
+        per_rank = [rank.host + (rank.total if on_cpu else coefficients.rank_host) for rank in ranks]
+        parts.append(HostPart("actor ranks", sum(per_rank) * (layout.ranks // layout.pp),
+                              f"{layout.ranks} x {_gb(max(per_rank))}" + ("" if on_cpu else
+                                                                         ": the processes and what they offload")))
+        if engine is not None:
+            worker = engine.total if on_cpu else coefficients.engine_host
+            parts += [HostPart("rollout engines", worker * engines.tp * engines.count,
+                               f"{engines.count} x {engines.tp} worker(s) x {_gb(worker)}"),
+                      HostPart("rollout workers", coefficients.engine_driver * engines.count,
+                               f"{engines.count} x {_gb(coefficients.engine_driver)}: the Ray actor of each engine")]
+        if summariser is not None:
+            worker = summariser.total if on_cpu else coefficients.engine_host
+            parts.append(HostPart("summariser", worker + coefficients.engine_driver,
+                                  "the browse summariser's frozen engine (tools.browse.summariser.engine) and its "
+                                  "Ray actor"))
+        parts.append(HostPart("Ray", coefficients.ray, "Ray's own processes"))
+    for server in run.servers:
+        baseline = coefficients.encoder_server if server.encoder else coefficients.bm25_server
+        parts.append(HostPart("tool server", baseline + server.files, server.what))
+    parts.append(HostPart("driver", coefficients.driver, "the trainer's process"))
+    return parts
+
+
 def plan_memory(inputs: MemoryInputs) -> MemoryPlan:
-    """Every pipeline stage's rank and one engine worker (an engine of TP n has n alike)."""
-    actor, shape, device = inputs.actor, inputs.shape, inputs.device
+    """Every pipeline stage's rank, one engine worker (an engine of TP n has n alike), the summariser's frozen engine
+    and what the run's processes hold in host memory."""
+    actor, shape, device, run = inputs.actor, inputs.shape, inputs.device, inputs.run
     coefficients = coefficients_for(device.kind, actor.dtype)
     ranks = [_rank(shape, actor, device, coefficients, stage) for stage in range(actor.layout.pp)]
-    notes = []
+    engine = _engine(shape, actor.dtype, inputs.engines, device, coefficients)
+    summariser = None
+    if run.summariser is not None:
+        frozen = run.summariser
+        summariser = _engine(frozen.shape, frozen.dtype, frozen.engine, device,
+                             coefficients_for(device.kind, frozen.dtype))
+    notes = list(run.notes)
     if actor.activation_offload != "none":
         notes.append("activation offloading: estimated (the layers on the GPU at once), not yet measured")
     if device.kind == "cpu" and (actor.activation_offload != "none" or actor.optimizer_offload_fraction):
         notes.append("offloading saves nothing on CPU: the host is the ranks' device")
     return MemoryPlan(
-        inputs=inputs, ranks=ranks, engine=_engine(shape, actor, inputs.engines, device, coefficients),
-        coefficients=coefficients, host_overhead=coefficients.host_overhead if device.kind == "cpu" else 0.0,
-        notes=notes,
+        inputs=inputs, ranks=ranks, engine=engine, coefficients=coefficients, summariser=summariser,
+        host_parts=_host_parts(inputs, ranks, engine, summariser, coefficients), notes=notes,
     )

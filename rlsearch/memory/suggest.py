@@ -109,13 +109,24 @@ def _splits(shape: ModelShape, layout: Layout, tokens: int) -> bool:
             and shape.layers % stages == 0 and tokens >= 2 * layout.cp)
 
 
+def _actor_fits(plan: MemoryPlan, host_short: bool) -> bool:
+    """The actor's ranks fit their devices, and the run the host's memory (offloading moves states there) unless the
+    host was short before any change of the actor's keys (`host_short`: its tool servers, say, which none helps)."""
+    return plan.actor_fits and (plan.host_fits or host_short)
+
+
+def _host_short(inputs: MemoryInputs) -> bool:
+    return not plan_memory(inputs).host_fits
+
+
 def fitting_change(inputs: MemoryInputs, window: int = 0) -> Change | None:
     """The first change (cheapest first: a micro-batch no longer than the trajectory window, recomputation, a smaller
     logits chunk, the distributed optimizer, offloading, then more context-, tensor- or pipeline-parallel ranks) whose
     plan fits; None when none does."""
+    host_short = _host_short(inputs)
     for changed, overrides, factor in _candidates(inputs, window):
         plan = plan_memory(changed)
-        if plan.actor_fits:
+        if _actor_fits(plan, host_short):
             return Change(overrides, plan, factor)
     return None
 
@@ -128,9 +139,11 @@ def longest_fitting_tokens(inputs: MemoryInputs) -> int:
     if inputs.device.kind == "gpu":
         changes.update(distributed_optimizer=True, optimizer_offload_fraction=1.0)
     base, _ = _changed(inputs, **changes)
+    host_short = _host_short(inputs)
 
     def fits(tokens: int) -> bool:
-        return plan_memory(dataclasses.replace(base, actor=dataclasses.replace(base.actor, tokens=tokens))).actor_fits
+        return _actor_fits(plan_memory(dataclasses.replace(base, actor=dataclasses.replace(base.actor, tokens=tokens))),
+                           host_short)
 
     low, high = 0, inputs.actor.tokens // TOKEN_STEP  # in steps of TOKEN_STEP tokens: low fits, above high not
     while low < high:
@@ -144,11 +157,13 @@ def longest_fitting_tokens(inputs: MemoryInputs) -> int:
 
 def not_fitting_message(plan: MemoryPlan, window: int = 0) -> str:
     """What does not fit and what would, e.g. "needs 225 GB per rank at 32,768 tokens of 80.00 GB (NVIDIA H100);
-    with actor.recompute=full, 31.02 GB"; and the engines' problem, if they have one."""
+    with actor.recompute=full, 31.02 GB"; and the host's, the engines' and the summariser's problems, if any."""
     device = plan.inputs.device
-    engines = f"the rollout engines: {plan.engine_problem()}" if not plan.engine_fits else ""
+    others = [plan.host_problem()] + ([f"the rollout engines: {plan.engine_problem()}"] if not plan.engine_fits
+                                      else []) + [plan.summariser_problem()]
+    others = [problem for problem in others if problem]
     if plan.actor_fits:
-        return engines
+        return "; ".join(others)
     text = f"needs {plan.headline()} of {_gb(device.memory)} ({device.name})"
     change = fitting_change(plan.inputs, window)
     if change is not None:
@@ -158,7 +173,7 @@ def not_fitting_message(plan: MemoryPlan, window: int = 0) -> str:
         text += (f"; no change of recomputation, offloading or up to {MAX_MODEL_PARALLEL} model-parallel ranks fits; "
                  + (f"at most {tokens:,} tokens per micro-batch fit, with full recomputation" if tokens else
                     "nothing fits on this device, not even a short micro-batch with full recomputation"))
-    return f"{text}; {engines}" if engines else text
+    return "; ".join([text, *others])
 
 
 def _gb(value: float) -> str:
@@ -184,6 +199,7 @@ def propose_layouts(inputs: MemoryInputs, gpus: int, gpu_memory: float, limit: i
     device = Device("gpu", gpu_memory, f"{gpus} GPU(s) of {gpu_memory / 1e9:,.0f} GB")
     inputs = dataclasses.replace(inputs, device=device)
     shape, actor = inputs.shape, inputs.actor
+    host_short = _host_short(inputs)
     found = []
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
@@ -193,7 +209,7 @@ def propose_layouts(inputs: MemoryInputs, gpus: int, gpu_memory: float, limit: i
                 layout = Layout(tp=tp, pp=pp, cp=cp, dp=dp, ep=max(eps))
                 if not _splits(shape, layout, actor.tokens):
                     continue
-                proposal = _cheapest_fit(inputs, layout)
+                proposal = _cheapest_fit(inputs, layout, host_short)
                 if proposal is not None:
                     found.append(proposal)
     found.sort(key=lambda p: (p.plan.inputs.actor.layout.tp * p.plan.inputs.actor.layout.pp
@@ -202,7 +218,7 @@ def propose_layouts(inputs: MemoryInputs, gpus: int, gpu_memory: float, limit: i
     return found[:limit]
 
 
-def _cheapest_fit(inputs: MemoryInputs, layout: Layout) -> LayoutProposal | None:
+def _cheapest_fit(inputs: MemoryInputs, layout: Layout, host_short: bool) -> LayoutProposal | None:
     sharded = layout.dp * layout.cp > 1
     for recompute in ("none", "selective", "full"):
         for offload in (0.0, 1.0):
@@ -213,6 +229,6 @@ def _cheapest_fit(inputs: MemoryInputs, layout: Layout) -> LayoutProposal | None
             changed, overrides = _changed(inputs, layout={name: getattr(layout, name) for name in _LAYOUT_KEYS},
                                           **settings)
             plan = plan_memory(changed)
-            if plan.actor_fits:
+            if _actor_fits(plan, host_short):
                 return LayoutProposal(Change(overrides, plan))
     return None

@@ -32,7 +32,7 @@ from ..config import (
 )
 from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate
-from ..memory import check_train_memory
+from ..memory import check_train_memory, waits_for_cluster
 from ..ray_setup import actor_states, cluster_has_gpus, init_ray, ray_cpus, supervisor_ray_address
 from ..reward import check_scorers, score_trajectories
 from ..rollout import (
@@ -157,6 +157,7 @@ class GRPOTrainer:
         self.examples = self._load_examples()
         check_model_layout(config.model.path, config.actor, config.algo.routing_replay)
         # the memory plan: a run whose ranks or engines cannot fit stops here, before Ray, tool servers or actors start
+        # (a cluster joined from a driver without a GPU: once Ray has joined it, below)
         if memory_line := check_train_memory(config):
             print(memory_line, flush=True)
         self.sampler = EpochSampler(self.examples, seed=config.trainer.seed, shuffle=config.data.shuffle)
@@ -196,6 +197,8 @@ class GRPOTrainer:
         has_gpus = cluster_has_gpus()
         self.config = config = resolve_auto_keys(config, has_gpus)
         check_actor_devices(config.actor, has_gpus, config.model.dtype)  # before any engine or actor rank starts
+        if waits_for_cluster(config) and (memory_line := check_train_memory(config, cluster_gpus=has_gpus)):
+            print(memory_line, flush=True)
         (self.output_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
         gpus = 1 if has_gpus else 0
         place = plan_placement(config.trainer.placement, world, gpus, config.trainer.ray_address,

@@ -1,17 +1,31 @@
 """The memory check at the start of `rlsearch train`: a run whose plan does not fit the memory given stops with exit
 code 2 and what would fit, before Ray, the tool servers or any actor start; trainer.memory_check=warn runs past it;
-`rlsearch plan` prints the plan and proposes layouts."""
+`rlsearch plan` prints the plan and proposes layouts. Each part the run starts is planned where it runs: on a GPU
+host (its GPU faked where the driver reads it, NVML) the ranks, the engines and the summariser's frozen engine on
+GPUs, and their processes, a prebuilt index and its encoder, the driver and Ray in the host's memory; a CPU cluster
+joined with trainer.ray_address once Ray has joined it (its devices unknown before)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 from rlsearch.cli import main
-from rlsearch.config import load_train_config
-from rlsearch.memory import GB, QUIET_BELOW, Device, plan_memory, plan_train_config, train_memory_inputs
+from rlsearch.config import ConfigError, load_train_config
+from rlsearch.memory import (
+    GB,
+    QUIET_BELOW,
+    Device,
+    ModelShape,
+    check_train_memory,
+    plan_memory,
+    plan_train_config,
+    train_memory_inputs,
+    waits_for_cluster,
+)
 from tests.conftest import REPO_ROOT
 
 EXAMPLE = str(REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml")
@@ -117,3 +131,120 @@ def test_rlsearch_plan_prints_the_plan_and_proposes_layouts(tmp_path, capsys):
     proposals = out.split("then no offloading):")[1].strip().splitlines()
     assert proposals and all(" GB per GPU  actor." in line for line in proposals)
     assert "actor.dp=8" in proposals[0]
+
+
+H200 = ("NVIDIA H200", 150_000_000_000)  # what NVML reports of the faked GPU: its name and memory in bytes
+
+
+@pytest.fixture
+def driver_host(monkeypatch):
+    """The driver's machine at the boundary it is read through: `set(gpu, host_memory)` makes NVML report `gpu`
+    (None: no GPU) and the host `host_memory` bytes. torch.cuda is never to be asked: it would start CUDA in the
+    driver."""
+    import torch
+
+    import rlsearch.memory.check as check
+
+    def started_cuda(*_args, **_kwargs):
+        raise AssertionError("the driver asked torch.cuda for its GPU, which starts CUDA in the driver")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", started_cuda)
+
+    def set_machine(gpu: tuple[str, int] | None, host_memory: float) -> None:
+        monkeypatch.setattr(check, "local_gpu_index", lambda: None if gpu is None else 0)
+        monkeypatch.setattr(check, "gpu_name_and_memory", lambda index: gpu, raising=False)
+        monkeypatch.setattr(check, "host_memory", lambda: host_memory)
+
+    return set_machine
+
+
+def _prebuilt_index(corpus, path) -> int:
+    """A Flat inner-product index over the corpus's rows (random 384-dimensional vectors, all-MiniLM-L6-v2's width);
+    its size on disk."""
+    import faiss
+    import numpy as np
+
+    rows = len(corpus.read_text().splitlines())
+    index = faiss.IndexFlatIP(384)
+    index.add(np.random.default_rng(0).standard_normal((rows, 384), dtype=np.float32))
+    faiss.write_index(index, str(path))
+    return path.stat().st_size
+
+
+def test_a_gpu_host_plans_each_part_of_the_run_where_it_runs(tiny_model_dir, toy_data, tmp_path, driver_host):
+    from rlsearch.tools.servers.dense import default_encoder_path
+
+    encoder = default_encoder_path()
+    index_bytes = _prebuilt_index(toy_data.corpus, tmp_path / "toy_Flat.index")
+    encoder_bytes = sum(path.stat().st_size for path in Path(encoder).glob("*.safetensors"))
+    config = load_train_config(EXAMPLE, [
+        f"model.path={tiny_model_dir}", f"data.train_files=[{toy_data.train}]",
+        f"tools.retriever.corpus={toy_data.corpus}", f"trainer.output_dir={tmp_path / 'run'}",
+        f"tools.retriever.index={tmp_path / 'toy_Flat.index'}", "tools.retriever.backend=dense",
+        f"tools.retriever.encoder={encoder}",
+        "tools.enabled=[search,browse]", f"tools.browse.summariser.engine={tiny_model_dir}",
+    ])
+    driver_host(H200, 2e12)
+    plan = plan_train_config(config)
+    coefficients = plan.coefficients
+    assert plan.inputs.device == Device("gpu", H200[1], "NVIDIA H200")
+    assert plan.host == Device("cpu", 2e12, "this machine")
+    # the GPUs: the rank and the engine worker each on its own, the summariser's frozen engine (float32) on its own
+    summariser = plan.summariser
+    assert summariser.weights == ModelShape.from_model_dir(tiny_model_dir).total_parameters() * 4
+    assert summariser.limit == 0.85 * H200[1]
+    assert summariser.kv_cache == summariser.limit - summariser.weights - summariser.runtime
+    assert summariser.kv_needed < summariser.kv_cache and plan.summariser_fits
+    # the host: every process's host side, the prebuilt index and the encoder by their size on disk
+    parts = {part.name: part.memory for part in plan.host_parts}
+    assert list(parts) == ["actor ranks", "rollout engines", "rollout workers", "summariser", "Ray", "tool server",
+                           "driver"]
+    assert parts == {
+        "actor ranks": coefficients.rank_host, "rollout engines": coefficients.engine_host,
+        "rollout workers": coefficients.engine_driver,
+        "summariser": coefficients.engine_host + coefficients.engine_driver, "Ray": coefficients.ray,
+        "tool server": coefficients.encoder_server + (index_bytes + encoder_bytes), "driver": coefficients.driver,
+    }
+    assert plan.host_total == sum(parts.values())
+    rendered = plan.render()
+    assert "on the host (this machine, 2,000 GB):" in rendered and "prebuilt index toy_Flat.index" in rendered
+    assert plan.fits and check_train_memory(config) == ""  # within QUIET_BELOW of the GPU and of the host
+    # the GPU fits, the host does not: the run stops, saying so
+    driver_host(H200, plan.host_total - 1)
+    with pytest.raises(ConfigError) as refused:
+        check_train_memory(config)
+    message = str(refused.value).splitlines()[0]
+    assert message.startswith("the memory plan does not fit: the host's memory: the run's processes need "
+                              f"{plan.host_total / GB:,.2f} GB of {(plan.host_total - 1) / GB:,.2f} GB (this machine)")
+
+
+def test_a_cpu_cluster_is_planned_as_cpus_once_ray_has_joined_it(tiny_model_dir, toy_data, tmp_path, driver_host,
+                                                                 ray_local, monkeypatch):
+    import rlsearch.trainer.grpo
+    from rlsearch.trainer import GRPOTrainer
+
+    def started(*_args, **_kwargs):
+        raise Started
+
+    for name in ("start_engines", "ActorRanks"):  # the check must stop the run before any of these starts
+        monkeypatch.setattr(rlsearch.trainer.grpo, name, started)
+    address = ray_local.get_runtime_context().gcs_address  # the session's local instance: a CPU cluster
+    overrides = [f"model.path={tiny_model_dir}", f"data.train_files=[{toy_data.train}]",
+                 f"tools.retriever.corpus={toy_data.corpus}", f"trainer.output_dir={tmp_path / 'run'}",
+                 f"trainer.ray_address={address}", "trainer.device_memory_gb=1"]
+    config = load_train_config(EXAMPLE, overrides)
+    driver_host(None, 2e12)
+    assert waits_for_cluster(config) and check_train_memory(config) == ""  # its devices are not known yet
+    assert plan_train_config(config) is None
+    on_cpus = plan_train_config(config, cluster_gpus=False)
+    assert on_cpus.inputs.device == Device("cpu", 1 * GB, "a cluster node's memory, trainer.device_memory_gb")
+    assert on_cpus.needed == on_cpus.host_total > 1 * GB
+    on_gpus = plan_train_config(config, cluster_gpus=True)
+    assert on_gpus.inputs.device == Device("gpu", 1 * GB, "the cluster's GPUs, trainer.device_memory_gb")
+    # the ranks' and engines' processes are on the cluster's nodes: this host holds the driver and its tool server
+    assert [part.name for part in on_gpus.host_parts] == ["tool server", "driver"]
+    with pytest.raises(ConfigError) as refused:
+        GRPOTrainer(config).train()
+    assert str(refused.value).startswith(
+        f"the memory plan does not fit: needs {on_cpus.headline()} of 1.00 GB (a cluster node's memory, "
+        "trainer.device_memory_gb)")

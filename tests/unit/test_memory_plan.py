@@ -195,8 +195,13 @@ def test_the_cpu_plan_adds_the_ranks_and_engines_up_against_the_host():
     engines = EngineMemorySettings(count=2, tp=2, window=768)
     plan = plan_memory(MemoryInputs(TINY, settings, device, engines))
     rank, engine = plan.ranks[0], plan.engine
-    drivers = 2 * plan.coefficients.engine_driver  # the rollout worker of each engine
-    assert plan.host_total == pytest.approx(4 * rank.total + 4 * engine.total + drivers + plan.host_overhead)
+    coefficients = plan.coefficients
+    drivers = 2 * coefficients.engine_driver  # the rollout worker of each engine
+    # no tool server or summariser engine in these inputs: the driver's process and Ray's beside the ranks and engines
+    assert [part.name for part in plan.host_parts] == ["actor ranks", "rollout engines", "rollout workers", "Ray",
+                                                       "driver"]
+    assert plan.host_total == pytest.approx(4 * rank.total + 4 * engine.total + drivers + coefficients.driver
+                                            + coefficients.ray)
     assert engine.kv_cache == 1 * GIB and engine.weights == pytest.approx(TINY.total_parameters() * 4 / 2)
     tight = plan_memory(MemoryInputs(TINY, settings, Device("cpu", plan.host_total - 1, "host"), engines))
     assert not tight.fits and tight.headline().endswith("of host memory at 4,096 tokens")
