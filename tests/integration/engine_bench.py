@@ -14,7 +14,7 @@ from rlsearch.tools import build_registry, make_protocol
 from rlsearch.weights.bucket import pack_bucket
 from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 
-AUTOMATON_QUERIES = [" inventor", " river"]  # the search automaton's queries, the first its greedy choice
+AUTOMATON_QUERIES = [" born", " river"]  # the search automaton's queries (single tokens), the first its greedy choice
 
 
 class Bench:

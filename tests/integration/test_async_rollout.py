@@ -4,7 +4,7 @@ Both loops share every per-turn step and per-request seeds, so they must give th
 (the random tiny model, the tool path forced by prefill and logit bias) and greedy. A random model never opens a
 second search by itself (and greedy decoding never closes its first), so the greedy and scheduling tests load,
 through the engine's weight-sync path, the tiny model rewired into a policy that writes
-``<search> inventor</search>`` every turn (`search_automaton_weights`).
+``<search> born</search>`` every turn (`search_automaton_weights`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from rlsearch.weights.bucket import pack_bucket
 from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 from tests.integration.threaded_server import serve_in_thread
 
-AUTOMATON_QUERY = " inventor"
+AUTOMATON_QUERY = " born"
 AUTOMATON_ROLLOUT = {**TEST_ROLLOUT, "max_response_tokens": 512, "logit_bias": {}}
 
 

@@ -14,8 +14,10 @@ import pytest
 from tests.conftest import REPO_ROOT
 
 # benches that a test of their own runs and reads: memory.py's smoke run, and default_run.py over the README's default
-# run (one seed: conftest's `default_run`, read by tests/e2e/test_train_e2e.py)
-OWN_SMOKE_TEST = {"memory.py": "tests/integration/test_bench_memory_smoke.py", "default_run.py": "tests/conftest.py"}
+# run (one seed: conftest's `default_run`, read by tests/e2e/test_train_e2e.py); readme_check.py is default_run.py's
+# --check-readme, a module without a run of its own
+OWN_SMOKE_TEST = {"memory.py": "tests/integration/test_bench_memory_smoke.py", "default_run.py": "tests/conftest.py",
+                  "readme_check.py": "tests/unit/test_readme_check.py"}
 BENCHES = sorted(path.name for path in (REPO_ROOT / "bench").glob("*.py")
                  if path.name != "common.py" and path.name not in OWN_SMOKE_TEST)
 GPU_BENCHES = {"gpu_actor_check.py", "gpu_weight_export.py"}

@@ -3,8 +3,8 @@ process (a RolloutWorker, as `rlsearch eval` runs it) and the real BM25 retrieva
 
 A random-init model writes no tool call of its own: the first turn is prefilled with two complete calls (the second
 with a typed integer argument) and <|im_end|> is biased, so that the model ends some turns itself and others are cut
-at max_tokens_per_turn. With the fixed seeds, 6 of the 8 first turns end with a sampled <|im_end|> and 2 are cut
-(their observation starts with an inserted <|im_end|>).
+at max_tokens_per_turn (their observation starts with an inserted <|im_end|>): with the bias, a turn of 32 sampled
+tokens ends by itself about half the time, so that both kinds occur among 16 first turns on any CPU's sample path.
 """
 
 import json
@@ -24,7 +24,7 @@ CALLS = ({"query": "mayor"}, {"query": "river", "topk": 1})  # the retriever's d
 PREFILL = "\n".join(f"<tool_call>\n{json.dumps({'name': 'search', 'arguments': a})}\n</tool_call>" for a in CALLS)
 CHAT_TOOLS_ROLLOUT = {
     "protocol": "chat_tools", "max_turns": 3, "max_response_tokens": 400, "max_tokens_per_turn": 32,
-    "assistant_prefix": PREFILL, "logit_bias": {"<|im_end|>": 8.0},
+    "assistant_prefix": PREFILL, "logit_bias": {"<|im_end|>": 6.0},
 }
 
 
@@ -41,7 +41,7 @@ def chat_worker(tiny_model_dir, retriever):
 
 def test_native_tool_calls_run_in_call_order_with_token_exact_observations(chat_worker, toy_data, retriever):
     examples = load_qa_dataset(toy_data.train)[:4]
-    items = [PromptItem(e.id, e.question, group_id=i, sample_index=s) for i, e in enumerate(examples) for s in range(2)]
+    items = [PromptItem(e.id, e.question, group_id=i, sample_index=s) for i, e in enumerate(examples) for s in range(4)]
     trajectories = chat_worker.generate(items, 1)
     tokenizer, protocol = chat_worker.engine.tokenizer, chat_worker.loop.protocol
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -84,8 +84,9 @@ def test_native_tool_calls_run_in_call_order_with_token_exact_observations(chat_
         assert mismatches[-1].seam == "end"
         for mismatch in mismatches:
             seams[mismatch.seam] = seams.get(mismatch.seam, 0) + 1
-    assert (ended, cut) == (6, 2)
+    print(f"\nfirst turns: {ended} ended by the model, {cut} cut")
+    assert ended + cut == len(trajectories) == 16 and ended > 0 and cut > 0
     assert set(seams) <= set(KNOWN_SEAMS) and seams["end"] == len(trajectories)
 
     metrics = trajectory_metrics(trajectories)
-    assert metrics["rollout/tool_calls/search"] >= 16 and metrics["rollout/tool_errors"] == 0.0
+    assert metrics["rollout/tool_calls/search"] >= 2 * len(trajectories) and metrics["rollout/tool_errors"] == 0.0

@@ -67,8 +67,8 @@ def test_round_trip_tp2pp2_bit_exact_and_verified(tp2pp2_checkpoint, tiny_model_
     assert not list((tp2pp2_checkpoint / "hf").glob("*.safetensors"))
 
     started = time.perf_counter()
-    # shards of at most 40 MiB: the two 74 MiB embedding matrices get one each, the layers share the middle one
-    result = mcore_to_hf(tp2pp2_checkpoint, tmp_path / "hf", verify=True, max_shard_bytes=40 * 2**20)
+    # shards of at most 4 MiB: the two 8.1 MiB embedding matrices get one each, the layers share the middle one
+    result = mcore_to_hf(tp2pp2_checkpoint, tmp_path / "hf", verify=True, max_shard_bytes=4 * 2**20)
     print(f"mcore_to_hf with verify: {time.perf_counter() - started:.1f} s, max |logit diff| {result.max_logit_diff}")
     assert result.max_logit_diff < 1e-5
     assert (result.num_tensors, result.num_shards, result.dtype) == (27, 3, "float32")

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 from rlsearch.memory import (
     GB,
     ActorMemorySettings,
@@ -25,6 +24,7 @@ from rlsearch.memory import (
     stage_parameters,
 )
 from tests.integration.rank_processes import run_rank_processes
+from tests.models import make_test_model
 
 LAYOUT = Layout(tp=2, dp=2, ep=2)
 TIME_LIMIT_S = 600.0  # a hang guard: four ranks building a tiny model
@@ -56,7 +56,7 @@ def _rank_main(rank: int, rendezvous: str, out_dir: str) -> None:
 
 
 def test_the_plan_counts_what_a_tp2_ep2_moe_rank_holds(tmp_path):
-    model_dir = make_tiny_model(tmp_path / "model", TinyModelSpec(architecture="qwen2_moe"))
+    model_dir = make_test_model(tmp_path / "model", architecture="qwen2_moe")
     run_rank_processes(_rank_main, LAYOUT.ranks, str(tmp_path), TIME_LIMIT_S)
     shape = ModelShape.from_model_dir(model_dir)
     parameters = stage_parameters(shape, tp=LAYOUT.tp, pp=1, ep=LAYOUT.ep, stage=0)

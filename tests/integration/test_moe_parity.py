@@ -15,8 +15,9 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+from rlsearch.data.tiny_model import make_tiny_model
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch, sent_tensors
+from tests.models import TEST_VOCAB_RANKS, model_spec
 
 pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module
 
@@ -31,7 +32,7 @@ CASES = [(arch, layout) for arch in ARCHITECTURES for layout in LAYOUTS if (arch
 @pytest.fixture(scope="module")
 def moe_model_dirs(module_tmp):
     root = module_tmp.mktemp("moe-models")
-    return {arch: make_tiny_model(root / arch, TinyModelSpec(architecture=arch)) for arch in ARCHITECTURES}
+    return {arch: make_tiny_model(root / arch, model_spec(architecture=arch)) for arch in ARCHITECTURES}
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ def test_moe_router_and_expert_gradient_parity_with_hf(ray_local, moe_model_dirs
     from rlsearch.rendezvous import Rendezvous
 
     model_dir = moe_model_dirs[arch]
-    token_ids = torch.randint(0, 151_000, (2, 41), generator=torch.Generator().manual_seed(3)).tolist()
+    token_ids = torch.randint(0, TEST_VOCAB_RANKS, (2, 41), generator=torch.Generator().manual_seed(3)).tolist()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf.config._experts_implementation = "eager"
     logits = hf(torch.tensor(token_ids)[:, :-1]).logits

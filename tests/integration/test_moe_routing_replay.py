@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from rlsearch.config import AlgoConfig
-from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+from rlsearch.data.tiny_model import make_tiny_model
 from rlsearch.trainer.update import policy_update
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
+from tests.models import TEST_VOCAB_RANKS, model_spec
 
 
 def _tokens_per_expert(routing: list[torch.Tensor], num_experts: int) -> torch.Tensor:
@@ -24,7 +25,7 @@ def _tokens_per_expert(routing: list[torch.Tensor], num_experts: int) -> torch.T
 
 @pytest.fixture(scope="module")
 def moe_group(rank_pool, module_tmp):
-    model_dir = make_tiny_model(module_tmp.mktemp("moe") / "qwen3_moe", TinyModelSpec(architecture="qwen3_moe"))
+    model_dir = make_tiny_model(module_tmp.mktemp("moe") / "qwen3_moe", model_spec(architecture="qwen3_moe"))
     samples, _ = scored_batch(lambda batch: hf_logprobs(model_dir, batch))
     spec = actor_spec(model_dir, 1, 1, 2, {"ep": 2, "lr": 0.05})
     spec = dataclasses.replace(spec, algo=AlgoConfig(routing_replay="old", num_minibatches=2))
@@ -81,7 +82,7 @@ def test_uneven_expert_parallel_shards_run_without_waiting_on_each_other(moe_gro
 
     group, samples = moe_group
     generator = torch.Generator().manual_seed(5)
-    long = [TrainSample(torch.randint(0, 151_000, (150,), generator=generator).tolist(), 20, [1] * 130)
+    long = [TrainSample(torch.randint(0, TEST_VOCAB_RANKS, (150,), generator=generator).tolist(), 20, [1] * 130)
             for _ in range(3)]
     short = TrainSample(samples[0].token_ids, samples[0].response_start, samples[0].loss_mask)
     alone = group.compute_logprobs([short])  # shards [short] and []

@@ -44,9 +44,9 @@ class MoeCase:
     def __init__(self, architecture: str, tmp_path) -> None:
         from transformers import AutoTokenizer
 
-        from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+        from tests.models import make_test_model
 
-        self.model_dir = make_tiny_model(tmp_path / architecture, TinyModelSpec(architecture=architecture))
+        self.model_dir = make_test_model(tmp_path / architecture, architecture=architecture)
         self.ids = AutoTokenizer.from_pretrained(self.model_dir).encode(PROBE)
         generator = torch.Generator().manual_seed(7)
         self.states = [load_file(str(self.model_dir / "model.safetensors"))]

@@ -9,6 +9,7 @@ import torch
 
 from rlsearch.actor import TrainSample
 from rlsearch.algo import grpo_advantages, loss_token_weights
+from tests.models import TEST_VOCAB_RANKS
 
 
 def _batch(advantages: list[float]) -> list[TrainSample]:
@@ -17,7 +18,7 @@ def _batch(advantages: list[float]) -> list[TrainSample]:
     samples = []
     for index, advantage in enumerate(advantages):
         length, start = 24 + 6 * index, 5 + index
-        ids = torch.randint(0, 151_000, (length,), generator=generator).tolist()
+        ids = torch.randint(0, TEST_VOCAB_RANKS, (length,), generator=generator).tolist()
         samples.append(TrainSample(ids, start, [0 if 6 <= i < 10 else 1 for i in range(length - start)], advantage))
     for sample, weights in zip(samples, loss_token_weights([s.loss_mask for s in samples], "token_mean")):
         sample.token_weights = weights

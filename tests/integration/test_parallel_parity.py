@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from rlsearch.actor import MODEL_DISTRIBUTION, TrainSample
-from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+from rlsearch.data.tiny_model import make_tiny_model
 from rlsearch.weights import WeightSync, logprob_mismatch
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch, sent_tensors
+from tests.models import model_spec
 
 pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module
 
@@ -136,7 +137,7 @@ def test_bridge_bucket_size_sweep_gives_identical_engine_logprobs(run_layout):
 )
 def test_architecture_parity_and_round_trip(rank_pool, tmp_path_factory, architecture, tied, tp, pp):
     model_dir = make_tiny_model(
-        tmp_path_factory.mktemp(architecture) / "model", TinyModelSpec(architecture=architecture,
+        tmp_path_factory.mktemp(architecture) / "model", model_spec(architecture=architecture,
                                                                         tie_word_embeddings=tied),
     )
     samples, reference = scored_batch(lambda s: hf_logprobs(model_dir, s))

@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+from rlsearch.data.tiny_model import make_tiny_model
 from tests.integration.actor_helpers import long_sequence_batch
 from tests.integration.rank_processes import run_rank_processes
+from tests.models import model_spec
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ TIME_LIMIT_S = 240.0
 def model_dirs(tiny_model_dir, module_tmp):
     # Qwen2-MoE: every layer routed, plus a gated shared expert
     moe = make_tiny_model(module_tmp.mktemp("recompute-moe") / "qwen2_moe",
-                          TinyModelSpec(architecture="qwen2_moe"))
+                          model_spec(architecture="qwen2_moe"))
     dropout = Path(shutil.copytree(tiny_model_dir, module_tmp.mktemp("recompute-dropout") / "dense"))
     config = json.loads((dropout / "config.json").read_text())
     (dropout / "config.json").write_text(json.dumps({**config, "attention_dropout": DROPOUT,

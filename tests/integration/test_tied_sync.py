@@ -16,9 +16,9 @@ from tests.integration.test_actor_engine import (  # noqa: F401  (collected here
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+    from tests.models import make_test_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tied") / "tiny-qwen2-tied", TinyModelSpec(tie_word_embeddings=True))
+    return make_test_model(tmp_path_factory.mktemp("tied") / "tiny-qwen2-tied", tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")

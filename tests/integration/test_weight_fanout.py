@@ -29,14 +29,14 @@ ENGINES, ENGINE_TP = 2, 2
 LAYOUTS = {"tp1pp1": (1, 1), "tp2pp1": (2, 1), "tp1pp2": (1, 2)}
 TRANSPORTS = ("shm", "broadcast")
 PROBE = ("Who is the mayor of Velmora?", "<search> who founded the town </search>")
-BUCKET_MB = 16  # several buckets per stage: the embedding alone is 74 MiB and travels alone
+BUCKET_MB = 2  # several buckets per stage: the embedding alone is 8.1 MiB and travels alone
 
 
 @pytest.fixture(scope="module")
 def model_b(tmp_path_factory):
-    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+    from tests.models import make_test_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("model-b") / "tiny-qwen2-b", TinyModelSpec(seed=7))
+    return make_test_model(tmp_path_factory.mktemp("model-b") / "tiny-qwen2-b", seed=7)
 
 
 def _start_engine(tiny_model_dir, retriever, index: int):
@@ -309,8 +309,9 @@ def test_broadcast_sync_into_a_dead_engine_raises_within_the_timeout(engines, mo
         sync.sync(engines)
         ray.kill(engines[1])
         started = time.perf_counter()
-        with pytest.raises(WeightSyncError, match="engine 1"):
+        with pytest.raises(WeightSyncError, match="engine 1 died"):
             sync.sync(engines)
-        assert time.perf_counter() - started < 20.0 + 15.0
+        seconds = time.perf_counter() - started
+        assert seconds < 5 * 20.0, f"hang guard: a sync with a 20 s timeout raised after {seconds:.0f} s"
     finally:
         group.shutdown()
