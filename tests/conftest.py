@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rlsearch.megatron.processes import stop_rank_server
+from tests.models import model_override, shared_test_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -61,9 +62,18 @@ def pytest_xdist_make_scheduler(config, log):
     return InTestOrder(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
+# The hang guard of a test that uses these fixtures (pytest-timeout; scripts/test.sh sets the default, TEST_TIMEOUT_S):
+# the README's default run (SFT and 30 steps of the real-vocabulary model) took 968 s on the slowest CPU seen
+LONG_FIXTURE_TIMEOUT_S = {"default_run": 2400}
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: the run order below is the final one
 def pytest_collection_modifyitems(config, items):
     _skip_gpu_tests_without_cuda(items)
+    for item in items:
+        for fixture, seconds in LONG_FIXTURE_TIMEOUT_S.items():
+            if fixture in item.fixturenames and not item.get_closest_marker("timeout"):
+                item.add_marker(pytest.mark.timeout(seconds))
     items[:] = sorted(SHARED_ENGINES.group_users(items), key=lambda item: _lane_group(item)[0])  # stable sort
 
 
@@ -245,14 +255,29 @@ def pytest_sessionstart(session):
     fork_vllm_processes_in_this_process()  # the tests' own engines: ~10 CPU-seconds less a start
 
 
+def pytest_runtest_logreport(report):
+    """Records the skips of tests that do not need a GPU (in the run itself: the lanes' reports come to it)."""
+    if report.skipped and "gpu" not in report.keywords:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        UNEXPECTED_SKIPS.append(f"{report.nodeid}: {reason}")
+
+
+UNEXPECTED_SKIPS: list[str] = []
+
+
 def pytest_sessionfinish(session):
     SHARED_ENGINES.release_all()
+    if UNEXPECTED_SKIPS and not hasattr(session.config, "workerinput") and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED  # a skip that hides a missing tool or right is a failure
 
 
 def pytest_terminal_summary(terminalreporter):
     line = MEMORY_LOCK.summary()
     if line:
         terminalreporter.write_line(line)
+    if UNEXPECTED_SKIPS:
+        terminalreporter.write_line(f"{len(UNEXPECTED_SKIPS)} tests skipped that need no GPU, so the run fails (only "
+                                    "tests marked gpu may skip): " + "; ".join(UNEXPECTED_SKIPS), red=True)
 
 
 class SharedEngines:
@@ -355,7 +380,7 @@ def async_tp2pp2_run(tmp_path_factory, driver_ray):
     result = subprocess.run(
         ["bash", "examples/run_search_grpo.sh", "actor.tp=2", "actor.pp=2", "trainer.total_steps=2",
          "data.batch_size=2", "rollout.async_steps=1", "algo.num_minibatches=2", "trainer.eval_interval=1",
-         "eval.max_examples=4", SHORT_TURNS, f"trainer.output_dir={out}"],
+         "eval.max_examples=4", SHORT_TURNS, model_override(), f"trainer.output_dir={out}"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200,
         env={**os.environ, "RLSEARCH_WARM_START": "none", **driver_ray})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -391,10 +416,9 @@ def module_tmp(request, tmp_path_factory) -> ModuleScratch:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    from rlsearch.data.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("assets") / "tiny-qwen2")
+def tiny_model_dir() -> Path:
+    """The tests' tiny Qwen2 (tests/models.py: a small vocabulary), one for both lanes and their drivers."""
+    return shared_test_model()
 
 
 @pytest.fixture(scope="session")
@@ -482,7 +506,7 @@ def engine_bench(tiny_model_dir, retriever):
 @pytest.fixture(scope="module")
 def search_automaton(engine_bench, tiny_model_dir):
     """`engine_bench` with the tiny model rewired into a policy that searches every turn (`search_automaton_weights`,
-    searching " inventor" greedily); the model's own weights come back after the module."""
+    searching " born" greedily); the model's own weights come back after the module."""
     from safetensors.torch import load_file
 
     from rlsearch.data.tiny_model import search_automaton_weights

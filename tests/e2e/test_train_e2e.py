@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
+from bench.readme_check import MISMATCH_LIMIT
 from tests.conftest import REPO_ROOT, SHORT_TURNS
+from tests.models import model_override
 
 REQUIRED_SCALARS = (
     "reward/mean", "reward/std", "reward/em", "rollout/response_len_mean", "rollout/turns_mean",
@@ -52,7 +54,9 @@ def test_default_run_is_quiet_names_its_logs_and_trains_from_step_1(default_run)
         assert [e.step for e in events.Scalars(name)] == list(range(1, 31)), name
     assert events.Scalars("reward/std")[0].value > 0
     assert events.Scalars("actor/grad_norm")[0].value > 0
-    assert max(e.value for e in events.Scalars("weights/logprob_mismatch_max")) < 1e-3
+    # the warm-started model's probe gaps are larger than a random model's (its logits are sharper): up to 2.2e-4 on
+    # the README's CPU and 6.3e-4 on a 2-core AMD EPYC with AVX2 over 30 steps; bench/readme_check.py's limit
+    assert max(e.value for e in events.Scalars("weights/logprob_mismatch_max")) < MISMATCH_LIMIT
     config = json.loads((out / "config.json").read_text())
     for step in range(1, 31):
         rows = [json.loads(line) for line in (out / "trajectories" / f"step_{step:06d}.jsonl").open()]
@@ -163,7 +167,8 @@ def test_run_search_grpo_script_trains_with_two_tp2_engines_over_broadcast(tmp_p
 
     out = tmp_path / "run"
     result = _run(["bash", "examples/run_search_grpo.sh", "rollout.num_engines=2", "rollout.tensor_parallel_size=2",
-                   "weights.transport=broadcast", "trainer.total_steps=2", SHORT_TURNS, f"trainer.output_dir={out}"],
+                   "weights.transport=broadcast", "trainer.total_steps=2", SHORT_TURNS, model_override(),
+                   f"trainer.output_dir={out}"],
                   timeout=1200, **driver_ray)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "rollout engines: 2 x TP2; engine 0 on node" in result.stdout
@@ -189,7 +194,8 @@ def test_train_and_eval_run_a_user_agent_through_the_endpoint(tmp_path, driver_r
     agent = "rollout.agent=examples.agents.search_r1:agent"
     out = tmp_path / "run"
     result = _run(["bash", "examples/run_search_grpo.sh", agent, "actor.cp=2", "actor.logits_chunk_tokens=64",
-                   "trainer.total_steps=2", SHORT_TURNS, f"trainer.output_dir={out}"], timeout=1200, **driver_ray)
+                   "trainer.total_steps=2", SHORT_TURNS, model_override(), f"trainer.output_dir={out}"], timeout=1200,
+                  **driver_ray)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 2/2 | reward" in result.stdout
     events = EventAccumulator(str(out / "tensorboard"))
@@ -211,13 +217,16 @@ def test_train_and_eval_run_a_user_agent_through_the_endpoint(tmp_path, driver_r
     assert searched > 0
 
     evaluated = tmp_path / "eval"
-    result = _run(["bash", "examples/run_search_eval.sh", agent, f"output_dir={evaluated}", "eval.max_examples=4"],
-                  timeout=600)
+    # the random model answers: its answers start prefilled and their closing tag is biased
+    answering = ["rollout.assistant_prefix=<answer>", 'rollout.logit_bias={"</answer>": 12.0}']
+    result = _run(["bash", "examples/run_search_eval.sh", agent, *answering, model_override(),
+                   f"output_dir={evaluated}", "eval.max_examples=4"], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in (evaluated / "trajectories.jsonl").open()]
     assert len(rows) == 4 and not any(row["failed"] for row in rows)
-    # the record's answer is what the agent returned (the model's text holds no <answer> block of the agent's own)
-    assert all(row["answer"] == row["agent_answer"] for row in rows if row["agent_answer"] is not None)
+    # the record's answer is what the agent returned
+    answered = [row for row in rows if row["agent_answer"] is not None]
+    assert answered and all(row["answer"] == row["agent_answer"] for row in answered), rows
 
 
 def test_filter_groups_drops_every_group_of_a_random_model_and_the_run_goes_on(tmp_path):
@@ -227,7 +236,8 @@ def test_filter_groups_drops_every_group_of_a_random_model_and_the_run_goes_on(t
 
     out = tmp_path / "run"
     result = _run(["bash", "examples/run_search_grpo.sh", "algo.filter_groups=true", "data.batch_size=2",
-                   "data.oversample=1.5", "trainer.total_steps=2", SHORT_TURNS, f"trainer.output_dir={out}"],
+                   "data.oversample=1.5", "trainer.total_steps=2", SHORT_TURNS, model_override(),
+                   f"trainer.output_dir={out}"],
                   timeout=1200, RLSEARCH_VERBOSE="1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # verbose: the libraries print here as they would on their own, and nothing goes to output_dir/logs
