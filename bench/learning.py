@@ -38,7 +38,19 @@ rollout.summary_tokens (--summary-tokens, 32). Data, random model and SFT model 
 earlier_segments). The tables add the EMs per hop count (the eval summaries' by_hops) and the share of the final
 evals' trajectories that folded.
 
+--model smollm2: the toy pipeline from a real pretrained model, SmolLM2-135M-Instruct (`rlsearch make-real-model`,
+built once into outputs/assets), on the toy corpus as it is: invented multi-word names, two look-alike passages per
+question entity, 500 questions of which 250 held out (`make-toy-data --num-entities 500 --test-fraction 0.5`), one
+demonstration per train question in the short prompt, half of them flawed. Its stages: prompted (the model as it
+is, with the prompt), sft and grpo as examples/configs/sft_smollm2.yaml and search_grpo_smollm2.yaml set them (their
+settings are its defaults), each scored by `rlsearch eval` at the rollout temperature (mean@k over the config's
+eval.n_samples) with the share of its answers given without any search. GRPO keeps a checkpoint every
+GRPO_SAVE_INTERVAL steps, from which a stopped bench resumes (an eval resumes from its last finished batch; an SFT
+stopped half-way runs again), and its last checkpoint is converted (`rlsearch convert mcore-to-hf`) and scored as the
+others are. One seed and no ablation by default. Each stage's line gives its wall time, CPU-seconds and load.
+
   .venv/bin/python bench/learning.py                                   # 3 seeds (outside CI: ~45 min a seed on 2 cores)
+  .venv/bin/python bench/learning.py --model smollm2                  # a real model (outputs/bench/learning-smollm2)
   .venv/bin/python bench/learning.py --seeds 1 --sft-steps 5 --grpo-steps 2 --num-entities 100   # mechanics only
   .venv/bin/python bench/learning.py --seeds 1 --grpo-override algo.num_minibatches=2 --out outputs/bench/learning-mb2
   .venv/bin/python bench/learning.py --task multihop --context append  # 3 seeds, k = 3, 4 (learning-multihop)
@@ -53,10 +65,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -69,20 +83,79 @@ PYTHON = sys.executable
 # --task multihop: the prompt limit (the short prompt with a 4-hop question is ~45 tokens; rollout.manage_context_at
 # must lie above it) and the response budget over every segment (a fold adds its instruction and summary)
 MULTIHOP_PROMPT_TOKENS, MULTIHOP_RESPONSE_TOKENS = 96, 512
+# --model smollm2: GRPO checkpoints every this many steps (a stopped bench resumes from the newest), keeping one
+GRPO_SAVE_INTERVAL = 5
+
+
+@dataclass(frozen=True)
+class StartingModel:
+    """What --model starts the pipeline from: its stage before any training, and the configs SFT and GRPO run."""
+
+    first_stage: str  # the eval of the model as it is: a random-init model, or a pretrained one prompted
+    sft_config: str
+    grpo_config: str
+
+
+MODELS = {
+    "random": StartingModel("random", "examples/configs/sft_tiny.yaml", "examples/configs/search_grpo_tiny.yaml"),
+    "smollm2": StartingModel("prompted", "examples/configs/sft_smollm2.yaml",
+                             "examples/configs/search_grpo_smollm2.yaml"),
+}
+SMOLLM2_DIR = REPO / "outputs" / "assets" / "smollm2-135m-instruct"  # `rlsearch make-real-model` builds it once
+# how the evals run (not what they score: a trajectory's seeds are its question's and sample's). A decode step of
+# SmolLM2 on a CPU reads its 0.5 GB of weights whatever the batch, so 128 trajectories a batch (~1 GiB of KV cache)
+# and not eval_search.yaml's 32
+MODEL_EVAL_SETTINGS = {"random": (), "smollm2": ("eval.batch_size=128", "rollout.kv_cache_gib=1.0")}
 
 
 def _rlsearch(log: Path, *arguments: str) -> None:
-    """Run `python -m rlsearch ARGS`, output to `log`; a failure stops the bench naming the log."""
+    """Run `python -m rlsearch ARGS`, output appended to `log` (a resumed stage's too); a failure stops the bench
+    naming the log. The line it prints gives the wall time, the CPU-seconds of the command and every process under it
+    (Ray's, vLLM's, the tool servers': what the stage costs whatever else runs) and the load average at the end."""
     started = time.perf_counter()
-    with log.open("w") as out:
-        code = subprocess.call([PYTHON, "-m", "rlsearch", *arguments], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    if code:
-        raise SystemExit(f"rlsearch {arguments[0]} failed (exit {code}): see {log}")
-    print(f"  {arguments[0]:<14} {time.perf_counter() - started:6.0f} s   {log}", flush=True)
+    with log.open("a") as out:
+        command = subprocess.Popen([PYTHON, "-m", "rlsearch", *arguments], cwd=REPO, stdout=out,
+                                   stderr=subprocess.STDOUT)
+        cpu_s = _cpu_seconds_until_exit(command)
+    if command.returncode:
+        raise SystemExit(f"rlsearch {arguments[0]} failed (exit {command.returncode}): see {log}")
+    print(f"  {arguments[0]:<14} {time.perf_counter() - started:6.0f} s  {cpu_s:6.0f} CPU-s  "
+          f"load {os.getloadavg()[0]:4.1f}   {log}", flush=True)
+
+
+def _cpu_seconds_until_exit(command: subprocess.Popen, every_s: float = 1.0) -> float:
+    """Wait for `command`; the CPU time of it and its descendants, each process's as last sampled (every `every_s`:
+    a process's last second is missed, and Ray's processes outlive no waiting parent to count them otherwise)."""
+    import psutil
+
+    last: dict[tuple[int, float], float] = {}
+    root = psutil.Process(command.pid)
+    while command.poll() is None:
+        try:
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            tree = []
+        for process in tree:
+            try:
+                with process.oneshot():
+                    times = process.cpu_times()
+                    last[(process.pid, process.create_time())] = times.user + times.system
+            except psutil.Error:
+                pass
+        time.sleep(every_s)
+    return sum(last.values())
 
 
 def _em(summary: Path) -> float:
     return json.loads(summary.read_text())["metrics"]["overall"]["em"]
+
+
+def _unsearched_share(eval_dir: Path) -> float:
+    """The share of an eval's answers given without any search (tool call) before them."""
+    with (eval_dir / "trajectories.jsonl").open() as rows:
+        answers = [not any(turn["tool_calls"] for turn in row["turns"])
+                   for row in map(json.loads, rows) if row["scores"]["has_answer"]]
+    return statistics.fmean(answers) if answers else float("nan")
 
 
 def _hop_ems(summary: Path) -> dict[int, float]:
@@ -103,7 +176,8 @@ def _folded_share(eval_dir: Path) -> float:
 def _common(data: Path, args: argparse.Namespace) -> list[str]:
     """Overrides shared by evals and training: the learnable toy task, no prefill or bias, sampled evals."""
     return [
-        f"rollout.max_turns={args.max_turns}", "rollout.assistant_prefix=", "rollout.logit_bias={}",
+        f"rollout.max_turns={args.max_turns}", f"rollout.max_tokens_per_turn={args.max_tokens_per_turn}",
+        "rollout.assistant_prefix=", "rollout.logit_bias={}",
         "rollout.temperature=1.0", f"tools.retriever.corpus={data / 'corpus.jsonl'}",
         f"tools.retriever.topk={args.topk}", f"tools.retriever.index_cache_dir={data / 'bm25_cache'}",
         f"eval.files=[{data / 'test.jsonl'}]", f"eval.n_samples={args.eval_samples}", "eval.max_examples=0",
@@ -135,7 +209,7 @@ def _evaluate(model: Path, data: Path, out: Path, args: argparse.Namespace) -> f
     if (reused := _reused_em(out / "summary.json", "eval")) is not None:
         return reused
     _rlsearch(out.with_suffix(".log"), "eval", "--config", "examples/configs/eval_search.yaml",
-              f"model.path={model}", f"output_dir={out}", *_common(data, args))
+              f"model.path={model}", f"output_dir={out}", *_common(data, args), *MODEL_EVAL_SETTINGS[args.model])
     return _em(out / "summary.json")
 
 
@@ -161,44 +235,85 @@ def _gain_z(sft_eval: Path, grpo_eval: Path) -> float:
     return statistics.fmean(gains) / (spread / len(gains) ** 0.5) if spread else 0.0
 
 
+def _grpo_arguments(model: Path, data: Path, out: Path, seed: int, args: argparse.Namespace,
+                    *run_settings: str) -> list[str]:
+    """`rlsearch train` from `model` on the seed's train questions with the bench's GRPO settings, `run_settings`
+    (how it checkpoints and evaluates), then the --grpo-override ones."""
+    return ["train", "--config", MODELS[args.model].grpo_config, f"model.path={model}", f"trainer.output_dir={out}",
+            f"trainer.total_steps={args.grpo_steps}", f"trainer.seed={seed}", *run_settings,
+            f"data.train_files=[{data / 'train.jsonl'}]", f"data.batch_size={args.batch_size}",
+            f"rollout.group_size={args.group_size}", f"actor.lr={args.grpo_lr}",
+            # a fine-tuned model's sharper distributions put fp32 engine-vs-actor logprob gaps near 1e-4 (1.05e-4
+            # measured), the tiny config's limit for a random model; a broken sync is off by far more than 1e-3
+            "weights.max_logprob_mismatch=1e-3", *_common(data, args), *args.grpo_override]
+
+
 def _grpo(model: Path, data: Path, out: Path, seed: int, args: argparse.Namespace, *extra: str) -> float:
     """Train from `model` and return the held-out EM after the last step; a finished run's score is reused."""
     summary = _final_eval(out, args) / "summary.json"
     if (reused := _reused_em(summary, "train")) is not None:
         return reused
-    _rlsearch(out.with_suffix(".log"), "train", "--config", "examples/configs/search_grpo_tiny.yaml",
-              f"model.path={model}", f"trainer.output_dir={out}", f"trainer.total_steps={args.grpo_steps}",
-              f"trainer.eval_interval={args.grpo_steps}", f"trainer.seed={seed}", "trainer.resume=none",
-              f"data.train_files=[{data / 'train.jsonl'}]", f"data.batch_size={args.batch_size}",
-              f"rollout.group_size={args.group_size}", f"actor.lr={args.grpo_lr}",
-              f"trainer.log_trajectories={str(args.task == 'multihop').lower()}",
-              # a fine-tuned model's sharper distributions put fp32 engine-vs-actor logprob gaps near 1e-4 (1.05e-4
-              # measured), the tiny config's limit for a random model; a broken sync is off by far more than 1e-3
-              "weights.max_logprob_mismatch=1e-3", *_common(data, args), *args.grpo_override, *extra)
+    _rlsearch(out.with_suffix(".log"), *_grpo_arguments(
+        model, data, out, seed, args, f"trainer.eval_interval={args.grpo_steps}", "trainer.resume=none",
+        f"trainer.log_trajectories={str(args.task == 'multihop').lower()}"), *extra)
     return _em(summary)
 
 
+def _grpo_resumable(model: Path, data: Path, out: Path, seed: int, args: argparse.Namespace) -> Path:
+    """--model smollm2, whose steps take a minute: train from `model` with a checkpoint every GRPO_SAVE_INTERVAL
+    steps (a stopped run resumes from the newest), write the last one as an HF dir (`rlsearch convert`) and score it
+    with `rlsearch eval` as the other stages are scored. Returns the eval's dir; finished parts are reused."""
+    last = f"step_{args.grpo_steps:06d}"
+    latest = out / "checkpoints" / "latest"
+    if not (out / "hf" / "config.json").is_file():
+        if not (latest.is_file() and latest.read_text().strip() == last):
+            _rlsearch(out.with_suffix(".log"), *_grpo_arguments(
+                model, data, out, seed, args, "trainer.resume=auto", f"trainer.save_interval={GRPO_SAVE_INTERVAL}",
+                "trainer.keep_checkpoints=1", "trainer.eval_interval=0", "trainer.log_trajectories=true"))
+        partial = out / "hf.partial"  # a conversion stopped half-way leaves no hf dir to reuse
+        if partial.exists():
+            shutil.rmtree(partial)
+        _rlsearch(out.parent / f"convert-{out.name}.log", "convert", "mcore-to-hf", "--ckpt",
+                  str(out / "checkpoints" / last), "--out", str(partial))
+        partial.rename(out / "hf")
+    eval_dir = out.parent / f"eval-{out.name}"
+    _evaluate(out / "hf", data, eval_dir, args)
+    return eval_dir
+
+
 def _make_data(data: Path, work: Path, seed: int, args: argparse.Namespace) -> None:
-    """The seed's learnable data and SFT demonstrations (--task toy or multihop)."""
-    if args.task == "toy":
-        _rlsearch(work / "make-toy-data.log", "make-toy-data", "--out", str(data), "--seed", str(seed),
-                  "--learnable", "--name-pool", str(args.name_pool), "--answer-pool", str(args.answer_pool),
-                  "--num-entities", str(args.num_entities),
-                  "--distractors-per-entity", "0", "--test-fraction", "0.5", "--demo-corpora", str(args.demo_corpora),
-                  "--flawed-fraction", str(args.flawed_fraction), "--demo-topk", str(args.topk),
-                  "--prompt-file", args.prompt_file)
-        return
-    _rlsearch(work / "make-toy-data.log", "make-toy-data", "--out", str(data), "--seed", str(seed),
-              "--task", "multihop", "--learnable", "--hops", ",".join(map(str, args.hops)),
-              "--num-chains", str(args.num_chains), "--distractors-per-entity", "0", "--test-fraction", "0.5",
+    """The seed's data and SFT demonstrations: the learnable toy task (--model random), the toy corpus as it is
+    (--model smollm2: invented multi-word names, look-alike passages), or --task multihop."""
+    shared = ["--out", str(data), "--seed", str(seed), "--test-fraction", "0.5",
               "--demo-corpora", str(args.demo_corpora), "--flawed-fraction", str(args.flawed_fraction),
-              "--demo-topk", str(args.topk), "--prompt-file", args.prompt_file)
+              "--demo-topk", str(args.topk), "--prompt-file", args.prompt_file]
+    if args.task == "multihop":
+        task = ["--task", "multihop", "--learnable", "--hops", ",".join(map(str, args.hops)),
+                "--num-chains", str(args.num_chains), "--distractors-per-entity", "0"]
+    elif args.model == "random":
+        task = ["--learnable", "--name-pool", str(args.name_pool), "--answer-pool", str(args.answer_pool),
+                "--num-entities", str(args.num_entities), "--distractors-per-entity", "0"]
+    else:
+        task = ["--num-entities", str(args.num_entities)]
+    _rlsearch(work / "make-toy-data.log", "make-toy-data", *shared, *task)
+
+
+def _starting_model(work: Path, seed: int, args: argparse.Namespace) -> Path:
+    """--model random: the seed's random-init Qwen2 of --shape; smollm2: the converted asset (built once)."""
+    if args.model == "smollm2":
+        if not (SMOLLM2_DIR / "gguf_conversion.json").is_file():
+            _rlsearch(work / "make-real-model.log", "make-real-model", "--out", str(SMOLLM2_DIR))
+        return SMOLLM2_DIR
+    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+
+    model = work / "random-model"
+    if not (model / "config.json").is_file():
+        make_tiny_model(model, TinyModelSpec(**{**SHAPES[args.shape], "tie_word_embeddings": True, "seed": seed}))
+    return model
 
 
 def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
     """The seed's EMs (and gains) overall, and per hop count (--task multihop; empty for toy)."""
-    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
-
     work = root / f"seed_{seed}"
     work.mkdir(parents=True, exist_ok=True)
     data = work / args.task
@@ -207,22 +322,27 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str,
     print(f"seed {seed}: {work}", flush=True)
     if not (data / "sft.jsonl").is_file():
         _make_data(data, work, seed, args)
-    model = work / "random-model"
-    if not (model / "config.json").is_file():
-        make_tiny_model(model, TinyModelSpec(**{**SHAPES[args.shape], "tie_word_embeddings": True, "seed": seed}))
+    model = _starting_model(work, seed, args)
+    first = MODELS[args.model].first_stage
     evals = {"sft": work / f"eval-sft{runs}"}
-    ems = {"random": float("nan")}  # --no-random-eval: the same eval as the SFT model's, of a model that never answers
+    ems = {first: float("nan")}  # --no-random-eval: the same eval as the SFT model's, of a model that never answers
     if args.random_eval:
-        evals["random"] = work / f"eval-random{runs}"
-        ems["random"] = _evaluate(model, data, evals["random"], args)
+        evals[first] = work / f"eval-{first}{runs}"
+        ems[first] = _evaluate(model, data, evals[first], args)
     sft = work / "sft"
     if not (sft / "hf" / "config.json").is_file():
-        _rlsearch(work / "sft.log", "sft", "--config", "examples/configs/sft_tiny.yaml", f"model.path={model}",
+        if sft.exists():
+            shutil.rmtree(sft)  # an SFT stopped half-way left no model (it keeps no checkpoints): it runs again
+        _rlsearch(work / "sft.log", "sft", "--config", MODELS[args.model].sft_config, f"model.path={model}",
                   f"data.train_files=[{data / 'sft.jsonl'}]", f"data.max_steps={args.sft_steps}",
                   f"actor.lr={args.sft_lr}", f"output_dir={sft}", f"seed={seed}")
     ems["sft"] = _evaluate(sft / "hf", data, evals["sft"], args)
-    ems["grpo"] = _grpo(sft / "hf", data, work / f"grpo{runs}", seed, args)
-    evals["grpo"] = _final_eval(work / f"grpo{runs}", args)
+    if args.model == "smollm2":
+        evals["grpo"] = _grpo_resumable(sft / "hf", data, work / "grpo", seed, args)
+        ems["grpo"] = _em(evals["grpo"] / "summary.json")
+    else:
+        ems["grpo"] = _grpo(sft / "hf", data, work / f"grpo{runs}", seed, args)
+        evals["grpo"] = _final_eval(work / f"grpo{runs}", args)
     if args.ablation:
         ems["grpo_unmasked"] = _grpo(sft / "hf", data, work / f"grpo-unmasked{runs}", seed, args,
                                      "algo.mask_observations=false")
@@ -230,6 +350,9 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str,
     print(f"seed {seed}: " + ", ".join(f"{key} EM {value:.3f}" for key, value in ems.items()), flush=True)
     ems["grpo-sft"] = ems["grpo"] - ems["sft"]  # paired: the GRPO run starts from this seed's SFT model
     ems["gain z"] = _gain_z(evals["sft"], evals["grpo"])
+    if args.model == "smollm2":  # a pretrained model may answer from what it believes it knows
+        ems.update({f"unsearched {stage}": _unsearched_share(evals[stage]) for stage in (first, "sft", "grpo")
+                    if stage in evals})
     if args.task == "toy":
         return ems, {}
     if args.context == "fold":
@@ -249,18 +372,60 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str,
 def _print_table(results: list[dict[str, float]]) -> dict[str, float]:
     """A row per seed, then the mean and the spread over seeds, then the paired gain's t; returns the means."""
     keys = list(results[0])
-    print("\n" + " ".join(f"{key:>14}" for key in ["seed", *keys]))
+    widths = {key: max(14, len(key)) for key in keys}
+    print("\n" + " ".join([f"{'seed':>14}", *(f"{key:>{widths[key]}}" for key in keys)]))
     for seed, ems in enumerate(results, start=1):
-        print(" ".join([f"{seed:>14}", *(f"{ems[key]:>14.3f}" for key in keys)]))
+        print(" ".join([f"{seed:>14}", *(f"{ems[key]:>{widths[key]}.3f}" for key in keys)]))
     means = {key: statistics.fmean(r[key] for r in results) for key in keys}
     spreads = {key: statistics.stdev(r[key] for r in results) if len(results) > 1 else 0.0 for key in keys}
-    print(" ".join([f"{'mean':>14}", *(f"{means[key]:>14.3f}" for key in keys)]))
-    print(" ".join([f"{'std':>14}", *(f"{spreads[key]:>14.3f}" for key in keys)]))
+    print(" ".join([f"{'mean':>14}", *(f"{means[key]:>{widths[key]}.3f}" for key in keys)]))
+    print(" ".join([f"{'std':>14}", *(f"{spreads[key]:>{widths[key]}.3f}" for key in keys)]))
     if len(results) > 1 and spreads["grpo-sft"]:
         t = means["grpo-sft"] / (spreads["grpo-sft"] / len(results) ** 0.5)
         print(f"paired gain over seeds: t = {t:.2f} ({len(results) - 1} degrees of freedom)", end="")
         print("; gain z: within a seed, over its test questions" if "gain z" in keys else "")
     return means
+
+
+# options whose default depends on --model (None: not given): the random-init model's, the evidence above
+RANDOM_MODEL_OPTIONS = dict(
+    seeds=3, shape="tiny-4l", demo_corpora=150, prompt_file="examples/prompts/search_r1_short.yaml", topk=1,
+    max_tokens_per_turn=48, sft_steps=3000, sft_lr=3e-3, grpo_steps=30, grpo_lr=1e-3, batch_size=8, group_size=8,
+    eval_samples=4, ablation=True)
+# --model smollm2 only: the toy corpus as it is (the random model's learnable names are not asked of it)
+RANDOM_MODEL_ONLY = ("shape", "name_pool", "answer_pool")
+
+
+def _smollm2_options() -> dict:
+    """--model smollm2's defaults: its configs' prompt, turns, warm start and GRPO settings (what
+    `RLSEARCH_CONFIG=examples/configs/search_grpo_smollm2.yaml bash examples/run_search_grpo.sh` trains), on toy data
+    of 500 questions (250 held out), one seed, greedy evals, no ablation."""
+    from rlsearch.config import SFTConfig, TrainConfig, load_config
+
+    grpo = load_config(TrainConfig, REPO / MODELS["smollm2"].grpo_config)
+    sft = load_config(SFTConfig, REPO / MODELS["smollm2"].sft_config)
+    return dict(
+        seeds=1, demo_corpora=0, num_entities=500, prompt_file=grpo.rollout.prompt_file,
+        topk=grpo.tools.retriever.topk, max_turns=grpo.rollout.max_turns,
+        max_tokens_per_turn=grpo.rollout.max_tokens_per_turn, sft_steps=sft.data.max_steps, sft_lr=sft.actor.lr,
+        grpo_steps=grpo.trainer.total_steps, grpo_lr=grpo.actor.lr, batch_size=grpo.data.batch_size,
+        group_size=grpo.rollout.group_size, eval_samples=grpo.eval.n_samples, ablation=False,
+        out="outputs/bench/learning-smollm2")
+
+
+def _model_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Fill in the options --model decides; an option of the random-init model's task is an error with smollm2."""
+    if args.model == "smollm2":
+        if args.task != "toy":
+            parser.error("--model smollm2 runs --task toy only")
+        given = [f"--{name.replace('_', '-')}" for name in RANDOM_MODEL_ONLY if getattr(args, name) is not None]
+        if given:
+            parser.error(f"{', '.join(given)}: options of --model random only (smollm2 answers on the toy corpus "
+                         "as it is)")
+    for name, default in (RANDOM_MODEL_OPTIONS if args.model == "random" else _smollm2_options()).items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return args
 
 
 # options of one task only, with their defaults there (None: not given)
@@ -270,7 +435,8 @@ MULTIHOP_OPTIONS = {"hops": "3,4", "num_chains": 330, "context": "append", "cont
 
 
 def _task_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """Fill in the options of --task with their defaults; an option of the other task is an error."""
+    """Fill in the options of --task with their defaults (after --model's); an option of the other task is an
+    error."""
     own, other = (TOY_OPTIONS, MULTIHOP_OPTIONS) if args.task == "toy" else (MULTIHOP_OPTIONS, TOY_OPTIONS)
     given = [f"--{name.replace('_', '-')}" for name in other if getattr(args, name) is not None]
     if given:
@@ -299,16 +465,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=("toy", "multihop"), default="toy",
                         help="toy: one search per question (default); multihop: chains of --hops searches")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny-4l")
+    parser.add_argument("--model", choices=sorted(MODELS), default="random",
+                        help="random: a random-init Qwen2 of --shape on the learnable toy task (default); smollm2: "
+                        "SmolLM2-135M-Instruct (`rlsearch make-real-model`) on the toy corpus, prompted, then its "
+                        "SFT warm start and GRPO as examples/configs/*_smollm2.yaml set them")
+    parser.add_argument("--seeds", type=int, default=None, help="default: random 3, smollm2 1")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random: its shape (default tiny-4l)")
     parser.add_argument("--name-pool", type=int, default=None,
                         help="toy: single-token names the data draws from (default 1000)")
     parser.add_argument("--answer-pool", type=int, default=None,
                         help="toy: deal every answer from this many other fixed names (default 0: answers come from "
                         "--name-pool)")
     parser.add_argument("--num-entities", type=int, default=None,
-                        help="toy: questions (half train, half test; default 330); each takes 3 names of the pool "
-                        "(1 with --answer-pool)")
+                        help="toy: questions (half train, half test; default random 330, smollm2 500); each takes 3 "
+                        "names of the pool (1 with --answer-pool)")
     parser.add_argument("--hops", default=None, metavar="K,K,...",
                         help="multihop: the questions' hop counts, spread evenly (default 3,4)")
     parser.add_argument("--num-chains", type=int, default=None,
@@ -322,31 +492,36 @@ def main() -> None:
                         "140: fold summarises after the third hop)")
     parser.add_argument("--summary-tokens", type=int, default=None,
                         help="multihop: rollout.summary_tokens, the most tokens of a fold's summary (default 32)")
-    parser.add_argument("--demo-corpora", type=int, default=150, help="more corpora whose demonstrations SFT sees")
-    parser.add_argument("--prompt-file", default="examples/prompts/search_r1_short.yaml")
+    # the defaults of these depend on --model: RANDOM_MODEL_OPTIONS, or smollm2's configs (_smollm2_options)
+    parser.add_argument("--demo-corpora", type=int, default=None, help="more corpora whose demonstrations SFT sees")
+    parser.add_argument("--prompt-file", default=None)
     parser.add_argument("--flawed-fraction", type=float, default=0.5)
-    parser.add_argument("--topk", type=int, default=1, help="passages per search (demonstrations and rollouts)")
+    parser.add_argument("--topk", type=int, default=None, help="passages per search (demonstrations and rollouts)")
     parser.add_argument("--max-turns", type=int, default=None,
-                        help="rollout.max_turns (default: toy 3; multihop k + 1 for the largest k)")
-    parser.add_argument("--sft-steps", type=int, default=3000)
-    parser.add_argument("--sft-lr", type=float, default=3e-3)
-    parser.add_argument("--grpo-steps", type=int, default=30)
-    parser.add_argument("--grpo-lr", type=float, default=1e-3)
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts per GRPO step")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--eval-samples", type=int, default=4, help="samples per test question (mean@k is the EM)")
+                        help="rollout.max_turns (default: toy 3, smollm2 its config's; multihop k + 1 for the "
+                        "largest k)")
+    parser.add_argument("--max-tokens-per-turn", type=int, default=None, help="rollout.max_tokens_per_turn")
+    parser.add_argument("--sft-steps", type=int, default=None)
+    parser.add_argument("--sft-lr", type=float, default=None)
+    parser.add_argument("--grpo-steps", type=int, default=None)
+    parser.add_argument("--grpo-lr", type=float, default=None)
+    parser.add_argument("--batch-size", type=int, default=None, help="prompts per GRPO step")
+    parser.add_argument("--group-size", type=int, default=None)
+    parser.add_argument("--eval-samples", type=int, default=None,
+                        help="samples per test question (mean@k is the EM; default random 4, smollm2 its config's)")
     parser.add_argument("--grpo-override", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra override of the GRPO runs, e.g. algo.num_minibatches=2 (repeatable)")
-    parser.add_argument("--no-ablation", dest="ablation", action="store_false",
-                        help="skip the GRPO run without observation masking")
+    parser.add_argument("--no-ablation", dest="ablation", action="store_false", default=None,
+                        help="skip the GRPO run without observation masking (smollm2 never runs it)")
     parser.add_argument("--no-random-eval", dest="random_eval", action="store_false",
-                        help="skip the eval of the random-init model (EM random shows nan)")
+                        help="skip the eval of the model as it is (random-init, or smollm2 prompted; its EM shows "
+                        "nan)")
     parser.add_argument("--out", default=None,
                         help="default outputs/bench/learning (toy), outputs/bench/learning-multihop (multihop, both "
                         "contexts)")
-    args = _task_defaults(parser, parse_args(parser, dict(
+    args = _task_defaults(parser, _model_defaults(parser, parse_args(parser, dict(
         seeds=1, demo_corpora=2, sft_steps=2, grpo_steps=1, batch_size=2, group_size=2, eval_samples=1,
-        ablation=False, random_eval=False)))
+        ablation=False, random_eval=False))))
     if args.smoke:  # 4 test questions
         setattr(args, "num_entities" if args.task == "toy" else "num_chains", 8)
 
@@ -355,7 +530,11 @@ def main() -> None:
     if args.task == "multihop":
         print(f"\nmultihop, hops {','.join(map(str, args.hops))}, rollout.context={args.context}: overall")
     means = _print_table([ems for ems, _ in seeds])
-    print(f"EM random {means['random']:.3f}, SFT {means['sft']:.3f}, GRPO {means['grpo']:.3f}")
+    first = MODELS[args.model].first_stage
+    print(f"EM {first} {means[first]:.3f}, SFT {means['sft']:.3f}, GRPO {means['grpo']:.3f}")
+    if args.model == "smollm2":
+        print("answers without a search: " + ", ".join(
+            f"{stage} {means[key]:.3f}" for stage in (first, "sft", "grpo") if (key := f"unsearched {stage}") in means))
     for hops in seeds[0][1]:
         print(f"\n{hops} hops")
         hop_means = _print_table([per_hop[hops] for _, per_hop in seeds])
