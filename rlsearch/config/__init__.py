@@ -1,6 +1,7 @@
 """Structured configs: dataclass schemas, YAML + dotted overrides, validation with errors naming the key."""
 
 from .auto import auto_dtype, resolve_auto_keys, resolve_store_dirs, store_dir
+from .defaults import EngineSpec, default_encoder_path
 from .loader import ConfigError, from_dict, load_config, to_dict
 from .schema import (
     TRUNCATION_REASONS,
@@ -55,7 +56,8 @@ __all__ = [
     "ActorConfig", "AlgoConfig", "WeightsConfig", "BrowseConfig", "ConfigError", "DataConfig", "EndpointConfig",
     "EvalConfig", "EvalSettings", "JinaConfig", "JudgeConfig", "MCPConfig", "MCPServerConfig", "ModelConfig",
     "RetrieverConfig", "RewardConfig", "RolloutConfig", "RubricConfig", "SerperConfig", "SFTConfig", "SFTDataConfig",
-    "SummariserConfig", "ToolsConfig", "TrainConfig", "TrainerConfig", "TRUNCATION_REASONS",
+    "SummariserConfig", "ToolsConfig", "TrainConfig", "TrainerConfig", "TRUNCATION_REASONS", "EngineSpec",
+    "default_encoder_path",
     "auto_dtype", "from_dict", "load_config", "load_eval_config", "load_sft_config", "load_train_config",
     "resolve_auto_keys", "resolve_store_dirs", "store_dir", "to_dict",
     "check_actor_devices", "check_model_dir", "check_model_layout", "validate_eval_config", "validate_sft_config",

