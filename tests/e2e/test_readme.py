@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from bench.readme_check import NAMED, check, readme_block, words
+from bench.readme_check import NAMED, check, words
 from tests.conftest import REPO_ROOT
 
 
@@ -27,16 +27,6 @@ def test_the_figures_compared_are_each_lines_own():
                                          "invalid": "0.25", "len": "29", "loss": "+0.2304", "mismatch": "2.1e-04"}
     assert words(line) == ("step #/# | reward # | EM # | turns # | calls # | invalid # | len # | loss # | "
                            "mismatch # | time #s")
-
-
-def test_the_readme_states_the_default_runs_time_and_step_times(default_run):
-    """The README's prose says how long the run takes here and what a step takes: the figures shown in its block."""
-    readme = (REPO_ROOT / "README.md").read_text()
-    shown = readme_block(readme)
-    steps = [float(match[1]) for line in shown if (match := re.search(r"\| time ([\d.]+)s$", line))]
-    stated = re.search(r"(\d+(?:\.\d+)?)-(\d+(?:\.\d+)?) s a step", readme)
-    assert stated, "the README states no step time"
-    assert (float(stated[1]), float(stated[2])) == (min(steps), max(steps))
 
 
 def test_the_default_runs_start_up_line_counts_from_the_trainings_own_start(default_run):

@@ -3,6 +3,7 @@ READMEs with their block edited: runs of the same code agree on any CPU, an edit
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,11 @@ def test_the_bench_exits_1_naming_the_disagreement_and_0_on_agreement(tmp_path):
     assert refused.returncode == 1 and "line 11, figure 1: 13 where the README shows 12" in refused.stdout, refused
     agreed = subprocess.run([*command, str(RECORDED[0])], cwd=REPO_ROOT, capture_output=True, text=True)
     assert agreed.returncode == 0 and "agrees with" in agreed.stdout, agreed
+
+
+def test_the_readme_states_step_times_that_hold_its_blocks():
+    """The README's prose gives the step times over the CPUs measured: its block's (one CPU's run) lie within them."""
+    steps = [float(match[1]) for line in readme_block(README) if (match := re.search(r"\| time ([\d.]+)s$", line))]
+    stated = re.search(r"(\d+(?:\.\d+)?)-(\d+(?:\.\d+)?) s a step", README)
+    assert stated and steps, "the README states no step time"
+    assert float(stated[1]) <= min(steps) and max(steps) <= float(stated[2]), (stated[0], steps)
