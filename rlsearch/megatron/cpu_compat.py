@@ -18,6 +18,11 @@ What each patch covers (megatron-cpu.md has the investigation):
   parameter on a GPU it offloads nothing and then fails its first step. Here the model's parameters stand for the
   GPU-resident ones, so the split, the host copies, their updates and the copy back run as on a GPU; pinning memory
   is a no-op.
+- Gradient norm (what optimizer.step() returns and clips by): without Apex or Transformer Engine Megatron takes
+  torch.norm of each gradient, and torch's CPU 2-norm kernel adds the float32 squares into float32 accumulators
+  (pytorch#169237), short by more the larger the tensor: 5.8e-4 of the squared norm of the tests' 16,512 x 128 output
+  layer's gradient, 4e-3 of a 33M-element one's. A TP2 rank's half of it is short by less, so TP1 and TP2 reported
+  other norms of the same gradients (1.00784 and 1.00786; 1.00790 both). Ours sums the squares in float64.
 - MoE (megatron-core 0.16.1, local spec, SequentialMLP; ../shared/reference/moe_cpu): the alltoall dispatcher makes a
   `torch.cuda.Stream()` and synchronises its device-to-host copy through CUDA streams and events; and it hands its
   split sizes to `all_to_all_single` as numpy arrays made by a helper that converts only CUDA tensors.
@@ -31,6 +36,7 @@ recomputation of the norms) asks Transformer Engine whether fp8 is on even when 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 
 import torch
@@ -57,6 +63,7 @@ def apply_cpu_patches() -> None:
         torch.cuda.current_device = lambda: 0
         torch.cuda.synchronize = lambda *args, **kwargs: None
         _run_backward_in_device_mode()
+        _patch_grad_norm()
         _patch_moe()
         _patch_optimizer_offload()
         _applied = True
@@ -149,6 +156,25 @@ def define_missing_te_names() -> None:
 
         megatron_random.CheckpointWithoutOutput.__init__ = without_fp8
         megatron_random.CheckpointWithoutOutput._fp8_fixed = True
+
+
+def _patch_grad_norm() -> None:
+    from megatron.core.optimizer import clip_grads
+
+    clip_grads.l2_norm_impl = _l2_norm_summed_in_float64
+
+
+_NORM_CHUNK_ELEMENTS = 1 << 20  # the float64 copy of a chunk: 8 MB
+
+
+def _l2_norm_summed_in_float64(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron.core.utils.local_multi_tensor_l2_norm (the 2-norm of all the tensors of tensor_lists[0] together, a
+    float32 tensor [1], no per-tensor norms) with the squares summed in float64, a chunk of each tensor at a time."""
+    squares = 0.0
+    for tensor in tensor_lists[0]:
+        for chunk in tensor.detach().reshape(-1).split(_NORM_CHUNK_ELEMENTS):
+            squares += float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2
+    return torch.tensor([math.sqrt(squares)], dtype=torch.float32), None
 
 
 def _patch_moe() -> None:
