@@ -88,13 +88,15 @@ def _sample_row(record: dict) -> list:
 
 class RunLogger:
     def __init__(
-        self, output_dir: str | Path, log_trajectories: bool = True, resumed_step: int = 0,
+        self, output_dir: str | Path, log_trajectories: bool = True, resumed_step: int | None = None,
         loggers: Sequence[str] = ("tensorboard",), config: Mapping | None = None, wandb_project: str = "rlsearch",
         wandb_run_name: str = "",
     ) -> None:
-        """`resumed_step`: the step a resumed run continues after. TensorBoard then drops what an earlier run logged
-        for later steps (a step that was logged but not checkpointed is trained again), so each step shows once.
-        `loggers` with wandb: also a `WandbRun` of `config` (trainer.wandb_project, trainer.wandb_run_name)."""
+        """`resumed_step`: the step a training run continues after: a resume's checkpoint step, a rewind's, 0 for a
+        run that starts at step 1 (a fresh one, or one rewound to the start). TensorBoard then drops what an earlier
+        run logged for later steps (a step that was logged but not checkpointed is trained again), so each step shows
+        once. None: nothing is dropped (an eval adding its scalars to a run's log). `loggers` with wandb: also a
+        `WandbRun` of `config` (trainer.wandb_project, trainer.wandb_run_name)."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.output_dir = Path(output_dir)
@@ -104,7 +106,7 @@ class RunLogger:
         self.tensorboard_dir.mkdir(parents=True, exist_ok=True)
         if self.write_trajectories:
             self.trajectory_dir.mkdir(parents=True, exist_ok=True)
-        purge_step = resumed_step + 1 if resumed_step else None
+        purge_step = None if resumed_step is None else resumed_step + 1
         self.writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=purge_step)
         self.wandb = WandbRun(self.output_dir, config, wandb_project, wandb_run_name) if "wandb" in loggers else None
 

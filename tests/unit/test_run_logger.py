@@ -1,0 +1,55 @@
+"""RunLogger's TensorBoard log when a training run logs into a dir an earlier run (or the same run before a rewind)
+logged into: each step shows once, with the values of the run that trained it last; an eval's scalars added to a
+run's log drop nothing."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rlsearch.runlog import RunLogger
+
+
+def _log(run_dir: Path, resumed_step: int | None, rewards: dict[int, float]) -> None:
+    # event files are read in name order, and a name starts with the second its writer opened in: a logger opened in
+    # the same second as the one before could sort before it
+    second = int(time.time())
+    while int(time.time()) == second:
+        time.sleep(0.01)
+    logger = RunLogger(run_dir, log_trajectories=False, resumed_step=resumed_step)
+    for step, reward in rewards.items():
+        logger.log_metrics(step, {"reward/mean": reward})
+    logger.close()
+
+
+def _shown(run_dir: Path, tag: str = "reward/mean") -> list[tuple[int, float]]:
+    """What TensorBoard shows: every point of the tag, in the order read, duplicates kept."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return [(event.step, event.value) for event in events.Scalars(tag)]
+
+
+def test_a_run_rewound_to_the_start_shows_each_step_once(tmp_path: Path) -> None:
+    """Actor ranks that die before the first checkpoint rewind the run to step 0 (GRPOTrainer._replace_dead_actor),
+    as a supervised driver restarted before it starts over: steps 1 and 2 are trained again."""
+    _log(tmp_path, resumed_step=0, rewards={1: 0.25})  # step 2 died
+    _log(tmp_path, resumed_step=0, rewards={1: 0.5, 2: 0.75})
+    assert _shown(tmp_path) == [(1, 0.5), (2, 0.75)]
+
+
+def test_a_resumed_run_keeps_the_checkpointed_steps_and_replaces_the_later_ones(tmp_path: Path) -> None:
+    _log(tmp_path, resumed_step=0, rewards={1: 0.25, 2: 0.5, 3: 0.125})  # checkpointed after step 2
+    _log(tmp_path, resumed_step=2, rewards={3: 0.75, 4: 1.0})
+    assert _shown(tmp_path) == [(1, 0.25), (2, 0.5), (3, 0.75), (4, 1.0)]
+
+
+def test_an_eval_added_to_a_runs_log_drops_none_of_its_steps(tmp_path: Path) -> None:
+    """`rlsearch eval` with eval.log_dir: the checkpoint's scores at its step, beside the run's."""
+    _log(tmp_path, resumed_step=0, rewards={1: 0.25, 2: 0.5})
+    logger = RunLogger(tmp_path, log_trajectories=False)
+    logger.log_metrics(2, {"eval/overall/em": 0.375})
+    logger.close()
+    assert _shown(tmp_path) == [(1, 0.25), (2, 0.5)]
+    assert _shown(tmp_path, "eval/overall/em") == [(2, 0.375)]
