@@ -50,7 +50,7 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import parse_args  # noqa: E402
+from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args  # noqa: E402
 from bench.rollout import SHAPES, BenchEngine, describe, make_agent_loop, prepare_assets, prompt_items  # noqa: E402
 
 
@@ -98,7 +98,8 @@ def latency_proxy(retriever_url: str, latency_s) -> Iterator[str]:
         thread.join(timeout=10)
 
 
-# single-token words of the toy corpus: the searcher's queries
+# single-token words of the toy corpus: the searcher's queries (7 of them single tokens in a vocabulary of the first
+# 16,384 ranks, the smoke run's)
 QUERIES = [" " + word for word in (
     "inventor town machine river device born built workshop grain rope rival mayor founded invented bridge tower"
 ).split()]
@@ -117,7 +118,8 @@ def main() -> None:
     parser.add_argument("--latency", choices=("uniform", "exponential"), default="uniform")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per loop; the best counts")
     parser.add_argument("--out", default="outputs/bench", help="where the random model and toy data are kept")
-    args = parse_args(parser, dict(prompts=2, group_size=2, turns=2, repeats=1))
+    add_vocab_ranks_argument(parser)
+    args = parse_args(parser, dict(prompts=2, group_size=2, turns=2, repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
 
     from safetensors.torch import load_file
 
@@ -125,7 +127,7 @@ def main() -> None:
     from rlsearch.tools import RetrieverProcess
 
     out = Path(args.out)
-    model_path, toy = prepare_assets(out, args.shape)
+    model_path, toy = prepare_assets(out, args.shape, args.vocab_ranks)
     items = prompt_items(toy, args.prompts, args.group_size)
     rollout = {}
     if args.policy == "searcher":
@@ -141,7 +143,9 @@ def main() -> None:
         try:
             if args.policy == "searcher":
                 state = load_file(str(model_path / "model.safetensors"))
-                host.load_weights(search_automaton_weights(state, host.engine.tokenizer, QUERIES))
+                tokenizer = host.engine.tokenizer
+                queries = [query for query in QUERIES if len(tokenizer.encode(query, add_special_tokens=False)) == 1]
+                host.load_weights(search_automaton_weights(state, tokenizer, queries))
             for agent_loop in ("turn_barrier", "per_sample"):
                 loop = make_agent_loop(host.engine, proxy_url, agent_loop, **rollout)
                 host.run(loop.run(items[: args.group_size], step + 1))  # warm-up

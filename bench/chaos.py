@@ -49,7 +49,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import parse_args  # noqa: E402
+from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args  # noqa: E402
 from bench.soak import REPO_ROOT, STEP_LINE, kill_processes, measure, prepare_assets, process_tree  # noqa: E402
 
 COMPONENTS = ("engine", "actor", "driver", "retriever", "mcp", "judge")
@@ -110,7 +110,7 @@ class JudgeProcess:
 
 def write_config(args: argparse.Namespace, run_dir: Path, judge_port: int) -> Path:
     """The run's config: the tiny call_tool setup with 2 engines, async rollouts, the stdio MCP server and the judge."""
-    model, train, corpus = prepare_assets(Path(args.out))
+    model, train, corpus = prepare_assets(Path(args.out), args.vocab_ranks)
     # a kill every `every` step lines; a resumed driver repeats the steps after its checkpoint, so steps run out last
     steps = args.warmup + args.kills * args.every + args.tail
     mcp_command = [sys.executable, "-m", "rlsearch", "serve-mcp", "--transport", "stdio", "--corpus", str(corpus),
@@ -353,8 +353,9 @@ def main() -> None:
                              "checks that it recovers, not how fast: 600)")
     parser.add_argument("--out", default="outputs/bench", help="assets are cached here; the run goes to OUT/chaos")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for the trainer")
+    add_vocab_ranks_argument(parser)
     args = parse_args(parser, dict(kills=1, every=1, warmup=1, tail=2, components=["retriever"], save_interval=1,
-                                     recovery_goal=600.0,
+                                     recovery_goal=600.0, vocab_ranks=SMOKE_VOCAB_RANKS,
                                      # one small engine: the retriever is the one killed (1.5 GiB instead of 2 x 2.3);
                                      # the random model's turns run to the token limit: 24 tokens, not 96
                                      overrides=["rollout.num_engines=1", "rollout.kv_cache_gib=0.25",

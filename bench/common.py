@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
 TINY = dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
@@ -27,24 +29,48 @@ SHAPES = {
                      expert_intermediate_size=128),
 }
 
+# the smoke runs' vocabulary, the tests' (tests/models.py): with the whole one a tiny model's embedding and output
+# layers are 39M of its parameters, and the LM head, sampler, loss, checkpoints and weight syncs dominate every step
+SMOKE_VOCAB_RANKS = 16384
 
-def build_model(shape: str, out_root: Path, max_positions: int = 0) -> Path:
+
+def build_model(shape: str, out_root: Path, max_positions: int = 0, vocab_ranks: int = 0) -> Path:
     """A random-init Qwen2 of the named shape with the real Qwen2 tokenizer (built offline, reused across runs).
 
-    ``max_positions`` above the default 4096 raises its rotary positions (the same weights: the same seed)."""
+    ``max_positions`` above the default 4096 raises its rotary positions (the same weights: the same seed);
+    ``vocab_ranks`` N > 0 keeps the first N BPE ranks of the vocabulary only (TinyModelSpec.vocab_ranks)."""
     from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 
-    spec = TinyModelSpec(**SHAPES[shape])
-    suffix = ""
+    spec = TinyModelSpec(**SHAPES[shape], vocab_ranks=vocab_ranks)
+    suffix = vocab_suffix(vocab_ranks)
     if max_positions > spec.max_position_embeddings:
-        spec = TinyModelSpec(**SHAPES[shape], max_position_embeddings=max_positions)
-        suffix = f"-pos{max_positions}"
+        spec = dataclasses.replace(spec, max_position_embeddings=max_positions)
+        suffix += f"-pos{max_positions}"
     path = out_root / f"qwen2-{shape}-random{suffix}"
     if not (path / "config.json").is_file():
         print(f"building a random {shape}-shaped Qwen2 (positions up to {spec.max_position_embeddings}) in {path} ...",
               flush=True)
         make_tiny_model(path, spec)
     return path
+
+
+def vocab_suffix(vocab_ranks: int) -> str:
+    """What a random model's dir name adds for a small vocabulary, so that a cached model of the whole vocabulary is
+    never taken for one of a small one, nor the other way round."""
+    return f"-v{vocab_ranks}" if vocab_ranks else ""
+
+
+def random_tokens(vocab_ranks: int) -> tuple[int, float]:
+    """What a bench's batch of random tokens draws from the model's vocabulary (the whole one, or its first
+    `vocab_ranks` ranks): (its ids lie below this, a random model's logprob of one, about -log(vocabulary))."""
+    return (vocab_ranks, -math.log(vocab_ranks)) if vocab_ranks else (151_000, -11.93)
+
+
+def add_vocab_ranks_argument(parser) -> None:
+    """--vocab-ranks, the random model's vocabulary; a bench's smoke dict sets it to SMOKE_VOCAB_RANKS."""
+    parser.add_argument("--vocab-ranks", type=int, default=0, metavar="N",
+                        help="the random model's vocabulary: 0, the whole of Qwen2's (151,643 BPE ranks); N, its "
+                             "first N ranks only")
 
 
 def parse_args(parser, smoke: dict[str, object]):

@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.common import SHAPES, build_model, parse_args  # noqa: E402
+from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
 from rlsearch.algo import grpo_objective  # noqa: E402
 
 
@@ -145,8 +145,9 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0, help="phase-timed train steps (0: no profile)")
     parser.add_argument("--hf-micro-batch", type=int, default=4)
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
+    add_vocab_ranks_argument(parser)
     args = parse_args(parser, dict(shape="tiny", sequences=4, min_len=40, max_len=80, train_steps=1, time_steps=1,
-                                   profile_steps=1))
+                                   profile_steps=1, vocab_ranks=SMOKE_VOCAB_RANKS))
 
     from transformers import AutoModelForCausalLM
 
@@ -154,8 +155,8 @@ def main() -> None:
     from rlsearch.config import ActorConfig, AlgoConfig
 
     on_gpu = torch.cuda.is_available()
-    model_path = build_model(args.shape, Path(args.out), max_positions=args.max_len)
-    samples = make_samples(args.sequences, args.min_len, args.max_len, seed=0)
+    model_path = build_model(args.shape, Path(args.out), max_positions=args.max_len, vocab_ranks=args.vocab_ranks)
+    samples = make_samples(args.sequences, args.min_len, args.max_len, seed=0, vocab_ranks=args.vocab_ranks)
     tokens = sum(len(s.token_ids) for s in samples)
     response = sum(s.response_len for s in samples)
     print(f"device: {torch.cuda.get_device_name(0) if on_gpu else 'cpu'}; torch {torch.__version__}; "

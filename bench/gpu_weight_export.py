@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import SHAPES, build_model, parse_args  # noqa: E402
+from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
 from bench.gpu_actor_check import _grpo_step, start_single_rank_worker  # noqa: E402
 
 
@@ -191,7 +191,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed syncs (and copies) of each kind")
     parser.add_argument("--lr", type=float, default=1e-6, help="the learning rate of the step between delta syncs")
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
-    args = parse_args(parser, dict(shape="tiny", dtype="float32", repeats=1))
+    add_vocab_ranks_argument(parser)
+    args = parse_args(parser, dict(shape="tiny", dtype="float32", repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
 
     from bench.train_step import make_samples
     from rlsearch.config import ActorConfig, AlgoConfig
@@ -199,7 +200,7 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     print(f"device: {torch.cuda.get_device_name(0) if on_gpu else 'cpu'}; torch {torch.__version__}; "
           f"model: random Qwen2 '{args.shape}', {args.dtype}; buckets of {args.bucket_mb} MB", flush=True)
-    model_path = build_model(args.shape, Path(args.out))
+    model_path = build_model(args.shape, Path(args.out), vocab_ranks=args.vocab_ranks)
     worker = start_single_rank_worker(model_path, args.dtype, ActorConfig(lr=args.lr, lr_warmup_steps=0),
                                       AlgoConfig(kl_coef=0.0), 4)
     bucket_bytes = args.bucket_mb << 20
@@ -230,7 +231,7 @@ def main() -> None:
     print(f"broadcast sender: {seconds:.3f} s ({gb / seconds:.1f} GB/s): {_phases(phases)}; "
           f"/ the plain copy {seconds / device_copy:.2f}x", flush=True)
 
-    delta = delta_syncs(worker, bucket_bytes, make_samples(8, 150, 600, seed=0))
+    delta = delta_syncs(worker, bucket_bytes, make_samples(8, 150, 600, seed=0, vocab_ranks=args.vocab_ranks))
     first, second = delta["first"], delta["second"]
     print(f"delta: whole sync {first['seconds']:.3f} s, {first['wire'] / 1e6:.1f} MB ({_phases(first['phases'])}); "
           f"one step at lr {args.lr:g} ({delta['step_s']:.2f} s, grad norm {delta['grad_norm']:.3f}); delta sync "

@@ -76,7 +76,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import SHAPES, parse_args  # noqa: E402
+from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args, vocab_suffix  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -308,13 +308,14 @@ def _starting_model(work: Path, seed: int, args: argparse.Namespace) -> Path:
 
     model = work / "random-model"
     if not (model / "config.json").is_file():
-        make_tiny_model(model, TinyModelSpec(**{**SHAPES[args.shape], "tie_word_embeddings": True, "seed": seed}))
+        make_tiny_model(model, TinyModelSpec(**{**SHAPES[args.shape], "tie_word_embeddings": True, "seed": seed,
+                                                "vocab_ranks": args.vocab_ranks}))
     return model
 
 
 def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
     """The seed's EMs (and gains) overall, and per hop count (--task multihop; empty for toy)."""
-    work = root / f"seed_{seed}"
+    work = root / f"seed_{seed}{vocab_suffix(args.vocab_ranks)}"  # the random model and all that derives from it
     work.mkdir(parents=True, exist_ok=True)
     data = work / args.task
     # multihop: data, random model and SFT model are shared by the contexts; evals and GRPO runs are per context
@@ -519,9 +520,10 @@ def main() -> None:
     parser.add_argument("--out", default=None,
                         help="default outputs/bench/learning (toy), outputs/bench/learning-multihop (multihop, both "
                         "contexts)")
+    add_vocab_ranks_argument(parser)
     args = _task_defaults(parser, _model_defaults(parser, parse_args(parser, dict(
         seeds=1, demo_corpora=2, sft_steps=2, grpo_steps=1, batch_size=2, group_size=2, eval_samples=1,
-        ablation=False, random_eval=False))))
+        ablation=False, random_eval=False, vocab_ranks=SMOKE_VOCAB_RANKS))))
     if args.smoke:  # 4 test questions
         setattr(args, "num_entities" if args.task == "toy" else "num_chains", 8)
 

@@ -69,7 +69,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import SHAPES, build_model, parse_args  # noqa: E402
+from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
 from bench.rollout import BenchEngine  # noqa: E402
 from rlsearch.tools import Document, Tool, ToolCall, ToolResult, ToolSpec  # noqa: E402
 
@@ -466,7 +466,9 @@ def main() -> None:
                         help="no-latency agent runs and bare replays, alternated; the best wall time of each counts")
     parser.add_argument("--profile", action="store_true",
                         help="an extra no-latency run under cProfile (event loop thread)")
-    args = parse_args(parser, dict(turns=3, trajectories=2, tool_latency_ms=5.0, repeats=1))
+    add_vocab_ranks_argument(parser)
+    args = parse_args(parser, dict(turns=3, trajectories=2, tool_latency_ms=5.0, repeats=1,
+                                   vocab_ranks=SMOKE_VOCAB_RANKS))
     if args.tokens_per_turn < 7:
         parser.error("--tokens-per-turn must be >= 7 (<search>, a word, </search>)")
 
@@ -476,7 +478,7 @@ def main() -> None:
     from rlsearch.rollout import AgentLoop, PromptItem
     from rlsearch.tools import ToolRegistry, make_protocol
 
-    model_path = build_model(args.shape, Path(args.out), MAX_POSITIONS)
+    model_path = build_model(args.shape, Path(args.out), MAX_POSITIONS, args.vocab_ranks)
     query_len = args.tokens_per_turn - 6
     # the observation: 2 documents of 10 one-token words plus tags, ~40 tokens; room for 64 of them and the turns
     max_response = args.turns * (args.tokens_per_turn + 64)

@@ -17,12 +17,12 @@ segment is the previous one with the last --changed-tokens tokens of its history
   one segment        : the final segment alone as one sample, every turn in it trained: about as many tokens and
                        trained positions as the tree, in one causal block (what merging can hope to cost)
 Every configuration runs in a fresh ActorRanks (shut down after) on a random Qwen2 of the `tiny` shape of
-bench/common.py (real Qwen vocabulary) with rotary positions up to the longest sequence. One untimed warm-up step
-on a short sample first creates the optimizer state; the timed step follows. Memory is each rank's resident set
-(read inside the rank's process): "step peak" is its peak RSS during the timed step (the kernel's VmHWM, reset
-just before it), "+step" that peak over the RSS right before the step, "lifetime" getrusage's ru_maxrss (model
-loading included). A watchdog kills a configuration's ranks when the machine's available memory falls below
---min-free-gb, and the table says so.
+bench/common.py (real Qwen vocabulary; the smoke run's: its first 16,384 ranks) with rotary positions up to the
+longest sequence. One untimed warm-up step on a short sample first creates the optimizer state; the timed step
+follows. Memory is each rank's resident set (read inside the rank's process): "step peak" is its peak RSS during
+the timed step (the kernel's VmHWM, reset just before it), "+step" that peak over the RSS right before the step,
+"lifetime" getrusage's ru_maxrss (model loading included). A watchdog kills a configuration's ranks when the
+machine's available memory falls below --min-free-gb, and the table says so.
 
 The last lines are the goals: the 32k step peak per rank <= 8 GB (chunked at CP1, or with CP2 if needed), and the
 merged tree's step <= 1.3 x the one-segment step.
@@ -50,7 +50,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.common import SHAPES, parse_args  # noqa: E402
+from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args, random_tokens  # noqa: E402
 from bench.common import build_model as build_bench_model  # noqa: E402
 from rlsearch.actor.batch import TrainSample  # noqa: E402
 from rlsearch.devices import cpu_threads_each  # noqa: E402
@@ -98,62 +98,65 @@ def _available_bytes() -> float:
 
 # ---- samples ------------------------------------------------------------------------------------------------------
 
-def _random_ids(rng: random.Random, count: int) -> list[int]:
-    return [rng.randrange(151_000) for _ in range(count)]
+def _random_ids(rng: random.Random, count: int, vocab_ranks: int) -> list[int]:
+    ids_below = random_tokens(vocab_ranks)[0]
+    return [rng.randrange(ids_below) for _ in range(count)]
 
 
-def _score(samples: list[TrainSample], seed: int) -> list[TrainSample]:
+def _score(samples: list[TrainSample], seed: int, vocab_ranks: int) -> list[TrainSample]:
     """Old logprobs near a random model's (-log vocab) with noise so PPO ratios vary, advantages that do not
     cancel, token_mean weights over the batch: as the trainer hands them to the actor."""
     from rlsearch.algo import loss_token_weights
 
     generator = torch.Generator().manual_seed(seed)
     weights = loss_token_weights([s.loss_mask for s in samples], "token_mean")
+    random_logprob = random_tokens(vocab_ranks)[1]
     for index, (sample, w) in enumerate(zip(samples, weights)):
-        sample.old_logprobs = (-11.93 + 0.3 * torch.randn(sample.response_len, generator=generator)).tolist()
+        sample.old_logprobs = (random_logprob + 0.3 * torch.randn(sample.response_len, generator=generator)).tolist()
         sample.advantage = (1.0, -0.6, 0.4, -1.1, 0.8)[index % 5]
         sample.token_weights = w
     return samples
 
 
-def single_trajectory(length: int, seed: int) -> list[TrainSample]:
+def single_trajectory(length: int, seed: int, vocab_ranks: int) -> list[TrainSample]:
     """A prompt of PROMPT_TOKENS, then a response of the rest, every response token trained."""
-    ids = _random_ids(random.Random(seed), length)
+    ids = _random_ids(random.Random(seed), length, vocab_ranks)
     prompt = min(PROMPT_TOKENS, length // 2)
-    return _score([TrainSample(ids, prompt, [1] * (length - prompt))], seed)
+    return _score([TrainSample(ids, prompt, [1] * (length - prompt))], seed, vocab_ranks)
 
 
-def rerendered_segments(count: int, prompt: int, turn: int, changed: int, seed: int) -> list[list[int]]:
+def rerendered_segments(count: int, prompt: int, turn: int, changed: int, seed: int,
+                        vocab_ranks: int) -> list[list[int]]:
     """Token ids of each segment of a re-rendering agent: segment 0 is the prompt and a turn; segment k is segment
     k - 1 with its last `changed` tokens replaced (the previous turn rendered differently), then a new turn."""
     rng = random.Random(seed)
-    segments, history = [], _random_ids(rng, prompt)
+    segments, history = [], _random_ids(rng, prompt, vocab_ranks)
     for index in range(count):
         if index:
             history = list(segments[-1])
-            new = _random_ids(rng, changed)
+            new = _random_ids(rng, changed, vocab_ranks)
             if new and new[0] == history[-changed]:  # the tree must branch at the first replaced token
-                new[0] = (new[0] + 1) % 151_000
+                new[0] = (new[0] + 1) % random_tokens(vocab_ranks)[0]
             history[len(history) - changed:] = new
-        segments.append(history + _random_ids(rng, turn))
+        segments.append(history + _random_ids(rng, turn, vocab_ranks))
     return segments
 
 
-def segment_samples(segments: list[list[int]], turn: int, seed: int) -> list[TrainSample]:
+def segment_samples(segments: list[list[int]], turn: int, seed: int, vocab_ranks: int) -> list[TrainSample]:
     """Every segment as a sample of one prefix group: its new turn is its response, all of it trained."""
     samples = [TrainSample(ids, len(ids) - turn, [1] * turn, prefix_group=0) for ids in segments]
-    return _score(samples, seed)
+    return _score(samples, seed, vocab_ranks)
 
 
-def one_segment_sample(segments: list[list[int]], prompt: int, seed: int) -> list[TrainSample]:
+def one_segment_sample(segments: list[list[int]], prompt: int, seed: int, vocab_ranks: int) -> list[TrainSample]:
     """The final segment alone: everything after the first prompt is its response, all of it trained."""
     ids = segments[-1]
-    return _score([TrainSample(ids, prompt, [1] * (len(ids) - prompt))], seed)
+    return _score([TrainSample(ids, prompt, [1] * (len(ids) - prompt))], seed, vocab_ranks)
 
 
-def warmup_sample(seed: int) -> list[TrainSample]:
-    ids = _random_ids(random.Random(seed + 99), WARMUP_TOKENS)
-    return _score([TrainSample(ids, 8, [1] * (WARMUP_TOKENS - 8))], seed)
+def warmup_sample(seed: int, vocab_ranks: int) -> list[TrainSample]:
+    ids = _random_ids(random.Random(seed + 99), WARMUP_TOKENS, vocab_ranks)
+    return _score([TrainSample(ids, 8, [1] * (WARMUP_TOKENS - 8))], seed, vocab_ranks)
 
 
 def rows_and_positions(samples: list[TrainSample], merged: bool) -> tuple[int, int]:
@@ -222,7 +225,8 @@ class MemoryWatchdog:
         return box["value"], ""
 
 
-def run_configuration(spec, samples: list[TrainSample], watchdog: MemoryWatchdog, seed: int) -> Result:
+def run_configuration(spec, samples: list[TrainSample], watchdog: MemoryWatchdog, seed: int,
+                      vocab_ranks: int) -> Result:
     """A fresh ActorRanks: an untimed warm-up step, then the timed step with each rank's memory; shut down after."""
     import ray
 
@@ -232,7 +236,7 @@ def run_configuration(spec, samples: list[TrainSample], watchdog: MemoryWatchdog
     group = ActorRanks(spec)
     alive = True
     try:
-        group.train_step(warmup_sample(seed))  # the optimizer's state exists from here on
+        group.train_step(warmup_sample(seed, vocab_ranks))  # the optimizer's state exists from here on
         before = ray.get([w.__ray_call__.remote(_reset_peak) for w in group.workers])
         result.peak_reset = all(reset for _, reset in before)
         started = time.perf_counter()
@@ -266,9 +270,9 @@ def make_spec(model_path: Path, chunk: int, cp: int, merge: bool, max_tokens: in
 
 # ---- driver -------------------------------------------------------------------------------------------------------
 
-def build_model(out: Path, max_positions: int) -> tuple[Path, int, int]:
+def build_model(out: Path, max_positions: int, vocab_ranks: int) -> tuple[Path, int, int]:
     """The `tiny` bench shape with rotary positions up to `max_positions` (cached): (path, vocab rows, params)."""
-    path = build_bench_model("tiny", out, max_positions)
+    path = build_bench_model("tiny", out, max_positions, vocab_ranks)
     config = json.loads((path / "config.json").read_text())
     from safetensors import safe_open
 
@@ -306,7 +310,7 @@ def part_one(args, model_path: Path, vocab: int, base_bytes: float, watchdog) ->
     per_position = 3 * vocab * 4  # float32 logits, the softmax and its gradient, per trained position
     results: dict[int, dict[str, Result]] = {}
     for size in args.sizes:
-        samples = single_trajectory(size, args.seed)
+        samples = single_trajectory(size, args.seed, args.vocab_ranks)
         trained = sum(samples[0].loss_mask)
         results[size] = {}
         for name, (chunk, cp) in CONFIGS.items():
@@ -323,7 +327,7 @@ def part_one(args, model_path: Path, vocab: int, base_bytes: float, watchdog) ->
                   f"~{predicted / GB:.1f} GB per rank ...", flush=True)
             max_tokens = size + 2 * cp  # the trajectory, padded to a multiple of 2 x cp
             spec = make_spec(model_path, chunk, cp, True, max_tokens, threads, args.seed)
-            result = run_configuration(spec, samples, watchdog, args.seed)
+            result = run_configuration(spec, samples, watchdog, args.seed, args.vocab_ranks)
             results[size][name] = result
             if result.ok:
                 print(f"[{size:>6} tokens] {name:<14} {result.seconds:7.1f} s, step peak {_gb(result.step_peak)} GB "
@@ -337,11 +341,11 @@ def part_one(args, model_path: Path, vocab: int, base_bytes: float, watchdog) ->
 
 def part_two(args, model_path: Path, watchdog) -> dict[str, tuple[Result, int, int, int]]:
     segments = rerendered_segments(args.segments, args.prompt_tokens, args.turn_tokens, args.changed_tokens,
-                                   args.seed)
+                                   args.seed, args.vocab_ranks)
     inputs = {
-        "segment by segment": (segment_samples(segments, args.turn_tokens, args.seed), False),
-        "merged": (segment_samples(segments, args.turn_tokens, args.seed), True),
-        "one segment": (one_segment_sample(segments, args.prompt_tokens, args.seed), True),
+        "segment by segment": (segment_samples(segments, args.turn_tokens, args.seed, args.vocab_ranks), False),
+        "merged": (segment_samples(segments, args.turn_tokens, args.seed, args.vocab_ranks), True),
+        "one segment": (one_segment_sample(segments, args.prompt_tokens, args.seed, args.vocab_ranks), True),
     }
     shape = {name: rows_and_positions(samples, merged) for name, (samples, merged) in inputs.items()}
     max_tokens = max(rows for rows, _ in (shape["merged"], shape["one segment"])) + 16
@@ -356,7 +360,7 @@ def part_two(args, model_path: Path, watchdog) -> dict[str, tuple[Result, int, i
         print(f"[segments] {name:<19} {len(samples)} sample(s), {rows} token rows, {positions} trained positions ...",
               flush=True)
         spec = make_spec(model_path, CHUNK_TOKENS, 1, merged, max_tokens, threads, args.seed)
-        result = run_configuration(spec, samples, watchdog, args.seed)
+        result = run_configuration(spec, samples, watchdog, args.seed, args.vocab_ranks)
         results[name] = (result, len(samples), rows, positions)
         if result.ok:
             print(f"[segments] {name:<19} {result.seconds:7.1f} s, step peak {_gb(result.step_peak)} GB "
@@ -388,7 +392,9 @@ def main() -> None:
                         help="the watchdog kills a configuration when the machine has less available than this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
-    args = parse_args(parser, dict(sizes="512", segments=2, turn_tokens=32, prompt_tokens=32))
+    add_vocab_ranks_argument(parser)
+    args = parse_args(parser, dict(sizes="512", segments=2, turn_tokens=32, prompt_tokens=32,
+                                   vocab_ranks=SMOKE_VOCAB_RANKS))
     args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if args.segments == 1:
         parser.error("--segments must be 0 (skip part 2) or at least 2")
@@ -398,7 +404,7 @@ def main() -> None:
     started = time.perf_counter()
     longest = max([*args.sizes, args.prompt_tokens + args.segments * args.turn_tokens, 4096])
     max_positions = max(32768, 1 << (longest - 1).bit_length())
-    model_path, vocab, params = build_model(Path(args.out), max_positions)
+    model_path, vocab, params = build_model(Path(args.out), max_positions, args.vocab_ranks)
     shape = SHAPES["tiny"]
     # the rank's resident set before a step: weights, gradients and Adam's two moments in fp32, plus the runtime
     base_bytes = 4 * 4 * params + 0.6 * GB

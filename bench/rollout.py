@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import SHAPES, build_model, parse_args  # noqa: E402
+from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
 
 # the tool path on a random model (as the tests' TEST_ROLLOUT), with room for several turns
 ROLLOUT = dict(
@@ -82,11 +82,11 @@ class BenchEngine:
         self.events.stop()
 
 
-def prepare_assets(out: Path, shape: str):
+def prepare_assets(out: Path, shape: str, vocab_ranks: int):
     """The random model (cached under ``out``) and the toy data."""
     from rlsearch.data import make_toy_data
 
-    return build_model(shape, out), make_toy_data(out / "toy", seed=0)
+    return build_model(shape, out, vocab_ranks=vocab_ranks), make_toy_data(out / "toy", seed=0)
 
 
 def prompt_items(toy, prompts: int, group_size: int) -> list:
@@ -236,12 +236,13 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of each pooled engine")
     parser.add_argument("--groups-per-engine", type=int, default=0, help="rollout.groups_per_engine of the pool")
     parser.add_argument("--cpu-threads-bind", default="", help="rollout.cpu_threads_bind of TP engines, e.g. '0|1'")
-    args = parse_args(parser, dict(prompts=2, group_size=2, repeats=1))
+    add_vocab_ranks_argument(parser)
+    args = parse_args(parser, dict(prompts=2, group_size=2, repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
 
     from rlsearch.tools import RetrieverProcess
 
     out = Path(args.out)
-    model_path, toy = prepare_assets(out, args.shape)
+    model_path, toy = prepare_assets(out, args.shape, args.vocab_ranks)
     items = prompt_items(toy, args.prompts, args.group_size)
     step = 1
     with RetrieverProcess(str(toy.corpus), cache_dir=str(out / "bm25-cache")) as retriever:

@@ -18,13 +18,18 @@ listed separately and not counted as growth. Per steady process the table shows 
 sample up to step N), at "end" and the growth between them, also as the slope of a least-squares line through the
 step-line samples in between (% of the warm RSS per 100 steps, noisy over a short run). Open files and sockets: the
 fewest over every sample of the first quarter of the span from "warm" to "end" against the fewest over its last quarter.
-A descriptor or connection that stays open raises that floor; one that comes and goes with a tool call does not (the
-rollout worker's sockets flicker 5-7 with its HTTP calls, and a comparison of single samples would call that growth). A
-hang is no new step line for --hang-timeout seconds (default: 10x the median step time after step 3, at least 300 s;
+A descriptor or connection that stays open raises that floor; one that comes and goes does not. The connections between
+a process and the run's HTTP tool servers (the rollout worker's to the retriever, the retriever's from it) count apart,
+as keep-alive connections: an HTTP client keeps those of its latest burst of requests open (httpx: until its next
+request, in CLOSE_WAIT once the server's 5 s keep-alive has closed them), so how many a process holds follows how many
+searches last ran at once, and a floor of them read as growth over the smoke run's one step. At every request a client
+closes those its peer has closed, so one in CLOSE_WAIT still open after its process has opened a newer one (seen a
+sample or more later; one client per process, as the rollout worker has) is one nothing will close: leaked. A hang is
+no new step line for --hang-timeout seconds (default: 10x the median step time after step 3, at least 300 s;
 --startup-timeout before step 1, and the same limit for the exit after step N): the process tree is killed and the run
 fails. Goals: no hang; every steady process's RSS at "end" within 10% of its RSS at "warm"; no growth in open files or
-sockets. The exit code is non-zero when a goal fails or the trainer fails. Processes of the run still alive 15 s after
-the trainer exits are listed and killed.
+sockets; no keep-alive connection leaked. The exit code is non-zero when a goal fails or the trainer fails. Processes
+of the run still alive 15 s after the trainer exits are listed and killed.
 
 The samples go to OUT/soak-samples.json (for plots), the trainer's output to OUT/soak-run/train.log. The last line
 is the figure. Not part of CI: 200 steps take about 30-60 minutes on 2 CPU cores.
@@ -57,13 +62,14 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import parse_args  # noqa: E402
+from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG = REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml"
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
 MiB = 2**20
 RSS_GOAL = 0.10  # growth of a steady process's RSS after warm-up, as a fraction of its warm-up RSS
+TOOL_SERVER = "-m rlsearch.tools.servers."  # in the label of an HTTP tool server the trainer starts (the retriever)
 
 
 @dataclass
@@ -73,7 +79,27 @@ class Sample:
     rss: int
     fds: int
     sockets: int
+    keepalive: int  # of the sockets (and the fds): connections with the run's tool servers
     at_step_line: bool  # taken as that step line arrived (else on the timer)
+
+
+@dataclass
+class KeepAliveConnections:
+    """A process's connections with the run's tool servers, each by its (local, remote) address, and those leaked: in
+    CLOSE_WAIT (its peer closed it) while its process opened a newer one a sample or more later."""
+
+    opened: dict[tuple, int] = field(default_factory=dict)  # -> the sample it was first seen at
+    peer_closed: dict[tuple, int] = field(default_factory=dict)  # -> the sample it was first seen in CLOSE_WAIT at
+    leaked: set[tuple] = field(default_factory=set)  # (connection, opened): a reused address is another connection
+
+    def observe(self, connections: list, index: int) -> None:
+        status = {(connection.laddr, connection.raddr): connection.status for connection in connections}
+        self.opened = {key: self.opened.get(key, index) for key in status}
+        self.peer_closed = {key: self.peer_closed.get(key, index) for key, state in status.items()
+                            if state == psutil.CONN_CLOSE_WAIT}
+        newest = max(self.opened.values(), default=index)
+        # a sample between: one opened as the server closed the other (the client's request began before) is not one
+        self.leaked |= {(key, self.opened[key]) for key, closed in self.peer_closed.items() if newest >= closed + 2}
 
 
 @dataclass
@@ -82,6 +108,7 @@ class TrackedProcess:
     create_time: float
     label: str
     samples: list[Sample] = field(default_factory=list)
+    keepalive: KeepAliveConnections = field(default_factory=KeepAliveConnections)
 
     @property
     def name(self) -> str:
@@ -104,10 +131,12 @@ class ProcessReport:
     rss_end: int
     growth: float  # (end - warm) / warm
     slope_per_100_steps: float  # least-squares slope after warm-up, fraction of the warm-up RSS per 100 steps
-    fds_warm: int
+    fds_warm: int  # fds and sockets: without the keep-alive connections
     fds_end: int
     sockets_warm: int
     sockets_end: int
+    keepalive_most: int  # keep-alive connections held at once, from "warm" to "end"
+    keepalive_leaked: int  # over the process's life
 
 
 # ---- the process tree -----------------------------------------------------------------------------------------------
@@ -141,12 +170,12 @@ def process_tree(root: psutil.Process) -> list[psutil.Process]:
         return []
 
 
-def measure(process: psutil.Process) -> tuple[str, int, int, int] | None:
+def measure(process: psutil.Process) -> tuple[str, int, int, list] | None:
     """(label, RSS bytes, open fds, inet sockets), or None when the process is gone."""
     try:
         with process.oneshot():
             return (describe_process(process), process.memory_info().rss, process.num_fds(),
-                    len(process.net_connections(kind="inet")))
+                    process.net_connections(kind="inet"))
     except psutil.Error:
         return None
 
@@ -161,11 +190,10 @@ class ProcessMonitor:
 
     def sample(self, step: int, at_step_line: bool) -> None:
         now = time.monotonic() - self.started
-        for process in process_tree(self.driver):
-            measured = measure(process)
-            if measured is None:
-                continue
-            label, rss, fds, sockets = measured
+        measured = [(process, found) for process in process_tree(self.driver) if (found := measure(process))]
+        servers = {connection.laddr for _, (label, _, _, sockets) in measured if TOOL_SERVER in label
+                   for connection in sockets if connection.status == psutil.CONN_LISTEN}
+        for process, (label, rss, fds, sockets) in measured:
             if process.pid == self.driver.pid:
                 label = "driver (rlsearch train)"
             try:
@@ -175,7 +203,10 @@ class ProcessMonitor:
             tracked = self.processes.setdefault(key, TrackedProcess(process.pid, key[1], label))
             # the latest: a pooled ray::IDLE worker becomes an actor, EngineCore sets its title after it starts
             tracked.label = label
-            tracked.samples.append(Sample(now, step, rss, fds, sockets, at_step_line))
+            keepalive = [connection for connection in sockets if connection.raddr
+                         and (connection.raddr in servers or connection.laddr in servers)]
+            tracked.keepalive.observe(keepalive, len(tracked.samples))
+            tracked.samples.append(Sample(now, step, rss, fds, len(sockets), len(keepalive), at_step_line))
 
     def alive(self) -> list[psutil.Process]:
         """Every process seen during the run that still runs (the same process: pid and start time match)."""
@@ -208,18 +239,18 @@ def kill_processes(processes: list[psutil.Process], grace_s: float = 10.0) -> No
 
 # ---- the trainer ----------------------------------------------------------------------------------------------------
 
-def prepare_assets(out: Path) -> tuple[Path, Path, Path]:
+def prepare_assets(out: Path, vocab_ranks: int) -> tuple[Path, Path, Path]:
     """The tiny random Qwen2 and the toy data under `out`, built once (the same ones bench/step.py uses)."""
     from bench.common import build_model
     from rlsearch.data import make_toy_data
 
-    model = build_model("tiny", out)
+    model = build_model("tiny", out, vocab_ranks=vocab_ranks)
     toy = make_toy_data(out / "toy", seed=0)
     return model, toy.train, toy.corpus
 
 
 def trainer_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
-    model, train, corpus = prepare_assets(Path(args.out))
+    model, train, corpus = prepare_assets(Path(args.out), args.vocab_ranks)
     overrides = [
         f"model.path={model}", f"data.train_files=[{train}]", f"tools.retriever.corpus={corpus}",
         f"tools.retriever.index_cache_dir={Path(args.out) / 'bm25_cache'}", f"trainer.total_steps={args.steps}",
@@ -351,10 +382,11 @@ def report_processes(monitor: ProcessMonitor, lines: list[StepLine],
         reports.append(ProcessReport(
             name=tracked.name, rss_warm=warm.rss, rss_max_after=max(after), rss_end=end.rss,
             growth=(end.rss - warm.rss) / warm.rss, slope_per_100_steps=100 * slope / warm.rss,
-            fds_warm=min(sample.fds for sample in span[:quarter]),
-            fds_end=min(sample.fds for sample in span[-quarter:]),
-            sockets_warm=min(sample.sockets for sample in span[:quarter]),
-            sockets_end=min(sample.sockets for sample in span[-quarter:]),
+            fds_warm=min(sample.fds - sample.keepalive for sample in span[:quarter]),
+            fds_end=min(sample.fds - sample.keepalive for sample in span[-quarter:]),
+            sockets_warm=min(sample.sockets - sample.keepalive for sample in span[:quarter]),
+            sockets_end=min(sample.sockets - sample.keepalive for sample in span[-quarter:]),
+            keepalive_most=max(sample.keepalive for sample in span), keepalive_leaked=len(tracked.keepalive.leaked),
         ))
     reports.sort(key=lambda report: -report.rss_warm)
     return reports, transient
@@ -362,14 +394,16 @@ def report_processes(monitor: ProcessMonitor, lines: list[StepLine],
 
 def print_table(reports: list[ProcessReport], transient: list[TrackedProcess], warm: StepLine, end: StepLine) -> None:
     print(f"\nsteady processes: RSS MiB at step {warm.step} (warm), the most after it, at step {end.step} (end), "
-          f"growth, slope in % of warm per 100 steps; fewest open fds and inet sockets, first -> last quarter")
+          f"growth, slope in % of warm per 100 steps; fewest open fds and inet sockets, first -> last quarter, "
+          f"without the keep-alive connections with the tool servers: the most at once, and those leaked")
     width = max([len(report.name) for report in reports] + [20])
     print(f"{'process':<{width}} {'warm':>8} {'max':>8} {'end':>8} {'growth':>8} {'slope':>8} {'fds':>11} "
-          f"{'sockets':>9}")
+          f"{'sockets':>9} {'keep-alive':>10} {'leaked':>6}")
     for r in reports:
         print(f"{r.name:<{width}} {r.rss_warm / MiB:>8.1f} {r.rss_max_after / MiB:>8.1f} {r.rss_end / MiB:>8.1f} "
               f"{100 * r.growth:>+7.1f}% {100 * r.slope_per_100_steps:>+7.1f}% "
-              f"{f'{r.fds_warm}->{r.fds_end}':>11} {f'{r.sockets_warm}->{r.sockets_end}':>9}")
+              f"{f'{r.fds_warm}->{r.fds_end}':>11} {f'{r.sockets_warm}->{r.sockets_end}':>9} "
+              f"{r.keepalive_most:>10} {r.keepalive_leaked:>6}")
     total_warm, total_end = sum(r.rss_warm for r in reports), sum(r.rss_end for r in reports)
     print(f"{'all steady processes':<{width}} {total_warm / MiB:>8.1f} {'':>8} {total_end / MiB:>8.1f} "
           f"{100 * (total_end - total_warm) / max(total_warm, 1):>+7.1f}%")
@@ -387,11 +421,12 @@ def write_samples(path: Path, args: argparse.Namespace, outcome: RunOutcome, mon
         "outcome": {**asdict(outcome), "steps": [asdict(line) for line in outcome.steps]},
         "processes": {
             tracked.name: {"pid": tracked.pid, "label": tracked.label,
-                           "samples": [[round(s.seconds, 2), s.step, s.rss, s.fds, s.sockets, s.at_step_line]
-                                       for s in tracked.samples]}
+                           "samples": [[round(s.seconds, 2), s.step, s.rss, s.fds, s.sockets, s.keepalive,
+                                        s.at_step_line] for s in tracked.samples]}
             for tracked in monitor.processes.values()
         },
-        "sample_fields": ["seconds", "step", "rss_bytes", "open_fds", "inet_sockets", "at_step_line"],
+        "sample_fields": ["seconds", "step", "rss_bytes", "open_fds", "inet_sockets", "keepalive_connections",
+                          "at_step_line"],
         "reports": [asdict(report) for report in reports],
     }
     path.write_text(json.dumps(data, indent=1))
@@ -419,7 +454,8 @@ def main() -> int:
     parser.add_argument("--startup-timeout", type=float, default=1200.0, help="seconds allowed before step 1")
     parser.add_argument("--out", default="outputs/bench", help="where the model, data, run and samples go")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for the trainer (key=value)")
-    args = parse_args(parser, dict(steps=4, warmup=1, save_interval=3, interval=1.0))
+    add_vocab_ranks_argument(parser)
+    args = parse_args(parser, dict(steps=4, warmup=1, save_interval=3, interval=1.0, vocab_ranks=SMOKE_VOCAB_RANKS))
     warmup = warmup_steps(args)
     if not 1 <= warmup < args.steps:
         parser.error(f"--warmup {warmup} must be at least 1 and below --steps {args.steps}")
@@ -463,10 +499,13 @@ def main() -> int:
     fds_growth = sum(max(r.fds_end - r.fds_warm, 0) for r in reports)
     sockets_growth = sum(max(r.sockets_end - r.sockets_warm, 0) for r in reports)
     grew = [r.name for r in reports if r.fds_end > r.fds_warm or r.sockets_end > r.sockets_warm]
+    leaked = sum(r.keepalive_leaked for r in reports)
     if worst.growth > RSS_GOAL:
         failures.append(f"RSS of {worst.name} grew {100 * worst.growth:+.1f}%")
     if fds_growth or sockets_growth:
         failures.append(f"open files or sockets grew in {', '.join(grew)}")
+    if leaked:
+        failures.append(f"keep-alive connections leaked in {', '.join(r.name for r in reports if r.keepalive_leaked)}")
     done = outcome.steps[-1].step
     if done != args.steps and not failures:
         failures.append(f"only {done} of {args.steps} steps ran")
@@ -474,7 +513,8 @@ def main() -> int:
     label = worst.name.rsplit(" [", 1)[0]
     print(f"soak: {done} steps in {outcome.seconds:.0f} s, {hang}; max RSS growth after warm-up "
           f"{100 * worst.growth:+.1f}% ({label}, step {warm.step} -> {end.step}) (goal <= {100 * RSS_GOAL:.0f}%); "
-          f"open files +{fds_growth}, sockets +{sockets_growth} (goal: no growth)"
+          f"open files +{fds_growth}, sockets +{sockets_growth} (goal: no growth); keep-alive connections leaked "
+          f"{leaked} (goal: none)"
           + (f"; FAILED: {'; '.join(failures)}" if failures else ""))
     return 1 if failures else 0
 

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import SHAPES, build_model, parse_args  # noqa: E402
+from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PHASES = (
@@ -54,14 +54,16 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--out", default="outputs/bench", help="where the random model, data and the run go")
-    args = parse_args(parser, dict(shape="tiny", steps=1, batch_size=1, group_size=2, max_response_tokens=32))
+    add_vocab_ranks_argument(parser)
+    args = parse_args(parser, dict(shape="tiny", steps=1, batch_size=1, group_size=2, max_response_tokens=32,
+                                   vocab_ranks=SMOKE_VOCAB_RANKS))
 
     from rlsearch.config import load_train_config
     from rlsearch.data import make_toy_data
     from rlsearch.trainer import GRPOTrainer
 
     out = Path(args.out)
-    model = build_model(args.shape, out)
+    model = build_model(args.shape, out, vocab_ranks=args.vocab_ranks)
     toy_dir = out / "toy"
     toy = make_toy_data(toy_dir, seed=0)
     run_dir = out / f"step-{args.shape}-tp{args.tp}pp{args.pp}-async{args.async_steps}"

@@ -41,7 +41,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.common import parse_args  # noqa: E402
+from bench.common import (  # noqa: E402
+    SMOKE_VOCAB_RANKS,
+    add_vocab_ranks_argument,
+    parse_args,
+    random_tokens,
+    vocab_suffix,
+)
 from rlsearch.actor.batch import TrainSample  # noqa: E402
 from rlsearch.devices import cpu_cores  # noqa: E402
 
@@ -74,11 +80,14 @@ def memory_mib() -> tuple[float, float]:
 
 # ---- the batch ----------------------------------------------------------------------------------------------------
 
-def make_samples(count: int, min_len: int, max_len: int, seed: int) -> list[TrainSample]:
+def make_samples(count: int, min_len: int, max_len: int, seed: int, vocab_ranks: int = 0) -> list[TrainSample]:
     """Search-agent-like trajectories: a prompt of 60-160 tokens, then alternating model turns (20-80 tokens,
-    trained) and tool observations (60-160 tokens, loss-masked), ending on a model turn. Random token ids, old
-    logprobs near a random model's (-log vocab) with noise so PPO ratios vary, advantages in [-1.5, 1.5]."""
+    trained) and tool observations (60-160 tokens, loss-masked), ending on a model turn. Random token ids of the
+    model's vocabulary (`vocab_ranks` as --vocab-ranks), old logprobs near a random model's (-log vocab) with noise so
+    PPO ratios vary, advantages in [-1.5, 1.5]."""
     from rlsearch.algo import loss_token_weights
+
+    ids_below, random_logprob = random_tokens(vocab_ranks)
 
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
@@ -92,8 +101,8 @@ def make_samples(count: int, min_len: int, max_len: int, seed: int) -> list[Trai
             mask += [0] * rng.randint(60, 160)
         mask = mask[: length - prompt]
         mask[-min(20, len(mask)):] = [1] * min(20, len(mask))  # the final answer
-        ids = torch.randint(0, 151_000, (length,), generator=generator).tolist()
-        old = (-11.93 + 0.3 * torch.randn(len(mask), generator=generator)).tolist()
+        ids = torch.randint(0, ids_below, (length,), generator=generator).tolist()
+        old = (random_logprob + 0.3 * torch.randn(len(mask), generator=generator)).tolist()
         samples.append(TrainSample(ids, prompt, mask, advantage=rng.uniform(-1.5, 1.5), old_logprobs=old))
     for sample, weights in zip(samples, loss_token_weights([s.loss_mask for s in samples], "token_mean")):
         sample.token_weights = weights
@@ -212,13 +221,13 @@ def build_model(args: argparse.Namespace) -> Path:
         hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate or args.hidden * 3,
         tie_word_embeddings=args.tie_embeddings, architecture=args.architecture, num_experts=args.experts,
-        expert_intermediate_size=args.intermediate or args.hidden,
+        expert_intermediate_size=args.intermediate or args.hidden, vocab_ranks=args.vocab_ranks,
     )
     tag = f"h{spec.hidden_size}-l{spec.num_layers}-a{spec.num_attention_heads}-kv{spec.num_key_value_heads}"
     if spec.architecture != "qwen2":
         tag += f"-e{spec.num_experts}"
     path = Path(args.out) / (f"{spec.architecture}-{tag}-i{spec.intermediate_size}"
-                             f"{'-tied' if spec.tie_word_embeddings else ''}")
+                             f"{'-tied' if spec.tie_word_embeddings else ''}{vocab_suffix(spec.vocab_ranks)}")
     if not (path / "config.json").is_file():
         print(f"building a random Qwen2 in {path} ...", flush=True)
         make_tiny_model(path, spec)
@@ -241,7 +250,8 @@ def count_params(model_path: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = parser.add_argument_group("model (random-init, real Qwen vocabulary of 151,680 rows)")
+    model = parser.add_argument_group("model (random-init, the real Qwen vocabulary of 151,680 rows unless "
+                                      "--vocab-ranks)")
     model.add_argument("--architecture", choices=("qwen2", "qwen3_moe", "qwen2_moe"), default="qwen2")
     model.add_argument("--experts", type=int, default=8, help="MoE: routed experts per layer (top-2)")
     model.add_argument("--hidden", type=int, default=512, help="hidden size")
@@ -251,6 +261,7 @@ def main() -> None:
     model.add_argument("--intermediate", type=int, default=0,
                        help="MLP size; 0: 3 x hidden (MoE: each expert's, 0: hidden)")
     model.add_argument("--tie-embeddings", action="store_true", help="share the input embedding and output layer")
+    add_vocab_ranks_argument(model)
     batch = parser.add_argument_group("batch")
     batch.add_argument("--sequences", type=int, default=6, help="trajectories per training step")
     batch.add_argument("--min-len", type=int, default=150, help="shortest trajectory (prompt + response tokens)")
@@ -272,7 +283,7 @@ def main() -> None:
     run.add_argument("--ep", default="1", help="expert-parallel sizes to time the Megatron actor at, e.g. 1,2 (MoE)")
     run.add_argument("--out", default="outputs/bench", help="where the random model is cached")
     args = parse_args(parser, dict(hidden=128, layers=1, heads=4, kv_heads=2, sequences=2, min_len=40, max_len=80,
-                                   steps=1, warmup=0))
+                                   steps=1, warmup=0, vocab_ranks=SMOKE_VOCAB_RANKS))
 
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -289,7 +300,7 @@ def main() -> None:
     from rlsearch.trainer import init_ray
 
     model_path = build_model(args)
-    samples = make_samples(args.sequences, args.min_len, args.max_len, args.seed)
+    samples = make_samples(args.sequences, args.min_len, args.max_len, args.seed, args.vocab_ranks)
     lengths = [len(s.token_ids) for s in samples]
     tokens = sum(lengths)
     response = sum(s.response_len for s in samples)

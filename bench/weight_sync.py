@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import SHAPES, build_model, parse_args  # noqa: E402
+from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
 
 
 class PeakRss:
@@ -143,7 +143,9 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="timed repetitions (the best is reported)")
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
-    args = parse_args(parser, dict(shape="tiny", layouts="tp1pp1", engines="1", transports="shm", repeats=1))
+    add_vocab_ranks_argument(parser)
+    args = parse_args(parser, dict(shape="tiny", layouts="tp1pp1", engines="1", transports="shm", repeats=1,
+                                   vocab_ranks=SMOKE_VOCAB_RANKS))
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import ray
@@ -155,7 +157,7 @@ def main() -> None:
     from rlsearch.weights import WeightSync, check_engines_match_actor
 
     engine_counts = [int(n) for n in args.engines.split(",")]
-    model_path = build_model(args.shape, Path(args.out))
+    model_path = build_model(args.shape, Path(args.out), vocab_ranks=args.vocab_ranks)
     largest = _largest_tensor_bytes(model_path, args.dtype)
     bucket_bytes = max(args.bucket_mb * 2**20, largest)
     init_ray(num_cpus=8 + max(engine_counts) * args.engine_tp)
