@@ -68,7 +68,8 @@ def _start(command, log_path: Path) -> subprocess.Popen:
 def _kill_driver_after_step_2_checkpoint(supervisor: subprocess.Popen, log_path: Path, delay_s: float) -> None:
     deadline = time.monotonic() + 900
     while "checkpoints/step_000002" not in log_path.read_text() and supervisor.poll() is None:
-        assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, (
+            "no step-2 checkpoint in 900 s (a hang guard): " + log_path.read_text()[-3000:])
         time.sleep(0.05)
     time.sleep(delay_s)
     assert supervisor.poll() is None, log_path.read_text()[-3000:]

@@ -45,7 +45,8 @@ def run_killing_engines(command: list[str], log_path: Path, env: dict, kills: li
         for ready in kills:
             deadline = time.monotonic() + 600
             while not ready():
-                assert run.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+                assert run.poll() is None and time.monotonic() < deadline, (
+                    "the run ended, or reached no kill point in 600 s (a hang guard): " + log_path.read_text()[-3000:])
                 time.sleep(0.01)
             key, victim = next((key, process) for key, process in engines().items() if key not in killed)
             os.kill(victim.pid, signal.SIGKILL)
