@@ -26,9 +26,13 @@ from tests.faults.test_killed_worker import _command
 STEPS = 3  # the step the sync after which an engine dies, the step whose rollout loses one, and one more
 
 
-def sender_files() -> set[Path]:
-    """The weight sender's bucket files on this host (shm transport): the first appears when a sync starts."""
-    return set(Path(STAGING_DIR).glob(f"{SENDER_FILE_PREFIX}{socket.gethostname()}-*"))
+def sender_files(run_dir: Path) -> set[Path]:
+    """The bucket files of the weight senders of the run in `run_dir` (its actor ranks; shm transport): the first
+    appears when a sync starts. Those of another test's senders (the other lane's) are not the run's."""
+    prefix = f"{SENDER_FILE_PREFIX}{socket.gethostname()}-"
+    ranks = {log.stem.rsplit("-", 1)[1] for log in (run_dir / "logs").glob("actor-rank*-*.log")}
+    return {path for path in Path(STAGING_DIR).glob(f"{prefix}*")
+            if path.name.removeprefix(prefix).split("-", 1)[0] in ranks}
 
 
 def run_killing_engines(command: list[str], log_path: Path, env: dict, kills: list[Callable[[], bool]],
@@ -68,11 +72,11 @@ def test_engines_killed_during_a_sync_and_during_a_rollout_are_replaced_and_the_
     command = _command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, "rollout.num_engines=2",
                        "rollout.groups_per_engine=1", "data.batch_size=4", f"trainer.total_steps={STEPS}",
                        "trainer.save_interval=0", "weights.transport=shm", "algo.kl_coef=0.1", "algo.kl_estimator=k1")
-    before = sender_files()
+    before = sender_files(run_dir)
     # the sender writes its first bucket file when the first sync (after step 1's update) starts; step 2's rollout
     # starts right after step 1's line
     returncode, output, killed = run_killing_engines(command, log_path, driver_ray, [
-        lambda: bool(sender_files() - before), lambda: f"step 1/{STEPS} |" in log_path.read_text()])
+        lambda: bool(sender_files(run_dir) - before), lambda: f"step 1/{STEPS} |" in log_path.read_text()])
     assert returncode == 0, output[-3000:]
     assert len(set(killed)) == 2
     for step in range(1, STEPS + 1):
