@@ -29,13 +29,20 @@ def engine_processes() -> dict[str, psutil.Process]:
     return processes
 
 
+def logged_pids(run_dir: Path, role: str) -> list[int]:
+    """The pids that name the logs of the run in `run_dir` of `role` (rollout-engine, actor-rank0, or a pattern:
+    actor-rank*), oldest log first; the processes may be gone."""
+    logs = sorted((run_dir / "logs").glob(f"{role}-*.log"), key=lambda path: path.stat().st_mtime)
+    return [int(log.stem.rsplit("-", 1)[1]) for log in logs]
+
+
 def logged_processes(run_dir: Path, role: str, actor_class: str) -> list[psutil.Process]:
     """The live processes of the run in `run_dir` that logged as `role` (rollout-engine, actor-rank0, ...), Ray
     actors of `actor_class`, oldest log first."""
     processes = []
-    for log in sorted((run_dir / "logs").glob(f"{role}-*.log"), key=lambda path: path.stat().st_mtime):
+    for pid in logged_pids(run_dir, role):
         try:
-            process = psutil.Process(int(log.stem.rsplit("-", 1)[1]))
+            process = psutil.Process(pid)
             if actor_class in " ".join(process.cmdline()):
                 processes.append(process)
         except psutil.Error:

@@ -20,7 +20,7 @@ import psutil
 
 from rlsearch.weights.shm import SENDER_FILE_PREFIX, STAGING_DIR
 from tests.conftest import REPO_ROOT
-from tests.faults.processes import engine_processes
+from tests.faults.processes import engine_processes, logged_pids
 from tests.faults.test_killed_worker import _command
 
 STEPS = 3  # the step the sync after which an engine dies, the step whose rollout loses one, and one more
@@ -30,7 +30,7 @@ def sender_files(run_dir: Path) -> set[Path]:
     """The bucket files of the weight senders of the run in `run_dir` (its actor ranks; shm transport): the first
     appears when a sync starts. Those of another test's senders (the other lane's) are not the run's."""
     prefix = f"{SENDER_FILE_PREFIX}{socket.gethostname()}-"
-    ranks = {log.stem.rsplit("-", 1)[1] for log in (run_dir / "logs").glob("actor-rank*-*.log")}
+    ranks = {str(pid) for pid in logged_pids(run_dir, "actor-rank*")}
     return {path for path in Path(STAGING_DIR).glob(f"{prefix}*")
             if path.name.removeprefix(prefix).split("-", 1)[0] in ranks}
 
