@@ -7,6 +7,7 @@ import json
 import math
 import os
 import secrets
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -86,6 +87,16 @@ def _sample_row(record: dict) -> list:
     return [row.get(column) for column in SAMPLE_COLUMNS]
 
 
+def _wait_for_a_second_after_the_event_files_in(tensorboard_dir: Path) -> None:
+    """TensorBoard reads a dir's event files in name order, and a name starts with the second its writer opened in
+    (then host, pid and a per-process counter, which sort as text: 10 before 9). A writer opened in the second of an
+    earlier one could be read first, and the earlier file's purge (`resumed_step`) would then drop the later scalars."""
+    seconds = [int(name.split(".")[3]) for name in os.listdir(tensorboard_dir)
+               if name.startswith("events.out.tfevents.") and name.split(".")[3].isdigit()]
+    while seconds and int(time.time()) <= max(seconds):
+        time.sleep(0.02)
+
+
 class RunLogger:
     def __init__(
         self, output_dir: str | Path, log_trajectories: bool = True, resumed_step: int | None = None,
@@ -107,6 +118,7 @@ class RunLogger:
         if self.write_trajectories:
             self.trajectory_dir.mkdir(parents=True, exist_ok=True)
         purge_step = None if resumed_step is None else resumed_step + 1
+        _wait_for_a_second_after_the_event_files_in(self.tensorboard_dir)
         self.writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=purge_step)
         self.wandb = WandbRun(self.output_dir, config, wandb_project, wandb_run_name) if "wandb" in loggers else None
 

@@ -4,18 +4,12 @@ run's log drop nothing."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from rlsearch.runlog import RunLogger
 
 
 def _log(run_dir: Path, resumed_step: int | None, rewards: dict[int, float]) -> None:
-    # event files are read in name order, and a name starts with the second its writer opened in: a logger opened in
-    # the same second as the one before could sort before it
-    second = int(time.time())
-    while int(time.time()) == second:
-        time.sleep(0.01)
     logger = RunLogger(run_dir, log_trajectories=False, resumed_step=resumed_step)
     for step, reward in rewards.items():
         logger.log_metrics(step, {"reward/mean": reward})
@@ -53,3 +47,17 @@ def test_an_eval_added_to_a_runs_log_drops_none_of_its_steps(tmp_path: Path) -> 
     logger.close()
     assert _shown(tmp_path) == [(1, 0.25), (2, 0.5)]
     assert _shown(tmp_path, "eval/overall/em") == [(2, 0.375)]
+
+
+def test_a_logger_opened_in_the_second_of_an_earlier_event_file_is_read_after_it(tmp_path: Path) -> None:
+    """The earlier file named as a writer of another host or a later counter would name it in this second: one that
+    sorts after every name of the second unless the logger waits for the next."""
+    import time
+
+    earlier = tmp_path / "tensorboard" / f"events.out.tfevents.{int(time.time()):010d}.zzzz.99999.99"
+    earlier.parent.mkdir()
+    earlier.touch()
+    logger = RunLogger(tmp_path, log_trajectories=False, resumed_step=0)
+    logger.close()
+    names = sorted(path.name for path in earlier.parent.iterdir())
+    assert len(names) == 2 and names[0] == earlier.name
