@@ -410,20 +410,32 @@ class EnginePool:
 
     def idle_seconds(self) -> float:
         """Seconds without any rollout in flight since the previous call, averaged over the live engines."""
-        import ray
-
-        live = self.live()
-        return sum(ray.get([self.engines[i].idle_seconds.remote() for i in live], timeout=60)) / max(1, len(live))
+        idle = self._ask_live_engines("idle_seconds")
+        return sum(idle) / max(1, len(idle))
 
     def tool_stats(self) -> dict[str, int]:
         """Tool requests, retries and failures summed over the live engines."""
-        import ray
-
         total: dict[str, int] = {}
-        for stats in ray.get([self.engines[i].tool_stats.remote() for i in self.live()], timeout=60):
+        for stats in self._ask_live_engines("tool_stats"):
             for key, value in stats.items():
                 total[key] = total.get(key, 0) + value
         return total
+
+    def _ask_live_engines(self, method: str, timeout_s: float = 60.0) -> list[Any]:
+        """What each live engine's `method` returns. An engine found dead by the call is left out and known dead (it is
+        restarted before the next rollout or sync): an engine may die between a sync and the step's metrics."""
+        import ray
+
+        live = self.live()
+        calls = [getattr(self.engines[index], method).remote() for index in live]
+        ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
+        answers = []
+        for index, call in zip(live, calls):
+            try:
+                answers.append(ray.get(call, timeout=0))
+            except ray.exceptions.RayActorError:
+                self._dead.add(index)
+        return answers
 
     def dead_engines(self, timeout_s: float = 10.0) -> list[int]:
         """Engines known dead, and those whose actor does not answer a ping because it is gone (a busy one is not

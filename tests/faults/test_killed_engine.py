@@ -35,25 +35,53 @@ def sender_files(run_dir: Path) -> set[Path]:
             if path.name.removeprefix(prefix).split("-", 1)[0] in ranks}
 
 
-def run_killing_engines(command: list[str], log_path: Path, env: dict, kills: list[Callable[[], bool]],
+KillPoint = Callable[[], "list[int] | None"]
+
+
+def first_sync_started(run_dir: Path) -> KillPoint:
+    """A kill point: the first sync of the run in `run_dir` has started, its sender writing its first bucket file.
+    The sender is held stopped while the engine is killed: a tiny model's sync can end before the kill lands."""
+    before = sender_files(run_dir)
+    prefix = f"{SENDER_FILE_PREFIX}{socket.gethostname()}-"
+
+    def senders() -> list[int] | None:
+        started = sender_files(run_dir) - before
+        return sorted({int(path.name.removeprefix(prefix).split("-", 1)[0]) for path in started}) or None
+
+    return senders
+
+
+def printed(log_path: Path, text: str) -> KillPoint:
+    """A kill point: the run printed `text`."""
+    return lambda: [] if text in log_path.read_text() else None
+
+
+def run_killing_engines(command: list[str], log_path: Path, env: dict, kills: list[KillPoint],
                         engines: Callable[[], dict[str, psutil.Process]] = engine_processes,
                         ) -> tuple[int, str, list[str]]:
-    """Run `command` (a training run, with `env` on top of this process's environment), output to `log_path`; each
-    time the next of `kills` says so, kill one of its rollout engines with SIGKILL: the first of `engines()` (by
-    default those on the test session's Ray, by Ray name) not killed before. Returns the run's exit status, its
-    output and the killed engines' keys."""
+    """Run `command` (a training run, with `env` on top of this process's environment), output to `log_path`; at
+    each of `kills` in turn (None until it is reached, then the pids to hold stopped until the kill is done), kill one
+    of its rollout engines with SIGKILL: the first of `engines()` (by default those on the test session's Ray, by Ray
+    name) not killed before. Returns the run's exit status, its output and the killed engines' keys."""
     with log_path.open("w") as log:
         run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
     killed: list[str] = []
     try:
-        for ready in kills:
+        for kill_point in kills:
             deadline = time.monotonic() + 600
-            while not ready():
+            while (held := kill_point()) is None:
                 assert run.poll() is None and time.monotonic() < deadline, (
                     "the run ended, or reached no kill point in 600 s (a hang guard): " + log_path.read_text()[-3000:])
                 time.sleep(0.01)
-            key, victim = next((key, process) for key, process in engines().items() if key not in killed)
-            os.kill(victim.pid, signal.SIGKILL)
+            for pid in held:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                key, victim = next((key, process) for key, process in engines().items() if key not in killed)
+                os.kill(victim.pid, signal.SIGKILL)
+                victim.wait(timeout=60)
+            finally:
+                for pid in held:
+                    os.kill(pid, signal.SIGCONT)
             killed.append(key)
         returncode = run.wait(timeout=900)
     finally:
@@ -72,11 +100,9 @@ def test_engines_killed_during_a_sync_and_during_a_rollout_are_replaced_and_the_
     command = _command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, "rollout.num_engines=2",
                        "rollout.groups_per_engine=1", "data.batch_size=4", f"trainer.total_steps={STEPS}",
                        "trainer.save_interval=0", "weights.transport=shm", "algo.kl_coef=0.1", "algo.kl_estimator=k1")
-    before = sender_files(run_dir)
-    # the sender writes its first bucket file when the first sync (after step 1's update) starts; step 2's rollout
-    # starts right after step 1's line
+    # the first sync comes after step 1's update; step 2's rollout starts right after step 1's line
     returncode, output, killed = run_killing_engines(command, log_path, driver_ray, [
-        lambda: bool(sender_files(run_dir) - before), lambda: f"step 1/{STEPS} |" in log_path.read_text()])
+        first_sync_started(run_dir), printed(log_path, f"step 1/{STEPS} |")])
     assert returncode == 0, output[-3000:]
     assert len(set(killed)) == 2
     for step in range(1, STEPS + 1):

@@ -247,6 +247,14 @@ def test_pool_places_seeds_redispatches_and_restarts(ray_local, tmp_path):
             assert [t.sample_index for t in future.result(timeout=60)] == [i.sample_index for i in items]
         assert [sum(pool.last_metrics(step)[f"rollout/engine{e}/groups"] for e in (0, 1)) for step in (5, 6)] == [6, 6]
         assert pool.last_metrics(1)["rollout/engine0/groups"] == groups[0]  # a recent step's metrics are kept
+
+        # an engine that dies after a rollout (as after a sync) leaves the step's counts to the others, and is known
+        # dead (restarted before the next rollout) rather than failing the step
+        ray.kill(pool.engines[1], no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(pool.engines[1].__ray_ready__.remote(), timeout=60)
+        assert pool.tool_stats() == ray.get(pool.engines[0].tool_stats.remote()) and pool.idle_seconds() == 1.0
+        assert pool.live() == [0] and pool.dead_engines() == [1]
     finally:
         group = pool.placement_group
         pool.shutdown()
