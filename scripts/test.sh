@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up the environment (idempotent) and run the whole test suite. Extra arguments go to pytest.
-# The suite runs in two lanes side by side (tests/conftest.py says which tests go where); RLSEARCH_TEST_LANES=1 runs
+# The suite runs in two lanes side by side (tests/plugins/lanes.py says which tests go where); RLSEARCH_TEST_LANES=1 runs
 # it in one process, in order (for -x, --pdb, or a machine with one core).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -22,7 +22,7 @@ rm -rf "$SCRATCH" && mkdir -p "$SCRATCH"
 export TMPDIR="$SCRATCH"
 status=0
 # A test that hangs fails by name with its stack after TEST_TIMEOUT_S (pytest-timeout), generous for the slowest CPU
-# seen (its slowest item but the README run took 619 s; tests/conftest.py gives the README run more); -rs lists skips
+# seen (its slowest item but the README run took 619 s; tests/plugins/lanes.py gives the README run more); -rs lists skips
 "$VENV/bin/python" -m pytest tests "${LANES[@]}" --durations=25 -rs --timeout="${TEST_TIMEOUT_S:-1200}" \
   -o tmp_path_retention_policy=failed "$@" || status=$?
 if [ "$status" = 0 ]; then

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlsearch.reward import exact_match, extract_answer, f1_score, substring_match
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 CONFIG = "examples/configs/eval_search.yaml"
 QUESTIONS, SAMPLES = 4, 2

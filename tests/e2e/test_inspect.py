@@ -35,7 +35,7 @@ from rlsearch.inspection import (
     update_index,
     write_page,
 )
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 
 @pytest.fixture(scope="module")

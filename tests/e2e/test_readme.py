@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from bench.readme_check import NAMED, check, words
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 
 def test_the_readme_shows_the_lines_the_default_run_prints(default_run):

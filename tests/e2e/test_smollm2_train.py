@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 # a 135M-parameter engine beside an actor rank with its Adam state: ~5 GB at once
 pytestmark = pytest.mark.memory_heavy

@@ -2,15 +2,14 @@
 a short SFT; the other runs here train the random-init model as it is (RLSEARCH_WARM_START=none)."""
 
 import json
-import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from bench.readme_check import MISMATCH_LIMIT
-from tests.conftest import REPO_ROOT, SHORT_TURNS
+from tests.constants import SHORT_TURNS
+from tests.drivers import run_from_repo
 from tests.models import model_override
 
 REQUIRED_SCALARS = (
@@ -19,13 +18,6 @@ REQUIRED_SCALARS = (
     "actor/clip_fraction", "actor/approx_kl", "actor/grad_norm", "time/rollout_s", "time/train_s", "time/sync_s",
     "weights/logprob_mismatch_max",
 )
-
-
-def _run(args, timeout, warm_start="none", **env):
-    """`args` run from the repository root; `env` on top of this process's (the `driver_ray` fixture's environment: a
-    driver that joins the session's Ray and takes over the engines of the run before it)."""
-    env = {**os.environ, "RLSEARCH_WARM_START": warm_start, **env}
-    return subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_default_run_is_quiet_names_its_logs_and_trains_from_step_1(default_run):
@@ -122,8 +114,8 @@ def test_train_cli_rejects_bad_input_with_a_clear_message(tmp_path, tiny_model_d
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "golden_answers": ["a"]}\n{"question": oops\n')
     overrides = [o.format(bad=bad) for o in overrides] + [f"model.path={tiny_model_dir}"]
-    result = _run([sys.executable, "-m", "rlsearch", "train", "--config",
-                   "examples/configs/search_grpo_tiny.yaml", *overrides], timeout=120)
+    result = run_from_repo([sys.executable, "-m", "rlsearch", "train", "--config",
+                            "examples/configs/search_grpo_tiny.yaml", *overrides], timeout=120)
     assert result.returncode == 2
     assert expected.format(bad=bad) in result.stderr
 
@@ -132,10 +124,11 @@ def test_activation_offload_stops_a_cpu_run_before_any_rank_starts(tmp_path, tin
     """actor.activation_offload on a cluster without GPUs: refused once the trainer knows the cluster's devices,
     naming the key and why, with exit status 2, before any engine or actor rank starts (no logs of theirs)."""
     out = tmp_path / "run"
-    result = _run([sys.executable, "-m", "rlsearch", "train", "--config", "examples/configs/search_grpo_tiny.yaml",
-                   f"model.path={tiny_model_dir}", f"data.train_files=[{toy_data.train}]",
-                   f"tools.retriever.url={retriever.url}", f"trainer.output_dir={out}",
-                   "actor.activation_offload=layer"], timeout=120)
+    result = run_from_repo([sys.executable, "-m", "rlsearch", "train", "--config",
+                            "examples/configs/search_grpo_tiny.yaml",
+                            f"model.path={tiny_model_dir}", f"data.train_files=[{toy_data.train}]",
+                            f"tools.retriever.url={retriever.url}", f"trainer.output_dir={out}",
+                            "actor.activation_offload=layer"], timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert ("'actor.activation_offload' is layer but the cluster has no GPU: offloading moves activations from GPU "
             "memory to host memory, where a CPU rank keeps them already") in result.stderr
@@ -152,7 +145,7 @@ def test_a_supervised_run_does_not_retry_bad_input(tmp_path, tiny_model_dir):
                f"trainer.output_dir={tmp_path / 'run'}"]
     for override, expected in (("trainer.total_step=3", "unknown config key 'trainer.total_step'"),
                                (f"data.train_files=[{bad}]", f"{bad}:2: invalid JSON")):
-        result = _run([*command, override], timeout=120)
+        result = run_from_repo([*command, override], timeout=120)
         assert result.returncode == 2, result.stderr[-2000:]
         assert expected in result.stderr
         assert "restart" not in result.stdout + result.stderr
@@ -166,10 +159,11 @@ def test_run_search_grpo_script_trains_with_two_tp2_engines_over_broadcast(tmp_p
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    result = _run(["bash", "examples/run_search_grpo.sh", "rollout.num_engines=2", "rollout.tensor_parallel_size=2",
-                   "weights.transport=broadcast", "trainer.total_steps=2", SHORT_TURNS, model_override(),
-                   f"trainer.output_dir={out}"],
-                  timeout=1200, **driver_ray)
+    result = run_from_repo(["bash", "examples/run_search_grpo.sh", "rollout.num_engines=2",
+                            "rollout.tensor_parallel_size=2",
+                            "weights.transport=broadcast", "trainer.total_steps=2", SHORT_TURNS, model_override(),
+                            f"trainer.output_dir={out}"],
+                           timeout=1200, **driver_ray)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "rollout engines: 2 x TP2; engine 0 on node" in result.stdout
     assert "step 2/2 | reward" in result.stdout
@@ -193,9 +187,9 @@ def test_train_and_eval_run_a_user_agent_through_the_endpoint(tmp_path, driver_r
 
     agent = "rollout.agent=examples.agents.search_r1:agent"
     out = tmp_path / "run"
-    result = _run(["bash", "examples/run_search_grpo.sh", agent, "actor.cp=2", "actor.logits_chunk_tokens=64",
-                   "trainer.total_steps=2", SHORT_TURNS, model_override(), f"trainer.output_dir={out}"], timeout=1200,
-                  **driver_ray)
+    result = run_from_repo(["bash", "examples/run_search_grpo.sh", agent, "actor.cp=2", "actor.logits_chunk_tokens=64",
+                            "trainer.total_steps=2", SHORT_TURNS, model_override(), f"trainer.output_dir={out}"],
+                           timeout=1200, **driver_ray)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 2/2 | reward" in result.stdout
     events = EventAccumulator(str(out / "tensorboard"))
@@ -219,8 +213,8 @@ def test_train_and_eval_run_a_user_agent_through_the_endpoint(tmp_path, driver_r
     evaluated = tmp_path / "eval"
     # the random model answers: its answers start prefilled and their closing tag is biased
     answering = ["rollout.assistant_prefix=<answer>", 'rollout.logit_bias={"</answer>": 12.0}']
-    result = _run(["bash", "examples/run_search_eval.sh", agent, *answering, model_override(),
-                   f"output_dir={evaluated}", "eval.max_examples=4"], timeout=600)
+    result = run_from_repo(["bash", "examples/run_search_eval.sh", agent, *answering, model_override(),
+                            f"output_dir={evaluated}", "eval.max_examples=4"], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in (evaluated / "trajectories.jsonl").open()]
     assert len(rows) == 4 and not any(row["failed"] for row in rows)
@@ -235,10 +229,10 @@ def test_filter_groups_drops_every_group_of_a_random_model_and_the_run_goes_on(t
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    result = _run(["bash", "examples/run_search_grpo.sh", "algo.filter_groups=true", "data.batch_size=2",
-                   "data.oversample=1.5", "trainer.total_steps=2", SHORT_TURNS, model_override(),
-                   f"trainer.output_dir={out}"],
-                  timeout=1200, RLSEARCH_VERBOSE="1")
+    result = run_from_repo(["bash", "examples/run_search_grpo.sh", "algo.filter_groups=true", "data.batch_size=2",
+                            "data.oversample=1.5", "trainer.total_steps=2", SHORT_TURNS, model_override(),
+                            f"trainer.output_dir={out}"],
+                           timeout=1200, RLSEARCH_VERBOSE="1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # verbose: the libraries print here as they would on their own, and nothing goes to output_dir/logs
     assert "(RolloutWorker pid=" in result.stdout + result.stderr

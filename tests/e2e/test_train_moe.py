@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import REPO_ROOT, SHORT_TURNS
+from tests.constants import REPO_ROOT, SHORT_TURNS
 from tests.models import model_override
 
 

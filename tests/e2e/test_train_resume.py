@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from tests.conftest import REPO_ROOT, SHORT_TURNS
+from tests.constants import REPO_ROOT, SHORT_TURNS
 
 STEPS, SAVE_INTERVAL = 4, 2
 # A random model earns no reward, so GRPO alone would leave the weights as they are; the k1 KL term has a gradient

@@ -6,9 +6,9 @@ be synced before step 1, and its sender's files, which show the first sync start
 
 from __future__ import annotations
 
+from tests.drivers import train_command
+from tests.faults.kills import first_sync_started, run_killing_engines
 from tests.faults.processes import logged_processes
-from tests.faults.test_killed_engine import first_sync_started, run_killing_engines
-from tests.faults.test_killed_worker import _command
 
 STEPS = 3
 
@@ -18,8 +18,9 @@ def test_the_only_engine_dying_during_a_sync_is_restarted_and_synced(tmp_path, t
 
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
     # a random model earns no reward; the k1 KL term changes the weights every step, so every step syncs
-    command = _command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, f"trainer.total_steps={STEPS}",
-                       "trainer.save_interval=0", "weights.transport=shm", "algo.kl_coef=0.1", "algo.kl_estimator=k1")
+    command = train_command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, f"trainer.total_steps={STEPS}",
+                            "trainer.save_interval=0", "weights.transport=shm", "algo.kl_coef=0.1",
+                            "algo.kl_estimator=k1")
     # the first sync comes after step 1's update
     returncode, output, _ = run_killing_engines(command, log_path, {}, [first_sync_started(run_dir)],
                                                 lambda: {str(process.pid): process for process in logged_processes(

@@ -12,8 +12,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tests.conftest import REPO_ROOT
-from tests.faults.test_killed_worker import _command
+from tests.constants import REPO_ROOT
+from tests.drivers import train_command
 
 
 def _train_failing(command: list[str], env: dict) -> tuple[str, str]:
@@ -45,8 +45,8 @@ def _head16_model(tiny_model_dir: Path, out: Path) -> Path:
 def test_a_rank_that_raises_at_start_up_shows_its_own_error_in_the_terminal(tmp_path, tiny_model_dir, toy_data,
                                                                              driver_ray):
     run_dir = tmp_path / "run"
-    command = _command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir,
-                       "actor.transformer_impl=transformer_engine")
+    command = train_command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir,
+                            "actor.transformer_impl=transformer_engine")
     stdout, stderr = _train_failing(command, driver_ray)
     assert re.match(r"rlsearch train: the actor rank 0 in process \d+ failed: RuntimeError: "
                     r"transformer_impl=transformer_engine: ", stderr), stderr
@@ -59,7 +59,7 @@ def test_an_engine_that_cannot_start_shows_its_root_cause_in_the_terminal(tmp_pa
                                                                            driver_ray):
     model = _head16_model(tiny_model_dir, tmp_path / "head16")
     run_dir = tmp_path / "run"
-    command = _command(model, toy_data, tmp_path / "bm25", run_dir, "trainer.total_steps=1")
+    command = train_command(model, toy_data, tmp_path / "bm25", run_dir, "trainer.total_steps=1")
     stdout, stderr = _train_failing(command, driver_ray)
     first = stderr.splitlines()[0]
     assert re.fullmatch(r"rlsearch train: the rollout engine in process \d+ failed: RuntimeError: Unsupported CPU "

@@ -10,24 +10,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
-from tests.conftest import REPO_ROOT, SHORT_TURNS
+from tests.constants import REPO_ROOT
+from tests.drivers import train_command
 from tests.faults.processes import actor_rank_process, engine_processes
 
 # from a kill to the driver's exit, its shutdown included: a hang guard far above what the slowest CPU needs
 STOP_HANG_GUARD_S = 300
-
-
-def _command(tiny_model_dir, toy_data, index_cache, output_dir, *extra):
-    return [
-        sys.executable, "-m", "rlsearch", "train", "--config", "examples/configs/search_grpo_tiny.yaml",
-        f"model.path={tiny_model_dir}", f"data.train_files=[{toy_data.train}]",
-        f"tools.retriever.corpus={toy_data.corpus}", f"tools.retriever.index_cache_dir={index_cache}",
-        "data.batch_size=2", "trainer.total_steps=2", "trainer.save_interval=1", SHORT_TURNS,
-        f"trainer.output_dir={output_dir}", *extra,
-    ]
 
 
 def _wait_for(log_path, run, text: str, count: int = 1, timeout_s: float = 600) -> None:
@@ -54,7 +44,8 @@ def _start(command, log_path, env: dict) -> subprocess.Popen:
 
 def test_a_killed_rollout_worker_stops_the_run_naming_it(tmp_path, tiny_model_dir, toy_data, driver_ray):
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
-    command = _command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, "rollout.max_engine_restarts_per_step=0")
+    command = train_command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir,
+                            "rollout.max_engine_restarts_per_step=0")
     run = _start(command, log_path, driver_ray)
     try:
         _wait_for(log_path, run, "checkpoints/step_000001")
@@ -88,9 +79,9 @@ def test_a_killed_actor_rank_is_replaced_and_the_async_run_rewinds_to_its_checkp
     from rlsearch.trainer.sampler import EpochSampler
 
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
-    command = _command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, "trainer.total_steps=4",
-                       "trainer.save_interval=2", "trainer.print_interval=1", "rollout.async_steps=1",
-                       "rollout.update_weights_in_flight=true", "trainer.max_actor_restarts=1")
+    command = train_command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, "trainer.total_steps=4",
+                            "trainer.save_interval=2", "trainer.print_interval=1", "rollout.async_steps=1",
+                            "rollout.update_weights_in_flight=true", "trainer.max_actor_restarts=1")
     run = _start(command, log_path, driver_ray)
     try:
         _wait_for(log_path, run, "step 3/4 |")

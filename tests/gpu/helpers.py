@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 BENCH_SHAPE = os.environ.get("RLSEARCH_GPU_SHAPE", "tiny")
 

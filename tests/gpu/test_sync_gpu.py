@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 from tests.gpu.helpers import BENCH_SHAPE, require_two_gpus, run_bench
 
 pytestmark = pytest.mark.gpu

@@ -12,7 +12,7 @@ from rlsearch.rollout import AgentLoop, EngineSpec, PromptItem, VLLMEngine
 from rlsearch.rollout.session import AgentRunner, SessionEndpoint
 from rlsearch.tools import build_registry, make_protocol
 from rlsearch.weights.bucket import pack_bucket
-from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
+from tests.constants import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 
 AUTOMATON_QUERIES = [" born", " river"]  # the search automaton's queries (single tokens), the first its greedy choice
 

@@ -25,7 +25,7 @@ from rlsearch.loop_thread import LoopThread
 from rlsearch.rollout import AgentLoop, EngineSpec, PromptItem, Trajectory, VLLMEngine
 from rlsearch.tools import build_registry, make_protocol
 from rlsearch.weights.bucket import pack_bucket
-from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
+from tests.constants import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 from tests.integration.threaded_server import serve_in_thread
 
 AUTOMATON_QUERY = " born"

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from bench.memory import CONFIGURATIONS
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 ROW = re.compile(r"^tiny\s+256\s+(?P<name>.+?)\s{2,}(?P<rest>.*)$")
 

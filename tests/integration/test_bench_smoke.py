@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 # benches that a test of their own runs and reads: memory.py's smoke run, and default_run.py over the README's default
 # run (one seed: conftest's `default_run`, read by tests/e2e/test_train_e2e.py); readme_check.py is default_run.py's

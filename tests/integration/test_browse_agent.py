@@ -27,7 +27,7 @@ from rlsearch.rollout import AgentLoop, start_frozen_summariser
 from rlsearch.tools import Document, build_registry, make_protocol
 from rlsearch.tools.clients.summarise import SUMMARY_PROMPT
 from tests.integration.engine_bench import prompt_items
-from tests.integration.test_call_tool_rollout import assert_masks_follow_turns
+from tests.integration.rollout_checks import assert_masks_follow_turns
 
 PAGE_TITLE = "Velmora"
 PAGE_TEXT = "RAWPAGE Velmora is a river town founded by Ada Brun in 1702."

@@ -16,7 +16,8 @@ from rlsearch.data import load_qa_dataset
 from rlsearch.rollout import AgentLoop, PromptItem
 from rlsearch.tools import ErrorKind, MCPServerProcess, build_registry, make_protocol
 from rlsearch.trainer.metrics import trajectory_metrics
-from tests.conftest import TEST_KV_CACHE_GIB
+from tests.constants import TEST_KV_CACHE_GIB
+from tests.integration.rollout_checks import assert_masks_follow_turns
 
 # The closing tag is 4 tokens; with this bias some samples write it within a turn (which ones depends on the CPU's
 # sample path: the tests find them in the run). A sample's seed is its own (step, group, sample), so a step run again,
@@ -56,24 +57,6 @@ def items(toy_data, prompts=4, samples=2):
     examples = load_qa_dataset(toy_data.train)[:prompts]
     return [PromptItem(e.id, e.question, group_id=i, sample_index=s) for i, e in enumerate(examples)
             for s in range(samples)]
-
-
-def assert_masks_follow_turns(trajectory, tokenizer) -> int:
-    """Model tokens have mask 1 and engine logprobs, observation tokens are their text's tokenisation with mask 0;
-    returns the number of observations."""
-    position, observed = 0, 0
-    for turn in trajectory.turns:
-        assert set(trajectory.loss_mask[position : position + turn.num_tokens]) == {1}
-        position += turn.num_tokens
-        if position < len(trajectory.response_ids):
-            observation_ids = tokenizer.encode(turn.observation, add_special_tokens=False)
-            assert trajectory.response_ids[position : position + len(observation_ids)] == observation_ids
-            assert set(trajectory.loss_mask[position : position + len(observation_ids)]) == {0}
-            assert set(trajectory.rollout_logprobs[position : position + len(observation_ids)]) == {0.0}
-            position += len(observation_ids)
-            observed += 1
-    assert position == len(trajectory.response_ids) == len(trajectory.loss_mask) == len(trajectory.rollout_logprobs)
-    return observed
 
 
 def test_call_tool_rollout_through_mcp_records_outputs_masks_and_metrics(call_tool_worker, toy_data, tiny_model_dir):

@@ -17,8 +17,8 @@ from rlsearch.rollout import EngineSpec, PromptItem, RolloutWorker
 from rlsearch.tools import Document, RetrievalClient
 from rlsearch.tools.protocols.chat_tools import KNOWN_SEAMS, template_mismatches
 from rlsearch.trainer.metrics import trajectory_metrics
-from tests.conftest import TEST_KV_CACHE_GIB
-from tests.integration.test_call_tool_rollout import assert_masks_follow_turns
+from tests.constants import TEST_KV_CACHE_GIB
+from tests.integration.rollout_checks import assert_masks_follow_turns
 
 CALLS = ({"query": "mayor"}, {"query": "river", "topk": 1})  # the retriever's default 2 passages, then 1
 PREFILL = "\n".join(f"<tool_call>\n{json.dumps({'name': 'search', 'arguments': a})}\n</tool_call>" for a in CALLS)

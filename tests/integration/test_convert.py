@@ -10,7 +10,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,33 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlsearch.checkpoint import CheckpointError, hf_to_mcore, mcore_to_hf, read_manifest
-from rlsearch.checkpoint.convert import SAFETENSORS_INDEX
 from rlsearch.checkpoint.layout import HF_METADATA_FILES
+from tests.integration.convert_checks import assert_bit_exact, convert_cli, converted_tensors
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _converted_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a converted dir, checking that the index lists exactly the tensors of its shards."""
-    weight_map = json.loads((hf_dir / SAFETENSORS_INDEX).read_text())["weight_map"]
-    tensors = {}
-    for filename in sorted(set(weight_map.values())):
-        shard = load_file(str(hf_dir / filename))
-        assert {name for name, file in weight_map.items() if file == filename} == set(shard)
-        tensors.update(shard)
-    return tensors
-
-
-def _assert_bit_exact(converted: dict[str, torch.Tensor], original: dict[str, torch.Tensor]) -> None:
-    assert set(converted) == set(original)
-    for name, tensor in original.items():
-        assert converted[name].dtype == tensor.dtype, name
-        assert torch.equal(converted[name], tensor), name
-
-
-def _convert_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlsearch", "convert", *args], capture_output=True, text=True,
-                          timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +48,7 @@ def test_round_trip_tp2pp2_bit_exact_and_verified(tp2pp2_checkpoint, tiny_model_
     print(f"mcore_to_hf with verify: {time.perf_counter() - started:.1f} s, max |logit diff| {result.max_logit_diff}")
     assert result.max_logit_diff < 1e-5
     assert (result.num_tensors, result.num_shards, result.dtype) == (27, 3, "float32")
-    _assert_bit_exact(_converted_tensors(result.out_dir), load_file(str(tiny_model_dir / "model.safetensors")))
+    assert_bit_exact(converted_tensors(result.out_dir), load_file(str(tiny_model_dir / "model.safetensors")))
     for name in HF_METADATA_FILES:
         assert (result.out_dir / name).is_file() == (tiny_model_dir / name).is_file(), name
     assert json.loads((result.out_dir / "config.json").read_text())["dtype"] == "float32"
@@ -98,7 +74,7 @@ def test_round_trip_tied_embeddings_tp1pp2(tiny_model_dir, tmp_path):
     converted = mcore_to_hf(checkpoint, tmp_path / "hf")
     print(f"tied round trip tp1pp2: {time.perf_counter() - started:.1f} s")
     assert read_manifest(checkpoint)["layout"]["pp"] == 2
-    _assert_bit_exact(_converted_tensors(converted.out_dir), weights)
+    assert_bit_exact(converted_tensors(converted.out_dir), weights)
 
 
 def test_convert_bf16_through_mg2hf_wrapper(tp2pp2_checkpoint, tiny_model_dir, tmp_path):
@@ -112,7 +88,7 @@ def test_convert_bf16_through_mg2hf_wrapper(tp2pp2_checkpoint, tiny_model_dir, t
     assert f"wrote HuggingFace model {tmp_path / 'hf'}: 27 tensors" in run.stdout
     assert "bfloat16" in run.stdout
     original = load_file(str(tiny_model_dir / "model.safetensors"))
-    _assert_bit_exact(_converted_tensors(tmp_path / "hf"), {n: t.to(torch.bfloat16) for n, t in original.items()})
+    assert_bit_exact(converted_tensors(tmp_path / "hf"), {n: t.to(torch.bfloat16) for n, t in original.items()})
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
@@ -151,7 +127,7 @@ def _unsupported_architecture(tmp_path: Path, _checkpoint: Path) -> tuple[list[s
                          ids=["not-a-checkpoint", "incomplete", "truncated", "unsupported-architecture"])
 def test_convert_cli_rejects_bad_input(make_case, tp2pp2_checkpoint, tmp_path):
     args, message = make_case(tmp_path, tp2pp2_checkpoint)
-    run = _convert_cli(*args, "--out", str(tmp_path / "out"))
+    run = convert_cli(*args, "--out", str(tmp_path / "out"))
     assert run.returncode == 2, run.stderr
     assert run.stderr.startswith("rlsearch convert: ") and message in run.stderr
     assert "Traceback" not in run.stderr and not run.stdout

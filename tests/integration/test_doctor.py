@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 CHECKS = ("python", "torch", "devices", "vllm", "megatron.core", "mbridge", "transformers", "ray", "mcp",
           "transformer_engine", "process group")

@@ -23,7 +23,7 @@ from rlsearch.config import RetrieverConfig, RolloutConfig, ToolsConfig
 from rlsearch.data import load_qa_dataset
 from rlsearch.rollout import EnginePool, EngineSpec, PromptItem, Trajectory
 from rlsearch.trainer.placement import check_retriever_reachable, describe_placement
-from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
+from tests.constants import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 
 pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module
 

@@ -67,12 +67,12 @@ class OracleEngine:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
+def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture
-def oracle(monkeypatch, tokenizer, toy_data, tmp_path):
+def oracle(monkeypatch, tiny_tokenizer, toy_data, tmp_path):
     """Replaces the vLLM engine that RolloutWorker builds with the oracle; yields the engines it made."""
     rows = [json.loads(line) for line in toy_data.test.open()]
     parquet_file = tmp_path / "toy_test.parquet"
@@ -82,7 +82,7 @@ def oracle(monkeypatch, tokenizer, toy_data, tmp_path):
     engines: list[OracleEngine] = []
 
     def make_engine(spec):
-        engines.append(OracleEngine(tokenizer, golden))
+        engines.append(OracleEngine(tiny_tokenizer, golden))
         return engines[-1]
 
     monkeypatch.setattr("rlsearch.rollout.worker.VLLMEngine", make_engine)

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 FORWARDED = {
     "NCCL_SOCKET_IFNAME": "lo", "NVTE_DEBUG": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",

@@ -26,7 +26,7 @@ from rlsearch.memory import (
     train_memory_inputs,
     waits_for_cluster,
 )
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 EXAMPLE = str(REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml")
 LONG = 131_072  # a context window whose activations do not fit the memory the tests give

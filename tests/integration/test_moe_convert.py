@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from rlsearch.checkpoint import CheckpointStore, HFExport, hf_to_mcore, mcore_to_hf, read_manifest
 from rlsearch.data.tiny_model import make_tiny_model
-from tests.integration.test_convert import _assert_bit_exact, _convert_cli, _converted_tensors
+from tests.integration.convert_checks import assert_bit_exact, convert_cli, converted_tensors
 from tests.models import TEST_VOCAB_RANKS, model_spec
 
 pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module
@@ -99,7 +99,7 @@ def test_moe_round_trip_bit_exact_and_verified(round_trip, moe_model_dirs, arch,
     assert result.export.max_logit_diff < TOLERANCE
     original = load_file(str(moe_model_dirs[arch] / "model.safetensors"))
     assert sum(".mlp.experts." in name for name in original) == 2 * 8 * 3  # layers x experts x (gate, up, down)
-    _assert_bit_exact(_converted_tensors(result.export.out_dir), original)
+    assert_bit_exact(converted_tensors(result.export.out_dir), original)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -145,14 +145,14 @@ def test_training_checkpoint_at_ep2_converts_bit_exact(rank_pool, moe_model_dirs
     saved = time.perf_counter()
     export = mcore_to_hf(checkpoint, tmp_path / "hf")
     print(f"actor ep2 step + checkpoint {saved - started:.1f} s, mcore_to_hf {time.perf_counter() - saved:.1f} s")
-    converted = _converted_tensors(export.out_dir)
-    _assert_bit_exact(converted, trained)
+    converted = converted_tensors(export.out_dir)
+    assert_bit_exact(converted, trained)
     original = load_file(str(model_dir / "model.safetensors"))
     assert all(not torch.equal(converted[name], original[name]) for name in original if ".mlp.experts." in name)
 
 
 def test_convert_cli_refuses_ep_on_a_dense_model(tiny_model_dir, tmp_path):
-    run = _convert_cli("hf-to-mcore", "--hf-dir", str(tiny_model_dir), "--ep", "2", "--out", str(tmp_path / "out"))
+    run = convert_cli("hf-to-mcore", "--hf-dir", str(tiny_model_dir), "--ep", "2", "--out", str(tmp_path / "out"))
     assert run.returncode == 2, run.stderr
     assert run.stderr == (f"rlsearch convert: ep=2 needs a mixture-of-experts model; {tiny_model_dir} is dense "
                           "(qwen2)\n")

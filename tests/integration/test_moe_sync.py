@@ -25,7 +25,7 @@ from rlsearch.loop_thread import LoopThread
 from rlsearch.rollout import EngineSpec, RolloutWorker, VLLMEngine, token_logit_bias
 from rlsearch.weights import WeightSync, check_engines_match_actor, vllm_moe
 from rlsearch.weights.bucket import WeightBucket, pack_bucket
-from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
+from tests.constants import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 from tests.integration.actor_helpers import hf_logprobs, scored_batch
 
 pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 
-from tests.conftest import REPO_ROOT, SHORT_TURNS
+from tests.constants import REPO_ROOT, SHORT_TURNS
 
 # each node: 2 logical CPUs (the TP2 actor's bundle fits one node, the rollout worker's CPU the other) and room in
 # the object store for the weight buckets in flight (weights.bucket_mb=64, two at a time)

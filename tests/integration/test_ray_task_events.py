@@ -11,7 +11,7 @@ import time
 
 import psutil
 
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 CALLS = 6000
 GROWTH_LIMIT_MIB = 5.0

@@ -7,11 +7,11 @@ sampling from a stale prepacked copy of it after every weight sync (probe mismat
 
 import pytest
 
-from tests.conftest import start_actor_group, start_rollout_worker
 from tests.integration.test_actor_engine import (  # noqa: F401  (collected here, with this module's fixtures)
     test_actor_matches_hf_and_engine_logprobs,
     test_grpo_step_changes_weights_and_engine_follows,
 )
+from tests.plugins.shared_engines import start_actor_group, start_rollout_worker
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, SamplingDistribution,
 from rlsearch.config import RetrieverConfig, RolloutConfig
 from rlsearch.rollout import EngineSpec, RolloutWorker
 from rlsearch.weights import WeightSync, WeightSyncError, check_engines_match_actor, logprob_mismatch
-from tests.conftest import TEST_KV_CACHE_GIB, TEST_ROLLOUT
+from tests.constants import TEST_KV_CACHE_GIB, TEST_ROLLOUT
 from tests.integration.actor_helpers import actor_spec
 
 pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module

@@ -81,13 +81,6 @@ def test_megabyte_question_in_parquet_names_the_row(tmp_path: Path) -> None:
         load_qa_dataset(path)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from rlsearch.data.tiny_model import build_qwen2_tokenizer
-
-    return build_qwen2_tokenizer()
-
-
 CLOSING = {"search_r1": "</information>\n\n", "call_tool": "</snippet>\n</tool_output>\n"}
 TEN_MB = "Velmora was founded by Ada Lovecraft in 1820. " * 218_000  # 10.0 MB, about 2.2M tokens
 

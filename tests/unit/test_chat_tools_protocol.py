@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 
 from rlsearch.config import RolloutConfig
-from rlsearch.data.tiny_model import build_qwen2_tokenizer
 from rlsearch.rollout import AgentLoop, PromptItem, Trajectory, Turn
 from rlsearch.tools import Document, ErrorKind, ToolCall, ToolRegistry, ToolSetupError, ToolSpec, TurnKind
 from rlsearch.tools.base import PerCallTool, query_parameters
@@ -33,11 +32,6 @@ SEARCH_PARAMETERS = {
 }
 SPECS = [ToolSpec("search", "search the collection", SEARCH_PARAMETERS), ToolSpec("browse", "read a page")]
 IM_END = 151645  # the Qwen2 tokenizer's <|im_end|>
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_qwen2_tokenizer()
 
 
 @pytest.fixture(scope="module")

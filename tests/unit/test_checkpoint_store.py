@@ -8,7 +8,7 @@ import pytest
 
 from rlsearch.checkpoint import CheckpointError, CheckpointStore, load_run_checkpoint, read_manifest
 from rlsearch.config import ConfigError, load_train_config
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 INFO = {
     "layout": {"tp": 1, "pp": 1, "dp": 1, "virtual_pipeline_stages": 0}, "architecture": "qwen2",

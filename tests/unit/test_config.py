@@ -86,7 +86,7 @@ def test_missing_config_file(tmp_path):
 
 
 def test_example_config_loads():
-    from tests.conftest import REPO_ROOT
+    from tests.constants import REPO_ROOT
 
     config = load_train_config(str(REPO_ROOT / "examples/configs/search_grpo_tiny.yaml"))
     assert config.rollout.protocol == "search_r1"
@@ -96,7 +96,7 @@ def test_example_config_loads():
 def test_the_probe_limit_follows_the_dtype_and_eval_may_use_top_p(tmp_path):
     from rlsearch.config import load_eval_config
     from rlsearch.weights import default_mismatch_limit
-    from tests.conftest import REPO_ROOT
+    from tests.constants import REPO_ROOT
 
     assert default_mismatch_limit("float32") < default_mismatch_limit("bfloat16")
     assert load_train_config(None, ["weights.max_logprob_mismatch=2e-4"]).weights.max_logprob_mismatch == 2e-4

@@ -6,7 +6,7 @@ import dataclasses
 
 from rlsearch.config import TrainConfig
 from rlsearch.config.reference import field_comments, render_reference
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 
 def test_config_docs_equal_the_schema():

@@ -4,7 +4,7 @@ the patches change torch.cuda and megatron module state for the whole process.""
 import subprocess
 import sys
 
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 PROBE = r"""
 import numpy as np

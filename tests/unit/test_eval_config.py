@@ -4,7 +4,7 @@ import pytest
 
 from rlsearch.cli import main
 from rlsearch.config import ConfigError, EvalConfig, load_eval_config
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 EXAMPLE = str(REPO_ROOT / "examples/configs/eval_search.yaml")
 

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 IN_A_FRESH_PROCESS = """
 import json, sys

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 ROUTE_AND_LOG = """
 import logging, os, subprocess, sys, warnings

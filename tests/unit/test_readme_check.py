@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.readme_check import check, readme_block
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 RECORDED = sorted((Path(__file__).parent / "data").glob("default_run_*.log"))
 README = (REPO_ROOT / "README.md").read_text()

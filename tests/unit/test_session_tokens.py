@@ -7,7 +7,6 @@ import random
 
 import pytest
 
-from rlsearch.data.tiny_model import build_qwen2_tokenizer
 from rlsearch.rollout.session.render import ChatRenderer, RequestError
 from rlsearch.rollout.session.tokens import SessionTokens
 
@@ -16,11 +15,6 @@ PIECES = ["\n", "\n\n", " ", "  ", "\t", "Doc", " 1", "(Title:", "é", "日本",
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "search the corpus",
                                            "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
                                                           "required": ["query"]}}}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_qwen2_tokenizer()
 
 
 def random_text(rng: random.Random, longest: int = 12) -> str:

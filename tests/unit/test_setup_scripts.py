@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.constants import REPO_ROOT
 
 STAND_IN_PYTHON = """#!/usr/bin/env bash
 echo "$*" >> "$(dirname "$0")/../calls"

@@ -12,14 +12,8 @@ from rlsearch.data import DatasetError, make_toy_data
 from rlsearch.data import toy as toy_module
 from rlsearch.data.chat import load_chat_dataset
 from rlsearch.data.demos import FLAW_KINDS, bm25_search, write_demonstrations, write_toy_demonstrations
-from rlsearch.data.tiny_model import build_qwen2_tokenizer
 from rlsearch.data.toy import answer_names, learnable_names
 from rlsearch.tools.protocols import SearchR1Protocol
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_qwen2_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -123,13 +123,6 @@ def test_per_call_tool_runs_calls_concurrently() -> None:
     tool.close()
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from rlsearch.data.tiny_model import build_qwen2_tokenizer
-
-    return build_qwen2_tokenizer()
-
-
 @pytest.mark.parametrize("protocol", [SearchR1Protocol(), CallToolProtocol()], ids=["search_r1", "call_tool"])
 def test_observation_budget_cuts_text_but_keeps_closing_tags(protocol, tokenizer) -> None:
     documents = [Document(text="word " * 300, title=f"Doc {i}", id=str(i)) for i in range(3)]

@@ -1,0 +1,29 @@
+"""How the tests run training drivers as a user does: a command from the repository's root, and the tiny config's
+`rlsearch train` over the session's model and toy data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.constants import REPO_ROOT, SHORT_TURNS
+
+
+def run_from_repo(args, timeout, warm_start="none", **env):
+    """`args` run from the repository root; `env` on top of this process's (the `driver_ray` fixture's environment: a
+    driver that joins the session's Ray and takes over the engines of the run before it)."""
+    env = {**os.environ, "RLSEARCH_WARM_START": warm_start, **env}
+    return subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def train_command(tiny_model_dir, toy_data, index_cache, output_dir, *extra):
+    """`rlsearch train` of the tiny config: 2 steps of 2 questions, a checkpoint after each, short turns; `extra`
+    overrides on top."""
+    return [
+        sys.executable, "-m", "rlsearch", "train", "--config", "examples/configs/search_grpo_tiny.yaml",
+        f"model.path={tiny_model_dir}", f"data.train_files=[{toy_data.train}]",
+        f"tools.retriever.corpus={toy_data.corpus}", f"tools.retriever.index_cache_dir={index_cache}",
+        "data.batch_size=2", "trainer.total_steps=2", "trainer.save_interval=1", SHORT_TURNS,
+        f"trainer.output_dir={output_dir}", *extra,
+    ]
