@@ -250,9 +250,12 @@ def test_pool_places_seeds_redispatches_and_restarts(ray_local, tmp_path):
 
         # an engine that dies after a rollout (as after a sync) leaves the step's counts to the others, and is known
         # dead (restarted before the next rollout) rather than failing the step
-        ray.kill(pool.engines[1], no_restart=True)
+        os.kill(ray.get(pool.engines[1].setup.remote())[4], signal.SIGKILL)
+        deadline = time.monotonic() + 60  # Ray sees the process gone within seconds: a ping then fails at once
         with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(pool.engines[1].__ray_ready__.remote(), timeout=60)
+            while time.monotonic() < deadline:
+                ray.get(pool.engines[1].__ray_ready__.remote(), timeout=60)
+                time.sleep(0.05)
         assert pool.tool_stats() == ray.get(pool.engines[0].tool_stats.remote()) and pool.idle_seconds() == 1.0
         assert pool.live() == [0] and pool.dead_engines() == [1]
     finally:
