@@ -109,11 +109,23 @@ class AlgoConfig:
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean
     norm_adv_by_std: bool = True  # GRPO: (r - mean) / (std + eps); false gives Dr. GRPO's r - mean
     adv_eps: float = 1e-6  # added to the group std before dividing
-    # truncated importance sampling: the policy-gradient term of each token is weighted by
-    # min(pi_old / pi_rollout, tis_cap), pi_old the actor before the step's first update, correcting for rollouts
-    # sampled with older weights (rollout.async_steps)
-    # or other numerics (bf16 engine kernels); about 1 on-policy in fp32. 0 disables it.
+    # how the policy gradient corrects for tokens the engine sampled under older weights (rollout.async_steps) or
+    # other numerics (bf16 engine kernels) than the actor's, from r = pi_old / pi_rollout per sampled token (pi_old:
+    # the actor before the step's first update; r is about 1 on-policy in fp32):
+    # token_tis: each token's policy-gradient term weighted by min(r, algo.tis_cap) (truncated importance sampling);
+    # seq_tis: every token of a sequence by min(product of its tokens' r, algo.tis_cap);
+    # token_mis: tokens whose r lies outside [algo.mis_low, algo.mis_high] masked out of the loss, the others kept
+    #   with weight 1 (masked importance sampling);
+    # seq_mis: whole sequences whose product of r lies outside [algo.mis_low, algo.mis_high] masked out;
+    # icepop: tokens whose r lies outside [1 / algo.icepop_beta, algo.icepop_beta] masked out (IcePop).
+    # A sequence is one trained sample: a trajectory, or one segment of it under rollout.context fold or
+    # drop_observations. Masked tokens keep their place in the loss's normaliser. seq_tis and seq_mis need actor.cp 1
+    rollout_correction: str = "token_tis"
+    # token_tis and seq_tis: the cap of the importance weight; 0 turns token_tis off (every weight 1)
     tis_cap: float = 2.0
+    mis_low: float = 0.5  # token_mis and seq_mis: the band's lower end, < 1
+    mis_high: float = 2.0  # token_mis and seq_mis: the band's upper end, > 1
+    icepop_beta: float = 2.0  # icepop: tokens with r outside [1 / beta, beta] are masked out; > 1
     # true: only tokens the policy sampled are trained (observation tokens have loss mask 0). false trains on tool
     # output too, as if the model had written it: an ablation switch (Search-R1's finding: worse), not for real runs
     mask_observations: bool = True
