@@ -126,6 +126,12 @@ class AlgoConfig:
     mis_low: float = 0.5  # token_mis and seq_mis: the band's lower end, < 1
     mis_high: float = 2.0  # token_mis and seq_mis: the band's upper end, > 1
     icepop_beta: float = 2.0  # icepop: tokens with r outside [1 / beta, beta] are masked out; > 1
+    # stop (or warn) after a step whose engine-vs-actor mismatch, rollout/actor_logprob_diff_mean (the mean over
+    # trained tokens of |log pi_old - log pi_rollout|), is above this; 0: no check
+    mismatch_threshold: float = 0.0
+    # what a mismatch above algo.mismatch_threshold does: stop (the run ends with an error naming the step and the
+    # figure, before the step's weights reach the engines) | warn (a line on the terminal, and the run goes on)
+    mismatch_action: str = "stop"
     # true: only tokens the policy sampled are trained (observation tokens have loss mask 0). false trains on tool
     # output too, as if the model had written it: an ablation switch (Search-R1's finding: worse), not for real runs
     mask_observations: bool = True

@@ -23,6 +23,7 @@ _CHOICES = {
     "algo.overlong": ("keep", "mask"),
     # rlsearch.algo.ROLLOUT_CORRECTIONS (config imports no torch)
     "algo.rollout_correction": ("token_tis", "seq_tis", "token_mis", "seq_mis", "icepop"),
+    "algo.mismatch_action": ("warn", "stop"),
     "rollout.protocol": ("search_r1", "call_tool", "chat_tools"),
     "rollout.context": ("append", "fold", "drop_observations"),
     "rollout.long_prompts": ("error", "cut"),
@@ -143,9 +144,13 @@ def _check_rollout_correction(config: TrainConfig) -> None:
     if not algo.icepop_beta > 1.0:
         raise ConfigError(f"'algo.icepop_beta' must be > 1 (ratios inside [1/beta, beta] are kept); got "
                           f"{algo.icepop_beta}")
-    if not algo.mask_observations and mode != "token_tis":
-        raise ConfigError(f"'algo.rollout_correction' is {mode} with algo.mask_observations=false: tool output "
-                          "trained as if sampled has no engine logprobs, so the step has no ratio to correct; set "
+    if algo.mismatch_threshold < 0:
+        raise ConfigError(f"'algo.mismatch_threshold' must be >= 0 (0: no check); got {algo.mismatch_threshold}")
+    if not algo.mask_observations and (mode != "token_tis" or algo.mismatch_threshold > 0):
+        what = (f"'algo.rollout_correction' is {mode}" if mode != "token_tis" else
+                f"'algo.mismatch_threshold' is {algo.mismatch_threshold}")
+        raise ConfigError(f"{what} with algo.mask_observations=false: tool output trained as if sampled has no "
+                          "engine logprobs, so the step has no ratio to correct or check; set "
                           "algo.mask_observations=true, or drop the option")
     if mode in ("seq_tis", "seq_mis") and config.actor.cp > 1:
         raise ConfigError(

@@ -47,6 +47,7 @@ from ..rollout import (
 from ..runlog import RunLogger, format_step_line, plot_run, ray_death
 from ..weights import SyncStats, WeightSync, WeightSyncError, check_engines_match_actor, default_mismatch_limit
 from .metrics import staleness_metrics, token_staleness, trajectory_metrics
+from .mismatch_gate import check_rollout_mismatch
 from .placement import check_retriever_reachable, describe_placement, plan_placement
 from .progress import RunParts, RunProgress
 from .sampler import EpochSampler, SamplerState
@@ -544,6 +545,10 @@ class GRPOTrainer:
         # 5. actor: the policy update, algo.ppo_epochs x algo.num_minibatches optimizer steps
         with _timed(timings, "time/train_s"):
             update = policy_update(self.parts.actor, samples, config.algo) if samples else None
+        # the mismatch gate (algo.mismatch_threshold): a warning line, or the run stops before the sync
+        if update is not None and (line := check_rollout_mismatch(
+                self.progress.step, update.metrics, config.algo.mismatch_threshold, config.algo.mismatch_action)):
+            print(f"[rlsearch] {line}", flush=True)
 
         # 6. weights: the engines get the new weights (none when nothing changed) and must match the actor
         changed = update is not None and update.changed_weights

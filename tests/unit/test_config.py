@@ -374,9 +374,13 @@ def test_recompute_and_offload_keys_are_checked_at_start_up_naming_the_key(tmp_p
         (["algo.mis_high=0.9"], r"must hold 0 < mis_low < 1 < mis_high .*; got 0\.5 and 0\.9"),
         (["algo.mis_low=0"], r"must hold 0 < mis_low < 1 < mis_high"),
         (["algo.icepop_beta=1"], r"'algo\.icepop_beta' must be > 1 \(ratios inside \[1/beta, beta\] are kept\)"),
+        (["algo.mismatch_threshold=-0.1"], r"'algo\.mismatch_threshold' must be >= 0 \(0: no check\)"),
+        (["algo.mismatch_action=abort"], r"'algo\.mismatch_action' must be one of warn, stop; got 'abort'"),
         (["algo.rollout_correction=icepop", "algo.mask_observations=false"],
          r"'algo\.rollout_correction' is icepop with algo\.mask_observations=false: tool output trained as if "
          r"sampled has no engine logprobs"),
+        (["algo.mismatch_threshold=0.01", "algo.mask_observations=false"],
+         r"'algo\.mismatch_threshold' is 0\.01 with algo\.mask_observations=false"),
         (["algo.rollout_correction=seq_mis", "actor.cp=2"],
          r"'algo\.rollout_correction' is seq_mis with actor\.cp=2: a sequence-level correction needs the product of "
          r"a sequence's token ratios"),
@@ -389,6 +393,6 @@ def test_rollout_correction_keys_are_checked_naming_the_key(overrides, message):
 
 def test_rollout_corrections_that_need_nothing_else_load():
     for overrides in (["algo.rollout_correction=icepop", "algo.icepop_beta=1.5", "actor.cp=2"],
-                      ["algo.rollout_correction=seq_tis", "algo.tis_cap=5"],
+                      ["algo.rollout_correction=seq_tis", "algo.mismatch_threshold=0.02", "algo.mismatch_action=warn"],
                       ["algo.tis_cap=0", "algo.mask_observations=false"]):
         load_train_config(None, overrides)
