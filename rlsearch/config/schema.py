@@ -331,6 +331,13 @@ class RewardConfig:
     scorers: dict[str, str] = field(default_factory=dict)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     rubric: RubricConfig = field(default_factory=RubricConfig)
+    # turn-level credit (algo.advantage turn_returns | gigpo): what rewards each model turn. retrieved_answer: 1 for a
+    # turn whose answered tool calls returned a golden answer (the passage holding the fact the question needs), else
+    # 0; new_information: the share of the distinct words of a turn's answered tool output that no earlier turn's
+    # output held; or package.module:function, called as function(trajectory, golden_answers) -> a reward per turn
+    turn_scorer: str = "retrieved_answer"
+    # data_source -> turn scorer, over reward.turn_scorer for that source's rows; a row's own `turn_scorer` field wins
+    turn_scorers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
