@@ -132,6 +132,16 @@ class AlgoConfig:
     # what a mismatch above algo.mismatch_threshold does: stop (the run ends with an error naming the step and the
     # figure, before the step's weights reach the engines) | warn (a line on the terminal, and the run goes on)
     mismatch_action: str = "stop"
+    # per-token advantages. outcome: every token of a trajectory gets its GRPO advantage (from its reward);
+    # turn_returns: each model turn's tokens get it plus algo.turn_weight x the discounted (algo.turn_gamma) sum of
+    # the turn rewards from that turn on, each normalised over every turn of the group (DeepSeekMath's process
+    # supervision); gigpo: it plus algo.turn_weight x the turn's return (its turn rewards and the trajectory's reward,
+    # discounted) normalised against the returns of the group's turns in the same state: the same tool outputs so
+    # far (GiGPO's step groups). Turn rewards come from the rows' turn scorers (reward.turn_scorer); observation
+    # tokens stay masked, a turn's advantage covers the tokens it sampled
+    advantage: str = "outcome"
+    turn_gamma: float = 1.0  # turn_returns and gigpo: the discount of later turns' rewards, in [0, 1]
+    turn_weight: float = 1.0  # turn_returns and gigpo: the weight of the turn term beside the outcome advantage, > 0
     # true: only tokens the policy sampled are trained (observation tokens have loss mask 0). false trains on tool
     # output too, as if the model had written it: an ablation switch (Search-R1's finding: worse), not for real runs
     mask_observations: bool = True

@@ -24,6 +24,7 @@ _CHOICES = {
     # rlsearch.algo.ROLLOUT_CORRECTIONS (config imports no torch)
     "algo.rollout_correction": ("token_tis", "seq_tis", "token_mis", "seq_mis", "icepop"),
     "algo.mismatch_action": ("warn", "stop"),
+    "algo.advantage": ("outcome", "turn_returns", "gigpo"),
     "rollout.protocol": ("search_r1", "call_tool", "chat_tools"),
     "rollout.context": ("append", "fold", "drop_observations"),
     "rollout.long_prompts": ("error", "cut"),
@@ -90,6 +91,11 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
         _check_optimizer_offload_dtype(config.actor, config.model.dtype)
     _check_routing_replay(config.algo.routing_replay)
     _check_rollout_correction(config)
+    if not 0.0 <= config.algo.turn_gamma <= 1.0:
+        raise ConfigError(f"'algo.turn_gamma' must be in [0, 1] (1: no discount); got {config.algo.turn_gamma}")
+    if not config.algo.turn_weight > 0:
+        raise ConfigError(f"'algo.turn_weight' must be > 0 (algo.advantage=outcome trains without turn rewards); got "
+                          f"{config.algo.turn_weight}")
     if config.actor.virtual_pipeline_stages < 0 or config.actor.virtual_pipeline_stages == 1:
         raise ConfigError("'actor.virtual_pipeline_stages' must be 0 (off) or >= 2")
     if config.actor.virtual_pipeline_stages and config.actor.pp < 2:

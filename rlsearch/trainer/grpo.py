@@ -34,7 +34,7 @@ from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate
 from ..memory import check_train_memory, waits_for_cluster
 from ..ray_setup import actor_states, cluster_has_gpus, init_ray, ray_cpus, supervisor_ray_address
-from ..reward import check_scorers, score_trajectories
+from ..reward import check_scorers, check_turn_scorers, score_trajectories, score_turns
 from ..rollout import (
     EnginePool,
     NoEngineLeftError,
@@ -174,6 +174,8 @@ class GRPOTrainer:
         for path in config.data.train_files:
             examples.extend(load_qa_dataset(path))
         check_scorers(examples, config.reward)  # every data source has a scorer, every judge its settings
+        if config.algo.advantage != "outcome":  # turn-level credit: every row's turn scorer is known
+            check_turn_scorers(examples, config.reward)
         return examples
 
     # ---- set-up ---------------------------------------------------------------------------------------
@@ -532,7 +534,10 @@ class GRPOTrainer:
             # 2. reward: every trajectory scored against its example (judge calls concurrently)
             examples = [rollout.examples[t.group_id] for t in trajectories]
             reward_stats = score_trajectories(trajectories, examples, config.reward)
-            # 3. algo: the groups to train (algo.filter_groups, data.batch_size), advantages and token weights
+            if config.algo.advantage != "outcome":  # turn-level credit: a reward for every model turn
+                reward_stats.update(score_turns(trajectories, examples, config.reward))
+            # 3. algo: the groups to train (algo.filter_groups, data.batch_size), advantages (per trajectory or per
+            # turn) and token weights
             batch = select_groups(trajectories, config.algo, config.data.batch_size)
             samples = self._samples_to_train(rollout.step, trajectories, batch)
 
