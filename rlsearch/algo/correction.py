@@ -26,9 +26,10 @@ from .loss import truncated_importance_weights
 
 ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mis", "seq_mis", "icepop")
 SEQUENCE_CORRECTIONS = ("seq_tis", "seq_mis")
-# bin edges of log(pi_old / pi_rollout): fine near 0, where a healthy run's tokens are (fp32 ~1e-5, bf16 ~1e-2)
-LOG_RATIO_EDGES = (-2.0, -1.0, -0.5, -0.2, -0.1, -0.05, -0.01, -1e-3, -1e-4,
-                   1e-4, 1e-3, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+# bin edges of log(pi_old / pi_rollout): fine near 0, where a healthy run's tokens are (a tiny fp32 model's mean
+# |log r| was 4e-7 on CPU, the warm-started one's 6e-5; bf16 engines ~1e-2)
+LOG_RATIO_EDGES = (-2.0, -1.0, -0.5, -0.2, -0.1, -0.05, -0.01, -1e-3, -1e-4, -1e-5, -1e-6,
+                   1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 LOG_RATIO_BINS = tuple(f"log_ratio_bin_{index:02d}" for index in range(len(LOG_RATIO_EDGES) + 1))
 
 

@@ -131,14 +131,14 @@ def test_log_ratio_histogram_counts_trained_tokens_per_bin():
     log_ratio = torch.tensor(OLD) - torch.tensor(ROLLOUT)
     counts = {key: value.item() for key, value in log_ratio_histogram(log_ratio, _batch().loss_mask).items()}
     assert list(counts) == list(LOG_RATIO_BINS)
-    # -0.125 in [-0.2, -0.1) is bin 4, 0.0625 in [0.05, 0.1) bin 13, 0.375 in [0.2, 0.5) bin 15, 0.75 in [0.5, 1) 16
+    # -0.125 in [-0.2, -0.1) is bin 4, 0.0625 in [0.05, 0.1) bin 17, 0.375 in [0.2, 0.5) bin 19, 0.75 in [0.5, 1) 20
     assert {key: count for key, count in counts.items() if count} == {
-        "log_ratio_bin_04": 1.0, "log_ratio_bin_13": 1.0, "log_ratio_bin_15": 1.0, "log_ratio_bin_16": 1.0}
-    # the median's target is 2 of 4 tokens: the top of bin 13 (0.1); 1% is 0.04 into bin 4, 99% 0.96 into bin 16
+        "log_ratio_bin_04": 1.0, "log_ratio_bin_17": 1.0, "log_ratio_bin_19": 1.0, "log_ratio_bin_20": 1.0}
+    # the median's target is 2 of 4 tokens: the top of bin 17 (0.1); 1% is 0.04 into bin 4, 99% 0.96 into bin 20
     assert histogram_quantile(counts, 0.5) == pytest.approx(0.1, abs=1e-9)
     assert histogram_quantile(counts, 0.01) == pytest.approx(-0.2 + 0.1 * 0.04, abs=1e-9)
     assert histogram_quantile(counts, 0.99) == pytest.approx(0.5 + 0.5 * 0.96, abs=1e-9)
-    outer = dict.fromkeys(LOG_RATIO_BINS, 0.0) | {"log_ratio_bin_00": 3.0, "log_ratio_bin_18": 1.0}
+    outer = dict.fromkeys(LOG_RATIO_BINS, 0.0) | {"log_ratio_bin_00": 3.0, "log_ratio_bin_22": 1.0}
     assert histogram_quantile(outer, 0.5) == -2.0 and histogram_quantile(outer, 0.99) == 2.0  # the finite edges
     assert histogram_quantile(dict.fromkeys(LOG_RATIO_BINS, 0.0), 0.5) == 0.0  # nothing counted: r = 1
 
