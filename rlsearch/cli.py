@@ -67,7 +67,7 @@ def _train(args: argparse.Namespace) -> int:
     from .memory import check_train_memory
     from .ray_setup import ray_cpus
     from .supervisor import supervise_train, supervised
-    from .trainer import GRPOTrainer, NonFiniteStepsError, WorkerDiedError
+    from .trainer import GRPOTrainer, NonFiniteStepsError, RolloutMismatchError, WorkerDiedError
 
     if args.restarts < 0:
         print(f"rlsearch train: --restarts must be >= 0; got {args.restarts}", file=sys.stderr)
@@ -87,7 +87,7 @@ def _train(args: argparse.Namespace) -> int:
     # train() also reports bad input as ConfigError: tool set-up, a checkpoint that does not fit the config
     return _run_summarised("train", load_train_config, lambda config: GRPOTrainer(config).train(),
                            lambda config: config.trainer.output_dir, args,
-                           (WorkerDiedError, NonFiniteStepsError, CheckpointError))
+                           (WorkerDiedError, NonFiniteStepsError, RolloutMismatchError, CheckpointError))
 
 
 def _plan(args: argparse.Namespace) -> int:

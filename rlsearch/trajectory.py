@@ -38,6 +38,7 @@ class Turn:
     cached_tokens: int = 0  # of those, how many the engine's prefix cache held (vLLM's num_cached_tokens)
     # of those, how many this trajectory had already sent to or received from the engine: the most the cache can hold
     cache_ceiling: int = 0
+    reward: float | None = None  # the turn scorer's (turn-level credit, algo.advantage); None: not scored
 
 
 @dataclass

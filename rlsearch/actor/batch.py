@@ -27,6 +27,8 @@ class TrainSample:
     response_start: int
     loss_mask: list[int]
     advantage: float = 0.0
+    # per response token, where they differ (turn-level credit, algo.advantage); None: `advantage` for every token
+    advantages: list[float] | None = None
     token_weights: list[float] | None = None  # loss aggregation weights (algo.loss_token_weights)
     old_logprobs: list[float] | None = None  # None: on-policy, the current logprobs (ratio 1)
     ref_logprobs: list[float] | None = None
@@ -42,7 +44,7 @@ class TrainSample:
             raise ValueError(f"response_start={self.response_start} outside a sequence of {len(self.token_ids)}")
         if self.routed_experts is not None and self.routed_experts.shape[0] != len(self.token_ids):
             raise ValueError(f"routed_experts covers {self.routed_experts.shape[0]} tokens of {len(self.token_ids)}")
-        for name in ("loss_mask", "token_weights", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
+        for name in ("loss_mask", "advantages", "token_weights", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
             values = getattr(self, name)
             if values is not None and len(values) != self.response_len:
                 raise ValueError(f"{name} has {len(values)} entries for {self.response_len} response tokens")
@@ -226,7 +228,8 @@ def collate(
         labels=torch.tensor([s.token_ids[s.response_start + r] for s, rows in zip(samples, kept) for r in rows],
                             dtype=torch.long),
         loss_mask=_flat(samples, "loss_mask", kept),
-        advantages=torch.tensor([s.advantage for s, rows in zip(samples, kept) for _ in rows], dtype=torch.float),
+        advantages=torch.tensor([s.advantage if s.advantages is None else s.advantages[r]
+                                 for s, rows in zip(samples, kept) for r in rows], dtype=torch.float),
         token_weights=_flat_or_zeros(samples, "token_weights", kept),
         old_logprobs=_flat(samples, "old_logprobs", kept),
         ref_logprobs=_flat(samples, "ref_logprobs", kept),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -10,7 +11,7 @@ from functools import partial
 import ray
 import torch
 
-from ..algo import Objective, grpo_objective, sft_objective
+from ..algo import LOG_RATIO_BINS, Objective, grpo_objective, histogram_quantile, sft_objective
 from ..ray_setup import start_named_actor, stop_named_actors
 from .batch import TrainSample
 from .distribution import MODEL_DISTRIBUTION, SamplingDistribution
@@ -274,9 +275,11 @@ class ActorRanks:
         per_dp, skipped = self._train(samples, objective or partial(grpo_objective, algo=self.spec.algo))
         summed = {key: sum(r[key] for r in per_dp) for key in (
             "policy_loss", "kl_loss", "clip_tokens", "approx_kl_sum", "rollout_drift_sum", "tis_weight_sum",
-            "tis_capped_tokens", "entropy_sum", "tokens",
+            "tis_capped_tokens", "correction_masked_tokens", "sequences", "capped_sequences", "masked_sequences",
+            "entropy_sum", "tokens", *LOG_RATIO_BINS,
         )}
         tokens = max(summed["tokens"], 1.0)
+        sequences = max(summed["sequences"], 1.0)
         return {
             "actor/policy_loss": summed["policy_loss"],
             "actor/kl_loss": summed["kl_loss"],
@@ -285,8 +288,16 @@ class ActorRanks:
             # of the distribution trained against (the rollout's), per trained token
             "actor/entropy": summed["entropy_sum"] / tokens,
             "rollout/actor_logprob_diff_mean": summed["rollout_drift_sum"] / tokens,
+            # the rollout correction's (algo.rollout_correction) weight and what it did, per trained token or
+            # sequence (a trained sample; sequence-level corrections only)
             "actor/tis_weight_mean": summed["tis_weight_sum"] / tokens,
             "actor/tis_capped_fraction": summed["tis_capped_tokens"] / tokens,
+            "actor/correction_masked_fraction": summed["correction_masked_tokens"] / tokens,
+            "actor/seq_capped_fraction": summed["capped_sequences"] / sequences,
+            "actor/seq_masked_fraction": summed["masked_sequences"] / sequences,
+            # pi_old / pi_rollout over the trained tokens, approximate (counts per bin of its log: rlsearch.algo)
+            **{f"rollout/actor_ratio_p{round(100 * q):02d}": math.exp(histogram_quantile(summed, q))
+               for q in (0.01, 0.5, 0.99)},
             "actor/grad_norm": per_dp[0]["grad_norm"],
             "actor/lr": per_dp[0]["lr"],
             "actor/update_ok": per_dp[0]["update_ok"],

@@ -1,8 +1,9 @@
-"""Group-relative advantages (GRPO)."""
+"""Group-relative advantages: GRPO's per trajectory, and per turn from turn rewards (discounted turn returns,
+GiGPO's step groups)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -30,3 +31,55 @@ def grpo_advantages(
             centred = centred / (group_rewards.std(unbiased=True) + eps)
         advantages[members] = centred
     return advantages.float()
+
+
+def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
+    """G_k = r_k + gamma * G_(k+1): each step's reward and the discounted rewards after it."""
+    returns, running = [], 0.0
+    for reward in reversed(rewards):
+        running = reward + gamma * running
+        returns.append(running)
+    return returns[::-1]
+
+
+def turn_return_advantages(
+    outcome_advantages: torch.Tensor, turn_rewards: Sequence[Sequence[float]], group_ids: Sequence[int],
+    gamma: float, weight: float, norm_by_std: bool = True, eps: float = 1e-6,
+) -> list[list[float]]:
+    """Per trajectory, each turn's advantage: its outcome advantage plus `weight` times the discounted sum of the
+    normalised turn rewards from that turn on, A_k = A + weight * sum_(j >= k) gamma^(j-k) r~_j. The turn rewards
+    are normalised as GRPO normalises outcomes (`grpo_advantages`), over every turn of the trajectory's group
+    (DeepSeekMath's process supervision): equal turn rewards add nothing."""
+    normalised = grpo_advantages(
+        torch.tensor([reward for rewards in turn_rewards for reward in rewards], dtype=torch.float),
+        [group for group, rewards in zip(group_ids, turn_rewards) for _ in rewards], norm_by_std, eps,
+    ).tolist()
+    advantages, start = [], 0
+    for outcome, rewards in zip(outcome_advantages.tolist(), turn_rewards):
+        own, start = normalised[start:start + len(rewards)], start + len(rewards)
+        advantages.append([outcome + weight * value for value in discounted_returns(own, gamma)])
+    return advantages
+
+
+def gigpo_advantages(
+    outcome_advantages: torch.Tensor, turn_rewards: Sequence[Sequence[float]], outcome_rewards: Sequence[float],
+    turn_states: Sequence[Sequence[Hashable]], group_ids: Sequence[int], gamma: float, weight: float,
+    norm_by_std: bool = True, eps: float = 1e-6,
+) -> list[list[float]]:
+    """GiGPO (Feng et al., 2025): per trajectory, each turn's advantage is its outcome advantage plus `weight` times
+    its step advantage, A_k = A + weight * (G_k - mean) / (std + eps), over the step group of the turn: the turns of
+    its group whose state (`turn_states`, any hashable) is the same. G_k is the trajectory's discounted return from
+    turn k, its turn rewards and its outcome reward at the last turn, sum_(j >= k) gamma^(j-k) r_j +
+    gamma^(K-1-k) R. A turn alone in its state, or in a step group of equal returns, adds nothing."""
+    returns = [discounted_returns([*rewards[:-1], rewards[-1] + outcome], gamma) if rewards else []
+               for rewards, outcome in zip(turn_rewards, outcome_rewards)]
+    step_groups: dict[tuple[int, Hashable], int] = {}
+    step_ids = [step_groups.setdefault((group, state), len(step_groups))
+                for group, states in zip(group_ids, turn_states) for state in states]
+    step = grpo_advantages(torch.tensor([value for values in returns for value in values], dtype=torch.float),
+                           step_ids, norm_by_std, eps).tolist()
+    advantages, start = [], 0
+    for outcome, values in zip(outcome_advantages.tolist(), returns):
+        own, start = step[start:start + len(values)], start + len(values)
+        advantages.append([outcome + weight * value for value in own])
+    return advantages

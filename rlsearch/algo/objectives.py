@@ -12,7 +12,8 @@ from typing import Protocol
 
 import torch
 
-from .loss import kl_estimate, ppo_clip_terms, truncated_importance_weights
+from .correction import log_ratio_histogram, rollout_correction
+from .loss import kl_estimate, ppo_clip_terms
 
 
 class ObjectiveBatch(Protocol):
@@ -24,6 +25,7 @@ class ObjectiveBatch(Protocol):
     old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
     rollout_logprobs: torch.Tensor | None
+    response_lens: list[int]  # positions per sequence, in order (read by sequence-level rollout corrections)
 
 
 class GRPOSettings(Protocol):
@@ -33,7 +35,11 @@ class GRPOSettings(Protocol):
     clip_ratio_high: float
     kl_coef: float
     kl_estimator: str
+    rollout_correction: str
     tis_cap: float
+    mis_low: float
+    mis_high: float
+    icepop_beta: float
 
 
 class Objective(Protocol):
@@ -49,24 +55,25 @@ def grpo_objective(
     """PPO-clip with the samples' advantages (+ KL to the reference when algo.kl_coef > 0).
 
     The ratio is against `batch.old_logprobs` (the policy before the step's first update), or 1 when there are
-    none (a single update per step: old policy = current). Truncated importance weights correct for the engine
-    having sampled with other weights or numerics: min(pi_old / pi_rollout, tis_cap), the old policy being the
-    one the PPO ratio starts from, so a token's policy change is not counted twice.
+    none (a single update per step: old policy = current). The rollout correction (algo.rollout_correction,
+    `rlsearch.algo.correction`) accounts for the engine having sampled with other weights or numerics, from
+    r = pi_old / pi_rollout, the old policy being the one the PPO ratio starts from, so a token's policy change is not
+    counted twice: by default truncated importance weights min(r, tis_cap) per token.
     """
     old_logprobs = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
     terms = ppo_clip_terms(logprobs, old_logprobs, batch.advantages, algo.clip_ratio_low, algo.clip_ratio_high)
-    tis = torch.ones_like(logprobs)
-    if algo.tis_cap > 0 and batch.rollout_logprobs is not None:
-        tis = truncated_importance_weights(old_logprobs, batch.rollout_logprobs, algo.tis_cap)
-    policy_per_token = terms.per_token_loss * tis
+    mask, weights = batch.loss_mask, batch.token_weights
+    correction = rollout_correction(old_logprobs, batch, algo)
+    policy_per_token = terms.per_token_loss * correction.weights
     kl = torch.zeros_like(logprobs)
     if algo.kl_coef > 0:
         kl = kl_estimate(logprobs, batch.ref_logprobs, algo.kl_estimator)
-    mask, weights = batch.loss_mask, batch.token_weights
     loss = ((policy_per_token + algo.kl_coef * kl) * weights).sum()
-    drift = torch.zeros_like(kl)
+    # log r of the trained tokens with rollout logprobs (none when tool output trains too: it was never sampled)
+    log_ratio, measured = torch.zeros_like(kl), torch.zeros_like(mask)
     if batch.rollout_logprobs is not None:
-        drift = (old_logprobs.detach() - batch.rollout_logprobs).abs()
+        log_ratio, measured = old_logprobs.detach() - batch.rollout_logprobs, mask
+    drift = log_ratio.abs()
     stats = {
         "loss": loss.detach(),
         "policy_loss": (policy_per_token * weights).sum().detach(),
@@ -74,8 +81,13 @@ def grpo_objective(
         "clip_tokens": (terms.clipped * mask).sum(),
         "approx_kl_sum": (terms.approx_kl * mask).sum(),
         "rollout_drift_sum": (drift.detach() * mask).sum(),
-        "tis_weight_sum": (tis * mask).sum(),
-        "tis_capped_tokens": ((tis >= algo.tis_cap) * mask).sum() if algo.tis_cap > 0 else mask.new_zeros(()),
+        "tis_weight_sum": (correction.weights * mask).sum(),
+        "tis_capped_tokens": (correction.capped * mask).sum(),
+        "correction_masked_tokens": (correction.masked * mask).sum(),
+        "sequences": correction.sequences,
+        "capped_sequences": correction.capped_sequences,
+        "masked_sequences": correction.masked_sequences,
+        **log_ratio_histogram(log_ratio, measured),
         "tokens": mask.sum(),
     }
     return loss, stats

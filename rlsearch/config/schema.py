@@ -109,11 +109,39 @@ class AlgoConfig:
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean
     norm_adv_by_std: bool = True  # GRPO: (r - mean) / (std + eps); false gives Dr. GRPO's r - mean
     adv_eps: float = 1e-6  # added to the group std before dividing
-    # truncated importance sampling: the policy-gradient term of each token is weighted by
-    # min(pi_old / pi_rollout, tis_cap), pi_old the actor before the step's first update, correcting for rollouts
-    # sampled with older weights (rollout.async_steps)
-    # or other numerics (bf16 engine kernels); about 1 on-policy in fp32. 0 disables it.
+    # how the policy gradient corrects for tokens the engine sampled under older weights (rollout.async_steps) or
+    # other numerics (bf16 engine kernels) than the actor's, from r = pi_old / pi_rollout per sampled token (pi_old:
+    # the actor before the step's first update; r is about 1 on-policy in fp32):
+    # token_tis: each token's policy-gradient term weighted by min(r, algo.tis_cap) (truncated importance sampling);
+    # seq_tis: every token of a sequence by min(product of its tokens' r, algo.tis_cap);
+    # token_mis: tokens whose r lies outside [algo.mis_low, algo.mis_high] masked out of the loss, the others kept
+    #   with weight 1 (masked importance sampling);
+    # seq_mis: whole sequences whose product of r lies outside [algo.mis_low, algo.mis_high] masked out;
+    # icepop: tokens whose r lies outside [1 / algo.icepop_beta, algo.icepop_beta] masked out (IcePop).
+    # A sequence is one trained sample: a trajectory, or one segment of it under rollout.context fold or
+    # drop_observations. Masked tokens keep their place in the loss's normaliser. seq_tis and seq_mis need actor.cp 1
+    rollout_correction: str = "token_tis"
+    # token_tis and seq_tis: the cap of the importance weight; 0 turns token_tis off (every weight 1)
     tis_cap: float = 2.0
+    mis_low: float = 0.5  # token_mis and seq_mis: the band's lower end, < 1
+    mis_high: float = 2.0  # token_mis and seq_mis: the band's upper end, > 1
+    icepop_beta: float = 2.0  # icepop: tokens with r outside [1 / beta, beta] are masked out; > 1
+    # stop (or warn) after a step whose engine-vs-actor mismatch, rollout/actor_logprob_diff_mean (the mean over
+    # trained tokens of |log pi_old - log pi_rollout|), is above this; 0: no check
+    mismatch_threshold: float = 0.0
+    # what a mismatch above algo.mismatch_threshold does: stop (the run ends with an error naming the step and the
+    # figure, before the step's weights reach the engines) | warn (a line on the terminal, and the run goes on)
+    mismatch_action: str = "stop"
+    # per-token advantages. outcome: every token of a trajectory gets its GRPO advantage (from its reward);
+    # turn_returns: each model turn's tokens get it plus algo.turn_weight x the discounted (algo.turn_gamma) sum of
+    # the turn rewards from that turn on, each normalised over every turn of the group (DeepSeekMath's process
+    # supervision); gigpo: it plus algo.turn_weight x the turn's return (its turn rewards and the trajectory's reward,
+    # discounted) normalised against the returns of the group's turns in the same state: the same tool outputs so
+    # far (GiGPO's step groups). Turn rewards come from the rows' turn scorers (reward.turn_scorer); observation
+    # tokens stay masked, a turn's advantage covers the tokens it sampled
+    advantage: str = "outcome"
+    turn_gamma: float = 1.0  # turn_returns and gigpo: the discount of later turns' rewards, in [0, 1]
+    turn_weight: float = 1.0  # turn_returns and gigpo: the weight of the turn term beside the outcome advantage, > 0
     # true: only tokens the policy sampled are trained (observation tokens have loss mask 0). false trains on tool
     # output too, as if the model had written it: an ablation switch (Search-R1's finding: worse), not for real runs
     mask_observations: bool = True
@@ -313,6 +341,13 @@ class RewardConfig:
     scorers: dict[str, str] = field(default_factory=dict)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     rubric: RubricConfig = field(default_factory=RubricConfig)
+    # turn-level credit (algo.advantage turn_returns | gigpo): what rewards each model turn. retrieved_answer: 1 for a
+    # turn whose answered tool calls returned a golden answer (the passage holding the fact the question needs), else
+    # 0; new_information: the share of the distinct words of a turn's answered tool output that no earlier turn's
+    # output held; or package.module:function, called as function(trajectory, golden_answers) -> a reward per turn
+    turn_scorer: str = "retrieved_answer"
+    # data_source -> turn scorer, over reward.turn_scorer for that source's rows; a row's own `turn_scorer` field wins
+    turn_scorers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -21,6 +21,10 @@ _CHOICES = {
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean"),
     "algo.overlong": ("keep", "mask"),
+    # rlsearch.algo.ROLLOUT_CORRECTIONS (config imports no torch)
+    "algo.rollout_correction": ("token_tis", "seq_tis", "token_mis", "seq_mis", "icepop"),
+    "algo.mismatch_action": ("warn", "stop"),
+    "algo.advantage": ("outcome", "turn_returns", "gigpo"),
     "rollout.protocol": ("search_r1", "call_tool", "chat_tools"),
     "rollout.context": ("append", "fold", "drop_observations"),
     "rollout.long_prompts": ("error", "cut"),
@@ -86,6 +90,12 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
     if config.model.dtype != "auto":
         _check_optimizer_offload_dtype(config.actor, config.model.dtype)
     _check_routing_replay(config.algo.routing_replay)
+    _check_rollout_correction(config)
+    if not 0.0 <= config.algo.turn_gamma <= 1.0:
+        raise ConfigError(f"'algo.turn_gamma' must be in [0, 1] (1: no discount); got {config.algo.turn_gamma}")
+    if not config.algo.turn_weight > 0:
+        raise ConfigError(f"'algo.turn_weight' must be > 0 (algo.advantage=outcome trains without turn rewards); got "
+                          f"{config.algo.turn_weight}")
     if config.actor.virtual_pipeline_stages < 0 or config.actor.virtual_pipeline_stages == 1:
         raise ConfigError("'actor.virtual_pipeline_stages' must be 0 (off) or >= 2")
     if config.actor.virtual_pipeline_stages and config.actor.pp < 2:
@@ -123,6 +133,37 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
     if config.trainer.eval_interval and not config.eval.files:
         raise ConfigError("'trainer.eval_interval' is set but 'eval.files' is empty")
     return config
+
+
+def _check_rollout_correction(config: TrainConfig) -> None:
+    """The correction's cap, band and beta, and what it needs: rollout logprobs, whole sequences on a rank."""
+    algo = config.algo
+    mode = algo.rollout_correction
+    if algo.tis_cap < 0:
+        raise ConfigError(f"'algo.tis_cap' must be >= 0 (0: token_tis off); got {algo.tis_cap}")
+    if mode == "seq_tis" and algo.tis_cap <= 0:
+        raise ConfigError("'algo.tis_cap' must be > 0 with algo.rollout_correction=seq_tis: it caps each "
+                          f"sequence's importance weight; got {algo.tis_cap}")
+    if not algo.mis_low < 1.0 < algo.mis_high or algo.mis_low <= 0:
+        raise ConfigError(f"'algo.mis_low' and 'algo.mis_high' must hold 0 < mis_low < 1 < mis_high (the band of "
+                          f"ratios kept); got {algo.mis_low} and {algo.mis_high}")
+    if not algo.icepop_beta > 1.0:
+        raise ConfigError(f"'algo.icepop_beta' must be > 1 (ratios inside [1/beta, beta] are kept); got "
+                          f"{algo.icepop_beta}")
+    if algo.mismatch_threshold < 0:
+        raise ConfigError(f"'algo.mismatch_threshold' must be >= 0 (0: no check); got {algo.mismatch_threshold}")
+    if not algo.mask_observations and (mode != "token_tis" or algo.mismatch_threshold > 0):
+        what = (f"'algo.rollout_correction' is {mode}" if mode != "token_tis" else
+                f"'algo.mismatch_threshold' is {algo.mismatch_threshold}")
+        raise ConfigError(f"{what} with algo.mask_observations=false: tool output trained as if sampled has no "
+                          "engine logprobs, so the step has no ratio to correct or check; set "
+                          "algo.mask_observations=true, or drop the option")
+    if mode in ("seq_tis", "seq_mis") and config.actor.cp > 1:
+        raise ConfigError(
+            f"'algo.rollout_correction' is {mode} with actor.cp={config.actor.cp}: a sequence-level correction needs "
+            "the product of a sequence's token ratios, and context parallelism splits a sequence's tokens over "
+            "ranks; use actor.cp=1 or a token-level correction (token_tis, token_mis, icepop)"
+        )
 
 
 def _check_routing_replay(mode: str) -> None:

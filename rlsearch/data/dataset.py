@@ -33,6 +33,7 @@ class QAExample:
     golden_answers: tuple[str, ...]  # empty only in rows that carry rubrics
     data_source: str
     scorer: str = ""  # the row's own scorer name (AgentRL rows); wins over reward.scorers for this row
+    turn_scorer: str = ""  # the row's own turn scorer (turn-level credit); wins over reward.turn_scorers
     rubrics: tuple[Rubric, ...] = ()
     hops: int = 0  # a multi-hop row's metadata.hops (the searches it takes); 0: none. Eval tables break down by it
     location: str = field(default="", compare=False)  # file:line (or file: row N), for errors naming the row
@@ -49,8 +50,8 @@ def load_qa_dataset(
 
     Rows are either raw Search-R1 rows (``question``, ``golden_answers``) or processed ones whose answers
     live in ``reward_model.ground_truth.target`` and whose question may be in ``extra_info.question``. Optional:
-    ``scorer`` (a scorer name for this row) and ``rubrics`` (``[{"text": ..., "weight": ...}]``; a row with rubrics
-    needs no golden answers).
+    ``scorer`` (a scorer name for this row), ``turn_scorer`` (its turn scorer, for turn-level credit) and
+    ``rubrics`` (``[{"text": ..., "weight": ...}]``; a row with rubrics needs no golden answers).
     An empty file, a malformed row, bytes that are not UTF-8 and a question over ``max_question_chars`` characters
     are `DatasetError`s naming the file (and line or row).
     """
@@ -122,6 +123,7 @@ def _parse_row(
         golden_answers=_parse_golden_answers(row, location, required=not rubrics),
         data_source=default_data_source if data_source is None else str(data_source),
         scorer=_parse_scorer(row.get("scorer"), location),
+        turn_scorer=_parse_scorer(row.get("turn_scorer"), location, "turn_scorer", "retrieved_answer, new_information"),
         rubrics=rubrics,
         hops=_parse_hops(row.get("metadata")),
         location=location,
@@ -134,11 +136,11 @@ def _parse_hops(metadata: Any) -> int:
     return hops if isinstance(hops, int) and not isinstance(hops, bool) and hops > 0 else 0
 
 
-def _parse_scorer(scorer: Any, location: str) -> str:
+def _parse_scorer(scorer: Any, location: str, key: str = "scorer", examples: str = "em, f1, judge, rubric") -> str:
     if scorer is None:
         return ""
     if not isinstance(scorer, str) or not scorer.strip():
-        raise DatasetError(f"{location}: 'scorer' must be a scorer name (e.g. em, f1, judge, rubric); got {scorer!r}")
+        raise DatasetError(f"{location}: '{key}' must be a scorer name (e.g. {examples}); got {scorer!r}")
     return scorer.strip()
 
 

@@ -1,4 +1,5 @@
-"""Rewards for search agents: answer extraction, EM/F1 metrics, scorers by name (rule, LLM judge, rubrics)."""
+"""Rewards for search agents: answer extraction, EM/F1 metrics, scorers by name (rule, LLM judge, rubrics), and turn
+scorers (a reward per model turn, for turn-level credit)."""
 
 from rlsearch.reward.qa import (
     RewardResult,
@@ -27,20 +28,24 @@ from rlsearch.reward.score import (
     score_trajectories,
     trajectory_answer,
 )
+from rlsearch.reward.turns import TURN_SCORERS, check_turn_scorers, get_turn_scorer, score_turns
 from rlsearch.reward.verdict import parse_verdict
 
 __all__ = [
     "DEFAULT_SCORERS",
     "JUDGED_SCORERS",
+    "TURN_SCORERS",
     "RewardResult",
     "RewardScorer",
     "ScorerError",
     "check_scorer_name",
     "check_scorers",
+    "check_turn_scorers",
     "exact_match",
     "extract_answer",
     "f1_score",
     "get_scorer",
+    "get_turn_scorer",
     "normalize_answer",
     "parse_verdict",
     "register_scorer",
@@ -48,6 +53,7 @@ __all__ = [
     "score_f1",
     "score_response",
     "score_trajectories",
+    "score_turns",
     "scorer_name_for",
     "scorer_names",
     "substring_match",

@@ -68,19 +68,22 @@ def scorer_names() -> list[str]:
 def get_scorer(name: str) -> RuleScorer:
     """The rule scorer registered as ``name``, or the function ``package.module:function`` names."""
     scorer = _RULE_SCORERS.get(name)
-    if scorer is not None:
-        return scorer
+    return scorer if scorer is not None else load_function(name, "scorer", scorer_names())
+
+
+def load_function(name: str, kind: str, known: Sequence[str]) -> Callable:
+    """The function ``package.module:function`` names; a `ScorerError` naming the `kind` of function and the `known`
+    names when ``name`` is none of them and loads nothing."""
     module_name, _, function_name = name.partition(":")
     if not (module_name and function_name):
-        raise ScorerError(f"unknown scorer {name!r}; known scorers: {', '.join(scorer_names())} "
-                          "(or package.module:function)")
+        raise ScorerError(f"unknown {kind} {name!r}; known {kind}s: {', '.join(known)} (or package.module:function)")
     try:
-        scorer = getattr(importlib.import_module(module_name), function_name)
+        function = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as error:
-        raise ScorerError(f"scorer {name!r} cannot be loaded: {error}") from error
-    if not callable(scorer):
-        raise ScorerError(f"scorer {name!r} is not a function")
-    return scorer
+        raise ScorerError(f"{kind} {name!r} cannot be loaded: {error}") from error
+    if not callable(function):
+        raise ScorerError(f"{kind} {name!r} is not a function")
+    return function
 
 
 def check_scorer_name(name: str) -> None:

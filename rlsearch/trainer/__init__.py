@@ -2,11 +2,12 @@
 
 from ..ray_setup import init_ray
 from .grpo import GRPOTrainer, RunSummary, WorkerDiedError
+from .mismatch_gate import RolloutMismatchError
 from .sampler import EpochSampler, SamplerState
 from .sft import SFTSummary, run_sft
 from .skip_guard import NonFiniteStepsError
 
 __all__ = [
-    "EpochSampler", "GRPOTrainer", "NonFiniteStepsError", "RunSummary", "SFTSummary", "SamplerState", "WorkerDiedError",
-    "init_ray", "run_sft",
+    "EpochSampler", "GRPOTrainer", "NonFiniteStepsError", "RolloutMismatchError", "RunSummary", "SFTSummary",
+    "SamplerState", "WorkerDiedError", "init_ray", "run_sft",
 ]

@@ -34,7 +34,7 @@ from ..data import QAExample, load_qa_dataset
 from ..eval import evaluate
 from ..memory import check_train_memory, waits_for_cluster
 from ..ray_setup import actor_states, cluster_has_gpus, init_ray, ray_cpus, supervisor_ray_address
-from ..reward import check_scorers, score_trajectories
+from ..reward import check_scorers, check_turn_scorers, score_trajectories, score_turns
 from ..rollout import (
     EnginePool,
     NoEngineLeftError,
@@ -47,6 +47,7 @@ from ..rollout import (
 from ..runlog import RunLogger, format_step_line, plot_run, ray_death
 from ..weights import SyncStats, WeightSync, WeightSyncError, check_engines_match_actor, default_mismatch_limit
 from .metrics import staleness_metrics, token_staleness, trajectory_metrics
+from .mismatch_gate import check_rollout_mismatch
 from .placement import check_retriever_reachable, describe_placement, plan_placement
 from .progress import RunParts, RunProgress
 from .sampler import EpochSampler, SamplerState
@@ -173,6 +174,8 @@ class GRPOTrainer:
         for path in config.data.train_files:
             examples.extend(load_qa_dataset(path))
         check_scorers(examples, config.reward)  # every data source has a scorer, every judge its settings
+        if config.algo.advantage != "outcome":  # turn-level credit: every row's turn scorer is known
+            check_turn_scorers(examples, config.reward)
         return examples
 
     # ---- set-up ---------------------------------------------------------------------------------------
@@ -531,7 +534,10 @@ class GRPOTrainer:
             # 2. reward: every trajectory scored against its example (judge calls concurrently)
             examples = [rollout.examples[t.group_id] for t in trajectories]
             reward_stats = score_trajectories(trajectories, examples, config.reward)
-            # 3. algo: the groups to train (algo.filter_groups, data.batch_size), advantages and token weights
+            if config.algo.advantage != "outcome":  # turn-level credit: a reward for every model turn
+                reward_stats.update(score_turns(trajectories, examples, config.reward))
+            # 3. algo: the groups to train (algo.filter_groups, data.batch_size), advantages (per trajectory or per
+            # turn) and token weights
             batch = select_groups(trajectories, config.algo, config.data.batch_size)
             samples = self._samples_to_train(rollout.step, trajectories, batch)
 
@@ -544,6 +550,10 @@ class GRPOTrainer:
         # 5. actor: the policy update, algo.ppo_epochs x algo.num_minibatches optimizer steps
         with _timed(timings, "time/train_s"):
             update = policy_update(self.parts.actor, samples, config.algo) if samples else None
+        # the mismatch gate (algo.mismatch_threshold): a warning line, or the run stops before the sync
+        if update is not None and (line := check_rollout_mismatch(
+                self.progress.step, update.metrics, config.algo.mismatch_threshold, config.algo.mismatch_action)):
+            print(f"[rlsearch] {line}", flush=True)
 
         # 6. weights: the engines get the new weights (none when nothing changed) and must match the actor
         changed = update is not None and update.changed_weights

@@ -1,16 +1,28 @@
 """From scored trajectories to what the actor trains on: the groups a step keeps (algo.filter_groups,
-data.oversample), overlong masking (algo.overlong), advantages and loss-aggregation weights, and the mini-batches of
-the step's PPO updates (algo.num_minibatches)."""
+data.oversample), overlong masking (algo.overlong), advantages (per trajectory, or per turn: algo.advantage) and
+loss-aggregation weights, and the mini-batches of the step's PPO updates (algo.num_minibatches)."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from ..actor import TrainSample
-from ..algo import groups_with_signal, grpo_advantages, loss_token_weights, minibatch_bounds
+from ..algo import (
+    gigpo_advantages,
+    groups_with_signal,
+    grpo_advantages,
+    loss_token_weights,
+    minibatch_bounds,
+    turn_return_advantages,
+)
 from ..config import AlgoConfig
 from ..rollout import Trajectory
+
+if TYPE_CHECKING:
+    import torch
 
 
 def outcome(trajectory: Trajectory) -> float:
@@ -73,7 +85,8 @@ def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[Trai
     algo.mask_observations false). Trajectories a user agent failed are left out (also of their group's statistics);
     each segment of a trajectory is a sample with the trajectory's advantage, in the trajectory's prefix group (the
     actor trains a group's shared prefixes once, actor.merge_prefixes). With algo.overlong=mask a trajectory cut
-    for one of algo.overlong_reasons keeps its place in its group's statistics but trains no token.
+    for one of algo.overlong_reasons keeps its place in its group's statistics but trains no token. With turn-level
+    credit (algo.advantage turn_returns | gigpo) every token gets its turn's advantage instead (`token_advantages`).
     """
     import torch
 
@@ -84,10 +97,14 @@ def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[Trai
         torch.tensor([t.reward for t in trained]), [t.group_id for t in trained],
         norm_by_std=algo.norm_adv_by_std, eps=algo.adv_eps,
     )
-    segments = [(t, segment, advantage, index) for index, (t, advantage) in enumerate(zip(trained, advantages.tolist()))
-                for segment in t.segments]
+    per_turn = turn_advantages(trained, advantages, algo)
+    per_token = None if per_turn is None else [
+        token_advantages(t, own, advantage) for t, own, advantage in zip(trained, per_turn, advantages.tolist())]
+    segments = [(t, segment, advantage, index, position)
+                for index, (t, advantage) in enumerate(zip(trained, advantages.tolist()))
+                for position, segment in enumerate(t.segments)]
     masks = []
-    for trajectory, segment, _, _ in segments:
+    for trajectory, segment, _, _, _ in segments:
         if algo.overlong == "mask" and is_overlong(trajectory, algo):
             masks.append([0] * len(segment.loss_mask))
         elif algo.mask_observations:
@@ -99,11 +116,57 @@ def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[Trai
         TrainSample(
             token_ids=segment.prompt_ids + segment.response_ids, response_start=len(segment.prompt_ids),
             loss_mask=mask, advantage=float(advantage), token_weights=w,
+            advantages=per_token[index][position] if per_token is not None else None,
             rollout_logprobs=segment.rollout_logprobs if algo.mask_observations else None,
             prefix_group=index if len(trajectory.segments) > 1 else None,
         )
-        for (trajectory, segment, advantage, index), mask, w in zip(segments, masks, weights)
+        for (trajectory, segment, advantage, index, position), mask, w in zip(segments, masks, weights)
     ]
+
+
+def turn_advantages(trajectories: list[Trajectory], outcome_advantages: torch.Tensor, algo: AlgoConfig
+                    ) -> list[list[float]] | None:
+    """Per trajectory, each turn's advantage under algo.advantage from its turns' rewards (Turn.reward, set by
+    rlsearch.reward.score_turns); None with outcome (every token gets its trajectory's advantage)."""
+    if algo.advantage == "outcome":
+        return None
+    if any(turn.reward is None for t in trajectories for turn in t.turns):
+        raise ValueError(f"algo.advantage={algo.advantage} needs every turn's reward: score the trajectories' turns "
+                         "first (rlsearch.reward.score_turns)")
+    rewards = [[turn.reward for turn in t.turns] for t in trajectories]
+    groups = [t.group_id for t in trajectories]
+    norm, eps, gamma, weight = algo.norm_adv_by_std, algo.adv_eps, algo.turn_gamma, algo.turn_weight
+    if algo.advantage == "turn_returns":
+        return turn_return_advantages(outcome_advantages, rewards, groups, gamma, weight, norm, eps)
+    return gigpo_advantages(outcome_advantages, rewards, [t.reward for t in trajectories],
+                            [turn_states(t) for t in trajectories], groups, gamma, weight, norm, eps)
+
+
+def turn_states(trajectory: Trajectory) -> list[tuple[str, ...]]:
+    """The state each turn starts from, as GiGPO's step groups compare them: the observations the trajectory had
+    received before it, in order (every first turn starts from the prompt alone)."""
+    observations = tuple(turn.observation or "" for turn in trajectory.turns)
+    return [observations[:index] for index in range(len(observations))]
+
+
+def token_advantages(trajectory: Trajectory, turns: list[float], outcome_advantage: float) -> list[list[float]]:
+    """Per segment, each response token's advantage: its turn's. A turn owns its num_tokens sampled tokens, in order
+    over the segments, and the observation tokens after them (trained only with algo.mask_observations false); tokens
+    past the last turn's count belong to it. A trajectory without turns keeps its outcome advantage."""
+    if not turns:
+        return [[outcome_advantage] * len(segment.loss_mask) for segment in trajectory.segments]
+    ends = list(itertools.accumulate(turn.num_tokens for turn in trajectory.turns))
+    turn, sampled, per_segment = 0, 0, []
+    for segment in trajectory.segments:
+        row = []
+        for sampled_token in segment.loss_mask:
+            if sampled_token:
+                while turn < len(ends) - 1 and sampled >= ends[turn]:
+                    turn += 1
+                sampled += 1
+            row.append(turns[turn])
+        per_segment.append(row)
+    return per_segment
 
 
 def actor_logprobs_of(trajectories: list[Trajectory], samples: list[TrainSample]) -> dict[int, list[list[float]]]:

@@ -252,3 +252,51 @@ def test_filter_groups_drops_every_group_of_a_random_model_and_the_run_goes_on(t
     # weights never changed: nothing to checkpoint (an optimizer that never stepped has no state)
     assert "no checkpoint after step 2: no step has updated the weights yet" in result.stdout
     assert not list((out / "checkpoints").glob("step_*"))
+
+
+def test_icepop_and_turn_credit_train_and_log_what_they_did(tmp_path, tiny_model_dir, toy_data, retriever):
+    """`algo.rollout_correction=icepop` with GiGPO's turn credit scored by new_information, and the mismatch gate set
+    to warn at any mismatch: two steps train, each warns naming its step, and what the correction and the turn
+    scorer did reads back from TensorBoard: every trained token kept (weight 1) or masked, the ratio's quantiles in
+    order around 1, and the turn rewards' mean that of the turns the trajectory records hold."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    result = _run([sys.executable, "-m", "rlsearch", "train", "--config", "examples/configs/search_grpo_tiny.yaml",
+                   f"model.path={tiny_model_dir}", f"data.train_files=[{toy_data.train}]",
+                   f"tools.retriever.url={retriever.url}", f"trainer.output_dir={out}", "trainer.total_steps=2",
+                   "data.batch_size=2", SHORT_TURNS, "algo.rollout_correction=icepop", "algo.icepop_beta=1.5",
+                   "algo.advantage=gigpo", "algo.turn_gamma=0.9", "reward.turn_scorer=new_information",
+                   "algo.mismatch_threshold=1e-12", "algo.mismatch_action=warn"], timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "step 2/2 | reward" in result.stdout
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+
+    def values(tag: str) -> list[float]:
+        assert [e.step for e in events.Scalars(tag)] == [1, 2], tag
+        return [e.value for e in events.Scalars(tag)]
+
+    assert values("actor/update_ok") == [1.0, 1.0]
+    # every step whose mismatch was not exactly 0 warned (on the tests' CPU it was 3e-7 to 5e-7)
+    for step, mismatch in zip((1, 2), values("rollout/actor_logprob_diff_mean")):
+        warning = re.search(rf"\[rlsearch\] warning: step {step}: the engine and the actor disagree on the sampled "
+                            r"tokens: rollout/actor_logprob_diff_mean \(mean \|log pi_old - log pi_rollout\| per "
+                            r"trained token\) is (\S+), above algo\.mismatch_threshold=1e-12\n", result.stdout)
+        assert (warning is not None) == (mismatch > 1e-12), result.stdout
+        assert warning is None or float(warning.group(1)) == pytest.approx(mismatch, rel=1e-3)
+    # IcePop's weights are 0 or 1: the kept share and the masked share of the trained tokens make up all of them
+    for kept, masked in zip(values("actor/tis_weight_mean"), values("actor/correction_masked_fraction")):
+        assert 0.0 <= masked <= 1.0 and kept + masked == pytest.approx(1.0, abs=1e-6)
+    assert values("actor/seq_masked_fraction") == [0.0, 0.0]  # a token-level correction masks no sequence
+    for low, median, high in zip(*(values(f"rollout/actor_ratio_p{q}") for q in ("01", "50", "99"))):
+        assert low <= median <= high and 0.9 < median < 1.1  # fp32 engine and actor: r is about 1
+    for step, logged in zip((1, 2), values("reward/turn_reward_mean")):
+        rows = [json.loads(line) for line in (out / "trajectories" / f"step_{step:06d}.jsonl").open()]
+        rewards = [turn["reward"] for row in rows for turn in row["turns"]]
+        assert rows and all(0.0 <= reward <= 1.0 for reward in rewards), rewards
+        assert logged == pytest.approx(sum(rewards) / len(rewards), abs=1e-6)
+        for row in rows:  # the first search that brought back words brings nothing seen before
+            found = [turn["reward"] for turn in row["turns"]
+                     if any(call["ok"] for call in turn["tool_calls"]) and "".join(turn["tool_outputs"]).strip()]
+            assert not found or found[0] == 1.0, row["turns"]

@@ -105,3 +105,17 @@ def test_trained_only_keeps_a_micro_batch_without_trained_tokens_whole():
     assert mb.logit_index.tolist() == [0] and mb.token_weights.tolist() == [0.0] and mb.response_lens == [1]
     micro_batches = pack_micro_batches([stand_in, TrainSample([1, 2, 3], 1, [0, 1])], 2, trained_only=True)
     assert [mb.labels.tolist() for mb in micro_batches] == [[0], [3]]
+
+
+def test_per_token_advantages_follow_their_tokens_into_the_micro_batch():
+    """Turn-level credit: a sample's own per-token advantages where it has them, its one advantage elsewhere; with
+    trained_only the selected positions keep theirs."""
+    samples = [
+        TrainSample([10, 11, 12, 13, 14], response_start=2, loss_mask=[1, 0, 1], advantage=0.5,
+                    advantages=[0.25, 9.0, -0.75]),
+        TrainSample([20, 21, 22], response_start=1, loss_mask=[1, 1], advantage=-1.0),
+    ]
+    assert collate(samples, [0, 1]).advantages.tolist() == [0.25, 9.0, -0.75, -1.0, -1.0]
+    assert collate(samples, [0, 1], trained_only=True).advantages.tolist() == [0.25, -0.75, -1.0, -1.0]
+    with pytest.raises(ValueError, match="advantages has 2 entries for 3 response tokens"):
+        TrainSample([10, 11, 12, 13, 14], response_start=2, loss_mask=[1, 0, 1], advantages=[0.25, 9.0])

@@ -360,3 +360,43 @@ def test_recompute_and_offload_keys_are_checked_at_start_up_naming_the_key(tmp_p
     ]:
         with pytest.raises(ConfigError, match=message):
             check_model_layout(model, actor)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algo.rollout_correction=seq"], r"'algo\.rollout_correction' must be one of token_tis, seq_tis, token_mis, "
+                                          r"seq_mis, icepop; got 'seq'"),
+        (["algo.tis_cap=-1"], r"'algo\.tis_cap' must be >= 0 \(0: token_tis off\); got -1\.0"),
+        (["algo.rollout_correction=seq_tis", "algo.tis_cap=0"], r"'algo\.tis_cap' must be > 0 with "
+                                                                  r"algo\.rollout_correction=seq_tis"),
+        (["algo.mis_low=1.2"], r"'algo\.mis_low' and 'algo\.mis_high' must hold 0 < mis_low < 1 < mis_high"),
+        (["algo.mis_high=0.9"], r"must hold 0 < mis_low < 1 < mis_high .*; got 0\.5 and 0\.9"),
+        (["algo.mis_low=0"], r"must hold 0 < mis_low < 1 < mis_high"),
+        (["algo.icepop_beta=1"], r"'algo\.icepop_beta' must be > 1 \(ratios inside \[1/beta, beta\] are kept\)"),
+        (["algo.mismatch_threshold=-0.1"], r"'algo\.mismatch_threshold' must be >= 0 \(0: no check\)"),
+        (["algo.mismatch_action=abort"], r"'algo\.mismatch_action' must be one of warn, stop; got 'abort'"),
+        (["algo.rollout_correction=icepop", "algo.mask_observations=false"],
+         r"'algo\.rollout_correction' is icepop with algo\.mask_observations=false: tool output trained as if "
+         r"sampled has no engine logprobs"),
+        (["algo.mismatch_threshold=0.01", "algo.mask_observations=false"],
+         r"'algo\.mismatch_threshold' is 0\.01 with algo\.mask_observations=false"),
+        (["algo.advantage=per_turn"], r"'algo\.advantage' must be one of outcome, turn_returns, gigpo; got 'per_turn'"),
+        (["algo.turn_gamma=1.5"], r"'algo\.turn_gamma' must be in \[0, 1\] \(1: no discount\); got 1\.5"),
+        (["algo.turn_gamma=-0.1"], r"'algo\.turn_gamma' must be in \[0, 1\]"),
+        (["algo.turn_weight=0"], r"'algo\.turn_weight' must be > 0"),
+        (["algo.rollout_correction=seq_mis", "actor.cp=2"],
+         r"'algo\.rollout_correction' is seq_mis with actor\.cp=2: a sequence-level correction needs the product of "
+         r"a sequence's token ratios"),
+    ],
+)
+def test_rollout_correction_and_turn_credit_keys_are_checked_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(None, overrides)
+
+
+def test_rollout_corrections_that_need_nothing_else_load():
+    for overrides in (["algo.rollout_correction=icepop", "algo.icepop_beta=1.5", "actor.cp=2"],
+                      ["algo.rollout_correction=seq_tis", "algo.mismatch_threshold=0.02", "algo.mismatch_action=warn"],
+                      ["algo.tis_cap=0", "algo.mask_observations=false"]):
+        load_train_config(None, overrides)

@@ -56,3 +56,62 @@ def test_actor_logprobs_go_back_to_their_trajectory_and_segment() -> None:
         id(first): [[0.0] * 6],
         id(second): [[1.0] * 2, [2.0] * 6],  # earlier segment first, then the trajectory's own tokens
     }
+
+
+def _two_turns(reward: float, turn_rewards: list[float], observation: str) -> Trajectory:
+    """A search (2 sampled tokens, then 3 observation tokens) and an answer (1 token), each turn with its reward."""
+    from rlsearch.trajectory import Turn
+
+    trajectory = _trajectory(0, reward)
+    trajectory.turns = [Turn("<search>q</search>", 2, "tool_call", observation=observation, reward=turn_rewards[0]),
+                        Turn("<answer>a</answer>", 1, "answer", reward=turn_rewards[1])]
+    return trajectory
+
+
+def test_turn_returns_give_each_turns_tokens_their_turns_advantage() -> None:
+    """The first trajectory's search found the answer (turn reward 1) and it answered right (reward 1); the second
+    found nothing and answered wrong. Outcome advantages without the std: 0.5 and -0.5; the turn rewards 1, 0, 0, 0
+    less their mean 0.25, discounted at 0.5 from each turn on: 0.625, -0.25 and -0.375, -0.25."""
+    trajectories = [_two_turns(1.0, [1.0, 0.0], "docs A"), _two_turns(0.0, [0.0, 0.0], "docs B")]
+    algo = AlgoConfig(advantage="turn_returns", turn_gamma=0.5, norm_adv_by_std=False)
+    first, second = train_samples(trajectories, algo)
+    # the search's two sampled tokens and the observation after them take its advantage; the answer token its own
+    assert first.advantages == pytest.approx([1.125] * 5 + [0.25], abs=1e-6)
+    assert second.advantages == pytest.approx([-0.875] * 5 + [-0.75], abs=1e-6)
+    assert (first.advantage, second.advantage) == (0.5, -0.5)  # the outcome advantages stay
+    assert first.loss_mask == [1, 1, 0, 0, 0, 1]  # observation tokens stay masked
+    assert all(sample.advantages is None for sample in train_samples(trajectories, AlgoConfig()))  # the default
+
+
+def test_gigpo_compares_turns_that_saw_the_same_observations() -> None:
+    """Returns with the reward at the last turn (gamma 0.5): 1.5, 1 and 0, 0. Both first turns start from the prompt:
+    mean 0.75, so +0.75 and -0.75. Their second turns saw other tool outputs, so each is alone in its state: 0."""
+    algo = AlgoConfig(advantage="gigpo", turn_gamma=0.5, norm_adv_by_std=False)
+    first, second = train_samples([_two_turns(1.0, [1.0, 0.0], "docs A"), _two_turns(0.0, [0.0, 0.0], "docs B")], algo)
+    assert first.advantages == pytest.approx([1.25] * 5 + [0.5], abs=1e-6)
+    assert second.advantages == pytest.approx([-1.25] * 5 + [-0.5], abs=1e-6)
+    # the same tool output: the second turns share a state too, and their returns 1 and 0 are compared
+    first, second = train_samples([_two_turns(1.0, [1.0, 0.0], "docs A"), _two_turns(0.0, [0.0, 0.0], "docs A")], algo)
+    assert first.advantages == pytest.approx([1.25] * 5 + [1.0], abs=1e-6)
+    assert second.advantages == pytest.approx([-1.25] * 5 + [-1.0], abs=1e-6)
+
+
+def test_turn_advantages_follow_a_folded_trajectorys_turns_over_its_segments() -> None:
+    from rlsearch.trainer.step_batch import token_advantages
+    from rlsearch.trajectory import Segment, Turn
+
+    folded = _trajectory(0, 1.0)
+    # the search and its observation in the first segment, the answer's 2 tokens in the second
+    folded.earlier_segments = [Segment([1, 2], [30, 31, 40], [1, 1, 0], [-0.1, -0.2, 0.0])]
+    folded.response_ids, folded.loss_mask, folded.rollout_logprobs = [12, 13], [1, 1], [-0.5, -0.5]
+    folded.turns = [Turn("s", 2, "tool_call"), Turn("a", 2, "answer")]
+    assert token_advantages(folded, [0.75, -0.25], 0.1) == [[0.75, 0.75, 0.75], [-0.25, -0.25]]
+    folded.turns = []  # no turns recorded: the outcome advantage everywhere
+    assert token_advantages(folded, [], 0.1) == [[0.1] * 3, [0.1] * 2]
+
+
+def test_turn_credit_needs_the_turns_scored() -> None:
+    unscored = _two_turns(1.0, [1.0, 0.0], "docs A")
+    unscored.turns[1].reward = None
+    with pytest.raises(ValueError, match=r"algo\.advantage=gigpo needs every turn's reward"):
+        train_samples([unscored, _two_turns(0.0, [0.0, 0.0], "docs B")], AlgoConfig(advantage="gigpo"))
