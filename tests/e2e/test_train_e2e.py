@@ -262,12 +262,13 @@ def test_icepop_and_turn_credit_train_and_log_what_they_did(tmp_path, tiny_model
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    result = _run([sys.executable, "-m", "rlsearch", "train", "--config", "examples/configs/search_grpo_tiny.yaml",
-                   f"model.path={tiny_model_dir}", f"data.train_files=[{toy_data.train}]",
-                   f"tools.retriever.url={retriever.url}", f"trainer.output_dir={out}", "trainer.total_steps=2",
-                   "data.batch_size=2", SHORT_TURNS, "algo.rollout_correction=icepop", "algo.icepop_beta=1.5",
-                   "algo.advantage=gigpo", "algo.turn_gamma=0.9", "reward.turn_scorer=new_information",
-                   "algo.mismatch_threshold=1e-12", "algo.mismatch_action=warn"], timeout=1200)
+    result = run_from_repo([sys.executable, "-m", "rlsearch", "train", "--config",
+                            "examples/configs/search_grpo_tiny.yaml", f"model.path={tiny_model_dir}",
+                            f"data.train_files=[{toy_data.train}]", f"tools.retriever.url={retriever.url}",
+                            f"trainer.output_dir={out}", "trainer.total_steps=2", "data.batch_size=2", SHORT_TURNS,
+                            "algo.rollout_correction=icepop", "algo.icepop_beta=1.5", "algo.advantage=gigpo",
+                            "algo.turn_gamma=0.9", "reward.turn_scorer=new_information",
+                            "algo.mismatch_threshold=1e-12", "algo.mismatch_action=warn"], timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 2/2 | reward" in result.stdout
     events = EventAccumulator(str(out / "tensorboard"))
