@@ -27,8 +27,6 @@ class TrainSample:
     response_start: int
     loss_mask: list[int]
     advantage: float = 0.0
-    # per response token, where they differ (turn-level credit, algo.advantage); None: `advantage` for every token
-    advantages: list[float] | None = None
     token_weights: list[float] | None = None  # loss aggregation weights (algo.loss_token_weights)
     old_logprobs: list[float] | None = None  # None: on-policy, the current logprobs (ratio 1)
     ref_logprobs: list[float] | None = None
@@ -38,6 +36,9 @@ class TrainSample:
     # MoE routing to replay (algo.routing_replay): [len(token_ids), layers, top-k] expert ids per token and layer
     # (-1 for dense layers), recorded when the old logprobs were computed
     routed_experts: torch.Tensor | None = None
+    # per response token, where they differ (turn-level credit, algo.advantage); None: `advantage` for every token.
+    # Last, so that the fields before it keep their positions
+    advantages: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.response_start < 1 or self.response_start > len(self.token_ids):
