@@ -3,6 +3,7 @@ GiGPO's step groups)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -54,11 +55,8 @@ def turn_return_advantages(
         torch.tensor([reward for rewards in turn_rewards for reward in rewards], dtype=torch.float),
         [group for group, rewards in zip(group_ids, turn_rewards) for _ in rewards], norm_by_std, eps,
     ).tolist()
-    advantages, start = [], 0
-    for outcome, rewards in zip(outcome_advantages.tolist(), turn_rewards):
-        own, start = normalised[start:start + len(rewards)], start + len(rewards)
-        advantages.append([outcome + weight * value for value in discounted_returns(own, gamma)])
-    return advantages
+    own = _per_trajectory(normalised, [len(rewards) for rewards in turn_rewards])
+    return _plus_outcome(outcome_advantages, [discounted_returns(values, gamma) for values in own], weight)
 
 
 def gigpo_advantages(
@@ -78,8 +76,16 @@ def gigpo_advantages(
                 for group, states in zip(group_ids, turn_states) for state in states]
     step = grpo_advantages(torch.tensor([value for values in returns for value in values], dtype=torch.float),
                            step_ids, norm_by_std, eps).tolist()
-    advantages, start = [], 0
-    for outcome, values in zip(outcome_advantages.tolist(), returns):
-        own, start = step[start:start + len(values)], start + len(values)
-        advantages.append([outcome + weight * value for value in own])
-    return advantages
+    return _plus_outcome(outcome_advantages, _per_trajectory(step, [len(values) for values in returns]), weight)
+
+
+def _per_trajectory(flat: list[float], lengths: Sequence[int]) -> list[list[float]]:
+    """`flat` (every trajectory's turns, in order) cut back into one list per trajectory of `lengths`."""
+    starts = [0, *itertools.accumulate(lengths)]
+    return [flat[start:end] for start, end in zip(starts, starts[1:])]
+
+
+def _plus_outcome(outcome_advantages: torch.Tensor, per_turn: list[list[float]], weight: float) -> list[list[float]]:
+    """Each turn's advantage: its trajectory's outcome advantage plus `weight` times the turn's own term."""
+    return [[outcome + weight * value for value in values]
+            for outcome, values in zip(outcome_advantages.tolist(), per_turn)]
