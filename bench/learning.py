@@ -41,16 +41,20 @@ evals' trajectories that folded.
 --model smollm2: the toy pipeline from a real pretrained model, SmolLM2-135M-Instruct (`rlsearch make-real-model`,
 built once into outputs/assets), on the toy corpus as it is: invented multi-word names, two look-alike passages per
 question entity, 500 questions of which 250 held out (`make-toy-data --num-entities 500 --test-fraction 0.5`), one
-demonstration per train question in the short prompt, half of them flawed. Its stages: prompted (the model as it
-is, with the prompt), sft and grpo as examples/configs/sft_smollm2.yaml and search_grpo_smollm2.yaml set them (their
+demonstration per train question in the short prompt, half of them flawed. Its stages: prompted (the model as it is,
+with the prompt), sft and grpo as examples/configs/sft_smollm2.yaml and search_grpo_smollm2.yaml set them (their
 settings are its defaults), each scored by `rlsearch eval` at the rollout temperature (mean@k over the config's
 eval.n_samples) with the share of its answers given without any search. GRPO keeps a checkpoint every
-GRPO_SAVE_INTERVAL steps, from which a stopped bench resumes (an eval resumes from its last finished batch; an SFT
-stopped half-way runs again), and its last checkpoint is converted (`rlsearch convert mcore-to-hf`) and scored as the
-others are. One seed and no ablation by default. Each stage's line gives its wall time, CPU-seconds and load.
+GRPO_SAVE_INTERVAL steps, from which a stopped bench resumes (an eval resumes from its last finished batch, an SFT
+from its newest checkpoint: SFT_CHECKPOINTS a run), and its last checkpoint is converted (`rlsearch convert
+mcore-to-hf`) and scored as the others are. One seed and no ablation by default. With --task multihop: 400 chains of
+2 and 3 hops (200 held out) over invented names with a look-alike passage per chain entity, append in a 1,024-token
+window, fold in a 320-token one that a 3-hop trajectory (~360 tokens) overflows (SMOLLM2_TASK_OPTIONS,
+SMOLLM2_CONTEXT_OPTIONS). Each stage's line gives its wall time, CPU-seconds and load.
 
   .venv/bin/python bench/learning.py                                   # 3 seeds (outside CI: ~45 min a seed on 2 cores)
   .venv/bin/python bench/learning.py --model smollm2                  # a real model (outputs/bench/learning-smollm2)
+  .venv/bin/python bench/learning.py --model smollm2 --task multihop --context append   # (learning-smollm2-multihop)
   .venv/bin/python bench/learning.py --seeds 1 --sft-steps 5 --grpo-steps 2 --num-entities 100   # mechanics only
   .venv/bin/python bench/learning.py --seeds 1 --grpo-override algo.num_minibatches=2 --out outputs/bench/learning-mb2
   .venv/bin/python bench/learning.py --task multihop --context append  # 3 seeds, k = 3, 4 (learning-multihop)
@@ -80,11 +84,15 @@ from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, pa
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-# --task multihop: the prompt limit (the short prompt with a 4-hop question is ~45 tokens; rollout.manage_context_at
-# must lie above it) and the response budget over every segment (a fold adds its instruction and summary)
-MULTIHOP_PROMPT_TOKENS, MULTIHOP_RESPONSE_TOKENS = 96, 512
+# --task multihop: the prompt limit (the short prompt with a 4-hop question is ~45 Qwen tokens, a 3-hop one ~69 of
+# SmolLM2's with its system turn; rollout.manage_context_at must lie above it) and the response budget over every
+# segment (a fold adds its instruction and summary)
+MULTIHOP_PROMPT_TOKENS = {"random": 96, "smollm2": 128}
+MULTIHOP_RESPONSE_TOKENS = 512
 # --model smollm2: GRPO checkpoints every this many steps (a stopped bench resumes from the newest), keeping one
 GRPO_SAVE_INTERVAL = 5
+# SFT checkpoints this many times a run (every 1/4 of its steps; the newest kept), from which a stopped bench resumes
+SFT_CHECKPOINTS = 4
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,9 @@ SMOLLM2_DIR = REPO / "outputs" / "assets" / "smollm2-135m-instruct"  # `rlsearch
 # SmolLM2 on a CPU reads its 0.5 GB of weights whatever the batch, so 128 trajectories a batch (~1 GiB of KV cache)
 # and not eval_search.yaml's 32
 MODEL_EVAL_SETTINGS = {"random": (), "smollm2": ("eval.batch_size=128", "rollout.kv_cache_gib=1.0")}
+# --task multihop's trajectories are 2-3x a 1-hop one's (a 3-hop trajectory of SmolLM2 is ~360 tokens): 128 of them
+# at once take ~2 GiB of float32 KV cache
+MULTIHOP_EVAL_SETTINGS = {"random": (), "smollm2": ("rollout.kv_cache_gib=2.0",)}
 
 
 def _rlsearch(log: Path, *arguments: str) -> None:
@@ -191,7 +202,7 @@ def _context(args: argparse.Namespace) -> list[str]:
     return [
         f"rollout.context={args.context}", f"rollout.context_window={args.context_window}",
         f"rollout.manage_context_at={args.manage_context_at}", f"rollout.summary_tokens={args.summary_tokens}",
-        f"rollout.max_prompt_tokens={MULTIHOP_PROMPT_TOKENS}",
+        f"rollout.max_prompt_tokens={MULTIHOP_PROMPT_TOKENS[args.model]}",
         f"rollout.max_response_tokens={MULTIHOP_RESPONSE_TOKENS}",
     ]
 
@@ -209,7 +220,8 @@ def _evaluate(model: Path, data: Path, out: Path, args: argparse.Namespace) -> f
     if (reused := _reused_em(out / "summary.json", "eval")) is not None:
         return reused
     _rlsearch(out.with_suffix(".log"), "eval", "--config", "examples/configs/eval_search.yaml",
-              f"model.path={model}", f"output_dir={out}", *_common(data, args), *MODEL_EVAL_SETTINGS[args.model])
+              f"model.path={model}", f"output_dir={out}", *_common(data, args), *MODEL_EVAL_SETTINGS[args.model],
+              *(MULTIHOP_EVAL_SETTINGS[args.model] if args.task == "multihop" else ()))
     return _em(out / "summary.json")
 
 
@@ -288,8 +300,9 @@ def _make_data(data: Path, work: Path, seed: int, args: argparse.Namespace) -> N
               "--demo-corpora", str(args.demo_corpora), "--flawed-fraction", str(args.flawed_fraction),
               "--demo-topk", str(args.topk), "--prompt-file", args.prompt_file]
     if args.task == "multihop":
-        task = ["--task", "multihop", "--learnable", "--hops", ",".join(map(str, args.hops)),
-                "--num-chains", str(args.num_chains), "--distractors-per-entity", "0"]
+        task = ["--task", "multihop", "--hops", ",".join(map(str, args.hops)), "--num-chains", str(args.num_chains)]
+        if args.model == "random":  # single-token names, no look-alike passages: a copy a tiny model can learn
+            task += ["--learnable", "--distractors-per-entity", "0"]
     elif args.model == "random":
         task = ["--learnable", "--name-pool", str(args.name_pool), "--answer-pool", str(args.answer_pool),
                 "--num-entities", str(args.num_entities), "--distractors-per-entity", "0"]
@@ -331,15 +344,14 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str,
         evals[first] = work / f"eval-{first}{runs}"
         ems[first] = _evaluate(model, data, evals[first], args)
     sft = work / "sft"
-    if not (sft / "hf" / "config.json").is_file():
-        if sft.exists():
-            shutil.rmtree(sft)  # an SFT stopped half-way left no model (it keeps no checkpoints): it runs again
+    if not (sft / "hf" / "config.json").is_file():  # an SFT stopped half-way continues from its newest checkpoint
         _rlsearch(work / "sft.log", "sft", "--config", MODELS[args.model].sft_config, f"model.path={model}",
                   f"data.train_files=[{data / 'sft.jsonl'}]", f"data.max_steps={args.sft_steps}",
-                  f"actor.lr={args.sft_lr}", f"output_dir={sft}", f"seed={seed}")
+                  f"actor.lr={args.sft_lr}", f"output_dir={sft}", f"seed={seed}",
+                  f"save_interval={max(1, args.sft_steps // SFT_CHECKPOINTS)}", "resume=auto")
     ems["sft"] = _evaluate(sft / "hf", data, evals["sft"], args)
     if args.model == "smollm2":
-        evals["grpo"] = _grpo_resumable(sft / "hf", data, work / "grpo", seed, args)
+        evals["grpo"] = _grpo_resumable(sft / "hf", data, work / f"grpo{runs}", seed, args)
         ems["grpo"] = _em(evals["grpo"] / "summary.json")
     else:
         ems["grpo"] = _grpo(sft / "hf", data, work / f"grpo{runs}", seed, args)
@@ -363,7 +375,7 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str,
         for hops, em in _hop_ems(eval_dir / "summary.json").items():
             per_hop.setdefault(hops, {})[stage] = em
     for hops, hop_ems in per_hop.items():
-        hop_ems = per_hop[hops] = {"random": float("nan"), **hop_ems}
+        hop_ems = per_hop[hops] = {first: float("nan"), **hop_ems}
         hop_ems["grpo-sft"] = hop_ems["grpo"] - hop_ems["sft"]
         print(f"seed {seed}, {hops} hops: " + ", ".join(f"{key} EM {value:.3f}" for key, value in hop_ems.items()),
               flush=True)
@@ -406,19 +418,16 @@ def _smollm2_options() -> dict:
     grpo = load_config(TrainConfig, REPO / MODELS["smollm2"].grpo_config)
     sft = load_config(SFTConfig, REPO / MODELS["smollm2"].sft_config)
     return dict(
-        seeds=1, demo_corpora=0, num_entities=500, prompt_file=grpo.rollout.prompt_file,
-        topk=grpo.tools.retriever.topk, max_turns=grpo.rollout.max_turns,
+        seeds=1, demo_corpora=0, prompt_file=grpo.rollout.prompt_file,
+        topk=grpo.tools.retriever.topk,
         max_tokens_per_turn=grpo.rollout.max_tokens_per_turn, sft_steps=sft.data.max_steps, sft_lr=sft.actor.lr,
         grpo_steps=grpo.trainer.total_steps, grpo_lr=grpo.actor.lr, batch_size=grpo.data.batch_size,
-        group_size=grpo.rollout.group_size, eval_samples=grpo.eval.n_samples, ablation=False,
-        out="outputs/bench/learning-smollm2")
+        group_size=grpo.rollout.group_size, eval_samples=grpo.eval.n_samples, ablation=False)
 
 
 def _model_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Fill in the options --model decides; an option of the random-init model's task is an error with smollm2."""
     if args.model == "smollm2":
-        if args.task != "toy":
-            parser.error("--model smollm2 runs --task toy only")
         given = [f"--{name.replace('_', '-')}" for name in RANDOM_MODEL_ONLY if getattr(args, name) is not None]
         if given:
             parser.error(f"{', '.join(given)}: options of --model random only (smollm2 answers on the toy corpus "
@@ -433,6 +442,14 @@ def _model_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 TOY_OPTIONS = {"name_pool": 1000, "answer_pool": 0, "num_entities": 330}
 MULTIHOP_OPTIONS = {"hops": "3,4", "num_chains": 330, "context": "append", "context_window": 256,
                     "manage_context_at": 140, "summary_tokens": 32}
+# --model smollm2: 250 held-out questions of the toy corpus as it is; multihop: 2 and 3 hops, 200 held out, one look-
+# alike passage per chain entity. A 2-hop trajectory is ~250 of SmolLM2's tokens, a 3-hop one ~360 (~110 a hop):
+# append gets a roomy 1,024-token window; fold a 320-token one that a 3-hop trajectory overflows, folding at 230
+# tokens (after the second hop) into a summary of at most 48
+SMOLLM2_TASK_OPTIONS = {"toy": {"num_entities": 500, "max_turns": 3},
+                        "multihop": {"hops": "2,3", "num_chains": 400, "summary_tokens": 48}}
+SMOLLM2_CONTEXT_OPTIONS = {"append": {"context_window": 1024, "manage_context_at": 768},
+                           "fold": {"context_window": 320, "manage_context_at": 230}}
 
 
 def _task_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
@@ -442,12 +459,16 @@ def _task_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     given = [f"--{name.replace('_', '-')}" for name in other if getattr(args, name) is not None]
     if given:
         parser.error(f"{', '.join(given)}: not an option of --task {args.task}")
+    if args.model == "smollm2":
+        own = {**own, **SMOLLM2_TASK_OPTIONS[args.task]}
+        if args.task == "multihop":
+            own = {**own, **SMOLLM2_CONTEXT_OPTIONS[args.context or own["context"]]}
     for name, default in own.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
     if args.task == "toy":
         args.max_turns = 3 if args.max_turns is None else args.max_turns
-        args.out = args.out or "outputs/bench/learning"
+        args.out = args.out or f"outputs/bench/learning{'-smollm2' if args.model == 'smollm2' else ''}"
         return args
     from rlsearch.data.multihop import parse_hops
 
@@ -458,7 +479,7 @@ def _task_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if not args.hops:
         parser.error("--hops: give at least one hop count")
     args.max_turns = max(args.hops) + 1 if args.max_turns is None else args.max_turns  # k searches, then the answer
-    args.out = args.out or "outputs/bench/learning-multihop"
+    args.out = args.out or f"outputs/bench/learning{'-smollm2' if args.model == 'smollm2' else ''}-multihop"
     return args
 
 
@@ -481,9 +502,9 @@ def main() -> None:
                         help="toy: questions (half train, half test; default random 330, smollm2 500); each takes 3 "
                         "names of the pool (1 with --answer-pool)")
     parser.add_argument("--hops", default=None, metavar="K,K,...",
-                        help="multihop: the questions' hop counts, spread evenly (default 3,4)")
+                        help="multihop: the questions' hop counts, spread evenly (default 3,4; smollm2 2,3)")
     parser.add_argument("--num-chains", type=int, default=None,
-                        help="multihop: questions, one per chain (half train, half test; default 330)")
+                        help="multihop: questions, one per chain (half train, half test; default 330, smollm2 400)")
     parser.add_argument("--context", choices=("append", "fold"), default=None,
                         help="multihop: rollout.context of every eval and GRPO run (default append)")
     parser.add_argument("--context-window", type=int, default=None,
@@ -540,7 +561,7 @@ def main() -> None:
     for hops in seeds[0][1]:
         print(f"\n{hops} hops")
         hop_means = _print_table([per_hop[hops] for _, per_hop in seeds])
-        print(f"{hops} hops: EM random {hop_means['random']:.3f}, SFT {hop_means['sft']:.3f}, "
+        print(f"{hops} hops: EM {first} {hop_means[first]:.3f}, SFT {hop_means['sft']:.3f}, "
               f"GRPO {hop_means['grpo']:.3f}")
 
 

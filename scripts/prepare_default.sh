@@ -53,7 +53,7 @@ fi
 # SmolLM2's SFT warm start (examples/configs/sft_smollm2.yaml), once
 if [[ "$ASKED" == *"$SMOLLM2_SFT/"* && ! -f "$SMOLLM2_SFT/hf/config.json" ]]; then
   echo "[rlsearch] warm start: SFT of SmolLM2-135M-Instruct on the toy demonstrations (once, into $SMOLLM2_SFT) ..."
-  rm -rf "$SMOLLM2_SFT"  # a run stopped half-way left no model: start it again
+  mkdir -p "$SMOLLM2_SFT"  # a run stopped half-way continues from its newest checkpoint (save_interval)
   quietly "$SMOLLM2_SFT/sft.log" "$PY" -m rlsearch sft --config examples/configs/sft_smollm2.yaml \
     output_dir="$SMOLLM2_SFT"
   grep "^rlsearch sft:" "$SMOLLM2_SFT/sft.log" | sed 's/^rlsearch sft:/[rlsearch] warm start:/'

@@ -99,6 +99,12 @@ class ActorConfig:
         """Megatron ranks: tp x pp x cp x dp."""
         return self.tp * self.pp * self.cp * self.dp
 
+    @property
+    def layout(self) -> dict[str, int]:
+        """The parallel layout a run checkpoint records (a resume into another one reshards)."""
+        return {"tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp, "ep": self.ep,
+                "virtual_pipeline_stages": self.virtual_pipeline_stages}
+
 
 @dataclass
 class AlgoConfig:
@@ -647,5 +653,11 @@ class SFTConfig:
     # HF model dir at output_dir/hf (model.path for `rlsearch train`), TensorBoard logs and curves.png
     output_dir: str = "outputs/sft_tiny"
     seed: int = 1  # data order
+    # a checkpoint (weights, Adam's state, the data position) every N steps under output_dir/checkpoints, only the
+    # newest kept; 0: none (a stopped run starts over)
+    save_interval: int = 0
+    # auto: continue from the newest complete checkpoint under output_dir/checkpoints (from the start when there is
+    # none) to the weights the uninterrupted run ends with; none: always start from model.path
+    resume: str = "auto"
     log_interval: int = 10  # print a progress line every N steps (every step goes to TensorBoard)
     ray_address: str = ""  # empty: start a local Ray instance on 127.0.0.1

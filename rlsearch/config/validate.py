@@ -426,6 +426,10 @@ def validate_sft_config(config: SFTConfig) -> SFTConfig:
     for key in ("data.max_tokens", "log_interval"):
         if _get(config, key) <= 0:
             raise ConfigError(f"'{key}' must be > 0; got {_get(config, key)!r}")
+    if config.save_interval < 0:
+        raise ConfigError(f"'save_interval' must be >= 0 (0: no checkpoints); got {config.save_interval!r}")
+    if config.resume not in ("auto", "none"):
+        raise ConfigError(f"'resume' must be auto or none; got {config.resume!r}")
     if config.actor.max_tokens_per_microbatch < config.data.max_tokens:
         raise ConfigError(
             f"'actor.max_tokens_per_microbatch' ({config.actor.max_tokens_per_microbatch}) must hold the longest row: "

@@ -315,7 +315,7 @@ class GRPOTrainer:
         policy version `version`, default the current one); the step counter, data order and sampling seeds
         continue where the checkpoint left them."""
         # checkpoints from before actor.cp and actor.ep had no "cp" and "ep"
-        same_layout = {"cp": 1, "ep": 1, **point.layout} == self._layout()
+        same_layout = {"cp": 1, "ep": 1, **point.layout} == self.config.actor.layout
         self.parts.actor.load_checkpoint(str(point.path / MODEL_DIR), restore_rng=same_layout)
         self._rewind_progress(point.step, point.sampler)
         self.progress.weights_updated = True
@@ -337,13 +337,6 @@ class GRPOTrainer:
         self.progress.trained_sampler_state = self.progress.good_sampler_state = sampler
         self.skip_guard = SkipGuard(self.config.trainer.max_consecutive_skips)
         self.skip_guard.last_good_step = step
-
-    def _layout(self) -> dict[str, int]:
-        actor = self.config.actor
-        return {
-            "tp": actor.tp, "pp": actor.pp, "cp": actor.cp, "dp": actor.dp, "ep": actor.ep,
-            "virtual_pipeline_stages": actor.virtual_pipeline_stages,
-        }
 
     def close(self, graceful: bool = True) -> None:
         self.parts.stop(graceful)
@@ -798,7 +791,7 @@ class GRPOTrainer:
         }
         architecture = json.loads((Path(config.model.path) / "config.json").read_text()).get("model_type")
         info = {
-            "layout": self._layout(), "architecture": architecture, "dtype": config.model.dtype,
+            "layout": self.config.actor.layout, "architecture": architecture, "dtype": config.model.dtype,
             "transformer_impl": self.parts.actor.infos[0].transformer_impl,
             "contents": ["model", "optimizer", "scheduler", "rng"],
         }

@@ -1,7 +1,10 @@
 """Supervised warm start on the Megatron actor: chat trajectories in, an HF model dir out (model.path for GRPO).
 
 The same actor group, model code and packed micro-batches as GRPO training; the loss is the mean negative
-log-likelihood of the assistant tokens (tool tokens are context only), token-weighted over each batch.
+log-likelihood of the assistant tokens (tool tokens are context only), token-weighted over each batch. With
+save_interval, run checkpoints (weights, Adam's state, RNG, data position) go under output_dir/checkpoints as GRPO's
+do, and a run started again on the same output_dir (resume=auto) continues from the newest to the weights of the run
+that was never stopped.
 """
 
 from __future__ import annotations
@@ -9,12 +12,14 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from ..actor import MODEL_DISTRIBUTION, ActorRanks, ActorWorkerSpec, TrainSample
 from ..algo import loss_token_weights
-from ..checkpoint import write_hf_model
+from ..checkpoint import CheckpointError, CheckpointStore, load_run_checkpoint, write_hf_model
+from ..checkpoint.layout import MODEL_DIR
 from ..config import (
     AlgoConfig,
     ConfigError,
@@ -28,7 +33,7 @@ from ..config import (
 from ..data.chat import ChatExample, load_chat_dataset
 from ..ray_setup import cluster_has_gpus, init_ray
 from ..runlog import RunLogger, plot_run
-from .sampler import EpochSampler
+from .sampler import EpochSampler, SamplerState
 
 HF_OUTPUT = "hf"
 
@@ -43,11 +48,13 @@ class SFTSummary:
     seconds: float
     first_loss: float
     last_loss: float
+    resumed_step: int = 0
 
     def render(self) -> str:
+        resumed = f" (resumed after step {self.resumed_step})" if self.resumed_step else ""
         lines = [
             "",
-            f"rlsearch sft: {self.steps} steps over {self.examples} examples in {self.seconds:.0f} s, "
+            f"rlsearch sft: {self.steps} steps over {self.examples} examples in {self.seconds:.0f} s{resumed}, "
             f"loss {self.first_loss:.3f} -> {self.last_loss:.3f}",
             f"  model            : {self.model_dir}   (train from it: model.path={self.model_dir})",
         ]
@@ -76,6 +83,37 @@ def _train_samples(examples: list[ChatExample]) -> list[TrainSample]:
     ]
 
 
+def _schedule(config: SFTConfig, total_steps: int) -> dict[str, Any]:
+    """What a resumed run must share with the run that saved the checkpoint for the two to end with the same
+    weights: the data, its order and the learning-rate schedule."""
+    return {"train_files": [str(Path(path).resolve()) for path in config.data.train_files],
+            "batch_size": config.data.batch_size, "shuffle": config.data.shuffle, "seed": config.seed,
+            "total_steps": total_steps, "lr": config.actor.lr, "model": str(Path(config.model.path).resolve())}
+
+
+def _checkpoint_to_resume(config: SFTConfig, store: CheckpointStore, schedule: dict) -> tuple[Path, dict] | None:
+    """The newest complete checkpoint of this run (resume=auto), or None; a checkpoint of another schedule is
+    refused naming the setting that differs."""
+    if config.resume == "none":
+        return None
+    path, skipped = store.newest_complete()
+    for warning in skipped:
+        print(f"[rlsearch sft] {warning}", flush=True)
+    if path is None:
+        return None
+    try:
+        manifest, state = load_run_checkpoint(path)
+    except CheckpointError as error:
+        raise ConfigError(f"'resume' auto: {error}") from error
+    saved = state.get("schedule", {})
+    changed = [key for key in schedule if saved.get(key) != schedule[key]]
+    if changed:
+        differences = ", ".join(f"{key} {saved.get(key)!r} there, {schedule[key]!r} here" for key in changed)
+        raise ConfigError(f"the checkpoint {path} is of another SFT run ({differences}); resume with the same "
+                          "settings, or start over with resume=none or another output_dir")
+    return path, {**state, "layout": manifest["layout"]}
+
+
 def run_sft(config: SFTConfig) -> SFTSummary:
     """Train, then write the model to output_dir/hf. Refuses an output_dir that already holds a trained model."""
     started = time.perf_counter()
@@ -89,6 +127,9 @@ def run_sft(config: SFTConfig) -> SFTSummary:
     data = config.data
     steps_per_epoch = math.ceil(len(examples) / data.batch_size)
     total_steps = data.max_steps or steps_per_epoch * data.epochs
+    store = CheckpointStore(output_dir, keep=1)
+    schedule = _schedule(config, total_steps)
+    resume = _checkpoint_to_resume(config, store, schedule)  # a checkpoint of another run stops it before Ray starts
     output_dir.mkdir(parents=True, exist_ok=True)
     world = config.actor.world_size
     init_ray(config.ray_address, num_cpus=world)
@@ -101,27 +142,42 @@ def run_sft(config: SFTConfig) -> SFTSummary:
         sampling=MODEL_DISTRIBUTION, total_steps=total_steps, seed=config.seed,
     )
     actor = ActorRanks(spec, num_gpus_per_rank=1 if has_gpus else 0)
-    logger = RunLogger(output_dir, log_trajectories=False)
     sampler = EpochSampler(examples, seed=config.seed, shuffle=data.shuffle)
-    losses: list[float] = []
+    resumed_step, first_loss = 0, float("nan")
+    if resume is not None:
+        path, state = resume
+        actor.load_checkpoint(str(path / MODEL_DIR), restore_rng=state["layout"] == config.actor.layout)
+        sampler.restore(SamplerState(**state["sampler"]))
+        resumed_step, first_loss = state["step"], state["first_loss"]
+        print(f"[rlsearch sft] resumed from {path} after step {resumed_step}", flush=True)
+    logger = RunLogger(output_dir, log_trajectories=False, resumed_step=resumed_step)
     print(f"[rlsearch sft] {len(examples)} examples, batch {data.batch_size}, {total_steps} steps "
           f"({total_steps / steps_per_epoch:.1f} epochs)", flush=True)
+    loss = first_loss
     try:
-        for step in range(1, total_steps + 1):
+        for step in range(resumed_step + 1, total_steps + 1):
             metrics = actor.sft_step(_train_samples(sampler.next_batch(data.batch_size)))
             metrics["sft/epoch"] = sampler.state.epoch + sampler.state.position / len(examples)
-            losses.append(metrics["sft/loss"])
+            loss = metrics["sft/loss"]
+            first_loss = loss if step == 1 else first_loss
             logger.log_metrics(step, metrics)
             if step % config.log_interval == 0 or step == total_steps:
                 elapsed = time.perf_counter() - started
-                print(f"[rlsearch sft] step {step}/{total_steps} | loss {metrics['sft/loss']:.4f} | "
+                print(f"[rlsearch sft] step {step}/{total_steps} | loss {loss:.4f} | "
                       f"grad norm {metrics['actor/grad_norm']:.3f} | epoch {metrics['sft/epoch']:.2f} | "
                       f"{elapsed:.0f} s", flush=True)
+            if config.save_interval and step % config.save_interval == 0 and step < total_steps:
+                state = {"sampler": asdict(sampler.state), "schedule": schedule, "first_loss": first_loss}
+                saved = store.save(step, actor.save_checkpoint, state, config.model.path,
+                                   {"layout": config.actor.layout, "contents": ["model", "optimizer", "scheduler",
+                                                                               "rng"]})
+                print(f"[rlsearch sft] checkpoint saved: {saved}", flush=True)
         written = write_hf_model(actor.hf_state_dict().items(), model_dir, config.model.path)
     finally:
         actor.shutdown()
         logger.close()
     return SFTSummary(
         model_dir=written, tensorboard_dir=logger.tensorboard_dir, curves=plot_run(output_dir), steps=total_steps,
-        examples=len(examples), seconds=time.perf_counter() - started, first_loss=losses[0], last_loss=losses[-1],
+        examples=len(examples), seconds=time.perf_counter() - started, first_loss=first_loss, last_loss=loss,
+        resumed_step=resumed_step,
     )

@@ -13,10 +13,11 @@ import pytest
 
 from tests.constants import REPO_ROOT
 
-# benches that a test of their own runs and reads: memory.py's smoke run, and default_run.py over the README's default
-# run (one seed: conftest's `default_run`, read by tests/e2e/test_train_e2e.py); readme_check.py is default_run.py's
-# --check-readme, a module without a run of its own
+# benches that a test of their own runs and reads: memory.py's smoke run, learning.py's (killed, continued, reused),
+# and default_run.py over the README's default run (one seed: conftest's `default_run`, read by
+# tests/e2e/test_train_e2e.py); readme_check.py is default_run.py's --check-readme, a module without a run of its own
 OWN_SMOKE_TEST = {"memory.py": "tests/integration/test_bench_memory_smoke.py", "default_run.py": "tests/conftest.py",
+                  "learning.py": "tests/integration/test_learning_resume.py",
                   "readme_check.py": "tests/unit/test_readme_check.py"}
 BENCHES = sorted(path.name for path in (REPO_ROOT / "bench").glob("*.py")
                  if path.name != "common.py" and path.name not in OWN_SMOKE_TEST)
