@@ -20,6 +20,8 @@ The last line is the figure: Megatron tokens/s / HF tokens/s (goal >= 1.0).
   .venv/bin/python bench/train_step.py --layers 2 --sequences 8 --steps 2   # quick run
   .venv/bin/python bench/train_step.py --dtype bfloat16         # on a GPU (HF side: fp32 weights + bf16 autocast)
   .venv/bin/python bench/train_step.py --architecture qwen3_moe --hidden 256 --ep 1,2   # MoE: Megatron at EP1, EP2
+  .venv/bin/python bench/train_step.py --model outputs/assets/smollm2-135m-instruct --sequences 32 \
+      --min-len 150 --max-len 360   # a real model (`rlsearch make-real-model`), a GRPO step of SmolLM2's config
 
 With --ep, one Megatron actor per expert-parallel size k runs beside the HF trainer: k data-parallel ranks, each with
 its share of the batch and 1/k of every MoE layer's experts (threads split over the ranks), and each gets its ratio.
@@ -28,6 +30,7 @@ its share of the batch and 1/k of every MoE layer's experts (threads split over 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -215,6 +218,9 @@ class HFTrainer:
 # ---- driver -------------------------------------------------------------------------------------------------------
 
 def build_model(args: argparse.Namespace) -> Path:
+    """--model's HF dir, or a random-init model of the model options (built once into --out)."""
+    if args.model:
+        return Path(args.model)
     from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
 
     spec = TinyModelSpec(
@@ -232,6 +238,14 @@ def build_model(args: argparse.Namespace) -> Path:
         print(f"building a random Qwen2 in {path} ...", flush=True)
         make_tiny_model(path, spec)
     return path
+
+
+def describe_model(model_path: Path, args: argparse.Namespace) -> str:
+    config = json.loads((model_path / "config.json").read_text())
+    experts = f", {args.experts} experts top-2" if config["model_type"] != "qwen2" and not args.model else ""
+    return (f"{config['model_type']} hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
+            f"{config['num_attention_heads']} heads ({config['num_key_value_heads']} kv){experts}, vocabulary "
+            f"{config['vocab_size']:,}")
 
 
 def count_params(model_path: Path) -> int:
@@ -252,6 +266,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model (random-init, the real Qwen vocabulary of 151,680 rows unless "
                                       "--vocab-ranks)")
+    model.add_argument("--model", default="", metavar="DIR",
+                       help="a HuggingFace model dir to time instead of a random-init one (its vocabulary; the "
+                            "other model options are ignored), e.g. outputs/assets/smollm2-135m-instruct")
     model.add_argument("--architecture", choices=("qwen2", "qwen3_moe", "qwen2_moe"), default="qwen2")
     model.add_argument("--experts", type=int, default=8, help="MoE: routed experts per layer (top-2)")
     model.add_argument("--hidden", type=int, default=512, help="hidden size")
@@ -300,15 +317,15 @@ def main() -> None:
     from rlsearch.trainer import init_ray
 
     model_path = build_model(args)
-    samples = make_samples(args.sequences, args.min_len, args.max_len, args.seed, args.vocab_ranks)
+    vocabulary = json.loads((model_path / "config.json").read_text())["vocab_size"] if args.model else 0
+    samples = make_samples(args.sequences, args.min_len, args.max_len, args.seed, vocabulary or args.vocab_ranks)
     lengths = [len(s.token_ids) for s in samples]
     tokens = sum(lengths)
     response = sum(s.response_len for s in samples)
     trained = sum(sum(s.loss_mask) for s in samples)
     num_packed = len(pack_indices(lengths, args.max_tokens_per_microbatch, 1))
     print(
-        f"model: {args.architecture} hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
-        f"({args.kv_heads} kv){f', {args.experts} experts top-2' if args.architecture != 'qwen2' else ''}, "
+        f"model: {describe_model(model_path, args)}, "
         f"{count_params(model_path) / 1e6:.0f}M parameters, {args.dtype}, on {'cuda' if on_gpu else 'cpu'}, "
         f"{threads} torch threads per side; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
         flush=True,
@@ -319,7 +336,7 @@ def main() -> None:
     )
 
     expert_parallel = [int(k) for k in args.ep.split(",")]
-    if args.architecture == "qwen2" and expert_parallel != [1]:
+    if (args.model or args.architecture == "qwen2") and expert_parallel != [1]:
         parser.error("--ep needs an MoE --architecture")
     init_ray(num_cpus=max(4, 1 + sum(expert_parallel)))
     gpu_share = 0.5 if on_gpu else 0.0
