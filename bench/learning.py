@@ -333,6 +333,7 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str,
     data = work / args.task
     # multihop: data, random model and SFT model are shared by the contexts; evals and GRPO runs are per context
     runs = f"-{args.context}" if args.task == "multihop" else ""
+    grpo = work / f"grpo{runs}{f'-{args.grpo_name}' if args.grpo_name else ''}"  # --grpo-name: beside the others
     print(f"seed {seed}: {work}", flush=True)
     if not (data / "sft.jsonl").is_file():
         _make_data(data, work, seed, args)
@@ -351,11 +352,11 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str,
                   f"save_interval={max(1, args.sft_steps // SFT_CHECKPOINTS)}", "resume=auto")
     ems["sft"] = _evaluate(sft / "hf", data, evals["sft"], args)
     if args.model == "smollm2":
-        evals["grpo"] = _grpo_resumable(sft / "hf", data, work / f"grpo{runs}", seed, args)
+        evals["grpo"] = _grpo_resumable(sft / "hf", data, grpo, seed, args)
         ems["grpo"] = _em(evals["grpo"] / "summary.json")
     else:
-        ems["grpo"] = _grpo(sft / "hf", data, work / f"grpo{runs}", seed, args)
-        evals["grpo"] = _final_eval(work / f"grpo{runs}", args)
+        ems["grpo"] = _grpo(sft / "hf", data, grpo, seed, args)
+        evals["grpo"] = _final_eval(grpo, args)
     if args.ablation:
         ems["grpo_unmasked"] = _grpo(sft / "hf", data, work / f"grpo-unmasked{runs}", seed, args,
                                      "algo.mask_observations=false")
@@ -533,6 +534,9 @@ def main() -> None:
                         help="samples per test question (mean@k is the EM; default random 4, smollm2 its config's)")
     parser.add_argument("--grpo-override", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra override of the GRPO runs, e.g. algo.num_minibatches=2 (repeatable)")
+    parser.add_argument("--grpo-name", default="", metavar="NAME",
+                        help="the GRPO run's dir is grpo[-CONTEXT]-NAME: a run with other --grpo-override settings "
+                        "beside the default one, from the same SFT model and paired with the same SFT eval")
     parser.add_argument("--no-ablation", dest="ablation", action="store_false", default=None,
                         help="skip the GRPO run without observation masking (smollm2 never runs it)")
     parser.add_argument("--no-random-eval", dest="random_eval", action="store_false",
