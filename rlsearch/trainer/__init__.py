@@ -2,8 +2,9 @@
 
 from ..ray_setup import init_ray
 from ..runlog import RunSummary
-from .grpo import GRPOTrainer, WorkerDiedError
+from .grpo import GRPOTrainer
 from .mismatch_gate import RolloutMismatchError
+from .recovery import WorkerDiedError
 from .sampler import EpochSampler, SamplerState
 from .sft import SFTSummary, run_sft
 from .skip_guard import NonFiniteStepsError
