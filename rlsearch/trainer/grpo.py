@@ -236,7 +236,7 @@ class GRPOTrainer:
             reward_stats = self._score(trajectories, rollout.examples)
 
         # 3. algo: the groups to train (algo.filter_groups, data.batch_size), advantages (algo.advantage), token weights
-        with timed(timings, "time/reward_s"):
+        with timed(timings, "time/algo_s"):
             batch = select_groups(trajectories, self.config.algo, self.config.data.batch_size)
             samples = self._samples_to_train(rollout.step, trajectories, batch)
 
