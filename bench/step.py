@@ -35,6 +35,7 @@ PHASES = (
     ("generate/traj", "time/generate_s_mean"),
     ("tool wait/traj", "time/tool_wait_s_mean"),
     ("reward", "time/reward_s"),
+    ("algo", "time/algo_s"),
     ("ref logprobs", "time/ref_logprob_s"),
     ("train", "time/train_s"),
     ("sync", "time/sync_s"),

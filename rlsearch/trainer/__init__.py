@@ -1,8 +1,10 @@
 """The trainer composes actor, rollout, bridge, tools, reward and algo into the GRPO loop."""
 
 from ..ray_setup import init_ray
-from .grpo import GRPOTrainer, RunSummary, WorkerDiedError
+from ..runlog import RunSummary
+from .grpo import GRPOTrainer
 from .mismatch_gate import RolloutMismatchError
+from .recovery import WorkerDiedError
 from .sampler import EpochSampler, SamplerState
 from .sft import SFTSummary, run_sft
 from .skip_guard import NonFiniteStepsError

@@ -40,7 +40,7 @@ class RunProgress:
 
 @dataclass
 class RunParts:
-    """What the run started, each part once (`GRPOTrainer._start` fills them in as they start), stopped together."""
+    """What the run started, each part once (`startup.start_run` fills them in as they start), stopped together."""
 
     checkpoints: CheckpointStore
     tool_servers: ToolServers | None = None

@@ -40,12 +40,12 @@ class Started(Exception):
 def nothing_may_start(monkeypatch):
     """Ray, the tool servers and the supervisor's driver raise Started if anything calls them."""
     import rlsearch.supervisor
-    import rlsearch.trainer.grpo
+    import rlsearch.trainer.startup
 
     def started(*_args, **_kwargs):
         raise Started
 
-    for module, name in ((rlsearch.trainer.grpo, "init_ray"), (rlsearch.trainer.grpo, "start_tool_servers"),
+    for module, name in ((rlsearch.trainer.startup, "init_ray"), (rlsearch.trainer.startup, "start_tool_servers"),
                          (rlsearch.supervisor, "supervise_train")):
         monkeypatch.setattr(module, name, started)
 
@@ -220,14 +220,14 @@ def test_a_gpu_host_plans_each_part_of_the_run_where_it_runs(tiny_model_dir, toy
 
 def test_a_cpu_cluster_is_planned_as_cpus_once_ray_has_joined_it(tiny_model_dir, toy_data, tmp_path, driver_host,
                                                                  ray_local, monkeypatch):
-    import rlsearch.trainer.grpo
+    import rlsearch.trainer.startup
     from rlsearch.trainer import GRPOTrainer
 
     def started(*_args, **_kwargs):
         raise Started
 
     for name in ("start_engines", "ActorRanks"):  # the check must stop the run before any of these starts
-        monkeypatch.setattr(rlsearch.trainer.grpo, name, started)
+        monkeypatch.setattr(rlsearch.trainer.startup, name, started)
     address = ray_local.get_runtime_context().gcs_address  # the session's local instance: a CPU cluster
     overrides = [f"model.path={tiny_model_dir}", f"data.train_files=[{toy_data.train}]",
                  f"tools.retriever.corpus={toy_data.corpus}", f"trainer.output_dir={tmp_path / 'run'}",

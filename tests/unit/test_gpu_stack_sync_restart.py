@@ -93,7 +93,7 @@ def test_a_rollout_on_which_every_engine_died_runs_again_on_restarted_synced_eng
     from concurrent.futures import Future
 
     from rlsearch.rollout import NoEngineLeftError
-    from rlsearch.trainer.grpo import PendingRollout
+    from rlsearch.trainer.rollouts import PendingRollout
 
     def future(result=None, error=None) -> Future:
         done = Future()

@@ -133,3 +133,59 @@ def test_the_walk_sees_lazy_and_type_only_imports(tmp_path) -> None:
     assert "rlsearch.megatron.model" in imported  # imported inside functions only
     imported = {target for target, _ in _imports("rlsearch.reward.score")}
     assert "rlsearch.trajectory" in imported  # under TYPE_CHECKING only
+
+
+TRAINER = "rlsearch.trainer"
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_uses(module: str, source: str) -> list[str]:
+    """Where `module` (a module of rlsearch/trainer/, its text `source`) uses a private name of another trainer
+    module: one it imports (`from .grpo import _timed`), or an attribute of a trainer module it imported
+    (`from . import startup` ... `startup._foo`)."""
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    found, imported = [], {}  # imported: local name -> the trainer module it stands for
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                if target in MODULES and target.startswith(f"{TRAINER}."):  # a module: `from . import startup`
+                    imported[alias.asname or alias.name] = target
+                elif base.startswith(TRAINER) and base != module and _is_private(alias.name):
+                    found.append(f"line {node.lineno}: from {base} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(f"{TRAINER}."):  # used as the alias, or by its dotted name
+                    imported[alias.asname or alias.name] = alias.name
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            owner = imported.get(ast.unparse(node.value), module)
+            if owner != module:
+                found.append(f"line {node.lineno}: {owner}.{node.attr}")
+    return found
+
+
+def test_trainer_modules_use_no_private_name_of_another() -> None:
+    """A helper that several trainer modules share is public (trainer/timing.py's `timed`): one module's private
+    names are its own, free to change without reading the others."""
+    uses = [f"{MODULES[module].relative_to(PACKAGE.parent)} {use}"
+            for module in sorted(MODULES) if module.startswith(f"{TRAINER}.")
+            for use in _private_uses(module, MODULES[module].read_text())]
+    assert uses == []
+
+
+def test_the_private_name_check_sees_imports_and_attributes() -> None:
+    """The check's instrument: a private import, and a private attribute of an imported module, are found."""
+    source = ("from .grpo import GRPOTrainer, _timed\nfrom . import startup as boot\nimport rlsearch.trainer.recovery\n"
+              "boot._token_logit_bias(None)\nboot.start_run(None)\nself._own()\n"
+              "rlsearch.trainer.recovery._limit\nrlsearch.trainer.recovery.RestartPolicy\n")
+    assert sorted(_private_uses("rlsearch.trainer.checkpoints", source)) == [
+        "line 1: from rlsearch.trainer.grpo import _timed", "line 4: rlsearch.trainer.startup._token_logit_bias",
+        "line 7: rlsearch.trainer.recovery._limit"]

@@ -1,0 +1,119 @@
+"""A GRPO run's checkpoints: the one a run resumes (trainer.resume: auto, none or a checkpoint dir), refused when it
+was trained with another trainer.seed or the other actor.use_distributed_optimizer; the newest one this process
+saved or resumed from (where dead actor ranks rewind to); a run checkpoint saved with the trainer state and the
+manifest info; and the actor state loaded from one.
+
+It may call the checkpoint store (rlsearch.checkpoint) and the actor ranks' save and load; when to save, and what a
+resume does to the run's progress and the engines' weights, are the trainer's (grpo.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..checkpoint import CheckpointError, CheckpointStore, load_run_checkpoint
+from ..checkpoint.layout import MODEL_DIR
+from ..config import ConfigError, TrainConfig, to_dict
+from .sampler import SamplerState
+
+if TYPE_CHECKING:
+    from ..actor import ActorRanks
+
+
+@dataclass
+class ResumePoint:
+    path: Path
+    layout: dict[str, int]  # the actor layout that saved it
+    step: int
+    sampler: SamplerState
+
+
+def checkpoint_to_resume(config: TrainConfig, store: CheckpointStore) -> ResumePoint | None:
+    """trainer.resume's checkpoint: none, the newest complete one in the store (auto; None when there is none, with
+    a warning per damaged one skipped), or the dir it names (ConfigError when that is no complete run checkpoint)."""
+    resume = config.trainer.resume
+    if resume == "none":
+        return None
+    if resume == "auto":
+        path, skipped = store.newest_complete()
+        for warning in skipped:
+            print(f"[rlsearch] warning: {warning}", flush=True)
+        if path is None:
+            return None
+        manifest, state = load_run_checkpoint(path)
+    else:
+        path = Path(resume)
+        try:
+            manifest, state = load_run_checkpoint(path)
+        except CheckpointError as error:
+            raise ConfigError(f"'trainer.resume' (auto, none or a checkpoint dir): {error}") from error
+    return _resume_point(config, path, manifest, state)
+
+
+def newest_own_checkpoint(config: TrainConfig, saved: dict[int, Path]) -> ResumePoint | None:
+    """The newest of `saved` (step -> the checkpoints this process saved or resumed from) that is still whole (None:
+    none), not one an earlier run left in output_dir (trainer.resume=none)."""
+    for _, path in sorted(saved.items(), reverse=True):
+        try:
+            return _resume_point(config, path, *load_run_checkpoint(path))
+        except CheckpointError:
+            continue  # removed (trainer.keep_checkpoints) or damaged: an older one
+    return None
+
+
+def _resume_point(config: TrainConfig, path: Path, manifest: dict, state: dict) -> ResumePoint:
+    if state["seed"] != config.trainer.seed:
+        raise ConfigError(
+            f"'trainer.seed' is {config.trainer.seed} but the checkpoint {path} was trained with seed "
+            f"{state['seed']}; a resumed run keeps its seed so the data order and sampling continue. Drop the "
+            f"override, or start a fresh run with trainer.resume=none"
+        )
+    saved = state["config"]["actor"].get("use_distributed_optimizer", False)
+    if saved != config.actor.use_distributed_optimizer:
+        raise ConfigError(
+            f"'actor.use_distributed_optimizer' is {str(not saved).lower()} but the checkpoint {path} was written "
+            f"with {str(saved).lower()}: the two keep Adam's states in different checkpoint layouts. Resume with "
+            f"actor.use_distributed_optimizer={str(saved).lower()} (any actor.dp, tp or pp), or start a fresh run "
+            "from its weights (rlsearch convert mcore-to-hf, then model.path)"
+        )
+    return ResumePoint(path, manifest["layout"], state["step"], SamplerState(**state["sampler"]))
+
+
+def save_run_checkpoint(config: TrainConfig, actor: ActorRanks, store: CheckpointStore, step: int,
+                        sampler: SamplerState) -> Path:
+    """The actor state as the checkpoint of `step` with the data position `sampler`."""
+    state = {
+        # where the data stood after the last trained batch (batches already drawn for later steps are drawn
+        # again after a resume)
+        "sampler": asdict(sampler),
+        # rollout sampling seeds are a function of (seed, step, prompt, sample, turn): this and the step are the
+        # whole rollout-side state
+        "seed": config.trainer.seed,
+        "config": to_dict(config),
+    }
+    architecture = json.loads((Path(config.model.path) / "config.json").read_text()).get("model_type")
+    info = {
+        "layout": config.actor.layout, "architecture": architecture, "dtype": config.model.dtype,
+        "transformer_impl": actor.infos[0].transformer_impl,
+        "contents": ["model", "optimizer", "scheduler", "rng"],
+    }
+    save = partial(actor.save_checkpoint, timeout_s=config.trainer.checkpoint_timeout_s)
+    path = store.save(step, save, state, config.model.path, info)
+    print(f"[rlsearch] checkpoint saved: {path}", flush=True)
+    return path
+
+
+def load_actor_state(actor: ActorRanks, point: ResumePoint, layout: dict[str, int]) -> str:
+    """The checkpoint's actor state into `actor`, resharded into `layout` when it was saved in another; returns how
+    it was resharded, for the resumed line ("" when the layout is the same)."""
+    # checkpoints from before actor.cp and actor.ep had no "cp" and "ep"
+    same_layout = {"cp": 1, "ep": 1, **point.layout} == layout
+    actor.load_checkpoint(str(point.path / MODEL_DIR), restore_rng=same_layout)
+    saved = point.layout
+    return "" if same_layout else (
+        f", resharded from tp{saved['tp']} pp{saved['pp']} cp{saved.get('cp', 1)} dp{saved['dp']} (per-rank RNG "
+        "states start fresh)"
+    )
