@@ -19,7 +19,6 @@ from typing import Any
 from ..actor import MODEL_DISTRIBUTION, ActorRanks, ActorWorkerSpec, TrainSample
 from ..algo import loss_token_weights
 from ..checkpoint import CheckpointError, CheckpointStore, load_run_checkpoint, write_hf_model
-from ..checkpoint.layout import MODEL_DIR
 from ..config import (
     AlgoConfig,
     ConfigError,
@@ -33,6 +32,7 @@ from ..config import (
 from ..data.chat import ChatExample, load_chat_dataset
 from ..ray_setup import cluster_has_gpus, init_ray
 from ..runlog import RunLogger, plot_run
+from .checkpoints import ResumePoint, load_actor_state
 from .sampler import EpochSampler, SamplerState
 
 HF_OUTPUT = "hf"
@@ -91,7 +91,7 @@ def _schedule(config: SFTConfig, total_steps: int) -> dict[str, Any]:
             "total_steps": total_steps, "lr": config.actor.lr, "model": str(Path(config.model.path).resolve())}
 
 
-def _checkpoint_to_resume(config: SFTConfig, store: CheckpointStore, schedule: dict) -> tuple[Path, dict] | None:
+def _checkpoint_to_resume(config: SFTConfig, store: CheckpointStore, schedule: dict) -> tuple[ResumePoint, dict] | None:
     """The newest complete checkpoint of this run (resume=auto), or None; a checkpoint of another schedule is
     refused naming the setting that differs."""
     if config.resume == "none":
@@ -111,7 +111,7 @@ def _checkpoint_to_resume(config: SFTConfig, store: CheckpointStore, schedule: d
         differences = ", ".join(f"{key} {saved.get(key)!r} there, {schedule[key]!r} here" for key in changed)
         raise ConfigError(f"the checkpoint {path} is of another SFT run ({differences}); resume with the same "
                           "settings, or start over with resume=none or another output_dir")
-    return path, {**state, "layout": manifest["layout"]}
+    return ResumePoint(path, manifest["layout"], state["step"], SamplerState(**state["sampler"])), state
 
 
 def run_sft(config: SFTConfig) -> SFTSummary:
@@ -145,11 +145,11 @@ def run_sft(config: SFTConfig) -> SFTSummary:
     sampler = EpochSampler(examples, seed=config.seed, shuffle=data.shuffle)
     resumed_step, first_loss = 0, float("nan")
     if resume is not None:
-        path, state = resume
-        actor.load_checkpoint(str(path / MODEL_DIR), restore_rng=state["layout"] == config.actor.layout)
-        sampler.restore(SamplerState(**state["sampler"]))
-        resumed_step, first_loss = state["step"], state["first_loss"]
-        print(f"[rlsearch sft] resumed from {path} after step {resumed_step}", flush=True)
+        point, state = resume
+        resharded = load_actor_state(actor, point, config.actor.layout)
+        sampler.restore(point.sampler)
+        resumed_step, first_loss = point.step, state["first_loss"]
+        print(f"[rlsearch sft] resumed from {point.path} after step {resumed_step}{resharded}", flush=True)
     logger = RunLogger(output_dir, log_trajectories=False, resumed_step=resumed_step)
     print(f"[rlsearch sft] {len(examples)} examples, batch {data.batch_size}, {total_steps} steps "
           f"({total_steps / steps_per_epoch:.1f} epochs)", flush=True)
