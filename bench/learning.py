@@ -300,7 +300,8 @@ def _make_data(data: Path, work: Path, seed: int, args: argparse.Namespace) -> N
               "--demo-corpora", str(args.demo_corpora), "--flawed-fraction", str(args.flawed_fraction),
               "--demo-topk", str(args.topk), "--prompt-file", args.prompt_file]
     if args.task == "multihop":
-        task = ["--task", "multihop", "--hops", ",".join(map(str, args.hops)), "--num-chains", str(args.num_chains)]
+        task = ["--task", "multihop", "--hops", ",".join(map(str, args.hops)), "--num-chains", str(args.num_chains),
+                "--fold-fraction", str(args.fold_fraction)]
         if args.model == "random":  # single-token names, no look-alike passages: a copy a tiny model can learn
             task += ["--learnable", "--distractors-per-entity", "0"]
     elif args.model == "random":
@@ -330,9 +331,11 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str,
     """The seed's EMs (and gains) overall, and per hop count (--task multihop; empty for toy)."""
     work = root / f"seed_{seed}{vocab_suffix(args.vocab_ranks)}"  # the random model and all that derives from it
     work.mkdir(parents=True, exist_ok=True)
-    data = work / args.task
+    # --fold-fraction: data and SFT model of their own (demonstrations that fold), and so the runs from them
+    demos = f"-folds{args.fold_fraction:g}" if args.fold_fraction else ""
+    data = work / f"{args.task}{demos}"
     # multihop: data, random model and SFT model are shared by the contexts; evals and GRPO runs are per context
-    runs = f"-{args.context}" if args.task == "multihop" else ""
+    runs = f"-{args.context}{demos}" if args.task == "multihop" else ""
     grpo = work / f"grpo{runs}{f'-{args.grpo_name}' if args.grpo_name else ''}"  # --grpo-name: beside the others
     print(f"seed {seed}: {work}", flush=True)
     if not (data / "sft.jsonl").is_file():
@@ -344,7 +347,7 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str,
     if args.random_eval:
         evals[first] = work / f"eval-{first}{runs}"
         ems[first] = _evaluate(model, data, evals[first], args)
-    sft = work / "sft"
+    sft = work / f"sft{demos}"
     if not (sft / "hf" / "config.json").is_file():  # an SFT stopped half-way continues from its newest checkpoint
         _rlsearch(work / "sft.log", "sft", "--config", MODELS[args.model].sft_config, f"model.path={model}",
                   f"data.train_files=[{data / 'sft.jsonl'}]", f"data.max_steps={args.sft_steps}",
@@ -442,15 +445,18 @@ def _model_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 # options of one task only, with their defaults there (None: not given)
 TOY_OPTIONS = {"name_pool": 1000, "answer_pool": 0, "num_entities": 330}
 MULTIHOP_OPTIONS = {"hops": "3,4", "num_chains": 330, "context": "append", "context_window": 256,
-                    "manage_context_at": 140, "summary_tokens": 32}
+                    "manage_context_at": 140, "summary_tokens": 32, "fold_fraction": 0.0}
 # --model smollm2: 250 held-out questions of the toy corpus as it is; multihop: 2 and 3 hops, 200 held out, one look-
-# alike passage per chain entity. A 2-hop trajectory is ~250 of SmolLM2's tokens, a 3-hop one ~360 (~110 a hop):
-# append gets a roomy 1,024-token window; fold a 320-token one that a 3-hop trajectory overflows, folding at 230
-# tokens (after the second hop) into a summary of at most 48
+# alike passage per chain entity. With the short prompt a trajectory starts at ~65 of SmolLM2's tokens and a hop adds
+# ~80 (a 3-hop one ends at ~310-335): append gets a roomy 1,024-token window; fold a 320-token one that a 3-hop
+# trajectory overflows, folding at 230 tokens (after the second or the third search) into a summary of at most 64 (the
+# three facts of a 3-hop chain are ~43). Fold's warm start folds half of its good demonstrations (--fold-fraction):
+# without it the model, asked to summarise, writes turns instead and after the fold searches until max_turns
 SMOLLM2_TASK_OPTIONS = {"toy": {"num_entities": 500, "max_turns": 3},
-                        "multihop": {"hops": "2,3", "num_chains": 400, "summary_tokens": 48}}
+                        "multihop": {"hops": "2,3", "num_chains": 400}}
 SMOLLM2_CONTEXT_OPTIONS = {"append": {"context_window": 1024, "manage_context_at": 768},
-                           "fold": {"context_window": 320, "manage_context_at": 230}}
+                           "fold": {"context_window": 320, "manage_context_at": 230, "summary_tokens": 64,
+                                    "fold_fraction": 0.5}}
 
 
 def _task_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
@@ -515,6 +521,10 @@ def main() -> None:
                         "140: fold summarises after the third hop)")
     parser.add_argument("--summary-tokens", type=int, default=None,
                         help="multihop: rollout.summary_tokens, the most tokens of a fold's summary (default 32)")
+    parser.add_argument("--fold-fraction", type=float, default=None,
+                        help="multihop: share of the good SFT demonstrations that fold (make-toy-data "
+                        "--fold-fraction); above 0 the data, the SFT model and the runs get dirs of their own, "
+                        "suffixed -foldsF (default 0; smollm2 with --context fold 0.5)")
     # the defaults of these depend on --model: RANDOM_MODEL_OPTIONS, or smollm2's configs (_smollm2_options)
     parser.add_argument("--demo-corpora", type=int, default=None, help="more corpora whose demonstrations SFT sees")
     parser.add_argument("--prompt-file", default=None)

@@ -283,24 +283,26 @@ def _make_toy_data(args: argparse.Namespace) -> int:
         options = dict(num_entities=_or_default(args.num_entities, 200), test_fraction=args.test_fraction,
                        distractors_per_entity=_or_default(args.distractors_per_entity, 2), learnable=args.learnable,
                        name_pool=args.name_pool, answer_pool=args.answer_pool)
-    try:
+    try:  # an option out of range, or more names than the learnable words hold
         paths = make_data(args.out, seed=args.seed, **options)
-    except ValueError as err:  # an option out of range, or more names than the learnable words hold
+        demos = write_toy_demonstrations(
+            paths, paths.corpus.parent / "sft.jsonl", topk=args.demo_topk, flawed_fraction=args.flawed_fraction,
+            seed=args.seed, extra_corpora=args.demo_corpora, prompt_file=args.prompt_file or None,
+            protocol_name=args.protocol, make_data=make_data, fold_fraction=args.fold_fraction, **options,
+        )
+    except ValueError as err:
         print(f"rlsearch make-toy-data: {err}", file=sys.stderr)
         return 2
-    demos = write_toy_demonstrations(
-        paths, paths.corpus.parent / "sft.jsonl", topk=args.demo_topk, flawed_fraction=args.flawed_fraction,
-        seed=args.seed, extra_corpora=args.demo_corpora, prompt_file=args.prompt_file or None,
-        protocol_name=args.protocol, make_data=make_data, **options,
-    )
+    folding = f", {demos.folded} of them folding" if demos.folded else ""
     print(f"{args.task} corpus: {paths.corpus}\ntrain: {paths.train}\ntest: {paths.test}\n"
-          f"demonstrations: {demos.path} ({demos.rows} rows, {demos.flawed} flawed)")
+          f"demonstrations: {demos.path} ({demos.rows} rows, {demos.flawed} flawed{folding})")
     return 0
 
 
 # make-toy-data options that belong to one task only (None / 0: not given)
 _TOY_ONLY_OPTIONS = (("num_entities", "--num-entities"), ("name_pool", "--name-pool"), ("answer_pool", "--answer-pool"))
-_MULTIHOP_ONLY_OPTIONS = (("hops", "--hops"), ("num_chains", "--num-chains"), ("passage_words", "--passage-words"))
+_MULTIHOP_ONLY_OPTIONS = (("hops", "--hops"), ("num_chains", "--num-chains"), ("passage_words", "--passage-words"),
+                          ("fold_fraction", "--fold-fraction"))
 
 
 def _options_of_other_task(args: argparse.Namespace) -> str:
@@ -636,6 +638,10 @@ def build_parser() -> argparse.ArgumentParser:
     toy.add_argument("--flawed-fraction", type=float, default=0.5, help="share of the demonstrations (sft.jsonl) "
                      "that answer wrongly: without searching, or with the name searched last after reading "
                      "(default 0.5)")
+    toy.add_argument("--fold-fraction", type=float, default=0.0, help="multihop: share of the good demonstrations "
+                     "that fold their context after some searches, as rollout.context fold does (the fold "
+                     "instruction, a summary of the chain's facts found so far, then a row that goes on from the "
+                     "folded question): a warm start for fold runs (default 0)")
     toy.add_argument("--demo-topk", type=int, default=2, help="passages per search in the demonstrations; use the "
                      "training run's tools.retriever.topk (default 2, as the tiny config)")
     toy.set_defaults(func=_make_toy_data)

@@ -33,8 +33,8 @@ summary. To fold at other lengths, point rollout.agent at your own module::
 
 from openai import AsyncOpenAI
 
-from rlsearch.rollout.agent_loop import FOLD_INSTRUCTION, FOLDED_QUESTION, SUMMARY_CLOSE, summary_text
 from rlsearch.tools import SearchR1Protocol, TurnKind
+from rlsearch.tools.protocols.folding import FOLD_INSTRUCTION, FOLDED_QUESTION, SUMMARY_CLOSE, summary_text
 
 PROTOCOL = SearchR1Protocol()
 CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}

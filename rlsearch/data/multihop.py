@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,13 @@ def make_multihop_data(
     readme = _readme(seed, hop_counts, len(passages), len(train), len(test), distractors_per_entity, passage_words)
     (out / "README.txt").write_text(readme, encoding="utf-8")
     return paths
+
+
+def chain_fact(text: str, entity: str) -> str | None:
+    """The sentence of ``text`` (a passage or an observation) that names what follows ``entity`` in its chain, e.g.
+    "The rival of Brakon is Tesmir."; None when the text has none (the search missed the entity's passage)."""
+    found = re.search(rf"The [a-z]+ of {re.escape(entity)} is [^.]+\.", text)
+    return found.group(0) if found else None
 
 
 def parse_hops(text: str) -> tuple[int, ...]:

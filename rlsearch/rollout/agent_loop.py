@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from ..config import RolloutConfig
 from ..tools import ErrorKind, ToolCall, ToolProtocol, ToolRegistry, ToolResult, TurnKind
+from ..tools.protocols.folding import FOLD_INSTRUCTION, FOLDED_QUESTION, SUMMARY_CLOSE, summary_text
 from ..trajectory import ToolCallRecord, Trajectory, Turn
 from .engine import chosen_logprobs
 from .observation import TRUNCATION_MARK, fitted_observation
@@ -42,12 +43,6 @@ class PromptItem:
     golden_answers: tuple[str, ...] = ()
 
 
-FOLD_INSTRUCTION = (
-    "Your context is nearly full. Write down everything you have found that the question still needs between "
-    "<summary> and </summary>; you will go on from the question and this summary alone."
-)
-SUMMARY_OPEN, SUMMARY_CLOSE = "<summary>", "</summary>"
-FOLDED_QUESTION = "{question}\n\nWhat you found so far:\n{summary}"
 DROPPED_OBSERVATION = "(an earlier tool output, removed to save room)"
 
 
@@ -484,13 +479,6 @@ class AgentLoop:
         context.extend(token_ids[cursor:])
         trajectory.start_segment(context)
         state.observations = kept
-
-
-def summary_text(text: str) -> str:
-    """What a fold's summary turn says: the text before its first </summary>, from the last <summary> before that
-    (the whole text when it has neither tag)."""
-    body = text.split(SUMMARY_CLOSE, 1)[0]
-    return body.rsplit(SUMMARY_OPEN, 1)[-1].strip()
 
 
 def common_prefix_length(first: list[int], second: list[int]) -> int:

@@ -10,7 +10,7 @@ response) and checked against the trajectory's segments.
 from __future__ import annotations
 
 from examples.agents import folding
-from rlsearch.rollout.agent_loop import FOLD_INSTRUCTION, FOLDED_QUESTION, SUMMARY_CLOSE, summary_text
+from rlsearch.tools.protocols.folding import FOLD_INSTRUCTION, FOLDED_QUESTION, SUMMARY_CLOSE, summary_text
 from tests.integration.engine_bench import prompt_items, sampled_runs
 
 TURNS = 30

@@ -17,7 +17,8 @@ from rlsearch.algo.loss import truncated_importance_weights
 from rlsearch.config import TRUNCATION_REASONS, AlgoConfig
 from rlsearch.data.tiny_model import search_automaton_weights
 from rlsearch.rollout import AgentLoop
-from rlsearch.rollout.agent_loop import DROPPED_OBSERVATION, summary_text
+from rlsearch.rollout.agent_loop import DROPPED_OBSERVATION
+from rlsearch.tools.protocols.folding import summary_text
 from rlsearch.trainer.metrics import staleness_metrics, token_staleness, trajectory_metrics
 from rlsearch.trainer.step_batch import is_overlong
 from tests.integration.engine_bench import AUTOMATON_QUERIES, prompt_items, sampled_runs

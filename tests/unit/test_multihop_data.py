@@ -22,6 +22,7 @@ from rlsearch.reward.registry import scorer_name_for
 from rlsearch.rollout import Trajectory
 from rlsearch.rollout.observation import fitted_observation
 from rlsearch.tools import Document, SearchTool, TurnKind, make_protocol
+from rlsearch.tools.protocols.folding import FOLD_INSTRUCTION, FOLDED_QUESTION, SUMMARY_CLOSE, summary_text
 from rlsearch.tools.servers.retrieval import BM25Retriever
 
 TOPK = 3
@@ -187,6 +188,57 @@ def test_flawed_demonstrations_answer_wrong(datasets, tmp_path: Path) -> None:
         assert (len(searches), final) == (expected[demo["flawed"]][0], f"<answer> {expected[demo['flawed']][1]} "
                                           "</answer>")
         assert _em(expected[demo["flawed"]][1], question["golden_answers"]) == float(demo["flawed"] is None)
+
+
+def test_folding_demonstrations_fold_as_the_agent_loop_does(datasets, tmp_path: Path) -> None:
+    data = datasets["learnable"]
+    search = bm25_search(data.corpus)
+    plain = write_demonstrations(data.train, tmp_path / "plain.jsonl", search, topk=2, flawed_fraction=0.5, seed=3)
+    stats = write_demonstrations(data.train, tmp_path / "sft.jsonl", search, topk=2, flawed_fraction=0.5, seed=3,
+                                 fold_fraction=0.5)
+    protocol = make_protocol("search_r1", [SearchTool(None).spec])
+    rows, questions = _rows(stats.path), {row["id"]: row for row in _rows(data.train)}
+    by_question: dict[str, list[dict]] = {}
+    for row in rows:
+        by_question.setdefault(row["id"].split("-segment-")[0], []).append(row)
+    folding = {key: segments for key, segments in by_question.items() if len(segments) > 1 or "-segment-" in
+               segments[0]["id"]}
+    # the flawed demonstrations are the plain run's (the fold choice has its own random stream); 6 of 12 good ones fold
+    assert [row for row in rows if row["flawed"]] == [row for row in _rows(plain.path) if row["flawed"]]
+    assert (stats.folded, len(folding), stats.flawed) == (6, 6, 12)
+    assert stats.rows == len(rows) == 24 + sum(len(segments) - 1 for segments in folding.values())
+    notice = protocol.wrap(FOLD_INSTRUCTION)
+    for key, segments in folding.items():
+        question = questions[key]
+        chain, summary = question["metadata"]["chain"], None
+        searched = []
+        assert segments[0]["flawed"] is None
+        for number, segment in enumerate(segments):
+            messages = segment["messages"]
+            asked = question["question"] if summary is None else FOLDED_QUESTION.format(
+                question=question["question"], summary=summary)
+            assert messages[0] == {"role": "user", "content": protocol.instruction(asked)}
+            turns = [protocol.parse_turn(m["content"]) for m in messages if m["role"] == "assistant"]
+            searched += [turn.call.query for turn in turns if turn.kind == TurnKind.TOOL_CALL]
+            if number < len(segments) - 1:  # folded: the loop's notice, then a summary of the chain's facts so far
+                assert messages[-2] == {"role": "tool", "content": notice}
+                assert messages[-1]["content"].endswith(SUMMARY_CLOSE)
+                summary = summary_text(messages[-1]["content"])
+                facts = re.findall(r"The [a-z]+ of (\w+) is (\w+)\.", summary)
+                assert facts == list(zip(chain, [*chain[1:], question["golden_answers"][0]]))[:len(searched)]
+            else:
+                assert turns[-1].kind == TurnKind.ANSWER and turns[-1].answer == question["golden_answers"][0]
+        assert searched == chain
+
+
+def test_fold_fraction_out_of_range_is_refused(datasets, tmp_path: Path, capsys) -> None:
+    from rlsearch.cli import main
+
+    with pytest.raises(ValueError, match=r"fold_fraction must be within \[0, 1\], got 1.5"):
+        write_demonstrations(datasets["learnable"].train, tmp_path / "sft.jsonl",
+                             bm25_search(datasets["learnable"].corpus), topk=1, fold_fraction=1.5)
+    assert main(["make-toy-data", "--out", str(tmp_path / "toy"), "--fold-fraction", "0.5"]) == 2
+    assert "--fold-fraction is for --task multihop only" in capsys.readouterr().err
 
 
 def test_make_toy_data_command_writes_the_multihop_task(tmp_path: Path, capsys) -> None:
