@@ -219,7 +219,7 @@ def _evaluate(model: Path, data: Path, out: Path, args: argparse.Namespace) -> f
     """Score `model` on the test set; a finished eval's score is reused."""
     if (reused := _reused_em(out / "summary.json", "eval")) is not None:
         return reused
-    _rlsearch(out.with_suffix(".log"), "eval", "--config", "examples/configs/eval_search.yaml",
+    _rlsearch(out.parent / f"{out.name}.log", "eval", "--config", "examples/configs/eval_search.yaml",
               f"model.path={model}", f"output_dir={out}", *_common(data, args), *MODEL_EVAL_SETTINGS[args.model],
               *(MULTIHOP_EVAL_SETTINGS[args.model] if args.task == "multihop" else ()))
     return _em(out / "summary.json")
@@ -265,7 +265,7 @@ def _grpo(model: Path, data: Path, out: Path, seed: int, args: argparse.Namespac
     summary = _final_eval(out, args) / "summary.json"
     if (reused := _reused_em(summary, "train")) is not None:
         return reused
-    _rlsearch(out.with_suffix(".log"), *_grpo_arguments(
+    _rlsearch(out.parent / f"{out.name}.log", *_grpo_arguments(
         model, data, out, seed, args, f"trainer.eval_interval={args.grpo_steps}", "trainer.resume=none",
         f"trainer.log_trajectories={str(args.task == 'multihop').lower()}"), *extra)
     return _em(summary)
@@ -279,7 +279,7 @@ def _grpo_resumable(model: Path, data: Path, out: Path, seed: int, args: argpars
     latest = out / "checkpoints" / "latest"
     if not (out / "hf" / "config.json").is_file():
         if not (latest.is_file() and latest.read_text().strip() == last):
-            _rlsearch(out.with_suffix(".log"), *_grpo_arguments(
+            _rlsearch(out.parent / f"{out.name}.log", *_grpo_arguments(
                 model, data, out, seed, args, "trainer.resume=auto", f"trainer.save_interval={GRPO_SAVE_INTERVAL}",
                 "trainer.keep_checkpoints=1", "trainer.eval_interval=0", "trainer.log_trajectories=true"))
         partial = out / "hf.partial"  # a conversion stopped half-way leaves no hf dir to reuse
