@@ -449,13 +449,13 @@ MULTIHOP_OPTIONS = {"hops": "3,4", "num_chains": 330, "context": "append", "cont
 # --model smollm2: 250 held-out questions of the toy corpus as it is; multihop: 2 and 3 hops, 200 held out, one look-
 # alike passage per chain entity. With the short prompt a trajectory starts at ~65 of SmolLM2's tokens and a hop adds
 # ~80 (a 3-hop one ends at ~310-335): append gets a roomy 1,024-token window; fold a 320-token one that a 3-hop
-# trajectory overflows, folding at 230 tokens (after the second or the third search) into a summary of at most 64 (the
-# three facts of a 3-hop chain are ~43). Fold's warm start folds half of its good demonstrations (--fold-fraction):
-# without it the model, asked to summarise, writes turns instead and after the fold searches until max_turns
+# trajectory overflows, folding at 200 tokens (after the second search: 206-241 tokens) into a summary of at most 64
+# (the three facts of a 3-hop chain are ~43), with a turn more (the summary is a turn). Fold's warm start folds half
+# of its good demonstrations (--fold-fraction): without it the model, asked to summarise, writes turns instead
 SMOLLM2_TASK_OPTIONS = {"toy": {"num_entities": 500, "max_turns": 3},
                         "multihop": {"hops": "2,3", "num_chains": 400}}
 SMOLLM2_CONTEXT_OPTIONS = {"append": {"context_window": 1024, "manage_context_at": 768},
-                           "fold": {"context_window": 320, "manage_context_at": 230, "summary_tokens": 64,
+                           "fold": {"context_window": 320, "manage_context_at": 200, "summary_tokens": 64,
                                     "fold_fraction": 0.5}}
 
 
@@ -485,7 +485,8 @@ def _task_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error(f"--hops: {err}")
     if not args.hops:
         parser.error("--hops: give at least one hop count")
-    args.max_turns = max(args.hops) + 1 if args.max_turns is None else args.max_turns  # k searches, then the answer
+    if args.max_turns is None:  # k searches, then the answer; smollm2's fold: and a summary turn
+        args.max_turns = max(args.hops) + 1 + (args.model == "smollm2" and args.context == "fold")
     args.out = args.out or f"outputs/bench/learning{'-smollm2' if args.model == 'smollm2' else ''}-multihop"
     return args
 
@@ -532,7 +533,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=None, help="passages per search (demonstrations and rollouts)")
     parser.add_argument("--max-turns", type=int, default=None,
                         help="rollout.max_turns (default: toy 3, smollm2 its config's; multihop k + 1 for the "
-                        "largest k)")
+                        "largest k, and k + 2 for smollm2 with --context fold: its summary is a turn)")
     parser.add_argument("--max-tokens-per-turn", type=int, default=None, help="rollout.max_tokens_per_turn")
     parser.add_argument("--sft-steps", type=int, default=None)
     parser.add_argument("--sft-lr", type=float, default=None)
