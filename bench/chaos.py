@@ -50,7 +50,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args  # noqa: E402
-from bench.soak import REPO_ROOT, STEP_LINE, kill_processes, measure, prepare_assets, process_tree  # noqa: E402
+from bench.common.runs import (  # noqa: E402
+    REPO_ROOT,
+    kill_processes,
+    measure,
+    process_tree,
+    read_trainer_output,
+    tiny_assets,
+)
 
 COMPONENTS = ("engine", "actor", "driver", "retriever", "mcp", "judge")
 JUDGE_RESTART_S = 2.0
@@ -110,7 +117,7 @@ class JudgeProcess:
 
 def write_config(args: argparse.Namespace, run_dir: Path, judge_port: int) -> Path:
     """The run's config: the tiny call_tool setup with 2 engines, async rollouts, the stdio MCP server and the judge."""
-    model, train, corpus = prepare_assets(Path(args.out), args.vocab_ranks)
+    model, train, corpus = tiny_assets(Path(args.out), args.vocab_ranks)
     # a kill every `every` step lines; a resumed driver repeats the steps after its checkpoint, so steps run out last
     steps = args.warmup + args.kills * args.every + args.tail
     mcp_command = [sys.executable, "-m", "rlsearch", "serve-mcp", "--transport", "stdio", "--corpus", str(corpus),
@@ -152,20 +159,6 @@ class Kill:
     last_step: int  # the last step line before it
     recovered_s: float | None = None  # to the next step line
     next_step: int | None = None
-
-
-def _step_lines(log_path: Path, events: queue.Queue, process: subprocess.Popen, started: float) -> None:
-    """Queue (seconds, step) of every step line of the supervisor's output as it is written; None at the end."""
-    with log_path.open("w") as log:
-        for line in process.stdout:
-            log.write(line)
-            log.flush()
-            match = STEP_LINE.match(line)
-            if match:
-                events.put((time.monotonic() - started, int(match.group(1))))
-            if match or line.startswith("[rlsearch]"):
-                print(f"  | {line.rstrip()}", flush=True)
-    events.put(None)
 
 
 def victims(component: str, supervisor: psutil.Process) -> list[psutil.Process]:
@@ -226,7 +219,8 @@ def run_chaos(args: argparse.Namespace, run_dir: Path) -> tuple[list[Kill], list
                            bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     supervisor = psutil.Process(run.pid)
     events: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=_step_lines, args=(run_dir / "train.log", events, run, started), daemon=True)
+    reader = threading.Thread(target=read_trainer_output, args=(run.stdout, run_dir / "train.log", events, started),
+                              daemon=True)
     reader.start()
     kills: list[Kill] = []
     steps: list[tuple[float, int]] = []
@@ -245,14 +239,14 @@ def run_chaos(args: argparse.Namespace, run_dir: Path) -> tuple[list[Kill], list
                 break
             now = time.monotonic() - started
             if event:
-                steps.append(event)
+                steps.append((event.seconds, event.step))
                 lines_since_kill += 1
                 if not rss_start:
                     rss_start = rss_by_kind(supervisor, judge)
                 rss_end = rss_by_kind(supervisor, judge)
                 pending = [k for k in kills if k.recovered_s is None]
                 for kill in pending:
-                    kill.recovered_s, kill.next_step = event[0] - kill.seconds, event[1]
+                    kill.recovered_s, kill.next_step = event.seconds - kill.seconds, event.step
             last_progress = steps[-1][0] if steps else 0.0
             limit = args.hang_timeout if steps else args.startup_timeout
             if now - last_progress > limit:

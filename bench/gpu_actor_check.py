@@ -151,7 +151,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from bench.train_step import HFTrainer, make_samples, memory_mib
+    from bench.common.memory import memory_mib
+    from bench.train_step import HFTrainer, make_samples
     from rlsearch.config import ActorConfig, AlgoConfig
 
     on_gpu = torch.cuda.is_available()

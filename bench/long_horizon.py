@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
+from bench.common.memory import peak_rss_gib  # noqa: E402
 from bench.rollout import BenchEngine  # noqa: E402
 from rlsearch.tools import Document, Tool, ToolCall, ToolResult, ToolSpec  # noqa: E402
 
@@ -426,26 +427,6 @@ def check_loop_records(agent: Run, trajectories) -> str:
     except Exception as error:  # the metric is someone else's work in progress: report, do not fail the bench
         line += f"; rollout/prefix_cache_hit_rate not computed ({type(error).__name__}: {error})"
     return line
-
-
-def peak_rss_gib() -> dict[str, float]:
-    """VmHWM (peak RSS) of this process and of each live descendant (the engine core), in GiB."""
-    import psutil
-
-    def hwm(pid: int) -> float:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 2**20
-        return 0.0
-
-    peaks = {"bench process": hwm(os.getpid())}
-    for child in psutil.Process().children(recursive=True):
-        try:
-            peaks[f"{child.name()} ({child.pid})"] = hwm(child.pid)
-        except (OSError, psutil.Error):
-            pass
-    return peaks
 
 
 def main() -> None:

@@ -50,8 +50,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args, random_tokens  # noqa: E402
+from bench.common import (  # noqa: E402
+    SHAPES,
+    SMOKE_VOCAB_RANKS,
+    add_vocab_ranks_argument,
+    count_params,  # noqa: E402
+    parse_args,
+    random_tokens,
+)
 from bench.common import build_model as build_bench_model  # noqa: E402
+from bench.common.memory import pickle_by_value_for_ray, proc_status, reset_peak_rss  # noqa: E402
 from rlsearch.actor.batch import TrainSample  # noqa: E402
 from rlsearch.devices import cpu_threads_each  # noqa: E402
 
@@ -67,25 +75,15 @@ CONFIGS = {"unchunked": (0, 1), "chunked": (CHUNK_TOKENS, 1), "chunked + CP2": (
 
 # ---- memory probes (run inside each rank's process through `__ray_call__`) ----------------------------------------
 
-def _proc_status() -> dict[str, float]:
-    """VmRSS and VmHWM of this process in bytes."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}
-
-
 def _reset_peak(_worker) -> tuple[float, bool]:
     """(RSS now in bytes, whether the kernel's peak could be reset to it: else VmHWM counts from the start)."""
-    rss = _proc_status()["VmRSS"]
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return rss, True
-    except OSError:
-        return rss, False
+    rss = proc_status()["VmRSS"]
+    return rss, reset_peak_rss()
 
 
 def _peaks(_worker) -> tuple[float, float]:
     """(peak RSS since the reset, lifetime peak RSS) in bytes."""
-    return _proc_status()["VmHWM"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return proc_status()["VmHWM"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _available_bytes() -> float:
@@ -274,21 +272,7 @@ def build_model(out: Path, max_positions: int, vocab_ranks: int) -> tuple[Path, 
     """The `tiny` bench shape with rotary positions up to `max_positions` (cached): (path, vocab rows, params)."""
     path = build_bench_model("tiny", out, max_positions, vocab_ranks)
     config = json.loads((path / "config.json").read_text())
-    from safetensors import safe_open
-
-    params = 0
-    for shard in path.glob("*.safetensors"):
-        with safe_open(str(shard), "pt") as handle:
-            for name in handle.keys():
-                params += _numel(handle, name)
-    return path, int(config["vocab_size"]), params
-
-
-def _numel(handle, name: str) -> int:
-    numel = 1
-    for dim in handle.get_slice(name).get_shape():
-        numel *= dim
-    return numel
+    return path, int(config["vocab_size"]), count_params(path)
 
 
 def _gb(values: list[float]) -> str:
@@ -413,6 +397,7 @@ def main() -> None:
           f"{params / 1e6:.0f}M parameters, fp32 on CPU, local layer spec; {os.cpu_count()} cores, "
           f"{_available_bytes() / GB:.1f} GB available, load average {os.getloadavg()[0]:.1f}", flush=True)
     init_ray(num_cpus=2)
+    pickle_by_value_for_ray()
     watchdog = MemoryWatchdog(args.min_free_gb * GB)
     one = part_one(args, model_path, vocab, base_bytes, watchdog) if args.sizes else {}
     two = part_two(args, model_path, watchdog) if args.segments else {}

@@ -34,7 +34,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -44,6 +43,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model  # noqa: E402
+from bench.common.memory import PeakMeter, proc_status  # noqa: E402
 from rlsearch.devices import cpu_cores  # noqa: E402
 
 GB = 1e9
@@ -64,52 +64,6 @@ FIT_TOKENS = 1024
 
 
 # ---- measurement, in the child process ------------------------------------------------------------------------------
-
-def _status_bytes(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-class PeakMeter:
-    """The peak of this process's tensors from `start()` to `stop()`: allocated CUDA memory on GPU; on CPU the
-    resident set (the kernel's high-water mark after a reset, or a 5 ms sampler where the reset is refused)."""
-
-    def __init__(self, on_gpu: bool) -> None:
-        self.on_gpu = on_gpu
-        self._sampled = 0
-        self._running = False
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self.on_gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            return
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            self._running = True
-            self._sampled = _status_bytes("VmRSS")
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-
-    def _sample(self) -> None:
-        while self._running:
-            self._sampled = max(self._sampled, _status_bytes("VmRSS"))
-            time.sleep(0.005)
-
-    def stop(self) -> int:
-        if self.on_gpu:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated()
-        if self._thread is not None:
-            self._running = False
-            self._thread.join()
-            return self._sampled
-        return _status_bytes("VmHWM")
-
 
 def _not_applied(configuration: dict, worker) -> str:
     """What of `configuration` Megatron's config of the built worker does not say (empty when it says all): a row
@@ -199,7 +153,7 @@ def _idle_rss() -> int:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:  # not glibc
         pass
-    return _status_bytes("VmRSS")
+    return proc_status()["VmRSS"]
 
 
 # ---- the saved-tensor accounting (--fit), in the child process -----------------------------------------------------

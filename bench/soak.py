@@ -45,7 +45,6 @@ import argparse
 import json
 import os
 import queue
-import re
 import shutil
 import signal
 import statistics
@@ -55,7 +54,6 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TextIO
 
 import psutil
 
@@ -63,10 +61,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args  # noqa: E402
+from bench.common.runs import (  # noqa: E402
+    REPO_ROOT,
+    TINY_CONFIG,
+    StepLine,
+    kill_processes,
+    measure,
+    process_tree,
+    read_trainer_output,
+    tiny_assets,
+)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONFIG = REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml"
-STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
 MiB = 2**20
 RSS_GOAL = 0.10  # growth of a steady process's RSS after warm-up, as a fraction of its warm-up RSS
 TOOL_SERVER = "-m rlsearch.tools.servers."  # in the label of an HTTP tool server the trainer starts (the retriever)
@@ -116,14 +121,6 @@ class TrackedProcess:
 
 
 @dataclass
-class StepLine:
-    step: int
-    total: int
-    seconds: float
-    busy: bool = False  # a checkpoint or an eval followed it (the driver prints a line for each)
-
-
-@dataclass
 class ProcessReport:
     name: str
     rss_warm: int
@@ -140,45 +137,6 @@ class ProcessReport:
 
 
 # ---- the process tree -----------------------------------------------------------------------------------------------
-
-def describe_process(process: psutil.Process) -> str:
-    """A label that stays the same over the process's life: its title for Ray workers and vLLM's EngineCore with
-    the running method cut off (`ray::RolloutWorker.generate` -> `ray::RolloutWorker`), `python -m MODULE`,
-    `python -c MODULE` (what the code imports) or the program and script names otherwise."""
-    cmdline = [arg for arg in process.cmdline() if arg]
-    if not cmdline:
-        return process.name()
-    first = cmdline[0].split(" ")[0]
-    if "::" in first:  # a process title (setproctitle)
-        head, _, rest = first.partition("::")
-        return f"{head}::{rest.split('.')[0].split('(')[0]}"
-    program = Path(first).name
-    if "-m" in cmdline[1:-1]:
-        return f"{program} -m {cmdline[cmdline.index('-m') + 1]}"
-    if "-c" in cmdline[1:-1]:  # e.g. multiprocessing's helpers: `from multiprocessing.resource_tracker import main...`
-        code = cmdline[cmdline.index("-c") + 1]
-        imported = re.match(r"from ([\w.]+) import", code)
-        return f"{program} -c {imported.group(1) if imported else code[:30]}"
-    script = next((Path(arg).name for arg in cmdline[1:] if arg.endswith(".py")), "")
-    return f"{program} {script}".strip()
-
-
-def process_tree(root: psutil.Process) -> list[psutil.Process]:
-    try:
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def measure(process: psutil.Process) -> tuple[str, int, int, list] | None:
-    """(label, RSS bytes, open fds, inet sockets), or None when the process is gone."""
-    try:
-        with process.oneshot():
-            return (describe_process(process), process.memory_info().rss, process.num_fds(),
-                    process.net_connections(kind="inet"))
-    except psutil.Error:
-        return None
-
 
 class ProcessMonitor:
     """Samples the driver and its descendants; a process is keyed by (pid, start time), so a reused pid is new."""
@@ -221,61 +179,17 @@ class ProcessMonitor:
         return alive
 
 
-def kill_processes(processes: list[psutil.Process], grace_s: float = 10.0) -> None:
-    processes = list({process.pid: process for process in processes}.values())
-    for process in processes:
-        try:
-            process.terminate()
-        except psutil.Error:
-            pass
-    _, still_alive = psutil.wait_procs(processes, timeout=grace_s)
-    for process in still_alive:
-        try:
-            process.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(still_alive, timeout=grace_s)
-
-
 # ---- the trainer ----------------------------------------------------------------------------------------------------
 
-def prepare_assets(out: Path, vocab_ranks: int) -> tuple[Path, Path, Path]:
-    """The tiny random Qwen2 and the toy data under `out`, built once (the same ones bench/step.py uses)."""
-    from bench.common import build_model
-    from rlsearch.data import make_toy_data
-
-    model = build_model("tiny", out, vocab_ranks=vocab_ranks)
-    toy = make_toy_data(out / "toy", seed=0)
-    return model, toy.train, toy.corpus
-
-
 def trainer_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
-    model, train, corpus = prepare_assets(Path(args.out), args.vocab_ranks)
+    model, train, corpus = tiny_assets(Path(args.out), args.vocab_ranks)
     overrides = [
         f"model.path={model}", f"data.train_files=[{train}]", f"tools.retriever.corpus={corpus}",
         f"tools.retriever.index_cache_dir={Path(args.out) / 'bm25_cache'}", f"trainer.total_steps={args.steps}",
         f"trainer.output_dir={run_dir}", f"trainer.save_interval={args.save_interval}", "trainer.keep_checkpoints=2",
         "trainer.resume=none", "trainer.log_trajectories=false", *args.overrides,
     ]
-    return [sys.executable, "-m", "rlsearch", "train", "--config", str(CONFIG), *overrides]
-
-
-def read_driver_output(stream: TextIO, log: TextIO, events: queue.Queue, started: float) -> None:
-    """Copy the driver's output to the log, echo its step and [rlsearch] lines, queue the step lines (marked busy
-    when a checkpoint or eval line follows); None at EOF."""
-    last: StepLine | None = None
-    for line in stream:
-        log.write(line)
-        log.flush()
-        match = STEP_LINE.match(line)
-        if match:
-            last = StepLine(int(match.group(1)), int(match.group(2)), time.monotonic() - started)
-            events.put(last)
-        elif last and line.startswith(("[rlsearch] checkpoint saved", "[rlsearch] eval after step")):
-            last.busy = True
-        if match or line.startswith(("[rlsearch]", "rlsearch")):
-            print(f"  | {line.rstrip()}", flush=True)
-    events.put(None)
+    return [sys.executable, "-m", "rlsearch", "train", "--config", str(TINY_CONFIG), *overrides]
 
 
 def hang_timeout(args: argparse.Namespace, steps: list[StepLine]) -> float:
@@ -305,39 +219,39 @@ def run_and_monitor(args: argparse.Namespace, command: list[str], run_dir: Path)
     steps: list[StepLine] = []
     hang = ""
     started = time.monotonic()
-    with log_path.open("w") as log:
-        driver = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, bufsize=1)
-        monitor = ProcessMonitor(driver.pid, started)
-        reader = threading.Thread(target=read_driver_output, args=(driver.stdout, log, events, started), daemon=True)
-        reader.start()
-        last_progress = 0.0
-        try:
-            while True:
-                try:
-                    event = events.get(timeout=args.interval)
-                except queue.Empty:
-                    event = ""
-                if event is None or (event == "" and driver.poll() is not None):
-                    break  # EOF, or the driver exited and a child of it still holds the pipe
-                if isinstance(event, StepLine):
-                    steps.append(event)
-                    last_progress = event.seconds
-                monitor.sample(steps[-1].step if steps else 0, at_step_line=isinstance(event, StepLine))
-                now = time.monotonic() - started
-                limit = hang_timeout(args, steps)
-                if now - last_progress > limit:
-                    where = f"after step {steps[-1].step}" if steps else "before step 1"
-                    hang = f"no step line for {now - last_progress:.0f} s {where} (limit {limit:.0f} s)"
-                    break
-        except KeyboardInterrupt:
-            hang = "interrupted (Ctrl-C)"
-        if hang:
-            print(f"soak: {hang}: killing the process tree", flush=True)
-            kill_processes(process_tree(monitor.driver) + monitor.alive())
-        returncode = driver.wait()
-        seconds = time.monotonic() - started
-        reader.join(timeout=10)  # the rest of the output into the log (a surviving child may hold the pipe open)
+    driver = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, bufsize=1)
+    monitor = ProcessMonitor(driver.pid, started)
+    reader = threading.Thread(target=read_trainer_output, daemon=True,
+                              args=(driver.stdout, log_path, events, started, ("[rlsearch]", "rlsearch")))
+    reader.start()
+    last_progress = 0.0
+    try:
+        while True:
+            try:
+                event = events.get(timeout=args.interval)
+            except queue.Empty:
+                event = ""
+            if event is None or (event == "" and driver.poll() is not None):
+                break  # EOF, or the driver exited and a child of it still holds the pipe
+            if isinstance(event, StepLine):
+                steps.append(event)
+                last_progress = event.seconds
+            monitor.sample(steps[-1].step if steps else 0, at_step_line=isinstance(event, StepLine))
+            now = time.monotonic() - started
+            limit = hang_timeout(args, steps)
+            if now - last_progress > limit:
+                where = f"after step {steps[-1].step}" if steps else "before step 1"
+                hang = f"no step line for {now - last_progress:.0f} s {where} (limit {limit:.0f} s)"
+                break
+    except KeyboardInterrupt:
+        hang = "interrupted (Ctrl-C)"
+    if hang:
+        print(f"soak: {hang}: killing the process tree", flush=True)
+        kill_processes(process_tree(monitor.driver) + monitor.alive())
+    returncode = driver.wait()
+    seconds = time.monotonic() - started
+    reader.join(timeout=10)  # the rest of the output into the log (a surviving child may hold the pipe open)
     _, left_behind = psutil.wait_procs(monitor.alive(), timeout=15)  # Ray's processes finish their own shutdown
     names = [tracked.name for tracked in monitor.processes.values()
              if any(p.pid == tracked.pid for p in left_behind)]

@@ -47,10 +47,12 @@ import torch  # noqa: E402
 from bench.common import (  # noqa: E402
     SMOKE_VOCAB_RANKS,
     add_vocab_ranks_argument,
+    count_params,
     parse_args,
     random_tokens,
     vocab_suffix,
 )
+from bench.common.memory import memory_mib, pickle_by_value_for_ray, reset_peak_memory  # noqa: E402
 from rlsearch.actor.batch import TrainSample  # noqa: E402
 from rlsearch.devices import cpu_cores  # noqa: E402
 
@@ -58,27 +60,6 @@ CLIP_RATIO = 0.2
 LR = 1e-5
 CLIP_GRAD = 1.0
 TEMPERATURE = 1.0
-
-
-# ---- memory probes (run inside each actor process) ----------------------------------------------------------------
-
-def reset_peak_memory() -> None:
-    """Start a new peak: CUDA allocator stats on GPU, the kernel's peak RSS (VmHWM) on CPU."""
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-        return
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass  # the peak then counts from the process start
-
-
-def memory_mib() -> tuple[float, float]:
-    """(current, peak since the last reset) in MiB: allocated CUDA memory on GPU, resident memory on CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.memory_allocated() / 2**20, torch.cuda.max_memory_allocated() / 2**20
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
 # ---- the batch ----------------------------------------------------------------------------------------------------
@@ -248,20 +229,6 @@ def describe_model(model_path: Path, args: argparse.Namespace) -> str:
             f"{config['vocab_size']:,}")
 
 
-def count_params(model_path: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for shard in model_path.glob("*.safetensors"):
-        with safe_open(str(shard), "pt") as handle:
-            for name in handle.keys():
-                numel = 1
-                for dim in handle.get_slice(name).get_shape():
-                    numel *= dim
-                total += numel
-    return total
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model (random-init, the real Qwen vocabulary of 151,680 rows unless "
@@ -339,6 +306,7 @@ def main() -> None:
     if (args.model or args.architecture == "qwen2") and expert_parallel != [1]:
         parser.error("--ep needs an MoE --architecture")
     init_ray(num_cpus=max(4, 1 + sum(expert_parallel)))
+    pickle_by_value_for_ray()
     gpu_share = 0.5 if on_gpu else 0.0
     hf = ray.remote(HFTrainer).options(num_cpus=1, num_gpus=gpu_share).remote(
         str(model_path), args.dtype, threads, args.hf_micro_batch, args.hf_layout

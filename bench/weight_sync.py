@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
+from bench.common.memory import proc_status  # noqa: E402
 
 
 class PeakRss:
@@ -54,11 +55,8 @@ class PeakRss:
     @staticmethod
     def _read(status: Path) -> tuple[int, int]:
         """(private, shared) resident bytes; zeros once the process is gone."""
-        try:
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-        except OSError:
-            fields = {}
-        return tuple(int(fields[key].split()[0]) * 1024 if key in fields else 0 for key in ("RssAnon", "RssShmem"))
+        fields = proc_status(status.parent.name)
+        return fields.get("RssAnon", 0), fields.get("RssShmem", 0)
 
     def _sample(self) -> None:
         while not self._stop.is_set():

@@ -1,4 +1,7 @@
-"""What the benchmarks share: random Qwen2 shapes, built once and cached under an output dir."""
+"""What the benchmarks share: random Qwen2 shapes, built once and cached under an output dir, and their options.
+
+bench.common.memory: the peak-memory probe; bench.common.runs: running the trainer and reading its output;
+bench.common.table: the table printer."""
 
 from __future__ import annotations
 
@@ -52,6 +55,17 @@ def build_model(shape: str, out_root: Path, max_positions: int = 0, vocab_ranks:
               flush=True)
         make_tiny_model(path, spec)
     return path
+
+
+def count_params(model_path: Path) -> int:
+    """The parameters in a model dir's safetensors shards (read from their headers)."""
+    from safetensors import safe_open
+
+    total = 0
+    for shard in model_path.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as handle:
+            total += sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
+    return total
 
 
 def vocab_suffix(vocab_ranks: int) -> str:
