@@ -105,7 +105,7 @@ QUERIES = [" " + word for word in (
 ).split()]
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--policy", choices=("searcher", "random"), default="searcher",
@@ -119,8 +119,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per loop; the best counts")
     parser.add_argument("--out", default="outputs/bench", help="where the random model and toy data are kept")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(prompts=2, group_size=2, turns=2, repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
+    return parser
 
+
+def report(args: argparse.Namespace, seconds: dict[str, float], trajectories: list, latency_s) -> None:
+    """per_sample's wall time against turn_barrier's, and the ideal ratio with free generation."""
+    ratio = seconds["per_sample"] / seconds["turn_barrier"]
+    latency = (f"0-{args.max_latency_ms:g} ms uniform" if args.latency == "uniform"
+               else f"exponential, mean {args.max_latency_ms / 2:g} ms")
+    print(f"per_sample / turn_barrier wall time, {args.policy} policy, tool latency {latency} (ideal with free "
+          f"generation {ideal_ratio(trajectories, latency_s):.2f}; goal <= 0.6): {ratio:.2f}")
+
+
+def run(args: argparse.Namespace) -> tuple[dict[str, float], list, functools.partial]:
+    """Both agent loops over the same items: (the best wall seconds of each, the last trajectories, the latency)."""
     from safetensors.torch import load_file
 
     from rlsearch.data.tiny_model import search_automaton_weights
@@ -163,11 +175,13 @@ def main() -> None:
                       f"each waited {generate_s:.2f} s on the engine and {tool_s:.2f} s on searches)", flush=True)
         finally:
             host.close()
-    ratio = seconds["per_sample"] / seconds["turn_barrier"]
-    latency = (f"0-{args.max_latency_ms:g} ms uniform" if args.latency == "uniform"
-               else f"exponential, mean {args.max_latency_ms / 2:g} ms")
-    print(f"per_sample / turn_barrier wall time, {args.policy} policy, tool latency {latency} (ideal with free "
-          f"generation {ideal_ratio(trajectories, latency_s):.2f}; goal <= 0.6): {ratio:.2f}")
+    return seconds, trajectories, latency_s
+
+
+def main() -> None:
+    args = parse_args(_parser(), dict(prompts=2, group_size=2, turns=2, repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
+    report(args, *run(args))
+
 
 
 if __name__ == "__main__":

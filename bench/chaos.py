@@ -325,10 +325,7 @@ def prompt_counts(run_dir: Path, last_step: int) -> tuple[int, int, int, int]:
     return once, skipped, duplicated, sum(expected.values())
 
 
-def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--serve-judge":
-        serve_judge(int(sys.argv[2]))
-        return
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=30)
     parser.add_argument("--every", type=int, default=2, help="completed steps between two kills")
@@ -348,23 +345,12 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/bench", help="assets are cached here; the run goes to OUT/chaos")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for the trainer")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(kills=1, every=1, warmup=1, tail=2, components=["retriever"], save_interval=1,
-                                     recovery_goal=600.0, vocab_ranks=SMOKE_VOCAB_RANKS,
-                                     # one small engine: the retriever is the one killed (1.5 GiB instead of 2 x 2.3);
-                                     # the random model's turns run to the token limit: 24 tokens, not 96
-                                     overrides=["rollout.num_engines=1", "rollout.kv_cache_gib=0.25",
-                                                "rollout.max_tokens_per_turn=24"]))
-    unknown = set(args.components) - set(COMPONENTS)
-    if unknown:
-        parser.error(f"unknown components {sorted(unknown)}; choose from {', '.join(COMPONENTS)}")
-    run_dir = Path(args.out) / "chaos"
-    if run_dir.exists():
-        import shutil
+    return parser
 
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    kills, steps, rss_start, rss_end, hang, returncode = run_chaos(args, run_dir)
 
+def report(args: argparse.Namespace, run_dir: Path, kills: list[Kill], steps: list[tuple[float, int]], rss_start: dict,
+           rss_end: dict, hang: str, returncode: int | None) -> int:
+    """The kills, the processes' memory, what the run printed of its recoveries, and the verdict: 1 on a failure."""
     print("\nkill  component  after step  next step line  recovered in")
     for index, kill in enumerate(kills, 1):
         recovered = f"{kill.recovered_s:.1f} s" if kill.recovered_s is not None else "never"
@@ -411,7 +397,30 @@ def main() -> None:
           f"prompts trained once {once}/{expected}, skipped {skipped}, duplicated {duplicated}; longest recovery "
           + (f"{worst.recovered_s:.1f} s ({worst.component})" if worst else "-")
           + f"; hangs {1 if hang else 0}: " + ("PASS" if not failures else "FAIL: " + "; ".join(failures)), flush=True)
-    sys.exit(1 if failures else 0)
+    return 1 if failures else 0
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--serve-judge":
+        serve_judge(int(sys.argv[2]))
+        return
+    parser = _parser()
+    args = parse_args(parser, dict(kills=1, every=1, warmup=1, tail=2, components=["retriever"], save_interval=1,
+                                     recovery_goal=600.0, vocab_ranks=SMOKE_VOCAB_RANKS,
+                                     # one small engine: the retriever is the one killed (1.5 GiB instead of 2 x 2.3);
+                                     # the random model's turns run to the token limit: 24 tokens, not 96
+                                     overrides=["rollout.num_engines=1", "rollout.kv_cache_gib=0.25",
+                                                "rollout.max_tokens_per_turn=24"]))
+    unknown = set(args.components) - set(COMPONENTS)
+    if unknown:
+        parser.error(f"unknown components {sorted(unknown)}; choose from {', '.join(COMPONENTS)}")
+    run_dir = Path(args.out) / "chaos"
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    sys.exit(report(args, run_dir, *run_chaos(args, run_dir)))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
-from bench.gpu_actor_check import _grpo_step, start_single_rank_worker  # noqa: E402
+from bench.gpu_actor_check import grpo_step, start_single_rank_worker  # noqa: E402
 
 
 def _sync() -> None:
@@ -162,7 +162,7 @@ def delta_syncs(worker, bucket_bytes: int, samples) -> dict:
     result = {}
     for sync_id, delta_of in (("first", None), ("second", "first")):
         if delta_of is not None:
-            result["step_s"], stats = _timed(_grpo_step, worker, samples)
+            result["step_s"], stats = _timed(grpo_step, worker, samples)
             result["grad_norm"] = stats["grad_norm"]
         plan = ExportPlan(bucket_bytes, stage_in_shared_memory=False, sync_id=sync_id, delta_of=delta_of)
         seconds, buckets = _timed(_all_buckets, worker, plan)
@@ -183,7 +183,7 @@ def _phases(phases: dict[str, float]) -> str:
     return ", ".join(f"{name} {seconds:.3f}" for name, seconds in phases.items())
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
@@ -192,17 +192,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6, help="the learning rate of the step between delta syncs")
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(shape="tiny", dtype="float32", repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
+    return parser
 
+
+def run(args: argparse.Namespace, worker) -> list[str]:
+    """The copy limits, the shm, broadcast and delta syncs of the worker's weights; what failed."""
     from bench.train_step import make_samples
-    from rlsearch.config import ActorConfig, AlgoConfig
 
-    on_gpu = torch.cuda.is_available()
-    print(f"device: {torch.cuda.get_device_name(0) if on_gpu else 'cpu'}; torch {torch.__version__}; "
-          f"model: random Qwen2 '{args.shape}', {args.dtype}; buckets of {args.bucket_mb} MB", flush=True)
-    model_path = build_model(args.shape, Path(args.out), vocab_ranks=args.vocab_ranks)
-    worker = start_single_rank_worker(model_path, args.dtype, ActorConfig(lr=args.lr, lr_warmup_steps=0),
-                                      AlgoConfig(kl_coef=0.0), 4)
     bucket_bytes = args.bucket_mb << 20
     total = worker.export_bytes()
     gb = total / 1e9
@@ -239,6 +235,21 @@ def main() -> None:
           f"{first['wire'] / max(second['wire'], 1):.1f}x fewer bytes", flush=True)
     if delta["differs"]:
         failures.append(f"deltas applied differ from the trained weights: {delta['differs'][:5]}")
+    return failures
+
+
+def main() -> None:
+    args = parse_args(_parser(), dict(shape="tiny", dtype="float32", repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
+
+    from rlsearch.config import ActorConfig, AlgoConfig
+
+    on_gpu = torch.cuda.is_available()
+    print(f"device: {torch.cuda.get_device_name(0) if on_gpu else 'cpu'}; torch {torch.__version__}; "
+          f"model: random Qwen2 '{args.shape}', {args.dtype}; buckets of {args.bucket_mb} MB", flush=True)
+    model_path = build_model(args.shape, Path(args.out), vocab_ranks=args.vocab_ranks)
+    worker = start_single_rank_worker(model_path, args.dtype, ActorConfig(lr=args.lr, lr_warmup_steps=0),
+                                      AlgoConfig(kl_coef=0.0), 4)
+    failures = run(args, worker)
     worker.shutdown()
     print("FAIL: " + "; ".join(failures) if failures else "PASS", flush=True)
     sys.exit(1 if failures else 0)

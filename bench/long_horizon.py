@@ -429,7 +429,7 @@ def check_loop_records(agent: Run, trajectories) -> str:
     return line
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=64, help="rollout.max_turns: every turn searches (default 64)")
     parser.add_argument("--trajectories", type=int, default=8, help="trajectories run concurrently (default 8)")
@@ -448,80 +448,15 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="an extra no-latency run under cProfile (event loop thread)")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(turns=3, trajectories=2, tool_latency_ms=5.0, repeats=1,
-                                   vocab_ranks=SMOKE_VOCAB_RANKS))
-    if args.tokens_per_turn < 7:
-        parser.error("--tokens-per-turn must be >= 7 (<search>, a word, </search>)")
+    return parser
 
-    from safetensors.torch import load_file
 
-    from rlsearch.config import RolloutConfig
-    from rlsearch.rollout import AgentLoop, PromptItem
-    from rlsearch.tools import ToolRegistry, make_protocol
-
-    model_path = build_model(args.shape, Path(args.out), MAX_POSITIONS, args.vocab_ranks)
-    query_len = args.tokens_per_turn - 6
-    # the observation: 2 documents of 10 one-token words plus tags, ~40 tokens; room for 64 of them and the turns
-    max_response = args.turns * (args.tokens_per_turn + 64)
-    config = RolloutConfig(max_turns=args.turns, max_tokens_per_turn=args.tokens_per_turn, logit_bias={},
-                           max_response_tokens=max_response, assistant_prefix="<search>", agent_loop="per_sample")
-    if config.window > MAX_POSITIONS:
-        parser.error(f"a context window of {config.window} tokens is more than the model's {MAX_POSITIONS}")
-    items = [PromptItem(f"q{i}", f"Which workshop in town number {i} built the {i + 3}th bridge over the river?", i, 0)
-             for i in range(args.trajectories)]
-    print(f"starting the engine (max_model_len {config.max_prompt_tokens + max_response}) ...", flush=True)
-    host = BenchEngine(model_path, max_model_len=config.max_prompt_tokens + max_response)
-    results: dict = {}
-    try:
-        tokenizer = host.engine.tokenizer
-        words = single_token_words(tokenizer, query_len * CHOICES + 64, args.seed)
-        positions = [words[i * CHOICES:(i + 1) * CHOICES] for i in range(query_len)]
-        state = load_file(str(model_path / "model.safetensors"))
-        host.load_weights(searcher_weights(state, tokenizer, positions))
-        block = host.engine.llm.vllm_config.cache_config.block_size
-
-        tool = FakeSearch(words[query_len * CHOICES:], args.tool_latency_ms / 1000, args.tool_latency_sigma, args.seed)
-        registry = ToolRegistry([tool])
-        recorder = RecordingEngine(host.engine)
-        loop = AgentLoop(recorder, make_protocol("search_r1", registry.specs), registry, config, args.seed)
-
-        # warm-up: a short rollout of another step (a full one measured the same as the timed runs after it)
-        warm = AgentLoop(recorder, loop.protocol, registry, dataclasses.replace(config, max_turns=4), args.seed)
-        host.run(warm.run(items[:2], STEP + 1))
-
-        print(f"agent loop, tool latency median {args.tool_latency_ms:g} ms ...", flush=True)
-        agent, trajectories = run_agent("agent, tool latency", host, recorder, loop, tool, items, args.turns)
-        print(f"  {agent.wall_s:.2f} s", flush=True)
-        tool.enabled = False
-        fast = bare = None
-        pairs = []  # (agent wall s, bare wall s) of each repeat: run back to back, they see similar load
-        # alternated, best wall time of each: the machine is shared, and load comes and goes
-        for repeat in range(args.repeats):
-            print(f"agent loop, no tool latency ({repeat + 1}/{args.repeats}) ...", flush=True)
-            run, run_trajectories = run_agent("agent, no latency", host, recorder, loop, tool, items, args.turns)
-            print(f"  {run.wall_s:.2f} s", flush=True)
-            if fast is None or run.wall_s < fast.wall_s:
-                fast, fast_trajectories = run, run_trajectories
-            print(f"bare vLLM replay ({repeat + 1}/{args.repeats}) ...", flush=True)
-            pairs.append((run.wall_s, 0.0))
-            run, mismatched = run_bare(host, recorder, loop, agent, trajectories, args.turns)
-            print(f"  {run.wall_s:.2f} s", flush=True)
-            pairs[-1] = (pairs[-1][0], run.wall_s)
-            if bare is None or run.wall_s < bare.wall_s:
-                bare = run
-        profile = profiled = None
-        if args.profile:  # an extra run: the profiler slows the thread it watches
-            import cProfile
-
-            print("agent loop, no tool latency, profiled ...", flush=True)
-            profile = cProfile.Profile()
-            profiled = run_agent("profiled", host, recorder, loop, tool, items, args.turns, profile)[0]
-        memory = peak_rss_gib()
-        records_line = check_loop_records(agent, trajectories)
-        records_line_fast = check_loop_records(fast, fast_trajectories)
-    finally:
-        host.close()
-
+def report(args: argparse.Namespace, m: Measured) -> None:
+    """The runs' table, the prefix cache's table, peak memory, the profile, the ratios; the figures to --json."""
+    (agent, trajectories, fast, fast_trajectories, bare, mismatched, pairs,
+     profile, profiled, memory, records_line, records_line_fast, block, tool) = (
+        m.agent, m.trajectories, m.fast, m.fast_trajectories, m.bare, m.mismatched, m.pairs,
+        m.profile, m.profiled, m.memory, m.records_line, m.records_line_fast, m.block, m.tool)
     same = all(a.token_ids == b.token_ids for a, b in zip(trajectories, fast_trajectories))
     turns = [len(t.turns) for t in trajectories]
     calls = [len(t.dispatched_calls) for t in trajectories]
@@ -618,6 +553,113 @@ def main() -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))
         print(f"figures written to {args.json}")
+
+
+@dataclasses.dataclass
+class Measured:
+    """What the runs gave: the agent run with tool latency, the best no-latency and bare runs (and the profiled one)."""
+
+    agent: Run
+    trajectories: list
+    fast: Run
+    fast_trajectories: list
+    bare: Run
+    mismatched: int  # turns the bare replay sampled other tokens on
+    pairs: list[tuple[float, float]]  # (agent wall s, bare wall s) per repeat
+    profile: object  # cProfile.Profile or None
+    profiled: Run | None
+    memory: dict[str, float]
+    records_line: str
+    records_line_fast: str
+    block: int  # the engine's KV block size
+    tool: FakeSearch
+
+
+def run_all(args: argparse.Namespace, host: BenchEngine, model_path: Path, config, items: list) -> Measured:
+    """The runs on one engine: the agent with tool latency, then no-latency agent runs and bare replays alternated
+    (--repeats), and with --profile a profiled one."""
+    from safetensors.torch import load_file
+
+    from rlsearch.rollout import AgentLoop
+    from rlsearch.tools import ToolRegistry, make_protocol
+
+    query_len = args.tokens_per_turn - 6
+    tokenizer = host.engine.tokenizer
+    words = single_token_words(tokenizer, query_len * CHOICES + 64, args.seed)
+    positions = [words[i * CHOICES:(i + 1) * CHOICES] for i in range(query_len)]
+    state = load_file(str(model_path / "model.safetensors"))
+    host.load_weights(searcher_weights(state, tokenizer, positions))
+    block = host.engine.llm.vllm_config.cache_config.block_size
+
+    tool = FakeSearch(words[query_len * CHOICES:], args.tool_latency_ms / 1000, args.tool_latency_sigma, args.seed)
+    registry = ToolRegistry([tool])
+    recorder = RecordingEngine(host.engine)
+    loop = AgentLoop(recorder, make_protocol("search_r1", registry.specs), registry, config, args.seed)
+
+    # warm-up: a short rollout of another step (a full one measured the same as the timed runs after it)
+    warm = AgentLoop(recorder, loop.protocol, registry, dataclasses.replace(config, max_turns=4), args.seed)
+    host.run(warm.run(items[:2], STEP + 1))
+
+    print(f"agent loop, tool latency median {args.tool_latency_ms:g} ms ...", flush=True)
+    agent, trajectories = run_agent("agent, tool latency", host, recorder, loop, tool, items, args.turns)
+    print(f"  {agent.wall_s:.2f} s", flush=True)
+    tool.enabled = False
+    fast = bare = None
+    pairs = []  # (agent wall s, bare wall s) of each repeat: run back to back, they see similar load
+    # alternated, best wall time of each: the machine is shared, and load comes and goes
+    for repeat in range(args.repeats):
+        print(f"agent loop, no tool latency ({repeat + 1}/{args.repeats}) ...", flush=True)
+        run, run_trajectories = run_agent("agent, no latency", host, recorder, loop, tool, items, args.turns)
+        print(f"  {run.wall_s:.2f} s", flush=True)
+        if fast is None or run.wall_s < fast.wall_s:
+            fast, fast_trajectories = run, run_trajectories
+        print(f"bare vLLM replay ({repeat + 1}/{args.repeats}) ...", flush=True)
+        pairs.append((run.wall_s, 0.0))
+        run, mismatched = run_bare(host, recorder, loop, agent, trajectories, args.turns)
+        print(f"  {run.wall_s:.2f} s", flush=True)
+        pairs[-1] = (pairs[-1][0], run.wall_s)
+        if bare is None or run.wall_s < bare.wall_s:
+            bare = run
+    profile = profiled = None
+    if args.profile:  # an extra run: the profiler slows the thread it watches
+        import cProfile
+
+        print("agent loop, no tool latency, profiled ...", flush=True)
+        profile = cProfile.Profile()
+        profiled = run_agent("profiled", host, recorder, loop, tool, items, args.turns, profile)[0]
+    memory = peak_rss_gib()
+    records_line = check_loop_records(agent, trajectories)
+    records_line_fast = check_loop_records(fast, fast_trajectories)
+    return Measured(agent, trajectories, fast, fast_trajectories, bare, mismatched, pairs, profile, profiled, memory,
+                    records_line, records_line_fast, block, tool)
+
+
+def main() -> None:
+    parser = _parser()
+    args = parse_args(parser, dict(turns=3, trajectories=2, tool_latency_ms=5.0, repeats=1,
+                                   vocab_ranks=SMOKE_VOCAB_RANKS))
+    if args.tokens_per_turn < 7:
+        parser.error("--tokens-per-turn must be >= 7 (<search>, a word, </search>)")
+
+    from rlsearch.config import RolloutConfig
+    from rlsearch.rollout import PromptItem
+
+    model_path = build_model(args.shape, Path(args.out), MAX_POSITIONS, args.vocab_ranks)
+    # the observation: 2 documents of 10 one-token words plus tags, ~40 tokens; room for 64 of them and the turns
+    max_response = args.turns * (args.tokens_per_turn + 64)
+    config = RolloutConfig(max_turns=args.turns, max_tokens_per_turn=args.tokens_per_turn, logit_bias={},
+                           max_response_tokens=max_response, assistant_prefix="<search>", agent_loop="per_sample")
+    if config.window > MAX_POSITIONS:
+        parser.error(f"a context window of {config.window} tokens is more than the model's {MAX_POSITIONS}")
+    items = [PromptItem(f"q{i}", f"Which workshop in town number {i} built the {i + 3}th bridge over the river?", i, 0)
+             for i in range(args.trajectories)]
+    print(f"starting the engine (max_model_len {config.max_prompt_tokens + max_response}) ...", flush=True)
+    host = BenchEngine(model_path, max_model_len=config.max_prompt_tokens + max_response)
+    try:
+        m = run_all(args, host, model_path, config, items)
+    finally:
+        host.close()
+    report(args, m)
 
 
 if __name__ == "__main__":

@@ -358,7 +358,7 @@ def _verdict(value: float | None, goal: float) -> str:
     return "n/a" if value is None else ("PASS" if value <= goal else "FAIL")
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="4096,8192,16384,32768",
                         help="part 1: trajectory lengths in tokens, comma-separated (empty: skip part 1)")
@@ -377,6 +377,87 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
     add_vocab_ranks_argument(parser)
+    return parser
+
+
+def report_goals(one: dict, ratio_merged: float | None, total: float, watchdog: MemoryWatchdog) -> None:
+    """The run's time and memory headroom, and the two goals: the 32k step peak, merged against one segment."""
+    print(f"total runtime {total / 60:.1f} min; load average at the end "
+          f"{' '.join(f'{load:.1f}' for load in os.getloadavg())} (1, 5, 15 min); lowest available memory during "
+          f"the steps {watchdog.lowest / GB:.1f} GB")
+    peak_value, peak_label = None, "no chunked figure"
+    if one:
+        size = 32768 if 32768 in one else max(one)
+        candidates = [(name, r) for name, r in one[size].items() if name != "unchunked" and r.ok]
+        fitting = [(n, r) for n, r in candidates if max(r.step_peak) <= GOAL_PEAK_GB * GB]
+        if candidates:  # chunked at CP1 when it fits, else CP2 when it fits, else the lower peak
+            name, best = fitting[0] if fitting else min(candidates, key=lambda c: max(c[1].step_peak))
+            peak_value = max(best.step_peak) / GB
+            peak_label = f"{peak_value:.2f} GB ({name} at {size} tokens; +{max(best.increase) / GB:.2f} GB in the step)"
+            if size != 32768:
+                peak_label += " -- not a 32k figure"
+    print(f"goal: 32k step peak per rank <= {GOAL_PEAK_GB:.0f} GB (with CP2 if needed): {peak_label} "
+          f"{_verdict(peak_value, GOAL_PEAK_GB)}")
+    merged_label = f"{ratio_merged:.2f}x" if ratio_merged is not None else "no figure"
+    print(f"goal: merged <= {GOAL_MERGED_RATIO} x one segment: {merged_label} "
+          f"{_verdict(ratio_merged, GOAL_MERGED_RATIO)}")
+
+
+def report_two(args: argparse.Namespace, two: dict) -> float | None:
+    """Part two's table (a re-rendered trajectory: merged, segment by segment, one segment): merged / one segment."""
+    ratio_merged = ratio_segments = None
+    if two:
+        print()
+        print(f"=== a {args.segments}-segment re-rendered trajectory, one GRPO step (1 rank) ===")
+        header = f"{'configuration':<19} {'samples':>7} {'token rows':>10} {'trained':>8} {'seconds':>8}  " \
+                 f"{'step peak GB':>12}  {'+step GB':>8}"
+        print(header)
+        print("-" * len(header))
+        for name, (result, count, rows, positions) in two.items():
+            figures = (f"{result.seconds:>8.1f}  {_gb(result.step_peak):>12}  {_gb(result.increase):>8}"
+                       if result.ok else result.note)
+            print(f"{name:<19} {count:>7} {rows:>10} {positions:>8} {figures}")
+        merged, segments, single = (two[name][0] for name in ("merged", "segment by segment", "one segment"))
+        if merged.ok and single.ok:
+            ratio_merged = merged.seconds / single.seconds
+            print(f"merged / one segment: {ratio_merged:.2f}x time")
+        if merged.ok and segments.ok:
+            ratio_segments = segments.seconds / merged.seconds
+            print(f"segment by segment / merged: {ratio_segments:.2f}x time, "
+                  f"{two['segment by segment'][2] / two['merged'][2]:.2f}x token rows")
+
+    print()
+    return ratio_merged
+
+
+def report_one(one: dict, params: int, vocab: int) -> None:
+    """Part one's table: per trajectory length, each configuration's time and memory per rank."""
+    print()
+    print(f"=== one trajectory, one GRPO step (fp32, {params / 1e6:.0f}M-parameter tiny Qwen2, vocabulary {vocab}) ===")
+    print("memory per rank: step peak = peak RSS during the step, +step = that over the RSS before it, "
+          "lifetime = ru_maxrss (ranks separated by /)")
+    header = f"{'tokens':>7}  {'configuration':<14} {'seconds':>8}  {'step peak GB':>13}  {'+step GB':>11}  " \
+             f"{'lifetime GB':>11}  vs unchunked"
+    print(header)
+    print("-" * len(header))
+    for size, row in one.items():
+        reference = row.get("unchunked")
+        for name, result in row.items():
+            if not result.ok:
+                print(f"{size:>7}  {name:<14} {result.note}")
+                continue
+            versus = ""
+            if reference is not None and reference.ok and name != "unchunked":
+                versus = (f"time {result.seconds / reference.seconds:.2f}x, "
+                          f"peak {max(result.step_peak) / max(reference.step_peak):.2f}x")
+            print(f"{size:>7}  {name:<14} {result.seconds:>8.1f}  {_gb(result.step_peak):>13}  "
+                  f"{_gb(result.increase):>11}  {_gb(result.lifetime):>11}  {versus}")
+    if any(not r.peak_reset for row in one.values() for r in row.values() if r.ok):
+        print("(the kernel's peak could not be reset in some rank: its step peak counts from the rank's start)")
+
+
+def main() -> None:
+    parser = _parser()
     args = parse_args(parser, dict(sizes="512", segments=2, turn_tokens=32, prompt_tokens=32,
                                    vocab_ranks=SMOKE_VOCAB_RANKS))
     args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
@@ -403,70 +484,9 @@ def main() -> None:
     two = part_two(args, model_path, watchdog) if args.segments else {}
     total = time.perf_counter() - started
 
-    print()
-    print(f"=== one trajectory, one GRPO step (fp32, {params / 1e6:.0f}M-parameter tiny Qwen2, vocabulary {vocab}) ===")
-    print("memory per rank: step peak = peak RSS during the step, +step = that over the RSS before it, "
-          "lifetime = ru_maxrss (ranks separated by /)")
-    header = f"{'tokens':>7}  {'configuration':<14} {'seconds':>8}  {'step peak GB':>13}  {'+step GB':>11}  " \
-             f"{'lifetime GB':>11}  vs unchunked"
-    print(header)
-    print("-" * len(header))
-    for size, row in one.items():
-        reference = row.get("unchunked")
-        for name, result in row.items():
-            if not result.ok:
-                print(f"{size:>7}  {name:<14} {result.note}")
-                continue
-            versus = ""
-            if reference is not None and reference.ok and name != "unchunked":
-                versus = (f"time {result.seconds / reference.seconds:.2f}x, "
-                          f"peak {max(result.step_peak) / max(reference.step_peak):.2f}x")
-            print(f"{size:>7}  {name:<14} {result.seconds:>8.1f}  {_gb(result.step_peak):>13}  "
-                  f"{_gb(result.increase):>11}  {_gb(result.lifetime):>11}  {versus}")
-    if any(not r.peak_reset for row in one.values() for r in row.values() if r.ok):
-        print("(the kernel's peak could not be reset in some rank: its step peak counts from the rank's start)")
-
-    ratio_merged = ratio_segments = None
-    if two:
-        print()
-        print(f"=== a {args.segments}-segment re-rendered trajectory, one GRPO step (1 rank) ===")
-        header = f"{'configuration':<19} {'samples':>7} {'token rows':>10} {'trained':>8} {'seconds':>8}  " \
-                 f"{'step peak GB':>12}  {'+step GB':>8}"
-        print(header)
-        print("-" * len(header))
-        for name, (result, count, rows, positions) in two.items():
-            figures = (f"{result.seconds:>8.1f}  {_gb(result.step_peak):>12}  {_gb(result.increase):>8}"
-                       if result.ok else result.note)
-            print(f"{name:<19} {count:>7} {rows:>10} {positions:>8} {figures}")
-        merged, segments, single = (two[name][0] for name in ("merged", "segment by segment", "one segment"))
-        if merged.ok and single.ok:
-            ratio_merged = merged.seconds / single.seconds
-            print(f"merged / one segment: {ratio_merged:.2f}x time")
-        if merged.ok and segments.ok:
-            ratio_segments = segments.seconds / merged.seconds
-            print(f"segment by segment / merged: {ratio_segments:.2f}x time, "
-                  f"{two['segment by segment'][2] / two['merged'][2]:.2f}x token rows")
-
-    print()
-    print(f"total runtime {total / 60:.1f} min; load average at the end "
-          f"{' '.join(f'{load:.1f}' for load in os.getloadavg())} (1, 5, 15 min); lowest available memory during "
-          f"the steps {watchdog.lowest / GB:.1f} GB")
-    peak_value, peak_label = None, "no chunked figure"
-    if one:
-        size = 32768 if 32768 in one else max(one)
-        candidates = [(name, r) for name, r in one[size].items() if name != "unchunked" and r.ok]
-        fitting = [(n, r) for n, r in candidates if max(r.step_peak) <= GOAL_PEAK_GB * GB]
-        if candidates:  # chunked at CP1 when it fits, else CP2 when it fits, else the lower peak
-            name, best = fitting[0] if fitting else min(candidates, key=lambda c: max(c[1].step_peak))
-            peak_value = max(best.step_peak) / GB
-            peak_label = f"{peak_value:.2f} GB ({name} at {size} tokens; +{max(best.increase) / GB:.2f} GB in the step)"
-            if size != 32768:
-                peak_label += " -- not a 32k figure"
-    print(f"goal: 32k step peak per rank <= {GOAL_PEAK_GB:.0f} GB (with CP2 if needed): {peak_label} "
-          f"{_verdict(peak_value, GOAL_PEAK_GB)}")
-    merged_label = f"{ratio_merged:.2f}x" if ratio_merged is not None else "no figure"
-    print(f"goal: merged <= {GOAL_MERGED_RATIO} x one segment: {merged_label} "
-          f"{_verdict(ratio_merged, GOAL_MERGED_RATIO)}")
+    report_one(one, params, vocab)
+    ratio_merged = report_two(args, two)
+    report_goals(one, ratio_merged, total, watchdog)
 
 
 if __name__ == "__main__":

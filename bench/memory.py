@@ -359,7 +359,7 @@ def _spread(values: list[float]) -> str:
     return f"{_mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="", help="bench/common.py shapes, comma-separated (default: tiny on CPU, "
                         "tiny,0.5b on GPU)")
@@ -379,12 +379,11 @@ def main() -> None:
     add_vocab_ranks_argument(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--fit-child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        return run_child(json.loads(args.child))
-    if args.fit_child:
-        return run_fit_child(json.loads(args.fit_child))
-    on_gpu = torch.cuda.is_available()
+    return parser
+
+
+def _settle(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gpu: bool) -> None:
+    """The device's defaults of the options not given (the smoke run's over them), checked."""
     args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     args.threads = args.threads or cpu_cores()
     if args.smoke:
@@ -396,6 +395,17 @@ def main() -> None:
                                                                              if s not in SHAPES]
     if unknown:
         parser.error(f"unknown configuration or shape: {', '.join(unknown)}")
+
+
+def main() -> None:
+    parser = _parser()
+    args = parser.parse_args()
+    if args.child:
+        return run_child(json.loads(args.child))
+    if args.fit_child:
+        return run_fit_child(json.loads(args.fit_child))
+    on_gpu = torch.cuda.is_available()
+    _settle(parser, args, on_gpu)
     device = torch.cuda.get_device_name(0) if on_gpu else f"CPU, {os.cpu_count()} cores"
     print(f"device: {device}; torch {torch.__version__}; {args.dtype}; logits chunk {args.chunk}; "
           f"{args.threads} thread(s)", flush=True)

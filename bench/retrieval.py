@@ -147,7 +147,7 @@ def prebuilt_case(root: Path, lines: int, repeats: int) -> dict[str, float]:
     return figures
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--entities", type=int, default=3000, help="toy entities of the corpus (3 passages each)")
     parser.add_argument("--queries", type=int, default=4096)
@@ -160,12 +160,11 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=500_000, help="--prebuilt: passages of the corpus")
     parser.add_argument("--out", default="outputs/bench", help="where the prebuilt case's corpus and index are kept")
     # both cases at toy sizes
-    args = parse_args(parser, dict(entities=30, queries=128, repeats=1, skip_dense=True, lines=2000))
-    if args.prebuilt or args.smoke:
-        prebuilt_case(Path(args.out) / f"retrieval-prebuilt-{args.lines}", args.lines, args.repeats)
-        if args.prebuilt:
-            return
+    return parser
 
+
+def run(args: argparse.Namespace) -> tuple[float, float]:
+    """In-process BM25 against the HTTP server over the same queries (and dense recall@5): (local, http) queries/s."""
     from rlsearch.data import make_toy_data
     from rlsearch.tools import RetrievalClient, RetrieverProcess
     from rlsearch.tools.servers.corpus import Corpus
@@ -204,7 +203,17 @@ def main() -> None:
                   f"MiniLM encoded them in {encode_s:.1f} s):")
             for name, retriever in (("bm25", bm25), ("dense", dense), ("hybrid", HybridRetriever(bm25, dense))):
                 print(f"  {name:<7}: {recall_at_5(retriever, rows):.3f}", flush=True)
+    return local_qps, http_qps
 
+
+def main() -> None:
+    args = parse_args(_parser(), dict(entities=30, queries=128, repeats=1, skip_dense=True, lines=2000))
+    if args.prebuilt or args.smoke:
+        prebuilt_case(Path(args.out) / f"retrieval-prebuilt-{args.lines}", args.lines, args.repeats)
+        if args.prebuilt:
+            return
+
+    local_qps, http_qps = run(args)
     print(f"http queries/s / in-process bm25s queries/s (goal >= 0.8): {http_qps / local_qps:.2f}")
 
 

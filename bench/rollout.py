@@ -223,7 +223,7 @@ def bench_pool(args, model_path: Path, retriever_url: str, items: list) -> None:
     print(f"{args.engines} x TP{args.tp} tokens/s / 1 x TP1 tokens/s: {ratio:.2f}")
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--prompts", type=int, default=16)
@@ -237,7 +237,42 @@ def main() -> None:
     parser.add_argument("--groups-per-engine", type=int, default=0, help="rollout.groups_per_engine of the pool")
     parser.add_argument("--cpu-threads-bind", default="", help="rollout.cpu_threads_bind of TP engines, e.g. '0|1'")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(prompts=2, group_size=2, repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
+    return parser
+
+
+def agent_and_bare(args: argparse.Namespace, host: BenchEngine, retriever_url: str, items: list,
+                   step: int) -> tuple[int, float, int, float]:
+    """The agent loop's best time, then bare generation's of the same tokens: (sampled, agent s, generated, bare s)."""
+    loop = make_agent_loop(host.engine, retriever_url, args.agent_loop)
+    host.run(loop.run(items[: args.group_size], step + 1))  # warm-up
+    agent_s, trajectories = float("inf"), []
+    for _ in range(args.repeats):
+        host.run(host.engine.reset_prefix_cache())
+        started = time.perf_counter()
+        trajectories = host.run(loop.run(items, step))
+        agent_s = min(agent_s, time.perf_counter() - started)
+    sampled = sum(sum(t.loss_mask) for t in trajectories)
+    print(f"agent ({args.agent_loop}): {len(items)} trajectories, {describe(trajectories)}; "
+          f"{sampled} sampled tokens in {agent_s:.2f} s = {sampled / agent_s:.0f} tokens/s", flush=True)
+
+    prompts = [t.prompt_ids for t in trajectories]
+    bare_s = float("inf")
+    for _ in range(args.repeats):
+        params = bare_generate_params(loop, trajectories, step)
+        host.run(host.engine.reset_prefix_cache())
+        started = time.perf_counter()
+        outputs = host.run(host.engine.generate(prompts, params))
+        bare_s = min(bare_s, time.perf_counter() - started)
+    generated = sum(len(output.outputs[0].token_ids) for output in outputs)
+    assert generated == sampled, f"bare generate gave {generated} tokens for {sampled} asked"
+    print(f"bare generate: the same {generated} tokens in {bare_s:.2f} s = {generated / bare_s:.0f} tokens/s",
+          flush=True)
+    loop.tools.close()
+    return sampled, agent_s, generated, bare_s
+
+
+def main() -> None:
+    args = parse_args(_parser(), dict(prompts=2, group_size=2, repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
 
     from rlsearch.tools import RetrieverProcess
 
@@ -259,31 +294,7 @@ def main() -> None:
                 host.close()
             return
         try:
-            loop = make_agent_loop(host.engine, retriever.url, args.agent_loop)
-            host.run(loop.run(items[: args.group_size], step + 1))  # warm-up
-            agent_s, trajectories = float("inf"), []
-            for _ in range(args.repeats):
-                host.run(host.engine.reset_prefix_cache())
-                started = time.perf_counter()
-                trajectories = host.run(loop.run(items, step))
-                agent_s = min(agent_s, time.perf_counter() - started)
-            sampled = sum(sum(t.loss_mask) for t in trajectories)
-            print(f"agent ({args.agent_loop}): {len(items)} trajectories, {describe(trajectories)}; "
-                  f"{sampled} sampled tokens in {agent_s:.2f} s = {sampled / agent_s:.0f} tokens/s", flush=True)
-
-            prompts = [t.prompt_ids for t in trajectories]
-            bare_s = float("inf")
-            for _ in range(args.repeats):
-                params = bare_generate_params(loop, trajectories, step)
-                host.run(host.engine.reset_prefix_cache())
-                started = time.perf_counter()
-                outputs = host.run(host.engine.generate(prompts, params))
-                bare_s = min(bare_s, time.perf_counter() - started)
-            generated = sum(len(output.outputs[0].token_ids) for output in outputs)
-            assert generated == sampled, f"bare generate gave {generated} tokens for {sampled} asked"
-            print(f"bare generate: the same {generated} tokens in {bare_s:.2f} s = {generated / bare_s:.0f} tokens/s",
-                  flush=True)
-            loop.tools.close()
+            sampled, agent_s, generated, bare_s = agent_and_bare(args, host, retriever.url, items, step)
         finally:
             host.close()
     ratio = (sampled / agent_s) / (generated / bare_s)

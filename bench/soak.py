@@ -354,7 +354,7 @@ def warmup_steps(args: argparse.Namespace) -> int:
     return max(1, args.steps // 10, args.save_interval + 1 if args.save_interval < args.steps else 0)
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200, help="GRPO steps (trainer.total_steps)")
     parser.add_argument("--warmup", type=int, default=None,
@@ -369,21 +369,12 @@ def main() -> int:
     parser.add_argument("--out", default="outputs/bench", help="where the model, data, run and samples go")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for the trainer (key=value)")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(steps=4, warmup=1, save_interval=3, interval=1.0, vocab_ranks=SMOKE_VOCAB_RANKS))
-    warmup = warmup_steps(args)
-    if not 1 <= warmup < args.steps:
-        parser.error(f"--warmup {warmup} must be at least 1 and below --steps {args.steps}")
+    return parser
 
-    out = Path(args.out).resolve()
-    args.out = str(out)
-    run_dir = out / "soak-run"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    command = trainer_command(args, run_dir)
-    print(f"soak: {args.steps} GRPO steps on the toy task, warm-up {warmup} steps, a sample every {args.interval:g} s "
-          f"and at every step line; trainer output in {run_dir / 'train.log'}", flush=True)
-    outcome, monitor = run_and_monitor(args, command, run_dir)
 
+def report(args: argparse.Namespace, out: Path, run_dir: Path, outcome: RunOutcome, monitor: ProcessMonitor,
+           warmup: int) -> int:
+    """The samples written, the processes' table, and the verdict against the goals: 1 on a failure."""
     samples_path = out / "soak-samples.json"
     failures = []
     if outcome.hang:
@@ -431,6 +422,25 @@ def main() -> int:
           f"{leaked} (goal: none)"
           + (f"; FAILED: {'; '.join(failures)}" if failures else ""))
     return 1 if failures else 0
+
+
+def main() -> int:
+    parser = _parser()
+    args = parse_args(parser, dict(steps=4, warmup=1, save_interval=3, interval=1.0, vocab_ranks=SMOKE_VOCAB_RANKS))
+    warmup = warmup_steps(args)
+    if not 1 <= warmup < args.steps:
+        parser.error(f"--warmup {warmup} must be at least 1 and below --steps {args.steps}")
+
+    out = Path(args.out).resolve()
+    args.out = str(out)
+    run_dir = out / "soak-run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    command = trainer_command(args, run_dir)
+    print(f"soak: {args.steps} GRPO steps on the toy task, warm-up {warmup} steps, a sample every {args.interval:g} s "
+          f"and at every step line; trainer output in {run_dir / 'train.log'}", flush=True)
+    outcome, monitor = run_and_monitor(args, command, run_dir)
+    return report(args, out, run_dir, outcome, monitor, warmup)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
+from bench.common.runs import TINY_CONFIG  # noqa: E402
+from bench.common.table import print_table  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PHASES = (
     ("rollout wait", "time/rollout_s"),
     ("generate/traj", "time/generate_s_mean"),
@@ -43,7 +44,7 @@ PHASES = (
 )
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     parser.add_argument("--steps", type=int, default=2, help="training steps (the last one is reported)")
@@ -56,19 +57,21 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--out", default="outputs/bench", help="where the random model, data and the run go")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(shape="tiny", steps=1, batch_size=1, group_size=2, max_response_tokens=32,
-                                   vocab_ranks=SMOKE_VOCAB_RANKS))
+    return parser
 
+
+def run(args: argparse.Namespace) -> dict[str, list[tuple[int, float]]]:
+    """The GRPO run; its TensorBoard scalars."""
     from rlsearch.config import load_train_config
     from rlsearch.data import make_toy_data
+    from rlsearch.runlog import read_scalars
     from rlsearch.trainer import GRPOTrainer
 
     out = Path(args.out)
     model = build_model(args.shape, out, vocab_ranks=args.vocab_ranks)
-    toy_dir = out / "toy"
-    toy = make_toy_data(toy_dir, seed=0)
+    toy = make_toy_data(out / "toy", seed=0)
     run_dir = out / f"step-{args.shape}-tp{args.tp}pp{args.pp}-async{args.async_steps}"
-    config = load_train_config(str(REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml"), [
+    config = load_train_config(str(TINY_CONFIG), [
         f"model.path={model}", f"data.train_files=[{toy.train}]", f"tools.retriever.corpus={toy.corpus}",
         f"tools.retriever.index_cache_dir={out / 'bm25_cache'}", f"data.batch_size={args.batch_size}",
         f"rollout.group_size={args.group_size}", f"rollout.max_response_tokens={args.max_response_tokens}",
@@ -79,18 +82,20 @@ def main() -> None:
     ])
     print(f"GRPO steps on a random {args.shape}-shaped Qwen2, {args.batch_size} prompts x {args.group_size} samples, "
           f"tp{args.tp} pp{args.pp}, async_steps {args.async_steps}", flush=True)
-    summary = GRPOTrainer(config).train()
+    return read_scalars(GRPOTrainer(config).train().tensorboard_dir)
 
-    scalars = _scalars(summary.tensorboard_dir)
+
+def report(args: argparse.Namespace, scalars: dict[str, list[tuple[int, float]]]) -> None:
+    """Every step's phases, then the last step's shares of its wall time."""
     steps = sorted(step for step, _ in scalars["time/step_s"])
-    header = f"{'step':>4} {'wall s':>8} " + " ".join(f"{label:>13}" for label, _ in PHASES) + f" {'tokens':>7}"
-    print(header)
-    for step in steps:
-        row = {tag: dict(values).get(step, 0.0) for tag, values in scalars.items()}
-        tokens = row.get("rollout/response_len_mean", 0.0) * args.batch_size * args.group_size
-        print(f"{step:>4} {row['time/step_s']:>8.1f} "
-              + " ".join(f"{row.get(tag, 0.0):>13.1f}" for _, tag in PHASES) + f" {tokens:>7.0f}")
-    last = {tag: dict(values).get(steps[-1], 0.0) for tag, values in scalars.items()}
+    by_step = {step: {tag: dict(values).get(step, 0.0) for tag, values in scalars.items()} for step in steps}
+    columns = [("step", ">4"), ("wall s", ">8.1f"), *((label, ">13.1f") for label, _ in PHASES), ("tokens", ">7.0f")]
+    print_table(columns, [
+        (step, row["time/step_s"], *(row.get(tag, 0.0) for _, tag in PHASES),
+         row.get("rollout/response_len_mean", 0.0) * args.batch_size * args.group_size)
+        for step, row in by_step.items()
+    ], rule=False)
+    last = by_step[steps[-1]]
     wall = last["time/step_s"]
     trainer_phases = [(label, tag) for label, tag in PHASES if "/traj" not in label and label != "engine idle"]
     shares = [(label, last.get(tag, 0.0) / wall) for label, tag in trainer_phases]
@@ -100,12 +105,10 @@ def main() -> None:
           + f", other {other:.2f}; engine idle {last.get('time/engine_idle_s', 0.0) / wall:.2f}")
 
 
-def _scalars(tensorboard_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(tensorboard_dir))
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+def main() -> None:
+    args = parse_args(_parser(), dict(shape="tiny", steps=1, batch_size=1, group_size=2, max_response_tokens=32,
+                                      vocab_ranks=SMOKE_VOCAB_RANKS))
+    report(args, run(args))
 
 
 if __name__ == "__main__":

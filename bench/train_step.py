@@ -229,7 +229,7 @@ def describe_model(model_path: Path, args: argparse.Namespace) -> str:
             f"{config['vocab_size']:,}")
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model (random-init, the real Qwen vocabulary of 151,680 rows unless "
                                       "--vocab-ranks)")
@@ -266,22 +266,103 @@ def main() -> None:
                      help="trl: left-padded prompts, logits only for response columns; right: right-padded, all logits")
     run.add_argument("--ep", default="1", help="expert-parallel sizes to time the Megatron actor at, e.g. 1,2 (MoE)")
     run.add_argument("--out", default="outputs/bench", help="where the random model is cached")
-    args = parse_args(parser, dict(hidden=128, layers=1, heads=4, kv_heads=2, sequences=2, min_len=40, max_len=80,
-                                   steps=1, warmup=0, vocab_ranks=SMOKE_VOCAB_RANKS))
+    return parser
 
-    if args.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    elif args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda but CUDA is not available")
-    on_gpu = torch.cuda.is_available() and args.device != "cpu"
-    threads = args.threads or cpu_cores()
 
+def report(args: argparse.Namespace, on_gpu: bool, tokens: int, sides: dict, seconds: dict[str, list[float]],
+           resident: dict[str, float], peaks: dict[str, float], groups: dict) -> None:
+    """Each side's tokens/s and memory, and each Megatron actor's tokens/s against HF's."""
+    unit = "CUDA allocated" if on_gpu else "RSS"
+    rates = {name: tokens * len(times) / sum(times) for name, times in seconds.items()}
+    for name in sides:
+        print(
+            f"{name:8s}: {rates[name]:7.0f} tokens/s over {args.steps} steps "
+            f"(mean {sum(seconds[name]) / args.steps:.2f} s/step); {unit} {resident[name]:.0f} MiB after warm-up "
+            f"(first rank), peak {peaks[name]:.0f} MiB in the timed steps (+{peaks[name] - resident[name]:.0f} MiB)"
+        )
+    print(f"load average at the end: {' '.join(f'{load:.1f}' for load in os.getloadavg())} (1, 5, 15 min)")
+    for name in groups:
+        print(
+            f"{name} / hf training tokens/s (all {tokens} prompt + response tokens per step, padding excluded; "
+            f"goal >= 1.0): {rates[name] / rates['hf']:.2f}x"
+        )
+
+
+def timed_steps(args: argparse.Namespace, hf, groups: dict, first_ranks: dict, samples: list[TrainSample],
+                tokens: int) -> tuple[dict, dict[str, list[float]], dict[str, float]]:
+    """--warmup then --steps steps of every side, alternated: (the sides, their timed seconds, their memory after
+    the warm-up in MiB)."""
+    import ray
+
+    resident: dict[str, float] = {}
+    sides = {"hf": lambda: ray.get(hf.train_step.remote(samples))}
+    sides.update({name: (lambda group=group: group.train_step(samples)) for name, group in groups.items()})
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    order = list(sides)
+    for step in range(args.warmup + args.steps):
+        timed = step >= args.warmup
+        if step == args.warmup:  # optimizer states exist now: the peak below is the training step's own
+            ray.get([hf.reset_peak_memory.remote()] +
+                    [rank.__ray_call__.remote(lambda w: reset_peak_memory()) for rank in first_ranks.values()])
+            resident = {"hf": ray.get(hf.memory_mib.remote())[0]}
+            resident.update({name: ray.get(rank.__ray_call__.remote(lambda w: memory_mib()))[0]
+                             for name, rank in first_ranks.items()})
+        for name in order:
+            started = time.perf_counter()
+            stats = sides[name]()
+            elapsed = time.perf_counter() - started
+            if timed:
+                seconds[name].append(elapsed)
+            loss = stats.get("policy_loss", stats.get("actor/policy_loss"))
+            norm = stats.get("grad_norm", stats.get("actor/grad_norm"))
+            print(
+                f"{'step' if timed else 'warm-up'} {step + 1 - (args.warmup if timed else 0)} {name:8s}: "
+                f"{elapsed:6.2f} s  {tokens / elapsed:7.0f} tokens/s  (loss {loss:+.4f}, grad norm {norm:.3f})",
+                flush=True,
+            )
+        order.reverse()
+    return sides, seconds, resident
+
+
+def start_actors(args: argparse.Namespace, model_path: Path, expert_parallel: list[int], threads: int,
+                 gpu_share: float, groups: dict, hf, samples: list[TrainSample], tokens: int, response: int,
+                 num_packed: int) -> dict:
+    """A Megatron actor per --ep into `groups`, each side's batch layout printed: the actors' first ranks."""
     import ray
 
     from rlsearch.actor import ActorRanks, ActorWorkerSpec, SamplingDistribution
-    from rlsearch.actor.batch import pack_indices
     from rlsearch.config import ActorConfig, AlgoConfig
-    from rlsearch.trainer import init_ray
+
+    algo = AlgoConfig(clip_ratio_low=CLIP_RATIO, clip_ratio_high=CLIP_RATIO)
+    for ep in expert_parallel:
+        name = "megatron" if expert_parallel == [1] else f"mg-ep{ep}"
+        print(f"starting the Megatron actor {name} (TP1PP1, {ep} data- and expert-parallel ranks) ...", flush=True)
+        actor = ActorConfig(num_threads=max(1, threads // ep), lr=LR, clip_grad=CLIP_GRAD, dp=ep, ep=ep,
+                            max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+        spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, SamplingDistribution(TEMPERATURE),
+                               args.warmup + args.steps, args.seed)
+        groups[name] = ActorRanks(spec, num_gpus_per_rank=gpu_share / ep)
+    first_ranks = {name: group.workers[0] for name, group in groups.items()}
+    hf_threads = ray.get(hf.threads.remote())
+    hf_batches, hf_slots, hf_rows = ray.get(hf.padding.remote(samples))
+    for name, group in groups.items():
+        mc_threads = ray.get(first_ranks[name].__ray_call__.remote(lambda worker: torch.get_num_threads()))
+        print(
+            f"{name}: {num_packed} packed micro-batches (<= {args.max_tokens_per_microbatch} tokens, no padding), "
+            f"{response} logit rows, layer spec {group.infos[0].transformer_impl}, {mc_threads} threads a rank",
+            flush=True,
+        )
+    print(
+        f"hf      : {hf_batches} micro-batches of <= {args.hf_micro_batch} sequences ({args.hf_layout} layout, "
+        f"{ray.get(hf.attention.remote())} attention), {hf_slots} token slots, padding fraction "
+        f"{1 - tokens / hf_slots:.1%}, {hf_rows} logit rows, {hf_threads} threads", flush=True,
+    )
+    return first_ranks
+
+
+def set_up(args: argparse.Namespace, on_gpu: bool, threads: int) -> tuple[Path, list[TrainSample], int, int, int]:
+    """The model and the batch, described: (model path, samples, tokens, response tokens, packed micro-batches)."""
+    from rlsearch.actor.batch import pack_indices
 
     model_path = build_model(args)
     vocabulary = json.loads((model_path / "config.json").read_text())["vocab_size"] if args.model else 0
@@ -301,7 +382,32 @@ def main() -> None:
         f"batch: {len(samples)} sequences of {min(lengths)}-{max(lengths)} tokens, {tokens} tokens per step "
         f"({response} response, {trained} trained, {response - trained} in masked observations)", flush=True,
     )
+    return model_path, samples, tokens, response, num_packed
 
+
+def _on_gpu(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
+    """Whether the sides train on the GPU (--device; CUDA hidden from every process with --device cpu)."""
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but CUDA is not available")
+    return torch.cuda.is_available() and args.device != "cpu"
+
+
+def main() -> None:
+    parser = _parser()
+    args = parse_args(parser, dict(hidden=128, layers=1, heads=4, kv_heads=2, sequences=2, min_len=40, max_len=80,
+                                   steps=1, warmup=0, vocab_ranks=SMOKE_VOCAB_RANKS))
+
+    on_gpu = _on_gpu(parser, args)
+    threads = args.threads or cpu_cores()
+
+    import ray
+
+    from rlsearch.actor import ActorRanks
+    from rlsearch.trainer import init_ray
+
+    model_path, samples, tokens, response, num_packed = set_up(args, on_gpu, threads)
     expert_parallel = [int(k) for k in args.ep.split(",")]
     if (args.model or args.architecture == "qwen2") and expert_parallel != [1]:
         parser.error("--ep needs an MoE --architecture")
@@ -311,59 +417,11 @@ def main() -> None:
     hf = ray.remote(HFTrainer).options(num_cpus=1, num_gpus=gpu_share).remote(
         str(model_path), args.dtype, threads, args.hf_micro_batch, args.hf_layout
     )
-    algo = AlgoConfig(clip_ratio_low=CLIP_RATIO, clip_ratio_high=CLIP_RATIO)
     groups: dict[str, ActorRanks] = {}
     try:
-        for ep in expert_parallel:
-            name = "megatron" if expert_parallel == [1] else f"mg-ep{ep}"
-            print(f"starting the Megatron actor {name} (TP1PP1, {ep} data- and expert-parallel ranks) ...", flush=True)
-            actor = ActorConfig(num_threads=max(1, threads // ep), lr=LR, clip_grad=CLIP_GRAD, dp=ep, ep=ep,
-                                max_tokens_per_microbatch=args.max_tokens_per_microbatch)
-            spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, SamplingDistribution(TEMPERATURE),
-                                   args.warmup + args.steps, args.seed)
-            groups[name] = ActorRanks(spec, num_gpus_per_rank=gpu_share / ep)
-        first_ranks = {name: group.workers[0] for name, group in groups.items()}
-        hf_threads = ray.get(hf.threads.remote())
-        hf_batches, hf_slots, hf_rows = ray.get(hf.padding.remote(samples))
-        for name, group in groups.items():
-            mc_threads = ray.get(first_ranks[name].__ray_call__.remote(lambda worker: torch.get_num_threads()))
-            print(
-                f"{name}: {num_packed} packed micro-batches (<= {args.max_tokens_per_microbatch} tokens, no padding), "
-                f"{response} logit rows, layer spec {group.infos[0].transformer_impl}, {mc_threads} threads a rank",
-                flush=True,
-            )
-        print(
-            f"hf      : {hf_batches} micro-batches of <= {args.hf_micro_batch} sequences ({args.hf_layout} layout, "
-            f"{ray.get(hf.attention.remote())} attention), {hf_slots} token slots, padding fraction "
-            f"{1 - tokens / hf_slots:.1%}, {hf_rows} logit rows, {hf_threads} threads", flush=True,
-        )
-
-        sides = {"hf": lambda: ray.get(hf.train_step.remote(samples))}
-        sides.update({name: (lambda group=group: group.train_step(samples)) for name, group in groups.items()})
-        seconds: dict[str, list[float]] = {name: [] for name in sides}
-        order = list(sides)
-        for step in range(args.warmup + args.steps):
-            timed = step >= args.warmup
-            if step == args.warmup:  # optimizer states exist now: the peak below is the training step's own
-                ray.get([hf.reset_peak_memory.remote()] +
-                        [rank.__ray_call__.remote(lambda w: reset_peak_memory()) for rank in first_ranks.values()])
-                resident = {"hf": ray.get(hf.memory_mib.remote())[0]}
-                resident.update({name: ray.get(rank.__ray_call__.remote(lambda w: memory_mib()))[0]
-                                 for name, rank in first_ranks.items()})
-            for name in order:
-                started = time.perf_counter()
-                stats = sides[name]()
-                elapsed = time.perf_counter() - started
-                if timed:
-                    seconds[name].append(elapsed)
-                loss = stats.get("policy_loss", stats.get("actor/policy_loss"))
-                norm = stats.get("grad_norm", stats.get("actor/grad_norm"))
-                print(
-                    f"{'step' if timed else 'warm-up'} {step + 1 - (args.warmup if timed else 0)} {name:8s}: "
-                    f"{elapsed:6.2f} s  {tokens / elapsed:7.0f} tokens/s  (loss {loss:+.4f}, grad norm {norm:.3f})",
-                    flush=True,
-                )
-            order.reverse()
+        first_ranks = start_actors(args, model_path, expert_parallel, threads, gpu_share, groups, hf, samples, tokens,
+                                   response, num_packed)
+        sides, seconds, resident = timed_steps(args, hf, groups, first_ranks, samples, tokens)
         if not args.steps:
             return
         peaks = {"hf": ray.get(hf.memory_mib.remote())[1]}
@@ -373,21 +431,8 @@ def main() -> None:
         for group in groups.values():
             group.shutdown()
         ray.kill(hf)
+    report(args, on_gpu, tokens, sides, seconds, resident, peaks, groups)
 
-    unit = "CUDA allocated" if on_gpu else "RSS"
-    rates = {name: tokens * len(times) / sum(times) for name, times in seconds.items()}
-    for name in sides:
-        print(
-            f"{name:8s}: {rates[name]:7.0f} tokens/s over {args.steps} steps "
-            f"(mean {sum(seconds[name]) / args.steps:.2f} s/step); {unit} {resident[name]:.0f} MiB after warm-up "
-            f"(first rank), peak {peaks[name]:.0f} MiB in the timed steps (+{peaks[name] - resident[name]:.0f} MiB)"
-        )
-    print(f"load average at the end: {' '.join(f'{load:.1f}' for load in os.getloadavg())} (1, 5, 15 min)")
-    for name in groups:
-        print(
-            f"{name} / hf training tokens/s (all {tokens} prompt + response tokens per step, padding excluded; "
-            f"goal >= 1.0): {rates[name] / rates['hf']:.2f}x"
-        )
 
 if __name__ == "__main__":
     main()

@@ -128,7 +128,7 @@ def train_sample(group, length: int = 64):
     return sample
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     parser.add_argument("--layouts", default="tp1pp1,tp2pp2", help="comma-separated actor layouts tpXppY")
@@ -142,96 +142,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed repetitions (the best is reported)")
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(shape="tiny", layouts="tp1pp1", engines="1", transports="shm", repeats=1,
-                                   vocab_ranks=SMOKE_VOCAB_RANKS))
+    return parser
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import ray
 
-    from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, ActorWorkerSpec
-    from rlsearch.config import ActorConfig, AlgoConfig, RolloutConfig, ToolsConfig
-    from rlsearch.ray_setup import cluster_has_gpus, init_ray
-    from rlsearch.rollout import EnginePool, EngineSpec
-    from rlsearch.weights import WeightSync, check_engines_match_actor
-
-    engine_counts = [int(n) for n in args.engines.split(",")]
-    model_path = build_model(args.shape, Path(args.out), vocab_ranks=args.vocab_ranks)
-    largest = _largest_tensor_bytes(model_path, args.dtype)
-    bucket_bytes = max(args.bucket_mb * 2**20, largest)
-    init_ray(num_cpus=8 + max(engine_counts) * args.engine_tp)
-    rollout = RolloutConfig(num_engines=max(engine_counts), tensor_parallel_size=args.engine_tp, max_prompt_tokens=128,
-                            max_response_tokens=128)
-    tools = ToolsConfig()
-    tools.retriever.url = "http://127.0.0.1:9"  # the agent's search client is built but never called here
-    seconds: dict[tuple[str, int, str], float] = {}
-    phases: dict[tuple[str, int, str], dict[str, float]] = {}
-    bests: dict = {}  # the fastest sync's SyncStats per run
-    pool = EnginePool(EngineSpec(str(model_path), dtype=args.dtype, max_model_len=256,
-                                 tensor_parallel_size=args.engine_tp), rollout, tools, seed=1)
-    try:
-        engine = pool.engines[0]
-
-        def reload_seconds() -> float:
-            started = time.perf_counter()
-            ray.get(engine.reload_weights_from_files.remote(str(model_path)))
-            return time.perf_counter() - started
-
-        # the best of several reloads, before the syncs and again after them (the machine's noise moves it)
-        baselines = [reload_seconds() for _ in range(args.repeats + 1)]
-        baseline = min(baselines)
-        print(f"model: {args.shape} shape in {args.dtype}; engines TP{args.engine_tp}; buckets of "
-              f"{args.bucket_mb:g} MiB (largest tensor {largest / 2**20:.0f} MiB)")
-        print(f"baseline: vLLM reload_weights from the safetensors files (page cache), one engine: {baseline:.2f} s")
-        print(f"{'layout':<8} {'engines':>7} {'transport':<10} {'sync s':>7} {'/base':>6} {'pause s':>7} "
-              f"{'MiB/eng':>8} {'MiB wire':>8} {'peak MiB':>9} {'shm MiB':>8} {'buckets':>7} {'probe gap':>9}")
-        probe_ids = list(range(1000, 1064))
-        for layout in args.layouts.split(","):
-            tp, pp = (int(part) for part in layout.removeprefix("tp").split("pp"))
-            spec = ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp, lr=args.lr), AlgoConfig(),
-                                   MODEL_DISTRIBUTION, 100, 1)
-            group = ActorRanks(spec, num_gpus_per_rank=1 if cluster_has_gpus() else 0)
-            try:
-                senders = [workers[0] for workers in group.stage_workers()]
-                pids = ray.get([sender.__ray_call__.remote(lambda worker: os.getpid()) for sender in senders])
-                for count in engine_counts:
-                    engines = pool.engines[:count]
-                    for transport in args.transports.split(","):
-                        bridge_transport, options = TRANSPORTS[transport]
-                        sync = WeightSync(group, args.bucket_mb, bridge_transport, timeout_s=600.0,
-                                          engine_tp=args.engine_tp, **options)
-                        if options.get("delta"):
-                            sync.sync(engines)  # the first is whole
-                            sample = train_sample(group)
-                        timings, private, shared, best = [], 0, 0, None
-                        for _ in range(args.repeats):
-                            if options.get("delta"):
-                                group.train_step([sample])
-                            with PeakRss(pids) as rss:
-                                stats = sync.sync(engines)
-                            if best is None or stats.seconds < best.seconds:
-                                best = stats
-                            timings.append(stats.seconds)
-                            private = max(private, rss.peak_extra_private)
-                            shared = max(shared, rss.peak_extra_shared)
-                        gap = check_engines_match_actor(group, engines, probe_ids, 0.0, step=0)
-                        sync.close(engines)
-                        seconds[(layout, count, transport)] = best.seconds
-                        phases[(layout, count, transport)] = best.phases
-                        bests[(layout, count, transport)] = best
-                        print(f"{layout.upper():<8} {count:>7} {transport:<10} {best.seconds:>7.2f} "
-                              f"{best.seconds / baseline:>5.2f}x {best.phases.get('pause', 0.0):>7.2f} "
-                              f"{best.num_bytes / 2**20:>8.0f} {best.wire_bytes / 2**20:>8.1f} "
-                              f"{private / 2**20:>9.0f} {shared / 2**20:>8.0f} {private / bucket_bytes:>7.2f} "
-                              f"{gap['weights/logprob_mismatch_max']:>9.1e}", flush=True)
-            finally:
-                group.shutdown()
-        after = min(reload_seconds() for _ in range(args.repeats + 1))
-        if after < baseline:
-            print(f"baseline measured again after the syncs: {after:.2f} s (the ratios above used {baseline:.2f} s)")
-            baseline = after
-    finally:
-        pool.shutdown()
-        print_phases(phases, seconds)  # also when a run failed part-way (e.g. out of memory): what was measured
+def report(args: argparse.Namespace, engine_counts: list[int], seconds: dict, bests: dict, baseline: float) -> None:
+    """The fan-out, the staged pause, the delta's bytes and the worst sync against the goals."""
     if len(engine_counts) > 1:
         one, most = min(engine_counts), max(engine_counts)
         fanout = {(layout, transport): seconds[(layout, most, transport)] / seconds[(layout, one, transport)]
@@ -252,6 +167,118 @@ def main() -> None:
         worst = max(timed, key=timed.get)
         print(f"worst sync / vLLM reload from the page cache: {timed[worst] / baseline:.2f}x "
               f"({worst[0].upper()}, {worst[1]} engine(s), {worst[2]}; goals TP1PP1 <= 1.3, TP2PP2 <= 1.5)")
+
+
+def start_pool(args: argparse.Namespace, model_path: Path, engine_counts: list[int]):
+    """The rollout engines the syncs go to: as many as the largest count of --engines."""
+    from rlsearch.config import RolloutConfig, ToolsConfig
+    from rlsearch.rollout import EnginePool, EngineSpec
+
+    rollout = RolloutConfig(num_engines=max(engine_counts), tensor_parallel_size=args.engine_tp, max_prompt_tokens=128,
+                            max_response_tokens=128)
+    tools = ToolsConfig()
+    tools.retriever.url = "http://127.0.0.1:9"  # the agent's search client is built but never called here
+    return EnginePool(EngineSpec(str(model_path), dtype=args.dtype, max_model_len=256,
+                                 tensor_parallel_size=args.engine_tp), rollout, tools, seed=1)
+
+
+def reload_seconds(pool, model_path: Path) -> float:
+    """The baseline: the first engine's vLLM reload of the weights from the safetensors files."""
+    import ray
+
+    started = time.perf_counter()
+    ray.get(pool.engines[0].reload_weights_from_files.remote(str(model_path)))
+    return time.perf_counter() - started
+
+
+def measure_layout(args: argparse.Namespace, layout: str, model_path: Path, pool, engine_counts: list[int],
+                   baseline: float, bucket_bytes: int, seconds: dict, phases: dict, bests: dict) -> None:
+    """Every engine count and transport of one actor layout: a row each (the best of --repeats syncs), into
+    `seconds`, `phases` and `bests`."""
+    import ray
+
+    from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, ActorWorkerSpec
+    from rlsearch.config import ActorConfig, AlgoConfig
+    from rlsearch.ray_setup import cluster_has_gpus
+    from rlsearch.weights import WeightSync, check_engines_match_actor
+
+    probe_ids = list(range(1000, 1064))
+    tp, pp = (int(part) for part in layout.removeprefix("tp").split("pp"))
+    spec = ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp, lr=args.lr), AlgoConfig(),
+                           MODEL_DISTRIBUTION, 100, 1)
+    group = ActorRanks(spec, num_gpus_per_rank=1 if cluster_has_gpus() else 0)
+    try:
+        senders = [workers[0] for workers in group.stage_workers()]
+        pids = ray.get([sender.__ray_call__.remote(lambda worker: os.getpid()) for sender in senders])
+        for count in engine_counts:
+            engines = pool.engines[:count]
+            for transport in args.transports.split(","):
+                bridge_transport, options = TRANSPORTS[transport]
+                sync = WeightSync(group, args.bucket_mb, bridge_transport, timeout_s=600.0,
+                                  engine_tp=args.engine_tp, **options)
+                if options.get("delta"):
+                    sync.sync(engines)  # the first is whole
+                    sample = train_sample(group)
+                timings, private, shared, best = [], 0, 0, None
+                for _ in range(args.repeats):
+                    if options.get("delta"):
+                        group.train_step([sample])
+                    with PeakRss(pids) as rss:
+                        stats = sync.sync(engines)
+                    if best is None or stats.seconds < best.seconds:
+                        best = stats
+                    timings.append(stats.seconds)
+                    private = max(private, rss.peak_extra_private)
+                    shared = max(shared, rss.peak_extra_shared)
+                gap = check_engines_match_actor(group, engines, probe_ids, 0.0, step=0)
+                sync.close(engines)
+                seconds[(layout, count, transport)] = best.seconds
+                phases[(layout, count, transport)] = best.phases
+                bests[(layout, count, transport)] = best
+                print(f"{layout.upper():<8} {count:>7} {transport:<10} {best.seconds:>7.2f} "
+                      f"{best.seconds / baseline:>5.2f}x {best.phases.get('pause', 0.0):>7.2f} "
+                      f"{best.num_bytes / 2**20:>8.0f} {best.wire_bytes / 2**20:>8.1f} "
+                      f"{private / 2**20:>9.0f} {shared / 2**20:>8.0f} {private / bucket_bytes:>7.2f} "
+                      f"{gap['weights/logprob_mismatch_max']:>9.1e}", flush=True)
+    finally:
+        group.shutdown()
+
+
+def main() -> None:
+    args = parse_args(_parser(), dict(shape="tiny", layouts="tp1pp1", engines="1", transports="shm", repeats=1,
+                                   vocab_ranks=SMOKE_VOCAB_RANKS))
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from rlsearch.ray_setup import init_ray
+
+    engine_counts = [int(n) for n in args.engines.split(",")]
+    model_path = build_model(args.shape, Path(args.out), vocab_ranks=args.vocab_ranks)
+    largest = _largest_tensor_bytes(model_path, args.dtype)
+    bucket_bytes = max(args.bucket_mb * 2**20, largest)
+    init_ray(num_cpus=8 + max(engine_counts) * args.engine_tp)
+    seconds: dict[tuple[str, int, str], float] = {}
+    phases: dict[tuple[str, int, str], dict[str, float]] = {}
+    bests: dict = {}  # the fastest sync's SyncStats per run
+    pool = start_pool(args, model_path, engine_counts)
+    try:
+        # the best of several reloads, before the syncs and again after them (the machine's noise moves it)
+        baseline = min(reload_seconds(pool, model_path) for _ in range(args.repeats + 1))
+        print(f"model: {args.shape} shape in {args.dtype}; engines TP{args.engine_tp}; buckets of "
+              f"{args.bucket_mb:g} MiB (largest tensor {largest / 2**20:.0f} MiB)")
+        print(f"baseline: vLLM reload_weights from the safetensors files (page cache), one engine: {baseline:.2f} s")
+        print(f"{'layout':<8} {'engines':>7} {'transport':<10} {'sync s':>7} {'/base':>6} {'pause s':>7} "
+              f"{'MiB/eng':>8} {'MiB wire':>8} {'peak MiB':>9} {'shm MiB':>8} {'buckets':>7} {'probe gap':>9}")
+        for layout in args.layouts.split(","):
+            measure_layout(args, layout, model_path, pool, engine_counts, baseline, bucket_bytes, seconds, phases,
+                           bests)
+        after = min(reload_seconds(pool, model_path) for _ in range(args.repeats + 1))
+        if after < baseline:
+            print(f"baseline measured again after the syncs: {after:.2f} s (the ratios above used {baseline:.2f} s)")
+            baseline = after
+    finally:
+        pool.shutdown()
+        print_phases(phases, seconds)  # also when a run failed part-way (e.g. out of memory): what was measured
+    report(args, engine_counts, seconds, bests, baseline)
 
 
 if __name__ == "__main__":
