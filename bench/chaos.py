@@ -49,15 +49,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args  # noqa: E402
-from bench.common.runs import (  # noqa: E402
-    REPO_ROOT,
-    kill_processes,
-    measure,
-    process_tree,
-    read_trainer_output,
-    tiny_assets,
-)
+from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args, runs  # noqa: E402
 
 COMPONENTS = ("engine", "actor", "driver", "retriever", "mcp", "judge")
 JUDGE_RESTART_S = 2.0
@@ -117,7 +109,7 @@ class JudgeProcess:
 
 def write_config(args: argparse.Namespace, run_dir: Path, judge_port: int) -> Path:
     """The run's config: the tiny call_tool setup with 2 engines, async rollouts, the stdio MCP server and the judge."""
-    model, train, corpus = tiny_assets(Path(args.out), args.vocab_ranks)
+    model, train, corpus = runs.tiny_assets(Path(args.out), args.vocab_ranks)
     # a kill every `every` step lines; a resumed driver repeats the steps after its checkpoint, so steps run out last
     steps = args.warmup + args.kills * args.every + args.tail
     mcp_command = [sys.executable, "-m", "rlsearch", "serve-mcp", "--transport", "stdio", "--corpus", str(corpus),
@@ -169,7 +161,7 @@ def victims(component: str, supervisor: psutil.Process) -> list[psutil.Process]:
     wanted = {"engine": "ray::RolloutWorker", "actor": "ray::MegatronActorWorker",
               "retriever": "rlsearch.tools.servers.retrieval", "mcp": "serve-mcp"}[component]
     found = []
-    for process in process_tree(supervisor)[1:]:
+    for process in runs.process_tree(supervisor)[1:]:
         command = " ".join(_command_line(process))
         if wanted in command and not (component == "engine" and "EngineCore" in command) and \
                 not _forked_by_a_worker(process, wanted):
@@ -195,11 +187,11 @@ def _forked_by_a_worker(process: psutil.Process, title: str) -> bool:
 
 def rss_by_kind(supervisor: psutil.Process, judge: JudgeProcess) -> dict[str, list[int]]:
     kinds: dict[str, list[int]] = {}
-    processes = process_tree(supervisor)
+    processes = runs.process_tree(supervisor)
     if judge.process.poll() is None:  # a killed judge is down until it is started again
         processes.append(psutil.Process(judge.process.pid))
     for process in processes:
-        measured = measure(process)
+        measured = runs.measure(process)
         if measured is not None:
             label = "supervisor" if process.pid == supervisor.pid else measured[0]
             kinds.setdefault(label, []).append(measured[1])
@@ -215,12 +207,12 @@ def run_chaos(args: argparse.Namespace, run_dir: Path) -> tuple[list[Kill], list
     command = [sys.executable, "-m", "rlsearch", "train", "--restarts", str(args.kills + 5), "--config", str(config),
                *args.overrides]
     started = time.monotonic()
-    run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    run = subprocess.Popen(command, cwd=runs.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     supervisor = psutil.Process(run.pid)
     events: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=read_trainer_output, args=(run.stdout, run_dir / "train.log", events, started),
-                              daemon=True)
+    reader = threading.Thread(target=runs.read_trainer_output, daemon=True,
+                              args=(run.stdout, run_dir / "train.log", events, started))
     reader.start()
     kills: list[Kill] = []
     steps: list[tuple[float, int]] = []
@@ -264,7 +256,7 @@ def run_chaos(args: argparse.Namespace, run_dir: Path) -> tuple[list[Kill], list
         hang = "interrupted (Ctrl-C)"
     if hang:
         print(f"chaos: {hang}: killing the run", flush=True)
-        kill_processes(process_tree(supervisor))
+        runs.kill_processes(runs.process_tree(supervisor))
     returncode = run.wait()
     reader.join(timeout=10)
     judge.stop()
@@ -288,7 +280,7 @@ def _kill_one(rng: random.Random, components: list[str], supervisor: psutil.Proc
             print(f"chaos: no {component} process to kill now; drawing again at the next step", flush=True)
             return None
         victim = rng.choice(found)
-        pid, label = victim.pid, (measure(victim) or (component,))[0]
+        pid, label = victim.pid, (runs.measure(victim) or (component,))[0]
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -60,17 +60,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args  # noqa: E402
-from bench.common.runs import (  # noqa: E402
-    REPO_ROOT,
-    TINY_CONFIG,
-    StepLine,
-    kill_processes,
-    measure,
-    process_tree,
-    read_trainer_output,
-    tiny_assets,
-)
+from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args, runs  # noqa: E402
+from bench.common.runs import StepLine  # noqa: E402
 
 MiB = 2**20
 RSS_GOAL = 0.10  # growth of a steady process's RSS after warm-up, as a fraction of its warm-up RSS
@@ -148,7 +139,7 @@ class ProcessMonitor:
 
     def sample(self, step: int, at_step_line: bool) -> None:
         now = time.monotonic() - self.started
-        measured = [(process, found) for process in process_tree(self.driver) if (found := measure(process))]
+        measured = [(process, found) for process in runs.process_tree(self.driver) if (found := runs.measure(process))]
         servers = {connection.laddr for _, (label, _, _, sockets) in measured if TOOL_SERVER in label
                    for connection in sockets if connection.status == psutil.CONN_LISTEN}
         for process, (label, rss, fds, sockets) in measured:
@@ -182,14 +173,14 @@ class ProcessMonitor:
 # ---- the trainer ----------------------------------------------------------------------------------------------------
 
 def trainer_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
-    model, train, corpus = tiny_assets(Path(args.out), args.vocab_ranks)
+    model, train, corpus = runs.tiny_assets(Path(args.out), args.vocab_ranks)
     overrides = [
         f"model.path={model}", f"data.train_files=[{train}]", f"tools.retriever.corpus={corpus}",
         f"tools.retriever.index_cache_dir={Path(args.out) / 'bm25_cache'}", f"trainer.total_steps={args.steps}",
         f"trainer.output_dir={run_dir}", f"trainer.save_interval={args.save_interval}", "trainer.keep_checkpoints=2",
         "trainer.resume=none", "trainer.log_trajectories=false", *args.overrides,
     ]
-    return [sys.executable, "-m", "rlsearch", "train", "--config", str(TINY_CONFIG), *overrides]
+    return [sys.executable, "-m", "rlsearch", "train", "--config", str(runs.TINY_CONFIG), *overrides]
 
 
 def hang_timeout(args: argparse.Namespace, steps: list[StepLine]) -> float:
@@ -219,10 +210,10 @@ def run_and_monitor(args: argparse.Namespace, command: list[str], run_dir: Path)
     steps: list[StepLine] = []
     hang = ""
     started = time.monotonic()
-    driver = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    driver = subprocess.Popen(command, cwd=runs.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, bufsize=1)
     monitor = ProcessMonitor(driver.pid, started)
-    reader = threading.Thread(target=read_trainer_output, daemon=True,
+    reader = threading.Thread(target=runs.read_trainer_output, daemon=True,
                               args=(driver.stdout, log_path, events, started, ("[rlsearch]", "rlsearch")))
     reader.start()
     last_progress = 0.0
@@ -248,14 +239,14 @@ def run_and_monitor(args: argparse.Namespace, command: list[str], run_dir: Path)
         hang = "interrupted (Ctrl-C)"
     if hang:
         print(f"soak: {hang}: killing the process tree", flush=True)
-        kill_processes(process_tree(monitor.driver) + monitor.alive())
+        runs.kill_processes(runs.process_tree(monitor.driver) + monitor.alive())
     returncode = driver.wait()
     seconds = time.monotonic() - started
     reader.join(timeout=10)  # the rest of the output into the log (a surviving child may hold the pipe open)
     _, left_behind = psutil.wait_procs(monitor.alive(), timeout=15)  # Ray's processes finish their own shutdown
     names = [tracked.name for tracked in monitor.processes.values()
              if any(p.pid == tracked.pid for p in left_behind)]
-    kill_processes(left_behind)
+    runs.kill_processes(left_behind)
     return RunOutcome(steps, seconds, returncode, hang, names), monitor
 
 
