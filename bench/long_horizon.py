@@ -71,6 +71,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
 from bench.common.memory import peak_rss_gib  # noqa: E402
+from bench.common.table import print_table  # noqa: E402
 from bench.rollout import BenchEngine  # noqa: E402
 from rlsearch.tools import Document, Tool, ToolCall, ToolResult, ToolSpec  # noqa: E402
 
@@ -79,6 +80,9 @@ DOCS, DOC_WORDS = 2, 10  # what a search returns
 BUCKET = 8  # turns per row of the prefix-cache table
 GPU_BLOCK = 16  # vLLM's default KV block size on GPU, for the block bound of a GPU engine
 STEP = 1
+RUN_COLUMNS = [("run", "<22"), ("wall s", ">7.2f"), ("sampled", ">8"), ("tok/s", ">7.0f"), ("tool-only s", ">11.2f"),
+               ("tok/s excl tools", ">16.0f"), ("engine wait s", ">13.2f"), ("tool wait s", ">11.2f"),
+               ("overhead ms/turn", ">16.2f"), ("CPU s", ">6.1f")]
 MAX_POSITIONS = 16384  # the tiny shapes' 4096 positions hold about 45 turns of 24 tokens with their observations
 
 
@@ -472,31 +476,24 @@ def report(args: argparse.Namespace, m: Measured) -> None:
     print(f"no-latency run gave the same token ids: {same}; bare replay sampled other tokens on {mismatched} of "
           f"{len(bare.requests)} turns")
     print()
-    header = f"{'run':<22} {'wall s':>7} {'sampled':>8} {'tok/s':>7} {'tool-only s':>11} {'tok/s excl tools':>16} " \
-             f"{'engine wait s':>13} {'tool wait s':>11} {'overhead ms/turn':>16} {'CPU s':>6}"
-    print(header)
-    print("-" * len(header))
-    for run in (agent, fast, bare):
-        engine_wait = statistics.fmean(w for w, _ in run.waits)
-        tool_wait = statistics.fmean(t for _, t in run.waits)
-        print(f"{run.name:<22} {run.wall_s:>7.2f} {run.sampled:>8} {run.tokens_per_s:>7.0f} {run.tool_only_s:>11.2f} "
-              f"{run.tokens_per_s_excl_tools:>16.0f} {engine_wait:>13.2f} {tool_wait:>11.2f} {run.overhead_ms:>16.2f} "
-              f"{run.cpu_s:>6.1f}")
+    print_table(RUN_COLUMNS, [
+        (run.name, run.wall_s, run.sampled, run.tokens_per_s, run.tool_only_s, run.tokens_per_s_excl_tools,
+         statistics.fmean(w for w, _ in run.waits), statistics.fmean(t for _, t in run.waits), run.overhead_ms,
+         run.cpu_s)
+        for run in (agent, fast, bare)
+    ])
     print("(engine / tool wait: per trajectory, mean; overhead: (trajectory wall - engine wait - tool wait) / turns; "
           "CPU: this process and the engine core, all threads)")
     print()
     rows = cache_table(agent, bare, args.turns, block)
-    header = f"{'turns':<7} {'requests':>8} {'context':>8} {'ceiling':>8} {'hit/ceiling':>11} {'bare':>6} " \
-             f"{f'bound B={block}':>12} {'hit/bound':>9} {f'bound B={GPU_BLOCK}':>11}"
     print("prefix cache, agent run with tool latency (vLLM num_cached_tokens; ceiling: earlier tokens of the "
           "trajectory the engine has seen; bound: whole blocks of them)")
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(f"{row['turns']:<7} {row['requests']:>8} {row['mean_context']:>8.0f} {row['mean_ceiling']:>8.0f} "
-              f"{row['hit_of_ceiling']:>11.4f} {row['bare_hit_of_ceiling']:>6.3f} "
-              f"{row['block_bound_of_ceiling']:>12.4f} "
-              f"{row['hit_of_block_bound']:>9.4f} {row['gpu_block_bound_of_ceiling']:>11.4f}")
+    columns = [("turns", "<7"), ("requests", ">8"), ("context", ">8.0f"), ("ceiling", ">8.0f"),
+               ("hit/ceiling", ">11.4f"), ("bare", ">6.3f"), (f"bound B={block}", ">12.4f"), ("hit/bound", ">9.4f"),
+               (f"bound B={GPU_BLOCK}", ">11.4f")]
+    keys = ("turns", "requests", "mean_context", "mean_ceiling", "hit_of_ceiling", "bare_hit_of_ceiling",
+            "block_bound_of_ceiling", "hit_of_block_bound", "gpu_block_bound_of_ceiling")
+    print_table(columns, [[row[key] for key in keys] for row in rows])
     print(records_line)
     if records_line_fast != records_line:
         print(f"(no-latency run: {records_line_fast})")

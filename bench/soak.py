@@ -62,6 +62,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args, runs  # noqa: E402
 from bench.common.runs import StepLine  # noqa: E402
+from bench.common.table import print_table  # noqa: E402
 
 MiB = 2**20
 RSS_GOAL = 0.10  # growth of a steady process's RSS after warm-up, as a fraction of its warm-up RSS
@@ -297,21 +298,22 @@ def report_processes(monitor: ProcessMonitor, lines: list[StepLine],
     return reports, transient
 
 
-def print_table(reports: list[ProcessReport], transient: list[TrackedProcess], warm: StepLine, end: StepLine) -> None:
+def print_processes(reports: list[ProcessReport], transient: list[TrackedProcess], warm: StepLine,
+                    end: StepLine) -> None:
     print(f"\nsteady processes: RSS MiB at step {warm.step} (warm), the most after it, at step {end.step} (end), "
           f"growth, slope in % of warm per 100 steps; fewest open fds and inet sockets, first -> last quarter, "
           f"without the keep-alive connections with the tool servers: the most at once, and those leaked")
     width = max([len(report.name) for report in reports] + [20])
-    print(f"{'process':<{width}} {'warm':>8} {'max':>8} {'end':>8} {'growth':>8} {'slope':>8} {'fds':>11} "
-          f"{'sockets':>9} {'keep-alive':>10} {'leaked':>6}")
-    for r in reports:
-        print(f"{r.name:<{width}} {r.rss_warm / MiB:>8.1f} {r.rss_max_after / MiB:>8.1f} {r.rss_end / MiB:>8.1f} "
-              f"{100 * r.growth:>+7.1f}% {100 * r.slope_per_100_steps:>+7.1f}% "
-              f"{f'{r.fds_warm}->{r.fds_end}':>11} {f'{r.sockets_warm}->{r.sockets_end}':>9} "
-              f"{r.keepalive_most:>10} {r.keepalive_leaked:>6}")
+    columns = [("process", f"<{width}"), ("warm", ">8.1f"), ("max", ">8.1f"), ("end", ">8.1f"), ("growth", ">8"),
+               ("slope", ">8"), ("fds", ">11"), ("sockets", ">9"), ("keep-alive", ">10"), ("leaked", ">6")]
     total_warm, total_end = sum(r.rss_warm for r in reports), sum(r.rss_end for r in reports)
-    print(f"{'all steady processes':<{width}} {total_warm / MiB:>8.1f} {'':>8} {total_end / MiB:>8.1f} "
-          f"{100 * (total_end - total_warm) / max(total_warm, 1):>+7.1f}%")
+    print_table(columns, [
+        *((r.name, r.rss_warm / MiB, r.rss_max_after / MiB, r.rss_end / MiB, f"{100 * r.growth:+.1f}%",
+           f"{100 * r.slope_per_100_steps:+.1f}%", f"{r.fds_warm}->{r.fds_end}", f"{r.sockets_warm}->{r.sockets_end}",
+           r.keepalive_most, r.keepalive_leaked) for r in reports),
+        ("all steady processes", total_warm / MiB, "", total_end / MiB,
+         f"{100 * (total_end - total_warm) / max(total_warm, 1):+.1f}%"),
+    ], rule=False)
     if transient:
         print("\nprocesses that came or went (not counted): seen from step -> to step, max RSS MiB")
         for tracked in sorted(transient, key=lambda t: t.samples[0].seconds):
@@ -388,7 +390,7 @@ def report(args: argparse.Namespace, out: Path, run_dir: Path, outcome: RunOutco
     warm, end, lines = references
     reports, transient = report_processes(monitor, lines, outcome.steps[-1])
     write_samples(samples_path, args, outcome, monitor, reports)
-    print_table(reports, transient, warm, end)
+    print_processes(reports, transient, warm, end)
     print(f"\nsamples: {samples_path}")
 
     worst = max(reports, key=lambda report: report.growth)

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
 from bench.common.memory import proc_status  # noqa: E402
+from bench.common.table import header_lines, print_table, row_line  # noqa: E402
 
 
 class PeakRss:
@@ -99,15 +100,20 @@ def print_phases(phases: dict[tuple[str, int, str], dict[str, float]],
                  seconds: dict[tuple[str, int, str], float]) -> None:
     from rlsearch.weights.clock import PHASES
 
-
     print("seconds per phase of the fastest sync:")
     for name, what in PHASES.items():
         print(f"  {name:<9} {what}")
-    print(f"{'layout':<8} {'engines':>7} {'transport':<10} {'sync s':>7} " + " ".join(f"{n:>8}" for n in PHASES))
-    for (layout, count, transport), times in phases.items():
-        print(f"{layout.upper():<8} {count:>7} {transport:<10} {seconds[(layout, count, transport)]:>7.2f} "
-              + " ".join(f"{times.get(name, 0.0):>8.2f}" for name in PHASES), flush=True)
+    print_table([*SYNC_COLUMNS[:4], *((name, ">8.2f") for name in PHASES)], [
+        (layout.upper(), count, transport, seconds[(layout, count, transport)],
+         *(times.get(name, 0.0) for name in PHASES))
+        for (layout, count, transport), times in phases.items()
+    ], rule=False)
 
+
+# the sync table's columns (its first four begin the phase table's too)
+SYNC_COLUMNS = [("layout", "<8"), ("engines", ">7"), ("transport", "<10"), ("sync s", ">7.2f"), ("/base", ">6"),
+                ("pause s", ">7.2f"), ("MiB/eng", ">8.0f"), ("MiB wire", ">8.1f"), ("peak MiB", ">9.0f"),
+                ("shm MiB", ">8.0f"), ("buckets", ">7.2f"), ("probe gap", ">9.1e")]
 
 # bench transport -> (weights.transport, WeightSync options)
 TRANSPORTS = {
@@ -235,11 +241,10 @@ def measure_layout(args: argparse.Namespace, layout: str, model_path: Path, pool
                 seconds[(layout, count, transport)] = best.seconds
                 phases[(layout, count, transport)] = best.phases
                 bests[(layout, count, transport)] = best
-                print(f"{layout.upper():<8} {count:>7} {transport:<10} {best.seconds:>7.2f} "
-                      f"{best.seconds / baseline:>5.2f}x {best.phases.get('pause', 0.0):>7.2f} "
-                      f"{best.num_bytes / 2**20:>8.0f} {best.wire_bytes / 2**20:>8.1f} "
-                      f"{private / 2**20:>9.0f} {shared / 2**20:>8.0f} {private / bucket_bytes:>7.2f} "
-                      f"{gap['weights/logprob_mismatch_max']:>9.1e}", flush=True)
+                print(row_line(SYNC_COLUMNS, (
+                    layout.upper(), count, transport, best.seconds, f"{best.seconds / baseline:.2f}x",
+                    best.phases.get("pause", 0.0), best.num_bytes / 2**20, best.wire_bytes / 2**20, private / 2**20,
+                    shared / 2**20, private / bucket_bytes, gap["weights/logprob_mismatch_max"])), flush=True)
     finally:
         group.shutdown()
 
@@ -266,8 +271,7 @@ def main() -> None:
         print(f"model: {args.shape} shape in {args.dtype}; engines TP{args.engine_tp}; buckets of "
               f"{args.bucket_mb:g} MiB (largest tensor {largest / 2**20:.0f} MiB)")
         print(f"baseline: vLLM reload_weights from the safetensors files (page cache), one engine: {baseline:.2f} s")
-        print(f"{'layout':<8} {'engines':>7} {'transport':<10} {'sync s':>7} {'/base':>6} {'pause s':>7} "
-              f"{'MiB/eng':>8} {'MiB wire':>8} {'peak MiB':>9} {'shm MiB':>8} {'buckets':>7} {'probe gap':>9}")
+        print("\n".join(header_lines(SYNC_COLUMNS, rule=False)))
         for layout in args.layouts.split(","):
             measure_layout(args, layout, model_path, pool, engine_counts, baseline, bucket_bytes, seconds, phases,
                            bests)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+Columns = Sequence[tuple[str, str]]  # (title, format spec such as ">8.2f" or "<22")
+
 
 def _cell(value: object, spec: str) -> str:
     """`value` in `spec`; a value the spec does not take (a text in a number's column) only aligned and padded."""
@@ -15,13 +17,16 @@ def _cell(value: object, spec: str) -> str:
         return format(str(value), f"{align or '>'}{width}")
 
 
-def table_lines(columns: Sequence[tuple[str, str]], rows: Iterable[Sequence[object]], rule: bool = True) -> list[str]:
-    """The lines of a table: `columns` as (title, format spec such as ">8.2f"), the titles aligned and padded as the
-    spec says; a rule of dashes under the header (`rule`); a row a value per column."""
+def header_lines(columns: Columns, rule: bool = True) -> list[str]:
+    """The titles, aligned and padded as their specs say; a rule of dashes under them (`rule`)."""
     header = " ".join(_cell(title, re.match(r"[<>^]?\d*", spec).group()) for title, spec in columns)
-    lines = [header, "-" * len(header)] if rule else [header]
-    return lines + [" ".join(_cell(value, spec) for value, (_, spec) in zip(row, columns)) for row in rows]
+    return [header, "-" * len(header)] if rule else [header]
 
 
-def print_table(columns: Sequence[tuple[str, str]], rows: Iterable[Sequence[object]], rule: bool = True) -> None:
-    print("\n".join(table_lines(columns, rows, rule)), flush=True)
+def row_line(columns: Columns, row: Sequence[object]) -> str:
+    """A row, a value per column (a shorter row leaves the last columns out): for a table printed as it is measured."""
+    return " ".join(_cell(value, spec) for value, (_, spec) in zip(row, columns))
+
+
+def print_table(columns: Columns, rows: Iterable[Sequence[object]], rule: bool = True) -> None:
+    print("\n".join([*header_lines(columns, rule), *(row_line(columns, row) for row in rows)]), flush=True)
