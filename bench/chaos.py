@@ -1,28 +1,6 @@
-"""Chaos: an async training run whose components are killed with SIGKILL, one drawn at random every few steps.
+"""Chaos: a training run whose components are killed with SIGKILL; recoveries, prompts trained once, hangs.
 
-The run is `rlsearch train --restarts N` (the driver under its supervisor) on the toy task with a tiny random Qwen2:
-`rollout.async_steps=1` with in-flight weight updates, 2 rollout engines, the `<call_tool>` protocol with the local
-retriever's `search` and a stdio MCP server's `browse` (`rlsearch serve-mcp --transport stdio`), rewards from an LLM
-judge (a scripted OpenAI-compatible server this script runs, playing an external service), a checkpoint every
---save-interval steps. Every --every completed steps (after a random 0-5 s, so kills land in rollouts, training and
-syncs) one component is killed:
-  engine    a rollout engine's Ray actor (`ray::RolloutWorker`): the trainer restarts it, syncs it, re-runs its groups
-  actor     the Megatron rank (`ray::MegatronActorWorker`): the trainer replaces the ranks and rewinds to the newest
-            checkpoint, the engines staying up (past trainer.max_actor_restarts the supervisor resumes the driver)
-  driver    the training driver itself: the supervisor resumes it from the newest checkpoint
-  retriever the local retrieval server: searches fail until the trainer starts it again before the next rollout
-  mcp       the stdio MCP server: the next call starts it again
-  judge     the judge server: verdicts are retried (backoff 1, 2, 4 s); this script starts it again after 2 s
-Then it reads the trajectory records and prints, per kill, the step it hit and the seconds to the next completed step
-line (the recovery), and at the end: prompts trained exactly once / skipped / duplicated against the sampler's order
-(every (question, sample) of steps 1..N), the longest recovery, the RSS of each kind of process at the first and the
-last step line, and hangs (no step line for --hang-timeout seconds: the tree is killed and the run fails).
-Not part of CI: 30 kills take about 30-50 minutes on 2 CPU cores.
-
-  .venv/bin/python bench/chaos.py                          # 30 kills
-  .venv/bin/python bench/chaos.py --kills 6 --every 1      # a quick check of the bench itself
-  .venv/bin/python bench/chaos.py --components engine,driver trainer.save_interval=1   # overrides go to the trainer
-"""
+See docs/benchmarks.md#chaos."""
 
 from __future__ import annotations
 

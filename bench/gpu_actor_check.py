@@ -1,28 +1,6 @@
-"""The Megatron actor on one GPU without Ray: logprob parity against HF transformers, GRPO train steps, throughput.
+"""The Megatron actor on one GPU without Ray: logprob parity with HF, GRPO steps, timing, a profile.
 
-`MegatronActorWorker` runs in this process at world size 1 (`initialize` called directly with a rendezvous of this
-process; `open_rendezvous` needs Ray and is not used), with the actor's defaults: actor.backend=auto (nccl on CUDA,
-gloo on CPU) and actor.transformer_impl=auto (Transformer Engine when installed, else Megatron's local spec with the
-packed `thd` SDPA attention of rlsearch/megatron/attention.py). The model is a random Qwen2 of a `bench.common` shape
-(tiny or Qwen2.5-0.5B) and the batch is bench/train_step.py's search-agent-like one: sequences of
---min-len..--max-len tokens packed back to back into micro-batches of <= --max-tokens-per-microbatch tokens.
-  parity : per-sample response logprobs from `compute_logprobs` (policy and, with --kl-coef > 0, the reference)
-           against HF AutoModelForCausalLM on each sequence alone (no padding); fails when max |diff| > --tol
-           (the tolerance is for float32; with --dtype bfloat16 the figure is printed and not checked)
-  train  : --train-steps `train_step` calls (PPO-clip + KL, token_mean); fails unless loss and grad norm are
-           finite, the update was applied and the policy's logprobs moved
-  timing : --time-steps steps of Megatron `train_step` against bench/train_step.py's HFTrainer (padded
-           micro-batches, sdpa, AdamW) in this same process, alternating, after one untimed step each;
-           tokens/s counts every real token of the batch. bench/train_step.py measures the same through Ray
-  profile: --profile-steps N Megatron train steps split into forward+backward (the pipeline schedule) and the
-           optimizer step (grad norm, clip, Adam), then one step under torch.profiler: the top ops by self time
-The last line is PASS or FAIL.
-
-  python3 bench/gpu_actor_check.py --shape tiny                     # parity + train on the default tiny shape
-  python3 bench/gpu_actor_check.py --shape 0.5b --time-steps 3      # Qwen2.5-0.5B shape, with timing
-  python3 bench/gpu_actor_check.py --shape 0.5b --dtype bfloat16 --time-steps 3
-  python3 bench/gpu_actor_check.py --shape 0.5b --dtype bfloat16 --profile-steps 3   # where a step's time goes
-"""
+See docs/benchmarks.md#gpu_actor_check."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""The sender's side of a weight sync, phase by phase, against the copy limit: one actor rank, no Ray, no engine.
+"""The sender's side of a weight sync, phase by phase, against the copy limit (one rank, no Ray).
 
-A single-rank `MegatronActorWorker` (on the GPU when there is one, as bench/gpu_actor_check.py starts it) exports
-its weights the ways a sync does, each timed against the plain copy of the same bytes:
-  copy limit : every parameter's bytes copied once, device to host (pageable and pinned memory, and into a mapped
-               /dev/shm file whose pages exist, as a sender's staged files do after its first sync, page-locked
-               on a GPU as the sender's are), and device to device (the broadcast transport's flat buffer)
-  shm        : `export_weight_buckets` staging flat files in /dev/shm (the shm transport on one node), --repeats
-               syncs, with the sender's phases (export: mbridge's names and merges; pack: the copy into the file
-               and its checksum); then one sync staged whole, read back and compared bit for bit with the weights
-  broadcast  : the broadcast transport's sender (export, flatten into a device buffer, checksum, broadcast on the
-               rank's own one-member group: nccl on a GPU)
-  delta      : a whole sync, one GRPO step at --lr, then a delta sync (weights.delta): bytes on the wire against the
-               whole model, and the deltas applied on a copy of the first sync give the new weights bit for bit
-The last line is PASS or FAIL (a read-back or a delta that differs from the weights).
-
-  python3 bench/gpu_weight_export.py --shape 0.5b --dtype bfloat16
-  python3 bench/gpu_weight_export.py --shape tiny --dtype float32 --repeats 2     # a quick check on CPU
-"""
+See docs/benchmarks.md#gpu_weight_export."""
 
 from __future__ import annotations
 

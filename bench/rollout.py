@@ -1,30 +1,6 @@
 """Agent-loop throughput against bare generation of the same tokens, on the same engine, in one run.
 
-The toy search task: a random-init Qwen2 (real Qwen tokenizer), the generated toy corpus behind the BM25 retrieval
-server (HTTP). A random model reaches the tool path as in the tests: the opening tag is prefilled and the closing
-tag's tokens are biased, so trajectories take several turns with real searches in between.
-  agent : one batch of --prompts x --group-size samples through the agent loop (--agent-loop, default per_sample)
-  bare  : the same prompts through bare `generate`, each asked for exactly as many tokens as its trajectory sampled
-          (max_tokens = its model tokens, ignore_eos, no stop strings, no tools; same sampling, seeds, logit bias)
-Sampled tokens/s, best of --repeats each (the prefix cache is reset before every timed run).
-The last line is the figure: agent-loop tokens/s / bare generate tokens/s (goal >= 0.85).
-
-With --endpoint the bench is the user-agent path instead: the same batch through the built-in loop and through
-examples/agents/search_r1.py (the `openai` client against the rollout worker's session endpoint, every call over
-HTTP on 127.0.0.1), on one engine; whether the two sample the same tokens, and the endpoint path's sampled
-tokens/s against the built-in loop's (goal >= 0.9).
-
-With --engines N (and/or --tp T) the bench is the engine pool instead: the same agent-loop rollout through an
-EnginePool of 1 engine x TP1 and then of N engines x TP T (Ray actors, one after the other, in one run): per-engine
-groups, trajectories and busy fraction, whether the trajectories are identical, and the throughput ratio of the
-N-engine pool against the 1-engine one. Each engine reserves T CPUs: on a machine with C cores, N x T <= C is the
-fair comparison.
-
-  .venv/bin/python bench/rollout.py                       # tiny model, 16 prompts x 4 samples
-  .venv/bin/python bench/rollout.py --shape 0.5b          # Qwen2.5-0.5B-shaped (slow on CPU: --prompts 4)
-  .venv/bin/python bench/rollout.py --engines 2           # 2 engines x TP1 against 1 engine
-  .venv/bin/python bench/rollout.py --endpoint            # user agent through the endpoint against the built-in loop
-"""
+See docs/benchmarks.md#rollout."""
 
 from __future__ import annotations
 

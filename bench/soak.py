@@ -1,43 +1,6 @@
-"""Soak test: many GRPO steps of the real trainer on the toy task, watching every process of the run for leaks.
+"""Soak test: many GRPO steps of the real trainer, watching each process's RSS, open files and sockets.
 
-The run is `rlsearch train` (examples/configs/search_grpo_tiny.yaml: tiny random Qwen2, toy corpus, local BM25
-retriever) as a subprocess, on CPU, with checkpoints every --save-interval steps as a real run has them. This
-script samples the driver and all its descendants every --interval seconds and at every `step K/N` line the driver
-prints: the Ray GCS, raylet and agents, the Megatron ranks (`ray::MegatronActorWorker`), the rollout worker
-(`ray::RolloutWorker`) and its vLLM EngineCore, the BM25 retrieval server
-(`python -m rlsearch.tools.servers.retrieval`).
-Per process it records RSS, open file descriptors (`num_fds`) and inet sockets (`net_connections`).
-
-Warm-up is the first --warmup steps (default: 10% of the steps and at least through the first checkpoint, 51 of the
-default 200: the first save starts a worker process that each rank keeps, +4 open files once). The reference points are
-samples taken as a step line arrives, so that every process is at the same point of the loop; step lines followed by a
-checkpoint or an eval are skipped (files open, memory in use for the save), so "warm" is the first other step line from
-the end of warm-up on and "end" the last other one (step N itself is always followed by the final checkpoint, so "end"
-is at most N-1). A process alive at both is steady; one that appears or goes away in between (a short-lived helper) is
-listed separately and not counted as growth. Per steady process the table shows RSS at "warm", the most after it (any
-sample up to step N), at "end" and the growth between them, also as the slope of a least-squares line through the
-step-line samples in between (% of the warm RSS per 100 steps, noisy over a short run). Open files and sockets: the
-fewest over every sample of the first quarter of the span from "warm" to "end" against the fewest over its last quarter.
-A descriptor or connection that stays open raises that floor; one that comes and goes does not. The connections between
-a process and the run's HTTP tool servers (the rollout worker's to the retriever, the retriever's from it) count apart,
-as keep-alive connections: an HTTP client keeps those of its latest burst of requests open (httpx: until its next
-request, in CLOSE_WAIT once the server's 5 s keep-alive has closed them), so how many a process holds follows how many
-searches last ran at once, and a floor of them read as growth over the smoke run's one step. At every request a client
-closes those its peer has closed, so one in CLOSE_WAIT still open after its process has opened a newer one (seen a
-sample or more later; one client per process, as the rollout worker has) is one nothing will close: leaked. A hang is
-no new step line for --hang-timeout seconds (default: 10x the median step time after step 3, at least 300 s;
---startup-timeout before step 1, and the same limit for the exit after step N): the process tree is killed and the run
-fails. Goals: no hang; every steady process's RSS at "end" within 10% of its RSS at "warm"; no growth in open files or
-sockets; no keep-alive connection leaked. The exit code is non-zero when a goal fails or the trainer fails. Processes
-of the run still alive 15 s after the trainer exits are listed and killed.
-
-The samples go to OUT/soak-samples.json (for plots), the trainer's output to OUT/soak-run/train.log. The last line
-is the figure. Not part of CI: 200 steps take about 30-60 minutes on 2 CPU cores.
-
-  .venv/bin/python bench/soak.py                           # 200 steps, checkpoint every 50
-  nice .venv/bin/python bench/soak.py --steps 12 --warmup 4   # a check of the bench itself, a few minutes
-  .venv/bin/python bench/soak.py rollout.async_steps=1     # extra config overrides go to the trainer
-"""
+See docs/benchmarks.md#soak."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""One full GRPO step of the real trainer on a random model shaped like Qwen2.5-0.5B, broken down by phase.
+"""One full GRPO step of the real trainer on a 0.5B-shaped random model, broken down by phase.
 
-The run is `rlsearch train` on the embedded toy task (local BM25 retriever, multi-turn search rollouts) with the
-model swapped for a 494M-parameter random Qwen2 (fp32 on CPU). Step 1 pays one-off warm-up costs, so the table
-shows every step and the figures come from the last one. Phases (TensorBoard `time/*`):
-  rollout wait : the trainer waiting for the step's trajectories (generation + tool calls; with
-                 --async-steps 1 the rollout overlaps the previous step's training and this shrinks); inside
-                 it, per trajectory: seconds waiting on the engine (generate) and on tool calls (tool wait)
-  reward       : scoring; ref logprobs: the frozen reference's forward pass (only with --kl-coef > 0)
-  train        : Megatron forward + backward + optimizer step over the packed batch
-  sync         : weight transfer into vLLM + the engine-vs-actor probe check
-  engine idle  : time with no rollout in flight (the engine's side: it overlaps the phases above)
-The last line is the figure: each trainer phase's share of the last step's wall time, and the engine's idle share.
-
-  .venv/bin/python bench/step.py                         # 0.5B shape, 2 steps, 2 prompts x 4 samples
-  .venv/bin/python bench/step.py --shape tiny            # a smoke run in about a minute
-  .venv/bin/python bench/step.py --async-steps 1         # rollout overlapped with training
-"""
+See docs/benchmarks.md#step."""
 
 from __future__ import annotations
 

@@ -1,31 +1,6 @@
-"""Training throughput of the Megatron actor's train step against HF transformers, on the same model and batch.
+"""Training throughput of the Megatron actor's train step against HF transformers, same model and batch.
 
-Both sides take the same search-agent-like batch (prompt not trained, response with masked observation spans,
-off-policy old logprobs, GRPO-style advantages) and run one optimizer step of the same PPO-clip token loss
-(token_mean weights, clip 0.2, AdamW lr 1e-5, grad-norm clip 1.0) per training step:
-  megatron : the actor's real path, `ActorRanks.train_step` -> `MegatronActorWorker.train_step` at TP1PP1: sequences
-             packed back to back into `thd` micro-batches of <= --max-tokens-per-microbatch tokens (no padding),
-             logits only at response positions, Megatron DDP + optimizer
-  hf       : AutoModelForCausalLM (sdpa attention) on padded [B, T] micro-batches of --hf-micro-batch sequences
-             with an attention mask, gradient accumulation over them, clip_grad_norm_, torch.optim.AdamW.
-             --hf-layout trl (default): prompts left-padded, responses right-padded and logits only for the
-             response columns (`logits_to_keep`, as TRL's GRPOTrainer does); right: whole sequences right-padded,
-             logits at every position
-Each side runs in its own Ray actor process with the same torch thread count; the steps alternate (HF, Megatron,
-Megatron, HF, ...) so load changes on a shared machine hit both alike. Warm-up steps are not timed.
-tokens/s counts every real token of the batch (prompt + response, padding excluded), the same number for both.
-The last line is the figure: Megatron tokens/s / HF tokens/s (goal >= 1.0).
-
-  .venv/bin/python bench/train_step.py                          # hidden 512, 4 layers, 6 sequences, 2 timed steps
-  .venv/bin/python bench/train_step.py --layers 2 --sequences 8 --steps 2   # quick run
-  .venv/bin/python bench/train_step.py --dtype bfloat16         # on a GPU (HF side: fp32 weights + bf16 autocast)
-  .venv/bin/python bench/train_step.py --architecture qwen3_moe --hidden 256 --ep 1,2   # MoE: Megatron at EP1, EP2
-  .venv/bin/python bench/train_step.py --model outputs/assets/smollm2-135m-instruct --sequences 32 \
-      --min-len 150 --max-len 360   # a real model (`rlsearch make-real-model`), a GRPO step of SmolLM2's config
-
-With --ep, one Megatron actor per expert-parallel size k runs beside the HF trainer: k data-parallel ranks, each with
-its share of the batch and 1/k of every MoE layer's experts (threads split over the ranks), and each gets its ratio.
-"""
+See docs/benchmarks.md#train_step."""
 
 from __future__ import annotations
 

@@ -1,29 +1,6 @@
-"""Weight sync from Megatron layouts into N vLLM engines, against vLLM reloading the same weights from memory.
+"""Weight sync from Megatron layouts into N vLLM engines against vLLM reloading the weights from files.
 
-For a random model shaped like Qwen2.5-0.5B (tied embeddings, 494M parameters) this measures, in one run:
-  baseline : vLLM `reload_weights` from the model's safetensors files, already in the page cache, on one engine
-  sync     : the weight path (each pipeline stage's sender gathers its own TP shards -> HF names -> buckets ->
-             transport -> every engine), per actor layout, number of engines and transport (weights.transport)
-and prints a table: seconds, the ratio to the baseline, MiB each engine received, the senders' peak extra memory
-(private RSS, and shared memory: the object store's copies) in MiB and in buckets, and the engine-vs-actor probe
-gap. Then, per run, the seconds of each phase of its fastest sync (rlsearch.weights.clock.PHASES: the senders'
-summed over pipeline stages, the engines' of the worst engine; they overlap, so they need not add up to the sync),
-the fan-out cost (N engines over 1) and, last, the worst ratio of sync seconds to the baseline.
-
-Two variants of the shm transport run as their own "transports":
-  shm-staged : weights.stage_while_generating: buckets staged before the engines pause; `pause s` is how long the
-               engines stood still (load + finish) against the sync's seconds
-  shm-delta  : weights.delta: a whole sync first, then before each timed sync one optimizer step at --lr on a
-               64-token sample; `MiB wire` is what the delta buckets took against `MiB/eng` of whole tensors
-
-  .venv/bin/python bench/weight_sync.py --layouts tp1pp1,tp2pp2 --engines 1,2 --transports shm,broadcast
-  .venv/bin/python bench/weight_sync.py --dtype bfloat16 --engines 1 --transports shm,shm-staged,shm-delta
-  .venv/bin/python bench/weight_sync.py --shape tiny --repeats 1           # a seconds-long smoke run
-
-Goals: TP1PP1 <= 1.3x and TP2PP2 <= 1.5x the baseline, 2 engines <= 1.15x one, sender peak extra <= 2 buckets
-(a tensor larger than a bucket travels alone, so a "bucket" here is max(bucket_mb, the largest tensor)), pause
-<= 25% of the sync staged first, delta >= 20x fewer bytes than whole at lr 1e-6 (bf16).
-"""
+See docs/benchmarks.md#weight_sync."""
 
 from __future__ import annotations
 
