@@ -397,7 +397,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="sigma of the lognormal latency (default 0.5: p90 1.9x the median)")
     parser.add_argument("--seed", type=int, default=1, help="sampling, query words, documents and latencies")
     untied = sorted(name for name, shape in SHAPES.items() if not shape.get("tie_word_embeddings", False))
-    parser.add_argument("--shape", choices=untied, default="tiny", help="random model shape (bench/common.py)")
+    parser.add_argument("--shape", choices=untied, default="tiny", help="random model shape (bench/common)")
     parser.add_argument("--out", default="outputs/bench", help="where the random model is kept")
     parser.add_argument("--json", default="", help="write the figures to this JSON file")
     parser.add_argument("--repeats", type=int, default=2,

@@ -336,7 +336,7 @@ def _spread(values: list[float]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="", help="bench/common.py shapes, comma-separated (default: tiny on CPU, "
+    parser.add_argument("--shapes", default="", help="bench/common shapes, comma-separated (default: tiny on CPU, "
                         "tiny,0.5b on GPU)")
     parser.add_argument("--lengths", default="", help="trajectory tokens, comma-separated (default: 8192,32768 on "
                         "CPU, 16384,65536 on GPU)")
