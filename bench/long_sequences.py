@@ -20,15 +20,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.common import (  # noqa: E402
-    SHAPES,
-    SMOKE_VOCAB_RANKS,
-    add_vocab_ranks_argument,
-    count_params,  # noqa: E402
-    parse_args,
-    random_tokens,
-)
-from bench.common import build_model as build_bench_model  # noqa: E402
+from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, count_params, parse_args  # noqa: E402
+from bench.common import build_model as build_shape  # noqa: E402
+from bench.common import random_tokens as vocabulary_draw  # noqa: E402
 from bench.common.memory import pickle_by_value_for_ray, proc_status, reset_peak_rss  # noqa: E402
 from rlsearch.actor.batch import TrainSample  # noqa: E402
 from rlsearch.devices import cpu_threads_each  # noqa: E402
@@ -67,7 +61,7 @@ def _available_bytes() -> float:
 # ---- samples ------------------------------------------------------------------------------------------------------
 
 def _random_ids(rng: random.Random, count: int, vocab_ranks: int) -> list[int]:
-    ids_below = random_tokens(vocab_ranks)[0]
+    ids_below = vocabulary_draw(vocab_ranks)[0]
     return [rng.randrange(ids_below) for _ in range(count)]
 
 
@@ -78,7 +72,7 @@ def _score(samples: list[TrainSample], seed: int, vocab_ranks: int) -> list[Trai
 
     generator = torch.Generator().manual_seed(seed)
     weights = loss_token_weights([s.loss_mask for s in samples], "token_mean")
-    random_logprob = random_tokens(vocab_ranks)[1]
+    random_logprob = vocabulary_draw(vocab_ranks)[1]
     for index, (sample, w) in enumerate(zip(samples, weights)):
         sample.old_logprobs = (random_logprob + 0.3 * torch.randn(sample.response_len, generator=generator)).tolist()
         sample.advantage = (1.0, -0.6, 0.4, -1.1, 0.8)[index % 5]
@@ -104,7 +98,7 @@ def rerendered_segments(count: int, prompt: int, turn: int, changed: int, seed: 
             history = list(segments[-1])
             new = _random_ids(rng, changed, vocab_ranks)
             if new and new[0] == history[-changed]:  # the tree must branch at the first replaced token
-                new[0] = (new[0] + 1) % random_tokens(vocab_ranks)[0]
+                new[0] = (new[0] + 1) % vocabulary_draw(vocab_ranks)[0]
             history[len(history) - changed:] = new
         segments.append(history + _random_ids(rng, turn, vocab_ranks))
     return segments
@@ -238,9 +232,9 @@ def make_spec(model_path: Path, chunk: int, cp: int, merge: bool, max_tokens: in
 
 # ---- driver -------------------------------------------------------------------------------------------------------
 
-def build_model(out: Path, max_positions: int, vocab_ranks: int) -> tuple[Path, int, int]:
+def tiny_model(out: Path, max_positions: int, vocab_ranks: int) -> tuple[Path, int, int]:
     """The `tiny` bench shape with rotary positions up to `max_positions` (cached): (path, vocab rows, params)."""
-    path = build_bench_model("tiny", out, max_positions, vocab_ranks)
+    path = build_shape("tiny", out, max_positions, vocab_ranks)
     config = json.loads((path / "config.json").read_text())
     return path, int(config["vocab_size"]), count_params(path)
 
@@ -439,7 +433,7 @@ def main() -> None:
     started = time.perf_counter()
     longest = max([*args.sizes, args.prompt_tokens + args.segments * args.turn_tokens, 4096])
     max_positions = max(32768, 1 << (longest - 1).bit_length())
-    model_path, vocab, params = build_model(Path(args.out), max_positions, args.vocab_ranks)
+    model_path, vocab, params = tiny_model(Path(args.out), max_positions, args.vocab_ranks)
     shape = SHAPES["tiny"]
     # the rank's resident set before a step: weights, gradients and Adam's two moments in fp32, plus the runtime
     base_bytes = 4 * 4 * params + 0.6 * GB

@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from bench.common import (  # noqa: E402
     SMOKE_VOCAB_RANKS,
     add_vocab_ranks_argument,
+    build_random_model,
     count_params,
     parse_args,
     random_tokens,
@@ -177,7 +178,7 @@ def build_model(args: argparse.Namespace) -> Path:
     """--model's HF dir, or a random-init model of the model options (built once into --out)."""
     if args.model:
         return Path(args.model)
-    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+    from rlsearch.data.tiny_model import TinyModelSpec
 
     spec = TinyModelSpec(
         hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
@@ -188,12 +189,9 @@ def build_model(args: argparse.Namespace) -> Path:
     tag = f"h{spec.hidden_size}-l{spec.num_layers}-a{spec.num_attention_heads}-kv{spec.num_key_value_heads}"
     if spec.architecture != "qwen2":
         tag += f"-e{spec.num_experts}"
-    path = Path(args.out) / (f"{spec.architecture}-{tag}-i{spec.intermediate_size}"
-                             f"{'-tied' if spec.tie_word_embeddings else ''}{vocab_suffix(spec.vocab_ranks)}")
-    if not (path / "config.json").is_file():
-        print(f"building a random Qwen2 in {path} ...", flush=True)
-        make_tiny_model(path, spec)
-    return path
+    return build_random_model(spec, Path(args.out) / (f"{spec.architecture}-{tag}-i{spec.intermediate_size}"
+                                                      f"{'-tied' if spec.tie_word_embeddings else ''}"
+                                                      f"{vocab_suffix(spec.vocab_ranks)}"))
 
 
 def describe_model(model_path: Path, args: argparse.Namespace) -> str:
