@@ -1,34 +1,6 @@
-"""Wall time of one rollout batch when tool latency varies: per-sample agent loop against the turn barrier.
+"""A rollout batch's wall time under tool latency: the per-sample agent loop against the turn barrier.
 
-The toy search task of bench/rollout.py (BM25 retrieval server, random tiny Qwen2) behind a latency proxy: each
-query is held for a latency that is a deterministic function of its text (so both loops wait the same), and a
-request of several queries waits for its slowest. --latency:
-  uniform     : 0 to --max-latency-ms, uniform over queries (the issue's example)
-  exponential : exponential with the same mean (--max-latency-ms / 2), the textbook service-time model: most
-                searches fast, a few slow, as with web search APIs
-The policy (--policy):
-  searcher : the tiny model rewired to search every turn (`search_automaton_weights`, queries sampled from 16 toy
-             words), --turns turns of 7 tokens: a tool-heavy agent (the default)
-  random   : the random model with bench/rollout.py's prefill and bias: it searches in its first turn only
-Loops:
-  turn_barrier : all samples generate a turn, then all of the turn's searches run, then the next turn
-  per_sample   : every sample runs its own turn loop; a sample waiting on a search never holds the others
-Both loops give the same trajectories (per-request seeds), so both do exactly the same work. Best of --repeats
-wall times each (the prefix cache is reset before every timed run). The default batch is the trainer's default
-(4 prompts x 4 samples).
-The last line is the figure: per_sample seconds / turn_barrier seconds (goal <= 0.6).
-
-Even with free generation the ratio is bounded by the latency model: the barrier waits, each turn, for the
-slowest query of the batch, a sample on its own for its own queries, and the batch ends with its slowest sample.
-The bench prints that bound ("ideal"), computed from the searches the trajectories made: sum over turns of the
-turn's slowest search, against the largest sum of one trajectory's searches. With uniform latencies it is about
-0.77 for 16 samples x 5 searches, below 0.6 only for heavier tails. On 2 CPU cores generation is not free
-either: the engine is CPU-bound and the extra engine steps of desynchronised samples cost CPU too.
-
-  .venv/bin/python bench/async_rollout.py                  # searcher, 4 prompts x 4 samples, 6 turns, 0-200 ms
-  .venv/bin/python bench/async_rollout.py --latency exponential    # same mean latency, a long tail
-  .venv/bin/python bench/async_rollout.py --prompts 16     # 64 trajectories
-"""
+See docs/benchmarks.md#async_rollout."""
 
 from __future__ import annotations
 
@@ -105,7 +77,7 @@ QUERIES = [" " + word for word in (
 ).split()]
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--policy", choices=("searcher", "random"), default="searcher",
@@ -119,8 +91,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per loop; the best counts")
     parser.add_argument("--out", default="outputs/bench", help="where the random model and toy data are kept")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(prompts=2, group_size=2, turns=2, repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
+    return parser
 
+
+def report(args: argparse.Namespace, seconds: dict[str, float], trajectories: list, latency_s) -> None:
+    """per_sample's wall time against turn_barrier's, and the ideal ratio with free generation."""
+    ratio = seconds["per_sample"] / seconds["turn_barrier"]
+    latency = (f"0-{args.max_latency_ms:g} ms uniform" if args.latency == "uniform"
+               else f"exponential, mean {args.max_latency_ms / 2:g} ms")
+    print(f"per_sample / turn_barrier wall time, {args.policy} policy, tool latency {latency} (ideal with free "
+          f"generation {ideal_ratio(trajectories, latency_s):.2f}; goal <= 0.6): {ratio:.2f}")
+
+
+def run(args: argparse.Namespace) -> tuple[dict[str, float], list, functools.partial]:
+    """Both agent loops over the same items: (the best wall seconds of each, the last trajectories, the latency)."""
     from safetensors.torch import load_file
 
     from rlsearch.data.tiny_model import search_automaton_weights
@@ -163,11 +147,13 @@ def main() -> None:
                       f"each waited {generate_s:.2f} s on the engine and {tool_s:.2f} s on searches)", flush=True)
         finally:
             host.close()
-    ratio = seconds["per_sample"] / seconds["turn_barrier"]
-    latency = (f"0-{args.max_latency_ms:g} ms uniform" if args.latency == "uniform"
-               else f"exponential, mean {args.max_latency_ms / 2:g} ms")
-    print(f"per_sample / turn_barrier wall time, {args.policy} policy, tool latency {latency} (ideal with free "
-          f"generation {ideal_ratio(trajectories, latency_s):.2f}; goal <= 0.6): {ratio:.2f}")
+    return seconds, trajectories, latency_s
+
+
+def main() -> None:
+    args = parse_args(_parser(), dict(prompts=2, group_size=2, turns=2, repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
+    report(args, *run(args))
+
 
 
 if __name__ == "__main__":

@@ -1,28 +1,6 @@
-"""Chaos: an async training run whose components are killed with SIGKILL, one drawn at random every few steps.
+"""Chaos: a training run whose components are killed with SIGKILL; recoveries, prompts trained once, hangs.
 
-The run is `rlsearch train --restarts N` (the driver under its supervisor) on the toy task with a tiny random Qwen2:
-`rollout.async_steps=1` with in-flight weight updates, 2 rollout engines, the `<call_tool>` protocol with the local
-retriever's `search` and a stdio MCP server's `browse` (`rlsearch serve-mcp --transport stdio`), rewards from an LLM
-judge (a scripted OpenAI-compatible server this script runs, playing an external service), a checkpoint every
---save-interval steps. Every --every completed steps (after a random 0-5 s, so kills land in rollouts, training and
-syncs) one component is killed:
-  engine    a rollout engine's Ray actor (`ray::RolloutWorker`): the trainer restarts it, syncs it, re-runs its groups
-  actor     the Megatron rank (`ray::MegatronActorWorker`): the trainer replaces the ranks and rewinds to the newest
-            checkpoint, the engines staying up (past trainer.max_actor_restarts the supervisor resumes the driver)
-  driver    the training driver itself: the supervisor resumes it from the newest checkpoint
-  retriever the local retrieval server: searches fail until the trainer starts it again before the next rollout
-  mcp       the stdio MCP server: the next call starts it again
-  judge     the judge server: verdicts are retried (backoff 1, 2, 4 s); this script starts it again after 2 s
-Then it reads the trajectory records and prints, per kill, the step it hit and the seconds to the next completed step
-line (the recovery), and at the end: prompts trained exactly once / skipped / duplicated against the sampler's order
-(every (question, sample) of steps 1..N), the longest recovery, the RSS of each kind of process at the first and the
-last step line, and hangs (no step line for --hang-timeout seconds: the tree is killed and the run fails).
-Not part of CI: 30 kills take about 30-50 minutes on 2 CPU cores.
-
-  .venv/bin/python bench/chaos.py                          # 30 kills
-  .venv/bin/python bench/chaos.py --kills 6 --every 1      # a quick check of the bench itself
-  .venv/bin/python bench/chaos.py --components engine,driver trainer.save_interval=1   # overrides go to the trainer
-"""
+See docs/benchmarks.md#chaos."""
 
 from __future__ import annotations
 
@@ -49,8 +27,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args  # noqa: E402
-from bench.soak import REPO_ROOT, STEP_LINE, kill_processes, measure, prepare_assets, process_tree  # noqa: E402
+from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args, runs  # noqa: E402
 
 COMPONENTS = ("engine", "actor", "driver", "retriever", "mcp", "judge")
 JUDGE_RESTART_S = 2.0
@@ -110,7 +87,7 @@ class JudgeProcess:
 
 def write_config(args: argparse.Namespace, run_dir: Path, judge_port: int) -> Path:
     """The run's config: the tiny call_tool setup with 2 engines, async rollouts, the stdio MCP server and the judge."""
-    model, train, corpus = prepare_assets(Path(args.out), args.vocab_ranks)
+    model, train, corpus = runs.tiny_assets(Path(args.out), args.vocab_ranks)
     # a kill every `every` step lines; a resumed driver repeats the steps after its checkpoint, so steps run out last
     steps = args.warmup + args.kills * args.every + args.tail
     mcp_command = [sys.executable, "-m", "rlsearch", "serve-mcp", "--transport", "stdio", "--corpus", str(corpus),
@@ -154,20 +131,6 @@ class Kill:
     next_step: int | None = None
 
 
-def _step_lines(log_path: Path, events: queue.Queue, process: subprocess.Popen, started: float) -> None:
-    """Queue (seconds, step) of every step line of the supervisor's output as it is written; None at the end."""
-    with log_path.open("w") as log:
-        for line in process.stdout:
-            log.write(line)
-            log.flush()
-            match = STEP_LINE.match(line)
-            if match:
-                events.put((time.monotonic() - started, int(match.group(1))))
-            if match or line.startswith("[rlsearch]"):
-                print(f"  | {line.rstrip()}", flush=True)
-    events.put(None)
-
-
 def victims(component: str, supervisor: psutil.Process) -> list[psutil.Process]:
     """The processes of the run that `component` names (the driver: the supervisor's `rlsearch train` child; its other
     children are the Ray instance it owns)."""
@@ -176,7 +139,7 @@ def victims(component: str, supervisor: psutil.Process) -> list[psutil.Process]:
     wanted = {"engine": "ray::RolloutWorker", "actor": "ray::MegatronActorWorker",
               "retriever": "rlsearch.tools.servers.retrieval", "mcp": "serve-mcp"}[component]
     found = []
-    for process in process_tree(supervisor)[1:]:
+    for process in runs.process_tree(supervisor)[1:]:
         command = " ".join(_command_line(process))
         if wanted in command and not (component == "engine" and "EngineCore" in command) and \
                 not _forked_by_a_worker(process, wanted):
@@ -202,11 +165,11 @@ def _forked_by_a_worker(process: psutil.Process, title: str) -> bool:
 
 def rss_by_kind(supervisor: psutil.Process, judge: JudgeProcess) -> dict[str, list[int]]:
     kinds: dict[str, list[int]] = {}
-    processes = process_tree(supervisor)
+    processes = runs.process_tree(supervisor)
     if judge.process.poll() is None:  # a killed judge is down until it is started again
         processes.append(psutil.Process(judge.process.pid))
     for process in processes:
-        measured = measure(process)
+        measured = runs.measure(process)
         if measured is not None:
             label = "supervisor" if process.pid == supervisor.pid else measured[0]
             kinds.setdefault(label, []).append(measured[1])
@@ -222,11 +185,12 @@ def run_chaos(args: argparse.Namespace, run_dir: Path) -> tuple[list[Kill], list
     command = [sys.executable, "-m", "rlsearch", "train", "--restarts", str(args.kills + 5), "--config", str(config),
                *args.overrides]
     started = time.monotonic()
-    run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    run = subprocess.Popen(command, cwd=runs.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     supervisor = psutil.Process(run.pid)
     events: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=_step_lines, args=(run_dir / "train.log", events, run, started), daemon=True)
+    reader = threading.Thread(target=runs.read_trainer_output, daemon=True,
+                              args=(run.stdout, run_dir / "train.log", events, started))
     reader.start()
     kills: list[Kill] = []
     steps: list[tuple[float, int]] = []
@@ -245,14 +209,14 @@ def run_chaos(args: argparse.Namespace, run_dir: Path) -> tuple[list[Kill], list
                 break
             now = time.monotonic() - started
             if event:
-                steps.append(event)
+                steps.append((event.seconds, event.step))
                 lines_since_kill += 1
                 if not rss_start:
                     rss_start = rss_by_kind(supervisor, judge)
                 rss_end = rss_by_kind(supervisor, judge)
                 pending = [k for k in kills if k.recovered_s is None]
                 for kill in pending:
-                    kill.recovered_s, kill.next_step = event[0] - kill.seconds, event[1]
+                    kill.recovered_s, kill.next_step = event.seconds - kill.seconds, event.step
             last_progress = steps[-1][0] if steps else 0.0
             limit = args.hang_timeout if steps else args.startup_timeout
             if now - last_progress > limit:
@@ -270,7 +234,7 @@ def run_chaos(args: argparse.Namespace, run_dir: Path) -> tuple[list[Kill], list
         hang = "interrupted (Ctrl-C)"
     if hang:
         print(f"chaos: {hang}: killing the run", flush=True)
-        kill_processes(process_tree(supervisor))
+        runs.kill_processes(runs.process_tree(supervisor))
     returncode = run.wait()
     reader.join(timeout=10)
     judge.stop()
@@ -294,7 +258,7 @@ def _kill_one(rng: random.Random, components: list[str], supervisor: psutil.Proc
             print(f"chaos: no {component} process to kill now; drawing again at the next step", flush=True)
             return None
         victim = rng.choice(found)
-        pid, label = victim.pid, (measure(victim) or (component,))[0]
+        pid, label = victim.pid, (runs.measure(victim) or (component,))[0]
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -331,10 +295,7 @@ def prompt_counts(run_dir: Path, last_step: int) -> tuple[int, int, int, int]:
     return once, skipped, duplicated, sum(expected.values())
 
 
-def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--serve-judge":
-        serve_judge(int(sys.argv[2]))
-        return
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=30)
     parser.add_argument("--every", type=int, default=2, help="completed steps between two kills")
@@ -354,23 +315,12 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/bench", help="assets are cached here; the run goes to OUT/chaos")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for the trainer")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(kills=1, every=1, warmup=1, tail=2, components=["retriever"], save_interval=1,
-                                     recovery_goal=600.0, vocab_ranks=SMOKE_VOCAB_RANKS,
-                                     # one small engine: the retriever is the one killed (1.5 GiB instead of 2 x 2.3);
-                                     # the random model's turns run to the token limit: 24 tokens, not 96
-                                     overrides=["rollout.num_engines=1", "rollout.kv_cache_gib=0.25",
-                                                "rollout.max_tokens_per_turn=24"]))
-    unknown = set(args.components) - set(COMPONENTS)
-    if unknown:
-        parser.error(f"unknown components {sorted(unknown)}; choose from {', '.join(COMPONENTS)}")
-    run_dir = Path(args.out) / "chaos"
-    if run_dir.exists():
-        import shutil
+    return parser
 
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    kills, steps, rss_start, rss_end, hang, returncode = run_chaos(args, run_dir)
 
+def report(args: argparse.Namespace, run_dir: Path, kills: list[Kill], steps: list[tuple[float, int]], rss_start: dict,
+           rss_end: dict, hang: str, returncode: int | None) -> int:
+    """The kills, the processes' memory, what the run printed of its recoveries, and the verdict: 1 on a failure."""
     print("\nkill  component  after step  next step line  recovered in")
     for index, kill in enumerate(kills, 1):
         recovered = f"{kill.recovered_s:.1f} s" if kill.recovered_s is not None else "never"
@@ -417,7 +367,30 @@ def main() -> None:
           f"prompts trained once {once}/{expected}, skipped {skipped}, duplicated {duplicated}; longest recovery "
           + (f"{worst.recovered_s:.1f} s ({worst.component})" if worst else "-")
           + f"; hangs {1 if hang else 0}: " + ("PASS" if not failures else "FAIL: " + "; ".join(failures)), flush=True)
-    sys.exit(1 if failures else 0)
+    return 1 if failures else 0
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--serve-judge":
+        serve_judge(int(sys.argv[2]))
+        return
+    parser = _parser()
+    args = parse_args(parser, dict(kills=1, every=1, warmup=1, tail=2, components=["retriever"], save_interval=1,
+                                     recovery_goal=600.0, vocab_ranks=SMOKE_VOCAB_RANKS,
+                                     # one small engine: the retriever is the one killed (1.5 GiB instead of 2 x 2.3);
+                                     # the random model's turns run to the token limit: 24 tokens, not 96
+                                     overrides=["rollout.num_engines=1", "rollout.kv_cache_gib=0.25",
+                                                "rollout.max_tokens_per_turn=24"]))
+    unknown = set(args.components) - set(COMPONENTS)
+    if unknown:
+        parser.error(f"unknown components {sorted(unknown)}; choose from {', '.join(COMPONENTS)}")
+    run_dir = Path(args.out) / "chaos"
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    sys.exit(report(args, run_dir, *run_chaos(args, run_dir)))
 
 
 if __name__ == "__main__":

@@ -1,20 +1,6 @@
-"""Does the default run learn? `bash examples/run_search_grpo.sh` as a user runs it, over several seeds, each with its
-own SFT warm start (`seed=S`, its own dir) and GRPO seed (`trainer.seed=S`), against a control in the same bench: the
-same run with `actor.lr=0`, whose policy never changes, so that what the control's reward does over the steps (the
-order of the questions, sampling noise) is told apart from learning.
+"""Does the default run learn? `bash examples/run_search_grpo.sh` over seeds against a frozen policy.
 
-Per run it reads the run's TensorBoard scalars and compares the first and the last third of the steps: reward, the
-share of trajectories searching with valid calls only (reward/valid_search_rate), invalid calls per trajectory and the
-answer rate. It prints a table per seed, then the mean (sample std) over seeds and the gain's t over seeds, the
-terminal lines of each run (the quiet-output target is 30) and its wall time; the last line is the learning gain
-against the control's.
-
-  .venv/bin/python bench/default_run.py                 # 3 seeds + controls: ~20 min on 2 cores
-  .venv/bin/python bench/default_run.py --seeds 1 --no-control
-  .venv/bin/python bench/default_run.py --check-readme LOG   # does LOG (what the README's command printed) agree
-                                                             # with the README? (bench/readme_check.py says how)
-Finished runs (a curves.png in place) are reused, so a stopped bench resumes.
-"""
+See docs/benchmarks.md#default_run."""
 
 from __future__ import annotations
 

@@ -1,28 +1,6 @@
-"""The Megatron actor on one GPU without Ray: logprob parity against HF transformers, GRPO train steps, throughput.
+"""The Megatron actor on one GPU without Ray: logprob parity with HF, GRPO steps, timing, a profile.
 
-`MegatronActorWorker` runs in this process at world size 1 (`initialize` called directly with a rendezvous of this
-process; `open_rendezvous` needs Ray and is not used), with the actor's defaults: actor.backend=auto (nccl on CUDA,
-gloo on CPU) and actor.transformer_impl=auto (Transformer Engine when installed, else Megatron's local spec with the
-packed `thd` SDPA attention of rlsearch/megatron/attention.py). The model is a random Qwen2 of a `bench.common` shape
-(tiny or Qwen2.5-0.5B) and the batch is bench/train_step.py's search-agent-like one: sequences of
---min-len..--max-len tokens packed back to back into micro-batches of <= --max-tokens-per-microbatch tokens.
-  parity : per-sample response logprobs from `compute_logprobs` (policy and, with --kl-coef > 0, the reference)
-           against HF AutoModelForCausalLM on each sequence alone (no padding); fails when max |diff| > --tol
-           (the tolerance is for float32; with --dtype bfloat16 the figure is printed and not checked)
-  train  : --train-steps `train_step` calls (PPO-clip + KL, token_mean); fails unless loss and grad norm are
-           finite, the update was applied and the policy's logprobs moved
-  timing : --time-steps steps of Megatron `train_step` against bench/train_step.py's HFTrainer (padded
-           micro-batches, sdpa, AdamW) in this same process, alternating, after one untimed step each;
-           tokens/s counts every real token of the batch. bench/train_step.py measures the same through Ray
-  profile: --profile-steps N Megatron train steps split into forward+backward (the pipeline schedule) and the
-           optimizer step (grad norm, clip, Adam), then one step under torch.profiler: the top ops by self time
-The last line is PASS or FAIL.
-
-  python3 bench/gpu_actor_check.py --shape tiny                     # parity + train on the default tiny shape
-  python3 bench/gpu_actor_check.py --shape 0.5b --time-steps 3      # Qwen2.5-0.5B shape, with timing
-  python3 bench/gpu_actor_check.py --shape 0.5b --dtype bfloat16 --time-steps 3
-  python3 bench/gpu_actor_check.py --shape 0.5b --dtype bfloat16 --profile-steps 3   # where a step's time goes
-"""
+See docs/benchmarks.md#gpu_actor_check."""
 
 from __future__ import annotations
 
@@ -43,7 +21,7 @@ from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, bu
 from rlsearch.algo import grpo_objective  # noqa: E402
 
 
-def _grpo_step(worker, samples) -> dict[str, float]:
+def grpo_step(worker, samples) -> dict[str, float]:
     """One GRPO optimizer step of a single-rank worker (no data parallelism)."""
     return worker.train_step(samples, 1, partial(grpo_objective, algo=worker.spec.algo))
 
@@ -110,7 +88,7 @@ def profile(worker, samples, steps: int, on_gpu: bool) -> None:
         sync()
         t0 = time.perf_counter()
         for _ in range(steps):
-            _grpo_step(worker, samples)
+            grpo_step(worker, samples)
         sync()
         wall = time.perf_counter() - t0
     finally:
@@ -121,7 +99,7 @@ def profile(worker, samples, steps: int, on_gpu: bool) -> None:
         + f", other {other / steps * 1e3:.1f} ms", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with torch_profile(activities=activities) as prof:
-        _grpo_step(worker, samples)
+        grpo_step(worker, samples)
         sync()
     key = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60), flush=True)
@@ -130,7 +108,7 @@ def profile(worker, samples, steps: int, on_gpu: bool) -> None:
               flush=True)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -146,77 +124,17 @@ def main() -> None:
     parser.add_argument("--hf-micro-batch", type=int, default=4)
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(shape="tiny", sequences=4, min_len=40, max_len=80, train_steps=1, time_steps=1,
-                                   profile_steps=1, vocab_ranks=SMOKE_VOCAB_RANKS))
+    return parser
 
-    from transformers import AutoModelForCausalLM
 
-    from bench.train_step import HFTrainer, make_samples, memory_mib
-    from rlsearch.config import ActorConfig, AlgoConfig
+def timing(args: argparse.Namespace, worker, samples, model_path: Path, tokens: int, on_gpu: bool) -> None:
+    """HF's train step against the worker's on the same batch, alternated: tokens/s of each."""
+    from bench.common.memory import memory_mib
+    from bench.train_step import HFTrainer
 
-    on_gpu = torch.cuda.is_available()
-    model_path = build_model(args.shape, Path(args.out), max_positions=args.max_len, vocab_ranks=args.vocab_ranks)
-    samples = make_samples(args.sequences, args.min_len, args.max_len, seed=0, vocab_ranks=args.vocab_ranks)
-    tokens = sum(len(s.token_ids) for s in samples)
-    response = sum(s.response_len for s in samples)
-    print(f"device: {torch.cuda.get_device_name(0) if on_gpu else 'cpu'}; torch {torch.__version__}; "
-          f"float32 matmul precision {torch.get_float32_matmul_precision()}", flush=True)
-    print(f"model: random Qwen2 '{args.shape}' {SHAPES[args.shape]}, {args.dtype}; batch: {len(samples)} sequences, "
-          f"{tokens} tokens ({response} response)", flush=True)
-
-    actor = ActorConfig(max_tokens_per_microbatch=args.max_tokens_per_microbatch)
-    algo = AlgoConfig(kl_coef=args.kl_coef)
-    total_steps = args.train_steps + (args.time_steps + 1 if args.time_steps else 0) + args.profile_steps + 1
-    worker = start_single_rank_worker(model_path, args.dtype, actor, algo, total_steps)
-    from rlsearch.actor.batch import pack_indices
-
-    num_packed = len(pack_indices([len(s.token_ids) for s in samples], args.max_tokens_per_microbatch))
-    print(f"{num_packed} packed thd micro-batches; float32 matmul precision now "
-          f"{torch.get_float32_matmul_precision()}", flush=True)
-    failures = []
-
-    # ---- parity -------------------------------------------------------------------------------------------------
-    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to("cuda" if on_gpu else "cpu").eval()
-    reference = hf_logprobs(hf, samples, 1.0)
-    del hf
-    ours = worker.compute_logprobs(samples)
-    diff = max_abs_diff(ours, reference)
-    print(f"parity policy    : max |logprob diff| vs HF {diff:.3e} over {response} response tokens "
-          f"(mean |logprob| {float(torch.cat(reference).abs().mean()):.3f})", flush=True)
-    checked = args.dtype == "float32"
-    if checked and not diff <= args.tol:
-        failures.append(f"policy logprob diff {diff:.3e} > {args.tol:g}")
-    if args.kl_coef > 0:
-        ref = worker.compute_logprobs(samples, reference=True)
-        ref_diff = max_abs_diff(ref, reference)
-        print(f"parity reference : max |logprob diff| vs HF {ref_diff:.3e}", flush=True)
-        if checked and not ref_diff <= args.tol:
-            failures.append(f"reference logprob diff {ref_diff:.3e} > {args.tol:g}")
-        for sample, row in zip(samples, ref):
-            sample.ref_logprobs = row
-
-    # ---- train --------------------------------------------------------------------------------------------------
-    for step in range(args.train_steps):
-        t0 = time.perf_counter()
-        stats = _grpo_step(worker, samples)
-        elapsed = time.perf_counter() - t0
-        print(f"train step {step + 1}: {elapsed:.2f} s, policy loss {stats['policy_loss']:+.5f}, kl loss "
-              f"{stats['kl_loss']:.3e}, grad norm {stats['grad_norm']:.4f}, update_ok {stats['update_ok']:.0f}, "
-              f"clipped tokens {stats['clip_tokens']:.0f}/{stats['tokens']:.0f}", flush=True)
-        if not (math.isfinite(stats["policy_loss"]) and math.isfinite(stats["grad_norm"]) and stats["update_ok"]):
-            failures.append(f"train step {step + 1}: {stats}")
-    if args.train_steps:
-        after = worker.compute_logprobs(samples)
-        moved = max_abs_diff(after, [torch.tensor(r, dtype=torch.float64) for r in ours])
-        print(f"after training   : max |logprob change| {moved:.3e}", flush=True)
-        if not moved > 0:
-            failures.append("train steps left the policy's logprobs unchanged")
-
-    # ---- timing -------------------------------------------------------------------------------------------------
     if args.time_steps:
         trainer = HFTrainer(str(model_path), args.dtype, torch.get_num_threads(), args.hf_micro_batch, "trl")
-        sides = {"hf": lambda: trainer.train_step(samples), "megatron": lambda: _grpo_step(worker, samples)}
+        sides = {"hf": lambda: trainer.train_step(samples), "megatron": lambda: grpo_step(worker, samples)}
         seconds: dict[str, list[float]] = {name: [] for name in sides}
         order = ["hf", "megatron"]
         for step in range(args.time_steps + 1):
@@ -238,6 +156,85 @@ def main() -> None:
               f"{rates['megatron'] / rates['hf']:.2f}x; both sides' memory now {memory_mib()[0]:.0f} MiB, peak "
               f"{memory_mib()[1]:.0f} MiB", flush=True)
 
+
+def train(args: argparse.Namespace, worker, samples, ours: list[list[float]]) -> list[str]:
+    """--train-steps GRPO steps, each finite, and the policy moved by them; what failed."""
+    failures = []
+    for step in range(args.train_steps):
+        t0 = time.perf_counter()
+        stats = grpo_step(worker, samples)
+        elapsed = time.perf_counter() - t0
+        print(f"train step {step + 1}: {elapsed:.2f} s, policy loss {stats['policy_loss']:+.5f}, kl loss "
+              f"{stats['kl_loss']:.3e}, grad norm {stats['grad_norm']:.4f}, update_ok {stats['update_ok']:.0f}, "
+              f"clipped tokens {stats['clip_tokens']:.0f}/{stats['tokens']:.0f}", flush=True)
+        if not (math.isfinite(stats["policy_loss"]) and math.isfinite(stats["grad_norm"]) and stats["update_ok"]):
+            failures.append(f"train step {step + 1}: {stats}")
+    if args.train_steps:
+        after = worker.compute_logprobs(samples)
+        moved = max_abs_diff(after, [torch.tensor(r, dtype=torch.float64) for r in ours])
+        print(f"after training   : max |logprob change| {moved:.3e}", flush=True)
+        if not moved > 0:
+            failures.append("train steps left the policy's logprobs unchanged")
+    return failures
+
+
+def parity(args: argparse.Namespace, worker, samples, model_path: Path, on_gpu: bool) -> tuple[list, list[str]]:
+    """The worker's logprobs (policy, and reference with --kl-coef) against HF's: (the policy's, what failed)."""
+    from transformers import AutoModelForCausalLM
+
+    failures = []
+    response = sum(s.response_len for s in samples)
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to("cuda" if on_gpu else "cpu").eval()
+    reference = hf_logprobs(hf, samples, 1.0)
+    del hf
+    ours = worker.compute_logprobs(samples)
+    diff = max_abs_diff(ours, reference)
+    print(f"parity policy    : max |logprob diff| vs HF {diff:.3e} over {response} response tokens "
+          f"(mean |logprob| {float(torch.cat(reference).abs().mean()):.3f})", flush=True)
+    checked = args.dtype == "float32"
+    if checked and not diff <= args.tol:
+        failures.append(f"policy logprob diff {diff:.3e} > {args.tol:g}")
+    if args.kl_coef > 0:
+        ref = worker.compute_logprobs(samples, reference=True)
+        ref_diff = max_abs_diff(ref, reference)
+        print(f"parity reference : max |logprob diff| vs HF {ref_diff:.3e}", flush=True)
+        if checked and not ref_diff <= args.tol:
+            failures.append(f"reference logprob diff {ref_diff:.3e} > {args.tol:g}")
+        for sample, row in zip(samples, ref):
+            sample.ref_logprobs = row
+    return ours, failures
+
+
+def main() -> None:
+    args = parse_args(_parser(), dict(shape="tiny", sequences=4, min_len=40, max_len=80, train_steps=1, time_steps=1,
+                                   profile_steps=1, vocab_ranks=SMOKE_VOCAB_RANKS))
+
+    from bench.train_step import make_samples
+    from rlsearch.config import ActorConfig, AlgoConfig
+
+    on_gpu = torch.cuda.is_available()
+    model_path = build_model(args.shape, Path(args.out), max_positions=args.max_len, vocab_ranks=args.vocab_ranks)
+    samples = make_samples(args.sequences, args.min_len, args.max_len, seed=0, vocab_ranks=args.vocab_ranks)
+    tokens = sum(len(s.token_ids) for s in samples)
+    response = sum(s.response_len for s in samples)
+    print(f"device: {torch.cuda.get_device_name(0) if on_gpu else 'cpu'}; torch {torch.__version__}; "
+          f"float32 matmul precision {torch.get_float32_matmul_precision()}", flush=True)
+    print(f"model: random Qwen2 '{args.shape}' {SHAPES[args.shape]}, {args.dtype}; batch: {len(samples)} sequences, "
+          f"{tokens} tokens ({response} response)", flush=True)
+
+    actor = ActorConfig(max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+    algo = AlgoConfig(kl_coef=args.kl_coef)
+    total_steps = args.train_steps + (args.time_steps + 1 if args.time_steps else 0) + args.profile_steps + 1
+    worker = start_single_rank_worker(model_path, args.dtype, actor, algo, total_steps)
+    from rlsearch.actor.batch import pack_indices
+
+    num_packed = len(pack_indices([len(s.token_ids) for s in samples], args.max_tokens_per_microbatch))
+    print(f"{num_packed} packed thd micro-batches; float32 matmul precision now "
+          f"{torch.get_float32_matmul_precision()}", flush=True)
+    ours, failures = parity(args, worker, samples, model_path, on_gpu)
+    failures += train(args, worker, samples, ours)
+    timing(args, worker, samples, model_path, tokens, on_gpu)
     if args.profile_steps:
         profile(worker, samples, args.profile_steps, on_gpu)
 

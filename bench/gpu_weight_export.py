@@ -1,22 +1,6 @@
-"""The sender's side of a weight sync, phase by phase, against the copy limit: one actor rank, no Ray, no engine.
+"""The sender's side of a weight sync, phase by phase, against the copy limit (one rank, no Ray).
 
-A single-rank `MegatronActorWorker` (on the GPU when there is one, as bench/gpu_actor_check.py starts it) exports
-its weights the ways a sync does, each timed against the plain copy of the same bytes:
-  copy limit : every parameter's bytes copied once, device to host (pageable and pinned memory, and into a mapped
-               /dev/shm file whose pages exist, as a sender's staged files do after its first sync, page-locked
-               on a GPU as the sender's are), and device to device (the broadcast transport's flat buffer)
-  shm        : `export_weight_buckets` staging flat files in /dev/shm (the shm transport on one node), --repeats
-               syncs, with the sender's phases (export: mbridge's names and merges; pack: the copy into the file
-               and its checksum); then one sync staged whole, read back and compared bit for bit with the weights
-  broadcast  : the broadcast transport's sender (export, flatten into a device buffer, checksum, broadcast on the
-               rank's own one-member group: nccl on a GPU)
-  delta      : a whole sync, one GRPO step at --lr, then a delta sync (weights.delta): bytes on the wire against the
-               whole model, and the deltas applied on a copy of the first sync give the new weights bit for bit
-The last line is PASS or FAIL (a read-back or a delta that differs from the weights).
-
-  python3 bench/gpu_weight_export.py --shape 0.5b --dtype bfloat16
-  python3 bench/gpu_weight_export.py --shape tiny --dtype float32 --repeats 2     # a quick check on CPU
-"""
+See docs/benchmarks.md#gpu_weight_export."""
 
 from __future__ import annotations
 
@@ -33,7 +17,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
-from bench.gpu_actor_check import _grpo_step, start_single_rank_worker  # noqa: E402
+from bench.gpu_actor_check import grpo_step, start_single_rank_worker  # noqa: E402
 
 
 def _sync() -> None:
@@ -162,7 +146,7 @@ def delta_syncs(worker, bucket_bytes: int, samples) -> dict:
     result = {}
     for sync_id, delta_of in (("first", None), ("second", "first")):
         if delta_of is not None:
-            result["step_s"], stats = _timed(_grpo_step, worker, samples)
+            result["step_s"], stats = _timed(grpo_step, worker, samples)
             result["grad_norm"] = stats["grad_norm"]
         plan = ExportPlan(bucket_bytes, stage_in_shared_memory=False, sync_id=sync_id, delta_of=delta_of)
         seconds, buckets = _timed(_all_buckets, worker, plan)
@@ -183,7 +167,7 @@ def _phases(phases: dict[str, float]) -> str:
     return ", ".join(f"{name} {seconds:.3f}" for name, seconds in phases.items())
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
@@ -192,17 +176,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6, help="the learning rate of the step between delta syncs")
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(shape="tiny", dtype="float32", repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
+    return parser
 
+
+def run(args: argparse.Namespace, worker) -> list[str]:
+    """The copy limits, the shm, broadcast and delta syncs of the worker's weights; what failed."""
     from bench.train_step import make_samples
-    from rlsearch.config import ActorConfig, AlgoConfig
 
-    on_gpu = torch.cuda.is_available()
-    print(f"device: {torch.cuda.get_device_name(0) if on_gpu else 'cpu'}; torch {torch.__version__}; "
-          f"model: random Qwen2 '{args.shape}', {args.dtype}; buckets of {args.bucket_mb} MB", flush=True)
-    model_path = build_model(args.shape, Path(args.out), vocab_ranks=args.vocab_ranks)
-    worker = start_single_rank_worker(model_path, args.dtype, ActorConfig(lr=args.lr, lr_warmup_steps=0),
-                                      AlgoConfig(kl_coef=0.0), 4)
     bucket_bytes = args.bucket_mb << 20
     total = worker.export_bytes()
     gb = total / 1e9
@@ -239,6 +219,21 @@ def main() -> None:
           f"{first['wire'] / max(second['wire'], 1):.1f}x fewer bytes", flush=True)
     if delta["differs"]:
         failures.append(f"deltas applied differ from the trained weights: {delta['differs'][:5]}")
+    return failures
+
+
+def main() -> None:
+    args = parse_args(_parser(), dict(shape="tiny", dtype="float32", repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
+
+    from rlsearch.config import ActorConfig, AlgoConfig
+
+    on_gpu = torch.cuda.is_available()
+    print(f"device: {torch.cuda.get_device_name(0) if on_gpu else 'cpu'}; torch {torch.__version__}; "
+          f"model: random Qwen2 '{args.shape}', {args.dtype}; buckets of {args.bucket_mb} MB", flush=True)
+    model_path = build_model(args.shape, Path(args.out), vocab_ranks=args.vocab_ranks)
+    worker = start_single_rank_worker(model_path, args.dtype, ActorConfig(lr=args.lr, lr_warmup_steps=0),
+                                      AlgoConfig(kl_coef=0.0), 4)
+    failures = run(args, worker)
     worker.shutdown()
     print("FAIL: " + "; ".join(failures) if failures else "PASS", flush=True)
     sys.exit(1 if failures else 0)

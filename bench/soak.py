@@ -1,43 +1,6 @@
-"""Soak test: many GRPO steps of the real trainer on the toy task, watching every process of the run for leaks.
+"""Soak test: many GRPO steps of the real trainer, watching each process's RSS, open files and sockets.
 
-The run is `rlsearch train` (examples/configs/search_grpo_tiny.yaml: tiny random Qwen2, toy corpus, local BM25
-retriever) as a subprocess, on CPU, with checkpoints every --save-interval steps as a real run has them. This
-script samples the driver and all its descendants every --interval seconds and at every `step K/N` line the driver
-prints: the Ray GCS, raylet and agents, the Megatron ranks (`ray::MegatronActorWorker`), the rollout worker
-(`ray::RolloutWorker`) and its vLLM EngineCore, the BM25 retrieval server
-(`python -m rlsearch.tools.servers.retrieval`).
-Per process it records RSS, open file descriptors (`num_fds`) and inet sockets (`net_connections`).
-
-Warm-up is the first --warmup steps (default: 10% of the steps and at least through the first checkpoint, 51 of the
-default 200: the first save starts a worker process that each rank keeps, +4 open files once). The reference points are
-samples taken as a step line arrives, so that every process is at the same point of the loop; step lines followed by a
-checkpoint or an eval are skipped (files open, memory in use for the save), so "warm" is the first other step line from
-the end of warm-up on and "end" the last other one (step N itself is always followed by the final checkpoint, so "end"
-is at most N-1). A process alive at both is steady; one that appears or goes away in between (a short-lived helper) is
-listed separately and not counted as growth. Per steady process the table shows RSS at "warm", the most after it (any
-sample up to step N), at "end" and the growth between them, also as the slope of a least-squares line through the
-step-line samples in between (% of the warm RSS per 100 steps, noisy over a short run). Open files and sockets: the
-fewest over every sample of the first quarter of the span from "warm" to "end" against the fewest over its last quarter.
-A descriptor or connection that stays open raises that floor; one that comes and goes does not. The connections between
-a process and the run's HTTP tool servers (the rollout worker's to the retriever, the retriever's from it) count apart,
-as keep-alive connections: an HTTP client keeps those of its latest burst of requests open (httpx: until its next
-request, in CLOSE_WAIT once the server's 5 s keep-alive has closed them), so how many a process holds follows how many
-searches last ran at once, and a floor of them read as growth over the smoke run's one step. At every request a client
-closes those its peer has closed, so one in CLOSE_WAIT still open after its process has opened a newer one (seen a
-sample or more later; one client per process, as the rollout worker has) is one nothing will close: leaked. A hang is
-no new step line for --hang-timeout seconds (default: 10x the median step time after step 3, at least 300 s;
---startup-timeout before step 1, and the same limit for the exit after step N): the process tree is killed and the run
-fails. Goals: no hang; every steady process's RSS at "end" within 10% of its RSS at "warm"; no growth in open files or
-sockets; no keep-alive connection leaked. The exit code is non-zero when a goal fails or the trainer fails. Processes
-of the run still alive 15 s after the trainer exits are listed and killed.
-
-The samples go to OUT/soak-samples.json (for plots), the trainer's output to OUT/soak-run/train.log. The last line
-is the figure. Not part of CI: 200 steps take about 30-60 minutes on 2 CPU cores.
-
-  .venv/bin/python bench/soak.py                           # 200 steps, checkpoint every 50
-  nice .venv/bin/python bench/soak.py --steps 12 --warmup 4   # a check of the bench itself, a few minutes
-  .venv/bin/python bench/soak.py rollout.async_steps=1     # extra config overrides go to the trainer
-"""
+See docs/benchmarks.md#soak."""
 
 from __future__ import annotations
 
@@ -45,7 +8,6 @@ import argparse
 import json
 import os
 import queue
-import re
 import shutil
 import signal
 import statistics
@@ -55,18 +17,16 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TextIO
 
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args  # noqa: E402
+from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args, runs  # noqa: E402
+from bench.common.runs import StepLine  # noqa: E402
+from bench.common.table import print_table  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONFIG = REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml"
-STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
 MiB = 2**20
 RSS_GOAL = 0.10  # growth of a steady process's RSS after warm-up, as a fraction of its warm-up RSS
 TOOL_SERVER = "-m rlsearch.tools.servers."  # in the label of an HTTP tool server the trainer starts (the retriever)
@@ -116,14 +76,6 @@ class TrackedProcess:
 
 
 @dataclass
-class StepLine:
-    step: int
-    total: int
-    seconds: float
-    busy: bool = False  # a checkpoint or an eval followed it (the driver prints a line for each)
-
-
-@dataclass
 class ProcessReport:
     name: str
     rss_warm: int
@@ -141,45 +93,6 @@ class ProcessReport:
 
 # ---- the process tree -----------------------------------------------------------------------------------------------
 
-def describe_process(process: psutil.Process) -> str:
-    """A label that stays the same over the process's life: its title for Ray workers and vLLM's EngineCore with
-    the running method cut off (`ray::RolloutWorker.generate` -> `ray::RolloutWorker`), `python -m MODULE`,
-    `python -c MODULE` (what the code imports) or the program and script names otherwise."""
-    cmdline = [arg for arg in process.cmdline() if arg]
-    if not cmdline:
-        return process.name()
-    first = cmdline[0].split(" ")[0]
-    if "::" in first:  # a process title (setproctitle)
-        head, _, rest = first.partition("::")
-        return f"{head}::{rest.split('.')[0].split('(')[0]}"
-    program = Path(first).name
-    if "-m" in cmdline[1:-1]:
-        return f"{program} -m {cmdline[cmdline.index('-m') + 1]}"
-    if "-c" in cmdline[1:-1]:  # e.g. multiprocessing's helpers: `from multiprocessing.resource_tracker import main...`
-        code = cmdline[cmdline.index("-c") + 1]
-        imported = re.match(r"from ([\w.]+) import", code)
-        return f"{program} -c {imported.group(1) if imported else code[:30]}"
-    script = next((Path(arg).name for arg in cmdline[1:] if arg.endswith(".py")), "")
-    return f"{program} {script}".strip()
-
-
-def process_tree(root: psutil.Process) -> list[psutil.Process]:
-    try:
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def measure(process: psutil.Process) -> tuple[str, int, int, list] | None:
-    """(label, RSS bytes, open fds, inet sockets), or None when the process is gone."""
-    try:
-        with process.oneshot():
-            return (describe_process(process), process.memory_info().rss, process.num_fds(),
-                    process.net_connections(kind="inet"))
-    except psutil.Error:
-        return None
-
-
 class ProcessMonitor:
     """Samples the driver and its descendants; a process is keyed by (pid, start time), so a reused pid is new."""
 
@@ -190,7 +103,7 @@ class ProcessMonitor:
 
     def sample(self, step: int, at_step_line: bool) -> None:
         now = time.monotonic() - self.started
-        measured = [(process, found) for process in process_tree(self.driver) if (found := measure(process))]
+        measured = [(process, found) for process in runs.process_tree(self.driver) if (found := runs.measure(process))]
         servers = {connection.laddr for _, (label, _, _, sockets) in measured if TOOL_SERVER in label
                    for connection in sockets if connection.status == psutil.CONN_LISTEN}
         for process, (label, rss, fds, sockets) in measured:
@@ -221,61 +134,17 @@ class ProcessMonitor:
         return alive
 
 
-def kill_processes(processes: list[psutil.Process], grace_s: float = 10.0) -> None:
-    processes = list({process.pid: process for process in processes}.values())
-    for process in processes:
-        try:
-            process.terminate()
-        except psutil.Error:
-            pass
-    _, still_alive = psutil.wait_procs(processes, timeout=grace_s)
-    for process in still_alive:
-        try:
-            process.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(still_alive, timeout=grace_s)
-
-
 # ---- the trainer ----------------------------------------------------------------------------------------------------
 
-def prepare_assets(out: Path, vocab_ranks: int) -> tuple[Path, Path, Path]:
-    """The tiny random Qwen2 and the toy data under `out`, built once (the same ones bench/step.py uses)."""
-    from bench.common import build_model
-    from rlsearch.data import make_toy_data
-
-    model = build_model("tiny", out, vocab_ranks=vocab_ranks)
-    toy = make_toy_data(out / "toy", seed=0)
-    return model, toy.train, toy.corpus
-
-
 def trainer_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
-    model, train, corpus = prepare_assets(Path(args.out), args.vocab_ranks)
+    model, train, corpus = runs.tiny_assets(Path(args.out), args.vocab_ranks)
     overrides = [
         f"model.path={model}", f"data.train_files=[{train}]", f"tools.retriever.corpus={corpus}",
         f"tools.retriever.index_cache_dir={Path(args.out) / 'bm25_cache'}", f"trainer.total_steps={args.steps}",
         f"trainer.output_dir={run_dir}", f"trainer.save_interval={args.save_interval}", "trainer.keep_checkpoints=2",
         "trainer.resume=none", "trainer.log_trajectories=false", *args.overrides,
     ]
-    return [sys.executable, "-m", "rlsearch", "train", "--config", str(CONFIG), *overrides]
-
-
-def read_driver_output(stream: TextIO, log: TextIO, events: queue.Queue, started: float) -> None:
-    """Copy the driver's output to the log, echo its step and [rlsearch] lines, queue the step lines (marked busy
-    when a checkpoint or eval line follows); None at EOF."""
-    last: StepLine | None = None
-    for line in stream:
-        log.write(line)
-        log.flush()
-        match = STEP_LINE.match(line)
-        if match:
-            last = StepLine(int(match.group(1)), int(match.group(2)), time.monotonic() - started)
-            events.put(last)
-        elif last and line.startswith(("[rlsearch] checkpoint saved", "[rlsearch] eval after step")):
-            last.busy = True
-        if match or line.startswith(("[rlsearch]", "rlsearch")):
-            print(f"  | {line.rstrip()}", flush=True)
-    events.put(None)
+    return [sys.executable, "-m", "rlsearch", "train", "--config", str(runs.TINY_CONFIG), *overrides]
 
 
 def hang_timeout(args: argparse.Namespace, steps: list[StepLine]) -> float:
@@ -305,43 +174,43 @@ def run_and_monitor(args: argparse.Namespace, command: list[str], run_dir: Path)
     steps: list[StepLine] = []
     hang = ""
     started = time.monotonic()
-    with log_path.open("w") as log:
-        driver = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, bufsize=1)
-        monitor = ProcessMonitor(driver.pid, started)
-        reader = threading.Thread(target=read_driver_output, args=(driver.stdout, log, events, started), daemon=True)
-        reader.start()
-        last_progress = 0.0
-        try:
-            while True:
-                try:
-                    event = events.get(timeout=args.interval)
-                except queue.Empty:
-                    event = ""
-                if event is None or (event == "" and driver.poll() is not None):
-                    break  # EOF, or the driver exited and a child of it still holds the pipe
-                if isinstance(event, StepLine):
-                    steps.append(event)
-                    last_progress = event.seconds
-                monitor.sample(steps[-1].step if steps else 0, at_step_line=isinstance(event, StepLine))
-                now = time.monotonic() - started
-                limit = hang_timeout(args, steps)
-                if now - last_progress > limit:
-                    where = f"after step {steps[-1].step}" if steps else "before step 1"
-                    hang = f"no step line for {now - last_progress:.0f} s {where} (limit {limit:.0f} s)"
-                    break
-        except KeyboardInterrupt:
-            hang = "interrupted (Ctrl-C)"
-        if hang:
-            print(f"soak: {hang}: killing the process tree", flush=True)
-            kill_processes(process_tree(monitor.driver) + monitor.alive())
-        returncode = driver.wait()
-        seconds = time.monotonic() - started
-        reader.join(timeout=10)  # the rest of the output into the log (a surviving child may hold the pipe open)
+    driver = subprocess.Popen(command, cwd=runs.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, bufsize=1)
+    monitor = ProcessMonitor(driver.pid, started)
+    reader = threading.Thread(target=runs.read_trainer_output, daemon=True,
+                              args=(driver.stdout, log_path, events, started, ("[rlsearch]", "rlsearch")))
+    reader.start()
+    last_progress = 0.0
+    try:
+        while True:
+            try:
+                event = events.get(timeout=args.interval)
+            except queue.Empty:
+                event = ""
+            if event is None or (event == "" and driver.poll() is not None):
+                break  # EOF, or the driver exited and a child of it still holds the pipe
+            if isinstance(event, StepLine):
+                steps.append(event)
+                last_progress = event.seconds
+            monitor.sample(steps[-1].step if steps else 0, at_step_line=isinstance(event, StepLine))
+            now = time.monotonic() - started
+            limit = hang_timeout(args, steps)
+            if now - last_progress > limit:
+                where = f"after step {steps[-1].step}" if steps else "before step 1"
+                hang = f"no step line for {now - last_progress:.0f} s {where} (limit {limit:.0f} s)"
+                break
+    except KeyboardInterrupt:
+        hang = "interrupted (Ctrl-C)"
+    if hang:
+        print(f"soak: {hang}: killing the process tree", flush=True)
+        runs.kill_processes(runs.process_tree(monitor.driver) + monitor.alive())
+    returncode = driver.wait()
+    seconds = time.monotonic() - started
+    reader.join(timeout=10)  # the rest of the output into the log (a surviving child may hold the pipe open)
     _, left_behind = psutil.wait_procs(monitor.alive(), timeout=15)  # Ray's processes finish their own shutdown
     names = [tracked.name for tracked in monitor.processes.values()
              if any(p.pid == tracked.pid for p in left_behind)]
-    kill_processes(left_behind)
+    runs.kill_processes(left_behind)
     return RunOutcome(steps, seconds, returncode, hang, names), monitor
 
 
@@ -392,21 +261,22 @@ def report_processes(monitor: ProcessMonitor, lines: list[StepLine],
     return reports, transient
 
 
-def print_table(reports: list[ProcessReport], transient: list[TrackedProcess], warm: StepLine, end: StepLine) -> None:
+def print_processes(reports: list[ProcessReport], transient: list[TrackedProcess], warm: StepLine,
+                    end: StepLine) -> None:
     print(f"\nsteady processes: RSS MiB at step {warm.step} (warm), the most after it, at step {end.step} (end), "
           f"growth, slope in % of warm per 100 steps; fewest open fds and inet sockets, first -> last quarter, "
           f"without the keep-alive connections with the tool servers: the most at once, and those leaked")
     width = max([len(report.name) for report in reports] + [20])
-    print(f"{'process':<{width}} {'warm':>8} {'max':>8} {'end':>8} {'growth':>8} {'slope':>8} {'fds':>11} "
-          f"{'sockets':>9} {'keep-alive':>10} {'leaked':>6}")
-    for r in reports:
-        print(f"{r.name:<{width}} {r.rss_warm / MiB:>8.1f} {r.rss_max_after / MiB:>8.1f} {r.rss_end / MiB:>8.1f} "
-              f"{100 * r.growth:>+7.1f}% {100 * r.slope_per_100_steps:>+7.1f}% "
-              f"{f'{r.fds_warm}->{r.fds_end}':>11} {f'{r.sockets_warm}->{r.sockets_end}':>9} "
-              f"{r.keepalive_most:>10} {r.keepalive_leaked:>6}")
+    columns = [("process", f"<{width}"), ("warm", ">8.1f"), ("max", ">8.1f"), ("end", ">8.1f"), ("growth", ">8"),
+               ("slope", ">8"), ("fds", ">11"), ("sockets", ">9"), ("keep-alive", ">10"), ("leaked", ">6")]
     total_warm, total_end = sum(r.rss_warm for r in reports), sum(r.rss_end for r in reports)
-    print(f"{'all steady processes':<{width}} {total_warm / MiB:>8.1f} {'':>8} {total_end / MiB:>8.1f} "
-          f"{100 * (total_end - total_warm) / max(total_warm, 1):>+7.1f}%")
+    print_table(columns, [
+        *((r.name, r.rss_warm / MiB, r.rss_max_after / MiB, r.rss_end / MiB, f"{100 * r.growth:+.1f}%",
+           f"{100 * r.slope_per_100_steps:+.1f}%", f"{r.fds_warm}->{r.fds_end}", f"{r.sockets_warm}->{r.sockets_end}",
+           r.keepalive_most, r.keepalive_leaked) for r in reports),
+        ("all steady processes", total_warm / MiB, "", total_end / MiB,
+         f"{100 * (total_end - total_warm) / max(total_warm, 1):+.1f}%"),
+    ], rule=False)
     if transient:
         print("\nprocesses that came or went (not counted): seen from step -> to step, max RSS MiB")
         for tracked in sorted(transient, key=lambda t: t.samples[0].seconds):
@@ -440,7 +310,7 @@ def warmup_steps(args: argparse.Namespace) -> int:
     return max(1, args.steps // 10, args.save_interval + 1 if args.save_interval < args.steps else 0)
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200, help="GRPO steps (trainer.total_steps)")
     parser.add_argument("--warmup", type=int, default=None,
@@ -455,21 +325,12 @@ def main() -> int:
     parser.add_argument("--out", default="outputs/bench", help="where the model, data, run and samples go")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for the trainer (key=value)")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(steps=4, warmup=1, save_interval=3, interval=1.0, vocab_ranks=SMOKE_VOCAB_RANKS))
-    warmup = warmup_steps(args)
-    if not 1 <= warmup < args.steps:
-        parser.error(f"--warmup {warmup} must be at least 1 and below --steps {args.steps}")
+    return parser
 
-    out = Path(args.out).resolve()
-    args.out = str(out)
-    run_dir = out / "soak-run"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    command = trainer_command(args, run_dir)
-    print(f"soak: {args.steps} GRPO steps on the toy task, warm-up {warmup} steps, a sample every {args.interval:g} s "
-          f"and at every step line; trainer output in {run_dir / 'train.log'}", flush=True)
-    outcome, monitor = run_and_monitor(args, command, run_dir)
 
+def report(args: argparse.Namespace, out: Path, run_dir: Path, outcome: RunOutcome, monitor: ProcessMonitor,
+           warmup: int) -> int:
+    """The samples written, the processes' table, and the verdict against the goals: 1 on a failure."""
     samples_path = out / "soak-samples.json"
     failures = []
     if outcome.hang:
@@ -492,7 +353,7 @@ def main() -> int:
     warm, end, lines = references
     reports, transient = report_processes(monitor, lines, outcome.steps[-1])
     write_samples(samples_path, args, outcome, monitor, reports)
-    print_table(reports, transient, warm, end)
+    print_processes(reports, transient, warm, end)
     print(f"\nsamples: {samples_path}")
 
     worst = max(reports, key=lambda report: report.growth)
@@ -517,6 +378,25 @@ def main() -> int:
           f"{leaked} (goal: none)"
           + (f"; FAILED: {'; '.join(failures)}" if failures else ""))
     return 1 if failures else 0
+
+
+def main() -> int:
+    parser = _parser()
+    args = parse_args(parser, dict(steps=4, warmup=1, save_interval=3, interval=1.0, vocab_ranks=SMOKE_VOCAB_RANKS))
+    warmup = warmup_steps(args)
+    if not 1 <= warmup < args.steps:
+        parser.error(f"--warmup {warmup} must be at least 1 and below --steps {args.steps}")
+
+    out = Path(args.out).resolve()
+    args.out = str(out)
+    run_dir = out / "soak-run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    command = trainer_command(args, run_dir)
+    print(f"soak: {args.steps} GRPO steps on the toy task, warm-up {warmup} steps, a sample every {args.interval:g} s "
+          f"and at every step line; trainer output in {run_dir / 'train.log'}", flush=True)
+    outcome, monitor = run_and_monitor(args, command, run_dir)
+    return report(args, out, run_dir, outcome, monitor, warmup)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,6 @@
-"""One full GRPO step of the real trainer on a random model shaped like Qwen2.5-0.5B, broken down by phase.
+"""One full GRPO step of the real trainer on a 0.5B-shaped random model, broken down by phase.
 
-The run is `rlsearch train` on the embedded toy task (local BM25 retriever, multi-turn search rollouts) with the
-model swapped for a 494M-parameter random Qwen2 (fp32 on CPU). Step 1 pays one-off warm-up costs, so the table
-shows every step and the figures come from the last one. Phases (TensorBoard `time/*`):
-  rollout wait : the trainer waiting for the step's trajectories (generation + tool calls; with
-                 --async-steps 1 the rollout overlaps the previous step's training and this shrinks); inside
-                 it, per trajectory: seconds waiting on the engine (generate) and on tool calls (tool wait)
-  reward       : scoring; ref logprobs: the frozen reference's forward pass (only with --kl-coef > 0)
-  train        : Megatron forward + backward + optimizer step over the packed batch
-  sync         : weight transfer into vLLM + the engine-vs-actor probe check
-  engine idle  : time with no rollout in flight (the engine's side: it overlaps the phases above)
-The last line is the figure: each trainer phase's share of the last step's wall time, and the engine's idle share.
-
-  .venv/bin/python bench/step.py                         # 0.5B shape, 2 steps, 2 prompts x 4 samples
-  .venv/bin/python bench/step.py --shape tiny            # a smoke run in about a minute
-  .venv/bin/python bench/step.py --async-steps 1         # rollout overlapped with training
-"""
+See docs/benchmarks.md#step."""
 
 from __future__ import annotations
 
@@ -28,8 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
+from bench.common.runs import TINY_CONFIG  # noqa: E402
+from bench.common.table import print_table  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PHASES = (
     ("rollout wait", "time/rollout_s"),
     ("generate/traj", "time/generate_s_mean"),
@@ -43,7 +29,7 @@ PHASES = (
 )
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     parser.add_argument("--steps", type=int, default=2, help="training steps (the last one is reported)")
@@ -56,19 +42,21 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--out", default="outputs/bench", help="where the random model, data and the run go")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(shape="tiny", steps=1, batch_size=1, group_size=2, max_response_tokens=32,
-                                   vocab_ranks=SMOKE_VOCAB_RANKS))
+    return parser
 
+
+def run(args: argparse.Namespace) -> dict[str, list[tuple[int, float]]]:
+    """The GRPO run; its TensorBoard scalars."""
     from rlsearch.config import load_train_config
     from rlsearch.data import make_toy_data
+    from rlsearch.runlog import read_scalars
     from rlsearch.trainer import GRPOTrainer
 
     out = Path(args.out)
     model = build_model(args.shape, out, vocab_ranks=args.vocab_ranks)
-    toy_dir = out / "toy"
-    toy = make_toy_data(toy_dir, seed=0)
+    toy = make_toy_data(out / "toy", seed=0)
     run_dir = out / f"step-{args.shape}-tp{args.tp}pp{args.pp}-async{args.async_steps}"
-    config = load_train_config(str(REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml"), [
+    config = load_train_config(str(TINY_CONFIG), [
         f"model.path={model}", f"data.train_files=[{toy.train}]", f"tools.retriever.corpus={toy.corpus}",
         f"tools.retriever.index_cache_dir={out / 'bm25_cache'}", f"data.batch_size={args.batch_size}",
         f"rollout.group_size={args.group_size}", f"rollout.max_response_tokens={args.max_response_tokens}",
@@ -79,18 +67,20 @@ def main() -> None:
     ])
     print(f"GRPO steps on a random {args.shape}-shaped Qwen2, {args.batch_size} prompts x {args.group_size} samples, "
           f"tp{args.tp} pp{args.pp}, async_steps {args.async_steps}", flush=True)
-    summary = GRPOTrainer(config).train()
+    return read_scalars(GRPOTrainer(config).train().tensorboard_dir)
 
-    scalars = _scalars(summary.tensorboard_dir)
+
+def report(args: argparse.Namespace, scalars: dict[str, list[tuple[int, float]]]) -> None:
+    """Every step's phases, then the last step's shares of its wall time."""
     steps = sorted(step for step, _ in scalars["time/step_s"])
-    header = f"{'step':>4} {'wall s':>8} " + " ".join(f"{label:>13}" for label, _ in PHASES) + f" {'tokens':>7}"
-    print(header)
-    for step in steps:
-        row = {tag: dict(values).get(step, 0.0) for tag, values in scalars.items()}
-        tokens = row.get("rollout/response_len_mean", 0.0) * args.batch_size * args.group_size
-        print(f"{step:>4} {row['time/step_s']:>8.1f} "
-              + " ".join(f"{row.get(tag, 0.0):>13.1f}" for _, tag in PHASES) + f" {tokens:>7.0f}")
-    last = {tag: dict(values).get(steps[-1], 0.0) for tag, values in scalars.items()}
+    by_step = {step: {tag: dict(values).get(step, 0.0) for tag, values in scalars.items()} for step in steps}
+    columns = [("step", ">4"), ("wall s", ">8.1f"), *((label, ">13.1f") for label, _ in PHASES), ("tokens", ">7.0f")]
+    print_table(columns, [
+        (step, row["time/step_s"], *(row.get(tag, 0.0) for _, tag in PHASES),
+         row.get("rollout/response_len_mean", 0.0) * args.batch_size * args.group_size)
+        for step, row in by_step.items()
+    ], rule=False)
+    last = by_step[steps[-1]]
     wall = last["time/step_s"]
     trainer_phases = [(label, tag) for label, tag in PHASES if "/traj" not in label and label != "engine idle"]
     shares = [(label, last.get(tag, 0.0) / wall) for label, tag in trainer_phases]
@@ -100,12 +90,10 @@ def main() -> None:
           + f", other {other:.2f}; engine idle {last.get('time/engine_idle_s', 0.0) / wall:.2f}")
 
 
-def _scalars(tensorboard_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(tensorboard_dir))
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+def main() -> None:
+    args = parse_args(_parser(), dict(shape="tiny", steps=1, batch_size=1, group_size=2, max_response_tokens=32,
+                                      vocab_ranks=SMOKE_VOCAB_RANKS))
+    report(args, run(args))
 
 
 if __name__ == "__main__":

@@ -1,31 +1,6 @@
-"""Training throughput of the Megatron actor's train step against HF transformers, on the same model and batch.
+"""Training throughput of the Megatron actor's train step against HF transformers, same model and batch.
 
-Both sides take the same search-agent-like batch (prompt not trained, response with masked observation spans,
-off-policy old logprobs, GRPO-style advantages) and run one optimizer step of the same PPO-clip token loss
-(token_mean weights, clip 0.2, AdamW lr 1e-5, grad-norm clip 1.0) per training step:
-  megatron : the actor's real path, `ActorRanks.train_step` -> `MegatronActorWorker.train_step` at TP1PP1: sequences
-             packed back to back into `thd` micro-batches of <= --max-tokens-per-microbatch tokens (no padding),
-             logits only at response positions, Megatron DDP + optimizer
-  hf       : AutoModelForCausalLM (sdpa attention) on padded [B, T] micro-batches of --hf-micro-batch sequences
-             with an attention mask, gradient accumulation over them, clip_grad_norm_, torch.optim.AdamW.
-             --hf-layout trl (default): prompts left-padded, responses right-padded and logits only for the
-             response columns (`logits_to_keep`, as TRL's GRPOTrainer does); right: whole sequences right-padded,
-             logits at every position
-Each side runs in its own Ray actor process with the same torch thread count; the steps alternate (HF, Megatron,
-Megatron, HF, ...) so load changes on a shared machine hit both alike. Warm-up steps are not timed.
-tokens/s counts every real token of the batch (prompt + response, padding excluded), the same number for both.
-The last line is the figure: Megatron tokens/s / HF tokens/s (goal >= 1.0).
-
-  .venv/bin/python bench/train_step.py                          # hidden 512, 4 layers, 6 sequences, 2 timed steps
-  .venv/bin/python bench/train_step.py --layers 2 --sequences 8 --steps 2   # quick run
-  .venv/bin/python bench/train_step.py --dtype bfloat16         # on a GPU (HF side: fp32 weights + bf16 autocast)
-  .venv/bin/python bench/train_step.py --architecture qwen3_moe --hidden 256 --ep 1,2   # MoE: Megatron at EP1, EP2
-  .venv/bin/python bench/train_step.py --model outputs/assets/smollm2-135m-instruct --sequences 32 \
-      --min-len 150 --max-len 360   # a real model (`rlsearch make-real-model`), a GRPO step of SmolLM2's config
-
-With --ep, one Megatron actor per expert-parallel size k runs beside the HF trainer: k data-parallel ranks, each with
-its share of the batch and 1/k of every MoE layer's experts (threads split over the ranks), and each gets its ratio.
-"""
+See docs/benchmarks.md#train_step."""
 
 from __future__ import annotations
 
@@ -47,10 +22,13 @@ import torch  # noqa: E402
 from bench.common import (  # noqa: E402
     SMOKE_VOCAB_RANKS,
     add_vocab_ranks_argument,
+    build_random_model,
+    count_params,
     parse_args,
     random_tokens,
     vocab_suffix,
 )
+from bench.common.memory import memory_mib, pickle_by_value_for_ray, reset_peak_memory  # noqa: E402
 from rlsearch.actor.batch import TrainSample  # noqa: E402
 from rlsearch.devices import cpu_cores  # noqa: E402
 
@@ -58,27 +36,6 @@ CLIP_RATIO = 0.2
 LR = 1e-5
 CLIP_GRAD = 1.0
 TEMPERATURE = 1.0
-
-
-# ---- memory probes (run inside each actor process) ----------------------------------------------------------------
-
-def reset_peak_memory() -> None:
-    """Start a new peak: CUDA allocator stats on GPU, the kernel's peak RSS (VmHWM) on CPU."""
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-        return
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass  # the peak then counts from the process start
-
-
-def memory_mib() -> tuple[float, float]:
-    """(current, peak since the last reset) in MiB: allocated CUDA memory on GPU, resident memory on CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.memory_allocated() / 2**20, torch.cuda.max_memory_allocated() / 2**20
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
 # ---- the batch ----------------------------------------------------------------------------------------------------
@@ -221,7 +178,7 @@ def build_model(args: argparse.Namespace) -> Path:
     """--model's HF dir, or a random-init model of the model options (built once into --out)."""
     if args.model:
         return Path(args.model)
-    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+    from rlsearch.data.tiny_model import TinyModelSpec
 
     spec = TinyModelSpec(
         hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
@@ -232,12 +189,9 @@ def build_model(args: argparse.Namespace) -> Path:
     tag = f"h{spec.hidden_size}-l{spec.num_layers}-a{spec.num_attention_heads}-kv{spec.num_key_value_heads}"
     if spec.architecture != "qwen2":
         tag += f"-e{spec.num_experts}"
-    path = Path(args.out) / (f"{spec.architecture}-{tag}-i{spec.intermediate_size}"
-                             f"{'-tied' if spec.tie_word_embeddings else ''}{vocab_suffix(spec.vocab_ranks)}")
-    if not (path / "config.json").is_file():
-        print(f"building a random Qwen2 in {path} ...", flush=True)
-        make_tiny_model(path, spec)
-    return path
+    return build_random_model(spec, Path(args.out) / (f"{spec.architecture}-{tag}-i{spec.intermediate_size}"
+                                                      f"{'-tied' if spec.tie_word_embeddings else ''}"
+                                                      f"{vocab_suffix(spec.vocab_ranks)}"))
 
 
 def describe_model(model_path: Path, args: argparse.Namespace) -> str:
@@ -248,21 +202,7 @@ def describe_model(model_path: Path, args: argparse.Namespace) -> str:
             f"{config['vocab_size']:,}")
 
 
-def count_params(model_path: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for shard in model_path.glob("*.safetensors"):
-        with safe_open(str(shard), "pt") as handle:
-            for name in handle.keys():
-                numel = 1
-                for dim in handle.get_slice(name).get_shape():
-                    numel *= dim
-                total += numel
-    return total
-
-
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model (random-init, the real Qwen vocabulary of 151,680 rows unless "
                                       "--vocab-ranks)")
@@ -299,22 +239,103 @@ def main() -> None:
                      help="trl: left-padded prompts, logits only for response columns; right: right-padded, all logits")
     run.add_argument("--ep", default="1", help="expert-parallel sizes to time the Megatron actor at, e.g. 1,2 (MoE)")
     run.add_argument("--out", default="outputs/bench", help="where the random model is cached")
-    args = parse_args(parser, dict(hidden=128, layers=1, heads=4, kv_heads=2, sequences=2, min_len=40, max_len=80,
-                                   steps=1, warmup=0, vocab_ranks=SMOKE_VOCAB_RANKS))
+    return parser
 
-    if args.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    elif args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda but CUDA is not available")
-    on_gpu = torch.cuda.is_available() and args.device != "cpu"
-    threads = args.threads or cpu_cores()
 
+def report(args: argparse.Namespace, on_gpu: bool, tokens: int, sides: dict, seconds: dict[str, list[float]],
+           resident: dict[str, float], peaks: dict[str, float], groups: dict) -> None:
+    """Each side's tokens/s and memory, and each Megatron actor's tokens/s against HF's."""
+    unit = "CUDA allocated" if on_gpu else "RSS"
+    rates = {name: tokens * len(times) / sum(times) for name, times in seconds.items()}
+    for name in sides:
+        print(
+            f"{name:8s}: {rates[name]:7.0f} tokens/s over {args.steps} steps "
+            f"(mean {sum(seconds[name]) / args.steps:.2f} s/step); {unit} {resident[name]:.0f} MiB after warm-up "
+            f"(first rank), peak {peaks[name]:.0f} MiB in the timed steps (+{peaks[name] - resident[name]:.0f} MiB)"
+        )
+    print(f"load average at the end: {' '.join(f'{load:.1f}' for load in os.getloadavg())} (1, 5, 15 min)")
+    for name in groups:
+        print(
+            f"{name} / hf training tokens/s (all {tokens} prompt + response tokens per step, padding excluded; "
+            f"goal >= 1.0): {rates[name] / rates['hf']:.2f}x"
+        )
+
+
+def timed_steps(args: argparse.Namespace, hf, groups: dict, first_ranks: dict, samples: list[TrainSample],
+                tokens: int) -> tuple[dict, dict[str, list[float]], dict[str, float]]:
+    """--warmup then --steps steps of every side, alternated: (the sides, their timed seconds, their memory after
+    the warm-up in MiB)."""
+    import ray
+
+    resident: dict[str, float] = {}
+    sides = {"hf": lambda: ray.get(hf.train_step.remote(samples))}
+    sides.update({name: (lambda group=group: group.train_step(samples)) for name, group in groups.items()})
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    order = list(sides)
+    for step in range(args.warmup + args.steps):
+        timed = step >= args.warmup
+        if step == args.warmup:  # optimizer states exist now: the peak below is the training step's own
+            ray.get([hf.reset_peak_memory.remote()] +
+                    [rank.__ray_call__.remote(lambda w: reset_peak_memory()) for rank in first_ranks.values()])
+            resident = {"hf": ray.get(hf.memory_mib.remote())[0]}
+            resident.update({name: ray.get(rank.__ray_call__.remote(lambda w: memory_mib()))[0]
+                             for name, rank in first_ranks.items()})
+        for name in order:
+            started = time.perf_counter()
+            stats = sides[name]()
+            elapsed = time.perf_counter() - started
+            if timed:
+                seconds[name].append(elapsed)
+            loss = stats.get("policy_loss", stats.get("actor/policy_loss"))
+            norm = stats.get("grad_norm", stats.get("actor/grad_norm"))
+            print(
+                f"{'step' if timed else 'warm-up'} {step + 1 - (args.warmup if timed else 0)} {name:8s}: "
+                f"{elapsed:6.2f} s  {tokens / elapsed:7.0f} tokens/s  (loss {loss:+.4f}, grad norm {norm:.3f})",
+                flush=True,
+            )
+        order.reverse()
+    return sides, seconds, resident
+
+
+def start_actors(args: argparse.Namespace, model_path: Path, expert_parallel: list[int], threads: int,
+                 gpu_share: float, groups: dict, hf, samples: list[TrainSample], tokens: int, response: int,
+                 num_packed: int) -> dict:
+    """A Megatron actor per --ep into `groups`, each side's batch layout printed: the actors' first ranks."""
     import ray
 
     from rlsearch.actor import ActorRanks, ActorWorkerSpec, SamplingDistribution
-    from rlsearch.actor.batch import pack_indices
     from rlsearch.config import ActorConfig, AlgoConfig
-    from rlsearch.trainer import init_ray
+
+    algo = AlgoConfig(clip_ratio_low=CLIP_RATIO, clip_ratio_high=CLIP_RATIO)
+    for ep in expert_parallel:
+        name = "megatron" if expert_parallel == [1] else f"mg-ep{ep}"
+        print(f"starting the Megatron actor {name} (TP1PP1, {ep} data- and expert-parallel ranks) ...", flush=True)
+        actor = ActorConfig(num_threads=max(1, threads // ep), lr=LR, clip_grad=CLIP_GRAD, dp=ep, ep=ep,
+                            max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+        spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, SamplingDistribution(TEMPERATURE),
+                               args.warmup + args.steps, args.seed)
+        groups[name] = ActorRanks(spec, num_gpus_per_rank=gpu_share / ep)
+    first_ranks = {name: group.workers[0] for name, group in groups.items()}
+    hf_threads = ray.get(hf.threads.remote())
+    hf_batches, hf_slots, hf_rows = ray.get(hf.padding.remote(samples))
+    for name, group in groups.items():
+        mc_threads = ray.get(first_ranks[name].__ray_call__.remote(lambda worker: torch.get_num_threads()))
+        print(
+            f"{name}: {num_packed} packed micro-batches (<= {args.max_tokens_per_microbatch} tokens, no padding), "
+            f"{response} logit rows, layer spec {group.infos[0].transformer_impl}, {mc_threads} threads a rank",
+            flush=True,
+        )
+    print(
+        f"hf      : {hf_batches} micro-batches of <= {args.hf_micro_batch} sequences ({args.hf_layout} layout, "
+        f"{ray.get(hf.attention.remote())} attention), {hf_slots} token slots, padding fraction "
+        f"{1 - tokens / hf_slots:.1%}, {hf_rows} logit rows, {hf_threads} threads", flush=True,
+    )
+    return first_ranks
+
+
+def set_up(args: argparse.Namespace, on_gpu: bool, threads: int) -> tuple[Path, list[TrainSample], int, int, int]:
+    """The model and the batch, described: (model path, samples, tokens, response tokens, packed micro-batches)."""
+    from rlsearch.actor.batch import pack_indices
 
     model_path = build_model(args)
     vocabulary = json.loads((model_path / "config.json").read_text())["vocab_size"] if args.model else 0
@@ -334,68 +355,46 @@ def main() -> None:
         f"batch: {len(samples)} sequences of {min(lengths)}-{max(lengths)} tokens, {tokens} tokens per step "
         f"({response} response, {trained} trained, {response - trained} in masked observations)", flush=True,
     )
+    return model_path, samples, tokens, response, num_packed
 
+
+def _on_gpu(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
+    """Whether the sides train on the GPU (--device; CUDA hidden from every process with --device cpu)."""
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but CUDA is not available")
+    return torch.cuda.is_available() and args.device != "cpu"
+
+
+def main() -> None:
+    parser = _parser()
+    args = parse_args(parser, dict(hidden=128, layers=1, heads=4, kv_heads=2, sequences=2, min_len=40, max_len=80,
+                                   steps=1, warmup=0, vocab_ranks=SMOKE_VOCAB_RANKS))
+
+    on_gpu = _on_gpu(parser, args)
+    threads = args.threads or cpu_cores()
+
+    import ray
+
+    from rlsearch.actor import ActorRanks
+    from rlsearch.trainer import init_ray
+
+    model_path, samples, tokens, response, num_packed = set_up(args, on_gpu, threads)
     expert_parallel = [int(k) for k in args.ep.split(",")]
     if (args.model or args.architecture == "qwen2") and expert_parallel != [1]:
         parser.error("--ep needs an MoE --architecture")
     init_ray(num_cpus=max(4, 1 + sum(expert_parallel)))
+    pickle_by_value_for_ray()
     gpu_share = 0.5 if on_gpu else 0.0
     hf = ray.remote(HFTrainer).options(num_cpus=1, num_gpus=gpu_share).remote(
         str(model_path), args.dtype, threads, args.hf_micro_batch, args.hf_layout
     )
-    algo = AlgoConfig(clip_ratio_low=CLIP_RATIO, clip_ratio_high=CLIP_RATIO)
     groups: dict[str, ActorRanks] = {}
     try:
-        for ep in expert_parallel:
-            name = "megatron" if expert_parallel == [1] else f"mg-ep{ep}"
-            print(f"starting the Megatron actor {name} (TP1PP1, {ep} data- and expert-parallel ranks) ...", flush=True)
-            actor = ActorConfig(num_threads=max(1, threads // ep), lr=LR, clip_grad=CLIP_GRAD, dp=ep, ep=ep,
-                                max_tokens_per_microbatch=args.max_tokens_per_microbatch)
-            spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, SamplingDistribution(TEMPERATURE),
-                                   args.warmup + args.steps, args.seed)
-            groups[name] = ActorRanks(spec, num_gpus_per_rank=gpu_share / ep)
-        first_ranks = {name: group.workers[0] for name, group in groups.items()}
-        hf_threads = ray.get(hf.threads.remote())
-        hf_batches, hf_slots, hf_rows = ray.get(hf.padding.remote(samples))
-        for name, group in groups.items():
-            mc_threads = ray.get(first_ranks[name].__ray_call__.remote(lambda worker: torch.get_num_threads()))
-            print(
-                f"{name}: {num_packed} packed micro-batches (<= {args.max_tokens_per_microbatch} tokens, no padding), "
-                f"{response} logit rows, layer spec {group.infos[0].transformer_impl}, {mc_threads} threads a rank",
-                flush=True,
-            )
-        print(
-            f"hf      : {hf_batches} micro-batches of <= {args.hf_micro_batch} sequences ({args.hf_layout} layout, "
-            f"{ray.get(hf.attention.remote())} attention), {hf_slots} token slots, padding fraction "
-            f"{1 - tokens / hf_slots:.1%}, {hf_rows} logit rows, {hf_threads} threads", flush=True,
-        )
-
-        sides = {"hf": lambda: ray.get(hf.train_step.remote(samples))}
-        sides.update({name: (lambda group=group: group.train_step(samples)) for name, group in groups.items()})
-        seconds: dict[str, list[float]] = {name: [] for name in sides}
-        order = list(sides)
-        for step in range(args.warmup + args.steps):
-            timed = step >= args.warmup
-            if step == args.warmup:  # optimizer states exist now: the peak below is the training step's own
-                ray.get([hf.reset_peak_memory.remote()] +
-                        [rank.__ray_call__.remote(lambda w: reset_peak_memory()) for rank in first_ranks.values()])
-                resident = {"hf": ray.get(hf.memory_mib.remote())[0]}
-                resident.update({name: ray.get(rank.__ray_call__.remote(lambda w: memory_mib()))[0]
-                                 for name, rank in first_ranks.items()})
-            for name in order:
-                started = time.perf_counter()
-                stats = sides[name]()
-                elapsed = time.perf_counter() - started
-                if timed:
-                    seconds[name].append(elapsed)
-                loss = stats.get("policy_loss", stats.get("actor/policy_loss"))
-                norm = stats.get("grad_norm", stats.get("actor/grad_norm"))
-                print(
-                    f"{'step' if timed else 'warm-up'} {step + 1 - (args.warmup if timed else 0)} {name:8s}: "
-                    f"{elapsed:6.2f} s  {tokens / elapsed:7.0f} tokens/s  (loss {loss:+.4f}, grad norm {norm:.3f})",
-                    flush=True,
-                )
-            order.reverse()
+        first_ranks = start_actors(args, model_path, expert_parallel, threads, gpu_share, groups, hf, samples, tokens,
+                                   response, num_packed)
+        sides, seconds, resident = timed_steps(args, hf, groups, first_ranks, samples, tokens)
         if not args.steps:
             return
         peaks = {"hf": ray.get(hf.memory_mib.remote())[1]}
@@ -405,21 +404,8 @@ def main() -> None:
         for group in groups.values():
             group.shutdown()
         ray.kill(hf)
+    report(args, on_gpu, tokens, sides, seconds, resident, peaks, groups)
 
-    unit = "CUDA allocated" if on_gpu else "RSS"
-    rates = {name: tokens * len(times) / sum(times) for name, times in seconds.items()}
-    for name in sides:
-        print(
-            f"{name:8s}: {rates[name]:7.0f} tokens/s over {args.steps} steps "
-            f"(mean {sum(seconds[name]) / args.steps:.2f} s/step); {unit} {resident[name]:.0f} MiB after warm-up "
-            f"(first rank), peak {peaks[name]:.0f} MiB in the timed steps (+{peaks[name] - resident[name]:.0f} MiB)"
-        )
-    print(f"load average at the end: {' '.join(f'{load:.1f}' for load in os.getloadavg())} (1, 5, 15 min)")
-    for name in groups:
-        print(
-            f"{name} / hf training tokens/s (all {tokens} prompt + response tokens per step, padding excluded; "
-            f"goal >= 1.0): {rates[name] / rates['hf']:.2f}x"
-        )
 
 if __name__ == "__main__":
     main()

@@ -1,29 +1,6 @@
-"""Weight sync from Megatron layouts into N vLLM engines, against vLLM reloading the same weights from memory.
+"""Weight sync from Megatron layouts into N vLLM engines against vLLM reloading the weights from files.
 
-For a random model shaped like Qwen2.5-0.5B (tied embeddings, 494M parameters) this measures, in one run:
-  baseline : vLLM `reload_weights` from the model's safetensors files, already in the page cache, on one engine
-  sync     : the weight path (each pipeline stage's sender gathers its own TP shards -> HF names -> buckets ->
-             transport -> every engine), per actor layout, number of engines and transport (weights.transport)
-and prints a table: seconds, the ratio to the baseline, MiB each engine received, the senders' peak extra memory
-(private RSS, and shared memory: the object store's copies) in MiB and in buckets, and the engine-vs-actor probe
-gap. Then, per run, the seconds of each phase of its fastest sync (rlsearch.weights.clock.PHASES: the senders'
-summed over pipeline stages, the engines' of the worst engine; they overlap, so they need not add up to the sync),
-the fan-out cost (N engines over 1) and, last, the worst ratio of sync seconds to the baseline.
-
-Two variants of the shm transport run as their own "transports":
-  shm-staged : weights.stage_while_generating: buckets staged before the engines pause; `pause s` is how long the
-               engines stood still (load + finish) against the sync's seconds
-  shm-delta  : weights.delta: a whole sync first, then before each timed sync one optimizer step at --lr on a
-               64-token sample; `MiB wire` is what the delta buckets took against `MiB/eng` of whole tensors
-
-  .venv/bin/python bench/weight_sync.py --layouts tp1pp1,tp2pp2 --engines 1,2 --transports shm,broadcast
-  .venv/bin/python bench/weight_sync.py --dtype bfloat16 --engines 1 --transports shm,shm-staged,shm-delta
-  .venv/bin/python bench/weight_sync.py --shape tiny --repeats 1           # a seconds-long smoke run
-
-Goals: TP1PP1 <= 1.3x and TP2PP2 <= 1.5x the baseline, 2 engines <= 1.15x one, sender peak extra <= 2 buckets
-(a tensor larger than a bucket travels alone, so a "bucket" here is max(bucket_mb, the largest tensor)), pause
-<= 25% of the sync staged first, delta >= 20x fewer bytes than whole at lr 1e-6 (bf16).
-"""
+See docs/benchmarks.md#weight_sync."""
 
 from __future__ import annotations
 
@@ -37,6 +14,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
+from bench.common.memory import proc_status  # noqa: E402
+from bench.common.table import header_lines, print_table, row_line  # noqa: E402
 
 
 class PeakRss:
@@ -54,11 +33,8 @@ class PeakRss:
     @staticmethod
     def _read(status: Path) -> tuple[int, int]:
         """(private, shared) resident bytes; zeros once the process is gone."""
-        try:
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-        except OSError:
-            fields = {}
-        return tuple(int(fields[key].split()[0]) * 1024 if key in fields else 0 for key in ("RssAnon", "RssShmem"))
+        fields = proc_status(status.parent.name)
+        return fields.get("RssAnon", 0), fields.get("RssShmem", 0)
 
     def _sample(self) -> None:
         while not self._stop.is_set():
@@ -101,15 +77,20 @@ def print_phases(phases: dict[tuple[str, int, str], dict[str, float]],
                  seconds: dict[tuple[str, int, str], float]) -> None:
     from rlsearch.weights.clock import PHASES
 
-
     print("seconds per phase of the fastest sync:")
     for name, what in PHASES.items():
         print(f"  {name:<9} {what}")
-    print(f"{'layout':<8} {'engines':>7} {'transport':<10} {'sync s':>7} " + " ".join(f"{n:>8}" for n in PHASES))
-    for (layout, count, transport), times in phases.items():
-        print(f"{layout.upper():<8} {count:>7} {transport:<10} {seconds[(layout, count, transport)]:>7.2f} "
-              + " ".join(f"{times.get(name, 0.0):>8.2f}" for name in PHASES), flush=True)
+    print_table([*SYNC_COLUMNS[:4], *((name, ">8.2f") for name in PHASES)], [
+        (layout.upper(), count, transport, seconds[(layout, count, transport)],
+         *(times.get(name, 0.0) for name in PHASES))
+        for (layout, count, transport), times in phases.items()
+    ], rule=False)
 
+
+# the sync table's columns (its first four begin the phase table's too)
+SYNC_COLUMNS = [("layout", "<8"), ("engines", ">7"), ("transport", "<10"), ("sync s", ">7.2f"), ("/base", ">6"),
+                ("pause s", ">7.2f"), ("MiB/eng", ">8.0f"), ("MiB wire", ">8.1f"), ("peak MiB", ">9.0f"),
+                ("shm MiB", ">8.0f"), ("buckets", ">7.2f"), ("probe gap", ">9.1e")]
 
 # bench transport -> (weights.transport, WeightSync options)
 TRANSPORTS = {
@@ -130,7 +111,7 @@ def train_sample(group, length: int = 64):
     return sample
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     parser.add_argument("--layouts", default="tp1pp1,tp2pp2", help="comma-separated actor layouts tpXppY")
@@ -144,96 +125,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed repetitions (the best is reported)")
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
     add_vocab_ranks_argument(parser)
-    args = parse_args(parser, dict(shape="tiny", layouts="tp1pp1", engines="1", transports="shm", repeats=1,
-                                   vocab_ranks=SMOKE_VOCAB_RANKS))
+    return parser
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import ray
 
-    from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, ActorWorkerSpec
-    from rlsearch.config import ActorConfig, AlgoConfig, RolloutConfig, ToolsConfig
-    from rlsearch.ray_setup import cluster_has_gpus, init_ray
-    from rlsearch.rollout import EnginePool, EngineSpec
-    from rlsearch.weights import WeightSync, check_engines_match_actor
-
-    engine_counts = [int(n) for n in args.engines.split(",")]
-    model_path = build_model(args.shape, Path(args.out), vocab_ranks=args.vocab_ranks)
-    largest = _largest_tensor_bytes(model_path, args.dtype)
-    bucket_bytes = max(args.bucket_mb * 2**20, largest)
-    init_ray(num_cpus=8 + max(engine_counts) * args.engine_tp)
-    rollout = RolloutConfig(num_engines=max(engine_counts), tensor_parallel_size=args.engine_tp, max_prompt_tokens=128,
-                            max_response_tokens=128)
-    tools = ToolsConfig()
-    tools.retriever.url = "http://127.0.0.1:9"  # the agent's search client is built but never called here
-    seconds: dict[tuple[str, int, str], float] = {}
-    phases: dict[tuple[str, int, str], dict[str, float]] = {}
-    bests: dict = {}  # the fastest sync's SyncStats per run
-    pool = EnginePool(EngineSpec(str(model_path), dtype=args.dtype, max_model_len=256,
-                                 tensor_parallel_size=args.engine_tp), rollout, tools, seed=1)
-    try:
-        engine = pool.engines[0]
-
-        def reload_seconds() -> float:
-            started = time.perf_counter()
-            ray.get(engine.reload_weights_from_files.remote(str(model_path)))
-            return time.perf_counter() - started
-
-        # the best of several reloads, before the syncs and again after them (the machine's noise moves it)
-        baselines = [reload_seconds() for _ in range(args.repeats + 1)]
-        baseline = min(baselines)
-        print(f"model: {args.shape} shape in {args.dtype}; engines TP{args.engine_tp}; buckets of "
-              f"{args.bucket_mb:g} MiB (largest tensor {largest / 2**20:.0f} MiB)")
-        print(f"baseline: vLLM reload_weights from the safetensors files (page cache), one engine: {baseline:.2f} s")
-        print(f"{'layout':<8} {'engines':>7} {'transport':<10} {'sync s':>7} {'/base':>6} {'pause s':>7} "
-              f"{'MiB/eng':>8} {'MiB wire':>8} {'peak MiB':>9} {'shm MiB':>8} {'buckets':>7} {'probe gap':>9}")
-        probe_ids = list(range(1000, 1064))
-        for layout in args.layouts.split(","):
-            tp, pp = (int(part) for part in layout.removeprefix("tp").split("pp"))
-            spec = ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp, lr=args.lr), AlgoConfig(),
-                                   MODEL_DISTRIBUTION, 100, 1)
-            group = ActorRanks(spec, num_gpus_per_rank=1 if cluster_has_gpus() else 0)
-            try:
-                senders = [workers[0] for workers in group.stage_workers()]
-                pids = ray.get([sender.__ray_call__.remote(lambda worker: os.getpid()) for sender in senders])
-                for count in engine_counts:
-                    engines = pool.engines[:count]
-                    for transport in args.transports.split(","):
-                        bridge_transport, options = TRANSPORTS[transport]
-                        sync = WeightSync(group, args.bucket_mb, bridge_transport, timeout_s=600.0,
-                                          engine_tp=args.engine_tp, **options)
-                        if options.get("delta"):
-                            sync.sync(engines)  # the first is whole
-                            sample = train_sample(group)
-                        timings, private, shared, best = [], 0, 0, None
-                        for _ in range(args.repeats):
-                            if options.get("delta"):
-                                group.train_step([sample])
-                            with PeakRss(pids) as rss:
-                                stats = sync.sync(engines)
-                            if best is None or stats.seconds < best.seconds:
-                                best = stats
-                            timings.append(stats.seconds)
-                            private = max(private, rss.peak_extra_private)
-                            shared = max(shared, rss.peak_extra_shared)
-                        gap = check_engines_match_actor(group, engines, probe_ids, 0.0, step=0)
-                        sync.close(engines)
-                        seconds[(layout, count, transport)] = best.seconds
-                        phases[(layout, count, transport)] = best.phases
-                        bests[(layout, count, transport)] = best
-                        print(f"{layout.upper():<8} {count:>7} {transport:<10} {best.seconds:>7.2f} "
-                              f"{best.seconds / baseline:>5.2f}x {best.phases.get('pause', 0.0):>7.2f} "
-                              f"{best.num_bytes / 2**20:>8.0f} {best.wire_bytes / 2**20:>8.1f} "
-                              f"{private / 2**20:>9.0f} {shared / 2**20:>8.0f} {private / bucket_bytes:>7.2f} "
-                              f"{gap['weights/logprob_mismatch_max']:>9.1e}", flush=True)
-            finally:
-                group.shutdown()
-        after = min(reload_seconds() for _ in range(args.repeats + 1))
-        if after < baseline:
-            print(f"baseline measured again after the syncs: {after:.2f} s (the ratios above used {baseline:.2f} s)")
-            baseline = after
-    finally:
-        pool.shutdown()
-        print_phases(phases, seconds)  # also when a run failed part-way (e.g. out of memory): what was measured
+def report(args: argparse.Namespace, engine_counts: list[int], seconds: dict, bests: dict, baseline: float) -> None:
+    """The fan-out, the staged pause, the delta's bytes and the worst sync against the goals."""
     if len(engine_counts) > 1:
         one, most = min(engine_counts), max(engine_counts)
         fanout = {(layout, transport): seconds[(layout, most, transport)] / seconds[(layout, one, transport)]
@@ -254,6 +150,116 @@ def main() -> None:
         worst = max(timed, key=timed.get)
         print(f"worst sync / vLLM reload from the page cache: {timed[worst] / baseline:.2f}x "
               f"({worst[0].upper()}, {worst[1]} engine(s), {worst[2]}; goals TP1PP1 <= 1.3, TP2PP2 <= 1.5)")
+
+
+def start_pool(args: argparse.Namespace, model_path: Path, engine_counts: list[int]):
+    """The rollout engines the syncs go to: as many as the largest count of --engines."""
+    from rlsearch.config import RolloutConfig, ToolsConfig
+    from rlsearch.rollout import EnginePool, EngineSpec
+
+    rollout = RolloutConfig(num_engines=max(engine_counts), tensor_parallel_size=args.engine_tp, max_prompt_tokens=128,
+                            max_response_tokens=128)
+    tools = ToolsConfig()
+    tools.retriever.url = "http://127.0.0.1:9"  # the agent's search client is built but never called here
+    return EnginePool(EngineSpec(str(model_path), dtype=args.dtype, max_model_len=256,
+                                 tensor_parallel_size=args.engine_tp), rollout, tools, seed=1)
+
+
+def reload_seconds(pool, model_path: Path) -> float:
+    """The baseline: the first engine's vLLM reload of the weights from the safetensors files."""
+    import ray
+
+    started = time.perf_counter()
+    ray.get(pool.engines[0].reload_weights_from_files.remote(str(model_path)))
+    return time.perf_counter() - started
+
+
+def measure_layout(args: argparse.Namespace, layout: str, model_path: Path, pool, engine_counts: list[int],
+                   baseline: float, bucket_bytes: int, seconds: dict, phases: dict, bests: dict) -> None:
+    """Every engine count and transport of one actor layout: a row each (the best of --repeats syncs), into
+    `seconds`, `phases` and `bests`."""
+    import ray
+
+    from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, ActorWorkerSpec
+    from rlsearch.config import ActorConfig, AlgoConfig
+    from rlsearch.ray_setup import cluster_has_gpus
+    from rlsearch.weights import WeightSync, check_engines_match_actor
+
+    probe_ids = list(range(1000, 1064))
+    tp, pp = (int(part) for part in layout.removeprefix("tp").split("pp"))
+    spec = ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp, lr=args.lr), AlgoConfig(),
+                           MODEL_DISTRIBUTION, 100, 1)
+    group = ActorRanks(spec, num_gpus_per_rank=1 if cluster_has_gpus() else 0)
+    try:
+        senders = [workers[0] for workers in group.stage_workers()]
+        pids = ray.get([sender.__ray_call__.remote(lambda worker: os.getpid()) for sender in senders])
+        for count in engine_counts:
+            engines = pool.engines[:count]
+            for transport in args.transports.split(","):
+                bridge_transport, options = TRANSPORTS[transport]
+                sync = WeightSync(group, args.bucket_mb, bridge_transport, timeout_s=600.0,
+                                  engine_tp=args.engine_tp, **options)
+                if options.get("delta"):
+                    sync.sync(engines)  # the first is whole
+                    sample = train_sample(group)
+                timings, private, shared, best = [], 0, 0, None
+                for _ in range(args.repeats):
+                    if options.get("delta"):
+                        group.train_step([sample])
+                    with PeakRss(pids) as rss:
+                        stats = sync.sync(engines)
+                    if best is None or stats.seconds < best.seconds:
+                        best = stats
+                    timings.append(stats.seconds)
+                    private = max(private, rss.peak_extra_private)
+                    shared = max(shared, rss.peak_extra_shared)
+                gap = check_engines_match_actor(group, engines, probe_ids, 0.0, step=0)
+                sync.close(engines)
+                seconds[(layout, count, transport)] = best.seconds
+                phases[(layout, count, transport)] = best.phases
+                bests[(layout, count, transport)] = best
+                print(row_line(SYNC_COLUMNS, (
+                    layout.upper(), count, transport, best.seconds, f"{best.seconds / baseline:.2f}x",
+                    best.phases.get("pause", 0.0), best.num_bytes / 2**20, best.wire_bytes / 2**20, private / 2**20,
+                    shared / 2**20, private / bucket_bytes, gap["weights/logprob_mismatch_max"])), flush=True)
+    finally:
+        group.shutdown()
+
+
+def main() -> None:
+    args = parse_args(_parser(), dict(shape="tiny", layouts="tp1pp1", engines="1", transports="shm", repeats=1,
+                                   vocab_ranks=SMOKE_VOCAB_RANKS))
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from rlsearch.ray_setup import init_ray
+
+    engine_counts = [int(n) for n in args.engines.split(",")]
+    model_path = build_model(args.shape, Path(args.out), vocab_ranks=args.vocab_ranks)
+    largest = _largest_tensor_bytes(model_path, args.dtype)
+    bucket_bytes = max(args.bucket_mb * 2**20, largest)
+    init_ray(num_cpus=8 + max(engine_counts) * args.engine_tp)
+    seconds: dict[tuple[str, int, str], float] = {}
+    phases: dict[tuple[str, int, str], dict[str, float]] = {}
+    bests: dict = {}  # the fastest sync's SyncStats per run
+    pool = start_pool(args, model_path, engine_counts)
+    try:
+        # the best of several reloads, before the syncs and again after them (the machine's noise moves it)
+        baseline = min(reload_seconds(pool, model_path) for _ in range(args.repeats + 1))
+        print(f"model: {args.shape} shape in {args.dtype}; engines TP{args.engine_tp}; buckets of "
+              f"{args.bucket_mb:g} MiB (largest tensor {largest / 2**20:.0f} MiB)")
+        print(f"baseline: vLLM reload_weights from the safetensors files (page cache), one engine: {baseline:.2f} s")
+        print("\n".join(header_lines(SYNC_COLUMNS, rule=False)))
+        for layout in args.layouts.split(","):
+            measure_layout(args, layout, model_path, pool, engine_counts, baseline, bucket_bytes, seconds, phases,
+                           bests)
+        after = min(reload_seconds(pool, model_path) for _ in range(args.repeats + 1))
+        if after < baseline:
+            print(f"baseline measured again after the syncs: {after:.2f} s (the ratios above used {baseline:.2f} s)")
+            baseline = after
+    finally:
+        pool.shutdown()
+        print_phases(phases, seconds)  # also when a run failed part-way (e.g. out of memory): what was measured
+    report(args, engine_counts, seconds, bests, baseline)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What the GPU tier's tests share. The tier (tests/gpu) checks what only a CUDA machine can, each test marked `gpu`
 (skipped without CUDA: tests/conftest.py) and printing its figures; `bash scripts/gpu_check.sh` runs it.
-RLSEARCH_GPU_SHAPE picks the random model the benches build (bench/common.py SHAPES: tiny, the default, or 0.5b for
+RLSEARCH_GPU_SHAPE picks the random model the benches build (bench/common SHAPES: tiny, the default, or 0.5b for
 figures worth recording)."""
 
 from __future__ import annotations

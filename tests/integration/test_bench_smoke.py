@@ -19,8 +19,7 @@ from tests.constants import REPO_ROOT
 OWN_SMOKE_TEST = {"memory.py": "tests/integration/test_bench_memory_smoke.py", "default_run.py": "tests/conftest.py",
                   "learning.py": "tests/integration/test_learning_resume.py",
                   "readme_check.py": "tests/unit/test_readme_check.py"}
-BENCHES = sorted(path.name for path in (REPO_ROOT / "bench").glob("*.py")
-                 if path.name != "common.py" and path.name not in OWN_SMOKE_TEST)
+BENCHES = sorted(path.name for path in (REPO_ROOT / "bench").glob("*.py") if path.name not in OWN_SMOKE_TEST)
 GPU_BENCHES = {"gpu_actor_check.py", "gpu_weight_export.py"}
 MEMORY_HEAVY = {"chaos.py"}  # two engines beside the actor ranks: not beside the other lane's heavy tests
 NOT_ON_THE_GPU_MACHINE = "ray,vllm,transformer_engine"

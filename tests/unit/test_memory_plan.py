@@ -28,7 +28,7 @@ from tests.models import TEST_VOCAB_SIZE
 GIB = 2**30
 # the embedded default: Qwen2, hidden 128, 2 layers, 4 heads (2 kv) of 32, FFN 256, the padded Qwen vocabulary
 TINY = ModelShape(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=256, vocab=151_680, qkv_bias=True)
-# Qwen2.5-0.5B (bench/common.py "0.5b"): tied embeddings, 151,936 rows
+# Qwen2.5-0.5B (bench/common "0.5b"): tied embeddings, 151,936 rows
 HALF_B = ModelShape(hidden=896, layers=24, heads=14, kv_heads=2, head_dim=64, ffn=4864, vocab=151_936,
                     tied_embeddings=True, qkv_bias=True)
 # Qwen2.5-7B

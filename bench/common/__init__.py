@@ -1,4 +1,7 @@
-"""What the benchmarks share: random Qwen2 shapes, built once and cached under an output dir."""
+"""What the benchmarks share: random Qwen2 shapes, built once and cached under an output dir, and their options.
+
+bench.common.memory: the peak-memory probe; bench.common.runs: running the trainer and reading its output;
+bench.common.table: the table printer."""
 
 from __future__ import annotations
 
@@ -39,19 +42,36 @@ def build_model(shape: str, out_root: Path, max_positions: int = 0, vocab_ranks:
 
     ``max_positions`` above the default 4096 raises its rotary positions (the same weights: the same seed);
     ``vocab_ranks`` N > 0 keeps the first N BPE ranks of the vocabulary only (TinyModelSpec.vocab_ranks)."""
-    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+    from rlsearch.data.tiny_model import TinyModelSpec
 
     spec = TinyModelSpec(**SHAPES[shape], vocab_ranks=vocab_ranks)
     suffix = vocab_suffix(vocab_ranks)
     if max_positions > spec.max_position_embeddings:
         spec = dataclasses.replace(spec, max_position_embeddings=max_positions)
         suffix += f"-pos{max_positions}"
-    path = out_root / f"qwen2-{shape}-random{suffix}"
+    return build_random_model(spec, out_root / f"qwen2-{shape}-random{suffix}",
+                              f"{shape}-shaped Qwen2 (positions up to {spec.max_position_embeddings})")
+
+
+def build_random_model(spec, path: Path, what: str = "Qwen2") -> Path:
+    """The random-init model of a TinyModelSpec in `path`, built there once (`what` names it in the line it prints)."""
+    from rlsearch.data.tiny_model import make_tiny_model
+
     if not (path / "config.json").is_file():
-        print(f"building a random {shape}-shaped Qwen2 (positions up to {spec.max_position_embeddings}) in {path} ...",
-              flush=True)
+        print(f"building a random {what} in {path} ...", flush=True)
         make_tiny_model(path, spec)
     return path
+
+
+def count_params(model_path: Path) -> int:
+    """The parameters in a model dir's safetensors shards (read from their headers)."""
+    from safetensors import safe_open
+
+    total = 0
+    for shard in model_path.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as handle:
+            total += sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
+    return total
 
 
 def vocab_suffix(vocab_ranks: int) -> str:
