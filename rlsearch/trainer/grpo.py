@@ -129,8 +129,8 @@ class GRPOTrainer:
         # 1. generate: this step's rollout (and the next ones, up to rollout.async_steps ahead) submitted
         self.rollout_side.revive_tool_servers()
         self.rollouts.launch(self.config, self.parts.pool, self.progress)
-        # 2. train on it, the new weights synced into the engines (train_step)
-        metrics = self.train_step(self.rollouts.next())
+        # 2. train on it, the new weights synced into the engines (grpo_step)
+        metrics = self.grpo_step(self.rollouts.next())
         if prints_step(step, trainer.total_steps, trainer.print_interval):
             print(format_step_line(step, trainer.total_steps, metrics), flush=True)
         self.actor_side.record_skip(metrics)
@@ -143,7 +143,7 @@ class GRPOTrainer:
             self.evaluate_policy()
         return metrics, checkpoint
 
-    def train_step(self, rollout: PendingRollout) -> dict[str, float]:
+    def grpo_step(self, rollout: PendingRollout) -> dict[str, float]:
         """One GRPO step on a submitted rollout; returns the step's metrics (also logged)."""
         timings, started, trained_version = {}, time.perf_counter(), self.progress.weight_version
         staleness = trained_version - rollout.weight_version  # as submitted, before step 1 may run it again
