@@ -3,8 +3,8 @@ was trained with another trainer.seed or the other actor.use_distributed_optimiz
 saved or resumed from (where dead actor ranks rewind to); a run checkpoint saved with the trainer state and the
 manifest info; and the actor state loaded from one.
 
-It may call the checkpoint store (rlsearch.checkpoint) and the actor ranks' save and load; when to save, and what a
-resume does to the run's progress and the engines' weights, are the trainer's (grpo.py)."""
+It may call the checkpoint store (rlsearch.checkpoint) and the actor ranks' save and load; when to save is the loop's
+(grpo.py), and what a resume does to the run's progress and the engines' weights actor_side.py's."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A training run's two kinds of state: the parts it started (`RunParts`) and where it stands (`RunProgress`)."""
+"""A training run's two kinds of state: the parts it started (`RunParts`) and where it stands (`RunProgress`: the
+step, the data position with the sampler that holds it, the skip guard and the counters; `rewind` sets it back)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint import CheckpointStore
-from .sampler import SamplerState
+from .sampler import EpochSampler, SamplerState
+from .skip_guard import SkipGuard
 
 if TYPE_CHECKING:
     from ..actor import ActorRanks
@@ -19,7 +21,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class RunProgress:
-    """Where the run stands: the step and the data position a checkpoint records, and the counters beside them."""
+    """Where the run stands: the step and the data position a checkpoint records, the sampler that draws from it,
+    the skip guard (steps skipped for a NaN/inf loss or grad norm), and the counters beside them."""
 
     step: int = 0  # the step being trained (the last one trained, between steps)
     resumed_step: int = 0  # the step a resumed run continued after (0: a fresh run)
@@ -36,6 +39,18 @@ class RunProgress:
     engine_restarts: int = 0  # rollout engines that died and were replaced
     restarts_by_step: dict[int, int] = field(default_factory=dict)  # engine restarts of the current step
     actor_restarts: int = 0  # times the actor ranks were replaced after one died (trainer.max_actor_restarts)
+    sampler: EpochSampler | None = None  # the prompt order (None: a run state without data, in unit tests)
+    skip_guard: SkipGuard = field(default_factory=lambda: SkipGuard(0))
+
+    def rewind(self, step: int, sampler: SamplerState) -> None:
+        """The run stands after `step` with the data position `sampler`: the next rollout is `step + 1`'s, and the
+        skip guard counts afresh from `step`, its last good one."""
+        self.step = step
+        self.next_rollout_step = step + 1
+        if self.sampler is not None:
+            self.sampler.restore(sampler)
+        self.trained_sampler_state = self.good_sampler_state = sampler
+        self.skip_guard = SkipGuard(self.skip_guard.max_consecutive, last_good_step=step)
 
 
 @dataclass

@@ -5,7 +5,8 @@ during which an engine died runs again once on its replacement, dead actor ranks
 ask it and act on its `Verdict`. Also here: `WorkerDiedError`, the stop's message, and which workers are dead.
 
 It may call Ray's exception types and `ray_setup.actor_states` (which workers are dead) and `runlog.ray_death` (how
-Ray saw one die); replacing workers, rewinding and syncing are the trainer's (grpo.py)."""
+Ray saw one die); replacing workers, rewinding and syncing (what a verdict says to do) are rollout_side.py's and
+actor_side.py's."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The rollouts in flight: each step's batch drawn from the sampler and submitted to the engine pool up to
 rollout.async_steps steps ahead of the step being trained, taken oldest first. It may call the sampler and the
-pool's `submit`; running a rollout again when every engine died during it is the trainer's (grpo.py)."""
+pool's `submit`; running a rollout again when every engine died during it is rollout_side.py's."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ ranks side by side where the placement puts them, the weight sync and the probe 
 line; `startup_line` reports where the start-up's seconds went.
 
 It may call the rooms below (config, data, reward's checks, memory, ray_setup, rollout, actor, weights) and
-placement.py. Resuming from a checkpoint is the trainer's call (grpo.py), once start_run returned."""
+placement.py. Resuming from a checkpoint is the trainer's call (grpo.py, through actor_side.py), once start_run
+returned."""
 
 from __future__ import annotations
 
@@ -77,9 +78,9 @@ def start_run(config: TrainConfig, examples: list[QAExample], parts: RunParts, o
     import ray
 
     gpus, rollout = 1 if has_gpus else 0, config.rollout
-    place = plan_placement(config.trainer.placement, config.actor.world_size, gpus, config.trainer.ray_address,
-                           rollout.num_engines, rollout.tensor_parallel_size)
-    start_actor, logit_bias = _start_engines_and_ranks(config, tools, place, gpus, parts, seconds)
+    placement = plan_placement(config.trainer.placement, config.actor.world_size, gpus, config.trainer.ray_address,
+                               rollout.num_engines, rollout.tensor_parallel_size)
+    start_actor, logit_bias = _start_engines_and_ranks(config, tools, placement, gpus, parts, seconds)
     engine_bias = ray.get(parts.pool.engines[0].token_logit_bias.remote(), timeout=60)
     if engine_bias != logit_bias:
         raise RuntimeError(f"the engine's token logit bias {engine_bias} differs from the actor's {logit_bias}: "
@@ -112,7 +113,8 @@ def _join_ray(config: TrainConfig, output_dir: Path, seconds: dict[str, float]) 
 
 
 def _start_engines_and_ranks(
-    config: TrainConfig, tools: ToolsConfig, place: Placement, gpus: int, parts: RunParts, seconds: dict[str, float],
+    config: TrainConfig, tools: ToolsConfig, placement: Placement, gpus: int, parts: RunParts,
+    seconds: dict[str, float],
 ) -> tuple[Callable[[], ActorRanks], dict[int, float]]:
     """The engine pool and the actor ranks (`gpus` each) into `parts`; returns the actor factory and the token logit
     bias the ranks score under."""
@@ -120,7 +122,7 @@ def _start_engines_and_ranks(
         with timed(seconds, "rollout engines"):
             # under the supervisor the engines outlive this driver, and a restarted one takes them over
             return start_engines(config.model, config.rollout, tools, config.trainer.seed,
-                                 detached=bool(supervisor_ray_address()), **place.pool_options)
+                                 detached=bool(supervisor_ray_address()), **placement.pool_options)
 
     # the engines and the actor ranks start side by side (each is mostly one process importing and loading); the
     # ranks, which start faster, after the tokenizer the actor's distribution needs has been read
@@ -134,7 +136,7 @@ def _start_engines_and_ranks(
                 # over (not in a split placement, whose group the trainer reserves)
                 start_actor = partial(
                     ActorRanks, _actor_spec(config, logit_bias), num_gpus_per_rank=gpus,
-                    detached=bool(supervisor_ray_address()) and not place.actor_options, **place.actor_options)
+                    detached=bool(supervisor_ray_address()) and not placement.actor_options, **placement.actor_options)
                 parts.actor = start_actor()
         finally:
             parts.pool = starting_pool.result()  # also when the actor failed: close() then stops the engines

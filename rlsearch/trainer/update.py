@@ -42,8 +42,8 @@ def policy_update(actor: ActorRanks, samples: list[TrainSample], algo: AlgoConfi
         for sample, logprobs in zip(samples, old_logprobs, strict=True):
             sample.old_logprobs = logprobs
     old_logprob_s = time.perf_counter() - started
-    parts = minibatches(samples, algo)
-    per_update = [actor.train_step(part) for _ in range(algo.ppo_epochs) for part in parts]
+    batches = minibatches(samples, algo)
+    per_update = [actor.train_step(batch) for _ in range(algo.ppo_epochs) for batch in batches]
     metrics = {key: statistics.fmean(update[key] for update in per_update) for key in per_update[0]}
     skipped = [update["actor/skipped_nonfinite"] for update in per_update]
     metrics.update({

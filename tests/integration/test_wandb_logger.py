@@ -112,6 +112,7 @@ def _record(step: int, sample: int, reward: float) -> dict:
 def test_wandb_offline_run_holds_the_config_and_the_scalars_tensorboard_holds(offline, tiny_model_dir, toy_data,
                                                                                 tmp_path):
     from rlsearch.trainer.grpo import GRPOTrainer
+    from rlsearch.trainer.step_log import new_logger
 
     config = TrainConfig()
     config.model.path = str(tiny_model_dir)
@@ -119,7 +120,7 @@ def test_wandb_offline_run_holds_the_config_and_the_scalars_tensorboard_holds(of
     config.trainer.output_dir = str(tmp_path / "run")
     config.trainer.loggers = ["tensorboard", "wandb"]
     trainer = GRPOTrainer(config)  # loads the data and checks the model; starts nothing
-    logger = trainer._new_logger(resumed_step=0)
+    logger = new_logger(trainer.config, trainer.output_dir, resumed_step=0)
     steps = {1: {"reward/mean": 0.25, "actor/policy_loss": -0.125, "rollout/turns_mean": 2.0},
              2: {"reward/mean": 0.5, "actor/policy_loss": 0.0625, "rollout/turns_mean": 1.5,
                  "weights/nan": float("nan")}}

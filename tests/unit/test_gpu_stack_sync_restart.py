@@ -10,8 +10,8 @@ import pytest
 
 from rlsearch.checkpoint import CheckpointStore
 from rlsearch.config import load_train_config
-from rlsearch.trainer.grpo import GRPOTrainer
 from rlsearch.trainer.progress import RunParts, RunProgress
+from rlsearch.trainer.rollout_side import RolloutSide
 from rlsearch.weights import SyncStats, WeightSyncError
 
 
@@ -49,20 +49,18 @@ class Sync:
         return SyncStats(seconds=0.5, num_buckets=3, num_tensors=10, num_bytes=2**20, num_engines=len(engines))
 
 
-def _trainer(dies: bool) -> GRPOTrainer:
-    trainer = GRPOTrainer.__new__(GRPOTrainer)
-    trainer.config = load_train_config(None, [])
-    trainer.rollouts = []
-    trainer.progress = RunProgress(step=1)
+def _trainer(dies: bool) -> RolloutSide:
+    """The trainer's rollout side (trainer/rollout_side.py) on the stand-ins."""
     pool = Pool()
-    trainer.parts = RunParts(CheckpointStore("/nonexistent"), pool=pool, weight_sync=Sync(pool, engine_dies=dies))
+    parts = RunParts(CheckpointStore("/nonexistent"), pool=pool, weight_sync=Sync(pool, engine_dies=dies))
+    trainer = RolloutSide(load_train_config(None, []), parts, RunProgress(step=1), rollouts=[])
     trainer.check_parity = lambda: {"weights/logprob_mismatch_max": 1e-6}
     return trainer
 
 
 def test_an_engine_that_died_during_a_sync_is_restarted_and_synced(capsys) -> None:
     trainer = _trainer(dies=True)
-    metrics = trainer._sync_weights(changed=True, timings={})
+    metrics = trainer.sync_new_weights(changed=True, timings={})
     assert trainer.parts.pool.restarted == [1] and trainer.progress.engine_restarts == 1
     assert trainer.parts.weight_sync.synced == [["engine 0", "engine 1 (restarted)"]]
     assert metrics["weights/engines"] == 2.0 and trainer.progress.weight_version == 1
@@ -78,14 +76,14 @@ def test_more_engine_restarts_in_a_step_than_allowed_stop_the_run(tmp_path) -> N
     trainer.parts.checkpoints = CheckpointStore(tmp_path)
     with pytest.raises(WorkerDiedError, match=r"rollout engine 1 died \(its process exited\) during step 1; the run "
                        r"stopped\. no checkpoint was saved yet .*rollout\.max_engine_restarts_per_step=0"):
-        trainer._sync_weights(changed=True, timings={})
+        trainer.sync_new_weights(changed=True, timings={})
     assert trainer.parts.pool.restarted == []
 
 
 def test_a_sync_that_fails_with_every_engine_alive_stops_the_run() -> None:
     trainer = _trainer(dies=False)
     with pytest.raises(WeightSyncError, match="waiting on engine 1"):
-        trainer._sync_weights(changed=True, timings={})
+        trainer.sync_new_weights(changed=True, timings={})
     assert trainer.parts.pool.restarted == [] and trainer.progress.weight_version == 0
 
 
@@ -107,7 +105,7 @@ def test_a_rollout_on_which_every_engine_died_runs_again_on_restarted_synced_eng
     trainer.parts.pool.submit = lambda items, step: submitted.append((items, step)) or future(["trajectory"])
     rollout = PendingRollout(step=1, examples=[], trajectories=future(error=NoEngineLeftError("every engine died")),
                              items=["item"], weight_version=0, sampler=None)
-    assert trainer._rollout_trajectories(rollout) == ["trajectory"]
+    assert trainer.trajectories(rollout) == ["trajectory"]
     assert trainer.parts.pool.restarted == [1] and submitted == [(["item"], 1)]
     assert trainer.parts.weight_sync.synced == [["engine 0", "engine 1 (restarted)"]]
     assert "every rollout engine died during the rollout of step 1" in capsys.readouterr().out
@@ -116,4 +114,4 @@ def test_a_rollout_on_which_every_engine_died_runs_again_on_restarted_synced_eng
     trainer.config = load_train_config(None, ["rollout.max_engine_restarts_per_step=0"])
     rollout.trajectories = future(error=NoEngineLeftError("every engine died"))
     with pytest.raises(NoEngineLeftError):  # no restart allowed: train() names the dead engine
-        trainer._rollout_trajectories(rollout)
+        trainer.trajectories(rollout)

@@ -26,7 +26,7 @@ def _shown(run_dir: Path, tag: str = "reward/mean") -> list[tuple[int, float]]:
 
 
 def test_a_run_rewound_to_the_start_shows_each_step_once(tmp_path: Path) -> None:
-    """Actor ranks that die before the first checkpoint rewind the run to step 0 (GRPOTrainer._replace_dead_actor),
+    """Actor ranks that die before the first checkpoint rewind the run to step 0 (ActorSide.replace_dead_ranks),
     as a supervised driver restarted before it starts over: steps 1 and 2 are trained again."""
     _log(tmp_path, resumed_step=0, rewards={1: 0.25})  # step 2 died
     _log(tmp_path, resumed_step=0, rewards={1: 0.5, 2: 0.75})

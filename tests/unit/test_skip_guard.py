@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from rlsearch.config import ConfigError, load_train_config
-from rlsearch.trainer import GRPOTrainer, SamplerState
+from rlsearch.trainer import SamplerState
+from rlsearch.trainer.actor_side import ActorSide
 from rlsearch.trainer.progress import RunProgress
 from rlsearch.trainer.skip_guard import NonFiniteStepsError, SkipGuard
 from rlsearch.weights import check_engines_match_actor, logprob_mismatch, nonfinite_logprobs
@@ -49,12 +50,12 @@ def test_stop_message_names_the_checkpoint_or_the_initial_model() -> None:
     assert "no checkpoint was saved: they are those of model.path=outputs/assets/tiny-qwen2" in str(fresh)
 
 
-def _trainer(limit: int, saved: list) -> GRPOTrainer:
-    """The trainer's skip bookkeeping alone: no engines, actor or data."""
-    trainer = GRPOTrainer.__new__(GRPOTrainer)
-    trainer.config = load_train_config(None, [f"trainer.max_consecutive_skips={limit}"])
-    trainer.skip_guard = SkipGuard(limit)
-    trainer.progress = RunProgress(weights_updated=True)  # the steps that are not skipped below update the weights
+def _trainer(limit: int, saved: list) -> ActorSide:
+    """The trainer's skip bookkeeping (trainer/actor_side.py) alone: no engines, actor or data."""
+    config = load_train_config(None, [f"trainer.max_consecutive_skips={limit}"])
+    # the steps that are not skipped below update the weights
+    progress = RunProgress(weights_updated=True, skip_guard=SkipGuard(limit))
+    trainer = ActorSide(config, parts=None, progress=progress, rollout_side=None)
 
     def save_checkpoint(step: int, sampler: SamplerState) -> Path:
         saved.append((step, sampler))
@@ -64,12 +65,12 @@ def _trainer(limit: int, saved: list) -> GRPOTrainer:
     return trainer
 
 
-def _run(trainer: GRPOTrainer, outcomes: list[bool]) -> None:
+def _run(trainer: ActorSide, outcomes: list[bool]) -> None:
     for step, skipped in enumerate(outcomes, start=1):
         trainer.progress.step = step
         # the data after this step's batch
         trainer.progress.trained_sampler_state = SamplerState(epoch=0, position=4 * step)
-        trainer._record_skip({"actor/skipped_nonfinite": float(skipped), "actor/policy_loss": math.nan})
+        trainer.record_skip({"actor/skipped_nonfinite": float(skipped), "actor/policy_loss": math.nan})
 
 
 def test_trainer_saves_the_last_good_step_with_its_data_position_and_stops(capsys) -> None:

@@ -45,8 +45,8 @@ def test_a_failed_sync_with_every_engine_alive_is_reraised() -> None:
 def test_a_sync_runs_again_once_after_its_dead_engine_was_replaced() -> None:
     """The trainer acting on the verdict: the sync that failed runs once more on the replacement; a second failure
     stops the run with the sync's own error."""
-    from rlsearch.trainer.grpo import GRPOTrainer
     from rlsearch.trainer.progress import RunParts, RunProgress
+    from rlsearch.trainer.rollout_side import RolloutSide
     from rlsearch.weights import WeightSyncError
 
     class Pool:
@@ -71,14 +71,11 @@ def test_a_sync_runs_again_once_after_its_dead_engine_was_replaced() -> None:
             self.pool.dead = [0] if self.calls == 1 else []
             raise WeightSyncError(f"sync {self.calls} failed")
 
-    trainer = GRPOTrainer.__new__(GRPOTrainer)
-    trainer.config = load_train_config(None, [])
-    trainer.rollouts = []
-    trainer.progress = RunProgress(step=1)
     pool = Pool()
-    trainer.parts = RunParts(CheckpointStore("/nonexistent"), pool=pool, weight_sync=FailingSync(pool))
+    parts = RunParts(CheckpointStore("/nonexistent"), pool=pool, weight_sync=FailingSync(pool))
+    trainer = RolloutSide(load_train_config(None, []), parts, RunProgress(step=1), rollouts=[])
     with pytest.raises(WeightSyncError, match="sync 2 failed"):
-        trainer._sync_weights(changed=True, timings={})
+        trainer.sync_new_weights(changed=True, timings={})
     assert trainer.parts.weight_sync.calls == 2 and trainer.parts.pool.restarted == [0]
     assert trainer.progress.engine_restarts == 1 and trainer.progress.restarts_by_step == {1: 1}
 
