@@ -11,8 +11,8 @@ import pytest
 
 pytest.register_assert_rewrite("tests.plugins")  # imported below, before pytest_plugins registers them
 
-from tests.constants import REPO_ROOT, SHORT_TURNS  # noqa: E402
-from tests.models import model_override, shared_test_model  # noqa: E402
+from tests.constants import REPO_ROOT  # noqa: E402
+from tests.models import shared_test_model  # noqa: E402
 from tests.plugins.shared_engines import RANK_POOL, stop_what_drivers_left  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -53,15 +53,12 @@ def async_tp2pp2_run(tmp_path_factory, driver_ray):
     rollout of step 2 overlapping the training of step 1 (rollout.async_steps=1), two updates a step, an eval after
     each step: 2 steps of 2 questions. One run, checked by test_train_e2e (the layout, async, eval) and test_inspect
     (what the trajectories hold). (output dir, CompletedProcess)."""
-    import subprocess
+    from tests.drivers import run_search_grpo
 
     out = tmp_path_factory.mktemp("async_tp2pp2") / "run"
-    result = subprocess.run(
-        ["bash", "examples/run_search_grpo.sh", "actor.tp=2", "actor.pp=2", "trainer.total_steps=2",
-         "data.batch_size=2", "rollout.async_steps=1", "algo.num_minibatches=2", "trainer.eval_interval=1",
-         "eval.max_examples=4", SHORT_TURNS, model_override(), f"trainer.output_dir={out}"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200,
-        env={**os.environ, "RLSEARCH_WARM_START": "none", **driver_ray})
+    result = run_search_grpo(out, "actor.tp=2", "actor.pp=2", "trainer.total_steps=2", "data.batch_size=2",
+                             "rollout.async_steps=1", "algo.num_minibatches=2", "trainer.eval_interval=1",
+                             "eval.max_examples=4", timeout=1200, **driver_ray)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, result
 

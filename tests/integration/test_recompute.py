@@ -138,7 +138,7 @@ def _rank_main(rank: int, rendezvous: str, out_dir: str) -> None:
         start = info.dp_rank * base + min(info.dp_rank, extra)
         shard = samples[start:start + base + (info.dp_rank < extra)]
         if algo.routing_replay == "old":
-            _, routing = worker.compute_logprobs(shard, record_routing=True)
+            _, routing = worker.compute_logprobs_and_routing(shard)
             # each stage recorded its own layers (-1 in the others'): merged over the pipeline
             merged = torch.cat([r.flatten() for r in routing]).long()
             dist.all_reduce(merged, op=dist.ReduceOp.MAX, group=ps.get_pipeline_model_parallel_group())

@@ -72,7 +72,7 @@ def test_a_broadcast_group_forms_while_its_chosen_port_is_contested(ray_local, c
         ray_local.get([sender.join_weight_group.remote(address, 2, 30.0), receiver.join.remote(address)])
 
         def send(worker) -> None:
-            broadcast_within(torch.full((1024,), 5.0), worker._weight_group, 30.0)
+            broadcast_within(torch.full((1024,), 5.0), worker.broadcast_sender.group, 30.0)
 
         received = receiver.receive.remote()
         ray_local.get(sender.__ray_call__.remote(send))

@@ -3,43 +3,25 @@
 import ray
 from transformers import AutoTokenizer
 
-from rlsearch.data import load_qa_dataset
-from rlsearch.rollout import PromptItem
-
-
-def _items(toy_data, prompts=4, samples=2):
-    examples = load_qa_dataset(toy_data.train)[:prompts]
-    return [PromptItem(e.id, e.question, group_id=i, sample_index=s) for i, e in enumerate(examples)
-            for s in range(samples)]
+from tests.integration.rollout_checks import assert_masks_follow_turns, prompt_items, turn_spans
 
 
 def test_rollout_masks_observations_and_keeps_engine_tokens(rollout_worker, toy_data, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    trajectories = ray.get(rollout_worker.generate.remote(_items(toy_data), 1))
+    trajectories = ray.get(rollout_worker.generate.remote(prompt_items(toy_data), 1))
     assert len(trajectories) == 8
     calls = [call for t in trajectories for call in t.tool_calls]
     assert len(calls) >= 1 and all(call.ok for call in calls)
     observed = 0
     for t in trajectories:
-        assert len(t.response_ids) == len(t.loss_mask) == len(t.rollout_logprobs)
         assert t.finish_reason in {"answer", "eos", "length", "max_turns"}
-        position = 0
-        for turn in t.turns:
-            model_ids = t.response_ids[position : position + turn.num_tokens]
-            assert set(t.loss_mask[position : position + turn.num_tokens]) == {1}
-            assert all(lp <= 0.0 for lp in t.rollout_logprobs[position : position + turn.num_tokens])
+        observed += assert_masks_follow_turns(t, tokenizer)
+        for turn, model, observation_ids in turn_spans(t, tokenizer):
+            assert all(lp <= 0.0 for lp in t.rollout_logprobs[model])
             # the engine's text is cut at the stop string; the last sampled token may extend past it
-            assert tokenizer.decode(model_ids).startswith(turn.text)
-            position += turn.num_tokens
-            if position < len(t.response_ids):
-                observation_ids = tokenizer.encode(turn.observation, add_special_tokens=False)
-                assert t.response_ids[position : position + len(observation_ids)] == observation_ids
-                assert set(t.loss_mask[position : position + len(observation_ids)]) == {0}
-                assert set(t.rollout_logprobs[position : position + len(observation_ids)]) == {0.0}
+            assert tokenizer.decode(t.response_ids[model]).startswith(turn.text)
+            if model.stop < len(t.response_ids):
                 assert tokenizer.decode(observation_ids) == turn.observation
-                position += len(observation_ids)
-                observed += 1
-        assert position == len(t.response_ids)
     assert observed >= 1
     # an executed search shows the retrieved passages (possibly none for a junk query), never an error
     executed = [turn for t in trajectories for turn in t.turns if turn.tool_calls]
@@ -48,8 +30,8 @@ def test_rollout_masks_observations_and_keeps_engine_tokens(rollout_worker, toy_
 
 
 def test_fixed_seed_gives_identical_trajectories(rollout_worker, toy_data):
-    first = ray.get(rollout_worker.generate.remote(_items(toy_data, prompts=2), 5))
-    second = ray.get(rollout_worker.generate.remote(list(reversed(_items(toy_data, prompts=2))), 5))
+    first = ray.get(rollout_worker.generate.remote(prompt_items(toy_data, prompts=2), 5))
+    second = ray.get(rollout_worker.generate.remote(list(reversed(prompt_items(toy_data, prompts=2))), 5))
     by_key = {(t.group_id, t.sample_index): t for t in second}
     for t in first:
         other = by_key[(t.group_id, t.sample_index)]
@@ -61,7 +43,7 @@ def test_dead_retriever_becomes_error_observation(rollout_worker, retriever, toy
     retriever.stop()
     try:
         failures_before = ray.get(rollout_worker.tool_stats.remote())["failures"]
-        trajectories = ray.get(rollout_worker.generate.remote(_items(toy_data), 1))
+        trajectories = ray.get(rollout_worker.generate.remote(prompt_items(toy_data), 1))
         failed = [turn for t in trajectories for turn in t.turns if turn.tool_calls and not turn.tool_calls[0].ok]
         assert failed, "the same seeds made tool calls above; with the server down they must fail"
         assert all(turn.observation.startswith("\n\n<information>Error: search failed:") for turn in failed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,25 @@ import numpy as np
 from ...files import atomic_path
 
 Hits = list[tuple[dict, float]]  # best-first ({"id", "contents"}, score) pairs of one query
+
+
+def search_index(index, corpus: Corpus | LineCorpus, encode: Callable[[list[str]], np.ndarray], queries: list[str],
+                 topk: int) -> list[Hits]:
+    """Best-first (passage, score) pairs per query from a FAISS `index` whose rows are `corpus`'s passages, the
+    queries made vectors by `encode`. An empty query has no meaning to match (as with BM25, it gets no results)."""
+    topk = min(topk, len(corpus))
+    results: list[Hits] = [[] for _ in queries]
+    asked = [position for position, query in enumerate(queries) if query.strip()]
+    if not asked or topk < 1:
+        return results
+    scores, rows = index.search(encode([queries[i] for i in asked]), topk)
+    for position, query_index in enumerate(asked):
+        results[query_index] = [
+            (corpus.document(row), float(score))
+            for row, score in zip(rows[position].tolist(), scores[position].tolist())
+            if row >= 0
+        ]
+    return results
 
 
 @dataclass

@@ -6,13 +6,14 @@ Passage embeddings are cached on disk per (encoder, corpus bytes), so a restart 
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from ...config import default_encoder_path
 from ...files import atomic_path
-from .corpus import Corpus, Hits
+from .corpus import Corpus, Hits, search_index
 
 ENCODE_BATCH_SIZE = 64
 
@@ -48,20 +49,7 @@ class DenseRetriever:
         return cls(corpus, encoder, embeddings, loaded_from_cache=False)
 
     def search(self, queries: list[str], topk: int) -> list[Hits]:
-        topk = min(topk, len(self.corpus))
-        results: list[Hits] = [[] for _ in queries]
-        # an empty query has no meaning to match (as with BM25, it gets no results)
-        asked = [index for index, query in enumerate(queries) if query.strip()]
-        if not asked or topk < 1:
-            return results
-        scores, indices = self._index.search(_encode(self.encoder, [queries[i] for i in asked]), topk)
-        for row, query_index in enumerate(asked):
-            results[query_index] = [
-                (self.corpus.document(i), float(score))
-                for i, score in zip(indices[row].tolist(), scores[row].tolist())
-                if i >= 0
-            ]
-        return results
+        return search_index(self._index, self.corpus, partial(_encode, self.encoder), queries, topk)
 
 
 def _encode(encoder, texts: list[str]) -> np.ndarray:

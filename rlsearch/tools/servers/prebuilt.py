@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .corpus import Hits, LineCorpus
+from .corpus import Hits, LineCorpus, search_index
 
 QUERY_MAX_TOKENS = 256  # Search-R1's retrieval_query_max_length
 ENCODE_BATCH_SIZE = 64
@@ -269,16 +269,4 @@ class PrebuiltIndexRetriever:
 
     def search(self, queries: list[str], topk: int) -> list[Hits]:
         """Best-first (passage, inner product) pairs per query; an empty query gets none."""
-        topk = min(topk, len(self.corpus))
-        results: list[Hits] = [[] for _ in queries]
-        asked = [index for index, query in enumerate(queries) if query.strip()]
-        if not asked or topk < 1:
-            return results
-        scores, rows = self.index.search(self.encoder.encode([queries[i] for i in asked]), topk)
-        for position, query_index in enumerate(asked):
-            results[query_index] = [
-                (self.corpus.document(row), float(score))
-                for row, score in zip(rows[position].tolist(), scores[position].tolist())
-                if row >= 0
-            ]
-        return results
+        return search_index(self.index, self.corpus, self.encoder.encode, queries, topk)
