@@ -28,10 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.common import SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args, runs  # noqa: E402
+from bench.common.table import print_table  # noqa: E402
 
 COMPONENTS = ("engine", "actor", "driver", "retriever", "mcp", "judge")
 JUDGE_RESTART_S = 2.0
 MiB = 2**20
+KILL_COLUMNS = (("kill", ">4"), ("component", "<10"), ("after step", ">11"), ("next step line", ">15"),
+                ("recovered in", ">13"))
 
 
 # ---- the judge: a scripted OpenAI-compatible server, run as a process of its own -------------------------------------
@@ -321,10 +324,10 @@ def _parser() -> argparse.ArgumentParser:
 def report(args: argparse.Namespace, run_dir: Path, kills: list[Kill], steps: list[tuple[float, int]], rss_start: dict,
            rss_end: dict, hang: str, returncode: int | None) -> int:
     """The kills, the processes' memory, what the run printed of its recoveries, and the verdict: 1 on a failure."""
-    print("\nkill  component  after step  next step line  recovered in")
-    for index, kill in enumerate(kills, 1):
-        recovered = f"{kill.recovered_s:.1f} s" if kill.recovered_s is not None else "never"
-        print(f"{index:4d}  {kill.component:9s}  {kill.last_step:10d}  {kill.next_step or '-':>14}  {recovered:>12}")
+    print()
+    print_table(KILL_COLUMNS, ([index, kill.component, kill.last_step, kill.next_step or "-",
+                                "never" if kill.recovered_s is None else f"{kill.recovered_s:.1f} s"]
+                               for index, kill in enumerate(kills, 1)), rule=False)
     last_step = max((step for _, step in steps), default=0)
     once, skipped, duplicated, expected = prompt_counts(run_dir, last_step) if last_step else (0, 0, 0, 0)
     print("\nRSS by kind of process, MiB (count): first step line -> last step line")

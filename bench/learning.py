@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, parse_args, vocab_suffix  # noqa: E402
+from bench.common.table import print_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -324,17 +325,24 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> tuple[dict[str,
     return ems, per_hop
 
 
+def _spread(values: list[float]) -> float:
+    """The standard deviation over seeds: 0 for one seed, nan where a stage was not measured (statistics.stdev
+    fails on nan)."""
+    if any(value != value for value in values):
+        return float("nan")
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def _print_table(results: list[dict[str, float]]) -> dict[str, float]:
     """A row per seed, then the mean and the spread over seeds, then the paired gain's t; returns the means."""
     keys = list(results[0])
-    widths = {key: max(14, len(key)) for key in keys}
-    print("\n" + " ".join([f"{'seed':>14}", *(f"{key:>{widths[key]}}" for key in keys)]))
-    for seed, ems in enumerate(results, start=1):
-        print(" ".join([f"{seed:>14}", *(f"{ems[key]:>{widths[key]}.3f}" for key in keys)]))
     means = {key: statistics.fmean(r[key] for r in results) for key in keys}
-    spreads = {key: statistics.stdev(r[key] for r in results) if len(results) > 1 else 0.0 for key in keys}
-    print(" ".join([f"{'mean':>14}", *(f"{means[key]:>{widths[key]}.3f}" for key in keys)]))
-    print(" ".join([f"{'std':>14}", *(f"{spreads[key]:>{widths[key]}.3f}" for key in keys)]))
+    spreads = {key: _spread([r[key] for r in results]) for key in keys}
+    print()
+    print_table([("seed", ">14"), *((key, f">{max(14, len(key))}.3f") for key in keys)], [
+        *([seed, *(ems[key] for key in keys)] for seed, ems in enumerate(results, start=1)),
+        ["mean", *(means[key] for key in keys)], ["std", *(spreads[key] for key in keys)],
+    ], rule=False)
     if len(results) > 1 and spreads["grpo-sft"]:
         t = means["grpo-sft"] / (spreads["grpo-sft"] / len(results) ** 0.5)
         print(f"paired gain over seeds: t = {t:.2f} ({len(results) - 1} degrees of freedom)", end="")

@@ -24,6 +24,7 @@ from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, co
 from bench.common import build_model as build_shape  # noqa: E402
 from bench.common import random_tokens as vocabulary_draw  # noqa: E402
 from bench.common.memory import pickle_by_value_for_ray, proc_status, reset_peak_rss  # noqa: E402
+from bench.common.table import print_table  # noqa: E402
 from rlsearch.actor.batch import TrainSample  # noqa: E402
 from rlsearch.devices import cpu_threads_each  # noqa: E402
 
@@ -33,6 +34,10 @@ PROMPT_TOKENS = 64  # part 1: the prompt of each trajectory (not trained)
 WARMUP_TOKENS = 64
 GOAL_PEAK_GB = 8.0
 GOAL_MERGED_RATIO = 1.3
+ONE_COLUMNS = (("tokens", ">7"), ("configuration", "<14"), ("seconds", ">8.1f"), ("step peak GB", ">13"),
+               ("+step GB", ">11"), ("lifetime GB", ">11"), ("vs unchunked", "<"))
+TWO_COLUMNS = (("configuration", "<19"), ("samples", ">7"), ("token rows", ">10"), ("trained", ">8"),
+               ("seconds", ">8.1f"), ("step peak GB", ">12"), ("+step GB", ">8"))
 # part 1 configurations: name -> (actor.logits_chunk_tokens, actor.cp)
 CONFIGS = {"unchunked": (0, 1), "chunked": (CHUNK_TOKENS, 1), "chunked + CP2": (CHUNK_TOKENS, 2)}
 
@@ -373,14 +378,9 @@ def report_two(args: argparse.Namespace, two: dict) -> float | None:
     if two:
         print()
         print(f"=== a {args.segments}-segment re-rendered trajectory, one GRPO step (1 rank) ===")
-        header = f"{'configuration':<19} {'samples':>7} {'token rows':>10} {'trained':>8} {'seconds':>8}  " \
-                 f"{'step peak GB':>12}  {'+step GB':>8}"
-        print(header)
-        print("-" * len(header))
-        for name, (result, count, rows, positions) in two.items():
-            figures = (f"{result.seconds:>8.1f}  {_gb(result.step_peak):>12}  {_gb(result.increase):>8}"
-                       if result.ok else result.note)
-            print(f"{name:<19} {count:>7} {rows:>10} {positions:>8} {figures}")
+        print_table(TWO_COLUMNS, ([name, count, rows, positions, *(
+            (result.seconds, _gb(result.step_peak), _gb(result.increase)) if result.ok else (result.note,))]
+            for name, (result, count, rows, positions) in two.items()))
         merged, segments, single = (two[name][0] for name in ("merged", "segment by segment", "one segment"))
         if merged.ok and single.ok:
             ratio_merged = merged.seconds / single.seconds
@@ -400,22 +400,20 @@ def report_one(one: dict, params: int, vocab: int) -> None:
     print(f"=== one trajectory, one GRPO step (fp32, {params / 1e6:.0f}M-parameter tiny Qwen2, vocabulary {vocab}) ===")
     print("memory per rank: step peak = peak RSS during the step, +step = that over the RSS before it, "
           "lifetime = ru_maxrss (ranks separated by /)")
-    header = f"{'tokens':>7}  {'configuration':<14} {'seconds':>8}  {'step peak GB':>13}  {'+step GB':>11}  " \
-             f"{'lifetime GB':>11}  vs unchunked"
-    print(header)
-    print("-" * len(header))
+    rows = []
     for size, row in one.items():
         reference = row.get("unchunked")
         for name, result in row.items():
             if not result.ok:
-                print(f"{size:>7}  {name:<14} {result.note}")
+                rows.append([size, name, result.note])
                 continue
             versus = ""
             if reference is not None and reference.ok and name != "unchunked":
                 versus = (f"time {result.seconds / reference.seconds:.2f}x, "
                           f"peak {max(result.step_peak) / max(reference.step_peak):.2f}x")
-            print(f"{size:>7}  {name:<14} {result.seconds:>8.1f}  {_gb(result.step_peak):>13}  "
-                  f"{_gb(result.increase):>11}  {_gb(result.lifetime):>11}  {versus}")
+            rows.append([size, name, result.seconds, _gb(result.step_peak), _gb(result.increase), _gb(result.lifetime),
+                         versus])
+    print_table(ONE_COLUMNS, rows)
     if any(not r.peak_reset for row in one.values() for r in row.values() if r.ok):
         print("(the kernel's peak could not be reset in some rank: its step peak counts from the rank's start)")
 
