@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..devices import cpu_threads_each
 from .schema import ModelConfig, RolloutConfig
 
 
@@ -20,6 +21,8 @@ class EngineSpec:
     enforce_eager: bool | str = "auto"  # auto: eager on CPU, CUDA graphs on GPU
     tensor_parallel_size: int = 1
     cpu_threads_bind: str = ""  # VLLM_CPU_OMP_THREADS_BIND for tensor_parallel_size > 1 on CPU; empty: nobind
+    # unbound, on CPU: OpenMP threads of each of the engine's workers; 0: the run's cores over its tensor_parallel_size
+    cpu_threads: int = 0
     vllm_port: int = 0  # base of the ports vLLM's internal groups take (VLLM_PORT); 0: vLLM's default
 
     @classmethod
@@ -29,6 +32,10 @@ class EngineSpec:
             max_model_len=rollout.window, kv_cache_gib=rollout.kv_cache_gib,
             gpu_memory_utilization=rollout.gpu_memory_utilization, enforce_eager=rollout.enforce_eager,
             tensor_parallel_size=rollout.tensor_parallel_size, cpu_threads_bind=rollout.cpu_threads_bind,
+            # the run's engines roll out side by side on its cores while the actor ranks wait for their batch; with
+            # async_steps the ranks train beside them, on the other half
+            cpu_threads=cpu_threads_each(
+                rollout.num_engines * rollout.tensor_parallel_size * (2 if rollout.async_steps else 1)),
         )
 
 

@@ -25,7 +25,7 @@ import threading
 import time
 
 from ..config import EngineSpec, auto_dtype
-from ..devices import CPU_CORES_VARIABLE, cpu_cores, local_gpu_index
+from ..devices import CPU_CORES_VARIABLE, cpu_threads_each, local_gpu_index
 from ..lifetime import SegmentRecord
 from ..runlog import in_ray_actor
 from ..weights import VLLM_WORKER_EXTENSION, EngineWeightReceiver
@@ -44,11 +44,11 @@ def configure_vllm_environment(spec: EngineSpec) -> None:
         # vLLM's default binding wants a NUMA node per worker and asserts on a machine with one; a binding to the
         # machine's cores would take all of them from the runs beside this one
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_threads_bind or "nobind"
-        if os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
-            # an unbound TP worker runs OMP_NUM_THREADS threads (a Ray actor's is its num_cpus): the workers share
-            # the engine's CPUs instead of each taking all of them (measured on 2 cores, TP2: 5x faster)
-            cpus = cpu_cores() if cores_shared else int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-            os.environ["OMP_NUM_THREADS"] = str(max(1, cpus // spec.tensor_parallel_size))
+    if on_cpu and not spec.cpu_threads_bind:
+        # an unbound worker runs OMP_NUM_THREADS threads, and a Ray actor's is its num_cpus (one per TP worker): a
+        # TP1 engine would decode on one thread of any machine. The workers share the run's cores instead of each
+        # taking all of them (measured on 2 cores, TP2: 5x faster)
+        os.environ["OMP_NUM_THREADS"] = str(spec.cpu_threads or cpu_threads_each(spec.tensor_parallel_size))
     if spec.vllm_port:
         # engines on one node would otherwise race for the same internal ports (vLLM #39015)
         os.environ["VLLM_PORT"] = str(spec.vllm_port)

@@ -76,7 +76,8 @@ def start_frozen_summariser(tools: ToolsConfig, seed: int, gpus: int = 0) -> tup
         return tools, None
     key = hashlib.sha256(f"{summariser.engine}-{ray.get_runtime_context().get_job_id()}".encode()).hexdigest()[:12]
     name = f"{FROZEN_ENGINE_NAME_PREFIX}{key}"
-    spec = EngineSpec(summariser.engine, seed=seed, max_model_len=summariser.engine_max_model_len)
+    # one thread, as its Ray actor's (num_cpus 0) had: it summarises while the policy's engines roll out on the cores
+    spec = EngineSpec(summariser.engine, seed=seed, max_model_len=summariser.engine_max_model_len, cpu_threads=1)
     actor = ray.remote(FrozenEngine).options(name=name, num_cpus=0, num_gpus=gpus, max_concurrency=64).remote(spec)
     try:
         ray.get(actor.__ray_ready__.remote(), timeout=START_TIMEOUT_S)

@@ -1,5 +1,5 @@
 """The CPU cores a run's processes share (RLSEARCH_CPU_CORES, the test suite's per-lane share): the actor ranks' torch
-threads and the vLLM engines' OpenMP threads come from it; unset, they come from the machine's cores as before."""
+threads and the vLLM engines' OpenMP threads come from it; unset, they come from the machine's cores."""
 
 from __future__ import annotations
 
@@ -53,10 +53,26 @@ def test_engines_on_shared_cores_run_unbound_with_their_share_of_threads(environ
     assert os.environ["OMP_NUM_THREADS"] == threads
 
 
-def test_a_tp1_engine_on_the_whole_machine_keeps_vllms_own_binding(environment):
+def test_a_tp1_engine_on_the_whole_machine_decodes_on_all_its_cores_not_its_ray_actors_one(environment):
+    environment.setenv("OMP_NUM_THREADS", "1")  # what Ray gives an actor of num_cpus=1 (the engine's, at TP1)
     configure_vllm_environment(EngineSpec("model"))
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
-    assert "OMP_NUM_THREADS" not in os.environ
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # vLLM binds no TP1 worker
+    assert os.environ["OMP_NUM_THREADS"] == str(os.cpu_count())
+    configure_vllm_environment(EngineSpec("model", cpu_threads=3))
+    assert os.environ["OMP_NUM_THREADS"] == "3"
+
+
+@pytest.mark.parametrize(("cores", "engines", "tp", "async_steps", "threads"), [
+    ("2", 1, 1, 0, 2), ("2", 2, 1, 0, 1), ("8", 2, 2, 0, 2), ("1", 2, 2, 0, 1), ("8", 1, 2, 1, 2), ("2", 1, 1, 1, 1)])
+def test_a_runs_engines_split_its_cores_between_their_workers(environment, cores, engines, tp, async_steps, threads):
+    from rlsearch.config import ModelConfig, RolloutConfig
+
+    environment.setenv(CPU_CORES_VARIABLE, cores)
+    rollout = RolloutConfig(num_engines=engines, tensor_parallel_size=tp, async_steps=async_steps)
+    spec = EngineSpec.from_config(ModelConfig(path="model"), rollout, seed=1)
+    assert spec.cpu_threads == threads
+    configure_vllm_environment(spec)
+    assert os.environ["OMP_NUM_THREADS"] == str(threads)
 
 
 def test_an_explicit_binding_wins_over_the_shared_cores(environment):
