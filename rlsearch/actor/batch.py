@@ -39,6 +39,9 @@ class TrainSample:
     # per response token, where they differ (turn-level credit, algo.advantage); None: `advantage` for every token.
     # Last, so that the fields before it keep their positions
     advantages: list[float] | None = None
+    # the samples of one GRPO group (one prompt): with actor.merge_prefixes their tree trains the shared prompt once
+    # where the whole group fits a micro-batch, else each trajectory's tree (prefix_group) goes on its own
+    prompt_group: int | None = None
 
     def __post_init__(self) -> None:
         if self.response_start < 1 or self.response_start > len(self.token_ids):
@@ -154,8 +157,9 @@ def pack_indices(lengths: Sequence[int], max_tokens: int, min_bins: int = 1) -> 
 
 @dataclass(frozen=True)
 class Packing:
-    """How a rank packs its samples: `merge_prefixes` trains the segments of one trajectory (samples with the same
-    `prefix_group`) as one prefix tree; with context parallelism `cp` > 1 the rank keeps its `cp_rank`'s rows."""
+    """How a rank packs its samples: `merge_prefixes` trains the samples of one GRPO group (the same `prompt_group`),
+    or the segments of one trajectory (the same `prefix_group`), as one prefix tree; with context parallelism `cp` > 1
+    the rank keeps its `cp_rank`'s rows."""
 
     merge_prefixes: bool = False
     cp: int = 1
@@ -163,13 +167,37 @@ class Packing:
 
 
 def _units(samples: Sequence[TrainSample], merge_prefixes: bool) -> list[list[int]]:
-    """Sample indices per packed unit: a sample alone, or with `merge_prefixes` every sample of a prefix group."""
+    """Sample indices per packed unit: a sample alone, or with `merge_prefixes` every sample of a prompt group (of
+    a prefix group where it has none)."""
     if not merge_prefixes:
         return [[i] for i in range(len(samples))]
+    return _grouped(samples, range(len(samples)), by_prompt=True)
+
+
+def _grouped(samples: Sequence[TrainSample], indices, by_prompt: bool) -> list[list[int]]:
+    """`indices` by prompt group (`by_prompt`), else by prefix group; a sample in neither alone."""
     groups: dict[object, list[int]] = {}
-    for i, sample in enumerate(samples):
-        groups.setdefault(i if sample.prefix_group is None else ("group", sample.prefix_group), []).append(i)
+    for i in indices:
+        sample = samples[i]
+        if by_prompt and sample.prompt_group is not None:
+            key = ("prompt", sample.prompt_group)
+        else:
+            key = ("prefix", sample.prefix_group) if sample.prefix_group is not None else ("alone", i)
+        groups.setdefault(key, []).append(i)
     return list(groups.values())
+
+
+def _fitting_units(samples: Sequence[TrainSample], unit: list[int], packing: Packing, max_tokens: int
+                   ) -> list[list[int]]:
+    """`unit` where its tree fits `max_tokens`; else a prompt group's trajectories' trees (prefix groups), and a
+    tree that still does not fit (a folded trajectory's segments share little) as its separate samples."""
+    if len(unit) == 1 or unit_length([samples[i] for i in unit], packing) <= max_tokens:
+        return [unit]
+    if samples[unit[0]].prompt_group is not None:
+        trees = _grouped(samples, unit, by_prompt=False)
+        if len(trees) > 1:
+            return [part for tree in trees for part in _fitting_units(samples, tree, packing, max_tokens)]
+    return [[i] for i in unit]
 
 
 def _unit_rows(samples: Sequence[TrainSample]) -> tuple[list[int], list[int], list[AttentionBlock], list[list[int]]]:
@@ -290,17 +318,11 @@ def pack_micro_batches(
 ) -> list[MicroBatch]:
     """Packed micro-batches on the rank's device (where its model is): its GPU when it has one, else CPU.
     `trained_only`: logits only where the loss mask is set (a training step). A prefix tree is never split; one
-    larger than `max_tokens` (the segments of a folded trajectory share little) trains as its separate segments."""
+    larger than `max_tokens` goes apart (`_fitting_units`)."""
     device = local_device()
-    units, lengths = [], []
-    for unit in _units(samples, packing.merge_prefixes):
-        length = unit_length([samples[i] for i in unit], packing)
-        if length > max_tokens and len(unit) > 1:  # a tree over the micro-batch size (a folded trajectory): apart
-            units += [[i] for i in unit]
-            lengths += [unit_length([samples[i]], packing) for i in unit]
-        else:
-            units.append(unit)
-            lengths.append(length)
+    units = [part for unit in _units(samples, packing.merge_prefixes)
+             for part in _fitting_units(samples, unit, packing, max_tokens)]
+    lengths = [unit_length([samples[i] for i in unit], packing) for unit in units]
     batches = []
     for unit_bin in pack_indices(lengths, max_tokens, min_micro_batches):
         indices = sorted(i for u in unit_bin for i in units[u])

@@ -83,10 +83,11 @@ def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[Trai
     """What the actor trains on: GRPO advantages per group and loss-aggregation weights per token (over the whole
     list; `minibatches` re-weights per update), over the tokens the policy sampled (all response tokens with
     algo.mask_observations false). Trajectories a user agent failed are left out (also of their group's statistics);
-    each segment of a trajectory is a sample with the trajectory's advantage, in the trajectory's prefix group (the
-    actor trains a group's shared prefixes once, actor.merge_prefixes). With algo.overlong=mask a trajectory cut
-    for one of algo.overlong_reasons keeps its place in its group's statistics but trains no token. With turn-level
-    credit (algo.advantage turn_returns | gigpo) every token gets its turn's advantage instead (`token_advantages`).
+    each segment of a trajectory is a sample with the trajectory's advantage, in the trajectory's prefix group and
+    its GRPO group's prompt group (the actor trains a group's shared prefixes once, actor.merge_prefixes). With
+    algo.overlong=mask a trajectory cut for one of algo.overlong_reasons keeps its place in its group's statistics
+    but trains no token. With turn-level credit (algo.advantage turn_returns | gigpo) every token gets its turn's
+    advantage instead (`token_advantages`).
     """
     import torch
 
@@ -112,6 +113,7 @@ def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[Trai
         else:  # the ablation: tool output trained as if sampled (it has no rollout logprobs, so no TIS or drift)
             masks.append([1] * len(segment.loss_mask))
     weights = loss_token_weights(masks, algo.loss_agg)
+    prompt_groups: dict[object, int] = {}
     return [
         TrainSample(
             token_ids=segment.prompt_ids + segment.response_ids, response_start=len(segment.prompt_ids),
@@ -119,6 +121,7 @@ def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[Trai
             advantages=per_token[index][position] if per_token is not None else None,
             rollout_logprobs=segment.rollout_logprobs if algo.mask_observations else None,
             prefix_group=index if len(trajectory.segments) > 1 else None,
+            prompt_group=prompt_groups.setdefault(trajectory.group_id, len(prompt_groups)),
         )
         for (trajectory, segment, advantage, index, position), mask, w in zip(segments, masks, weights)
     ]

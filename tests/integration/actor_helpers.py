@@ -59,8 +59,9 @@ def _trajectory_segments(generator: torch.Generator, shared: list[int | None]) -
 
 
 def long_sequence_batch(model_dir) -> tuple[list[TrainSample], list[torch.Tensor]]:
-    """Re-rendered multi-segment trajectories (segments sharing prefixes of different lengths, and none) and plain
-    samples of different lengths, scored off-policy like `scored_batch`; with the HF reference logprobs."""
+    """Re-rendered multi-segment trajectories (segments sharing prefixes of different lengths, and none), plain
+    samples of different lengths and a GRPO group's samples sharing their prompt, scored off-policy like
+    `scored_batch`; with the HF reference logprobs."""
     generator = torch.Generator().manual_seed(3)
     shapes = [
         (_trajectory_segments(generator, [None, 20, 33]), 0),  # re-rendered: prefixes of different lengths
@@ -72,6 +73,10 @@ def long_sequence_batch(model_dir) -> tuple[list[TrainSample], list[torch.Tensor
     for length in (23, 61, 40):
         ids = torch.randint(0, TEST_VOCAB_RANKS, (length,), generator=generator).tolist()
         samples.append(TrainSample(ids, 9, [1] * (length - 9)))
+    prompt = torch.randint(0, TEST_VOCAB_RANKS, (12,), generator=generator).tolist()
+    for length in (9, 14, 6):  # a GRPO group: one prompt, trained once where merged
+        response = torch.randint(0, TEST_VOCAB_RANKS, (length,), generator=generator).tolist()
+        samples.append(TrainSample(prompt + response, len(prompt), [1] * length, prompt_group=0))
     reference = hf_logprobs(model_dir, samples)
     weights = loss_token_weights([s.loss_mask for s in samples], "token_mean")
     for index, (sample, logprobs, w) in enumerate(zip(samples, reference, weights)):

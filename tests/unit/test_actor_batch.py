@@ -73,6 +73,40 @@ def test_a_prefix_tree_over_the_micro_batch_size_trains_as_its_segments():
     assert sum(mb.num_tokens for mb in micro_batches) == 3 * 20 + 13
 
 
+def test_a_grpo_groups_samples_train_their_shared_prompt_once():
+    from rlsearch.actor.batch import Packing
+
+    prompt = list(range(100, 110))
+    group = [TrainSample(prompt + list(range(k * 10, k * 10 + 5)), 10, [1] * 5, prompt_group=0) for k in range(4)]
+    other = [TrainSample(list(range(200, 210)) + [1, 2], 10, [1, 1], prompt_group=1)]
+    micro_batches = pack_micro_batches(group + other, max_tokens=64, packing=Packing(merge_prefixes=True))
+    assert sum(mb.num_tokens for mb in micro_batches) == 10 + 4 * 5 + 12  # the prompt once, then four responses
+    merged = pack_micro_batches(group, max_tokens=64, packing=Packing(merge_prefixes=True))[0]
+    apart = pack_micro_batches(group, max_tokens=64)[0]
+    # every sample predicts its own labels, its first from the one shared last prompt row
+    assert torch.equal(merged.labels, apart.labels)
+    assert merged.logit_index.tolist()[::5] == [9, 9, 9, 9]
+    assert sorted(i for mb in pack_micro_batches(group, max_tokens=64) for i in mb.sample_indices) == list(range(4))
+    # two samples of a group can be the same tokens: stored once, each still predicts (and trains) its labels
+    twins = pack_micro_batches([group[0], group[0], group[1]], max_tokens=64, packing=Packing(merge_prefixes=True))
+    assert twins[0].num_tokens == 10 + 2 * 5
+    assert twins[0].logit_index.tolist()[:10] == [*range(9, 14)] * 2
+
+
+def test_a_grpo_group_over_the_micro_batch_size_trains_as_its_trajectories_trees():
+    from rlsearch.actor.batch import Packing
+
+    prompt = list(range(100, 110))
+    # trajectory 0 has two segments sharing 14 tokens (a 30-token tree); trajectory 1 is one 20-token sample
+    two_segments = [TrainSample(prompt + [1, 2, 3, 4] + list(range(k * 10, k * 10 + 6)), 10, [1] * 10,
+                                prefix_group=0, prompt_group=0) for k in range(2)]
+    lone = TrainSample(prompt + list(range(50, 60)), 10, [1] * 10, prompt_group=0)
+    micro_batches = pack_micro_batches([*two_segments, lone], max_tokens=30, packing=Packing(merge_prefixes=True))
+    assert all(mb.num_tokens <= 30 for mb in micro_batches)
+    assert sorted(mb.num_tokens for mb in micro_batches) == [20, 26]  # the group's 36-token tree went apart
+    assert sorted(i for mb in micro_batches for i in mb.sample_indices) == [0, 1, 2]
+
+
 def test_trained_only_takes_logits_where_the_loss_mask_is_set():
     samples = [
         TrainSample([10, 11, 12, 13, 14], response_start=2, loss_mask=[1, 0, 1], advantage=0.5,

@@ -115,3 +115,11 @@ def test_turn_credit_needs_the_turns_scored() -> None:
     unscored.turns[1].reward = None
     with pytest.raises(ValueError, match=r"algo\.advantage=gigpo needs every turn's reward"):
         train_samples([unscored, _two_turns(0.0, [0.0, 0.0], "docs B")], AlgoConfig(advantage="gigpo"))
+
+
+def test_the_samples_of_one_grpo_group_share_a_prompt_group() -> None:
+    trajectories = [_trajectory(7, 1.0), _trajectory(3, 0.0), _trajectory(7, 0.0), _trajectory(3, 1.0)]
+    trajectories[1].earlier_segments = [trajectories[1].segments[0]]  # a two-segment trajectory: both in group 3's
+    samples = train_samples(trajectories, AlgoConfig())
+    assert [sample.prompt_group for sample in samples] == [0, 1, 1, 0, 1]
+    assert [sample.prefix_group for sample in samples] == [None, 1, 1, None, None]
