@@ -33,6 +33,10 @@ class Needs:
 
 @dataclass(frozen=True)
 class Rule:
+    """What one key accepts. Bounds (ge, gt, le, within) apply to numbers and to each value of a mapping; choices and
+    pattern to strings (and bools); items, includes and nonempty to lists. Errors say it as "'KEY' must be ...; got
+    VALUE", a list's as "'KEY[i]' is VALUE; ITEMS_ARE are ..."."""
+
     ge: float | None = None
     gt: float | None = None
     le: float | None = None

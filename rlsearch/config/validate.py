@@ -15,6 +15,7 @@ from .schema import RECOMPUTE_MODULES, ActorConfig, EvalConfig, RolloutConfig, S
 from .schema import RETRIEVER_MAX_QUERIES as RETRIEVER_MAX_QUERIES
 from .schema import RETRIEVER_MAX_TOPK as RETRIEVER_MAX_TOPK
 
+# BUILTIN_TOOLS, ENCODER_DEVICE and the retriever's limits are schema.py's, importable from here as before
 _CHOICES = choices_by_key(TrainConfig())  # dotted key -> its allowed values, as the schema declares them
 
 
