@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config.validate import model_layout_problem
+from ..config.model_checks import model_layout_problem
 from .layout import HF_DIR, MODEL_DIR, CheckpointError, copy_hf_metadata, read_manifest, write_manifest
 
 # --dtype names -> HF config / manifest names

@@ -3,6 +3,7 @@
 from .auto import auto_dtype, resolve_auto_keys, resolve_store_dirs, store_dir
 from .defaults import EngineSpec, default_encoder_path
 from .loader import ConfigError, from_dict, load_config, to_dict
+from .model_checks import check_actor_devices, check_model_dir, check_model_layout
 from .schema import (
     TRUNCATION_REASONS,
     ActorConfig,
@@ -30,14 +31,7 @@ from .schema import (
     TrainerConfig,
     WeightsConfig,
 )
-from .validate import (
-    check_actor_devices,
-    check_model_dir,
-    check_model_layout,
-    validate_eval_config,
-    validate_sft_config,
-    validate_train_config,
-)
+from .validate import validate_eval_config, validate_sft_config, validate_train_config
 
 
 def load_train_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:

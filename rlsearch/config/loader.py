@@ -110,7 +110,8 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"'{key}' must be a mapping, got {value!r}")
-        return dict(value)
+        _, value_hint = typing.get_args(hint)
+        return {name: _coerce(value_hint, item, f"{key}.{name}") for name, item in value.items()}
     return _coerce_scalar(hint, value, key)
 
 

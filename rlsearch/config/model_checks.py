@@ -1,0 +1,144 @@
+"""The checks of a config against what it runs on: the model at model.path (its layers, heads and experts, which the
+actor's layout must split) and the cluster's devices and dtype. The driver and the converter run them at start-up,
+once they know the model and the devices; the config alone is checked by validate.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .loader import ConfigError
+from .schema import ActorConfig
+
+
+def check_optimizer_offload_dtype(actor: ActorConfig, dtype: str) -> None:
+    if actor.optimizer_offload_fraction > 0 and dtype == "float32":
+        raise ConfigError(
+            f"'actor.optimizer_offload_fraction' is {actor.optimizer_offload_fraction} with float32 weights "
+            "(model.dtype): Megatron's hybrid optimizer offloads the distributed optimizer's float32 main copies of "
+            "bfloat16 weights, and float32 weights have none (it refuses them: \"can't optimize a non-leaf Tensor\"); "
+            "use model.dtype=bfloat16 or actor.optimizer_offload_fraction=0"
+        )
+
+
+def check_actor_devices(actor: ActorConfig, has_gpus: bool, dtype: str) -> None:
+    """ConfigError when the actor's memory settings cannot run on the cluster's devices or in the model dtype
+    (`dtype`, model.dtype resolved: auto follows the devices). Checked by the driver once it knows whether the cluster
+    has GPUs, before any rank starts."""
+    check_optimizer_offload_dtype(actor, dtype)
+    if has_gpus:
+        return
+    if actor.activation_offload != "none":
+        raise ConfigError(
+            f"'actor.activation_offload' is {actor.activation_offload} but the cluster has no GPU: offloading moves "
+            "activations from GPU memory to host memory, where a CPU rank keeps them already; use "
+            "actor.activation_offload=none (actor.recompute saves memory on CPU)"
+        )
+    if actor.recompute == "selective" and "moe_act" in actor.recompute_modules:
+        raise ConfigError(
+            "'actor.recompute_modules' has moe_act but the cluster has no GPU: without one the actor builds the local "
+            "layer spec, whose experts are not grouped-GEMM (Megatron recomputes the experts' activation only "
+            "there); recompute moe (the whole MoE layer) instead"
+        )
+
+
+def _hf_config(model_dir: str | Path) -> dict:
+    import json
+
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def _num_experts(hf_config: dict) -> int:
+    """Routed experts per MoE layer of an HF config (0: a dense model)."""
+    return hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0
+
+
+def model_layout_problem(model_dir: str | Path, tp: int, pp: int, virtual_pipeline_stages: int = 0,
+                         prefix: str = "", ep: int = 1, cp: int = 1) -> str | None:
+    """Why tensor x pipeline (x virtual stages) x expert parallel `tp` x `pp` x `ep` cannot split the HF model at
+    `model_dir`, or None. Keys are named with `prefix` ("actor." for a run's config, "" for the converter's flags)."""
+    config = _hf_config(model_dir)
+    experts = _num_experts(config)
+    if not experts and ep > 1:
+        return f"{prefix}ep={ep} needs a mixture-of-experts model; {model_dir} is dense ({config.get('model_type')})"
+    if experts:
+        if experts % ep:
+            return f"{prefix}ep={ep} must divide the {experts} experts of {model_dir}"
+        if tp > 1:
+            return (
+                f"{prefix}tp={tp} with the mixture-of-experts model {model_dir}: MoE layers under tensor parallelism "
+                "need sequence parallelism, which the actor does not run (the CPU layer spec's norms refuse it, and "
+                f"the actor selects response positions from whole-sequence hidden states); use {prefix}tp=1 and "
+                f"split the experts with {prefix}ep"
+            )
+        if cp > 1:
+            return f"{prefix}cp={cp} with the mixture-of-experts model {model_dir}: not supported; use {prefix}cp=1"
+    heads = config.get("num_attention_heads")
+    stages = pp * max(virtual_pipeline_stages, 1)
+    for value, key, size, flag in (
+        (heads, "num_attention_heads", tp, "tp"),
+        (config.get("num_key_value_heads") or heads, "num_key_value_heads", tp, "tp"),
+        (config.get("vocab_size"), "vocab_size", tp, "tp"),
+        (config.get("num_hidden_layers"), "num_hidden_layers", stages, "pp"),
+    ):
+        if value is not None and value % size:
+            what = f"{prefix}{flag}={size}" if flag == "tp" or stages == pp else (
+                f"{prefix}pp x {prefix}virtual_pipeline_stages={stages}")
+            return f"{what} must divide {key}={value} of {model_dir}; choose another {prefix}{flag}"
+    return None
+
+
+def check_model_dir(path: str) -> None:
+    """`model.path` must be a HuggingFace model dir (the train, SFT and eval configs name one)."""
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(
+            f"'model.path' is not a HuggingFace model dir (no config.json): {path}; "
+            f"build the embedded default with: rlsearch make-tiny-model --out {path}"
+        )
+
+
+def check_model_layout(model_dir: str | Path, actor: ActorConfig, routing_replay: str = "none") -> None:
+    """ConfigError when the actor's layout cannot split the model, or routing replay is asked of a dense model
+    (checked at start-up, before any rank starts)."""
+    problem = model_layout_problem(model_dir, actor.tp, actor.pp, actor.virtual_pipeline_stages, prefix="actor.",
+                                   ep=actor.ep, cp=actor.cp)
+    if problem:
+        raise ConfigError(problem)
+    if routing_replay != "none" and not _num_experts(_hf_config(model_dir)):
+        raise ConfigError(f"'algo.routing_replay' is {routing_replay} but {model_dir} is a dense model (no experts "
+                          "to route); use algo.routing_replay=none")
+    problem = _memory_settings_problem(model_dir, actor)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _memory_settings_problem(model_dir: str | Path, actor: ActorConfig) -> str | None:
+    """Why recomputation or offloading as configured does not fit the model at `model_dir` (None: it does)."""
+    config = _hf_config(model_dir)
+    layers = config.get("num_hidden_layers") or 0
+    stage_layers = layers // (actor.pp * max(actor.virtual_pipeline_stages, 1))
+    where = "a pipeline stage" if actor.virtual_pipeline_stages < 2 else "a virtual pipeline stage"
+    count = actor.recompute_num_layers
+    if actor.recompute == "full" and actor.recompute_method == "uniform" and stage_layers % count:
+        return (f"'actor.recompute_num_layers' ({count}) must divide the {stage_layers} layers of {where} with "
+                f"actor.recompute_method=uniform (groups of {count} layers recompute together)")
+    if actor.recompute == "full" and actor.recompute_method == "block" and count > stage_layers:
+        return (f"'actor.recompute_num_layers' ({count}) is more than the {stage_layers} layers of {where} "
+                "(actor.recompute_method=block recomputes that many layers per stage)")
+    if actor.recompute == "selective":
+        modules = set(actor.recompute_modules)
+        experts = _num_experts(config)
+        moe_modules = sorted(modules & {"moe", "moe_act", "shared_experts"})
+        if moe_modules and not experts:
+            return (f"'actor.recompute_modules' has {', '.join(moe_modules)} but {model_dir} is a dense model (no MoE "
+                    "layers to recompute); use core_attn, mlp or layernorm")
+        if "shared_experts" in modules and not config.get("shared_expert_intermediate_size"):
+            return (f"'actor.recompute_modules' has shared_experts but the MoE model {model_dir} has no shared "
+                    "experts; use moe")
+        dense_layers = config.get("mlp_only_layers") or (config.get("decoder_sparse_step") or 1) > 1
+        if "mlp" in modules and experts and not dense_layers:
+            return (f"'actor.recompute_modules' has mlp but every layer of {model_dir} is a MoE layer (mlp recomputes "
+                    "dense MLPs); use moe")
+    if actor.activation_offload == "layer" and layers < 2:
+        return (f"'actor.activation_offload' is layer but {model_dir} has {layers} layer: the layer offload keeps the "
+                "last layer's activations on the device, so it needs at least two")
+    return None
