@@ -93,9 +93,10 @@ class ActorConfig:
     # the backward pass, so the logits (vocabulary x positions, 0.6 MB a position for Qwen's 151,936 tokens in fp32)
     # never exist for a whole sequence. 0: one chunk, no recomputation (fastest while it fits)
     logits_chunk_tokens: int = rule(1024, ge=0, note="0: one chunk")
-    # train the segments of one trajectory that share a token prefix (an agent that re-renders its history every
-    # turn) as one prefix tree: the prefix is computed once, each branch attends to its own ancestors only. Local
-    # layer spec only: with Transformer Engine the segments train one by one (said at start-up); not with cp > 1
+    # train the samples that share a token prefix as one prefix tree: a GRPO group's (one prompt; a group over the
+    # micro-batch size goes as its trajectories) and one trajectory's segments (an agent that re-renders its history
+    # every turn). The prefix is computed once, each branch attends to its own ancestors only. Local layer spec
+    # only: with Transformer Engine the samples train one by one (said at start-up); not with cp > 1
     merge_prefixes: bool = True
     # > 1: interleaved pipeline schedule with this many model chunks per stage
     virtual_pipeline_stages: int = rule(0, ge=2, off="off")
