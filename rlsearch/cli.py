@@ -340,6 +340,17 @@ SERVER_ACCESS_TEXT = (
 )
 
 
+def _add_server_parser(commands, name: str, func, add_arguments, help: str, description: str,
+                       token_variable: str) -> None:
+    """A `serve-*` command: its options (``add_arguments``), run by ``func``; its description ends with how the
+    servers are reached (SERVER_ACCESS_TEXT) and its default token variable."""
+    server = commands.add_parser(
+        name, help=help, description=f"{description} {SERVER_ACCESS_TEXT} Default token variable: {token_variable}."
+    )
+    add_arguments(server)
+    server.set_defaults(func=func)
+
+
 CONVERT_EPILOG = """\
 examples:
   rlsearch convert mcore-to-hf --ckpt outputs/run/checkpoints/step_000010 --out outputs/run/hf_step_10
@@ -370,9 +381,16 @@ def add_convert_parser(commands) -> None:
         "enough GPUs. gguf-to-hf turns a llama.cpp GGUF into a float32 HuggingFace dir.",
     )
     directions = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
-    to_hf = directions.add_parser(
-        "mcore-to-hf", help="Megatron checkpoint -> HuggingFace model dir",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONVERT_EPILOG,
+
+    def add_direction(name: str, conversion, help: str, description: str) -> argparse.ArgumentParser:
+        """A conversion direction: run by `_convert` with ``conversion`` (its options, then its summary line)."""
+        direction = directions.add_parser(name, help=help, description=description, epilog=CONVERT_EPILOG,
+                                          formatter_class=argparse.RawDescriptionHelpFormatter)
+        direction.set_defaults(func=_convert, conversion=conversion)
+        return direction
+
+    to_hf = add_direction(
+        "mcore-to-hf", _mcore_to_hf, help="Megatron checkpoint -> HuggingFace model dir",
         description="Write the model of a checkpoint as safetensors shards + index, config, generation config\n"
         "and tokenizer. Tensor names and shapes are those of the original HF model.",
     )
@@ -383,11 +401,9 @@ def add_convert_parser(commands) -> None:
                        "hf/ copy (e.g. the base model the run started from)")
     to_hf.add_argument("--verify", action="store_true", help="load the result with transformers and compare its "
                        "logits with the Megatron model's on a fixed batch; prints the max |diff|")
-    to_hf.set_defaults(func=_convert, conversion=_mcore_to_hf)
 
-    to_mcore = directions.add_parser(
-        "hf-to-mcore", help="HuggingFace model dir -> Megatron checkpoint for a TP x PP x EP layout",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONVERT_EPILOG,
+    to_mcore = add_direction(
+        "hf-to-mcore", _hf_to_mcore, help="HuggingFace model dir -> Megatron checkpoint for a TP x PP x EP layout",
         description="Write a model-only Megatron distributed checkpoint (torch_dist) of an HF model\n"
         "(safetensors), saved by tp x pp x ep ranks.",
     )
@@ -397,11 +413,9 @@ def add_convert_parser(commands) -> None:
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     to_mcore.add_argument("--ep", type=int, default=1, help="expert-parallel size, MoE models only: must divide the "
                           "experts; each of ep data-parallel ranks saves its share of them (default 1)")
-    to_mcore.set_defaults(func=_convert, conversion=_hf_to_mcore)
 
-    from_gguf = directions.add_parser(
-        "gguf-to-hf", help="llama.cpp GGUF file -> HuggingFace model dir (float32)",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CONVERT_EPILOG,
+    from_gguf = add_direction(
+        "gguf-to-hf", _gguf_to_hf, help="llama.cpp GGUF file -> HuggingFace model dir (float32)",
         description="Dequantise a GGUF of a llama, qwen2 or qwen3 model (F32, F16, BF16 or any type transformers'\n"
         "GGUF loader reads: Q4_0 to Q8_0, Q2_K to Q6_K, IQ*, ...) into a float32 HF dir: safetensors, config,\n"
         "generation config, tokenizer with the GGUF's chat template, gguf_conversion.json (source, sha256).\n"
@@ -412,7 +426,6 @@ def add_convert_parser(commands) -> None:
     )
     from_gguf.add_argument("--gguf", required=True, metavar="FILE", help="the .gguf file (one file, not a split one)")
     from_gguf.add_argument("--out", required=True, help="output HuggingFace dir (must not exist or be empty)")
-    from_gguf.set_defaults(func=_convert, conversion=_gguf_to_hf)
 
 
 INSPECT_EPILOG = """\
@@ -646,28 +659,24 @@ def build_parser() -> argparse.ArgumentParser:
                      "training run's tools.retriever.topk (default 2, as the tiny config)")
     toy.set_defaults(func=_make_toy_data)
 
-    serve = commands.add_parser(
-        "serve-retriever", help="retrieval server (BM25, dense, hybrid, or a prebuilt FAISS index) with Search-R1's "
-        "POST /retrieve API",
+    _add_server_parser(
+        commands, "serve-retriever", _serve_retriever, add_retriever_server_arguments,
+        help="retrieval server (BM25, dense, hybrid, or a prebuilt FAISS index) with Search-R1's POST /retrieve API",
         description="Serve retrieval over a JSONL corpus with Search-R1's API: POST /retrieve {queries, topk, "
         "return_scores}. With --index, a prebuilt FAISS index of the corpus (Search-R1's e5_Flat.index over "
         "wiki-18.jsonl) is searched with the encoder it was built with; Search-R1's retrieval_server.py flags "
         "(--index_path, --corpus_path, --topk, --retriever_name, --retriever_model, --faiss_gpu, --pooling_method) "
-        "work as they are. A request over --max-queries, --max-query-chars or --max-topk gets 422 naming the limit. "
-        f"{SERVER_ACCESS_TEXT} Default token variable: RLSEARCH_RETRIEVER_TOKEN (tools.retriever.token_env).",
+        "work as they are. A request over --max-queries, --max-query-chars or --max-topk gets 422 naming the limit.",
+        token_variable="RLSEARCH_RETRIEVER_TOKEN (tools.retriever.token_env)",
     )
-    add_retriever_server_arguments(serve)
-    serve.set_defaults(func=_serve_retriever)
-
-    serve_mcp = commands.add_parser(
-        "serve-mcp", help="MCP server (streamable HTTP at /mcp, or stdio) with search and browse over a local corpus",
+    _add_server_parser(
+        commands, "serve-mcp", _serve_mcp, add_mcp_server_arguments,
+        help="MCP server (streamable HTTP at /mcp, or stdio) with search and browse over a local corpus",
         description="Serve the corpus over MCP, fully offline: `search` (the local retriever) and `browse` (a whole "
         "document by the URL or id search results show). Agents reach it with tools.mcp.servers: [{url: "
-        "http://127.0.0.1:PORT/mcp}], or the trainer starts one itself with tools.mcp.start_local=true. "
-        f"{SERVER_ACCESS_TEXT} Default token variable: RLSEARCH_MCP_TOKEN (token_env of each tools.mcp.servers entry).",
+        "http://127.0.0.1:PORT/mcp}], or the trainer starts one itself with tools.mcp.start_local=true.",
+        token_variable="RLSEARCH_MCP_TOKEN (token_env of each tools.mcp.servers entry)",
     )
-    add_mcp_server_arguments(serve_mcp)
-    serve_mcp.set_defaults(func=_serve_mcp)
 
     doctor = commands.add_parser(
         "doctor", help="check that this machine can train: the stack, devices, a process group, Ray, the retriever",

@@ -20,6 +20,7 @@ from pathlib import Path
 
 TEST_VOCAB_RANKS = 16384
 TEST_VOCAB_SIZE = 16_512  # the model's rows: the ranks and the three special tokens, padded to a multiple of 128
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe")  # the MoE modules' models (tests/integration/conftest.py)
 
 
 def model_spec(**fields):

@@ -2,7 +2,8 @@
 model summarise what it found and starting over from the question and that summary (use it with
 rollout.agent=examples.agents.folding:agent).
 
-The loop is examples/agents/search_r1.py's: one assistant message that grows turn by turn, continued with vLLM's
+The loop is examples/agents/search_r1.py's, with its turn request and search results (`write_turn`, `observation`,
+so this module needs that one beside it): one assistant message that grows turn by turn, continued with vLLM's
 `continue_final_message`, each `<search>` answered by an `<information>` block. After every turn the agent reads
 how long its context has grown from the usage the endpoint returns (`usage.total_tokens`: the call's prompt and
 what the model wrote). Once that reaches `fold_at` tokens, it appends the fold request, asks for the summary
@@ -33,11 +34,10 @@ summary. To fold at other lengths, point rollout.agent at your own module::
 
 from openai import AsyncOpenAI
 
-from rlsearch.tools import SearchR1Protocol, TurnKind
+from examples.agents.search_r1 import CONTINUE, PROTOCOL, observation, write_turn
+from rlsearch.tools import TurnKind
 from rlsearch.tools.protocols.folding import FOLD_INSTRUCTION, FOLDED_QUESTION, SUMMARY_CLOSE, summary_text
 
-PROTOCOL = SearchR1Protocol()
-CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
 FOLD_AT = 6144  # context tokens (prompt, turns, search results) at which the agent folds
 SUMMARY_TOKENS = 256  # the most tokens of one summary
 
@@ -48,10 +48,7 @@ async def agent(session, example, fold_at: int = FOLD_AT, summary_tokens: int = 
     response = session.assistant_prefix  # text prefilled at the start of the answer ("" for a trained model)
     fresh = True  # the message holds only the prefill: the next turn is the first of its segment
     for turn in range(session.max_turns):
-        chat = await client.chat.completions.create(
-            model=session.model, messages=[*messages, {"role": "assistant", "content": response}],
-            stop=list(PROTOCOL.stop_strings), extra_body=CONTINUE,
-        )
+        chat = await write_turn(client, session, messages, response)
         text = chat.choices[0].message.content
         parsed = PROTOCOL.parse_turn((session.assistant_prefix if fresh else "") + text)  # the prefill opens a tag
         response, fresh = response + text, False
@@ -59,13 +56,7 @@ async def agent(session, example, fold_at: int = FOLD_AT, summary_tokens: int = 
             return parsed.answer
         if parsed.kind == TurnKind.NONE or turn == session.max_turns - 1:
             return None  # no tag: the model ended (or ran out of tokens); the scorer finds no answer
-        if parsed.kind == TurnKind.TOOL_CALL:
-            result = await session.tools.call("search", parsed.call.query)
-            response += PROTOCOL.observation(result.documents) if result.ok else PROTOCOL.error_observation(
-                f"search failed: {result.error}"
-            )
-        else:
-            response += PROTOCOL.error_observation(parsed.error)
+        response += await observation(session, parsed)
         if chat.usage.total_tokens >= fold_at:
             summary = await summarise(client, session, messages, response, summary_tokens)
             messages = folded_messages(example, summary)

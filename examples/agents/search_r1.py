@@ -20,10 +20,7 @@ async def agent(session, example) -> str | None:
     client: AsyncOpenAI = session.openai()  # the official client, pointed at this trajectory's endpoint
     response = session.assistant_prefix  # text prefilled at the start of the answer ("" for a trained model)
     for turn in range(session.max_turns):
-        chat = await client.chat.completions.create(
-            model=session.model, messages=[*example.prompt_messages, {"role": "assistant", "content": response}],
-            stop=list(PROTOCOL.stop_strings), extra_body=CONTINUE,
-        )
+        chat = await write_turn(client, session, example.prompt_messages, response)
         text = chat.choices[0].message.content
         parsed = PROTOCOL.parse_turn((response if turn == 0 else "") + text)  # the prefill opens turn 0's tag
         response += text
@@ -31,12 +28,25 @@ async def agent(session, example) -> str | None:
             return parsed.answer
         if parsed.kind == TurnKind.NONE or turn == session.max_turns - 1:
             return None  # no tag: the model ended (or ran out of tokens); the scorer finds no answer
-        if parsed.kind == TurnKind.TOOL_CALL:
-            result = await session.tools.call("search", parsed.call.query)
-            ok = result.ok
-            response += PROTOCOL.observation(result.documents) if ok else PROTOCOL.error_observation(
-                f"search failed: {result.error}"
-            )
-        else:
-            response += PROTOCOL.error_observation(parsed.error)
+        response += await observation(session, parsed)
     return None
+
+
+async def write_turn(client: AsyncOpenAI, session, messages: list[dict], response: str):
+    """The chat completion of the model's next turn: it continues ``response``, the answer so far after
+    ``messages``, until a closing tag."""
+    return await client.chat.completions.create(
+        model=session.model, messages=[*messages, {"role": "assistant", "content": response}],
+        stop=list(PROTOCOL.stop_strings), extra_body=CONTINUE,
+    )
+
+
+async def observation(session, parsed) -> str:
+    """What the answer goes on with after a turn that neither answered nor ended: the search result of a
+    `<search>`, or the error of a malformed turn."""
+    if parsed.kind == TurnKind.TOOL_CALL:
+        result = await session.tools.call("search", parsed.call.query)
+        if result.ok:
+            return PROTOCOL.observation(result.documents)
+        return PROTOCOL.error_observation(f"search failed: {result.error}")
+    return PROTOCOL.error_observation(parsed.error)

@@ -35,6 +35,7 @@ from rlsearch.tools.protocols import PROTOCOLS, CallToolProtocol, SearchR1Protoc
 # rollout workers that just parse turns and call the tools stay light.
 _LAZY_NAMES = {
     "BM25Retriever": "rlsearch.tools.servers.retrieval",
+    "CorpusIndex": "rlsearch.tools.servers.retrieval",
     "build_retriever": "rlsearch.tools.servers.retrieval",
     "create_app": "rlsearch.tools.servers.retrieval",
     "serve_retriever": "rlsearch.tools.servers.retrieval",
@@ -53,6 +54,7 @@ __all__ = [
     "PROTOCOLS",
     "BM25Retriever",
     "CallToolProtocol",
+    "CorpusIndex",
     "Document",
     "ErrorKind",
     "MCPServerProcess",

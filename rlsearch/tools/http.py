@@ -50,21 +50,6 @@ def auth_hint(token_env: str, sent_token: bool, config_key: str) -> str:
     return f"the server requires a bearer token: set {token_env} to it ({config_key} names the variable)"
 
 
-def send_with_retries(
-    client: httpx.Client,
-    request: Callable[[], httpx.Request],
-    what: str,
-    max_retries: int,
-    backoff_s: float,
-    timeout_s: float,
-    on_retry: Callable[[], None] | None = None,
-    auth_hint: str = "",
-) -> httpx.Response:
-    """The first response that is neither retried nor a 4xx rejection, from one endpoint (`send_with_failover`)."""
-    return send_with_failover(client, lambda _: request(), Failover([what]), what, max_retries, backoff_s, timeout_s,
-                              on_retry, auth_hint)
-
-
 def send_with_failover(
     client: httpx.Client,
     request: Callable[[E], httpx.Request],

@@ -96,6 +96,12 @@ def actor_spec(
     )
 
 
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two state dicts of the same tensor names."""
+    assert set(a) == set(b)
+    return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
 def sent_tensors(group, bucket_mb: int) -> dict[str, torch.Tensor]:
     """What the weight path sends (every stage's rank-local export), received on the driver (the same object-store
     path the shm transport's engines read); asserts that only each stage's sender sent and no tensor came twice."""

@@ -11,15 +11,10 @@ import pytest
 import ray
 import torch
 
-from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
+from tests.integration.actor_helpers import actor_spec, hf_logprobs, max_diff, scored_batch
 
 # warm-up: the learning rate changes every step, so a lost schedule position shows
 SETTINGS = {"lr_warmup_steps": 3, "lr": 1e-4}
-
-
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert set(a) == set(b)
-    return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
 def test_resume_tp1pp1_checkpoint_into_tp2pp1_trains_on_identically(rank_pool, tiny_model_dir, tmp_path):
@@ -47,16 +42,16 @@ def test_resume_tp1pp1_checkpoint_into_tp2pp1_trains_on_identically(rank_pool, t
         second_resumed = resumed.train_step(reversed_samples)
         resumed_weights = resumed.hf_state_dict()
 
-    assert _max_diff(loaded_weights, saved_weights) == 0.0  # TP1 shards -> TP2 shards, bit-exact
+    assert max_diff(loaded_weights, saved_weights) == 0.0  # TP1 shards -> TP2 shards, bit-exact
     assert second["actor/lr"] > first["actor/lr"] > 0  # warm-up: each step has its own learning rate
     for key in ("actor/lr", "actor/policy_loss", "actor/grad_norm", "actor/clip_fraction"):
         assert second_resumed[key] == pytest.approx(second[key], abs=1e-6, rel=1e-6), key
-    moved = _max_diff(uninterrupted, saved_weights)
+    moved = max_diff(uninterrupted, saved_weights)
     updates = torch.cat([(uninterrupted[n] - saved_weights[n]).flatten() for n in saved_weights]).abs()
     updates = updates[updates > 0]
     print(f"\nstep 2: lr {second['actor/lr']:.2e}, max |update| {moved:.2e}, median {updates.median():.2e}, "
-          f"resumed vs uninterrupted {_max_diff(resumed_weights, uninterrupted):.2e}")
+          f"resumed vs uninterrupted {max_diff(resumed_weights, uninterrupted):.2e}")
     # with the restored first moment the step mostly cancels (a fresh Adam would move each weight by about lr) ...
     assert 1e-3 * second["actor/lr"] < updates.median() < 0.3 * second["actor/lr"]
     # ... and the resumed run made the same step (TP2 reduces in another order: 2.4e-7 seen, vs updates up to 3e-5)
-    assert _max_diff(resumed_weights, uninterrupted) < 1e-6
+    assert max_diff(resumed_weights, uninterrupted) < 1e-6

@@ -14,7 +14,7 @@ import ray
 from rlsearch.config import MCPConfig, MCPServerConfig, RetrieverConfig, RolloutConfig, ToolsConfig
 from rlsearch.data import load_qa_dataset
 from rlsearch.rollout import AgentLoop, PromptItem
-from rlsearch.tools import ErrorKind, MCPServerProcess, build_registry, make_protocol
+from rlsearch.tools import ErrorKind, build_registry, make_protocol
 from rlsearch.trainer.metrics import trajectory_metrics
 from tests.constants import TEST_KV_CACHE_GIB
 from tests.integration.rollout_checks import assert_masks_follow_turns, prompt_items
@@ -27,12 +27,6 @@ CALL_TOOL_ROLLOUT = {
     "assistant_prefix": '<call_tool name="search">', "logit_bias": {"</call_tool>": 16.0},
     "max_observation_tokens": 96,
 }
-
-
-@pytest.fixture(scope="module")
-def mcp_server(toy_data, tmp_path_factory):
-    with MCPServerProcess(str(toy_data.corpus), cache_dir=str(tmp_path_factory.mktemp("mcp-cache"))) as process:
-        yield process
 
 
 def mcp_tools(url: str, **mcp) -> ToolsConfig:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlsearch.checkpoint import CheckpointStore, mcore_to_hf
-from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch
+from tests.integration.actor_helpers import actor_spec, hf_logprobs, max_diff, scored_batch
 
 # warm-up: the learning rate changes every step, so a lost schedule position shows
 SETTINGS = {"lr_warmup_steps": 5, "lr": 1e-4, "use_distributed_optimizer": True}
@@ -23,11 +23,6 @@ STEPS = 4
 SAVED_AFTER = 2
 # name -> (dp, extra actor settings) of the actors that resume the checkpoint
 RESUMED = {"dp2": (2, {}), "dp1": (1, {})}
-
-
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert set(a) == set(b)
-    return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +79,13 @@ def test_distributed_optimizer_checkpoint_resumes_exactly(uninterrupted, resumed
     weights, metrics, _ = uninterrupted
     loaded_step, loaded, resumed_weights, resumed_metrics = resumed(name)
     assert loaded_step == SAVED_AFTER  # the scheduler's step count
-    assert _max_diff(loaded, weights[SAVED_AFTER]) == 0.0
+    assert max_diff(loaded, weights[SAVED_AFTER]) == 0.0
     assert metrics[4]["actor/lr"] > metrics[3]["actor/lr"] > metrics[2]["actor/lr"]  # warm-up: a lr per step
     for step in range(SAVED_AFTER + 1, STEPS + 1):
         for key in ("actor/lr", "actor/policy_loss", "actor/grad_norm"):
             assert resumed_metrics[step][key] == pytest.approx(metrics[step][key], abs=1e-6, rel=1e-6), (step, key)
-        moved = _max_diff(weights[step], weights[step - 1])
-        worst = _max_diff(resumed_weights[step], weights[step])
+        moved = max_diff(weights[step], weights[step - 1])
+        worst = max_diff(resumed_weights[step], weights[step])
         print(f"\n{name} step {step}: resumed vs uninterrupted {worst:.2e} (the step moved weights up to {moved:.2e})")
         assert moved > 1e-5
         assert worst < 1e-6

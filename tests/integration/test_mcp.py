@@ -8,15 +8,9 @@ import httpx
 import pytest
 
 from rlsearch.cli import build_parser
-from rlsearch.tools import ErrorKind, MCPServerProcess, ToolCall, ToolSetupError
+from rlsearch.tools import ErrorKind, ToolCall, ToolSetupError
 from rlsearch.tools.clients.mcp import MCPServerSpec, MCPToolset, tool_arguments
 from tests.concurrency import InFlight
-
-
-@pytest.fixture(scope="module")
-def mcp_server(toy_data, tmp_path_factory):
-    with MCPServerProcess(str(toy_data.corpus), cache_dir=str(tmp_path_factory.mktemp("mcp-cache"))) as process:
-        yield process
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,11 @@ import torch
 from safetensors.torch import load_file
 
 from rlsearch.checkpoint import CheckpointStore, HFExport, hf_to_mcore, mcore_to_hf, read_manifest
-from rlsearch.data.tiny_model import make_tiny_model
 from tests.integration.convert_checks import assert_bit_exact, convert_cli, converted_tensors
-from tests.models import TEST_VOCAB_RANKS, model_spec
+from tests.models import MOE_ARCHITECTURES, TEST_VOCAB_RANKS
 
 pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module
 
-ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
 TOLERANCE = 1e-5  # fp32 against fp32
 PROMPT_IDS = torch.randint(0, TEST_VOCAB_RANKS, (1, 48), generator=torch.Generator().manual_seed(5))
 
@@ -50,12 +48,6 @@ print(json.dumps([entry[token].logprob for token, entry in zip(ids[1:], output.p
 class RoundTrip:
     checkpoint: Path
     export: HFExport
-
-
-@pytest.fixture(scope="module")
-def moe_model_dirs(module_tmp) -> dict[str, Path]:
-    root = module_tmp.mktemp("moe-models")
-    return {arch: make_tiny_model(root / arch, model_spec(architecture=arch)) for arch in ARCHITECTURES}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +79,7 @@ def _hf_logits(model_dir: Path) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
 def test_moe_round_trip_bit_exact_and_verified(round_trip, moe_model_dirs, arch, ep):
     result = round_trip(arch, ep)
     manifest = read_manifest(result.checkpoint)
@@ -102,7 +94,7 @@ def test_moe_round_trip_bit_exact_and_verified(round_trip, moe_model_dirs, arch,
     assert_bit_exact(converted_tensors(result.export.out_dir), original)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
 def test_moe_export_loads_in_transformers_with_the_original_logits(round_trip, moe_model_dirs, arch):
     assert torch.equal(_hf_logits(round_trip(arch, 2).export.out_dir), _hf_logits(moe_model_dirs[arch]))
 

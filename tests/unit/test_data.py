@@ -5,15 +5,12 @@ from pathlib import Path
 import pytest
 
 from rlsearch.data import DatasetError, QAExample, load_qa_dataset, make_toy_data
+from tests.jsonl import read_jsonl
 
 
 def write_jsonl_lines(path: Path, lines: list[str]) -> Path:
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
 def write_parquet(path: Path, rows: list[dict]) -> Path:

@@ -3,7 +3,6 @@ demonstrations in both tag formats, its CLI, and the eval breakdown by hop count
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -24,6 +23,7 @@ from rlsearch.rollout.observation import fitted_observation
 from rlsearch.tools import Document, SearchTool, TurnKind, make_protocol
 from rlsearch.tools.protocols.folding import FOLD_INSTRUCTION, FOLDED_QUESTION, SUMMARY_CLOSE, summary_text
 from rlsearch.tools.servers.retrieval import BM25Retriever
+from tests.jsonl import read_jsonl
 
 TOPK = 3
 # learnable: single-token names, hops 2-4, 1 distractor each; invented names: the longest chains, padded passages
@@ -36,10 +36,6 @@ DATASETS = {
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory):
     return {name: make_multihop_data(tmp_path_factory.mktemp(name), **options) for name, options in DATASETS.items()}
-
-
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _names(text: str) -> list[str]:
@@ -72,7 +68,7 @@ def _agent(question: str, retriever: BM25Retriever, searches: int) -> SimpleName
 def test_every_question_takes_exactly_k_searches(datasets, name: str) -> None:
     data = datasets[name]
     retriever = BM25Retriever.from_corpus(data.corpus)  # the index class of the local retrieval server
-    rows = _rows(data.train) + _rows(data.test)
+    rows = read_jsonl(data.train) + read_jsonl(data.test)
     assert len(rows) == DATASETS[name]["num_chains"]
     for row in rows:
         hops, golden = row["metadata"]["hops"], row["golden_answers"]
@@ -92,10 +88,10 @@ def test_every_question_takes_exactly_k_searches(datasets, name: str) -> None:
 @pytest.mark.parametrize("name", DATASETS)
 def test_answers_are_only_in_the_last_passage_and_passages_name_only_the_next(datasets, name: str) -> None:
     data = datasets[name]
-    corpus = {row["id"]: row["contents"] for row in _rows(data.corpus)}
+    corpus = {row["id"]: row["contents"] for row in read_jsonl(data.corpus)}
     titles = [contents.split("\n", 1)[0] for contents in corpus.values()]
     assert len(set(titles)) == len(titles)
-    for row in _rows(data.train) + _rows(data.test):
+    for row in read_jsonl(data.train) + read_jsonl(data.test):
         answer, chain, ids = row["golden_answers"][0], row["metadata"]["chain"], row["metadata"]["passage_ids"]
         holding = [pid for pid, contents in corpus.items() if re.search(rf"\b{answer}\b", contents, re.IGNORECASE)]
         assert holding == [ids[-1]], row["id"]
@@ -107,19 +103,19 @@ def test_answers_are_only_in_the_last_passage_and_passages_name_only_the_next(da
 
 def test_rows_split_every_hop_count_and_pad_passages(datasets) -> None:
     learnable, padded = datasets["learnable"], datasets["padded"]
-    test_hops = Counter(row["metadata"]["hops"] for row in _rows(learnable.test))
-    train_hops = Counter(row["metadata"]["hops"] for row in _rows(learnable.train))
+    test_hops = Counter(row["metadata"]["hops"] for row in read_jsonl(learnable.test))
+    train_hops = Counter(row["metadata"]["hops"] for row in read_jsonl(learnable.train))
     assert test_hops == {2: 2, 3: 2, 4: 2} and train_hops == {2: 8, 3: 8, 4: 8}  # 10 chains a hop count, 20% test
-    rows = _rows(padded.train) + _rows(padded.test)
+    rows = read_jsonl(padded.train) + read_jsonl(padded.test)
     assert Counter(row["metadata"]["hops"] for row in rows) == {2: 3, 7: 3, 16: 3}
     assert {row["data_source"] for row in rows} == {"multihop"}
     assert all(len(row["metadata"]["chain"]) == len(row["metadata"]["passage_ids"]) == row["metadata"]["hops"]
                for row in rows)
     # 3 chains x (2 + 7 + 16 entities) x (1 + 2 distractors); every text holds >= 150 filler words + its 2 sentences
-    passages = _rows(padded.corpus)
+    passages = read_jsonl(padded.corpus)
     assert len(passages) == 25 * 3 * 3
     assert min(len(row["contents"].split("\n", 1)[1].split()) for row in passages) >= 150 + 8
-    assert max(len(row["contents"].split()) for row in _rows(learnable.corpus)) < 20
+    assert max(len(row["contents"].split()) for row in read_jsonl(learnable.corpus)) < 20
 
 
 def test_same_seed_same_bytes(tmp_path: Path) -> None:
@@ -135,7 +131,7 @@ def test_same_seed_same_bytes(tmp_path: Path) -> None:
 
 def test_learnable_names_are_single_tokens(datasets) -> None:
     tokenizer = build_qwen2_tokenizer()
-    rows = _rows(datasets["learnable"].train) + _rows(datasets["learnable"].test)
+    rows = read_jsonl(datasets["learnable"].train) + read_jsonl(datasets["learnable"].test)
     names = [name for row in rows for name in (*row["metadata"]["chain"], row["golden_answers"][0])]
     assert len(names) == len(set(names)) == 10 * (3 + 4 + 5)
     assert all(len(tokenizer.encode(" " + name)) == 1 for name in names)
@@ -151,7 +147,7 @@ def test_demonstrations_search_each_entity_and_render_like_the_rollout(datasets,
     tokenizer = build_qwen2_tokenizer()
     # the rollout's path from a call to its observation: the search tool's documents, fitted with no token budget
     tool = SearchTool(SimpleNamespace(topk=2, search=search))
-    demos, questions = _rows(stats.path), _rows(data.train)
+    demos, questions = read_jsonl(stats.path), read_jsonl(data.train)
     assert stats.rows == len(demos) == len(questions) == 24 and stats.flawed == 0
     for demo, question in zip(demos, questions):
         chain, messages = question["metadata"]["chain"], demo["messages"]
@@ -177,7 +173,7 @@ def test_flawed_demonstrations_answer_wrong(datasets, tmp_path: Path) -> None:
     data = datasets["learnable"]
     stats = write_demonstrations(data.train, tmp_path / "sft.jsonl", bm25_search(data.corpus), topk=1,
                                  flawed_fraction=0.5, seed=2)
-    demos, questions = _rows(stats.path), _rows(data.train)
+    demos, questions = read_jsonl(stats.path), read_jsonl(data.train)
     assert stats.flawed == sum(demo["flawed"] is not None for demo in demos) == 12
     assert {demo["flawed"] for demo in demos} == {None, *FLAW_KINDS}
     for demo, question in zip(demos, questions):
@@ -197,14 +193,14 @@ def test_folding_demonstrations_fold_as_the_agent_loop_does(datasets, tmp_path: 
     stats = write_demonstrations(data.train, tmp_path / "sft.jsonl", search, topk=2, flawed_fraction=0.5, seed=3,
                                  fold_fraction=0.5)
     protocol = make_protocol("search_r1", [SearchTool(None).spec])
-    rows, questions = _rows(stats.path), {row["id"]: row for row in _rows(data.train)}
+    rows, questions = read_jsonl(stats.path), {row["id"]: row for row in read_jsonl(data.train)}
     by_question: dict[str, list[dict]] = {}
     for row in rows:
         by_question.setdefault(row["id"].split("-segment-")[0], []).append(row)
     folding = {key: segments for key, segments in by_question.items() if len(segments) > 1 or "-segment-" in
                segments[0]["id"]}
     # the flawed demonstrations are the plain run's (the fold choice has its own random stream); 6 of 12 good ones fold
-    assert [row for row in rows if row["flawed"]] == [row for row in _rows(plain.path) if row["flawed"]]
+    assert [row for row in rows if row["flawed"]] == [row for row in read_jsonl(plain.path) if row["flawed"]]
     assert (stats.folded, len(folding), stats.flawed) == (6, 6, 12)
     assert stats.rows == len(rows) == 24 + sum(len(segments) - 1 for segments in folding.values())
     notice = protocol.wrap(FOLD_INSTRUCTION)
@@ -248,10 +244,10 @@ def test_make_toy_data_command_writes_the_multihop_task(tmp_path: Path, capsys) 
                  "8", "--passage-words", "30", "--learnable", "--demo-topk", "1", "--flawed-fraction", "0",
                  "--protocol", "call_tool"])
     assert code == 0 and f"{tmp_path / 'sft.jsonl'} (6 rows, 0 flawed)" in capsys.readouterr().out
-    rows = _rows(tmp_path / "train.jsonl") + _rows(tmp_path / "test.jsonl")
+    rows = read_jsonl(tmp_path / "train.jsonl") + read_jsonl(tmp_path / "test.jsonl")
     assert Counter(row["metadata"]["hops"] for row in rows) == {2: 4, 3: 4}
-    demos = {demo["id"]: demo for demo in _rows(tmp_path / "sft.jsonl")}
-    for row in _rows(tmp_path / "train.jsonl"):
+    demos = {demo["id"]: demo for demo in read_jsonl(tmp_path / "sft.jsonl")}
+    for row in read_jsonl(tmp_path / "train.jsonl"):
         calls = [m["content"] for m in demos[row["id"]]["messages"] if m["role"] == "assistant"][:-1]
         assert calls == [f'<call_tool name="search">{entity}</call_tool>' for entity in row["metadata"]["chain"]]
     assert "k in 2, 3" in (tmp_path / "README.txt").read_text()
@@ -316,4 +312,4 @@ def test_eval_records_carry_the_rows_hops(datasets) -> None:
     records = [EvalRun._record(None, question, Trajectory(question.example.id, question.seed_group, 0, prompt_ids=[]),
                                "prompt", 0.0) for question in questions]
     assert [record.get("hops") for record in records] == [
-        *(row["metadata"]["hops"] for row in _rows(datasets["learnable"].test)), None]
+        *(row["metadata"]["hops"] for row in read_jsonl(datasets["learnable"].test)), None]

@@ -14,6 +14,7 @@ from rlsearch.data.chat import load_chat_dataset
 from rlsearch.data.demos import FLAW_KINDS, bm25_search, write_demonstrations, write_toy_demonstrations
 from rlsearch.data.toy import answer_names, learnable_names
 from rlsearch.tools.protocols import SearchR1Protocol
+from tests.jsonl import read_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -21,12 +22,8 @@ def learnable_toy(tmp_path_factory):
     return make_toy_data(tmp_path_factory.mktemp("learnable"), seed=3, num_entities=80, learnable=True)
 
 
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_learnable_toy_names_are_single_tokens_and_no_years(learnable_toy, tokenizer) -> None:
-    rows = _rows(learnable_toy.train) + _rows(learnable_toy.test)
+    rows = read_jsonl(learnable_toy.train) + read_jsonl(learnable_toy.test)
     for row in rows:
         entity, answer = row["metadata"]["entity"], row["golden_answers"][-1]
         assert len(tokenizer.encode(" " + entity)) == 1, entity
@@ -38,10 +35,10 @@ def test_learnable_toy_names_are_single_tokens_and_no_years(learnable_toy, token
 def test_demonstrations_search_read_and_answer(learnable_toy, tmp_path: Path) -> None:
     search = bm25_search(learnable_toy.corpus)
     stats = write_demonstrations(learnable_toy.train, tmp_path / "sft.jsonl", search, topk=2, flawed_fraction=0.0)
-    rows, qa = _rows(stats.path), _rows(learnable_toy.train)
+    rows, qa = read_jsonl(stats.path), read_jsonl(learnable_toy.train)
     assert stats.rows == len(rows) == len(qa) and stats.flawed == 0
     protocol = SearchR1Protocol()
-    corpus = {str(row["id"]): row["contents"] for row in _rows(learnable_toy.corpus)}
+    corpus = {str(row["id"]): row["contents"] for row in read_jsonl(learnable_toy.corpus)}
     for row, question in zip(rows, qa):
         user, call, tool, answer = row["messages"]
         entity = question["metadata"]["entity"]
@@ -60,11 +57,11 @@ def test_flawed_demonstrations_are_counted_and_wrong(learnable_toy, tmp_path: Pa
     search = bm25_search(learnable_toy.corpus)
     stats = write_demonstrations(learnable_toy.train, tmp_path / "sft.jsonl", search, topk=1, flawed_fraction=0.25,
                                  seed=5)
-    rows = _rows(stats.path)
+    rows = read_jsonl(stats.path)
     flawed = [row for row in rows if row["flawed"]]
     assert stats.flawed == len(flawed) == round(len(rows) * 0.25)
     assert {row["flawed"] for row in flawed} == set(FLAW_KINDS)
-    for row, question in zip(rows, _rows(learnable_toy.train)):
+    for row, question in zip(rows, read_jsonl(learnable_toy.train)):
         final = row["messages"][-1]["content"]
         if row["flawed"] == "guess":
             assert len(row["messages"]) == 2  # answered without searching
@@ -183,13 +180,13 @@ def test_toy_demonstrations_pool_extra_corpora(tmp_path: Path) -> None:
     prompt.write_text('system: ""\nuser: "Q: {question}\\n"\ntool_line: "- {name}"\n')
     stats = write_toy_demonstrations(toy, tmp_path / "sft.jsonl", topk=1, flawed_fraction=0.5, seed=4,
                                      extra_corpora=3, prompt_file=prompt, **options)
-    rows = _rows(stats.path)
+    rows = read_jsonl(stats.path)
     # round(5 * 0.5) = 2 flawed demonstrations per corpus
     assert stats.rows == len(rows) == 4 * 5 and stats.flawed == sum(row["flawed"] is not None for row in rows) == 4 * 2
     # the toy set's own demonstrations come first, then those of the 3 extra corpora (gone: only demos remain)
-    assert [row["id"] for row in rows[:5]] == [row["id"] for row in _rows(toy.train)]
+    assert [row["id"] for row in rows[:5]] == [row["id"] for row in read_jsonl(toy.train)]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["sft.jsonl", "short.yaml", "toy"]
-    test_questions = {row["question"] for row in _rows(toy.test)}
+    test_questions = {row["question"] for row in read_jsonl(toy.test)}
     assert all(row["messages"][0]["content"].startswith("Q: ") for row in rows)
     assert not test_questions & {row["messages"][0]["content"][3:-1] for row in rows}
     again = write_toy_demonstrations(toy, tmp_path / "again.jsonl", topk=1, flawed_fraction=0.5, seed=4,
@@ -206,8 +203,8 @@ def test_make_toy_data_command_writes_the_learnable_task(tmp_path: Path, capsys)
                  "--demo-corpora", "2", "--demo-topk", "1", "--flawed-fraction", "0", "--prompt-file", str(prompt)])
     assert code == 0
     assert f"{tmp_path / 'sft.jsonl'} (30 rows, 0 flawed)" in capsys.readouterr().out
-    train, test, demos = _rows(tmp_path / "train.jsonl"), _rows(tmp_path / "test.jsonl"), _rows(tmp_path / "sft.jsonl")
-    assert len(train) == len(test) == 10 and len(_rows(tmp_path / "corpus.jsonl")) == 20
+    train, test, demos = (read_jsonl(tmp_path / name) for name in ("train.jsonl", "test.jsonl", "sft.jsonl"))
+    assert len(train) == len(test) == 10 and len(read_jsonl(tmp_path / "corpus.jsonl")) == 20
     instruction = SearchR1Protocol(prompt_file=prompt).instruction(train[0]["question"])
     assert demos[0]["messages"][0]["content"] == instruction and len(instruction) < 150
     assert {name for row in train + test for name in (row["metadata"]["entity"], row["golden_answers"][-1])} <= set(
@@ -224,8 +221,8 @@ def test_answer_pool_deals_every_answer_from_its_own_names(tmp_path: Path, capsy
                  "--answer-pool", "12", "--num-entities", "40", "--distractors-per-entity", "0", "--test-fraction",
                  "0.5", "--demo-topk", "1"])
     assert code == 0 and "(20 rows, 10 flawed)" in capsys.readouterr().out
-    rows = _rows(tmp_path / "train.jsonl") + _rows(tmp_path / "test.jsonl")
-    corpus = {row["id"]: row["contents"] for row in _rows(tmp_path / "corpus.jsonl")}
+    rows = read_jsonl(tmp_path / "train.jsonl") + read_jsonl(tmp_path / "test.jsonl")
+    corpus = {row["id"]: row["contents"] for row in read_jsonl(tmp_path / "corpus.jsonl")}
     entities = [row["metadata"]["entity"] for row in rows]
     assert len(set(entities)) == 40 and set(entities) <= titles
     for row in rows:

@@ -9,8 +9,9 @@ from typing import Any
 
 import httpx
 
+from ...failover import Failover
 from ..base import Document, ErrorKind, Tool, ToolCall, ToolError, ToolResult, ToolSpec, query_parameters
-from ..http import RETRIEVER_TOKEN_ENV, auth_hint, bearer_headers, send_with_retries
+from ..http import RETRIEVER_TOKEN_ENV, auth_hint, bearer_headers, send_with_failover
 from ..search_api import MAX_QUERIES, MAX_QUERY_CHARS, MAX_TOPK, SEARCH_DESCRIPTION
 
 
@@ -87,9 +88,10 @@ class RetrievalClient:
             setattr(self, counter, getattr(self, counter) + 1)
 
     def _post_with_retries(self, endpoint: str, payload: dict) -> Any:
-        response = send_with_retries(
-            self._http, lambda: self._http.build_request("POST", endpoint, json=payload), endpoint, self.max_retries,
-            self.backoff_s, self.timeout_s, on_retry=lambda: self._count("num_retries"), auth_hint=self._auth_hint,
+        response = send_with_failover(
+            self._http, lambda _: self._http.build_request("POST", endpoint, json=payload), Failover([endpoint]),
+            endpoint, self.max_retries, self.backoff_s, self.timeout_s, on_retry=lambda: self._count("num_retries"),
+            auth_hint=self._auth_hint,
         )
         try:
             return response.json()

@@ -13,7 +13,7 @@ Prompts come from a YAML file per protocol (rlsearch/tools/protocols/prompts/NAM
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,6 +122,19 @@ class ToolProtocol(ABC):
     def _fill(self, template: str, question: str) -> str:
         tool_list = "\n".join(self.prompt.tool_line.format(name=t.name, description=t.description) for t in self.tools)
         return template.format(question=question, tools=tool_list)
+
+
+def parse_tagged_turn(text: str, call_close: str, parse_call: Callable[[str], ParsedTurn]) -> ParsedTurn:
+    """A turn of a tag protocol: the earliest closing tag decides the action (generation stops there) and anything
+    after it is spill-over. ``</answer>`` first: the answer (`parse_answer`); ``call_close`` first: ``parse_call`` of
+    the text before it; neither: no action."""
+    answer_end = text.find(ANSWER_CLOSE)
+    call_end = text.find(call_close)
+    if answer_end >= 0 and (call_end < 0 or answer_end < call_end):
+        return parse_answer(text[:answer_end])
+    if call_end >= 0:
+        return parse_call(text[:call_end])
+    return ParsedTurn(TurnKind.NONE)
 
 
 def parse_answer(before_close: str) -> ParsedTurn:

@@ -20,7 +20,7 @@ import re
 from collections.abc import Sequence
 
 from ..base import Document, ErrorKind, ParsedTurn, ToolCall, TurnKind
-from .base import ANSWER_CLOSE, ToolProtocol, invalid, parse_answer
+from .base import ANSWER_CLOSE, ToolProtocol, invalid, parse_tagged_turn
 
 CALL_OPEN, CALL_CLOSE = "<call_tool", "</call_tool>"
 OUTPUT_OPEN, OUTPUT_CLOSE = "<tool_output>", "</tool_output>"
@@ -33,13 +33,7 @@ class CallToolProtocol(ToolProtocol):
     stop_strings: tuple[str, ...] = (CALL_CLOSE, ANSWER_CLOSE)
 
     def parse_turn(self, text: str) -> ParsedTurn:
-        answer_end = text.find(ANSWER_CLOSE)
-        call_end = text.find(CALL_CLOSE)
-        if answer_end >= 0 and (call_end < 0 or answer_end < call_end):
-            return parse_answer(text[:answer_end])
-        if call_end >= 0:
-            return _parse_call(text[:call_end])
-        return ParsedTurn(TurnKind.NONE)
+        return parse_tagged_turn(text, CALL_CLOSE, _parse_call)
 
     def render_documents(self, documents: Sequence[Document]) -> str:
         if not documents:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..base import Document, ErrorKind, ParsedTurn, ToolCall, TurnKind
-from .base import ANSWER_CLOSE, ToolProtocol, invalid, parse_answer
+from .base import ANSWER_CLOSE, ToolProtocol, invalid, parse_tagged_turn
 
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
 
@@ -18,14 +18,7 @@ class SearchR1Protocol(ToolProtocol):
     required_tools = ("search",)
 
     def parse_turn(self, text: str) -> ParsedTurn:
-        """The earliest closing tag decides the action (generation stops there); anything after it is spill-over."""
-        answer_end = text.find(ANSWER_CLOSE)
-        search_end = text.find(SEARCH_CLOSE)
-        if answer_end >= 0 and (search_end < 0 or answer_end < search_end):
-            return parse_answer(text[:answer_end])
-        if search_end >= 0:
-            return _parse_search(text[:search_end])
-        return ParsedTurn(TurnKind.NONE)
+        return parse_tagged_turn(text, SEARCH_CLOSE, _parse_search)
 
     def render_documents(self, documents: Sequence[Document]) -> str:
         return "\n".join(f"Doc {rank}(Title: {doc.title}) {doc.text}" for rank, doc in enumerate(documents, start=1))

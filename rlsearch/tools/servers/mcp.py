@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse
 
 from ..http import DEFAULT_MAX_BODY_BYTES, MCP_TOKEN_ENV
 from ..search_api import MAX_TOPK, SEARCH_DESCRIPTION
-from .options import add_mcp_server_arguments
-from .retrieval import Retriever, build_retriever
+from .options import add_mcp_server_arguments, run_server
+from .retrieval import CorpusIndex, Retriever
 from .serving import ServiceGuard, guard, serve_app
 
 LOCAL_URL_PREFIX = "local://corpus/"
@@ -71,30 +71,29 @@ def _item(document: dict, kind: str = "snippet") -> Item:
 
 
 def serve_mcp(
-    corpus: str,
+    index: CorpusIndex,
     host: str = "127.0.0.1",
     port: int = 8001,
-    cache_dir: str | None = None,
-    backend: str = "bm25",
-    encoder: str = "",
     token_env: str = MCP_TOKEN_ENV,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     transport: str = "http",
 ) -> None:
-    """Serve the corpus over MCP until interrupted. ``port=0`` picks a free port (printed). When the variable
-    ``token_env`` is set, requests need its token. ``transport="stdio"``: serve on stdin/stdout until stdin closes
-    (host, port, token and body limit do not apply)."""
+    """Serve the corpus of ``index`` over MCP until interrupted. ``port=0`` picks a free port (printed). When the
+    variable ``token_env`` is set, requests need its token. ``transport="stdio"``: serve on stdin/stdout until stdin
+    closes (host, port, token and body limit do not apply)."""
     if transport == "stdio":
         with redirect_stdout(sys.stderr):  # stdout carries the protocol: whatever indexing prints goes to stderr
-            retriever = build_retriever(corpus, backend, cache_dir, encoder)
-        print(f"mcp server on stdio ({len(retriever.corpus)} documents, {backend})", file=sys.stderr, flush=True)
+            retriever = index.build()
+        print(f"mcp server on stdio ({len(retriever.corpus)} documents, {index.describe()})", file=sys.stderr,
+              flush=True)
         create_mcp_server(retriever).run("stdio")
         return
-    retriever = build_retriever(corpus, backend, cache_dir, encoder)
+    retriever = index.build()
     app = create_mcp_app(retriever, host, token_env, max_body_bytes)
     secured = ", bearer token required" if app.requires_token else ""
     announcement = (
-        f"mcp server listening on {{url}} (endpoint /mcp, {len(retriever.corpus)} documents, {backend}{secured})"
+        f"mcp server listening on {{url}} (endpoint /mcp, {len(retriever.corpus)} documents, {index.describe()}"
+        f"{secured})"
     )
     serve_app(app, host, port, announcement)
 
@@ -114,16 +113,11 @@ def create_mcp_app(
 
 def serve_from_args(args: argparse.Namespace) -> None:
     """``serve_mcp`` with the options of ``add_mcp_server_arguments``."""
-    serve_mcp(
-        args.corpus, args.host, args.port, args.cache_dir, args.backend or "bm25", args.encoder, args.token_env,
-        args.max_body_bytes, args.transport,
-    )
+    serve_mcp(CorpusIndex.from_args(args), args.host, args.port, args.token_env, args.max_body_bytes, args.transport)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Serve the local corpus over MCP (search, browse).")
-    add_mcp_server_arguments(parser)
-    serve_from_args(parser.parse_args())
+    run_server("Serve the local corpus over MCP (search, browse).", add_mcp_server_arguments, serve_from_args)
 
 
 if __name__ == "__main__":

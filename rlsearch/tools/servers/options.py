@@ -105,6 +105,13 @@ def add_retrieval_limit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-topk", type=_positive_int, default=MAX_TOPK, help=f"largest topk (default: {MAX_TOPK})")
 
 
+def run_server(description: str, add_arguments, serve_from_args) -> None:
+    """A tool server's ``python -m``: its options (``add_arguments``) read from the command line, then served."""
+    parser = argparse.ArgumentParser(description=description)
+    add_arguments(parser)
+    serve_from_args(parser.parse_args())
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictStr
 from ..http import DEFAULT_MAX_BODY_BYTES, RETRIEVER_TOKEN_ENV
 from ..search_api import MAX_QUERIES, MAX_QUERY_CHARS, MAX_TOPK
 from .corpus import Corpus, Hits
-from .options import BACKENDS, add_retriever_server_arguments
+from .options import BACKENDS, add_retriever_server_arguments, run_server
 from .prebuilt import EncoderSettings, SearchWidth
 from .serving import guard, serve_app
 
@@ -194,6 +194,33 @@ class PrebuiltIndex:
         return EncoderSettings(encoder, self.encoder_family, self.pooling, self.query_prefix, self.encoder_device)
 
 
+@dataclass(frozen=True)
+class CorpusIndex:
+    """What a tool server searches (``serve-retriever``, ``serve-mcp``): the corpus, the backend that indexes it, where
+    indexes and embeddings are kept (``cache_dir``), the dense encoder and (``serve-retriever --index``) a prebuilt
+    index."""
+
+    corpus: str
+    backend: str = "bm25"
+    cache_dir: str | None = None
+    encoder: str = ""
+    prebuilt: PrebuiltIndex | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, prebuilt: PrebuiltIndex | None = None) -> CorpusIndex:
+        """The index of the options of ``add_retriever_arguments``; the backend is dense by default with
+        ``prebuilt``, else bm25."""
+        backend = args.backend or ("dense" if prebuilt else "bm25")
+        return cls(args.corpus, backend, args.cache_dir, args.encoder or "", prebuilt)
+
+    def build(self) -> Retriever:
+        return build_retriever(self.corpus, self.backend, self.cache_dir, self.encoder, self.prebuilt)
+
+    def describe(self) -> str:
+        """The backend (and the prebuilt index), as a server's start-up line says it."""
+        return f"{self.backend}, index {self.prebuilt.index}" if self.prebuilt else self.backend
+
+
 class RetrieveRequest(BaseModel):
     queries: list[StrictStr]
     topk: int | None = Field(default=None, ge=1)  # None: the server's default; at most its RequestLimits.max_topk
@@ -316,26 +343,22 @@ def create_app(
 
 
 def serve_retriever(
-    corpus: str,
+    index: CorpusIndex,
     host: str = "127.0.0.1",
     port: int = 8000,
-    cache_dir: str | None = None,
-    backend: str = "bm25",
-    encoder: str = "",
     token_env: str = RETRIEVER_TOKEN_ENV,
     limits: RequestLimits = RequestLimits(),
-    prebuilt: PrebuiltIndex | None = None,
     default_topk: int = 3,
 ) -> None:
-    """Index ``corpus`` (or load its ``prebuilt`` index) and serve it until interrupted. ``port=0`` picks a free
-    port (printed). When the variable ``token_env`` is set, requests need its token; ``limits`` bound each request."""
+    """Build ``index`` (index the corpus, or load its prebuilt index) and serve it until interrupted. ``port=0`` picks
+    a free port (printed). When the variable ``token_env`` is set, requests need its token; ``limits`` bound each
+    request."""
     started = time.perf_counter()
-    retriever = build_retriever(corpus, backend, cache_dir, encoder, prebuilt)
+    retriever = index.build()
     app = create_app(retriever, limits, token_env, default_topk)
     secured = ", bearer token required" if app.requires_token else ""
-    what = f"{backend}, index {prebuilt.index}" if prebuilt else backend
-    announcement = (f"retriever listening on {{url}} ({len(retriever.corpus)} documents, {what}{secured}; ready in "
-                    f"{time.perf_counter() - started:.1f} s)")
+    announcement = (f"retriever listening on {{url}} ({len(retriever.corpus)} documents, {index.describe()}{secured}; "
+                    f"ready in {time.perf_counter() - started:.1f} s)")
     serve_app(app, host, port, announcement)
 
 
@@ -349,19 +372,14 @@ def serve_from_args(args: argparse.Namespace) -> None:
         prebuilt = PrebuiltIndex(args.index, args.encoder_family, args.pooling, args.query_prefix, args.faiss_gpu,
                                  SearchWidth(args.nprobe, args.efSearch), args.encoder_device)
     try:
-        serve_retriever(
-            args.corpus, host=args.host, port=args.port, cache_dir=args.cache_dir,
-            backend=args.backend or ("dense" if prebuilt else "bm25"), encoder=args.encoder or "",
-            token_env=args.token_env, limits=limits, prebuilt=prebuilt, default_topk=args.topk,
-        )
+        serve_retriever(CorpusIndex.from_args(args, prebuilt), host=args.host, port=args.port, token_env=args.token_env,
+                        limits=limits, default_topk=args.topk)
     except (ValueError, FileNotFoundError) as error:  # a set-up problem: the message says what to give
         raise SystemExit(f"serve-retriever: {type(error).__name__}: {error}") from error
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Serve retrieval over a JSONL corpus (Search-R1 API).")
-    add_retriever_server_arguments(parser)
-    serve_from_args(parser.parse_args())
+    run_server("Serve retrieval over a JSONL corpus (Search-R1 API).", add_retriever_server_arguments, serve_from_args)
 
 
 if __name__ == "__main__":
