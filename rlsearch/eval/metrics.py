@@ -22,13 +22,7 @@ _TABLE_COLUMNS = (
     ("tokens", "response_tokens", "{:.1f}"),
     ("time_s", "time_s", "{:.1f}"),
 )
-_HOPS_COLUMNS = (
-    ("questions", "questions", "{:.0f}"),
-    ("samples", "samples", "{:.0f}"),
-    ("EM", "em", "{:.3f}"),
-    ("F1", "f1", "{:.3f}"),
-    ("searches", "searches", "{:.2f}"),
-)
+_HOPS_COLUMNS = (*_TABLE_COLUMNS[:4], ("searches", "searches", "{:.2f}"))  # questions, samples, EM, F1
 
 
 def summarize(records: Sequence[Mapping], n_samples: int) -> dict[str, dict[str, float]]:
