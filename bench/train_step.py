@@ -5,6 +5,7 @@ See docs/benchmarks.md#train_step."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -40,11 +41,13 @@ TEMPERATURE = 1.0
 
 # ---- the batch ----------------------------------------------------------------------------------------------------
 
-def make_samples(count: int, min_len: int, max_len: int, seed: int, vocab_ranks: int = 0) -> list[TrainSample]:
+def make_samples(count: int, min_len: int, max_len: int, seed: int, vocab_ranks: int = 0, group_size: int = 1
+                 ) -> list[TrainSample]:
     """Search-agent-like trajectories: a prompt of 60-160 tokens, then alternating model turns (20-80 tokens,
     trained) and tool observations (60-160 tokens, loss-masked), ending on a model turn. Random token ids of the
     model's vocabulary (`vocab_ranks` as --vocab-ranks), old logprobs near a random model's (-log vocab) with noise so
-    PPO ratios vary, advantages in [-1.5, 1.5]."""
+    PPO ratios vary, advantages in [-1.5, 1.5]. `group_size` > 1: GRPO groups of that many, each sample taking its
+    group's first prompt (the actor trains it once, actor.merge_prefixes; the HF side pads every sample)."""
     from rlsearch.algo import loss_token_weights
 
     ids_below, random_logprob = random_tokens(vocab_ranks)
@@ -64,9 +67,18 @@ def make_samples(count: int, min_len: int, max_len: int, seed: int, vocab_ranks:
         ids = torch.randint(0, ids_below, (length,), generator=generator).tolist()
         old = (random_logprob + 0.3 * torch.randn(len(mask), generator=generator)).tolist()
         samples.append(TrainSample(ids, prompt, mask, advantage=rng.uniform(-1.5, 1.5), old_logprobs=old))
+    if group_size > 1:
+        samples = [_in_group(sample, samples[i - i % group_size], i // group_size) for i, sample in enumerate(samples)]
     for sample, weights in zip(samples, loss_token_weights([s.loss_mask for s in samples], "token_mean")):
         sample.token_weights = weights
     return samples
+
+
+def _in_group(sample: TrainSample, first: TrainSample, group: int) -> TrainSample:
+    """`sample`'s response after the prompt of its group's `first` sample."""
+    prompt = first.token_ids[: first.response_start]
+    return dataclasses.replace(sample, token_ids=prompt + sample.token_ids[sample.response_start:],
+                               response_start=len(prompt), prompt_group=group)
 
 
 # ---- the HF side --------------------------------------------------------------------------------------------------
@@ -224,6 +236,8 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("--min-len", type=int, default=150, help="shortest trajectory (prompt + response tokens)")
     batch.add_argument("--max-len", type=int, default=600, help="longest trajectory")
     batch.add_argument("--seed", type=int, default=0)
+    batch.add_argument("--group-size", type=int, default=1,
+                       help="GRPO groups of this many trajectories sharing a prompt, which the actor trains once")
     run = parser.add_argument_group("run")
     run.add_argument("--steps", type=int, default=2, help="timed training steps per side")
     run.add_argument("--warmup", type=int, default=1, help="untimed training steps per side first")
@@ -335,16 +349,18 @@ def start_actors(args: argparse.Namespace, model_path: Path, expert_parallel: li
 
 def set_up(args: argparse.Namespace, on_gpu: bool, threads: int) -> tuple[Path, list[TrainSample], int, int, int]:
     """The model and the batch, described: (model path, samples, tokens, response tokens, packed micro-batches)."""
-    from rlsearch.actor.batch import pack_indices
+    from rlsearch.actor.batch import Packing, pack_micro_batches
 
     model_path = build_model(args)
     vocabulary = json.loads((model_path / "config.json").read_text())["vocab_size"] if args.model else 0
-    samples = make_samples(args.sequences, args.min_len, args.max_len, args.seed, vocabulary or args.vocab_ranks)
+    samples = make_samples(args.sequences, args.min_len, args.max_len, args.seed, vocabulary or args.vocab_ranks,
+                           args.group_size)
     lengths = [len(s.token_ids) for s in samples]
     tokens = sum(lengths)
     response = sum(s.response_len for s in samples)
     trained = sum(sum(s.loss_mask) for s in samples)
-    num_packed = len(pack_indices(lengths, args.max_tokens_per_microbatch, 1))
+    packed = pack_micro_batches(samples, args.max_tokens_per_microbatch, packing=Packing(merge_prefixes=True))
+    num_packed, rows = len(packed), sum(mb.num_tokens for mb in packed)
     print(
         f"model: {describe_model(model_path, args)}, "
         f"{count_params(model_path) / 1e6:.0f}M parameters, {args.dtype}, on {'cuda' if on_gpu else 'cpu'}, "
@@ -353,7 +369,9 @@ def set_up(args: argparse.Namespace, on_gpu: bool, threads: int) -> tuple[Path, 
     )
     print(
         f"batch: {len(samples)} sequences of {min(lengths)}-{max(lengths)} tokens, {tokens} tokens per step "
-        f"({response} response, {trained} trained, {response - trained} in masked observations)", flush=True,
+        f"({response} response, {trained} trained, {response - trained} in masked observations)"
+        + (f"; groups of {args.group_size} share their prompt: {rows} rows a step on the local spec "
+           f"({rows / tokens:.0%})" if args.group_size > 1 else ""), flush=True,
     )
     return model_path, samples, tokens, response, num_packed
 
@@ -370,7 +388,7 @@ def _on_gpu(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
 def main() -> None:
     parser = _parser()
     args = parse_args(parser, dict(hidden=128, layers=1, heads=4, kv_heads=2, sequences=2, min_len=40, max_len=80,
-                                   steps=1, warmup=0, vocab_ranks=SMOKE_VOCAB_RANKS))
+                                   group_size=2, steps=1, warmup=0, vocab_ranks=SMOKE_VOCAB_RANKS))
 
     on_gpu = _on_gpu(parser, args)
     threads = args.threads or cpu_cores()
