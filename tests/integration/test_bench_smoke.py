@@ -28,6 +28,10 @@ WITHOUT_PACKAGES = Path(__file__).with_name("without_packages.py")
 PRINTED = {
     "retrieval.py": ("prebuilt Flat index, 2000 passages", "serving after", "server RSS", "faiss directly",
                      "http queries/s / in-process bm25s queries/s"),
+    "decode_step.py": ("engine ms/step  HF ms/step", "threads:",
+                       "engine / HF at 2 sequences (goal <= 1.5)"),
+    # without trl (TRL_PYTHON unset): the pieces TRL is given, checked; then rlsearch's step alone
+    "trl_peer.py": ("peer pieces: 2 prompts", "rewards [1.1, 0.1]", "rlsearch      1"),
 }
 
 
