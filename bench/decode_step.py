@@ -15,14 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import (  # noqa: E402
-    SHAPES,
-    SMOKE_VOCAB_RANKS,
-    add_vocab_ranks_argument,
-    build_model,
-    parse_args,
-    random_tokens,
-)
+from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
 from bench.common.table import print_table  # noqa: E402
 
 # --try NAME=VALUE: an engine setting rlsearch controls, as the environment or the EngineSpec field it sets
@@ -33,7 +26,7 @@ SPEC_SETTINGS = {"eager": lambda value: value.lower() in ("1", "true", "yes"), "
 
 def make_prompts(count: int, length: int, vocab_ranks: int, seed: int = 0) -> list[list[int]]:
     """`count` prompts of `length` random token ids (below 1000 with the whole vocabulary: ordinary BPE pieces)."""
-    below = min(random_tokens(vocab_ranks)[0], 1000)
+    below = min(vocab_ranks or 1000, 1000)
     rng = random.Random(seed)
     return [[rng.randrange(10, below) for _ in range(length)] for _ in range(count)]
 
