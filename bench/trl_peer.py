@@ -36,6 +36,7 @@ def peer_settings(config, steps: int, generation: str, out: Path) -> dict:
                 corpus=config.tools.retriever.corpus, index_cache_dir=config.tools.retriever.index_cache_dir,
                 topk=config.tools.retriever.topk, prompt_file=rollout.prompt_file, prompts=config.data.batch_size,
                 group=rollout.group_size, max_turns=rollout.max_turns, max_response_tokens=rollout.max_response_tokens,
+                max_tokens_per_turn=rollout.max_tokens_per_turn,
                 temperature=rollout.temperature, format_score=reward.format_score, search_score=reward.search_score,
                 lr=config.actor.lr, minibatches=config.algo.num_minibatches, steps=steps, generation=generation,
                 out=str(out))
@@ -163,6 +164,7 @@ def trl_run(settings: dict) -> None:
         num_generations=settings["group"], max_completion_length=settings["max_response_tokens"],
         max_tool_calling_iterations=settings["max_turns"] - 1, temperature=settings["temperature"], beta=0.0,
         gradient_checkpointing=False,  # as the actor's (actor.recompute none); TRL's default recomputes
+        generation_kwargs={"max_new_tokens": settings["max_tokens_per_turn"]},  # a turn's budget, as the rollout's
         logging_steps=minibatches, report_to="none", disable_tqdm=True, save_strategy="no", use_cpu=True, bf16=False,
         model_init_kwargs={"dtype": settings["dtype"]}, seed=0, **vllm)
     with RetrieverProcess(settings["corpus"], cache_dir=settings["index_cache_dir"]) as retriever:
