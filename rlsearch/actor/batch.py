@@ -188,16 +188,18 @@ def _grouped(samples: Sequence[TrainSample], indices, by_prompt: bool) -> list[l
 
 
 def _fitting_units(samples: Sequence[TrainSample], unit: list[int], packing: Packing, max_tokens: int
-                   ) -> list[list[int]]:
-    """`unit` where its tree fits `max_tokens`; else a prompt group's trajectories' trees (prefix groups), and a
-    tree that still does not fit (a folded trajectory's segments share little) as its separate samples."""
-    if len(unit) == 1 or unit_length([samples[i] for i in unit], packing) <= max_tokens:
-        return [unit]
+                   ) -> list[tuple[list[int], int]]:
+    """(unit, its rows): `unit` where its tree fits `max_tokens`; else a prompt group's trajectories' trees (prefix
+    groups), and a tree that still does not fit (a folded trajectory's segments share little) as its separate
+    samples."""
+    length = unit_length([samples[i] for i in unit], packing)
+    if len(unit) == 1 or length <= max_tokens:
+        return [(unit, length)]
     if samples[unit[0]].prompt_group is not None:
         trees = _grouped(samples, unit, by_prompt=False)
         if len(trees) > 1:
             return [part for tree in trees for part in _fitting_units(samples, tree, packing, max_tokens)]
-    return [[i] for i in unit]
+    return [([i], unit_length([samples[i]], packing)) for i in unit]
 
 
 def _unit_rows(samples: Sequence[TrainSample]) -> tuple[list[int], list[int], list[AttentionBlock], list[list[int]]]:
@@ -320,9 +322,9 @@ def pack_micro_batches(
     `trained_only`: logits only where the loss mask is set (a training step). A prefix tree is never split; one
     larger than `max_tokens` goes apart (`_fitting_units`)."""
     device = local_device()
-    units = [part for unit in _units(samples, packing.merge_prefixes)
-             for part in _fitting_units(samples, unit, packing, max_tokens)]
-    lengths = [unit_length([samples[i] for i in unit], packing) for unit in units]
+    fitted = [part for unit in _units(samples, packing.merge_prefixes)
+              for part in _fitting_units(samples, unit, packing, max_tokens)]
+    units, lengths = [unit for unit, _ in fitted], [length for _, length in fitted]
     batches = []
     for unit_bin in pack_indices(lengths, max_tokens, min_micro_batches):
         indices = sorted(i for u in unit_bin for i in units[u])
