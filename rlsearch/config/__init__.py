@@ -9,6 +9,8 @@ from .schema import (
     ActorConfig,
     AlgoConfig,
     BrowseConfig,
+    CriticConfig,
+    CriticModelConfig,
     DataConfig,
     EndpointConfig,
     EvalConfig,
@@ -47,7 +49,8 @@ def load_eval_config(path: str | None, overrides: list[str] | None = None) -> Ev
 
 
 __all__ = [
-    "ActorConfig", "AlgoConfig", "WeightsConfig", "BrowseConfig", "ConfigError", "DataConfig", "EndpointConfig",
+    "ActorConfig", "AlgoConfig", "WeightsConfig", "BrowseConfig", "ConfigError", "CriticConfig", "CriticModelConfig",
+    "DataConfig", "EndpointConfig",
     "EvalConfig", "EvalSettings", "JinaConfig", "JudgeConfig", "MCPConfig", "MCPServerConfig", "ModelConfig",
     "RetrieverConfig", "RewardConfig", "RolloutConfig", "RubricConfig", "SerperConfig", "SFTConfig", "SFTDataConfig",
     "SummariserConfig", "ToolsConfig", "TrainConfig", "TrainerConfig", "TRUNCATION_REASONS", "EngineSpec",

@@ -87,13 +87,29 @@ def model_layout_problem(model_dir: str | Path, tp: int, pp: int, virtual_pipeli
     return None
 
 
-def check_model_dir(path: str) -> None:
-    """`model.path` must be a HuggingFace model dir (the train, SFT and eval configs name one)."""
+def check_model_dir(path: str, key: str = "model.path") -> None:
+    """`model.path` (or `key`) must be a HuggingFace model dir (the train, SFT and eval configs name one)."""
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(
-            f"'model.path' is not a HuggingFace model dir (no config.json): {path}; "
+            f"'{key}' is not a HuggingFace model dir (no config.json): {path}; "
             f"build the embedded default with: rlsearch make-tiny-model --out {path}"
         )
+
+
+def check_same_tokenizer(policy_dir: str, critic_dir: str) -> None:
+    """The critic scores the policy's token ids: its model dir must hold the same vocabulary (ConfigError naming both
+    dirs and a token they disagree on)."""
+    from transformers import AutoTokenizer
+
+    policy, critic = (AutoTokenizer.from_pretrained(path).get_vocab() for path in (policy_dir, critic_dir))
+    if policy == critic:
+        return
+    differing = sorted(set(policy.items()) ^ set(critic.items()), key=lambda item: item[1])[0]
+    raise ConfigError(
+        f"'critic.model.path' ({critic_dir}) has another tokenizer than model.path ({policy_dir}): "
+        f"{len(critic)} against {len(policy)} tokens, e.g. {differing[0]!r} is id {critic.get(differing[0])} "
+        f"in the critic's and {policy.get(differing[0])} in the policy's. The critic scores the policy's token "
+        "ids: give it a model of the same tokenizer, or leave critic.model.path empty (the policy's weights)")
 
 
 def check_model_layout(model_dir: str | Path, actor: ActorConfig, routing_replay: str = "none") -> None:

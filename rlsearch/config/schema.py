@@ -3,6 +3,7 @@ bounds and the keys it needs are declared on its field (`rule`), checked at star
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -151,8 +152,25 @@ class AlgoConfig:
     kl_coef: float = 0.0  # KL penalty to the frozen reference (0 disables the reference model)
     kl_estimator: str = rule("k3", choices=("k1", "k2", "k3"))  # Schulman's estimator of the KL to the reference
     # token_mean: the loss averages over every trained token; seq_mean_token_mean: over each sequence's tokens, then
-    # over sequences
-    loss_agg: str = rule("token_mean", choices=("token_mean", "seq_mean_token_mean"))
+    # over sequences; seq_mean_token_sum: summed over each sequence's tokens, then averaged over sequences (MiniRL's
+    # and AgentRL's token_level_loss=false with skip_length_normalization=true). A sequence is one trained sample
+    loss_agg: str = rule("token_mean", choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"))
+    # the policy's loss per token, r the ratio pi / pi_old (docs/training.md, "Choosing an algorithm"):
+    # ppo_clip: max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high));
+    # gspo: GSPO's sequence ratio s = exp(mean of log r over the sequence's trained tokens) clipped to
+    #   [1 - gspo_clip_low, 1 + gspo_clip_high] (the gradient per token as GSPO-token); not with actor.cp > 1;
+    # cispo: -sg(min(r, 1 + clip_ratio_high)) A log pi (MiniMax-M1's CISPO: every token keeps a gradient, no
+    #   lower bound);
+    # minirl: -sg(r) A log pi, masked where r left [1 - clip_ratio_low, 1 + clip_ratio_high] on the side A pushes it
+    #   (MiniRL / AgentRL's MINIRL: PPO-clip's gradient, written as masking)
+    policy_loss: str = rule("ppo_clip", choices=("ppo_clip", "gspo", "cispo", "minirl"))
+    # gspo only: its clip range around 1, about 1000x narrower than PPO's (GSPO's paper: 3e-4 and 4e-4)
+    gspo_clip_low: float = rule(3e-4, gt=0)  # gspo: s >= 1 - gspo_clip_low
+    gspo_clip_high: float = rule(4e-4, gt=0)  # gspo: s <= 1 + gspo_clip_high
+    # what the ratio r compares the policy with: old (the actor before the step's first update; ratio 1 in a single
+    # update) | rollout (the engine's logprobs of the sampled tokens: MiniRL's and AReaL's decoupled form, where r
+    # carries the engine's numerics and staleness and algo.rollout_correction has nothing left to correct)
+    ratio_against: str = rule("old", choices=("old", "rollout"), either=True)
     norm_adv_by_std: bool = True  # GRPO: (r - mean) / (std + eps); false gives Dr. GRPO's r - mean
     adv_eps: float = 1e-6  # added to the group std before dividing
     # how the policy gradient corrects for tokens the engine sampled under older weights (rollout.async_steps) or
@@ -185,8 +203,29 @@ class AlgoConfig:
     # supervision); gigpo: it plus algo.turn_weight x the turn's return (its turn rewards and the trajectory's reward,
     # discounted) normalised against the returns of the group's turns in the same state: the same tool outputs so
     # far (GiGPO's step groups). Turn rewards come from the rows' turn scorers (reward.turn_scorer); observation
-    # tokens stay masked, a turn's advantage covers the tokens it sampled
-    advantage: str = rule("outcome", choices=("outcome", "turn_returns", "gigpo"))
+    # tokens stay masked, a turn's advantage covers the tokens it sampled;
+    # rloo: the reward minus the mean of the other samples of its group (RLOO, no std);
+    # reinforce_pp: REINFORCE++: each policy token's return (the trajectory's reward at its last sampled token, plus
+    # the KL penalty of the tokens after it with algo.kl_penalty=reward, discounted by algo.gamma), whitened over
+    # every trained token of the step; reinforce_pp_baseline: the reward minus its group's mean, whitened over the
+    # step's trained tokens;
+    # gae: PPO with a learned critic (the critic section): generalised advantage estimation over the tokens the
+    # policy sampled (algo.gamma, algo.lam), carried across tool outputs and folded segments, whitened over the step
+    # with algo.whiten_advantages
+    advantage: str = rule("outcome", choices=(
+        "outcome", "turn_returns", "gigpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"))
+    # gae and reinforce_pp: the discount per sampled token (tool-output tokens are no steps), in [0, 1]
+    gamma: float = rule(1.0, within="[0, 1]", note="1: no discount")
+    # gae: lambda of the policy's advantages, in [0, 1] (1: return minus value; 0: one-step TD error)
+    lam: float = rule(1.0, within="[0, 1]")
+    # gae: lambda of the critic's value targets (VAPO's decoupled GAE: 1 with algo.lam 0.95); empty: algo.lam
+    value_lam: float | None = rule(None, within="[0, 1]", note="empty: algo.lam")
+    # gae: advantages whitened over the step's trained tokens (mean 0, std 1), as PPO implementations do
+    whiten_advantages: bool = True
+    # where algo.kl_coef's KL to the reference goes: loss (a term of the policy loss, algo.kl_estimator) | reward (a
+    # per-token penalty -kl_coef x KL(pi_old || ref) added to the rewards before the returns, as the seed's PPO;
+    # algo.advantage gae, reinforce_pp or reinforce_pp_baseline: the estimators with per-token returns)
+    kl_penalty: str = rule("loss", choices=("loss", "reward"), either=True)
     # turn_returns and gigpo: the discount of later turns' rewards, in [0, 1]
     turn_gamma: float = rule(1.0, within="[0, 1]", note="1: no discount")
     # turn_returns and gigpo: the weight of the turn term beside the outcome advantage, > 0
@@ -595,6 +634,50 @@ class WeightsConfig:
 
 
 @dataclass
+class CriticModelConfig:
+    # a HuggingFace dir whose transformer starts the critic (a model of the policy's tokenizer; a token-classification
+    # model of one label, as `rlsearch convert` writes a critic, keeps its value head); empty: model.path's weights
+    # with a fresh value head (N(0, 0.02))
+    path: str = ""
+
+
+@dataclass
+class CriticConfig:
+    """The value model of algo.advantage=gae: read only then. A Megatron model of its own (the policy's transformer and
+    a scalar head), trained beside the actor on the same ranks' devices, with its own optimizer and checkpoint."""
+
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    # its parallel layout; 0: the actor's (actor.tp, pp, cp, dp). Its ranks share the actor ranks' devices.
+    tp: int = rule(0, ge=1, off="the actor's")  # tensor-parallel size
+    pp: int = rule(0, ge=1, off="the actor's")  # pipeline-parallel size (its own: no virtual stages)
+    cp: int = rule(0, ge=1, off="the actor's")  # context-parallel size
+    dp: int = rule(0, ge=1, off="the actor's")  # data-parallel size
+    lr: float = rule(1e-5, gt=0)  # Adam learning rate (Search-R1's PPO: 1e-5, 10x its actor's 1e-6)
+    lr_warmup_steps: int = rule(0, ge=0)  # optimizer steps of linear warm-up from 0
+    weight_decay: float = rule(0.0, ge=0)  # decoupled (AdamW) weight decay
+    clip_grad: float = rule(1.0, ge=0, note="0: off")  # global grad-norm clip
+    # the clipped value loss: 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), V_old the values the
+    # advantages came from; 0: the plain squared error
+    value_clip: float = rule(0.5, ge=0, note="0: off")
+    # the first steps train the critic only (the actor and the engines keep their weights): its values are noise
+    # before it saw some returns
+    warmup_steps: int = rule(0, ge=0)
+    # GPU: the critic's weights, gradients and optimizer states wait in host memory while the actor trains and the
+    # engines generate, and the actor's while the critic trains (one model at a time on the device)
+    offload: bool = False
+
+    def ranks_config(self, actor: ActorConfig) -> ActorConfig:
+        """The critic ranks' settings: the actor's, with this section's layout (0: the actor's) and optimizer (a
+        constant learning rate after its warm-up)."""
+        return dataclasses.replace(
+            actor, tp=self.tp or actor.tp, pp=self.pp or actor.pp, cp=self.cp or actor.cp, dp=self.dp or actor.dp,
+            virtual_pipeline_stages=actor.virtual_pipeline_stages if not self.pp else 0,
+            lr=self.lr, min_lr=0.0, lr_warmup_steps=self.lr_warmup_steps, lr_decay_style="constant",
+            weight_decay=self.weight_decay, clip_grad=self.clip_grad,
+        )
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = rule(10, gt=0)  # GRPO steps of the run
     output_dir: str = "outputs/search_grpo_tiny"  # checkpoints, TensorBoard logs, trajectories and eval results
@@ -655,6 +738,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)

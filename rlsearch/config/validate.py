@@ -41,6 +41,7 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
             "every PPO update) or none"
         )
     _check_rollout_correction(config)
+    _check_objective(config)
     if config.trainer.eval_interval and not config.eval.files:
         raise ConfigError("'trainer.eval_interval' is set but 'eval.files' is empty")
     return config
@@ -68,6 +69,36 @@ def _check_rollout_correction(config: TrainConfig) -> None:
             "the product of a sequence's token ratios, and context parallelism splits a sequence's tokens over "
             "ranks; use actor.cp=1 or a token-level correction (token_tis, token_mis, icepop)"
         )
+
+
+def _check_objective(config: TrainConfig) -> None:
+    """The estimator, the policy loss and the critic: what each needs of the others."""
+    algo, critic = config.algo, config.critic
+    if algo.policy_loss == "gspo" and config.actor.cp > 1:
+        raise ConfigError(
+            f"'algo.policy_loss' is gspo with actor.cp={config.actor.cp}: GSPO's ratio is a mean over each sequence's "
+            "tokens, and context parallelism splits a sequence's tokens over ranks; use actor.cp=1 or another loss")
+    if algo.ratio_against == "rollout" and not algo.mask_observations:
+        raise ConfigError("'algo.ratio_against' is rollout with algo.mask_observations=false: tool output trained "
+                          "as if sampled has no engine logprobs to take the ratio against; set "
+                          "algo.mask_observations=true or algo.ratio_against=old")
+    per_token_returns = ("gae", "reinforce_pp", "reinforce_pp_baseline")
+    if algo.kl_penalty == "reward" and algo.advantage not in per_token_returns:
+        raise ConfigError(
+            f"'algo.kl_penalty' is reward with algo.advantage={algo.advantage}: a per-token KL penalty enters the "
+            f"returns of {', '.join(per_token_returns)} only; use one of them, or algo.kl_penalty=loss")
+    if algo.advantage != "gae":
+        if critic.model.path:
+            raise ConfigError(f"'critic.model.path' is set but algo.advantage is {algo.advantage}: the critic "
+                              "trains with algo.advantage=gae only; set it, or drop critic.model.path")
+        return
+    layout = critic.ranks_config(config.actor)
+    try:
+        _check_actor(layout, config.model.dtype)
+    except ConfigError as error:
+        raise ConfigError(f"the critic's layout (critic.tp/pp/cp/dp, 0: the actor's): {error}") from None
+    if critic.model.path:
+        check_model_dir(critic.model.path, "critic.model.path")
 
 
 def _check_actor(actor: ActorConfig, dtype: str) -> None:
