@@ -1,10 +1,10 @@
-"""Group-relative advantages: GRPO's per trajectory, and per turn from turn rewards (discounted turn returns,
-GiGPO's step groups)."""
+"""Group-relative advantages: GRPO's, RLOO's and REINFORCE++-baseline's per trajectory, and per turn from turn
+rewards (discounted turn returns, GiGPO's step groups)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -17,6 +17,26 @@ def grpo_advantages(
     Groups are identified by `group_ids` (one per reward, any hashable ints). A group whose rewards are all
     equal gets zeros; a group of one sample gets zero (no baseline to compare with). Never NaN.
     """
+    return _centred_per_group(
+        rewards, group_ids, lambda group: 1.0 / (group.std(unbiased=True) + eps) if norm_by_std else 1.0)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids: Sequence[int]) -> torch.Tensor:
+    """RLOO (Ahmadian et al., 2024, arXiv 2402.14740): each reward minus the mean of the OTHER samples of its group,
+    r_i - sum_(j != i) r_j / (n - 1) = n / (n - 1) x (r_i - mean). No std; a group of one sample gets zero."""
+    return _centred_per_group(rewards, group_ids, lambda group: len(group) / (len(group) - 1))
+
+
+def group_mean_baseline(rewards: torch.Tensor, group_ids: Sequence[int]) -> torch.Tensor:
+    """REINFORCE++-baseline's first step (arXiv 2501.03262; verl, slime, OpenRLHF): each reward minus its group's
+    mean, r_i - mean, before the whitening over the whole batch (`rlsearch.algo.whiten`). A group of one gets zero."""
+    return grpo_advantages(rewards, group_ids, norm_by_std=False)
+
+
+def _centred_per_group(
+    rewards: torch.Tensor, group_ids: Sequence[int], scale: Callable[[torch.Tensor], float | torch.Tensor]
+) -> torch.Tensor:
+    """Each reward minus its group's mean, times `scale` of the group's rewards (float64); groups of one get 0."""
     if rewards.dim() != 1 or len(group_ids) != rewards.numel():
         raise ValueError("rewards must be 1-D with one group id per reward")
     rewards = rewards.double()
@@ -27,10 +47,7 @@ def grpo_advantages(
         group_rewards = rewards[members]
         if group_rewards.numel() < 2:
             continue
-        centred = group_rewards - group_rewards.mean()
-        if norm_by_std:
-            centred = centred / (group_rewards.std(unbiased=True) + eps)
-        advantages[members] = centred
+        advantages[members] = (group_rewards - group_rewards.mean()) * scale(group_rewards)
     return advantages.float()
 
 
