@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from .loss import truncated_importance_weights
+from .sequences import sequence_index, sequence_sums
 
 ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mis", "seq_mis", "icepop")
 SEQUENCE_CORRECTIONS = ("seq_tis", "seq_mis")
@@ -105,21 +106,6 @@ def _count(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def inside_band(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """low <= exp(log_ratio) <= high, compared in log space (no overflow)."""
     return (log_ratio >= math.log(low)) & (log_ratio <= math.log(high))
-
-
-def sequence_index(response_lens: Sequence[int], positions: int, device: torch.device) -> torch.Tensor:
-    """Each position's sequence (0, 1, ...) for sequences of `response_lens` positions laid back to back. All of a
-    sequence's positions must be there: with context parallelism a rank holds only some of them."""
-    if sum(response_lens) != positions:
-        raise ValueError(f"{positions} positions for sequences of {sum(response_lens)}: sequence-level corrections "
-                         "need every position of a sequence in one micro-batch (not with context parallelism)")
-    return torch.repeat_interleave(torch.arange(len(response_lens), device=device),
-                                   torch.tensor(list(response_lens), dtype=torch.long, device=device))
-
-
-def sequence_sums(values: torch.Tensor, sequence: torch.Tensor, num_sequences: int) -> torch.Tensor:
-    """Per sequence, the sum of its positions' `values`."""
-    return values.new_zeros(num_sequences).index_add_(0, sequence, values)
 
 
 def log_ratio_histogram(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
