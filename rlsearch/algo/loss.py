@@ -57,7 +57,7 @@ def gspo_terms(
     """GSPO-token (Zheng et al., 2025, arXiv 2507.18071; verl's compute_policy_loss_gspo): per sequence (laid back to
     back by `response_lens`) the length-normalised ratio s_i = exp(sum_t m_t log r_t / sum_t m_t) over its trained
     tokens; per token s_it = sg(s_i) exp(log pi_t - sg(log pi_t)), whose value is s_i and whose gradient is
-    s_i's times the token's own; loss_t = max(-A s_it, -A clip(s_it, 1 - low, 1 + high)). A clipped sequence's
+    s_i grad log pi_t; loss_t = max(-A s_it, -A clip(s_it, 1 - low, 1 + high)). A clipped sequence's
     tokens are all clipped. The log of s_it is capped at 10 (verl's cap) so that one sequence cannot overflow."""
     sequence = sequence_index(response_lens, logprobs.numel(), logprobs.device)
     num_sequences = len(response_lens)
