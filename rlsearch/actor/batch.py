@@ -42,13 +42,18 @@ class TrainSample:
     # the samples of one GRPO group (one prompt): with actor.merge_prefixes their tree trains the shared prompt once
     # where the whole group fits a micro-batch, else each trajectory's tree (prefix_group) goes on its own
     prompt_group: int | None = None
+    # the critic's (algo.advantage=gae), per response token: the value targets it trains towards, and its values when
+    # the advantages were computed (the clipped value loss stays near them)
+    returns: list[float] | None = None
+    old_values: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.response_start < 1 or self.response_start > len(self.token_ids):
             raise ValueError(f"response_start={self.response_start} outside a sequence of {len(self.token_ids)}")
         if self.routed_experts is not None and self.routed_experts.shape[0] != len(self.token_ids):
             raise ValueError(f"routed_experts covers {self.routed_experts.shape[0]} tokens of {len(self.token_ids)}")
-        for name in ("loss_mask", "advantages", "token_weights", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
+        for name in ("loss_mask", "advantages", "token_weights", "old_logprobs", "ref_logprobs", "rollout_logprobs",
+                     "returns", "old_values"):
             values = getattr(self, name)
             if values is not None and len(values) != self.response_len:
                 raise ValueError(f"{name} has {len(values)} entries for {self.response_len} response tokens")
@@ -79,6 +84,8 @@ class MicroBatch:
     sample_rows: list[torch.Tensor]  # each packed sample's row per token (before a CP split)
     selection: torch.Tensor | None = None  # with CP: each of this rank's selected positions' index among all of them
     routed_experts: torch.Tensor | None = None  # [rows, layers, top-k]: the samples' routing to replay, per row
+    returns: torch.Tensor | None = None  # the critic's value targets
+    old_values: torch.Tensor | None = None  # the critic's values the advantages came from
 
     @property
     def num_tokens(self) -> int:
@@ -265,6 +272,8 @@ def collate(
         old_logprobs=_flat(samples, "old_logprobs", kept),
         ref_logprobs=_flat(samples, "ref_logprobs", kept),
         rollout_logprobs=_flat(samples, "rollout_logprobs", kept),
+        returns=_flat(samples, "returns", kept),
+        old_values=_flat(samples, "old_values", kept),
     )
     row_tokens, row_positions = torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
     layout = RowLayout(row_positions, blocks)

@@ -75,11 +75,16 @@ class ActorRanks:
     spec and worker environment: a process's imports, ~8 s of CPU on a CPU host, and its CUDA start-up on a GPU are
     paid once), ``adopted`` lists them, and ranks of another size or devices are stopped first. A graceful
     `shutdown` resets them (their models and optimizer freed) and leaves them running; after a rank died every rank
-    is stopped."""
+    is stopped.
+
+    ``beside`` (a critic's ranks beside the actor's): this group's rank r goes into the bundle of that group's rank
+    r mod its size, taking no CPU of its own and `gpu_share` of the bundle's GPUs, as that group's ranks take the
+    rest; it never removes that group's placement group."""
 
     def __init__(
         self, spec: ActorWorkerSpec, num_gpus_per_rank: float = 0.0, placement_group=None, bundle_index: int = 0,
-        workers: Sequence[ray.actor.ActorHandle] = (), detached: bool = False,
+        workers: Sequence[ray.actor.ActorHandle] = (), detached: bool = False, gpu_share: float = 1.0,
+        beside: ActorRanks | None = None,
     ) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -89,6 +94,8 @@ class ActorRanks:
         self.world_size = actor.world_size
         self.dp_size = actor.dp
         self.placement_group = None
+        self.owns_placement_group = beside is None
+        self.bundle_of = lambda rank: rank  # the bundle of its placement group each rank is in
         self.detached = detached
         self.adopted: list[int] = []  # ranks taken over from the driver before (``detached``)
         bundle = {"CPU": 1.0, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
@@ -101,7 +108,14 @@ class ActorRanks:
             self.workers = list(workers)
             self._reset_all()
         else:
+            if beside is not None:
+                if detached:
+                    raise ValueError("ranks beside another group are placed in its placement group: not detached")
+                placement_group = beside.placement_group
+                self.bundle_of = lambda rank: beside.bundle_of(rank % beside.world_size)
             reserved = placement_group is not None  # by the caller: every rank in its bundle `bundle_index`
+            if beside is None and reserved:
+                self.bundle_of = lambda rank: bundle_index
             if detached and reserved:
                 raise ValueError("detached ranks reserve their own placement group")
             if self._names is not None:  # another layout's ranks hold the resources this one needs
@@ -114,8 +128,9 @@ class ActorRanks:
             place = PlacementGroupSchedulingStrategy
 
             def start(rank: int) -> ray.actor.ActorHandle:
-                options = dict(num_cpus=1, num_gpus=num_gpus_per_rank, scheduling_strategy=place(
-                    self.placement_group, placement_group_bundle_index=bundle_index if reserved else rank))
+                options = dict(num_cpus=0 if beside else 1, num_gpus=num_gpus_per_rank * gpu_share,
+                               scheduling_strategy=place(self.placement_group,
+                                                         placement_group_bundle_index=self.bundle_of(rank)))
                 if self._names is None:
                     return remote_cls.options(**options).remote(spec, rank, self.world_size)
                 options.update(name=self._names.rank(rank), lifetime="detached")
@@ -348,7 +363,7 @@ class ActorRanks:
         finally:
             for worker in self.workers:
                 ray.kill(worker)
-            if self.placement_group is not None and not self.detached:
+            if self.placement_group is not None and self.owns_placement_group and not self.detached:
                 remove_placement_group(self.placement_group)
 
     def release(self) -> list[ray.actor.ActorHandle]:

@@ -1,4 +1,5 @@
-"""One Megatron-core rank of the policy: logprobs, GRPO training steps, weight export, checkpoints.
+"""One Megatron-core rank of the policy (logprobs, GRPO training steps, weight export, checkpoints) or of its critic
+(`ActorWorkerSpec.value_model`: values and value-loss steps, checkpoints).
 
 `ActorRanks` (ranks.py) runs TP x PP x DP of these as Ray actors. Every method that runs megatron code is a
 collective: the group calls it on all ranks at once. Results come back from the "output ranks" (last
@@ -27,6 +28,7 @@ from ..megatron.model import (
     MoESettings,
     build_model_chunks,
     export_hf_named,
+    load_value_model,
     make_bridge,
     resolve_transformer_impl,
 )
@@ -81,6 +83,8 @@ class ActorWorkerSpec:
     sampling: SamplingDistribution  # what the rollout engines sample from: logprobs, the loss and the KL use it
     total_steps: int
     seed: int
+    # a critic's rank (algo.advantage=gae): model_path's transformer with a value head instead of the output layer
+    value_model: bool = False
 
 
 class MegatronActorWorker:
@@ -134,9 +138,10 @@ class MegatronActorWorker:
         self.transformer_impl = resolve_transformer_impl(actor.transformer_impl)
         dtype = _DTYPES[self.spec.dtype]
         # mbridge's HF <-> Megatron mapper (rlsearch.weights is the weight path that uses it)
+        value_model = self.spec.value_model
         moe = MoESettings(
             dispatcher=actor.moe_dispatcher, aux_loss_coef=actor.moe_aux_loss_coef, z_loss_coef=actor.moe_z_loss_coef,
-            record_routing=self.spec.algo.routing_replay == "old",
+            record_routing=self.spec.algo.routing_replay == "old" and not value_model,
         )
         activations = ActivationMemory(
             recompute=actor.recompute, recompute_method=actor.recompute_method,
@@ -144,12 +149,12 @@ class MegatronActorWorker:
             offload=actor.activation_offload,
         )
         self.mbridge = make_bridge(self.spec.model_path, dtype, self.transformer_impl, not cuda_available(), moe,
-                                   activations)
+                                   activations, value_model=value_model)
         chunks = self._build_chunks()
         self.training = build_training_model(chunks, self.spec.actor, self.spec.total_steps)
         self.model = self.training.chunks
         self.reference = None
-        if self.spec.algo.kl_coef > 0:
+        if self.spec.algo.kl_coef > 0 and not value_model:
             self.reference = self._build_chunks()
             for chunk in self.reference:
                 chunk.requires_grad_(False)
@@ -184,8 +189,13 @@ class MegatronActorWorker:
         embeddings (rlsearch.megatron.attention)."""
         from ..megatron.attention import take_over_rotary
 
-        chunks = build_model_chunks(self.mbridge, self.spec.actor.virtual_pipeline_stages)
-        self.mbridge.load_weights(chunks, self.spec.model_path)
+        stages = self.spec.actor.virtual_pipeline_stages
+        if self.spec.value_model:
+            chunks = build_model_chunks(self.mbridge, stages, value_head_seed=self.spec.seed)
+            load_value_model(self.mbridge, chunks, self.spec.model_path)
+        else:
+            chunks = build_model_chunks(self.mbridge, stages)
+            self.mbridge.load_weights(chunks, self.spec.model_path)
         if self.transformer_impl == "local":
             for chunk in chunks:
                 take_over_rotary(chunk)
@@ -288,8 +298,7 @@ class MegatronActorWorker:
             return []
         counts = torch.tensor([count], device=local_device() if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
-        reference = [0.0] if self.spec.algo.kl_coef else None
-        idle = TrainSample([0, 0], 1, [0], token_weights=[0.0], ref_logprobs=reference)
+        idle = self._stand_in_sample()
         return [collate([idle], [-1], trained_only, packing=self.packing).to(local_device())
                 for _ in range(int(counts.item()) - count)]
 
@@ -341,6 +350,34 @@ class MegatronActorWorker:
         by_index = {index: row for out in outputs for index, row in zip(out["indices"], out["logprobs"])}
         return [by_index[index] for index in range(len(samples))]
 
+    def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]] | None:
+        """A critic's values at every response token of each sample (the value of the state before the token is
+        generated). None off the output ranks."""
+        if not self.spec.value_model:
+            raise RuntimeError("values are a critic's (ActorWorkerSpec.value_model); this rank is the policy's")
+        if not samples and self.spec.actor.ep == 1:
+            return [] if self.info.is_output_rank else None
+
+        def loss_fn(mb: MicroBatch, _num_micro_batches: int, head: tuple, hidden: torch.Tensor):
+            values = self._whole_selection(self._values(hidden, head).detach(), mb)
+            per_sample = [chunk.tolist() for chunk in values.split(mb.response_lens)]
+            return values.new_zeros(()), {"values": per_sample, "indices": mb.sample_indices}
+
+        for chunk in self.model:
+            chunk.eval()
+        with torch.no_grad():
+            outputs = self._run_pipeline(self.model, samples, loss_fn, forward_only=True)
+        if not self.info.is_output_rank:
+            return None
+        by_index = {index: row for out in outputs for index, row in zip(out["indices"], out["values"])}
+        return [by_index[index] for index in range(len(samples))]
+
+    @staticmethod
+    def _values(hidden: torch.Tensor, head: tuple) -> torch.Tensor:
+        """A critic's value per selected position, from the hidden states [n, 1, h] its value head projects."""
+        output_layer, _ = head
+        return output_layer(hidden)[0].reshape(-1)
+
     def compute_logprobs_and_routing(
         self, samples: Sequence[TrainSample],
     ) -> tuple[list[list[float]] | None, list[torch.Tensor] | None]:
@@ -369,19 +406,29 @@ class MegatronActorWorker:
         instead (`skipped_nonfinite` 1.0, `update_ok` 0.0, `grad_norm` NaN): nothing changes but zeroed gradients."""
         if not samples:
             # an empty shard still joins the gradient all-reduce and the optimizer step: a zero-weight token
-            reference = [0.0] if self.spec.algo.kl_coef else None
-            samples = [TrainSample([0, 0], 1, [0], token_weights=[0.0], ref_logprobs=reference)]
+            samples = [self._stand_in_sample()]
 
         def loss_fn(mb: MicroBatch, num_micro_batches: int, head: tuple, hidden: torch.Tensor):
-            logprobs, entropy = self._token_logprobs(hidden, head, mb.labels, distribution, with_entropy=True)
-            loss, stats = objective(logprobs, mb)
-            stats["entropy_sum"] = (entropy * mb.loss_mask).sum()
+            if self.spec.value_model:  # a critic: the objective of its values
+                loss, stats = objective(self._values(hidden, head), mb)
+            else:
+                logprobs, entropy = self._token_logprobs(hidden, head, mb.labels, distribution, with_entropy=True)
+                loss, stats = objective(logprobs, mb)
+                stats["entropy_sum"] = (entropy * mb.loss_mask).sum()
             # the schedule divides by the number of micro-batches and DDP averages over DP ranks; the token
             # weights already normalise over the whole global batch, so undo both. (With context parallelism the
             # schedule multiplies by the CP size and DDP averages over it too: the CP ranks' gradients add up.)
             return loss * num_micro_batches * dp_size, stats
 
         return self._optimizer_step(samples, loss_fn)
+
+    def _stand_in_sample(self) -> TrainSample:
+        """A one-token sample of zero loss weight with what this rank's objective reads (an empty data-parallel
+        shard's, or an idle expert-parallel micro-batch's)."""
+        if self.spec.value_model:
+            return TrainSample([0, 0], 1, [0], token_weights=[0.0], returns=[0.0], old_values=[0.0])
+        reference = [0.0] if self.spec.algo.kl_coef else None
+        return TrainSample([0, 0], 1, [0], token_weights=[0.0], ref_logprobs=reference)
 
     def _optimizer_step(self, samples: Sequence[TrainSample], loss_fn) -> dict[str, float]:
         for chunk in self.model:

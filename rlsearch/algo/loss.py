@@ -115,7 +115,9 @@ def value_loss_terms(
     unclipped = 0.5 * (values - returns).square()
     if clip <= 0:
         return ValueLossTerms(unclipped, torch.zeros_like(unclipped).detach())
-    clipped = 0.5 * (old_values + torch.clamp(values - old_values, -clip, clip) - returns).square()
+    # clamped to the band itself (not old + clamp(V - old)): inside it the clipped branch is V exactly, a tie that
+    # rounding must not turn into a clip
+    clipped = 0.5 * (torch.clamp(values, old_values - clip, old_values + clip) - returns).square()
     return ValueLossTerms(torch.maximum(unclipped, clipped), (clipped > unclipped).float().detach())
 
 

@@ -2,6 +2,7 @@
 
     step_000004/
       megatron/           Megatron distributed checkpoint (torch_dist): model [+ optimizer, scheduler, RNG]
+      critic/             the same of the critic (algo.advantage=gae runs): its value model's checkpoint
       hf/                 the model's HF config, generation config and tokenizer (no weights): enough to
                           rebuild the architecture and to write a HuggingFace dir from the weights
       trainer_state.json  step, data-loader position, sampling seed, the run config (run checkpoints only)
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 MODEL_DIR = "megatron"
+CRITIC_DIR = "critic"
 HF_DIR = "hf"
 TRAINER_STATE = "trainer_state.json"
 MANIFEST = "manifest.json"

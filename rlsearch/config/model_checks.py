@@ -112,10 +112,11 @@ def check_same_tokenizer(policy_dir: str, critic_dir: str) -> None:
         "ids: give it a model of the same tokenizer, or leave critic.model.path empty (the policy's weights)")
 
 
-def check_model_layout(model_dir: str | Path, actor: ActorConfig, routing_replay: str = "none") -> None:
-    """ConfigError when the actor's layout cannot split the model, or routing replay is asked of a dense model
-    (checked at start-up, before any rank starts)."""
-    problem = model_layout_problem(model_dir, actor.tp, actor.pp, actor.virtual_pipeline_stages, prefix="actor.",
+def check_model_layout(model_dir: str | Path, actor: ActorConfig, routing_replay: str = "none",
+                       prefix: str = "actor.") -> None:
+    """ConfigError when the actor's layout (the critic's: `prefix` "critic.") cannot split the model, or routing
+    replay is asked of a dense model (checked at start-up, before any rank starts)."""
+    problem = model_layout_problem(model_dir, actor.tp, actor.pp, actor.virtual_pipeline_stages, prefix=prefix,
                                    ep=actor.ep, cp=actor.cp)
     if problem:
         raise ConfigError(problem)

@@ -223,8 +223,8 @@ class AlgoConfig:
     # gae: advantages whitened over the step's trained tokens (mean 0, std 1), as PPO implementations do
     whiten_advantages: bool = True
     # where algo.kl_coef's KL to the reference goes: loss (a term of the policy loss, algo.kl_estimator) | reward (a
-    # per-token penalty -kl_coef x KL(pi_old || ref) added to the rewards before the returns, as the seed's PPO;
-    # algo.advantage gae, reinforce_pp or reinforce_pp_baseline: the estimators with per-token returns)
+    # per-token penalty -kl_coef x KL(pi_rollout || ref) of the sampled tokens added to the rewards before the
+    # returns, as the seed's PPO; algo.advantage gae or reinforce_pp: the estimators with per-token returns)
     kl_penalty: str = rule("loss", choices=("loss", "reward"), either=True)
     # turn_returns and gigpo: the discount of later turns' rewards, in [0, 1]
     turn_gamma: float = rule(1.0, within="[0, 1]", note="1: no discount")

@@ -82,11 +82,14 @@ def _check_objective(config: TrainConfig) -> None:
         raise ConfigError("'algo.ratio_against' is rollout with algo.mask_observations=false: tool output trained "
                           "as if sampled has no engine logprobs to take the ratio against; set "
                           "algo.mask_observations=true or algo.ratio_against=old")
-    per_token_returns = ("gae", "reinforce_pp", "reinforce_pp_baseline")
-    if algo.kl_penalty == "reward" and algo.advantage not in per_token_returns:
+    if algo.kl_penalty == "reward" and algo.advantage not in ("gae", "reinforce_pp"):
         raise ConfigError(
             f"'algo.kl_penalty' is reward with algo.advantage={algo.advantage}: a per-token KL penalty enters the "
-            f"returns of {', '.join(per_token_returns)} only; use one of them, or algo.kl_penalty=loss")
+            "per-token returns of gae and reinforce_pp only; use one of them, or algo.kl_penalty=loss")
+    if algo.kl_penalty == "reward" and not algo.mask_observations:
+        raise ConfigError("'algo.kl_penalty' is reward with algo.mask_observations=false: the penalty is the KL of "
+                          "the engine's sampled tokens, and tool output trained as if sampled has no engine logprobs; "
+                          "set algo.mask_observations=true or algo.kl_penalty=loss")
     if algo.advantage != "gae":
         if critic.model.path:
             raise ConfigError(f"'critic.model.path' is set but algo.advantage is {algo.advantage}: the critic "
@@ -97,6 +100,10 @@ def _check_objective(config: TrainConfig) -> None:
         _check_actor(layout, config.model.dtype)
     except ConfigError as error:
         raise ConfigError(f"the critic's layout (critic.tp/pp/cp/dp, 0: the actor's): {error}") from None
+    if layout.world_size > config.actor.world_size:
+        raise ConfigError(
+            f"the critic's layout (critic.tp/pp/cp/dp) has {layout.world_size} ranks and the actor's "
+            f"{config.actor.world_size}: the critic's ranks share the actor ranks' devices, at most one on each")
     if critic.model.path:
         check_model_dir(critic.model.path, "critic.model.path")
 

@@ -100,8 +100,11 @@ def check_architecture(model_type: str | None, hf_dir: str) -> None:
 
 
 def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: bool,
-                moe: MoESettings = MoESettings(), activations: ActivationMemory = ActivationMemory()):
-    """An mbridge Bridge for the HF model at `hf_dir`, configured for our runtime (call after parallel init)."""
+                moe: MoESettings = MoESettings(), activations: ActivationMemory = ActivationMemory(),
+                value_model: bool = False):
+    """An mbridge Bridge for the HF model at `hf_dir`, configured for our runtime (call after parallel init).
+    `value_model`: for a critic (`build_model_chunks(..., value_head_seed=...)`): its output layer is the value head,
+    never tied to the embedding, exported under VALUE_HEAD's names."""
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -109,6 +112,9 @@ def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: 
     check_architecture(hf_config.model_type, hf_dir)
     base = _registered_bridge(hf_config.model_type)
     overrides = {"_DIRECT_MAPPING": dict(base._DIRECT_MAPPING)}
+    if value_model:
+        hf_config.tie_word_embeddings = False  # the head is no vocabulary projection: nothing to share
+        overrides["_weight_name_mapping_mcore_to_hf"] = _value_head_names(base)
     is_moe = hf_config.model_type in MOE_ARCHITECTURES
     if transformer_impl == "local":
         overrides.update(
@@ -244,11 +250,48 @@ def _local_layer_spec(self, vp_stage=None):
     return spec
 
 
-def build_model_chunks(bridge, virtual_pipeline_stages: int | None = None) -> list[torch.nn.Module]:
-    """The GPTModel chunks this rank owns (one, or one per virtual pipeline stage), random-initialised."""
+VALUE_HEAD = "score"  # the value head's HF name, as transformers' *ForTokenClassification models call their head
+VALUE_HEAD_INIT_STD = 0.02
+
+
+class ValueHead(torch.nn.Linear):
+    """A critic's head in place of the output layer: one value per position, in fp32. Each tensor-parallel rank holds
+    it whole (its input, the final norm's output, is whole on each, so their gradients agree). Initialised N(0, 0.02)
+    with a bias of 0 from its own seed, the same on every rank and layout."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, seed: int) -> None:
+        super().__init__(hidden_size, 1, bias=True, dtype=dtype)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(self.weight.shape, generator=generator) * VALUE_HEAD_INIT_STD)
+            self.bias.zero_()
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        return super().forward(hidden).float(), None
+
+
+def _value_head_names(base):
+    """The bridge's HF names, with the output layer (a value head) as VALUE_HEAD's weight and bias."""
+
+    def mcore_to_hf(self, mcore_name: str) -> list[str]:
+        if mcore_name.startswith("output_layer."):
+            return [f"{VALUE_HEAD}.{mcore_name.rpartition('.')[2]}"]
+        return base._weight_name_mapping_mcore_to_hf(self, mcore_name)
+
+    return mcore_to_hf
+
+
+def build_model_chunks(bridge, virtual_pipeline_stages: int | None = None, value_head_seed: int | None = None
+                       ) -> list[torch.nn.Module]:
+    """The GPTModel chunks this rank owns (one, or one per virtual pipeline stage), random-initialised; with
+    `value_head_seed` a critic's, whose last stage ends in a `ValueHead` (made from that seed)."""
     from megatron.core import parallel_state as ps
 
-    provider = bridge._model_provider([])
+    def value_head(model, pre_process, post_process, config, hf_config):
+        if post_process:
+            model.output_layer = ValueHead(config.hidden_size, config.params_dtype, value_head_seed)
+
+    provider = bridge._model_provider([] if value_head_seed is None else [value_head])
     stages = [None] if not virtual_pipeline_stages else list(range(virtual_pipeline_stages))
     chunks = []
     for vp_stage in stages:
@@ -263,6 +306,49 @@ def build_model_chunks(bridge, virtual_pipeline_stages: int | None = None) -> li
         _cast_parameters(chunk, chunk.config.params_dtype)
         chunks.append(chunk)
     return chunks
+
+
+def load_value_model(bridge, chunks: list[torch.nn.Module], hf_dir: str) -> bool:
+    """A critic's weights from `hf_dir`: its transformer through mbridge, and its value head where the dir has one
+    (VALUE_HEAD's weight and bias, as `rlsearch convert` writes a critic); returns whether it had one (else the head
+    keeps its initialisation)."""
+    heads = {}
+    for chunk in chunks:  # mbridge loads every parameter the chunk has: the head waits outside meanwhile
+        module = getattr(chunk, "module", chunk)
+        if module.post_process:
+            heads[id(chunk)] = module.output_layer
+            module.output_layer = torch.nn.Identity()
+    try:
+        bridge.load_weights(chunks, hf_dir)
+    finally:
+        for chunk in chunks:
+            if id(chunk) in heads:
+                getattr(chunk, "module", chunk).output_layer = heads[id(chunk)]
+    stored = _stored_value_head(hf_dir)
+    if stored:
+        with torch.no_grad():
+            for head in heads.values():
+                head.weight.copy_(stored["weight"].reshape(head.weight.shape))
+                head.bias.copy_(stored.get("bias", torch.zeros(1)).reshape(head.bias.shape))
+    return bool(stored)
+
+
+def _stored_value_head(hf_dir: str) -> dict[str, torch.Tensor]:
+    """VALUE_HEAD's tensors in the safetensors of `hf_dir` ("weight", "bias"), {} when it has none."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    found = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as file:
+            for name in file.keys():
+                if name.startswith(f"{VALUE_HEAD}."):
+                    found[name.rpartition(".")[2]] = file.get_tensor(name)
+    if found and found["weight"].dim() == 2 and found["weight"].shape[0] != 1:
+        raise ValueError(f"{hf_dir}: '{VALUE_HEAD}.weight' has shape {tuple(found['weight'].shape)}; a critic's value "
+                         "head has one label")
+    return found
 
 
 def _cast_parameters(chunk: torch.nn.Module, dtype: torch.dtype) -> None:

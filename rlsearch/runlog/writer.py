@@ -21,6 +21,9 @@ _STEP_LINE_KEYS = (
     ("invalid", "rollout/invalid_calls_mean", "{:.2f}"),
     ("len", "rollout/response_len_mean", "{:.0f}"),
     ("loss", "actor/policy_loss", "{:+.4f}"),
+    # with a critic (algo.advantage=gae): its value loss and how much of the returns' variance its values explained
+    ("value loss", "critic/value_loss", "{:.4f}"),
+    ("EV", "critic/explained_variance", "{:+.2f}"),
     ("mismatch", "weights/logprob_mismatch_max", "{:.1e}"),
     ("time", "time/step_s", "{:.1f}s"),
 )

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .checkpoints import ResumePoint, load_actor_state, newest_own_checkpoint, save_run_checkpoint
+from .checkpoints import ResumePoint, load_actor_state, load_critic_state, newest_own_checkpoint, save_run_checkpoint
 from .recovery import Action, WorkerDiedError, dead_workers, is_ray_error
 from .sampler import SamplerState
 from .skip_guard import NonFiniteStepsError
 from .step_log import new_logger
 
 if TYPE_CHECKING:
-    from ..actor import ActorRanks
+    from ..actor import ActorRanks, CriticRanks
     from ..config import TrainConfig
     from .progress import RunParts, RunProgress
     from .rollout_side import RolloutSide
@@ -34,13 +34,15 @@ class ActorSide:
     progress: RunProgress
     rollout_side: RolloutSide
     start_actor: Callable[[], ActorRanks] | None = None  # new actor ranks (startup.start_run's factory)
+    start_critic: Callable[[ActorRanks], CriticRanks] | None = None  # new critic ranks beside them (with a critic)
 
     def save_checkpoint(self, step: int | None = None, sampler: SamplerState | None = None) -> Path:
         """The actor state as the checkpoint of `step` (default: the current step) with the data position `sampler`
         (default: after the last trained batch)."""
         step = self.progress.step if step is None else step
         sampler = self.progress.trained_sampler_state if sampler is None else sampler
-        path = save_run_checkpoint(self.config, self.parts.actor, self.parts.checkpoints, step, sampler)
+        path = save_run_checkpoint(self.config, self.parts.actor, self.parts.checkpoints, step, sampler,
+                                   self.parts.critic)
         self.progress.saved_checkpoints[step] = path
         return path
 
@@ -90,6 +92,8 @@ class ActorSide:
         policy version `version`, default the current one); the step counter, data order and sampling seeds
         continue where the checkpoint left them."""
         resharded = load_actor_state(self.parts.actor, point, self.config.actor.layout)
+        if self.parts.critic is not None:
+            resharded += load_critic_state(self.parts.critic, point)
         self.progress.rewind(point.step, point.sampler)
         self.progress.weights_updated = True
         self.progress.saved_checkpoints[point.step] = point.path
@@ -126,9 +130,14 @@ class ActorSide:
             raise WorkerDiedError(self.rollout_side.died_message(dead, error) + verdict.limit_note, dead) from error
         started, failed_step = time.perf_counter(), self.progress.step
         self.progress.actor_restarts += 1
+        if self.parts.critic is not None:  # its ranks are in the actor's placement group: replaced with them
+            self.parts.critic.shutdown(graceful=False)
+            self.parts.critic = None
         self.parts.actor.shutdown(graceful=False)
         self.parts.actor = None  # a failed start leaves nothing for close() to stop
         self.parts.actor = self.start_actor()
+        if self.start_critic is not None:
+            self.parts.critic = self.start_critic(self.parts.actor)
         self.parts.weight_sync.replace_senders(self.parts.actor)
         self.rollout_side.rollouts.drop(self.parts.pool.group_timeout_s)
         point = self.rewind_to_newest_checkpoint()

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint import CheckpointError, CheckpointStore, load_run_checkpoint
-from ..checkpoint.layout import MODEL_DIR
+from ..checkpoint.layout import CRITIC_DIR, MODEL_DIR
 from ..config import ConfigError, TrainConfig, to_dict
 from .sampler import SamplerState
 
 if TYPE_CHECKING:
-    from ..actor import ActorRanks
+    from ..actor import ActorRanks, CriticRanks
 
 
 @dataclass
@@ -29,6 +28,7 @@ class ResumePoint:
     layout: dict[str, int]  # the actor layout that saved it
     step: int
     sampler: SamplerState
+    critic_layout: dict[str, int] | None = None  # the critic's layout that saved its state (None: no critic in it)
 
 
 def checkpoint_to_resume(config: TrainConfig, store: CheckpointStore) -> ResumePoint | None:
@@ -79,12 +79,14 @@ def _resume_point(config: TrainConfig, path: Path, manifest: dict, state: dict) 
             f"actor.use_distributed_optimizer={str(saved).lower()} (any actor.dp, tp or pp), or start a fresh run "
             "from its weights (rlsearch convert mcore-to-hf, then model.path)"
         )
-    return ResumePoint(path, manifest["layout"], state["step"], SamplerState(**state["sampler"]))
+    return ResumePoint(path, manifest["layout"], state["step"], SamplerState(**state["sampler"]),
+                       manifest.get("critic_layout"))
 
 
 def save_run_checkpoint(config: TrainConfig, actor: ActorRanks, store: CheckpointStore, step: int,
-                        sampler: SamplerState) -> Path:
-    """The actor state as the checkpoint of `step` with the data position `sampler`."""
+                        sampler: SamplerState, critic: CriticRanks | None = None) -> Path:
+    """The actor state (and the critic's, in CRITIC_DIR beside it) as the checkpoint of `step` with the data position
+    `sampler`."""
     state = {
         # where the data stood after the last trained batch (batches already drawn for later steps are drawn
         # again after a resume)
@@ -100,7 +102,16 @@ def save_run_checkpoint(config: TrainConfig, actor: ActorRanks, store: Checkpoin
         "transformer_impl": actor.infos[0].transformer_impl,
         "contents": ["model", "optimizer", "scheduler", "rng"],
     }
-    save = partial(actor.save_checkpoint, timeout_s=config.trainer.checkpoint_timeout_s)
+    timeout_s = config.trainer.checkpoint_timeout_s
+    if critic is not None:
+        info.update(critic_layout=critic.spec.actor.layout, contents=[*info["contents"], "critic"])
+
+    def save(model_dir: str) -> None:
+        actor.save_checkpoint(model_dir, timeout_s=timeout_s)
+        if critic is not None:  # its dir beside the actor's
+            critic_dir = Path(model_dir).parent / CRITIC_DIR
+            critic_dir.mkdir()
+            critic.save_checkpoint(str(critic_dir), timeout_s=timeout_s)
     path = store.save(step, save, state, config.model.path, info)
     print(f"[rlsearch] checkpoint saved: {path}", flush=True)
     return path
@@ -109,10 +120,22 @@ def save_run_checkpoint(config: TrainConfig, actor: ActorRanks, store: Checkpoin
 def load_actor_state(actor: ActorRanks, point: ResumePoint, layout: dict[str, int]) -> str:
     """The checkpoint's actor state into `actor`, resharded into `layout` when it was saved in another; returns how
     it was resharded, for the resumed line ("" when the layout is the same)."""
+    return _load_state(actor, point.path / MODEL_DIR, point.layout, layout)
+
+
+def load_critic_state(critic: CriticRanks, point: ResumePoint) -> str:
+    """The checkpoint's critic state into `critic` (resharded as the actor's is); what the resumed line says of it.
+    A checkpoint without one (a run that trained without a critic) leaves the critic as it started."""
+    if point.critic_layout is None:
+        return "; the checkpoint has no critic: the critic starts from critic.model.path"
+    resharded = _load_state(critic, point.path / CRITIC_DIR, point.critic_layout, critic.spec.actor.layout)
+    return f"; the critic resumed with it{resharded}"
+
+
+def _load_state(ranks: ActorRanks, directory: Path, saved: dict[str, int], layout: dict[str, int]) -> str:
     # checkpoints from before actor.cp and actor.ep had no "cp" and "ep"
-    same_layout = {"cp": 1, "ep": 1, **point.layout} == layout
-    actor.load_checkpoint(str(point.path / MODEL_DIR), restore_rng=same_layout)
-    saved = point.layout
+    same_layout = {"cp": 1, "ep": 1, **saved} == layout
+    ranks.load_checkpoint(str(directory), restore_rng=same_layout)
     return "" if same_layout else (
         f", resharded from tp{saved['tp']} pp{saved['pp']} cp{saved.get('cp', 1)} dp{saved['dp']} (per-rank RNG "
         "states start fresh)"

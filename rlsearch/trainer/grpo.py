@@ -19,6 +19,7 @@ from ..rollout import NoEngineLeftError, Trajectory
 from ..runlog import RunSummary, format_step_line, plot_run
 from .actor_side import ActorSide
 from .checkpoints import checkpoint_to_resume
+from .estimates import token_estimates
 from .mismatch_gate import check_rollout_mismatch
 from .progress import RunParts, RunProgress
 from .recovery import WorkerDiedError, dead_workers, is_ray_error
@@ -27,10 +28,10 @@ from .rollouts import PendingRollout, RolloutQueue
 from .sampler import EpochSampler, SamplerState
 from .skip_guard import SkipGuard
 from .startup import load_and_check, start_run, startup_line
-from .step_batch import StepBatch, actor_logprobs_of, overlong_masked, select_groups, train_samples
+from .step_batch import TURN_CREDIT, StepBatch, overlong_masked, select_groups, token_series_of, train_samples
 from .step_log import log_step, new_logger, prints_step, run_metrics
 from .timing import timed
-from .update import PolicyUpdate, policy_update
+from .update import PolicyUpdate, critic_update, policy_update
 
 
 class GRPOTrainer:
@@ -46,6 +47,7 @@ class GRPOTrainer:
         # the step, the data position, the steps skipped for a NaN/inf loss or grad norm, the restart counters
         self.progress = RunProgress(sampler=self.sampler, skip_guard=SkipGuard(config.trainer.max_consecutive_skips))
         self._start_actor = None  # new actor ranks, once the run started
+        self._start_critic = None  # and new critic ranks beside them (algo.advantage=gae)
 
     @property
     def rollout_side(self) -> RolloutSide:
@@ -55,11 +57,12 @@ class GRPOTrainer:
     @property
     def actor_side(self) -> ActorSide:
         """The actor state's checkpoints and resumes, the skipped-step stop, and dead actor ranks replaced."""
-        return ActorSide(self.config, self.parts, self.progress, self.rollout_side, self._start_actor)
+        return ActorSide(self.config, self.parts, self.progress, self.rollout_side, self._start_actor,
+                         self._start_critic)
 
     def _start(self) -> None:
         started = start_run(self.config, self.examples, self.parts, self.output_dir)
-        self.config, self._start_actor = started.config, started.start_actor
+        self.config, self._start_actor, self._start_critic = started.config, started.start_actor, started.start_critic
         if self.resume_point is not None:
             with timed(started.seconds, "resume"):
                 self.actor_side.resume(self.resume_point)
@@ -144,10 +147,12 @@ class GRPOTrainer:
         return metrics, checkpoint
 
     def grpo_step(self, rollout: PendingRollout) -> dict[str, float]:
-        """One GRPO step on a submitted rollout; returns the step's metrics (also logged)."""
+        """One training step on a submitted rollout, under algo.advantage (GRPO by default, PPO with the critic with
+        gae); returns the step's metrics (also logged)."""
         timings, started, trained_version = {}, time.perf_counter(), self.progress.weight_version
         staleness = trained_version - rollout.weight_version  # as submitted, before step 1 may run it again
         self.progress.trained_sampler_state = rollout.sampler
+        algo, critic = self.config.algo, self.parts.critic
 
         # 1. rollout: the step's trajectories (submitted up to rollout.async_steps steps ago)
         with timed(timings, "time/rollout_s"):
@@ -157,39 +162,63 @@ class GRPOTrainer:
         with timed(timings, "time/reward_s"):
             reward_stats = self._score(trajectories, rollout.examples)
 
-        # 3. algo: the groups to train (algo.filter_groups, data.batch_size), advantages (algo.advantage), token weights
+        # 3. algo: the groups to train (algo.filter_groups, data.batch_size), their samples with an advantage per
+        # trajectory (algo.advantage) and token weights
         with timed(timings, "time/algo_s"):
-            batch = select_groups(trajectories, self.config.algo, self.config.data.batch_size)
+            batch = select_groups(trajectories, algo, self.config.data.batch_size)
             samples = self._samples_to_train(rollout.step, trajectories, batch)
 
         # 4. actor: reference logprobs for the KL penalty (algo.kl_coef)
         with timed(timings, "time/ref_logprob_s"):
             self._add_reference_logprobs(samples)
 
-        # 5. actor: the policy update, algo.ppo_epochs x algo.num_minibatches optimizer steps; the mismatch gate
+        # 5. critic: its values of the samples' tokens (algo.advantage=gae)
+        values = None
+        if critic is not None and samples:
+            with timed(timings, "time/values_s"):
+                values = critic.compute_values(samples)
+
+        # 6. algo: per-token advantages (gae from the values, reinforce_pp's returns), whitened over the step
+        estimates = token_estimates(batch.trajectories, samples, algo, values)
+
+        # 7. critic: its value-loss updates towards the returns
+        critic_metrics = {}
+        if values is not None:
+            with timed(timings, "time/critic_s"):
+                critic_metrics = critic_update(critic, samples, algo, self.config.critic)
+
+        # 8. actor: the policy update, algo.ppo_epochs x algo.num_minibatches optimizer steps (none while the critic
+        # warms up, critic.warmup_steps); the mismatch gate
         with timed(timings, "time/train_s"):
-            update = policy_update(self.parts.actor, samples, self.config.algo) if samples else None
+            update = policy_update(self.parts.actor, samples, algo) if samples and not self._critic_warming_up() \
+                else None
         self._check_mismatch(update)
 
-        # 6. weights: the engines get the new weights (none when nothing changed) and must match the actor
+        # 9. weights: the engines get the new weights (none when nothing changed) and must match the actor
         changed = update is not None and update.changed_weights
         self.progress.weights_updated |= changed
         sync_metrics = self.rollout_side.sync_new_weights(changed, timings)
 
-        # 7. log
+        # 10. log
         return log_step(self.parts.logger, self.progress.step, rollout, trajectories, trained_version, {
             **reward_stats, **batch.metrics(),
-            "rollout/overlong_masked": float(overlong_masked(batch.trajectories, self.config.algo)),
+            "rollout/overlong_masked": float(overlong_masked(batch.trajectories, algo)),
+            # the critic's explained variance and mean value: of the values the advantages came from (estimates)
+            **critic_metrics, **estimates,
             **(update.metrics if update else {"actor/updates": 0.0}), **sync_metrics,
             **run_metrics(self.parts.pool, self.progress, rollout.step, update, staleness),
-        }, actor_logprobs_of(batch.trajectories, samples), timings, started)
+        }, token_series_of(batch.trajectories, samples), timings, started)
+
+    def _critic_warming_up(self) -> bool:
+        """Whether this step trains the critic only (critic.warmup_steps): the actor and the engines wait."""
+        return self.parts.critic is not None and self.progress.step <= self.config.critic.warmup_steps
 
     def _score(self, trajectories: list[Trajectory], group_examples: list[QAExample]) -> dict[str, float]:
         """Rewards of the trajectories (and, with turn-level credit, of every model turn) against their examples
         (`group_examples[group_id]`); returns the reward stats."""
         examples = [group_examples[t.group_id] for t in trajectories]
         reward_stats = score_trajectories(trajectories, examples, self.config.reward)
-        if self.config.algo.advantage != "outcome":  # turn-level credit: a reward for every model turn
+        if self.config.algo.advantage in TURN_CREDIT:  # turn-level credit: a reward for every model turn
             reward_stats.update(score_turns(trajectories, examples, self.config.reward))
         return reward_stats
 

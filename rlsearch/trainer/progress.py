@@ -12,7 +12,7 @@ from .sampler import EpochSampler, SamplerState
 from .skip_guard import SkipGuard
 
 if TYPE_CHECKING:
-    from ..actor import ActorRanks
+    from ..actor import ActorRanks, CriticRanks
     from ..rollout import EnginePool
     from ..runlog import RunLogger
     from ..tools import ToolServers
@@ -61,12 +61,15 @@ class RunParts:
     tool_servers: ToolServers | None = None
     pool: EnginePool | None = None
     actor: ActorRanks | None = None
+    critic: CriticRanks | None = None  # algo.advantage=gae: on the actor ranks' devices
     weight_sync: WeightSync | None = None
     probe_ids: list[int] = field(default_factory=list)  # the probe check's sequence (weights.check_engines_match_actor)
     logger: RunLogger | None = None
 
     def stop(self, graceful: bool = True) -> None:
         """Stop what started; `graceful` False when a Ray actor of the run died (no call waits for the dead)."""
+        if self.critic is not None:  # first: its ranks are in the actor's placement group
+            self.critic.shutdown(graceful)
         if self.actor is not None:
             self.actor.shutdown(graceful)
         if self.pool is not None:

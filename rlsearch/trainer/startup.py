@@ -14,18 +14,19 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
 from .. import STARTED_AT
-from ..actor import ActorRanks, ActorWorkerSpec, SamplingDistribution
+from ..actor import ActorRanks, ActorWorkerSpec, CriticRanks, SamplingDistribution
 from ..config import (
     ToolsConfig,
     TrainConfig,
     check_actor_devices,
     check_model_dir,
     check_model_layout,
+    check_same_tokenizer,
     resolve_auto_keys,
     to_dict,
 )
@@ -47,6 +48,8 @@ class StartedRun:
     config: TrainConfig  # model.dtype and weights.transport `auto` made concrete on the cluster's devices
     start_actor: Callable[[], ActorRanks]  # new actor ranks of the run's spec and placement (to replace dead ones)
     seconds: dict[str, float]  # of each start-up phase, for startup_line
+    # new critic ranks beside the given actor ranks (algo.advantage=gae; None without a critic)
+    start_critic: Callable[[ActorRanks], CriticRanks] | None = None
 
 
 def load_and_check(config: TrainConfig) -> list[QAExample]:
@@ -59,6 +62,11 @@ def load_and_check(config: TrainConfig) -> list[QAExample]:
     if config.algo.advantage != "outcome":  # turn-level credit: every row's turn scorer is known
         check_turn_scorers(examples, config.reward)
     check_model_layout(config.model.path, config.actor, config.algo.routing_replay)
+    if config.algo.advantage == "gae":  # the critic's model and layout
+        critic_model = config.critic.model.path or config.model.path
+        check_model_layout(critic_model, config.critic.ranks_config(config.actor), prefix="critic.")
+        if critic_model != config.model.path:
+            check_same_tokenizer(config.model.path, critic_model)
     # the memory plan: a run whose ranks or engines cannot fit stops here, before Ray, tool servers or actors start
     # (a cluster joined from a driver without a GPU: once Ray has joined it, in start_run)
     if memory_line := check_train_memory(config):
@@ -80,7 +88,7 @@ def start_run(config: TrainConfig, examples: list[QAExample], parts: RunParts, o
     gpus, rollout = 1 if has_gpus else 0, config.rollout
     placement = plan_placement(config.trainer.placement, config.actor.world_size, gpus, config.trainer.ray_address,
                                rollout.num_engines, rollout.tensor_parallel_size)
-    start_actor, logit_bias = _start_engines_and_ranks(config, tools, placement, gpus, parts, seconds)
+    start_actor, start_critic, logit_bias = _start_engines_and_ranks(config, tools, placement, gpus, parts, seconds)
     engine_bias = ray.get(parts.pool.engines[0].token_logit_bias.remote(), timeout=60)
     if engine_bias != logit_bias:
         raise RuntimeError(f"the engine's token logit bias {engine_bias} differs from the actor's {logit_bias}: "
@@ -91,7 +99,7 @@ def start_run(config: TrainConfig, examples: list[QAExample], parts: RunParts, o
     line, engine_ips = describe_placement(config.trainer.placement, parts.actor.workers, parts.pool.engines)
     print(line, flush=True)
     check_retriever_reachable(tools, engine_ips)
-    return StartedRun(config, start_actor, seconds)
+    return StartedRun(config, start_actor, seconds, start_critic)
 
 
 def _join_ray(config: TrainConfig, output_dir: Path, seconds: dict[str, float]) -> tuple[TrainConfig, bool]:
@@ -115,9 +123,10 @@ def _join_ray(config: TrainConfig, output_dir: Path, seconds: dict[str, float]) 
 def _start_engines_and_ranks(
     config: TrainConfig, tools: ToolsConfig, placement: Placement, gpus: int, parts: RunParts,
     seconds: dict[str, float],
-) -> tuple[Callable[[], ActorRanks], dict[int, float]]:
-    """The engine pool and the actor ranks (`gpus` each) into `parts`; returns the actor factory and the token logit
-    bias the ranks score under."""
+) -> tuple[Callable[[], ActorRanks], Callable[[ActorRanks], CriticRanks] | None, dict[int, float]]:
+    """The engine pool, the actor ranks (`gpus` each) and the critic's beside them (algo.advantage=gae: half of each
+    rank's devices each) into `parts`; returns the actor and critic factories and the token logit bias the ranks
+    score under."""
     def start_pool() -> EnginePool:
         with timed(seconds, "rollout engines"):
             # under the supervisor the engines outlive this driver, and a restarted one takes them over
@@ -134,13 +143,33 @@ def _start_engines_and_ranks(
                 # kept: actor ranks that die are replaced by new ones (trainer.max_actor_restarts). Under the
                 # supervisor the ranks outlive this driver as the engines do, and a restarted one takes them
                 # over (not in a split placement, whose group the trainer reserves)
+                actor_spec, start_critic = _actor_spec(config, logit_bias), None
+                share = 1.0
+                if config.algo.advantage == "gae":  # not detached: a restarted driver starts its critic anew
+                    share = 0.5
+                    start_critic = partial(_start_critic, _critic_spec(config, actor_spec), gpus)
                 start_actor = partial(
-                    ActorRanks, _actor_spec(config, logit_bias), num_gpus_per_rank=gpus,
+                    ActorRanks, actor_spec, num_gpus_per_rank=gpus, gpu_share=share,
                     detached=bool(supervisor_ray_address()) and not placement.actor_options, **placement.actor_options)
                 parts.actor = start_actor()
+            if start_critic is not None:
+                with timed(seconds, "critic ranks"):
+                    parts.critic = start_critic(parts.actor)
         finally:
             parts.pool = starting_pool.result()  # also when the actor failed: close() then stops the engines
-    return start_actor, logit_bias
+    return start_actor, start_critic, logit_bias
+
+
+def _start_critic(spec: ActorWorkerSpec, gpus: int, actor: ActorRanks) -> CriticRanks:
+    """The critic's ranks on the actor ranks' devices, half of each GPU (the actor's ranks take the other half)."""
+    return CriticRanks(spec, num_gpus_per_rank=gpus, gpu_share=0.5, beside=actor)
+
+
+def _critic_spec(config: TrainConfig, actor_spec: ActorWorkerSpec) -> ActorWorkerSpec:
+    """The critic ranks' spec: critic.model.path (default the policy's) with a value head, the critic's layout and
+    optimizer, the actor's dtype and seed."""
+    return replace(actor_spec, model_path=config.critic.model.path or config.model.path, value_model=True,
+                   actor=config.critic.ranks_config(config.actor))
 
 
 def _weight_sync(config: TrainConfig, actor: ActorRanks) -> WeightSync:
@@ -178,8 +207,10 @@ def startup_line(seconds: dict[str, float]) -> str:
     """How long the driver took to start, from rlsearch's start in its process, and where the time went."""
     total = time.time() - STARTED_AT
     phases = [f"{name} {seconds[name]:.1f}" for name in ("tool servers", "Ray") if name in seconds]
+    critic = f" then critic ranks {seconds['critic ranks']:.1f}" if "critic ranks" in seconds else ""
     phases.append(f"rollout engines {seconds.get('rollout engines', 0.0):.1f} and actor ranks "
-                  f"{seconds.get('actor ranks', 0.0):.1f} side by side ({seconds.get('side by side', 0.0):.1f})")
+                  f"{seconds.get('actor ranks', 0.0):.1f}{critic} side by side "
+                  f"({seconds.get('side by side', 0.0):.1f})")
     if "resume" in seconds:
         phases.append(f"resume {seconds['resume']:.1f}")
     rest = total - sum(seconds.get(name, 0.0) for name in ("tool servers", "Ray", "side by side", "resume"))

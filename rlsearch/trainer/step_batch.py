@@ -10,19 +10,16 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ..actor import TrainSample
-from ..algo import (
-    gigpo_advantages,
-    groups_with_signal,
-    grpo_advantages,
-    loss_token_weights,
-    minibatch_bounds,
-    turn_return_advantages,
-)
+from ..algo import gigpo_advantages, groups_with_signal, loss_token_weights, minibatch_bounds, turn_return_advantages
 from ..config import AlgoConfig
 from ..rollout import Trajectory
+from .estimates import trajectory_advantages
 
 if TYPE_CHECKING:
     import torch
+
+
+TURN_CREDIT = ("turn_returns", "gigpo")  # the estimators that read every turn's reward
 
 
 def outcome(trajectory: Trajectory) -> float:
@@ -80,7 +77,8 @@ def select_groups(trajectories: list[Trajectory], algo: AlgoConfig, max_groups: 
 
 
 def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[TrainSample]:
-    """What the actor trains on: GRPO advantages per group and loss-aggregation weights per token (over the whole
+    """What the actor trains on: advantages per trajectory (`trajectory_advantages`: GRPO's, RLOO's, ...; the
+    per-token estimators' come later, `token_estimates`) and loss-aggregation weights per token (over the whole
     list; `minibatches` re-weights per update), over the tokens the policy sampled (all response tokens with
     algo.mask_observations false). Trajectories a user agent failed are left out (also of their group's statistics);
     each segment of a trajectory is a sample with the trajectory's advantage, in the trajectory's prefix group and
@@ -89,15 +87,10 @@ def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[Trai
     but trains no token. With turn-level credit (algo.advantage turn_returns | gigpo) every token gets its turn's
     advantage instead (`token_advantages`).
     """
-    import torch
-
     trained = [t for t in trajectories if not t.failed]
     if not trained:
         return []
-    advantages = grpo_advantages(
-        torch.tensor([t.reward for t in trained]), [t.group_id for t in trained],
-        norm_by_std=algo.norm_adv_by_std, eps=algo.adv_eps,
-    )
+    advantages = trajectory_advantages(trained, algo)
     per_turn = turn_advantages(trained, advantages, algo)
     per_token = None if per_turn is None else [
         token_advantages(t, own, advantage) for t, own, advantage in zip(trained, per_turn, advantages.tolist())]
@@ -129,9 +122,9 @@ def train_samples(trajectories: list[Trajectory], algo: AlgoConfig) -> list[Trai
 
 def turn_advantages(trajectories: list[Trajectory], outcome_advantages: torch.Tensor, algo: AlgoConfig
                     ) -> list[list[float]] | None:
-    """Per trajectory, each turn's advantage under algo.advantage from its turns' rewards (Turn.reward, set by
-    rlsearch.reward.score_turns); None with outcome (every token gets its trajectory's advantage)."""
-    if algo.advantage == "outcome":
+    """Per trajectory, each turn's advantage under algo.advantage turn_returns or gigpo from its turns' rewards
+    (Turn.reward, set by rlsearch.reward.score_turns); None for the other estimators."""
+    if algo.advantage not in TURN_CREDIT:
         return None
     if any(turn.reward is None for t in trajectories for turn in t.turns):
         raise ValueError(f"algo.advantage={algo.advantage} needs every turn's reward: score the trajectories' turns "
@@ -172,15 +165,20 @@ def token_advantages(trajectory: Trajectory, turns: list[float], outcome_advanta
     return per_segment
 
 
-def actor_logprobs_of(trajectories: list[Trajectory], samples: list[TrainSample]) -> dict[int, list[list[float]]]:
-    """The actor's logprobs of each trajectory's segments (by id(trajectory)), from `samples` as `train_samples` made
-    them for `trajectories`; empty where the update computed none (one update a step trains on-policy)."""
-    if not samples or samples[0].old_logprobs is None:
+def token_series_of(trajectories: list[Trajectory], samples: list[TrainSample]) -> dict[int, dict[str, list]]:
+    """Per trajectory (by id), what the step computed per token of each of its segments, from `samples` as
+    `train_samples` made them for `trajectories`: "actor_logprobs" (where the update computed them: not in one
+    on-policy update) and "critic_values" (algo.advantage=gae)."""
+    series = {"actor_logprobs": "old_logprobs", "critic_values": "old_values"}
+    kept = {name: field for name, field in series.items() if samples and getattr(samples[0], field) is not None}
+    if not kept:
         return {}
     remaining = iter(samples)
-    return {
-        id(t): [next(remaining).old_logprobs for _ in t.segments] for t in trajectories if not t.failed
-    }
+    found = {}
+    for trajectory in (t for t in trajectories if not t.failed):
+        own = [next(remaining) for _ in trajectory.segments]
+        found[id(trajectory)] = {name: [getattr(sample, field) for sample in own] for name, field in kept.items()}
+    return found
 
 
 def overlong_masked(trajectories: list[Trajectory], algo: AlgoConfig) -> int:
@@ -188,12 +186,13 @@ def overlong_masked(trajectories: list[Trajectory], algo: AlgoConfig) -> int:
     return sum(is_overlong(t, algo) for t in trajectories if not t.failed) if algo.overlong == "mask" else 0
 
 
-def minibatches(samples: list[TrainSample], algo: AlgoConfig) -> list[list[TrainSample]]:
+def minibatches(samples: list[TrainSample], algo: AlgoConfig, loss_agg: str | None = None) -> list[list[TrainSample]]:
     """The step's samples in algo.num_minibatches contiguous parts (see `rlsearch.algo.minibatch_bounds`), each
-    with loss-aggregation weights over its own tokens: every update's loss is a mean over what it trains on."""
+    with loss-aggregation weights (`loss_agg`, default algo.loss_agg) over its own tokens: every update's loss is a
+    mean over what it trains on."""
     parts = [samples[start:end] for start, end in minibatch_bounds(len(samples), algo.num_minibatches)]
     return [
         [replace(sample, token_weights=w) for sample, w in zip(part, loss_token_weights(
-            [sample.loss_mask for sample in part], algo.loss_agg))]
+            [sample.loss_mask for sample in part], loss_agg or algo.loss_agg))]
         for part in parts
     ]

@@ -36,7 +36,7 @@ def prints_step(step: int, total_steps: int, print_interval: int) -> bool:
 
 def log_step(
     logger: RunLogger, step: int, rollout: PendingRollout, trajectories: list[Trajectory], trained_version: int,
-    step_metrics: dict[str, float], actor_logprobs: dict[int, list[list[float]]], timings: dict[str, float],
+    step_metrics: dict[str, float], token_series: dict[int, dict[str, list]], timings: dict[str, float],
     started: float,
 ) -> dict[str, float]:
     """The step's metrics (the trajectories', their token staleness, `step_metrics`, then the timings and the step's
@@ -52,7 +52,7 @@ def log_step(
     logger.log_metrics(step, metrics)
     logger.log_histogram(step, "rollout/token_staleness", staleness_per_token)
     logger.log_trajectories(step, [
-        trajectory_record(t, rollout, step, actor_logprobs.get(id(t)), trained_version) for t in trajectories
+        trajectory_record(t, rollout, step, token_series.get(id(t), {}), trained_version) for t in trajectories
     ])
     return metrics
 
@@ -81,20 +81,21 @@ def run_metrics(pool: EnginePool, progress: RunProgress, step: int, update: Poli
 
 
 def trajectory_record(
-    trajectory: Trajectory, rollout: PendingRollout, step: int, actor_logprobs: list[list[float]] | None,
+    trajectory: Trajectory, rollout: PendingRollout, step: int, token_series: dict[str, list[list[float]]],
     trained_version: int,
 ) -> dict:
     """A trajectories/step_N.jsonl line: the trajectory, its question, how many weight versions behind the trained
-    policy its oldest turn was sampled, and, where the update computed them, the actor's logprobs of each segment
-    (`actor_logprobs` for the trajectory's own tokens, earlier segments' in theirs)."""
+    policy its oldest turn was sampled, and what the step computed per token of each segment (`token_series`:
+    "actor_logprobs" where the update computed them, "critic_values" with a critic): the last segment's under the
+    trajectory's own tokens, earlier segments' in theirs."""
     record = trajectory.to_json()
     example = rollout.examples[trajectory.group_id]
     record.update(
         step=step, question=example.question, golden_answers=list(example.golden_answers),
         staleness=trained_version - min(trajectory.weight_versions, default=rollout.weight_version),
     )
-    if actor_logprobs is not None:
-        *earlier, record["actor_logprobs"] = actor_logprobs
-        for segment, logprobs in zip(record["earlier_segments"], earlier):
-            segment["actor_logprobs"] = logprobs
+    for name, per_segment in token_series.items():
+        *earlier, record[name] = per_segment
+        for segment, values in zip(record["earlier_segments"], earlier):
+            segment[name] = values
     return record

@@ -1,15 +1,20 @@
-"""The policy update of a GRPO step: algo.ppo_epochs passes over algo.num_minibatches mini-batches, each one
-optimizer step on the actor group."""
+"""The updates of a step: the policy's, algo.ppo_epochs passes over algo.num_minibatches mini-batches, each one
+optimizer step on the actor group; and the critic's (algo.advantage=gae), as many value-loss steps over the same
+mini-batches."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..actor import ActorRanks, TrainSample
 from ..algo import minibatch_bounds
-from ..config import AlgoConfig
+from ..config import AlgoConfig, CriticConfig
+
+if TYPE_CHECKING:
+    from ..actor import CriticRanks
 from .step_batch import minibatches
 
 
@@ -54,3 +59,14 @@ def policy_update(actor: ActorRanks, samples: list[TrainSample], algo: AlgoConfi
         "time/old_logprob_s": old_logprob_s,
     })
     return PolicyUpdate(metrics, per_update)
+
+
+def critic_update(critic: CriticRanks, samples: list[TrainSample], algo: AlgoConfig, settings: CriticConfig
+                  ) -> dict[str, float]:
+    """The critic's value-loss steps over the policy update's mini-batches and passes, each a mean over its trained
+    tokens; critic/* averaged over them, and critic/updates."""
+    per_update = [critic.value_step(batch, settings) for _ in range(algo.ppo_epochs)
+                  for batch in minibatches(samples, algo, loss_agg="token_mean")]
+    metrics = {key: statistics.fmean(update[key] for update in per_update) for key in per_update[0]}
+    metrics["critic/updates"] = float(len(per_update))
+    return metrics

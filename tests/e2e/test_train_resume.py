@@ -31,6 +31,10 @@ STEPS, SAVE_INTERVAL = 4, 2
 # from the first step on, so every step changes the weights and the optimizer state.
 COMPARED = ("actor/policy_loss", "actor/kl_loss", "actor/grad_norm", "actor/approx_kl", "reward/mean",
             "rollout/response_len_mean", "rollout/tool_calls_mean")
+# The uninterrupted, replayed and killed runs train PPO with the critic (its own ranks and checkpoint; the async run
+# trains GRPO): the resumed steps must give both models' figures of the uninterrupted run.
+PPO = ("algo.advantage=gae", "critic.lr=1e-4")
+CRITIC_COMPARED = ("critic/value_loss", "critic/grad_norm", "critic/explained_variance", "critic/value_mean")
 
 
 RESTART_LINE = "[rlsearch] the training driver died (killed by SIGKILL); restart 1 of 1 with trainer.resume=auto\n"
@@ -107,9 +111,9 @@ def reference(assets, driver_ray):
     """The uninterrupted run, then a rerun of its first 2 steps with tools.replay from its tool store alone (no
     corpus: a retriever could not even start), which takes over the reference's engine."""
     reference_dir, replay_dir = assets.base / "reference", assets.base / "replay"
-    output = _run_to_the_end(_command(assets, reference_dir), assets.base / "reference.log", driver_ray)
+    output = _run_to_the_end(_command(assets, reference_dir, False, *PPO), assets.base / "reference.log", driver_ray)
     replay_output = _run_to_the_end(
-        _command(assets, replay_dir, False, "trainer.total_steps=2", "tools.replay=true",
+        _command(assets, replay_dir, False, *PPO, "trainer.total_steps=2", "tools.replay=true",
                  f"tools.cache_dir={reference_dir / 'tool_store'}", "tools.retriever.corpus=/nonexistent"),
         assets.base / "replay.log", driver_ray)
     return SimpleNamespace(dir=reference_dir, output=output, replay_dir=replay_dir, replay_output=replay_output)
@@ -120,7 +124,7 @@ def killed(assets):
     """The run killed during step 3's rollout, under its supervisor (its own Ray, which the engine outlives the
     driver in)."""
     resumed_dir, log_path = assets.base / "resumed", assets.base / "doomed.log"
-    doomed = _start(_command(assets, resumed_dir, True), log_path)
+    doomed = _start(_command(assets, resumed_dir, True, *PPO), log_path)
     _kill_driver_after_step_2_checkpoint(doomed, log_path, delay_s=0.5)  # into step 3's rollout
     killed_output, resumed_output = _killed_and_resumed_output(doomed, log_path)
     return SimpleNamespace(dir=resumed_dir, killed_output=killed_output, resumed_output=resumed_output)
@@ -154,13 +158,15 @@ def test_killed_run_resumes_after_its_last_checkpoint(killed):
 
 def test_resumed_steps_equal_the_uninterrupted_run(reference, killed):
     reference_scalars, resumed = _scalars(reference.dir), _scalars(killed.dir)
-    for tag in COMPARED:
+    for tag in COMPARED + CRITIC_COMPARED:
         # TensorBoard steps continue: 1-2 from the killed run, 3-4 from the resumed one, each step once
         assert [step for step, _ in resumed[tag]] == list(range(1, STEPS + 1)), tag
         for (step, want), (_, got) in zip(reference_scalars[tag], resumed[tag]):
             assert got == pytest.approx(want, abs=1e-6, rel=1e-6), (tag, step)
     kl = dict(resumed["actor/kl_loss"])
     assert abs(kl[3]) > 1e-6  # the policy had moved from the reference: step 3 trained on restored weights
+    values = [value for _, value in resumed["critic/value_mean"]]
+    assert len(set(values)) == STEPS  # the critic trained every step: step 3's values are its restored weights
     for step in range(1, STEPS + 1):
         assert _response_ids(killed.dir, step) == _response_ids(reference.dir, step), step
 
@@ -220,6 +226,8 @@ def test_checkpoints_are_complete_and_nothing_was_left_running(killed, assets):
     manifest, state = load_run_checkpoint(checkpoints / "step_000004")
     assert state["step"] == 4 and state["sampler"] == {"epoch": 0, "position": 8}
     assert manifest["layout"] == {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "ep": 1, "virtual_pipeline_stages": 0}
+    assert manifest["critic_layout"] == manifest["layout"] and "critic" in manifest["contents"]
+    assert (checkpoints / "step_000004" / "critic" / "metadata.json").is_file()  # the critic's torch_dist state
     leftovers = subprocess.run(["pgrep", "-f", str(assets.index_cache)], capture_output=True, text=True)
     assert leftovers.stdout == "", "a tool server of the killed run is still running"
 

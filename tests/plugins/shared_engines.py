@@ -25,18 +25,20 @@ class RankPool:
         self._idle: list = []
 
     @contextmanager
-    def group(self, spec):
-        """An ActorRanks of `spec` on pooled processes, theirs again after the block."""
+    def group(self, spec, ranks_class=None):
+        """An ActorRanks (or `ranks_class`: CriticRanks) of `spec` on pooled processes, theirs again after the block."""
         import ray
 
         from rlsearch.actor import ActorRanks, MegatronActorWorker
+
+        ranks_class = ranks_class or ActorRanks
 
         size = spec.actor.world_size
         taken, self._idle = self._idle[:size], self._idle[size:]
         start = ray.remote(MegatronActorWorker).options(num_cpus=0)
         taken += [start.remote(spec, rank, size) for rank in range(len(taken), size)]
         try:
-            group = ActorRanks(spec, workers=taken)
+            group = ranks_class(spec, workers=taken)
         except BaseException:
             for worker in taken:
                 ray.kill(worker)

@@ -381,7 +381,8 @@ def test_recompute_and_offload_keys_are_checked_at_start_up_naming_the_key(tmp_p
          r"sampled has no engine logprobs"),
         (["algo.mismatch_threshold=0.01", "algo.mask_observations=false"],
          r"'algo\.mismatch_threshold' is 0\.01 with algo\.mask_observations=false"),
-        (["algo.advantage=per_turn"], r"'algo\.advantage' must be one of outcome, turn_returns, gigpo, rloo, reinforce_pp, reinforce_pp_baseline, gae; got 'per_turn'"),
+        (["algo.advantage=per_turn"], r"'algo\.advantage' must be one of outcome, turn_returns, gigpo, rloo, "
+                                      r"reinforce_pp, reinforce_pp_baseline, gae; got 'per_turn'"),
         (["algo.turn_gamma=1.5"], r"'algo\.turn_gamma' must be in \[0, 1\] \(1: no discount\); got 1\.5"),
         (["algo.turn_gamma=-0.1"], r"'algo\.turn_gamma' must be in \[0, 1\]"),
         (["algo.turn_weight=0"], r"'algo\.turn_weight' must be > 0"),

@@ -38,8 +38,8 @@ def test_unmasked_observations_train_every_response_token() -> None:
         assert sample.rollout_logprobs is None  # tool tokens were never sampled: no importance weights for them
 
 
-def test_actor_logprobs_go_back_to_their_trajectory_and_segment() -> None:
-    from rlsearch.trainer.step_batch import actor_logprobs_of
+def test_actor_logprobs_and_critic_values_go_back_to_their_trajectory_and_segment() -> None:
+    from rlsearch.trainer.step_batch import token_series_of
     from rlsearch.trajectory import Segment
 
     failed, first, second = _trajectory(0, 0.0), _trajectory(0, 1.0), _trajectory(0, 0.0)
@@ -47,15 +47,18 @@ def test_actor_logprobs_go_back_to_their_trajectory_and_segment() -> None:
     second.earlier_segments = [Segment([1, 2], [30, 31], [1, 1], [-0.1, -0.2])]
     trajectories = [failed, first, second]
     samples = train_samples(trajectories, AlgoConfig())
-    assert actor_logprobs_of(trajectories, samples) == {}  # one update a step: the actor computed none
+    assert token_series_of(trajectories, samples) == {}  # one update a step: the actor computed none
     # the segments of one trajectory share a prefix group (trained as one prefix tree); a lone segment has none
     assert [sample.prefix_group for sample in samples] == [None, 1, 1]
     for index, sample in enumerate(samples):
         sample.old_logprobs = [float(index)] * sample.response_len
-    assert actor_logprobs_of(trajectories, samples) == {
-        id(first): [[0.0] * 6],
-        id(second): [[1.0] * 2, [2.0] * 6],  # earlier segment first, then the trajectory's own tokens
+    assert token_series_of(trajectories, samples) == {
+        id(first): {"actor_logprobs": [[0.0] * 6]},
+        id(second): {"actor_logprobs": [[1.0] * 2, [2.0] * 6]},  # earlier segment first, then the trajectory's own
     }
+    for index, sample in enumerate(samples):
+        sample.old_values = [0.5 * index] * sample.response_len
+    assert token_series_of(trajectories, samples)[id(second)]["critic_values"] == [[0.5] * 2, [1.0] * 6]
 
 
 def _two_turns(reward: float, turn_rewards: list[float], observation: str) -> Trajectory:

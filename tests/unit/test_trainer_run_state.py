@@ -75,11 +75,13 @@ def test_a_trajectory_record_names_its_question_staleness_and_the_actors_logprob
     trajectory = Trajectory("q1", group_id=0, sample_index=1, prompt_ids=[1, 2], response_ids=[3], loss_mask=[1],
                             rollout_logprobs=[-0.5], weight_versions=[1, 2],
                             earlier_segments=[Segment([1], [2], [1], [-0.25])])
-    record = trajectory_record(trajectory, rollout, step=3, actor_logprobs=[[-0.3], [-0.6]], trained_version=2)
+    record = trajectory_record(trajectory, rollout, step=3, token_series={
+        "actor_logprobs": [[-0.3], [-0.6]], "critic_values": [[0.25], [0.5]]}, trained_version=2)
     assert (record["step"], record["question"], record["golden_answers"]) == (3, "Who founded Velmora?", ["Ada Brun"])
     assert record["staleness"] == 1  # its oldest turn was sampled one version behind the trained policy
     assert record["actor_logprobs"] == [-0.6] and record["earlier_segments"][0]["actor_logprobs"] == [-0.3]
+    assert record["critic_values"] == [0.5] and record["earlier_segments"][0]["critic_values"] == [0.25]
     # no weight versions recorded: the version the rollout was submitted under; no logprobs computed: none recorded
     trajectory.weight_versions = []
-    record = trajectory_record(trajectory, rollout, step=3, actor_logprobs=None, trained_version=2)
-    assert record["staleness"] == 0 and "actor_logprobs" not in record
+    record = trajectory_record(trajectory, rollout, step=3, token_series={}, trained_version=2)
+    assert record["staleness"] == 0 and "actor_logprobs" not in record and "critic_values" not in record

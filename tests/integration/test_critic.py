@@ -1,0 +1,145 @@
+"""The critic (algo.advantage=gae): Megatron ranks of the policy's transformer with a value head, against HF
+transformers' token-classification model of the same weights, across TP x PP x DP layouts, exported as an HF
+token-classification dir that transformers loads with the same values, and saved and resumed across layouts.
+
+Every layout starts from the same HF weights and head (its own seed), scores the same packed batch and takes one
+value-loss step on it. Layout runs are cached per module: each group of ranks starts once (the lane's rank pool)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlsearch.actor import CriticRanks, TrainSample
+from rlsearch.algo import loss_token_weights
+from rlsearch.config import CriticConfig
+from rlsearch.megatron.model import VALUE_HEAD, VALUE_HEAD_INIT_STD
+from tests.integration.actor_helpers import actor_spec, scored_batch
+
+VALUE_CLIP = CriticConfig(value_clip=0.2)
+# name -> (tp, pp, dp, extra critic settings)
+LAYOUTS = {
+    "tp1": (1, 1, 1, {}),
+    "tp2": (2, 1, 1, {}),
+    "pp2": (1, 2, 1, {}),
+    "dp2": (1, 1, 2, {"use_distributed_optimizer": True}),
+}
+
+
+@dataclass
+class LayoutRun:
+    values: list[list[float]]  # before the step
+    metrics: dict[str, float]  # of the value-loss step
+    trained: dict[str, torch.Tensor]  # the HF export after the step
+    values_after: list[list[float]]
+    checkpoint: Path  # the critic's state after the step
+
+
+def critic_spec(model_dir, tp: int, pp: int, dp: int, extra: dict):
+    return dataclasses.replace(actor_spec(model_dir, tp, pp, dp, extra), value_model=True)
+
+
+def hf_values(model_dir, samples: list[TrainSample], head: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """transformers' token-classification model (one label) of `model_dir`: each response token's value (at the
+    position before it), with `head` as its `score` (default: the model dir's own)."""
+    from transformers import AutoModelForTokenClassification
+
+    model = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32).eval()
+    if head is not None:
+        model.score.load_state_dict(head)
+    with torch.no_grad():
+        return [model(torch.tensor([s.token_ids])).logits[0, s.response_start - 1: -1, 0] for s in samples]
+
+
+def initial_head(hidden_size: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    """The value head a critic of `seed` starts with (rlsearch.megatron.model.ValueHead)."""
+    weight = torch.randn((1, hidden_size), generator=torch.Generator().manual_seed(seed)) * VALUE_HEAD_INIT_STD
+    return {"weight": weight, "bias": torch.zeros(1)}
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_dir):
+    """`scored_batch`'s samples with value targets and old values (the clip acts on some tokens), token-mean weights."""
+    samples, _ = scored_batch(lambda s: [torch.zeros(s_.response_len) for s_ in s])
+    generator = torch.Generator().manual_seed(5)
+    weights = loss_token_weights([s.loss_mask for s in samples], "token_mean")
+    for sample, w in zip(samples, weights):
+        sample.returns = torch.randn(sample.response_len, generator=generator).tolist()
+        sample.old_values = (0.3 * torch.randn(sample.response_len, generator=generator)).tolist()
+        sample.token_weights = w
+    return samples
+
+
+@pytest.fixture(scope="module")
+def run_layout(rank_pool, tiny_model_dir, batch, tmp_path_factory):
+    cache: dict[str, LayoutRun] = {}
+
+    def run(name: str) -> LayoutRun:
+        if name not in cache:
+            tp, pp, dp, extra = LAYOUTS[name]
+            checkpoint = tmp_path_factory.mktemp(f"critic-{name}")
+            with rank_pool.group(critic_spec(tiny_model_dir, tp, pp, dp, extra), CriticRanks) as group:
+                values = group.compute_values(batch)
+                metrics = group.value_step(batch, VALUE_CLIP)
+                trained = group.hf_state_dict()
+                values_after = group.compute_values(batch)
+                group.save_checkpoint(str(checkpoint))
+            cache[name] = LayoutRun(values, metrics, trained, values_after, checkpoint)
+        return cache[name]
+
+    return run
+
+
+def worst(a: list[list[float]], b) -> float:
+    return max((torch.tensor(x) - torch.as_tensor(y)).abs().max().item() for x, y in zip(a, b))
+
+
+def test_critic_values_equal_hf_token_classification_of_the_same_weights(run_layout, tiny_model_dir, batch):
+    hidden = json.loads((Path(tiny_model_dir) / "config.json").read_text())["hidden_size"]
+    reference = hf_values(tiny_model_dir, batch, initial_head(hidden))
+    assert worst(run_layout("tp1").values, reference) < 1e-5
+    assert max(abs(v) for row in run_layout("tp1").values for v in row) > 1e-3  # the head is no zero
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "tp1"])
+def test_critic_layouts_give_the_values_and_step_of_tp1(run_layout, layout):
+    baseline, result = run_layout("tp1"), run_layout(layout)
+    assert worst(result.values, baseline.values) < 1e-5
+    assert baseline.metrics["critic/value_clip_fraction"] > 0.05  # the clip acts on some tokens
+    for key in ("critic/value_loss", "critic/value_clip_fraction", "critic/grad_norm", "critic/explained_variance"):
+        assert result.metrics[key] == pytest.approx(baseline.metrics[key], abs=1e-5), key
+    assert set(result.trained) == set(baseline.trained)
+    assert max((result.trained[n] - baseline.trained[n]).abs().max().item() for n in baseline.trained) < 1e-5
+    assert worst(result.values_after, baseline.values_after) < 1e-5
+    assert worst(baseline.values_after, baseline.values) > 1e-4  # the step moved the values: agreeing means something
+
+
+def test_critic_exports_an_hf_token_classification_model_transformers_loads(run_layout, rank_pool, tiny_model_dir,
+                                                                            batch, tmp_path):
+    from rlsearch.checkpoint.convert import write_hf_model
+
+    run = run_layout("tp1")
+    assert {f"{VALUE_HEAD}.weight", f"{VALUE_HEAD}.bias"} <= set(run.trained)
+    assert not any(name.startswith("lm_head") for name in run.trained)  # the head replaced the output layer
+    assert run.trained[f"{VALUE_HEAD}.weight"].shape[0] == 1
+    out = write_hf_model(run.trained.items(), tmp_path / "critic-hf", tiny_model_dir)
+    config = json.loads((out / "config.json").read_text())
+    config.update(architectures=["Qwen2ForTokenClassification"], num_labels=1, tie_word_embeddings=False)
+    (out / "config.json").write_text(json.dumps(config))
+    assert worst(run.values_after, hf_values(out, batch)) < 1e-5
+    # a critic started from that dir (critic.model.path) takes its head too: the trained values
+    with rank_pool.group(critic_spec(out, 1, 1, 1, {}), CriticRanks) as group:
+        assert worst(group.compute_values(batch), run.values_after) < 1e-5
+
+
+def test_critic_checkpoint_resumes_into_another_layout(run_layout, rank_pool, tiny_model_dir, batch):
+    saved = run_layout("tp2")
+    with rank_pool.group(critic_spec(tiny_model_dir, 1, 1, 1, {}), CriticRanks) as group:
+        assert worst(group.compute_values(batch), saved.values) < 1e-5  # fresh: the initial values
+        group.load_checkpoint(str(saved.checkpoint), restore_rng=False)
+        assert worst(group.compute_values(batch), saved.values_after) < 1e-5
