@@ -332,6 +332,11 @@ class ActorRanks:
                 stages[info.pp_rank].append(worker)
         return stages
 
+    def offload(self) -> int:
+        """Every rank's weights, gradients and optimizer states into host memory, their device memory freed until
+        the next call that uses them (critic.offload); returns the bytes released over the ranks."""
+        return sum(wait_for_ranks([worker.offload.remote() for worker in self.workers]))
+
     def save_checkpoint(self, path: str, timeout_s: float | None = None) -> None:
         wait_for_ranks([worker.save_checkpoint.remote(path) for worker in self.workers], timeout_s,
                        f"saving the checkpoint {path}")

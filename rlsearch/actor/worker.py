@@ -32,6 +32,7 @@ from ..megatron.model import (
     make_bridge,
     resolve_transformer_impl,
 )
+from ..megatron.offload import release, restore, training_storages
 from ..megatron.parallel import PROCESS_GROUP_TIMEOUT_S, init_megatron_parallel
 from ..megatron.training import build_training_model, load_training_state, save_training_state
 from ..rendezvous import Rendezvous
@@ -153,6 +154,7 @@ class MegatronActorWorker:
         chunks = self._build_chunks()
         self.training = build_training_model(chunks, self.spec.actor, self.spec.total_steps)
         self.model = self.training.chunks
+        self._host_copies: list | None = None  # what `offload` released, until the next use restores it
         self.reference = None
         if self.spec.algo.kl_coef > 0 and not value_model:
             self.reference = self._build_chunks()
@@ -248,6 +250,7 @@ class MegatronActorWorker:
 
         from ..megatron.attention import rotary_table
 
+        self._on_device()
         micro_batches = pack_micro_batches(
             samples, self.spec.actor.max_tokens_per_microbatch, min_micro_batches=self.spec.actor.pp,
             trained_only=not forward_only, packing=self.packing,
@@ -431,6 +434,7 @@ class MegatronActorWorker:
         return TrainSample([0, 0], 1, [0], token_weights=[0.0], ref_logprobs=reference)
 
     def _optimizer_step(self, samples: Sequence[TrainSample], loss_fn) -> dict[str, float]:
+        self._on_device()
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -491,9 +495,25 @@ class MegatronActorWorker:
 
     # ---- weights --------------------------------------------------------------------------------------
 
+    def offload(self) -> int:
+        """This rank's weights, gradients and optimizer states (and the reference model's weights) into host memory,
+        their device memory released (critic.offload: the other model's turn on the device); returns the bytes
+        released (0 when they were already). Whatever uses them next brings them back first."""
+        if self._host_copies is not None:
+            return 0
+        self._host_copies = release(training_storages(self.model + (self.reference or []), self.training.optimizer))
+        return sum(host.numel() for _, host in self._host_copies)
+
+    def _on_device(self) -> None:
+        """The model and optimizer back where `offload` took them from (nothing when they are there)."""
+        if self._host_copies is not None:
+            restore(self._host_copies)
+            self._host_copies = None
+
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors (PP gathered, TP merged) on every rank, each name once. A collective over all ranks:
         for checkpoint export; weight syncs use the rank-local `export_weight_buckets` / `broadcast_weights`."""
+        self._on_device()
         return export_hf_named(self.mbridge, self.model)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -504,6 +524,7 @@ class MegatronActorWorker:
     def stage_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors of this rank's pipeline stage, as a weight sync exports them (yielded on the stage's
         TP rank 0; its TP peers take part in the gathers). A collective over the stage's TP group."""
+        self._on_device()
         return export_stage_weights(self.mbridge, self.model, self._shard_gathers)
 
     def export_weight_buckets(self, plan: shm.ExportPlan) -> Iterator[WeightBucket | DeltaBucket | dict]:
@@ -547,11 +568,13 @@ class MegatronActorWorker:
 
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer, LR scheduler and this rank's RNG states into an existing empty dir. A collective."""
+        self._on_device()
         save_training_state(self.training, path)
 
     def load_checkpoint(self, path: str, restore_rng: bool) -> int:
         """Load a checkpoint of `save_checkpoint` from any TP/PP/DP layout; returns the scheduler's step count. A
         collective."""
+        self._on_device()
         return load_training_state(self.training, path, restore_rng)
 
     def shutdown(self) -> None:

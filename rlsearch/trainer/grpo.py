@@ -172,10 +172,13 @@ class GRPOTrainer:
         with timed(timings, "time/ref_logprob_s"):
             self._add_reference_logprobs(samples)
 
-        # 5. critic: its values of the samples' tokens (algo.advantage=gae)
+        # 5. critic: its values of the samples' tokens (algo.advantage=gae); with critic.offload the actor waits in
+        # host memory during the critic's turn, and the critic during the rest of the step (each comes back on use)
         values = None
         if critic is not None and samples:
             with timed(timings, "time/values_s"):
+                if self.config.critic.offload:
+                    self.parts.actor.offload()
                 values = critic.compute_values(samples)
 
         # 6. algo: per-token advantages (gae from the values, reinforce_pp's returns), whitened over the step
@@ -186,6 +189,8 @@ class GRPOTrainer:
         if values is not None:
             with timed(timings, "time/critic_s"):
                 critic_metrics = critic_update(critic, samples, algo, self.config.critic)
+                if self.config.critic.offload:
+                    critic.offload()
 
         # 8. actor: the policy update, algo.ppo_epochs x algo.num_minibatches optimizer steps (none while the critic
         # warms up, critic.warmup_steps); the mismatch gate

@@ -34,7 +34,7 @@ COMPARED = ("actor/policy_loss", "actor/kl_loss", "actor/grad_norm", "actor/appr
 # The uninterrupted, replayed and killed runs train PPO with the critic (its own ranks and checkpoint; the async run
 # trains GRPO): the resumed steps must give both models' figures of the uninterrupted run.
 PPO = ("algo.advantage=gae", "critic.lr=1e-4")
-CRITIC_COMPARED = ("critic/value_loss", "critic/grad_norm", "critic/explained_variance", "critic/value_mean")
+CRITIC_COMPARED = ("critic/value_loss", "critic/grad_norm", "critic/value_mean")  # no reward: no return variance
 
 
 RESTART_LINE = "[rlsearch] the training driver died (killed by SIGKILL); restart 1 of 1 with trainer.resume=auto\n"

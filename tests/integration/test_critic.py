@@ -143,3 +143,18 @@ def test_critic_checkpoint_resumes_into_another_layout(run_layout, rank_pool, ti
         assert worst(group.compute_values(batch), saved.values) < 1e-5  # fresh: the initial values
         group.load_checkpoint(str(saved.checkpoint), restore_rng=False)
         assert worst(group.compute_values(batch), saved.values_after) < 1e-5
+
+
+def test_an_offloaded_critic_comes_back_bit_for_bit(run_layout, rank_pool, tiny_model_dir, batch):
+    """critic.offload: weights, gradient buffers and Adam's states leave for host memory between uses and come back in
+    place: the values and the step equal those of the critic that never left (the same layout, bit for bit)."""
+    stayed = run_layout("tp1")
+    parameters = sum(tensor.numel() * 4 for tensor in stayed.trained.values())  # float32
+    with rank_pool.group(critic_spec(tiny_model_dir, 1, 1, 1, {}), CriticRanks) as group:
+        assert group.offload() >= 2 * parameters  # the weights and their gradient buffer at least
+        assert group.offload() == 0  # already in host memory
+        assert group.compute_values(batch) == stayed.values
+        group.offload()
+        assert group.value_step(batch, VALUE_CLIP) == stayed.metrics
+        assert group.offload() >= 4 * parameters  # and now Adam's two moments
+        assert group.compute_values(batch) == stayed.values_after
