@@ -133,7 +133,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"\nlayouts of {args.gpus} actor GPU(s) of {args.gpu_memory_gb:g} GB at {inputs.actor.tokens:,} tokens per "
           "micro-batch that fit (more data parallelism first, then less recomputation, then no offloading):")
     for proposal in proposals:
-        print(f"  {proposal.plan.worst.total / GB:8.1f} GB per GPU  {proposal.change.describe()}")
+        print(f"  {proposal.plan.needed / GB:8.1f} GB per GPU  {proposal.change.describe()}")
     if not proposals:
         print("  none: fewer tokens per micro-batch, or more or larger GPUs")
     return 0 if proposals else 2
