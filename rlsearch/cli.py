@@ -133,7 +133,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"\nlayouts of {args.gpus} actor GPU(s) of {args.gpu_memory_gb:g} GB at {inputs.actor.tokens:,} tokens per "
           "micro-batch that fit (more data parallelism first, then less recomputation, then no offloading):")
     for proposal in proposals:
-        print(f"  {proposal.plan.worst.total / GB:8.1f} GB per GPU  {proposal.change.describe()}")
+        print(f"  {proposal.plan.needed / GB:8.1f} GB per GPU  {proposal.change.describe()}")
     if not proposals:
         print("  none: fewer tokens per micro-batch, or more or larger GPUs")
     return 0 if proposals else 2
@@ -189,11 +189,14 @@ def _convert(args: argparse.Namespace) -> int:
 def _mcore_to_hf(args: argparse.Namespace) -> str:
     from .checkpoint.convert import mcore_to_hf
 
-    result = mcore_to_hf(args.ckpt, args.out, dtype=args.dtype, base_hf_dir=args.base_hf_dir, verify=args.verify)
-    summary = (f"wrote HuggingFace model {result.out_dir}: {result.num_tensors} tensors, "
+    result = mcore_to_hf(args.ckpt, args.out, dtype=args.dtype, base_hf_dir=args.base_hf_dir, verify=args.verify,
+                         critic=args.critic)
+    what = "critic (token classification, one label)" if args.critic else "model"
+    summary = (f"wrote HuggingFace {what} {result.out_dir}: {result.num_tensors} tensors, "
                f"{result.num_bytes / 2**20:.1f} MiB {result.dtype} in {result.num_shards} safetensors shard(s)")
     if result.max_logit_diff is not None:
-        summary += f"; verify: max |logit diff| vs Megatron {result.max_logit_diff:.3g}"
+        summary += (f"; verify: max |{'value' if args.critic else 'logit'} diff| vs Megatron "
+                    f"{result.max_logit_diff:.3g}")
     return summary
 
 
@@ -355,6 +358,7 @@ CONVERT_EPILOG = """\
 examples:
   rlsearch convert mcore-to-hf --ckpt outputs/run/checkpoints/step_000010 --out outputs/run/hf_step_10
   rlsearch convert mcore-to-hf --ckpt RUN/checkpoints/step_000010 --out /models/step_10 --dtype bf16 --verify
+  rlsearch convert mcore-to-hf --ckpt RUN/checkpoints/step_000010 --out /models/critic_10 --critic --verify
   rlsearch convert hf-to-mcore --hf-dir outputs/assets/tiny-qwen2 --out /ckpt/tiny-tp2pp2 --tp 2 --pp 2
   rlsearch convert hf-to-mcore --hf-dir /models/Qwen3-30B-A3B --out /ckpt/qwen3-moe-ep4 --ep 4
   rlsearch convert gguf-to-hf --gguf /models/Qwen2.5-0.5B-Instruct-Q8_0.gguf --out /models/qwen2.5-0.5b-instruct
@@ -401,6 +405,10 @@ def add_convert_parser(commands) -> None:
                        "hf/ copy (e.g. the base model the run started from)")
     to_hf.add_argument("--verify", action="store_true", help="load the result with transformers and compare its "
                        "logits with the Megatron model's on a fixed batch; prints the max |diff|")
+    to_hf.add_argument("--critic", action="store_true", help="write the checkpoint's critic (algo.advantage=gae runs) "
+                       "instead of the policy: a <Arch>ForTokenClassification model of one label (its values), which "
+                       "critic.model.path takes; config and tokenizer from the model the critic started from "
+                       "(critic.model.path of the run, else hf/; --base-hf-dir overrides)")
 
     to_mcore = add_direction(
         "hf-to-mcore", _hf_to_mcore, help="HuggingFace model dir -> Megatron checkpoint for a TP x PP x EP layout",

@@ -7,7 +7,8 @@
   converted one (Megatron reshards whatever layout it was saved from; expert weights are keyed by global expert id,
   so every expert of an expert-parallel checkpoint lands in the one rank), exports HF-named tensors through mbridge
   and writes safetensors shards with their index, config and tokenizer; `verify` compares the logits of the written
-  dir (HF transformers) with the Megatron model's.
+  dir (HF transformers) with the Megatron model's. With `critic` it writes a gae run's critic (CRITIC_DIR) the same
+  way, as a token-classification model of one label (its value head as `score`), and `verify` compares its values.
 
 Ranks are processes on gloo over 127.0.0.1 (one GPU each when there are enough GPUs, else CPU), started by
 rlsearch.megatron.processes (on CPU forked from a server that imports Megatron once). An error in a rank surfaces in
@@ -31,7 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from ..config.model_checks import model_layout_problem
-from .layout import HF_DIR, MODEL_DIR, CheckpointError, copy_hf_metadata, read_manifest, write_manifest
+from .layout import (
+    CRITIC_DIR,
+    HF_DIR,
+    MODEL_DIR,
+    TRAINER_STATE,
+    CheckpointError,
+    copy_hf_metadata,
+    read_manifest,
+    write_manifest,
+)
 
 # --dtype names -> HF config / manifest names
 OUTPUT_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -49,7 +59,8 @@ class HFExport:
     num_bytes: int  # tensor data
     num_shards: int
     dtype: str  # float32 | bfloat16
-    max_logit_diff: float | None  # verify only: max |logits of the written HF model - Megatron model's|
+    # verify only: max |logits of the written HF model - Megatron model's| (a critic's: its values)
+    max_logit_diff: float | None
 
 
 class ConversionError(RuntimeError):
@@ -97,34 +108,49 @@ def mcore_to_hf(
     base_hf_dir: str | os.PathLike | None = None,
     verify: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    critic: bool = False,
 ) -> HFExport:
     """Write the model of the checkpoint `ckpt_dir` (any layout) as a HuggingFace model dir `out_dir` (new or empty)
     loadable by transformers and vLLM. `dtype`: "bf16" or "fp32" (None: the checkpoint's). Config and tokenizer come
     from the checkpoint's hf/ dir, or from `base_hf_dir` when given. `verify`: compare the logits of the written
-    model (transformers, fp32) with the Megatron model's on a fixed batch; the max |diff| is in the result."""
+    model (transformers, fp32) with the Megatron model's on a fixed batch; the max |diff| is in the result.
+
+    `critic`: write the run's critic instead (algo.advantage=gae checkpoints), as an `<Arch>ForTokenClassification`
+    model of one label that transformers loads with the critic's values and a run takes as critic.model.path; its
+    config and tokenizer from the model it started from (`_critic_base`; `base_hf_dir` when given)."""
     ckpt, out = Path(ckpt_dir), Path(out_dir)
     manifest = read_manifest(ckpt)
-    if "model" not in manifest.get("contents", []):
-        raise CheckpointError(f"{ckpt} holds no model weights (contents: {manifest.get('contents')})")
+    contents = manifest.get("contents", [])
+    if critic and "critic" not in contents:
+        raise CheckpointError(f"{ckpt} holds no critic (contents: {contents}): only a run with algo.advantage=gae "
+                              "trains one; convert its policy without --critic")
+    if not critic and "model" not in contents:
+        raise CheckpointError(f"{ckpt} holds no model weights (contents: {contents})")
     if dtype is not None and dtype not in OUTPUT_DTYPES:
         raise ValueError(f"unknown dtype '{dtype}'; choose one of {', '.join(OUTPUT_DTYPES)}")
     checkpoint_dtype = manifest.get("dtype")
     if checkpoint_dtype not in OUTPUT_DTYPES.values():
         raise CheckpointError(f"{ckpt}: unsupported checkpoint dtype {checkpoint_dtype!r} in its manifest")
     out_dtype = OUTPUT_DTYPES[dtype] if dtype else checkpoint_dtype
-    metadata_dir = Path(base_hf_dir) if base_hf_dir else ckpt / HF_DIR
+    policy_metadata = ckpt / HF_DIR
+    metadata_dir = Path(base_hf_dir) if base_hf_dir else _critic_base(ckpt) if critic else policy_metadata
     config = _read_hf_config(metadata_dir)
-    if manifest.get("architecture") != config["model_type"]:
+    # the manifest names the policy's architecture: a critic started from a model of its own is checked on load
+    if (not critic or metadata_dir == policy_metadata) and manifest.get("architecture") != config["model_type"]:
         raise CheckpointError(f"{ckpt} holds a '{manifest.get('architecture')}' model but {metadata_dir} describes "
                               f"a '{config['model_type']}' one; pass the base model the run was trained from")
     with _staged(out) as staging:
         copy_hf_metadata(metadata_dir, staging)
         config["dtype"] = out_dtype
         config.pop("torch_dtype", None)  # the transformers 4 name of the same field
+        if critic:
+            config.update(_value_model_config(config))
+            for name in ("id2label", "label2id"):  # num_labels is the one that counts: a label per value
+                config.pop(name, None)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (written,) = _spawn(_export_model, (1, 1, 1), (
-            str(metadata_dir), str(ckpt / MODEL_DIR), str(staging), checkpoint_dtype,
-            manifest.get("transformer_impl", "auto"), out_dtype, max_shard_bytes, verify,
+            str(metadata_dir), str(ckpt / (CRITIC_DIR if critic else MODEL_DIR)), str(staging), checkpoint_dtype,
+            manifest.get("transformer_impl", "auto"), out_dtype, max_shard_bytes, verify, critic,
         ))
         return HFExport(out_dir=_publish(staging, out), dtype=out_dtype, **written)
 
@@ -167,6 +193,32 @@ def _read_hf_config(hf_dir: Path) -> dict[str, Any]:
 def _checkpoint_dtype(config: dict[str, Any]) -> str:
     """The HF model's dtype as the checkpoint's: bfloat16 stays, anything else is stored as float32 (lossless)."""
     return "bfloat16" if (config.get("dtype") or config.get("torch_dtype")) == "bfloat16" else "float32"
+
+
+def _critic_base(ckpt: Path) -> Path:
+    """The HF dir a run checkpoint's critic was built from: the run's critic.model.path (the config in its trainer
+    state), else the policy's model (the checkpoint's hf/ copy)."""
+    state_path = ckpt / TRAINER_STATE
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    path = state.get("config", {}).get("critic", {}).get("model", {}).get("path") or ""
+    if not path:
+        return ckpt / HF_DIR
+    if not (Path(path) / "config.json").is_file():
+        raise CheckpointError(f"the critic of {ckpt} started from critic.model.path {path}, which is not here (no "
+                              "config.json); pass that model's dir (its config and tokenizer) as --base-hf-dir")
+    return Path(path)
+
+
+def _value_model_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config.json keys of a critic written as transformers' token-classification model of one label: its value
+    head is `score`, and it shares no weight with the embedding."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    architecture = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.get(config["model_type"])
+    if architecture is None:
+        raise CheckpointError(f"transformers has no token-classification model of '{config['model_type']}' to "
+                              "write a critic as")
+    return {"architectures": [architecture], "num_labels": 1, "tie_word_embeddings": False}
 
 
 def _staging_dir(out: Path) -> Path:
@@ -280,8 +332,9 @@ def _rank_main(
             dist.destroy_process_group()
 
 
-def _build(hf_dir: str, dtype: str, transformer_impl: str):
-    """mbridge bridge and this rank's (random-initialised) model chunk for the HF config at `hf_dir`."""
+def _build(hf_dir: str, dtype: str, transformer_impl: str, value_model: bool = False):
+    """mbridge bridge and this rank's (random-initialised) model chunk for the HF config at `hf_dir`; `value_model`:
+    a critic's (a value head for the output layer)."""
     import torch
 
     from ..megatron.cpu_compat import cuda_available
@@ -292,8 +345,9 @@ def _build(hf_dir: str, dtype: str, transformer_impl: str):
     except RuntimeError as error:
         raise CheckpointError(f"the checkpoint was written with the Transformer Engine layer spec; convert it on a "
                               f"machine with a GPU and a working Transformer Engine ({error})") from None
-    bridge = make_bridge(hf_dir, getattr(torch, dtype), impl, on_cpu=not cuda_available())
-    return bridge, build_model_chunks(bridge), impl
+    bridge = make_bridge(hf_dir, getattr(torch, dtype), impl, on_cpu=not cuda_available(), value_model=value_model)
+    # the head's initialisation is overwritten by the checkpoint's
+    return bridge, build_model_chunks(bridge, value_head_seed=0 if value_model else None), impl
 
 
 def _save_model_shard(hf_dir: str, megatron_dir: str, dtype: str) -> str:
@@ -308,9 +362,10 @@ def _save_model_shard(hf_dir: str, megatron_dir: str, dtype: str) -> str:
 
 def _export_model(
     hf_dir: str, megatron_dir: str, out_dir: str, checkpoint_dtype: str, transformer_impl: str, out_dtype: str,
-    max_shard_bytes: int, verify: bool,
+    max_shard_bytes: int, verify: bool, value_model: bool,
 ) -> dict[str, Any]:
-    """Rank job of mcore_to_hf (a single rank): load the checkpoint's model, write safetensors, optionally verify."""
+    """Rank job of mcore_to_hf (a single rank): load the checkpoint's model (`value_model`: its critic), write
+    safetensors, optionally verify."""
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -319,7 +374,7 @@ def _export_model(
     from ..megatron.model import export_hf_named
     from ..megatron.parallel import model_sharded_state
 
-    bridge, (model,), _ = _build(hf_dir, checkpoint_dtype, transformer_impl)
+    bridge, (model,), _ = _build(hf_dir, checkpoint_dtype, transformer_impl, value_model)
     try:
         state = dist_checkpointing.load({"model": model_sharded_state([model])}, megatron_dir)
     except (CheckpointingException, CheckpointException) as error:
@@ -330,7 +385,8 @@ def _export_model(
     model.load_state_dict(state["model"])
     written = _write_safetensors(export_hf_named(bridge, [model]), Path(out_dir), getattr(torch, out_dtype),
                                  max_shard_bytes)
-    written["max_logit_diff"] = _max_logit_diff(model, out_dir, bridge.hf_config.vocab_size) if verify else None
+    written["max_logit_diff"] = (_max_logit_diff(model, out_dir, bridge.hf_config.vocab_size, value_model) if verify
+                                 else None)
     return written
 
 
@@ -371,12 +427,13 @@ def _write_safetensors(named: Iterable[tuple[str, Any]], out: Path, dtype, max_s
     return {"num_tensors": len(weight_map), "num_bytes": total_bytes, "num_shards": len(shards)}
 
 
-def _max_logit_diff(model, hf_dir: str, vocab_size: int) -> float:
+def _max_logit_diff(model, hf_dir: str, vocab_size: int, value_model: bool = False) -> float:
     """Max |logit diff| between the written HF model (transformers, fp32) and the Megatron model on a fixed batch of
-    random token ids (unpacked causal attention). transformers runs MoE experts one after another, as Megatron's
-    SequentialMLP does, rather than through its default grouped GEMM (on the tiny models both stay within 8e-7)."""
+    random token ids (unpacked causal attention); `value_model`: a critic's values, transformers' token-classification
+    logits of its one label. transformers runs MoE experts one after another, as Megatron's SequentialMLP does, rather
+    than through its default grouped GEMM (on the tiny models both stay within 8e-7)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
     from transformers.utils import logging
 
     logging.disable_progress_bar()
@@ -386,7 +443,7 @@ def _max_logit_diff(model, hf_dir: str, vocab_size: int) -> float:
     model.eval()
     with torch.no_grad():
         megatron_logits = model(tokens.to(device), positions.to(device), None).float().cpu()
-        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                                        experts_implementation="eager").eval()
+        auto_class = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
+        hf_model = auto_class.from_pretrained(hf_dir, dtype=torch.float32, experts_implementation="eager").eval()
         hf_logits = hf_model(tokens).logits.float()
     return (hf_logits - megatron_logits).abs().max().item()

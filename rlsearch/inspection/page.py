@@ -2,8 +2,9 @@
 
 Every response token is a span coloured by its loss mask (sampled by the policy and trained, or an observation
 the tools appended), its title giving the token id, the engine's logprob and, where the record has the actor's,
-the actor's and their gap, which also marks the token (the larger the gap, the stronger the marker). Tokens are
-decoded with the run's tokenizer; without one the page shows each turn's text instead, and says so.
+the actor's and their gap, which also marks the token (the larger the gap, the stronger the marker), and where the
+record has the critic's values (algo.advantage=gae) the value at each sampled token. Tokens are decoded with the run's
+tokenizer; without one the page shows each turn's text instead, and says so.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Token:
     engine_logprob: float
     actor_logprob: float | None
     starts_segment: bool  # the first response token of a segment after the first (a user agent's rewritten history)
+    value: float | None = None  # the critic's value of the state before the token (gae runs' "critic_values")
 
     @property
     def gap(self) -> float | None:
@@ -186,7 +188,8 @@ def render_page(records: list[dict], title: str, detokenizer: Detokenizer | None
         '<p class="legend"><span class="tok m1">sampled by the policy (trained)</span>'
         '<span class="tok m0">observation (not trained)</span>'
         '<span class="tok m1 g1">actor-engine gap &ge; 1e-3</span><span class="tok m1 g2">&ge; 1e-2</span>'
-        '<span class="tok m1 g3">&ge; 1e-1</span> hover a token for its id and logprobs</p>'
+        '<span class="tok m1 g3">&ge; 1e-1</span> hover a token for its id, logprobs and (gae runs) the critic\'s '
+        "value</p>"
         '<table class="index"><tr><th>#</th><th>step</th><th>example</th><th>group</th><th>sample</th>'
         f"<th>reward</th><th>turns</th><th>tool calls</th><th>failed</th></tr>{index_rows}</table>\n"
         f"{sections}</body></html>\n"
@@ -229,6 +232,10 @@ def _facts(record: dict, tokens: list[Token]) -> str:
         ("engine-actor gap", f"max {max(gaps):.2e} over {len(gaps)} sampled tokens" if gaps else
          "- (no actor logprobs: one update a step trains on-policy)"),
     ]
+    values = [token.value for token in tokens if token.sampled and token.value is not None]
+    if values:
+        facts.append(("critic values", f"{values[0]:.4f} at the first sampled token, min {min(values):.4f}, max "
+                                       f"{max(values):.4f} over {len(values)} (hover a token for its own)"))
     rows = "".join(f"<tr><th>{escape(name)}</th><td>{escape(str(value))}</td></tr>" for name, value in facts)
     if record.get("failed"):
         rows += f'<tr><th>failed</th><td class="error">{escape(record["failed"])}</td></tr>'
@@ -243,14 +250,16 @@ def _prompt(record: dict, detokenizer: Detokenizer | None) -> str:
 
 
 def response_tokens(record: dict) -> list[Token]:
-    """Every response token of every segment (earlier segments first), with its mask and logprobs."""
+    """Every response token of every segment (earlier segments first), with its mask, logprobs and critic value."""
     segments = [*record.get("earlier_segments", []), record]
     tokens = []
     for index, segment in enumerate(segments):
-        actor = segment.get("actor_logprobs") or [None] * len(segment["response_ids"])
-        tokens += [Token(token_id, mask == 1, engine, actor_logprob, index > 0 and position == 0)
-                   for position, (token_id, mask, engine, actor_logprob) in enumerate(zip(
-                       segment["response_ids"], segment["loss_mask"], segment["rollout_logprobs"], actor))]
+        missing = [None] * len(segment["response_ids"])
+        actor = segment.get("actor_logprobs") or missing
+        values = segment.get("critic_values") or missing
+        tokens += [Token(token_id, mask == 1, engine, actor_logprob, index > 0 and position == 0, value)
+                   for position, (token_id, mask, engine, actor_logprob, value) in enumerate(zip(
+                       segment["response_ids"], segment["loss_mask"], segment["rollout_logprobs"], actor, values))]
     return tokens
 
 
@@ -327,6 +336,8 @@ def _token_span(token: Token, text: str) -> str:
     if gap is not None:
         title += f" · actor {token.actor_logprob:.4f} · gap {gap:.2e}"
         classes += [name for threshold, name in GAP_CLASSES if gap >= threshold][:1]
+    if token.sampled and token.value is not None:
+        title += f" · value {token.value:.4f}"
     if token.starts_segment:
         classes.append("seg-start")
         title += " · a new segment starts here (the agent rewrote its history)"

@@ -20,6 +20,7 @@ from ..devices import gpu_name_and_memory, local_gpu_index
 from .plan import (
     GB,
     ActorMemorySettings,
+    CriticMemorySettings,
     Device,
     EngineMemorySettings,
     FrozenEngineSettings,
@@ -226,8 +227,9 @@ def run_parts(config: TrainConfig, on_gpu: bool, local: bool = True) -> RunParts
 
 def train_memory_inputs(config: TrainConfig, device: Device, host: Device | None = None,
                         local: bool = True) -> MemoryInputs:
-    """The plan's inputs from a training config (the model's config.json, the actor's layout and keys, the rollout's
-    window and engines, the tool servers and the frozen engine it starts) for `device` (and, on GPUs, `host`)."""
+    """The plan's inputs from a training config (the model's config.json, the actor's layout and keys, the critic's
+    with algo.advantage=gae, the rollout's window and engines, the tool servers and the frozen engine it starts) for
+    `device` (and, on GPUs, `host`)."""
     actor, rollout = config.actor, config.rollout
     settings = ActorMemorySettings(
         tokens=micro_batch_tokens(config),
@@ -251,7 +253,18 @@ def train_memory_inputs(config: TrainConfig, device: Device, host: Device | None
     )
     return MemoryInputs(ModelShape.from_model_dir(config.model.path), settings, device, engines,
                         host=None if device.kind == "cpu" else host,
-                        run=run_parts(config, device.kind == "gpu", local))
+                        run=run_parts(config, device.kind == "gpu", local), critic=_critic(config))
+
+
+def _critic(config: TrainConfig) -> CriticMemorySettings | None:
+    """The critic section as the plan reads it (None without algo.advantage=gae): its layout's 0s stay the actor's,
+    so the changes the plan suggests to the actor's layout move the critic's along, as CriticConfig.ranks_config
+    does."""
+    if config.algo.advantage != "gae":
+        return None
+    critic = config.critic
+    return CriticMemorySettings(ModelShape.from_model_dir(critic.model.path or config.model.path), tp=critic.tp,
+                                pp=critic.pp, cp=critic.cp, dp=critic.dp, offload=critic.offload)
 
 
 def plan_train_config(config: TrainConfig, device: Device | None = None, machine: DriverMachine | None = None,

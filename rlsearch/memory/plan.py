@@ -7,10 +7,15 @@ The backward pass holds the activations kept for it and, one at a time, either t
 backward (what recomputation runs again and the gradients of that layer's activations). On CPU the actor ranks,
 the engines and every other process of the run share the host, so the plan adds them up against the host's memory;
 on GPUs each rank has its own, the engines and the browse summariser's frozen engine their own, and what their
-processes, the driver, Ray and the tool servers hold in host memory is added up against the host's."""
+processes, the driver, Ray and the tool servers hold in host memory is added up against the host's.
+
+With a critic (algo.advantage=gae) its ranks are planned as the actor's are, for its model with a value head and its
+own layout, and its rank r shares actor rank r's device: a device holds both processes' peaks (each process's caching
+allocator keeps what it freed for itself), or with critic.offload one model's tensors at a time."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -99,6 +104,28 @@ class ActorMemorySettings:
 
 
 @dataclass(frozen=True)
+class CriticMemorySettings:
+    """The critic of algo.advantage=gae (the critic section): its model, its layout and critic.offload. Its ranks'
+    other settings are the actor's (the tokens of a micro-batch, dtype, recomputation, optimizer), as
+    CriticConfig.ranks_config gives them, without a reference model; its rank r shares actor rank r's device."""
+
+    shape: ModelShape  # critic.model.path's (default the policy's); planned with a value head for its output layer
+    tp: int = 0  # 0: the actor's, as are pp, cp and dp
+    pp: int = 0
+    cp: int = 0
+    dp: int = 0
+    offload: bool = False  # one model's weights, gradients and optimizer states on the device at a time (GPU)
+
+    def settings(self, actor: ActorMemorySettings) -> ActorMemorySettings:
+        """The critic ranks' settings beside `actor`'s (CriticConfig.ranks_config's layout: virtual stages only with
+        the actor's pipeline)."""
+        layout = actor.layout
+        return dataclasses.replace(actor, reference_model=False, layout=Layout(
+            tp=self.tp or layout.tp, pp=self.pp or layout.pp, cp=self.cp or layout.cp, dp=self.dp or layout.dp,
+            ep=layout.ep, virtual_stages=0 if self.pp else layout.virtual_stages))
+
+
+@dataclass(frozen=True)
 class EngineMemorySettings:
     count: int = 0
     tp: int = 1  # GPUs (CPU: worker processes) per engine
@@ -158,6 +185,7 @@ class MemoryInputs:
     # on CPU the device is the host
     host: Device | None = None
     run: RunParts = RunParts()
+    critic: CriticMemorySettings | None = None  # algo.advantage=gae
 
 
 @dataclass(frozen=True)
@@ -192,6 +220,27 @@ class RankMemory:
     @property
     def total(self) -> float:
         return self.step + self.runtime
+
+
+@dataclass(frozen=True)
+class SharedDevice:
+    """A device of actor ranks of one pipeline stage and the critic's rank beside each (None: none), in bytes."""
+
+    actor: RankMemory
+    critic: RankMemory | None
+    offload: bool  # critic.offload
+    count: int  # the devices alike
+
+    @property
+    def total(self) -> float:
+        """Without critic.offload both processes hold their peaks (PyTorch's caching allocator keeps a process's freed
+        memory for that process); with it the device holds one model's tensors at a time, the larger step, beside
+        both processes' runtimes."""
+        if self.critic is None:
+            return self.actor.total
+        if self.offload:
+            return max(self.actor.step, self.critic.step) + self.actor.runtime + self.critic.runtime
+        return self.actor.total + self.critic.total
 
 
 @dataclass(frozen=True)
@@ -233,10 +282,18 @@ class MemoryPlan:
     summariser: EngineMemory | None = None  # the browse summariser's frozen engine
     host_parts: list[HostPart] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    critic_ranks: list[RankMemory] = field(default_factory=list)  # one per pipeline stage of the critic's layout
+    devices: list[SharedDevice] = field(default_factory=list)  # the actor ranks' devices, by what they hold
 
     @property
     def worst(self) -> RankMemory:
+        """The fullest actor rank."""
         return max(self.ranks, key=lambda rank: rank.total)
+
+    @property
+    def worst_device(self) -> SharedDevice:
+        """The fullest device: its actor rank and the critic rank beside it."""
+        return max(self.devices, key=lambda device: device.total)
 
     @property
     def on_cpu(self) -> bool:
@@ -254,8 +311,8 @@ class MemoryPlan:
 
     @property
     def needed(self) -> float:
-        """What is checked against the device's memory: the host's total on CPU, the worst rank on GPU."""
-        return self.host_total if self.on_cpu else self.worst.total
+        """What is checked against the device's memory: the host's total on CPU, the fullest device on GPU."""
+        return self.host_total if self.on_cpu else self.worst_device.total
 
     @property
     def actor_fits(self) -> bool:
@@ -281,20 +338,22 @@ class MemoryPlan:
 
     def headline(self) -> str:
         """e.g. "225 GB per rank at 32,768 tokens" or "30.2 GB of host memory at 4,096 tokens"."""
-        where = "of host memory" if self.on_cpu else "per rank"
+        where = "of host memory" if self.on_cpu else "per rank" if not self.critic_ranks else (
+            "per device (an actor and a critic rank)")
         return f"{_gb(self.needed)} {where} at {self.inputs.actor.tokens:,} tokens"
 
     def render(self) -> str:
         inputs = self.inputs
         actor, shape, device = inputs.actor, inputs.shape, inputs.device
-        rank = self.worst
+        rank = self.worst_device.actor
         lines = [
             f"model   : {shape.describe()}",
             f"actor   : {actor.describe()}; {actor.tokens:,} tokens per micro-batch"
             + (f" ({math.ceil(actor.tokens / actor.layout.cp):,} per context-parallel rank)"
                if actor.layout.cp > 1 else ""),
             f"device  : {device.name}, {_gb(device.memory)}",
-            f"per actor rank (pipeline stage {rank.stage} of {actor.layout.pp}, the fullest):",
+            f"per actor rank (pipeline stage {rank.stage} of {actor.layout.pp}, "
+            f"{'on the fullest device' if self.critic_ranks else 'the fullest'}):",
         ]
         dtype = actor.dtype
         optimizer = "Adam moments" + (" and fp32 master weights" if dtype != "float32" else "")
@@ -331,6 +390,7 @@ class MemoryPlan:
              else "CUDA context, NCCL and allocator headroom"),
             ("total", rank.total, ""),
         ]
+        rows += self._critic_rows()
         lines += [f"  {name:<17}{_gb(value):>11}  {what}" for name, value, what in rows]
         if self.engine is not None:
             lines.append(self._engine_line("engines ", self.engine, inputs.engines))
@@ -348,6 +408,27 @@ class MemoryPlan:
         lines.append(f"verdict : {verdict}: {self.headline()} of {_gb(device.memory)} ({device.name})"
                      + "".join(f"; {problem}" for problem in problems))
         return "\n".join(lines)
+
+    def _critic_rows(self) -> list[tuple[str, float, str]]:
+        """The critic's rank beside the fullest device's actor rank, and the device's total (none without a critic)."""
+        device = self.worst_device
+        critic = device.critic
+        if critic is None:
+            return []
+        layout = self.inputs.critic.settings(self.inputs.actor).layout
+        parts = ", ".join(f"{name} {value / GB:,.2f}" for name, value in (
+            ("weights", critic.weights), ("gradients", critic.gradients), ("optimizer", critic.optimizer),
+            ("activations", critic.activations), ("backward", critic.backward)))
+        if device.offload:
+            shared = (f"critic.offload: one model's tensors at a time (the larger step, "
+                      f"{_gb(max(device.actor.step, critic.step))}) and both processes' runtimes")
+        else:
+            shared = "both processes' peaks: each one's allocator keeps what it freed"
+        return [
+            ("critic rank", critic.total, f"beside it: {layout.describe()} stage {critic.stage} of {layout.pp}, "
+             f"{critic.parameters / 1e6:,.1f}M parameters (a value head, no logits); {parts} GB"),
+            ("device total", device.total, shared),
+        ]
 
     def host_problem(self) -> str:
         """GPUs: what does not fit the host's memory, its largest parts first (empty when it fits)."""
@@ -526,7 +607,9 @@ def _rank(shape: ModelShape, actor: ActorMemorySettings, device: Device, coeffic
         activation_host = 0.0
     positions = _logit_positions(actor)
     last_stage = stage == layout.pp - 1
-    logits = coefficients.logits * positions * (shape.vocab // layout.tp) * 4 if last_stage else 0.0
+    # a critic's value head projects to one value per position: no logits chunk
+    logits = coefficients.logits * positions * (shape.vocab // layout.tp) * 4 if (
+        last_stage and not shape.value_head) else 0.0
     return RankMemory(
         stage=stage, parameters=count, weights=count * size, gradients=count * 4.0,
         optimizer=optimizer - offloaded, reference=count * size if actor.reference_model else 0.0,
@@ -554,19 +637,33 @@ def _engine(shape: ModelShape, dtype: str, engines: EngineMemorySettings, device
     return EngineMemory(weights, max(budget - weights - runtime, 0.0), kv_needed, runtime, limit=budget)
 
 
+def _ranks_part(name: str, ranks: list[RankMemory], layout: Layout, on_cpu: bool,
+                coefficients: ActivationCoefficients) -> HostPart:
+    """What the ranks of a layout (one RankMemory per pipeline stage) hold in host memory."""
+    per_rank = [rank.host + (rank.total if on_cpu else coefficients.rank_host) for rank in ranks]
+    return HostPart(name, sum(per_rank) * (layout.ranks // layout.pp), f"{layout.ranks} x {_gb(max(per_rank))}"
+                    + ("" if on_cpu else ": the processes and what they offload"))
+
+
 def _host_parts(inputs: MemoryInputs, ranks: list[RankMemory], engine: EngineMemory | None,
-                summariser: EngineMemory | None, coefficients: ActivationCoefficients) -> list[HostPart]:
-    """What each kind of the run's processes holds in host memory. On CPU the actor ranks and the engines hold
-    everything there; on GPUs their processes' host side and what they offload. Off a local Ray instance (a cluster)
-    only the driver and its tool servers are on the host checked."""
+                summariser: EngineMemory | None, coefficients: ActivationCoefficients,
+                critic_ranks: list[RankMemory], devices: list[SharedDevice]) -> list[HostPart]:
+    """What each kind of the run's processes holds in host memory. On CPU the actor ranks (and the critic's) and the
+    engines hold everything there; on GPUs their processes' host side and what they offload (critic.offload: on each
+    device's behalf the larger of the two models' states, the one waiting there while the other has the device). Off
+    a local Ray instance (a cluster) only the driver and its tool servers are on the host checked."""
     on_cpu, run = inputs.device.kind == "cpu", inputs.run
     parts = []
     if run.local or on_cpu:
-        layout, engines = inputs.actor.layout, inputs.engines
-        per_rank = [rank.host + (rank.total if on_cpu else coefficients.rank_host) for rank in ranks]
-        parts.append(HostPart("actor ranks", sum(per_rank) * (layout.ranks // layout.pp),
-                              f"{layout.ranks} x {_gb(max(per_rank))}" + ("" if on_cpu else
-                                                                         ": the processes and what they offload")))
+        engines = inputs.engines
+        parts.append(_ranks_part("actor ranks", ranks, inputs.actor.layout, on_cpu, coefficients))
+        if critic_ranks:
+            parts.append(_ranks_part("critic ranks", critic_ranks, inputs.critic.settings(inputs.actor).layout,
+                                     on_cpu, coefficients))
+            if inputs.critic.offload and not on_cpu:
+                states = sum(d.count * max(d.actor.static, d.critic.static) for d in devices if d.critic is not None)
+                parts.append(HostPart("critic.offload", states, "per device the larger of the actor's and the "
+                                      "critic's weights, gradients and optimizer states: one waits here at a time"))
         if engine is not None:
             worker = engine.total if on_cpu else coefficients.engine_host
             parts += [HostPart("rollout engines", worker * engines.tp * engines.count,
@@ -586,12 +683,33 @@ def _host_parts(inputs: MemoryInputs, ranks: list[RankMemory], engine: EngineMem
     return parts
 
 
+def _shared_devices(actor: Layout, ranks: list[RankMemory], critic: Layout | None, critic_ranks: list[RankMemory],
+                    offload: bool) -> list[SharedDevice]:
+    """The actor ranks' devices by (actor stage, critic stage beside it): Megatron numbers ranks tensor-, context- and
+    data-parallel first, so rank r is on stage r // (ranks / pp); the critic's rank r shares actor rank r's device."""
+    counts: dict[tuple[int, int | None], int] = {}
+    for rank in range(actor.ranks):
+        beside = rank // (critic.ranks // critic.pp) if critic is not None and rank < critic.ranks else None
+        key = (rank // (actor.ranks // actor.pp), beside)
+        counts[key] = counts.get(key, 0) + 1
+    return [SharedDevice(ranks[stage], None if beside is None else critic_ranks[beside], offload, count)
+            for (stage, beside), count in counts.items()]
+
+
 def plan_memory(inputs: MemoryInputs) -> MemoryPlan:
     """Every pipeline stage's rank, one engine worker (an engine of TP n has n alike), the summariser's frozen engine
     and what the run's processes hold in host memory."""
     actor, shape, device, run = inputs.actor, inputs.shape, inputs.device, inputs.run
     coefficients = coefficients_for(device.kind, actor.dtype)
     ranks = [_rank(shape, actor, device, coefficients, stage) for stage in range(actor.layout.pp)]
+    critic_layout, critic_ranks = None, []
+    if inputs.critic is not None:
+        critic = inputs.critic.settings(actor)
+        critic_shape = dataclasses.replace(inputs.critic.shape, value_head=True)
+        critic_layout = critic.layout
+        critic_ranks = [_rank(critic_shape, critic, device, coefficients, stage) for stage in range(critic_layout.pp)]
+    devices = _shared_devices(actor.layout, ranks, critic_layout, critic_ranks,
+                              inputs.critic is not None and inputs.critic.offload)
     engine = _engine(shape, actor.dtype, inputs.engines, device, coefficients)
     summariser = None
     if run.summariser is not None:
@@ -601,9 +719,12 @@ def plan_memory(inputs: MemoryInputs) -> MemoryPlan:
     notes = list(run.notes)
     if actor.activation_offload != "none":
         notes.append("activation offloading: estimated (the layers on the GPU at once), not yet measured")
-    if device.kind == "cpu" and (actor.activation_offload != "none" or actor.optimizer_offload_fraction):
+    critic_offload = inputs.critic is not None and inputs.critic.offload
+    if device.kind == "cpu" and (actor.activation_offload != "none" or actor.optimizer_offload_fraction
+                                 or critic_offload):
         notes.append("offloading saves nothing on CPU: the host is the ranks' device")
     return MemoryPlan(
         inputs=inputs, ranks=ranks, engine=engine, coefficients=coefficients, summariser=summariser,
-        host_parts=_host_parts(inputs, ranks, engine, summariser, coefficients), notes=notes,
+        host_parts=_host_parts(inputs, ranks, engine, summariser, coefficients, critic_ranks, devices), notes=notes,
+        critic_ranks=critic_ranks, devices=devices,
     )

@@ -29,6 +29,9 @@ class ModelShape:
     experts_per_token: int = 0
     expert_ffn: int = 0
     shared_expert_ffn: int = 0  # Qwen2-MoE's shared expert (gated)
+    # a critic's model (algo.advantage=gae): its output layer is a value head, Linear(hidden, 1) with a bias, whole on
+    # every tensor-parallel rank and never tied to the embedding (rlsearch.megatron.model.ValueHead)
+    value_head: bool = False
 
     @classmethod
     def from_hf_config(cls, config: dict) -> ModelShape:
@@ -55,8 +58,10 @@ class ModelShape:
     def describe(self) -> str:
         experts = (f", {self.experts} experts ({self.experts_per_token} per token, FFN {self.expert_ffn})"
                    if self.experts else f", FFN {self.ffn}")
+        head = ", a value head" if self.value_head else ""
         return (f"hidden {self.hidden}, {self.layers} layers, {self.heads} heads ({self.kv_heads} kv, dim "
-                f"{self.head_dim}){experts}, vocabulary {self.vocab}, {self.total_parameters() / 1e9:.2f}B parameters")
+                f"{self.head_dim}){experts}, vocabulary {self.vocab}{head}, {self.total_parameters() / 1e9:.2f}B "
+                "parameters")
 
     def total_parameters(self) -> int:
         """Every parameter of the model once (tied embeddings once)."""
@@ -77,9 +82,10 @@ class StageParameters:
 def stage_parameters(shape: ModelShape, tp: int, pp: int, ep: int, stage: int) -> StageParameters:
     """Parameters on one rank of pipeline stage `stage` (of `pp`; each holds layers / pp layers, over all its virtual
     stages). Megatron's layout: the embedding on the first stage, the final norm and the output layer on the last
-    (with tied embeddings and pp > 1 the last stage keeps its own copy of the embedding to project with); routed
-    experts over the `ep` expert-parallel ranks, and each expert's FFN over the expert-tensor-parallel ones, as many as
-    `tp` (initialize_model_parallel's default, which rlsearch.megatron.parallel keeps)."""
+    (with tied embeddings and pp > 1 the last stage keeps its own copy of the embedding to project with; a critic's
+    last stage holds its value head instead, `ModelShape.value_head`); routed experts over the `ep` expert-parallel
+    ranks, and each expert's FFN over the expert-tensor-parallel ones, as many as `tp` (initialize_model_parallel's
+    default, which rlsearch.megatron.parallel keeps)."""
     h, d = shape.hidden, shape.head_dim
     attention = (h * (shape.heads + 2 * shape.kv_heads) * d // tp + shape.heads * d * h // tp
                  + (shape.heads + 2 * shape.kv_heads) * d // tp * shape.qkv_bias + 2 * d * shape.qk_norm)
@@ -100,6 +106,8 @@ def stage_parameters(shape: ModelShape, tp: int, pp: int, ep: int, stage: int) -
         dense += embedding
     if stage == pp - 1:
         dense += h  # the final norm
-        if not shape.tied_embeddings or pp > 1:
+        if shape.value_head:
+            dense += h + 1  # one value per position, whole on each tensor-parallel rank
+        elif not shape.tied_embeddings or pp > 1:
             dense += embedding  # the output layer
     return StageParameters(dense=dense, expert=layers * expert_per_layer)

@@ -418,6 +418,7 @@ def test_html_page_shows_every_turn_and_token_of_the_step(real_run, capsys):
                 assert f"gap {abs(actor - engine):.2e}" in token["title"]
             else:
                 assert "gap" not in token["title"]
+            assert " · value " not in token["title"]  # no critic in this run
         for turn in record["turns"]:
             for output in turn["tool_outputs"] if turn["tool_calls"] else []:
                 assert html.escape(output) in text  # each call's output, escaped
@@ -425,6 +426,42 @@ def test_html_page_shows_every_turn_and_token_of_the_step(real_run, capsys):
         assert section["observation"] == "".join(turn["observation"] or "" for turn in record["turns"])
         assert record["question"] in section["text"]
     assert "<information>" not in text  # only ever escaped
+
+
+def test_html_page_shows_the_critics_value_at_each_sampled_token(tiny_model_dir, tmp_path):
+    """A gae run's record (written here: two segments, a tool call's observation between turns) carries the critic's
+    value per response token of each segment; the page gives each sampled token's in its title, and the range in the
+    trajectory's facts."""
+    earlier = {"response_ids": [11, 12, 13, 14], "loss_mask": [1, 1, 0, 0], "rollout_logprobs": [-0.5, -0.25, 0, 0],
+               "actor_logprobs": [-0.5, -0.25, 0, 0], "critic_values": [0.125, 0.25, 0.375, 0.5]}
+    record = {
+        "example_id": "toy-1", "group_id": 0, "sample_index": 0, "reward": 1.0, "scores": {"em": 1.0},
+        "question": "Which river?", "golden_answers": ["Ethai"], "prompt_ids": [5, 6, 7], "failed": None,
+        "turns": [{"kind": "tool_call", "num_tokens": 2, "text": "<search>river</search>", "observation": "obs",
+                   "tool_calls": [{"name": "search", "arguments": {"query": "river"}}], "tool_outputs": ["obs"]},
+                  {"kind": "answer", "num_tokens": 3, "text": "<answer>Ethai</answer>", "tool_calls": []}],
+        "response_ids": [21, 22, 23], "loss_mask": [1, 1, 1], "rollout_logprobs": [-1.0, -0.5, -0.125],
+        "actor_logprobs": [-1.0, -0.5, -0.125], "critic_values": [-0.75, 0.625, 1.5], "earlier_segments": [earlier],
+    }
+    run = tmp_path / "gae_run"
+    (run / "trajectories").mkdir(parents=True)
+    (run / "trajectories" / "step_000001.jsonl").write_text(json.dumps(record) + "\n")
+    (run / "config.json").write_text(json.dumps({"model": {"path": str(tiny_model_dir)}}))
+    update_index(run)
+    db = open_index(run)
+    try:
+        written = write_page(db, run, "train", 1)
+    finally:
+        db.close()
+    text = written.path.read_text()
+    (section,) = parse_page(text).sections
+    values = earlier["critic_values"] + record["critic_values"]
+    masks = earlier["loss_mask"] + record["loss_mask"]
+    assert len(section["tokens"]) == len(values)
+    for token, value, mask in zip(section["tokens"], values, masks):
+        assert (f" · value {value:.4f}" in token["title"]) == bool(mask)  # sampled tokens only
+    # the facts: the earlier segment's first sampled token comes first
+    assert "critic values0.1250 at the first sampled token, min -0.7500, max 1.5000 over 5" in section["text"]
 
 
 def test_html_without_a_tokenizer_shows_the_turns_text_and_says_so(real_run, tmp_path):

@@ -123,8 +123,14 @@ def _unsupported_architecture(tmp_path: Path, _checkpoint: Path) -> tuple[list[s
     )
 
 
-@pytest.mark.parametrize("make_case", [_not_a_checkpoint, _incomplete, _truncated, _unsupported_architecture],
-                         ids=["not-a-checkpoint", "incomplete", "truncated", "unsupported-architecture"])
+def _no_critic(_tmp_path: Path, checkpoint: Path) -> tuple[list[str], str]:
+    return ["mcore-to-hf", "--ckpt", str(checkpoint), "--critic"], (
+        f"{checkpoint} holds no critic (contents: ['model']): only a run with algo.advantage=gae trains one")
+
+
+@pytest.mark.parametrize("make_case", [_not_a_checkpoint, _incomplete, _truncated, _unsupported_architecture,
+                                       _no_critic],
+                         ids=["not-a-checkpoint", "incomplete", "truncated", "unsupported-architecture", "no-critic"])
 def test_convert_cli_rejects_bad_input(make_case, tp2pp2_checkpoint, tmp_path):
     args, message = make_case(tmp_path, tp2pp2_checkpoint)
     run = convert_cli(*args, "--out", str(tmp_path / "out"))

@@ -1,6 +1,7 @@
 """The critic (algo.advantage=gae): Megatron ranks of the policy's transformer with a value head, against HF
 transformers' token-classification model of the same weights, across TP x PP x DP layouts, exported as an HF
-token-classification dir that transformers loads with the same values, and saved and resumed across layouts.
+token-classification dir that transformers loads with the same values, saved and resumed across layouts, and converted
+from a run checkpoint (`rlsearch convert mcore-to-hf --critic`).
 
 Every layout starts from the same HF weights and head (its own seed), scores the same packed batch and takes one
 value-loss step on it. Layout runs are cached per module: each group of ranks starts once (the lane's rank pool)."""
@@ -38,6 +39,7 @@ class LayoutRun:
     trained: dict[str, torch.Tensor]  # the HF export after the step
     values_after: list[list[float]]
     checkpoint: Path  # the critic's state after the step
+    transformer_impl: str  # the layer spec its ranks built
 
 
 def critic_spec(model_dir, tp: int, pp: int, dp: int, extra: dict):
@@ -89,7 +91,8 @@ def run_layout(rank_pool, tiny_model_dir, batch, tmp_path_factory):
                 trained = group.hf_state_dict()
                 values_after = group.compute_values(batch)
                 group.save_checkpoint(str(checkpoint))
-            cache[name] = LayoutRun(values, metrics, trained, values_after, checkpoint)
+                impl = group.infos[0].transformer_impl
+            cache[name] = LayoutRun(values, metrics, trained, values_after, checkpoint, impl)
         return cache[name]
 
     return run
@@ -158,3 +161,59 @@ def test_an_offloaded_critic_comes_back_bit_for_bit(run_layout, rank_pool, tiny_
         assert group.value_step(batch, VALUE_CLIP) == stayed.metrics
         assert group.offload() >= 4 * parameters  # and now Adam's two moments
         assert group.compute_values(batch) == stayed.values_after
+
+
+def run_checkpoint_with_critic(run_dir: Path, saved: LayoutRun, model_dir, layout: tuple) -> Path:
+    """A gae run's checkpoint as `save_run_checkpoint` writes it (manifest, trainer state, hf/), its critic part the
+    critic state `saved`; the actor's part is left empty (the policy is not converted here)."""
+    import shutil
+    from types import SimpleNamespace
+
+    from rlsearch.checkpoint import CheckpointStore
+    from rlsearch.config import TrainConfig
+    from rlsearch.trainer.checkpoints import save_run_checkpoint
+    from rlsearch.trainer.sampler import SamplerState
+
+    config = TrainConfig()
+    config.model.path, config.model.dtype, config.algo.advantage = str(model_dir), "float32", "gae"
+    actor = SimpleNamespace(save_checkpoint=lambda path, timeout_s: None,
+                            infos=[SimpleNamespace(transformer_impl=saved.transformer_impl)])
+    critic = SimpleNamespace(spec=critic_spec(model_dir, *layout),
+                             save_checkpoint=lambda path, timeout_s: shutil.copytree(saved.checkpoint, path,
+                                                                                     dirs_exist_ok=True))
+    return save_run_checkpoint(config, actor, CheckpointStore(run_dir), 1, SamplerState(), critic)
+
+
+def test_convert_writes_a_run_checkpoints_critic_as_hf_token_classification(run_layout, rank_pool, tiny_model_dir,
+                                                                             batch, tmp_path):
+    """`rlsearch convert mcore-to-hf --critic --verify` of a checkpoint whose critic was saved at TP2 after a step:
+    the trained critic's tensors, exactly, as a token-classification model of one label that transformers loads with
+    the critic's values, and that a critic started from it (critic.model.path) scores with its trained head."""
+    import time
+
+    from transformers import AutoConfig
+
+    from rlsearch.checkpoint import read_manifest
+    from tests.integration.convert_checks import assert_bit_exact, convert_cli, converted_tensors
+
+    saved = run_layout("tp2")
+    checkpoint = run_checkpoint_with_critic(tmp_path / "run", saved, tiny_model_dir, LAYOUTS["tp2"])
+    assert "critic" in read_manifest(checkpoint)["contents"]
+    out = tmp_path / "critic-hf"
+    started = time.perf_counter()
+    run = convert_cli("mcore-to-hf", "--ckpt", str(checkpoint), "--out", str(out), "--critic", "--verify")
+    print(f"mcore-to-hf --critic --verify: {time.perf_counter() - started:.1f} s")
+    assert run.returncode == 0, run.stderr
+    assert f"wrote HuggingFace critic (token classification, one label) {out}" in run.stdout
+    diff = float(run.stdout.split("max |value diff| vs Megatron ")[1].split()[0])
+    assert diff < 1e-5
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["num_labels"], config["tie_word_embeddings"]) == (
+        ["Qwen2ForTokenClassification"], 1, False)
+    assert AutoConfig.from_pretrained(out).num_labels == 1
+    tensors = converted_tensors(out)
+    assert tensors[f"{VALUE_HEAD}.weight"].shape[0] == 1 and tensors[f"{VALUE_HEAD}.bias"].shape == (1,)
+    assert_bit_exact(tensors, saved.trained)  # the trunk and the head the critic trained, no lm_head
+    assert worst(saved.values_after, hf_values(out, batch)) < 1e-5
+    with rank_pool.group(critic_spec(out, 1, 1, 1, {}), CriticRanks) as group:
+        assert worst(group.compute_values(batch), saved.values_after) < 1e-5  # its trained head, not a fresh one

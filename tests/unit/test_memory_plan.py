@@ -1,6 +1,7 @@
 """The memory plan's arithmetic: parameters, gradients and Adam's states per rank counted by hand for a small model
 at TP2/PP2/DP2 (with and without the distributed optimizer), the measured peaks it must predict (the issue's H200
-table, bench/memory.py's CPU rows), what it says would fit, and the layouts it proposes."""
+table, bench/memory.py's CPU rows), what it says would fit, the layouts it proposes, and a critic's ranks beside the
+actor's (algo.advantage=gae)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from rlsearch.memory import (
     GB,
     ActorMemorySettings,
+    CriticMemorySettings,
     Device,
     Layout,
     MemoryInputs,
@@ -220,3 +222,71 @@ def test_hf_configs_of_moe_and_qwen3_models_are_read(tmp_path):
     # EP2: each rank holds 4 of the 8 experts of each layer (gate, up and down: 3 x 128 x 128)
     per_rank = stage_parameters(shape, tp=1, pp=1, ep=2, stage=0)
     assert per_rank.expert == 2 * 4 * 3 * 128 * 128
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_critic_of_the_actors_layout_adds_its_static_bytes_less_the_output_layer(dtype):
+    """Each device holds an actor rank and the critic's rank r beside it: the policy's shape with a value head
+    (hidden + 1 parameters, whole on each TP rank) for the vocabulary projection, no reference model, no logits."""
+    layout = Layout(tp=2, pp=2, dp=2)
+    settings = ActorMemorySettings(tokens=4096, layout=layout, dtype=dtype, reference_model=True)
+    host = Device("cpu", 512 * GB, "host")
+    alone = plan_memory(MemoryInputs(TINY, settings, GPU_80GB, host=host))
+    plan = plan_memory(MemoryInputs(TINY, settings, GPU_80GB, host=host, critic=CriticMemorySettings(TINY)))
+    per_parameter = {"float32": 4 + 4 + 8, "bfloat16": 2 + 4 + 12}[dtype]  # weights, fp32 gradients, Adam (+ master)
+    head = [0, TINY_VOCAB_TP2 - (128 + 1)]  # the last stage's output layer, less the value head
+    for stage, (actor, critic) in enumerate(zip(plan.ranks, plan.critic_ranks)):
+        assert actor == alone.ranks[stage]
+        assert critic.parameters == TINY_STAGE_TP2[stage] - head[stage]
+        assert critic.static == pytest.approx(actor.static - actor.reference - head[stage] * per_parameter)
+        assert (critic.reference, critic.logits, critic.activations) == (0, 0, actor.activations)
+    assert plan.ranks[1].logits > 0
+    # Megatron's rank order (tensor, context, data parallel, then pipeline): ranks 0-3 on stage 0, 4-7 on stage 1
+    assert [(d.actor.stage, d.critic.stage, d.count) for d in plan.devices] == [(0, 0, 4), (1, 1, 4)]
+    worst = max(alone.ranks[stage].total + plan.critic_ranks[stage].total for stage in (0, 1))
+    assert plan.needed == pytest.approx(worst) and plan.headline().startswith(f"{worst / GB:,.2f} GB per device")
+    parts = {part.name: part.memory for part in plan.host_parts}
+    assert parts["critic ranks"] == pytest.approx(parts["actor ranks"])  # 8 processes each, nothing offloaded
+    text = plan.render()
+    assert "  critic rank" in text and "  device total" in text and "a value head, no logits" in text
+    assert "critic" not in alone.render()
+
+
+def test_critic_offload_holds_one_models_tensors_on_the_device_and_the_other_on_the_host():
+    settings = ActorMemorySettings(tokens=4096, layout=Layout(pp=2), dtype="bfloat16")
+    host = Device("cpu", 512 * GB, "host")
+    plan = plan_memory(MemoryInputs(TINY, settings, GPU_80GB, host=host,
+                                    critic=CriticMemorySettings(TINY, offload=True)))
+    for device in plan.devices:
+        actor, critic = device.actor, device.critic
+        assert device.total == pytest.approx(max(actor.step, critic.step) + actor.runtime + critic.runtime)
+    offloaded = {part.name: part.memory for part in plan.host_parts}["critic.offload"]
+    assert offloaded == pytest.approx(sum(max(d.actor.static, d.critic.static) for d in plan.devices))
+    on_cpu = plan_memory(MemoryInputs(TINY, settings, Device("cpu", 24 * GB, "host"),
+                                      critic=CriticMemorySettings(TINY, offload=True)))
+    assert "critic.offload" not in {part.name for part in on_cpu.host_parts}  # the host is the device: it adds up
+    assert "offloading saves nothing on CPU: the host is the ranks' device" in on_cpu.notes
+
+
+def test_a_gae_configs_plan_has_the_critic_of_its_layout(tiny_model_dir):
+    """The start-up check plans the critic's ranks in critic.tp/pp/cp/dp (0: the actor's) as ranks_config gives them,
+    and a smaller critic layout leaves the devices past its ranks to the actor alone."""
+    from rlsearch.config import TrainConfig
+    from rlsearch.memory import train_memory_inputs
+
+    config = TrainConfig()
+    config.model.path, config.algo.advantage = str(tiny_model_dir), "gae"
+    config.actor.tp, config.actor.pp = 2, 2
+    config.critic.tp = 1
+    inputs = train_memory_inputs(config, GPU_80GB)
+    expected = config.critic.ranks_config(config.actor)
+    critic = inputs.critic.settings(inputs.actor)
+    assert (critic.layout.tp, critic.layout.pp, critic.layout.cp, critic.layout.dp, critic.layout.virtual_stages) == (
+        expected.tp, expected.pp, expected.cp, expected.dp, expected.virtual_pipeline_stages) == (1, 2, 1, 1, 0)
+    assert (critic.tokens, critic.reference_model) == (inputs.actor.tokens, False)
+    plan = plan_memory(inputs)
+    # the actor's four ranks: stage 0 on 0-1, stage 1 on 2-3; the critic's two ranks (tp1 pp2) beside 0 and 1
+    assert sorted((d.actor.stage, d.critic and d.critic.stage, d.count) for d in plan.devices) == [
+        (0, 0, 1), (0, 1, 1), (1, None, 2)]
+    config.algo.advantage = "grpo"
+    assert train_memory_inputs(config, GPU_80GB).critic is None
