@@ -24,8 +24,9 @@ from bench.common.table import print_table  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 # --task multihop: the prompt limit (the short prompt with a 4-hop question is ~45 Qwen tokens, a 3-hop one ~69 of
-# SmolLM2's with its system turn; rollout.manage_context_at must lie above it) and the response budget over every
-# segment (a fold adds its instruction and summary)
+# SmolLM2's with its system turn; rollout.manage_context_at must lie above it) and the default response budget over
+# every segment (a fold adds its instruction and summary; --max-response-tokens: a 5-hop chain's searches alone are
+# ~400 of SmolLM2's tokens)
 MULTIHOP_PROMPT_TOKENS = {"random": 96, "smollm2": 128}
 MULTIHOP_RESPONSE_TOKENS = 512
 # --model smollm2: GRPO checkpoints every this many steps (a stopped bench resumes from the newest), keeping one
@@ -142,7 +143,7 @@ def _context(args: argparse.Namespace) -> list[str]:
         f"rollout.context={args.context}", f"rollout.context_window={args.context_window}",
         f"rollout.manage_context_at={args.manage_context_at}", f"rollout.summary_tokens={args.summary_tokens}",
         f"rollout.max_prompt_tokens={MULTIHOP_PROMPT_TOKENS[args.model]}",
-        f"rollout.max_response_tokens={MULTIHOP_RESPONSE_TOKENS}",
+        f"rollout.max_response_tokens={args.max_response_tokens}",
     ]
 
 
@@ -481,6 +482,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="rollout.max_turns (default: toy 3, smollm2 its config's; multihop k + 1 for the "
                         "largest k, and k + 2 for smollm2 with --context fold: its summary is a turn)")
     parser.add_argument("--max-tokens-per-turn", type=int, default=None, help="rollout.max_tokens_per_turn")
+    parser.add_argument("--max-response-tokens", type=int, default=MULTIHOP_RESPONSE_TOKENS,
+                        help="--task multihop: rollout.max_response_tokens, over every segment of a trajectory")
     parser.add_argument("--sft-steps", type=int, default=None)
     parser.add_argument("--sft-lr", type=float, default=None)
     parser.add_argument("--grpo-steps", type=int, default=None)
