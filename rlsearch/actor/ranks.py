@@ -214,8 +214,9 @@ class ActorRanks:
 
     def named_workers(self) -> list[tuple[str, ray.actor.ActorHandle]]:
         """(name for messages, actor handle) per rank."""
+        role = "critic" if self.spec.value_model else "actor"
         return [
-            (f"actor rank {info.rank} (tp {info.tp_rank}, pp {info.pp_rank}, cp {info.cp_rank}, dp {info.dp_rank})",
+            (f"{role} rank {info.rank} (tp {info.tp_rank}, pp {info.pp_rank}, cp {info.cp_rank}, dp {info.dp_rank})",
              worker)
             for worker, info in zip(self.workers, self.infos)
         ]

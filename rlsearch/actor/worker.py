@@ -90,7 +90,7 @@ class ActorWorkerSpec:
 
 class MegatronActorWorker:
     def __init__(self, spec: ActorWorkerSpec, rank: int, world_size: int) -> None:
-        redirect_worker_output(f"actor-rank{rank}")
+        redirect_worker_output(f"{'critic' if spec.value_model else 'actor'}-rank{rank}")
         # Megatron's checkpoint writers are forked: one that outlived a killed rank would hide its death from Ray
         forked_children_die_with_this_process()
         self.spec = spec

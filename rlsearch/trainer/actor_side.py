@@ -115,14 +115,17 @@ class ActorSide:
         return point
 
     def replace_dead_ranks(self, error: Exception) -> None:
-        """After a step failed: when actor ranks died and nothing else did, every rank is replaced (a Megatron group
-        cannot take one new rank) and the run rewinds to its newest complete checkpoint, or to the start before the
-        first; the rollout engines and tool servers stay up, and the engines get the checkpoint's weights. The steps
-        after the checkpoint are trained again (their trajectory records replaced), from the same prompts. Re-raises
-        `error` otherwise, and a WorkerDiedError after trainer.max_actor_restarts replacements."""
+        """After a step failed: when actor (or critic) ranks died and nothing else did, every rank is replaced (a
+        Megatron group cannot take one new rank; the critic's go with the actor's) and the run rewinds to its newest
+        complete checkpoint, or to the start before the first; the rollout engines and tool servers stay up, and the
+        engines get the checkpoint's weights. The steps after the checkpoint are trained again (their trajectory
+        records replaced), from the same prompts. Re-raises `error` otherwise, and a WorkerDiedError after
+        trainer.max_actor_restarts replacements."""
         ray_error, policy = is_ray_error(error), self.rollout_side.restart_policy
-        dead = dead_workers(self.parts.pool, self.parts.actor) if ray_error else []
-        ranks = {name for name, _ in self.parts.actor.named_workers()}
+        dead = dead_workers(self.parts.pool, self.parts.actor, critic=self.parts.critic) if ray_error else []
+        # the critic's ranks are replaced with the actor's (they share its placement group)
+        ranks = {name for group in (self.parts.actor, self.parts.critic) if group is not None
+                 for name, _ in group.named_workers()}
         verdict = policy.step_failed(ray_error, dead, ranks, self.progress.actor_restarts)
         if verdict.action is Action.RERAISE:
             raise error

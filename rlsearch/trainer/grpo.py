@@ -87,7 +87,7 @@ class GRPOTrainer:
         except Exception as error:
             # a Ray call failed, or the rollout lost its last engine: name the actors that died
             named = is_ray_error(error) or isinstance(error, NoEngineLeftError)
-            died = dead_workers(self.parts.pool, self.parts.actor) if named else []
+            died = dead_workers(self.parts.pool, self.parts.actor, critic=self.parts.critic) if named else []
             if died:
                 raise WorkerDiedError(self.rollout_side.died_message(died, error), died) from error
             raise

@@ -76,9 +76,10 @@ class RestartPolicy:
 
     def step_failed(self, ray_error: bool, dead: list[str], actor_ranks: set[str], restarts: int) -> Verdict:
         """A step failed with a Ray error (`ray_error`) or another one; `dead` names the workers found dead,
-        `actor_ranks` the actor ranks' names, `restarts` the replacements of this run so far. REPLACE the actor
-        ranks when only ranks died and the run has replacements left; STOP when engines died too (they are not
-        replaced here) or past trainer.max_actor_restarts; RERAISE when nothing died."""
+        `actor_ranks` the actor ranks' names (and the critic ranks', replaced with them), `restarts` the
+        replacements of this run so far. REPLACE the actor ranks when only ranks died and the run has replacements
+        left; STOP when engines died too (they are not replaced here) or past trainer.max_actor_restarts; RERAISE
+        when nothing died."""
         if not ray_error or not dead:
             return Verdict(Action.RERAISE)
         if not set(dead) <= actor_ranks:
@@ -115,12 +116,12 @@ def is_ray_error(error: BaseException | None) -> bool:
     return False
 
 
-def dead_workers(pool: EnginePool | None, actor: ActorRanks | None, timeout_s: float = 10.0) -> list[str]:
-    """Names of the run's Ray actors whose process is gone: a call to a dead actor fails at once, a live one
-    answers (or is busy, which is not dead)."""
+def dead_workers(pool: EnginePool | None, actor: ActorRanks | None, timeout_s: float = 10.0,
+                 critic: ActorRanks | None = None) -> list[str]:
+    """Names of the run's Ray actors (engines, actor ranks, critic ranks) whose process is gone: a call to a dead
+    actor fails at once, a live one answers (or is busy, which is not dead)."""
     engines = pool.engines if pool is not None else []
-    workers = [(f"rollout engine {index}", engine) for index, engine in enumerate(engines)] + (
-        actor.named_workers() if actor is not None else []
-    )
+    workers = [(f"rollout engine {index}", engine) for index, engine in enumerate(engines)] + [
+        named for ranks in (actor, critic) if ranks is not None for named in ranks.named_workers()]
     states = actor_states([handle for _, handle in workers], timeout_s)
     return [name for (name, _), state in zip(workers, states) if state == "dead"]

@@ -50,8 +50,8 @@ def logged_processes(run_dir: Path, role: str, actor_class: str) -> list[psutil.
     return processes
 
 
-def actor_rank_process(run_dir: Path, rank: int = 0) -> psutil.Process:
-    """The live process of actor rank `rank` of the run in `run_dir`."""
-    processes = logged_processes(run_dir, f"actor-rank{rank}", "MegatronActorWorker")
-    assert processes, f"no live actor rank {rank} logs under {run_dir / 'logs'}"
+def actor_rank_process(run_dir: Path, rank: int = 0, role: str = "actor") -> psutil.Process:
+    """The live process of actor rank `rank` (`role` critic: of critic rank `rank`) of the run in `run_dir`."""
+    processes = logged_processes(run_dir, f"{role}-rank{rank}", "MegatronActorWorker")
+    assert processes, f"no live {role} rank {rank} logs under {run_dir / 'logs'}"
     return processes[-1]

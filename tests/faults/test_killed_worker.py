@@ -70,9 +70,10 @@ def test_a_killed_rollout_worker_stops_the_run_naming_it(tmp_path, tiny_model_di
 def test_a_killed_actor_rank_is_replaced_and_the_async_run_rewinds_to_its_checkpoint_training_each_prompt_once(
     tmp_path, tiny_model_dir, toy_data, driver_ray
 ):
-    """4 async steps, a checkpoint every 2. The rank is killed right after step 3's line (step 4's rollout in
-    flight): the ranks are replaced, the run rewinds to step 2 and trains step 3 again; killed again, past
-    trainer.max_actor_restarts=1, the run stops naming the rank and the checkpoint of step 2."""
+    """4 async steps of PPO with the critic, a checkpoint every 2. The actor rank is killed right after step 3's line
+    (step 4's rollout in flight): the actor and critic ranks are replaced, the run rewinds to step 2 (both models'
+    states) and trains step 3 again; the critic rank killed then, past trainer.max_actor_restarts=1, the run stops
+    naming it and the checkpoint of step 2."""
     from collections import Counter
 
     from rlsearch.data import load_qa_dataset
@@ -81,7 +82,8 @@ def test_a_killed_actor_rank_is_replaced_and_the_async_run_rewinds_to_its_checkp
     run_dir, log_path = tmp_path / "run", tmp_path / "train.log"
     command = train_command(tiny_model_dir, toy_data, tmp_path / "bm25", run_dir, "trainer.total_steps=4",
                             "trainer.save_interval=2", "trainer.print_interval=1", "rollout.async_steps=1",
-                            "rollout.update_weights_in_flight=true", "trainer.max_actor_restarts=1")
+                            "rollout.update_weights_in_flight=true", "trainer.max_actor_restarts=1",
+                            "algo.advantage=gae")
     run = _start(command, log_path, driver_ray)
     try:
         _wait_for(log_path, run, "step 3/4 |")
@@ -91,8 +93,8 @@ def test_a_killed_actor_rank_is_replaced_and_the_async_run_rewinds_to_its_checkp
         _wait_for(log_path, run, "step 3/4 |", count=2, timeout_s=300)
         recovered_s = time.monotonic() - killed
         assert engines and _engine_pids() == engines  # the engines stayed up
-        os.kill(actor_rank_process(run_dir).pid, signal.SIGKILL)
-        returncode = _exit_code(run, log_path, "its actor rank was killed again")
+        os.kill(actor_rank_process(run_dir, role="critic").pid, signal.SIGKILL)
+        returncode = _exit_code(run, log_path, "its critic rank was killed")
     finally:
         if run.poll() is None:
             run.kill()
@@ -103,9 +105,11 @@ def test_a_killed_actor_rank_is_replaced_and_the_async_run_rewinds_to_its_checkp
     assert (f"{rank} died during step 4: the actor ranks were replaced (1 of trainer.max_actor_restarts=1) and the "
             f"run continues after step 2 ({checkpoint})") in output, output[-3000:]
     assert "restarted rollout engine" not in output
+    assert "the critic resumed with it" in output  # the rewind restored the critic's state too
     assert returncode == 1, output[-3000:]
     message = next(line for line in output.splitlines() if line.startswith("rlsearch train:"))
-    assert f"{rank} died (its process exited) during step 4 (Ray: SYSTEM_ERROR: " in message  # how Ray saw it die
+    critic = "critic rank 0 (tp 0, pp 0, cp 0, dp 0)"
+    assert f"{critic} died (its process exited) during step 4 (Ray: SYSTEM_ERROR: " in message  # how Ray saw it die
     assert f"the last complete checkpoint is {checkpoint}" in message
     assert "(after 1 actor restart(s) in this run: trainer.max_actor_restarts=1)" in message
 
