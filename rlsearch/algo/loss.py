@@ -33,10 +33,16 @@ def ppo_clip_terms(
     clip_ratio_high: float,
 ) -> PolicyLossTerms:
     """PPO's clipped surrogate per token: max(-A r, -A clip(r, 1-low, 1+high)). Advantages broadcast per token."""
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(logprobs - old_logprobs)
+    return _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high, logprobs, old_logprobs)
+
+
+def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float,
+                       logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> PolicyLossTerms:
+    """max(-A r, -A clip(r, 1 - low, 1 + high)) per token of the ratio `ratio` (a token's or its sequence's), with
+    where the clipped branch was the larger and the k3 estimate of KL(old || new)."""
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     return PolicyLossTerms(
         per_token_loss=torch.maximum(unclipped, clipped),
         ratio=ratio.detach(),
@@ -64,15 +70,7 @@ def gspo_terms(
     trained = sequence_sums(loss_mask.to(logprobs.dtype), sequence, num_sequences).clamp(min=1.0)
     mean_log_ratio = sequence_sums((logprobs - old_logprobs) * loss_mask, sequence, num_sequences) / trained
     log_ratio = torch.clamp(mean_log_ratio.detach()[sequence] + logprobs - logprobs.detach(), max=10.0)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    return PolicyLossTerms(
-        per_token_loss=torch.maximum(unclipped, clipped),
-        ratio=ratio.detach(),
-        clipped=(clipped > unclipped).float().detach(),
-        approx_kl=kl_estimate(old_logprobs, logprobs, "k3").detach(),
-    )
+    return _clipped_surrogate(torch.exp(log_ratio), advantages, clip_low, clip_high, logprobs, old_logprobs)
 
 
 def cispo_terms(

@@ -82,14 +82,14 @@ def _check_objective(config: TrainConfig) -> None:
         raise ConfigError("'algo.ratio_against' is rollout with algo.mask_observations=false: tool output trained "
                           "as if sampled has no engine logprobs to take the ratio against; set "
                           "algo.mask_observations=true or algo.ratio_against=old")
-    if algo.kl_penalty == "reward" and algo.advantage not in ("gae", "reinforce_pp"):
-        raise ConfigError(
-            f"'algo.kl_penalty' is reward with algo.advantage={algo.advantage}: a per-token KL penalty enters the "
-            "per-token returns of gae and reinforce_pp only; use one of them, or algo.kl_penalty=loss")
-    if algo.kl_penalty == "reward" and not algo.mask_observations:
-        raise ConfigError("'algo.kl_penalty' is reward with algo.mask_observations=false: the penalty is the KL of "
-                          "the engine's sampled tokens, and tool output trained as if sampled has no engine logprobs; "
-                          "set algo.mask_observations=true or algo.kl_penalty=loss")
+    if algo.kl_penalty == "reward":
+        problem = (
+            f"algo.advantage={algo.advantage}: a per-token KL penalty enters the per-token returns of gae and "
+            "reinforce_pp only" if algo.advantage not in ("gae", "reinforce_pp") else
+            "algo.mask_observations=false: the penalty is the KL of the engine's sampled tokens, and tool output "
+            "trained as if sampled has no engine logprobs" if not algo.mask_observations else "")
+        if problem:
+            raise ConfigError(f"'algo.kl_penalty' is reward with {problem}; change that, or set algo.kl_penalty=loss")
     if algo.advantage != "gae":
         if critic.model.path:
             raise ConfigError(f"'critic.model.path' is set but algo.advantage is {algo.advantage}: the critic "

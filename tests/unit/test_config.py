@@ -396,6 +396,50 @@ def test_rollout_correction_and_turn_credit_keys_are_checked_naming_the_key(over
         load_train_config(None, overrides)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algo.policy_loss=gspo", "actor.cp=2"], r"'algo\.policy_loss' is gspo with actor\.cp=2: GSPO's ratio is a "
+                                                   r"mean over each sequence's tokens"),
+        (["algo.policy_loss=dapo"], r"'algo\.policy_loss' must be one of ppo_clip, gspo, cispo, minirl; got 'dapo'"),
+        (["algo.ratio_against=rollout", "algo.mask_observations=false"],
+         r"'algo\.ratio_against' is rollout with algo\.mask_observations=false"),
+        (["algo.kl_penalty=reward", "algo.kl_coef=0.1"],
+         r"'algo\.kl_penalty' is reward with algo\.advantage=outcome: a per-token KL penalty enters the per-token "
+         r"returns of gae and reinforce_pp only"),
+        (["algo.kl_penalty=reward", "algo.advantage=gae", "algo.mask_observations=false"],
+         r"'algo\.kl_penalty' is reward with algo\.mask_observations=false"),
+        (["algo.lam=1.5", "algo.advantage=gae"], r"'algo\.lam' must be in \[0, 1\]; got 1\.5"),
+        (["algo.value_lam=-1"], r"'algo\.value_lam' must be in \[0, 1\] \(empty: algo\.lam\); got -1"),
+        (["critic.model.path=/models/critic"], r"'critic\.model\.path' is set but algo\.advantage is outcome: the "
+                                               r"critic trains with algo\.advantage=gae only"),
+        (["algo.advantage=gae", "critic.tp=2"], r"the critic's layout \(critic\.tp/pp/cp/dp\) has 2 ranks and the "
+                                                 r"actor's 1: the critic's ranks share the actor ranks' devices"),
+        (["algo.advantage=gae", "actor.dp=2", "actor.ep=2", "critic.dp=1"],
+         r"the critic's layout \(critic\.tp/pp/cp/dp, 0: the actor's\): 'actor\.ep' \(2\) must be >= 1 and divide "),
+        (["algo.advantage=gae", "critic.value_clip=-0.5"], r"'critic\.value_clip' must be >= 0 \(0: off\)"),
+        (["algo.advantage=gae", "critic.model.path=/nonexistent/critic"],
+         r"'critic\.model\.path' is not a HuggingFace model dir \(no config\.json\): /nonexistent/critic"),
+    ],
+)
+def test_estimator_objective_and_critic_keys_are_checked_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(None, overrides)
+
+
+def test_a_critic_of_another_tokenizer_is_refused_naming_both(tmp_path):
+    from rlsearch.config import check_same_tokenizer
+    from rlsearch.data.tiny_model import TinyModelSpec, make_tiny_model
+    from tests.models import shared_test_model
+
+    policy = shared_test_model()
+    check_same_tokenizer(str(policy), str(policy))  # the same dir: nothing to say
+    other = make_tiny_model(tmp_path / "other", TinyModelSpec(vocab_ranks=4096, num_layers=1))
+    with pytest.raises(ConfigError, match=rf"'critic\.model\.path' \({other}\) has another tokenizer than "
+                                          rf"model\.path \({policy}\): \d+ against \d+ tokens, e\.g\. .* is id"):
+        check_same_tokenizer(str(policy), str(other))
+
+
 def test_rollout_corrections_that_need_nothing_else_load():
     for overrides in (["algo.rollout_correction=icepop", "algo.icepop_beta=1.5", "actor.cp=2"],
                       ["algo.rollout_correction=seq_tis", "algo.mismatch_threshold=0.02", "algo.mismatch_action=warn"],
