@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,6 +38,10 @@ from bench.train_step import (  # noqa: E402
 )
 from rlsearch.devices import cpu_cores  # noqa: E402
 from rlsearch.trajectory import Trajectory  # noqa: E402
+
+if TYPE_CHECKING:
+    from rlsearch.actor import ActorRanks, CriticRanks
+    from rlsearch.config import AlgoConfig, CriticConfig
 
 CRITIC_LR = 10 * LR  # Search-R1's train_ppo.sh: critic 1e-5, actor 1e-6
 VALUE_CLIP = 0.5  # verl's critic.cliprange_value, Search-R1's PPO
@@ -82,11 +87,11 @@ def make_trajectories(groups: int, group_size: int, min_len: int, max_len: int, 
 class Sides:
     """The actor ranks (both sides), the critic's beside them (PPO), and each side's algo and critic settings."""
 
-    actor: object
-    critic: object
-    grpo: object  # AlgoConfig
-    ppo: object  # AlgoConfig
-    critic_settings: object  # CriticConfig
+    actor: ActorRanks
+    critic: CriticRanks
+    grpo: AlgoConfig
+    ppo: AlgoConfig
+    critic_settings: CriticConfig
 
 
 def grpo_step(sides: Sides, trajectories: list[Trajectory]) -> tuple[dict[str, float], dict[str, float]]:
