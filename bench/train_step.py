@@ -58,12 +58,7 @@ def make_samples(count: int, min_len: int, max_len: int, seed: int, vocab_ranks:
     for _ in range(count):
         length = rng.randint(min_len, max_len)
         prompt = rng.randint(min(60, length // 3), min(160, length // 3))
-        mask: list[int] = []
-        while len(mask) < length - prompt:
-            mask += [1] * rng.randint(20, 80)
-            mask += [0] * rng.randint(60, 160)
-        mask = mask[: length - prompt]
-        mask[-min(20, len(mask)):] = [1] * min(20, len(mask))  # the final answer
+        mask = response_mask(rng, length - prompt)
         ids = torch.randint(0, ids_below, (length,), generator=generator).tolist()
         old = (random_logprob + 0.3 * torch.randn(len(mask), generator=generator)).tolist()
         samples.append(TrainSample(ids, prompt, mask, advantage=rng.uniform(-1.5, 1.5), old_logprobs=old))
@@ -72,6 +67,18 @@ def make_samples(count: int, min_len: int, max_len: int, seed: int, vocab_ranks:
     for sample, weights in zip(samples, loss_token_weights([s.loss_mask for s in samples], "token_mean")):
         sample.token_weights = weights
     return samples
+
+
+def response_mask(rng: random.Random, length: int) -> list[int]:
+    """The loss mask of a search agent's response of `length` tokens: model turns of 20-80 tokens (1) and tool
+    observations of 60-160 (0) in turn, ending on a model turn of up to 20 tokens (the final answer)."""
+    mask: list[int] = []
+    while len(mask) < length:
+        mask += [1] * rng.randint(20, 80)
+        mask += [0] * rng.randint(60, 160)
+    mask = mask[:length]
+    mask[-min(20, len(mask)):] = [1] * min(20, len(mask))
+    return mask
 
 
 def _in_group(sample: TrainSample, first: TrainSample, group: int) -> TrainSample:
@@ -214,11 +221,11 @@ def describe_model(model_path: Path, args: argparse.Namespace) -> str:
             f"{config['vocab_size']:,}")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model options (`build_model`'s): an HF dir, or the shape of a random-init one."""
     model = parser.add_argument_group("model (random-init, the real Qwen vocabulary of 151,680 rows unless "
                                       "--vocab-ranks)")
-    model.add_argument("--model", default="", metavar="DIR",
+    model.add_argument("--model", "--model-path", dest="model", default="", metavar="DIR",
                        help="a HuggingFace model dir to time instead of a random-init one (its vocabulary; the "
                             "other model options are ignored), e.g. outputs/assets/smollm2-135m-instruct")
     model.add_argument("--architecture", choices=("qwen2", "qwen3_moe", "qwen2_moe"), default="qwen2")
@@ -231,6 +238,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="MLP size; 0: 3 x hidden (MoE: each expert's, 0: hidden)")
     model.add_argument("--tie-embeddings", action="store_true", help="share the input embedding and output layer")
     add_vocab_ranks_argument(model)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
     batch = parser.add_argument_group("batch")
     batch.add_argument("--sequences", type=int, default=6, help="trajectories per training step")
     batch.add_argument("--min-len", type=int, default=150, help="shortest trajectory (prompt + response tokens)")
@@ -376,7 +388,7 @@ def set_up(args: argparse.Namespace, on_gpu: bool, threads: int) -> tuple[Path, 
     return model_path, samples, tokens, response, num_packed
 
 
-def _on_gpu(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
+def uses_gpu(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
     """Whether the sides train on the GPU (--device; CUDA hidden from every process with --device cpu)."""
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -390,7 +402,7 @@ def main() -> None:
     args = parse_args(parser, dict(hidden=128, layers=1, heads=4, kv_heads=2, sequences=2, min_len=40, max_len=80,
                                    group_size=2, steps=1, warmup=0, vocab_ranks=SMOKE_VOCAB_RANKS))
 
-    on_gpu = _on_gpu(parser, args)
+    on_gpu = uses_gpu(parser, args)
     threads = args.threads or cpu_cores()
 
     import ray

@@ -5,6 +5,8 @@ the GPU machine, where only torch, Megatron, mbridge, transformers and qwen-toke
 
 from __future__ import annotations
 
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +34,14 @@ PRINTED = {
                        "engine / HF at 2 sequences (goal <= 1.5)"),
     # without trl (TRL_PYTHON unset): the pieces TRL is given, checked; then rlsearch's step alone
     "trl_peer.py": ("peer pieces: 2 prompts", "rewards [1.1, 0.1]", "rlsearch      1"),
+    "ppo_step.py": ("grpo: ", "ppo : ", "the critic's work"),
+}
+# figures a bench's smoke run prints (the pattern's group) with the least each may be (None: finite only). PPO's
+# step does GRPO's and the critic's work: its CPU seconds exceed GRPO's whatever the machine's load, its wall time
+# (a neighbour's load on 2 shared cores moves it by more than the critic's share) is only checked to be measured
+FIGURES = {
+    "ppo_step.py": ((r"PPO / GRPO CPU seconds of the ranks .* = ([0-9.]+|inf)x", 1.0),
+                    (r"PPO / GRPO step time .*: ([0-9.]+|inf)x", None)),
 }
 
 
@@ -55,3 +65,8 @@ def test_bench_runs_in_smoke_mode(bench, bench_out):
         assert result.stdout.rstrip().endswith("PASS"), result.stdout[-2000:]
     for line in PRINTED.get(bench, ()):
         assert line in result.stdout, (line, result.stdout[-2000:])
+    for pattern, least in FIGURES.get(bench, ()):
+        found = re.search(pattern, result.stdout)
+        assert found, (pattern, result.stdout[-2000:])
+        figure = float(found.group(1))
+        assert math.isfinite(figure) and figure > (least if least is not None else 0.0), found.group(0)
