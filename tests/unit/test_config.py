@@ -93,6 +93,18 @@ def test_example_config_loads():
     assert config.weights.max_logprob_mismatch is None  # by model.dtype
 
 
+def test_the_algorithm_example_configs_load_as_they_say():
+    from tests.constants import REPO_ROOT
+
+    ppo = load_train_config(str(REPO_ROOT / "examples/configs/search_ppo_tiny.yaml"))
+    assert (ppo.algo.advantage, ppo.algo.gamma, ppo.algo.lam) == ("gae", 1.0, 1.0)
+    assert ppo.critic.lr == pytest.approx(10 * ppo.actor.lr) and ppo.critic.value_clip == 0.5  # Search-R1's PPO
+    minirl = load_train_config(str(REPO_ROOT / "examples/configs/search_minirl_tiny.yaml"))
+    algo = minirl.algo
+    assert (algo.policy_loss, algo.loss_agg, algo.ratio_against) == ("minirl", "seq_mean_token_sum", "rollout")
+    assert (algo.clip_ratio_low, algo.clip_ratio_high) == (0.2, 0.3)  # AgentRL's strict_in_bound band [0.8, 1.3]
+
+
 def test_the_probe_limit_follows_the_dtype_and_eval_may_use_top_p(tmp_path):
     from rlsearch.config import load_eval_config
     from rlsearch.weights import default_mismatch_limit
