@@ -126,3 +126,56 @@ def test_the_samples_of_one_grpo_group_share_a_prompt_group() -> None:
     samples = train_samples(trajectories, AlgoConfig())
     assert [sample.prompt_group for sample in samples] == [0, 1, 1, 0, 1]
     assert [sample.prefix_group for sample in samples] == [None, 1, 1, None, None]
+
+
+def test_gae_runs_over_each_trajectorys_sampled_tokens_across_its_segments() -> None:
+    """The step's per-token estimates (rlsearch.trainer.estimates): GAE of each trajectory over the tokens it sampled,
+    its two segments one sequence of steps, the reward on its last sampled token, then whitened over the step."""
+    import statistics
+
+    from rlsearch.trainer.estimates import token_estimates
+    from rlsearch.trajectory import Segment
+
+    folded, plain, failed = _trajectory(0, 1.0), _trajectory(0, 0.0), _trajectory(0, 1.0)
+    folded.earlier_segments = [Segment([1, 2], [30, 31, 32], [1, 0, 1], [-0.1, 0.0, -0.2])]
+    failed.failed = "agent: raised"
+    trajectories = [folded, failed, plain]
+    algo = AlgoConfig(advantage="gae", gamma=1.0, lam=1.0, whiten_advantages=False)
+    samples = train_samples(trajectories, algo)
+    assert len(samples) == 3  # the folded trajectory's two segments, the plain one; not the failed one
+    values = [[0.5, 0.0, 0.25], [0.1, 0.2, 0.0, 0.0, 0.0, 0.3], [0.0, 0.5, 0.0, 0.0, 0.0, 1.0]]
+    metrics = token_estimates(trajectories, samples, algo, values)
+    # lambda = gamma = 1: A_t = R - V_t at every sampled token, the observation tokens 0, across the fold too
+    assert samples[0].advantages == pytest.approx([0.5, 0.0, 0.75])
+    assert samples[1].advantages == pytest.approx([0.9, 0.8, 0.0, 0.0, 0.0, 0.7])
+    assert samples[2].advantages == pytest.approx([0.0, -0.5, 0.0, 0.0, 0.0, -1.0])
+    assert samples[1].returns == pytest.approx([1.0, 1.0, 0.0, 0.0, 0.0, 1.0]) and samples[1].old_values == values[1]
+    trained_values = [0.5, 0.25, 0.1, 0.2, 0.3, 0.0, 0.5, 1.0]
+    trained_returns = [1.0] * 5 + [0.0] * 3
+    variance = statistics.pvariance
+    assert metrics["critic/explained_variance"] == pytest.approx(
+        1 - variance([r - v for r, v in zip(trained_returns, trained_values)]) / variance(trained_returns))
+    assert metrics["algo/advantage_raw_max"] == pytest.approx(0.9)
+    whitened = train_samples(trajectories, AlgoConfig(advantage="gae"))
+    token_estimates(trajectories, whitened, AlgoConfig(advantage="gae"), values)
+    flat = [a for s in whitened for a, m in zip(s.advantages, s.loss_mask) if m]
+    assert statistics.fmean(flat) == pytest.approx(0.0, abs=1e-9) and statistics.stdev(flat) == pytest.approx(1.0)
+
+
+def test_reinforce_pp_and_rloo_credit_every_sampled_token_of_a_trajectory() -> None:
+    from rlsearch.trainer.estimates import token_estimates
+
+    trajectories = [_trajectory(0, 1.0), _trajectory(0, 0.0), _trajectory(0, 0.0)]
+    rloo = train_samples(trajectories, AlgoConfig(advantage="rloo"))
+    assert [s.advantage for s in rloo] == pytest.approx([1.0, -0.5, -0.5])  # r minus the mean of the others
+    algo = AlgoConfig(advantage="reinforce_pp", gamma=0.5)
+    samples = train_samples(trajectories, algo)
+    token_estimates(trajectories, samples, algo)
+    # returns 0.25, 0.5, 1 at the first trajectory's sampled tokens (gamma per sampled token, not per observation),
+    # 0 at the others', whitened over the 9 sampled tokens of the step
+    raw = [0.25, 0.5, 1.0] + [0.0] * 6
+    mean = sum(raw) / 9
+    std = (sum((x - mean) ** 2 for x in raw) / 8) ** 0.5
+    assert samples[0].advantages == pytest.approx([(0.25 - mean) / std, (0.5 - mean) / std, 0, 0, 0,
+                                                   (1.0 - mean) / std], abs=1e-6)
+    assert samples[1].advantages[2:5] == [0.0, 0.0, 0.0]  # the observation tokens
