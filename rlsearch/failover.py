@@ -99,9 +99,11 @@ class FailoverCall(Generic[E]):
     """Where one call's attempts go, one at a time: ``wait_s()`` is how long to wait before the next one (a retry
     round's backoff; 0 within a round), then ``next()`` picks its endpoint, once the caller is ready to send (after
     the wait, holding whatever slot it needs). The caller sends it within ``request_timeout_s()`` and reports
-    `Failover.succeeded` (and stops) or `Failover.failed` (and asks again). Both give None when no attempt is left:
-    the rounds are over, or the deadline passed or would pass during the backoff (``out_of_time``); the caller then
-    counts `Failover.give_up`."""
+    `Failover.succeeded` (and stops) or `Failover.failed` (and asks again). ``wait_s()`` gives None when no attempt
+    is left: the rounds are over, or the deadline passed or would pass during the backoff (``out_of_time``); the
+    caller then counts `Failover.give_up`. ``next()`` gives None when the round ended during the wait (another request
+    failed the endpoint ``wait_s()`` saw live) or the deadline passed: the caller asks ``wait_s()`` again, which
+    starts the next round or says the call is over; a round ended so is not the call's end while retries are left."""
 
     def __init__(self, failover: Failover[E], max_retries: int, backoff_s: float, timeout_s: float,
                  deadline_s: float) -> None:
@@ -136,7 +138,8 @@ class FailoverCall(Generic[E]):
         return wait
 
     def next(self) -> Attempt[E] | None:
-        """The next attempt, its endpoint picked now; None when the deadline passed meanwhile (or after the last)."""
+        """The next attempt, its endpoint picked now; None when the round ended or the deadline passed meanwhile (ask
+        ``wait_s()`` again)."""
         if self.time_left_s() <= 0:
             self.out_of_time = True
             return None

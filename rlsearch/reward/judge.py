@@ -172,8 +172,8 @@ class Judge:
             await asyncio.sleep(wait)
             async with self.in_flight:
                 attempt = call.next()
-                if attempt is None:
-                    break
+                if attempt is None:  # the round ended while this one waited: the next round, if any
+                    continue
                 await self.limiter.wait()
                 endpoint: JudgeEndpoint = attempt.endpoint
                 counters.requests += 1

@@ -77,8 +77,8 @@ def send_with_failover(
     while (wait := call.wait_s()) is not None:
         time.sleep(wait)
         attempt = call.next()
-        if attempt is None:
-            break
+        if attempt is None:  # the round ended while this one waited: the next round, if any
+            continue
         if call.sent > 1 and on_retry is not None:
             on_retry()
         limit = call.request_timeout_s()

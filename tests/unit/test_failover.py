@@ -95,3 +95,32 @@ def test_a_deadline_bounds_the_call_its_requests_get_what_is_left_and_no_backoff
         failover.failed(attempt.endpoint)
     # a and b at 10 s each, the retry after 1 s gets the 4 s left; the next backoff (2 s) would pass the deadline
     assert timeouts == [10.0, 10.0, 4.0] and call.sent == 3 and call.out_of_time
+
+
+def test_an_endpoint_failed_by_another_request_during_the_wait_starts_the_next_round_not_the_end(monkeypatch) -> None:
+    """Between ``wait_s()`` and ``next()`` another request fails the endpoint the wait was for: the round is over,
+    but the call has a retry round left and must use it (the HTTP tools and the judge gave up there)."""
+    import httpx
+
+    from rlsearch.tools import http
+
+    clock = Clock()
+    failover = Failover(["a", "b"], cooldown_s=1.0, clock=clock)
+    sent: list[str] = []
+    answers = {"a": iter([503, 503, 200]), "b": iter([503])}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.host)
+        return httpx.Response(next(answers[request.url.host]))
+
+    def sleep(wait: float) -> None:
+        clock.now += wait
+        if wait == 0 and sent == ["a", "b", "a"]:  # round 1 found b live again; another request fails it before next()
+            failover.failed("b")
+
+    monkeypatch.setattr(http.time, "sleep", sleep)
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        response = http.send_with_failover(client, lambda endpoint: client.build_request("GET", f"http://{endpoint}/"),
+                                           failover, "the search", max_retries=2, backoff_s=1.0, timeout_s=10.0)
+    assert response.status_code == 200
+    assert sent == ["a", "b", "a", "a"]  # the last after round 2's backoff
