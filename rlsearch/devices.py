@@ -8,28 +8,54 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 # the second install step of the GPU stack (scripts/setup.sh): Transformer Engine's torch extension must be built for
 # the torch that is installed, which build isolation would replace by the newest one
 TRANSFORMER_ENGINE_INSTALL = "pip install --no-build-isolation -r requirements/gpu-te.txt"
-# the CPU cores a run's processes share (default: all of the machine's), for a run beside others on one machine: the
-# test suite's lanes each get their share. Two processes each running as many threads as the machine has cores take
-# twice as long as with one thread each (a tiny model's training steps, 2 cores)
+# the CPU cores a run's processes share (default: all those this process may use), for a run beside others on one
+# machine: the test suite's lanes each get their share. Two processes each running as many threads as the machine has
+# cores take twice as long as with one thread each (a tiny model's training steps, 2 cores)
 CPU_CORES_VARIABLE = "RLSEARCH_CPU_CORES"
+# a cgroup v2 CPU quota, as a container sees its own cgroup ("max" or "quota period", in microseconds)
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
 
-def cpu_cores() -> int:
-    """The CPU cores this run's processes share: RLSEARCH_CPU_CORES where it is set, else the machine's."""
+def cpu_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """The CPU cores this run's processes share: RLSEARCH_CPU_CORES where it is set, else those this process may use
+    (`usable_cpu_cores`)."""
     value = os.environ.get(CPU_CORES_VARIABLE, "")
     if not value:
-        return os.cpu_count() or 1
+        return usable_cpu_cores(cpu_max)
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{CPU_CORES_VARIABLE}={value!r}: set it to a whole number of cores (at least 1), or unset it")
     return int(value)
+
+
+def usable_cpu_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """The cores this process may run on (its CPU affinity: a container's cpuset, taskset), fewer where its cgroup's
+    CPU quota allows fewer. os.cpu_count() counts the host's: a 4-CPU container on a 64-core host would run 64
+    threads per process."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cpu_max)
+    return min(cores, quota) if quota else cores
+
+
+def cgroup_cpu_quota(cpu_max: Path = CGROUP_CPU_MAX) -> int | None:
+    """The cores a cgroup v2 CPU quota allows (cpu.max's "quota period", quota / period rounded up); None where there
+    is none: "max", or no readable cpu.max (cgroup v1, not Linux)."""
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota == "max":
+            return None
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 def cpu_threads_each(processes: int) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import os
 import platform
 import sys
 import warnings
@@ -67,7 +66,9 @@ def _torch() -> Check:
 def _devices() -> Check:
     import torch
 
-    cores = os.cpu_count() or 1
+    from .devices import usable_cpu_cores
+
+    cores = usable_cpu_cores()
     if torch.cuda.is_available():
         names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
         return Check("devices", "ok", f"{torch.cuda.device_count()} GPU(s): {names}; {cores} CPU cores")

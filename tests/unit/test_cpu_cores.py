@@ -1,5 +1,6 @@
 """The CPU cores a run's processes share (RLSEARCH_CPU_CORES, the test suite's per-lane share): the actor ranks' torch
-threads and the vLLM engines' OpenMP threads come from it; unset, they come from the machine's cores."""
+threads and the vLLM engines' OpenMP threads come from it; unset, they come from the cores the process may use (its
+CPU affinity, its cgroup's CPU quota), not the host's."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import pytest
 import torch
 
-from rlsearch.devices import CPU_CORES_VARIABLE, cpu_cores, cpu_threads_each
+from rlsearch.devices import CPU_CORES_VARIABLE, cpu_cores, cpu_threads_each, usable_cpu_cores
 from rlsearch.rollout.engine import EngineSpec, configure_vllm_environment
 
 VLLM_THREAD_VARIABLES = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING",
@@ -25,10 +26,25 @@ def environment(monkeypatch):
     return monkeypatch
 
 
-def test_unset_means_every_core_of_the_machine(environment):
-    assert cpu_cores() == os.cpu_count()
-    assert cpu_threads_each(1) == os.cpu_count()
+def test_unset_means_every_core_the_process_may_use(environment):
+    assert cpu_cores() == usable_cpu_cores() <= os.cpu_count()
+    assert cpu_threads_each(1) == usable_cpu_cores()
     assert cpu_threads_each(10_000) == 1
+
+
+@pytest.mark.parametrize(("affinity", "cpu_max", "cores"), [
+    (64, None, 64), (4, None, 4), (64, "max 100000", 64), (64, "400000 100000", 4), (64, "150000 100000", 2),
+    (64, "50000 100000", 1), (2, "400000 100000", 2), (64, "garbled", 64)])
+def test_unset_the_cpu_affinity_and_the_cgroup_quota_bound_the_cores(environment, tmp_path, affinity, cpu_max, cores):
+    """A container on a 64-core host: its cpuset (the affinity) or its quota (cpu.max, rounded up), the smaller."""
+    environment.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity)))
+    environment.setattr(os, "cpu_count", lambda: 64)
+    cpu_max_file = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        cpu_max_file.write_text(cpu_max + "\n")
+    assert cpu_cores(cpu_max_file) == cores
+    environment.setenv(CPU_CORES_VARIABLE, "3")  # the variable still wins, above or below the limits
+    assert cpu_cores(cpu_max_file) == 3
 
 
 @pytest.mark.parametrize(("cores", "processes", "threads"), [("1", 1, 1), ("1", 2, 1), ("4", 2, 2), ("6", 4, 1)])
@@ -57,7 +73,7 @@ def test_a_tp1_engine_on_the_whole_machine_decodes_on_all_its_cores_not_its_ray_
     environment.setenv("OMP_NUM_THREADS", "1")  # what Ray gives an actor of num_cpus=1 (the engine's, at TP1)
     configure_vllm_environment(EngineSpec("model"))
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # vLLM binds no TP1 worker
-    assert os.environ["OMP_NUM_THREADS"] == str(os.cpu_count())
+    assert os.environ["OMP_NUM_THREADS"] == str(usable_cpu_cores())
     configure_vllm_environment(EngineSpec("model", cpu_threads=3))
     assert os.environ["OMP_NUM_THREADS"] == "3"
 
