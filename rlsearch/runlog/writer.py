@@ -90,13 +90,29 @@ def _sample_row(record: dict) -> list:
     return [row.get(column) for column in SAMPLE_COLUMNS]
 
 
+# the longest a logger waits for the second after an event file's: a file stamped further ahead comes from a clock
+# that stepped back or from another host's, and waiting for it would block start-up for as long as the skew
+EVENT_FILE_WAIT_LIMIT_S = 2.0
+
+
 def _wait_for_a_second_after_the_event_files_in(tensorboard_dir: Path) -> None:
     """TensorBoard reads a dir's event files in name order, and a name starts with the second its writer opened in
     (then host, pid and a per-process counter, which sort as text: 10 before 9). A writer opened in the second of an
-    earlier one could be read first, and the earlier file's purge (`resumed_step`) would then drop the later scalars."""
-    seconds = [int(name.split(".")[3]) for name in os.listdir(tensorboard_dir)
-               if name.startswith("events.out.tfevents.") and name.split(".")[3].isdigit()]
-    while seconds and int(time.time()) <= max(seconds):
+    earlier one could be read first, and the earlier file's purge (`resumed_step`) would then drop the later scalars.
+    A file stamped more than EVENT_FILE_WAIT_LIMIT_S ahead is not waited for: one line says so."""
+    stamped = {int(name.split(".")[3]): name for name in os.listdir(tensorboard_dir)
+               if name.startswith("events.out.tfevents.") and name.split(".")[3].isdigit()}
+    if not stamped:
+        return
+    newest = max(stamped)
+    ahead_s = newest + 1 - time.time()
+    if ahead_s > EVENT_FILE_WAIT_LIMIT_S:
+        print(f"[rlsearch] {tensorboard_dir} holds an event file stamped {ahead_s:.0f} s in the future "
+              f"({stamped[newest]}: clock skew, or a run dir copied from another host); TensorBoard reads it after "
+              "this run's scalars, so its steps may show again: move it out of the dir to see only this run's",
+              flush=True)
+        return
+    while int(time.time()) <= newest:
         time.sleep(0.02)
 
 

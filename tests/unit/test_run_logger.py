@@ -61,3 +61,29 @@ def test_a_logger_opened_in_the_second_of_an_earlier_event_file_is_read_after_it
     logger.close()
     names = sorted(path.name for path in earlier.parent.iterdir())
     assert len(names) == 2 and names[0] == earlier.name
+
+
+def test_an_event_file_stamped_in_the_future_is_waited_for_briefly_then_named(tmp_path: Path, monkeypatch,
+                                                                              capsys) -> None:
+    """A run dir copied from a host whose clock is an hour ahead (or a clock stepped back): start-up waits at most
+    EVENT_FILE_WAIT_LIMIT_S, not the hour, and says why the dir's scalars may show twice."""
+    from types import SimpleNamespace
+
+    from rlsearch.runlog import writer
+
+    now = 1_700_000_000.0
+    future = tmp_path / "tensorboard" / f"events.out.tfevents.{int(now) + 3600:010d}.otherhost.1.0"
+    future.parent.mkdir()
+    future.touch()
+    slept = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        assert sum(slept) <= writer.EVENT_FILE_WAIT_LIMIT_S, "waited for the skew, not the limit"
+
+    monkeypatch.setattr(writer, "time", SimpleNamespace(time=lambda: now + sum(slept), sleep=sleep))
+    logger = RunLogger(tmp_path, log_trajectories=False, resumed_step=0)
+    logger.close()
+    printed = capsys.readouterr().out
+    assert f"holds an event file stamped 3601 s in the future ({future.name}: clock skew" in printed
+    assert "move it out of the dir" in printed
