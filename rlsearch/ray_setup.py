@@ -9,10 +9,11 @@ environment has them: the cluster decides.
 
 from __future__ import annotations
 
+import enum
 import os
 import time
-from collections.abc import Callable, Collection
-from typing import TypeVar
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, TypeVar
 
 # set by the supervisor of `rlsearch train --restarts` for its drivers: the address of the Ray instance it started,
 # which outlives each driver, and with it the rollout engines and actor ranks (detached actors a restarted driver
@@ -171,22 +172,53 @@ def cluster_has_gpus(resources: dict[str, float] | None = None) -> bool:
     return resources.get("GPU", 0) > 0
 
 
-def actor_states(handles: list, timeout_s: float) -> list[str]:
-    """Per Ray actor handle: "live" (it answered a ping), "dead" (its process is gone: a call to it fails at once; an
-    actor that Ray's memory monitor killed fails with OutOfMemoryError, not an actor error) or "silent" (no answer
-    within `timeout_s`: busy or hung, not known dead)."""
+class NoAnswer(enum.Enum):
+    """What `ask_actors` gives for an actor whose process is gone, or that did not answer in time (busy or hung)."""
+    DEAD = "dead"
+    SILENT = "silent"
+
+
+# an actor Ray cannot reach for the moment (ActorUnavailableError: a dropped connection, a restart under way) is asked
+# again this many times, after a backoff that doubles from UNAVAILABLE_BACKOFF_S, before it is taken for dead
+UNAVAILABLE_RETRIES = 3
+UNAVAILABLE_BACKOFF_S = 0.5
+
+
+def ask_actors(calls: Sequence[Callable[[], Any]], timeout_s: float) -> list[Any]:
+    """What each call (e.g. ``handle.method.remote``, issued here) answers within ``timeout_s``; NoAnswer.DEAD where its
+    actor's process is gone (a call to it fails at once; one that Ray's memory monitor killed fails with
+    OutOfMemoryError, not an actor error), or unreachable each time it was asked (`UNAVAILABLE_RETRIES`);
+    NoAnswer.SILENT where no answer came in time, which is not known death."""
     import ray
 
-    pings = [handle.__ray_ready__.remote() for handle in handles]
-    ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
-    states = []
-    for ping in pings:
-        if ping not in ready:
-            states.append("silent")
-            continue
-        try:
-            ray.get(ping)
-            states.append("live")
-        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError):
-            states.append("dead")
-    return states
+    answers: list[Any] = [NoAnswer.SILENT] * len(calls)
+    deadline = time.monotonic() + timeout_s
+    asking = list(range(len(calls)))
+    for retry in range(UNAVAILABLE_RETRIES + 1):
+        if not asking:
+            break
+        if retry:
+            time.sleep(UNAVAILABLE_BACKOFF_S * 2 ** (retry - 1))
+        refs = [calls[index]() for index in asking]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+        answered = set(ready)
+        unavailable = []
+        for index, ref in zip(asking, refs):
+            if ref not in answered:
+                answers[index] = NoAnswer.SILENT
+                continue
+            try:
+                answers[index] = ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:
+                answers[index] = NoAnswer.DEAD  # unless a retry reaches it (or finds it silent)
+                unavailable.append(index)
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError):
+                answers[index] = NoAnswer.DEAD
+        asking = unavailable
+    return answers
+
+
+def actor_states(handles: list, timeout_s: float) -> list[str]:
+    """Per Ray actor handle: "live" (it answered a ping), "dead" or "silent" (`ask_actors`)."""
+    answers = ask_actors([handle.__ray_ready__.remote for handle in handles], timeout_s)
+    return [answer.value if isinstance(answer, NoAnswer) else "live" for answer in answers]

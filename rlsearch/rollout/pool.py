@@ -421,19 +421,15 @@ class EnginePool:
 
     def _ask_live_engines(self, method: str, timeout_s: float = 60.0) -> list[Any]:
         """What each live engine's `method` returns. An engine found dead by the call is left out and known dead (it is
-        restarted before the next rollout or sync): an engine may die between a sync and the step's metrics."""
-        import ray
+        restarted before the next rollout or sync): an engine may die between a sync and the step's metrics. One
+        that Ray cannot reach for a moment is asked again first (`ask_actors`); one that does not answer in time is
+        left out."""
+        from ..ray_setup import NoAnswer, ask_actors
 
         live = self.live()
-        calls = [getattr(self.engines[index], method).remote() for index in live]
-        ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
-        answers = []
-        for index, call in zip(live, calls):
-            try:
-                answers.append(ray.get(call, timeout=0))
-            except ray.exceptions.RayActorError:
-                self._dead.add(index)
-        return answers
+        answers = ask_actors([getattr(self.engines[index], method).remote for index in live], timeout_s)
+        self._dead.update(index for index, answer in zip(live, answers) if answer is NoAnswer.DEAD)
+        return [answer for answer in answers if not isinstance(answer, NoAnswer)]
 
     def dead_engines(self, timeout_s: float = 10.0) -> list[int]:
         """Engines known dead, and those whose actor does not answer a ping because it is gone (a busy one is not

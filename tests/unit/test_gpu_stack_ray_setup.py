@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from unittest.mock import patch
+
+import pytest
 
 from rlsearch.ray_setup import cluster_has_gpus, take_worker_environment, worker_environment
 
@@ -37,3 +40,65 @@ def test_a_worker_taken_over_by_a_new_driver_has_that_drivers_settings_and_keeps
         take_worker_environment({"RLSEARCH_LOG_DIR": "/new/run/logs", "VLLM_PORT": "21000"})
         assert worker_environment() == {"RLSEARCH_LOG_DIR": "/new/run/logs", "VLLM_PORT": "21000"}
         assert (os.environ["CUDA_VISIBLE_DEVICES"], os.environ["HOME"]) == ("3", "/root")
+
+
+class _Ref:
+    """A Ray object ref that is ready at once: its call's answer, or the error it raised."""
+
+    def __init__(self, outcome) -> None:
+        self.outcome = outcome
+
+
+class _Actor:
+    """A Ray actor handle whose calls (any method) give ``outcomes`` in turn, the last one for good."""
+
+    def __init__(self, *outcomes) -> None:
+        self.outcomes, self.calls = list(outcomes), 0
+
+    def __getattr__(self, method: str):
+        return SimpleNamespace(remote=self._remote)
+
+    def _remote(self) -> _Ref:
+        self.calls += 1
+        return _Ref(self.outcomes.pop(0) if len(self.outcomes) > 1 else self.outcomes[0])
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """ray.wait and ray.get over `_Ref`s, no Ray started; no backoff between retries."""
+    import ray
+
+    from rlsearch import ray_setup
+
+    def get(ref: _Ref):
+        if isinstance(ref.outcome, BaseException):
+            raise ref.outcome
+        return ref.outcome
+
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray_setup, "UNAVAILABLE_BACKOFF_S", 0.0)
+
+
+def _unavailable():
+    from ray.exceptions import ActorUnavailableError
+
+    return ActorUnavailableError("the connection to the actor was lost for a moment", None)
+
+
+def test_a_health_probe_asks_an_unreachable_actor_again_and_only_a_dead_one_is_dead(fake_ray):
+    """Ray's ActorUnavailableError is transient (a dropped connection, a restart): the engine (or rank) answers the
+    next ask and must not be restarted; ActorDiedError, or unreachable every time, is death."""
+    from ray.exceptions import ActorDiedError
+
+    from rlsearch.ray_setup import UNAVAILABLE_RETRIES, actor_states
+    from rlsearch.rollout.pool import EnginePool
+
+    flaky, dead, gone = _Actor(_unavailable(), 2.0), _Actor(ActorDiedError()), _Actor(_unavailable())
+    assert actor_states([flaky, dead, gone], timeout_s=5.0) == ["live", "dead", "dead"]
+    assert (flaky.calls, dead.calls, gone.calls) == (2, 1, 1 + UNAVAILABLE_RETRIES)
+
+    pool = object.__new__(EnginePool)  # its engines' handles alone: nothing started
+    pool.engines, pool._dead = [_Actor(_unavailable(), 2.0), _Actor(4.0), _Actor(ActorDiedError())], set()
+    assert pool.idle_seconds() == 3.0
+    assert pool._dead == {2}
