@@ -23,6 +23,8 @@ from bench.common.table import print_table  # noqa: E402
 SMOLLM2_CONFIG = REPO_ROOT / "examples" / "configs" / "search_grpo_smollm2.yaml"
 TRL_PYTHON = os.environ.get("TRL_PYTHON", "")  # the python of a venv with trl==1.16.0 (docs/benchmarks.md#trl_peer)
 STEP_LINE = "TRL_STEP "  # the TRL process's line per GRPO step: this prefix, then the step's JSON
+# each side's generation backend, as the table names it: TRL's by --generation, rlsearch's always its vLLM engines
+GENERATION_BACKENDS = {"transformers": "transformers", "vllm": "vLLM colocate", "rlsearch": "vLLM engines"}
 # the short prompt names the Search-R1 tag; TRL's model calls a tool in its chat template's format instead
 SEARCH_TAG_PHRASE, SEARCH_TOOL_PHRASE = "<search> query </search>", "the search tool"
 
@@ -45,14 +47,37 @@ def peer_settings(config, steps: int, generation: str, out: Path) -> dict:
 def peer_rows(settings: dict, system: str = "") -> list[dict]:
     """The train rows as TRL's conversational prompts: a `system` turn where given, rlsearch's user turn of the short
     prompt (the search named as a tool, not a tag), the gold answers beside it for the reward."""
-    from rlsearch.data import load_qa_dataset
     from rlsearch.tools import make_protocol
 
     protocol = make_protocol("search_r1", [], settings["prompt_file"], require_tools=False)
-    examples = load_qa_dataset(settings["train"])[: settings["prompts"] * settings["steps"]]
     first = [{"role": "system", "content": system}] if system else []
     return [{"prompt": [*first, {"role": "user", "content": protocol.instruction(e.question).replace(
-        SEARCH_TAG_PHRASE, SEARCH_TOOL_PHRASE)}], "golden_answers": list(e.golden_answers)} for e in examples]
+        SEARCH_TAG_PHRASE, SEARCH_TOOL_PHRASE)}], "golden_answers": list(e.golden_answers)}
+        for e in peer_examples(settings)]
+
+
+def peer_examples(settings: dict) -> list:
+    """The train examples the runs' steps take: the first data.batch_size x steps."""
+    from rlsearch.data import load_qa_dataset
+
+    return load_qa_dataset(settings["train"])[: settings["prompts"] * settings["steps"]]
+
+
+def rlsearch_prompt_tokens(config, settings: dict) -> float:
+    """The mean prompt of rlsearch's rollouts over the peer's examples, in tokens, as its built-in loop renders it
+    (the protocol's turns in the model's chat template, then rollout.assistant_prefix)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from rlsearch.rollout.agent_loop import AgentLoop
+    from rlsearch.tools import make_protocol
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    protocol = make_protocol(config.rollout.protocol, [], config.rollout.prompt_file, tokenizer, require_tools=False)
+    loop = AgentLoop(SimpleNamespace(tokenizer=tokenizer), protocol, tools=None, config=config.rollout, seed=0)
+    prompts = [loop.prompt_ids(example.question) for example in peer_examples(settings)]
+    return sum(map(len, prompts)) / max(1, len(prompts))
 
 
 def make_search_tool(retriever_url: str, topk: int):
@@ -97,6 +122,11 @@ def make_reward(format_score: float, search_score: float):
     return reward
 
 
+def mean_tokens(tokenizer, texts: list[str]) -> float:
+    """The mean length of `texts` (rendered prompts) in the model's tokens."""
+    return sum(len(tokenizer.encode(text, add_special_tokens=False)) for text in texts) / max(1, len(texts))
+
+
 # ---- the TRL process --------------------------------------------------------------------------------------------
 
 def default_system_turn(tokenizer) -> str:
@@ -115,9 +145,9 @@ def tool_chat_template() -> str:
     return (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
 
 
-def step_reporter(minibatches: int, completions: int):
-    """A TrainerCallback that prints a STEP_LINE per GRPO step (`minibatches` optimizer steps of TRL): its seconds
-    and what TRL logged of it."""
+def step_reporter(minibatches: int, completions: int, prompt_tokens: float):
+    """A TrainerCallback that prints a STEP_LINE per GRPO step (`minibatches` optimizer steps of TRL): its seconds,
+    what TRL logged of it, and the mean `prompt_tokens` of its prompts."""
     from transformers import TrainerCallback
 
     class StepReporter(TrainerCallback):
@@ -136,7 +166,7 @@ def step_reporter(minibatches: int, completions: int):
                 print(STEP_LINE + json.dumps(dict(
                     step=state.global_step // minibatches, seconds=self.seconds, reward=logs["reward"],
                     tokens=logs.get("completions/mean_length", 0.0) * completions,
-                    tool_calls=logs.get("tools/call_frequency", 0.0))), flush=True)
+                    tool_calls=logs.get("tools/call_frequency", 0.0), prompt_tokens=prompt_tokens)), flush=True)
                 self.seconds = 0.0
 
     return StepReporter()
@@ -169,11 +199,14 @@ def trl_run(settings: dict) -> None:
         model_init_kwargs={"dtype": settings["dtype"]}, seed=0, **vllm)
     with RetrieverProcess(settings["corpus"], cache_dir=settings["index_cache_dir"]) as retriever:
         search, registry = make_search_tool(retriever.url, settings["topk"])
+        rows = peer_rows(settings, system)
+        prompt_tokens = mean_tokens(tokenizer, [tokenizer.apply_chat_template(
+            row["prompt"], tools=[search], add_generation_prompt=True, tokenize=False) for row in rows])
         try:
             trainer = GRPOTrainer(model=settings["model"], processing_class=tokenizer, args=config, tools=[search],
                                   reward_funcs=make_reward(settings["format_score"], settings["search_score"]),
-                                  train_dataset=Dataset.from_list(peer_rows(settings, system)),
-                                  callbacks=[step_reporter(minibatches, completions)])
+                                  train_dataset=Dataset.from_list(rows),
+                                  callbacks=[step_reporter(minibatches, completions, prompt_tokens)])
             trainer.train()
         finally:
             registry.close()
@@ -211,14 +244,15 @@ def run_trl(args, settings: dict) -> list[dict] | str:
     steps = []
     for line in process.stdout:
         if STEP_LINE in line:
-            steps.append(json.loads(line.partition(STEP_LINE)[2]))
+            steps.append({**json.loads(line.partition(STEP_LINE)[2]),
+                          "generation": GENERATION_BACKENDS[settings["generation"]]})
         print(f"  | {line.rstrip()}", flush=True)
     if process.wait():
         raise SystemExit(f"the TRL run failed (exit {process.returncode})")
     return steps
 
 
-def run_rlsearch(config) -> list[dict]:
+def run_rlsearch(config, settings: dict) -> list[dict]:
     """rlsearch's GRPO steps on `config`, read from its TensorBoard scalars."""
     from rlsearch.runlog import read_scalars
     from rlsearch.trainer import GRPOTrainer
@@ -226,21 +260,31 @@ def run_rlsearch(config) -> list[dict]:
     scalars = read_scalars(GRPOTrainer(config).train().tensorboard_dir)
     completions = config.data.batch_size * config.rollout.group_size
     rows = {tag: dict(values) for tag, values in scalars.items()}
+    prompt_tokens = rlsearch_prompt_tokens(config, settings)
     return [dict(step=step, seconds=seconds, tokens=rows["rollout/response_len_mean"][step] * completions,
-                 reward=rows["reward/mean"][step], tool_calls=rows["rollout/tool_calls_mean"][step])
+                 reward=rows["reward/mean"][step], tool_calls=rows["rollout/tool_calls_mean"][step],
+                 prompt_tokens=prompt_tokens, generation=GENERATION_BACKENDS["rlsearch"])
             for step, seconds in sorted(rows["time/step_s"].items())]
 
 
 def report(sides: dict[str, list[dict]]) -> None:
+    """A row per step of each side, with what makes their work differ (prompt tokens, generation backend); then the
+    ratio of their step times, saying what it does and does not compare."""
     columns = [("trainer", "<10"), ("step", ">4"), ("step s", ">8.1f"), ("tokens", ">7.0f"), ("tokens/s", ">9.1f"),
-               ("reward", ">7.3f"), ("tool calls", ">11.2f")]
+               ("reward", ">7.3f"), ("tool calls", ">11.2f"), ("prompt tokens", ">14.0f"), ("generation", "<14")]
     print_table(columns, [(name, s["step"], s["seconds"], s["tokens"], s["tokens"] / s["seconds"], s["reward"],
-                           s["tool_calls"]) for name, steps in sides.items() for s in steps])
+                           s["tool_calls"], s["prompt_tokens"], s["generation"])
+                          for name, steps in sides.items() for s in steps])
     if len(sides) == 2 and all(sides.values()):
         # the first step of each is its warm-up (compilation, caches): the later ones count where there are any
         means = {name: sum(s["seconds"] for s in steps[1:] or steps) / len(steps[1:] or steps)
                  for name, steps in sides.items()}
-        print(f"rlsearch step / TRL step (goal <= 0.7): {means['rlsearch'] / means['TRL']:.2f}")
+        prompts = " vs ".join(f"{steps[0]['prompt_tokens']:.0f}" for steps in sides.values())
+        backends = " vs ".join(steps[0]["generation"] for steps in sides.values())
+        print(f"rlsearch step / TRL step (goal <= 0.7): {means['rlsearch'] / means['TRL']:.2f}, the wall time of a "
+              "step at the same prompts x group, token budgets and reward; not equal work: prompts of "
+              f"{prompts} tokens ({' vs '.join(sides)}), {backends} generation, and policies that differ (each "
+              "side's own tool-call format)", flush=True)
 
 
 def smoke_check(settings: dict) -> None:
@@ -295,7 +339,7 @@ def main() -> None:
     sides = {"TRL": trl} if isinstance(trl, list) else {}
     if not args.no_rlsearch:
         print(f"rlsearch GRPOTrainer for {args.steps} steps ...", flush=True)
-        sides["rlsearch"] = run_rlsearch(config)
+        sides["rlsearch"] = run_rlsearch(config, settings)
     report(sides)
 
 
