@@ -90,6 +90,12 @@ def _check_objective(config: TrainConfig) -> None:
             "trained as if sampled has no engine logprobs" if not algo.mask_observations else "")
         if problem:
             raise ConfigError(f"'algo.kl_penalty' is reward with {problem}; change that, or set algo.kl_penalty=loss")
+    if algo.advantage in ("turn_returns", "gigpo") and config.rollout.agent != "builtin":
+        raise ConfigError(
+            f"'algo.advantage' is {algo.advantage} with rollout.agent={config.rollout.agent}: turn credit scores each "
+            "turn by what its tool calls returned, and a user agent's session records no tool outputs per turn, so "
+            "every turn would score 0; use algo.advantage=outcome (or another trajectory-level estimator), or "
+            "rollout.agent=builtin")
     if algo.advantage != "gae":
         if critic.model.path:
             raise ConfigError(f"'critic.model.path' is set but algo.advantage is {algo.advantage}: the critic "

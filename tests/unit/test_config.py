@@ -398,6 +398,11 @@ def test_recompute_and_offload_keys_are_checked_at_start_up_naming_the_key(tmp_p
         (["algo.turn_gamma=1.5"], r"'algo\.turn_gamma' must be in \[0, 1\] \(1: no discount\); got 1\.5"),
         (["algo.turn_gamma=-0.1"], r"'algo\.turn_gamma' must be in \[0, 1\]"),
         (["algo.turn_weight=0"], r"'algo\.turn_weight' must be > 0"),
+        (["algo.advantage=gigpo", "rollout.agent=my_agents:agent"],
+         r"'algo\.advantage' is gigpo with rollout\.agent=my_agents:agent: turn credit scores each turn by what its "
+         r"tool calls returned, and a user agent's session records no tool outputs per turn"),
+        (["algo.advantage=turn_returns", "rollout.agent=my_agents:agent"],
+         r"'algo\.advantage' is turn_returns with rollout\.agent=my_agents:agent"),
         (["algo.rollout_correction=seq_mis", "actor.cp=2"],
          r"'algo\.rollout_correction' is seq_mis with actor\.cp=2: a sequence-level correction needs the product of "
          r"a sequence's token ratios"),
