@@ -97,7 +97,8 @@ class ActorConfig:
     # train the samples that share a token prefix as one prefix tree: a GRPO group's (one prompt; a group over the
     # micro-batch size goes as its trajectories) and one trajectory's segments (an agent that re-renders its history
     # every turn). The prefix is computed once, each branch attends to its own ancestors only. Local layer spec
-    # only: with Transformer Engine the samples train one by one (said at start-up); not with cp > 1
+    # only: with Transformer Engine the samples train one by one (said at start-up). With cp > 1 a tree is split over
+    # the context-parallel ranks as one sequence (padded to a multiple of 2 x cp)
     merge_prefixes: bool = True
     # > 1: interleaved pipeline schedule with this many model chunks per stage
     virtual_pipeline_stages: int = rule(0, ge=2, off="off")
@@ -185,8 +186,9 @@ class AlgoConfig:
     # A sequence is one trained sample: a trajectory, or one segment of it under rollout.context fold or
     # drop_observations. Masked tokens keep their place in the loss's normaliser. seq_tis and seq_mis need actor.cp 1
     rollout_correction: str = rule("token_tis", choices=("token_tis", "seq_tis", "token_mis", "seq_mis", "icepop"))
-    # token_tis and seq_tis: the cap of the importance weight; 0 turns token_tis off (every weight 1)
-    tis_cap: float = rule(2.0, ge=0, note="0: token_tis off")
+    # token_tis and seq_tis: the cap of the importance weight; 0 turns token_tis off (every weight 1). A cap below 1
+    # would scale every on-policy token's gradient down (r is about 1), so it is refused
+    tis_cap: float = rule(2.0, ge=1, off="token_tis off")
     mis_low: float = 0.5  # token_mis and seq_mis: the band's lower end, < 1
     mis_high: float = 2.0  # token_mis and seq_mis: the band's upper end, > 1
     # icepop: tokens with r outside [1 / beta, beta] are masked out; > 1

@@ -379,7 +379,8 @@ def test_recompute_and_offload_keys_are_checked_at_start_up_naming_the_key(tmp_p
     [
         (["algo.rollout_correction=seq"], r"'algo\.rollout_correction' must be one of token_tis, seq_tis, token_mis, "
                                           r"seq_mis, icepop; got 'seq'"),
-        (["algo.tis_cap=-1"], r"'algo\.tis_cap' must be >= 0 \(0: token_tis off\); got -1\.0"),
+        (["algo.tis_cap=-1"], r"'algo\.tis_cap' must be 0 \(token_tis off\) or >= 1; got -1\.0"),
+        (["algo.tis_cap=0.5"], r"'algo\.tis_cap' must be 0 \(token_tis off\) or >= 1; got 0\.5"),
         (["algo.rollout_correction=seq_tis", "algo.tis_cap=0"], r"'algo\.tis_cap' must be > 0 with "
                                                                   r"algo\.rollout_correction=seq_tis"),
         (["algo.mis_low=1.2"], r"'algo\.mis_low' and 'algo\.mis_high' must hold 0 < mis_low < 1 < mis_high"),
