@@ -54,9 +54,6 @@ def _check_rollout_correction(config: TrainConfig) -> None:
     if mode == "seq_tis" and algo.tis_cap <= 0:
         raise ConfigError("'algo.tis_cap' must be > 0 with algo.rollout_correction=seq_tis: it caps each "
                           f"sequence's importance weight; got {algo.tis_cap}")
-    if not algo.mis_low < 1.0 < algo.mis_high or algo.mis_low <= 0:
-        raise ConfigError(f"'algo.mis_low' and 'algo.mis_high' must hold 0 < mis_low < 1 < mis_high (the band of "
-                          f"ratios kept); got {algo.mis_low} and {algo.mis_high}")
     if not algo.mask_observations and (mode != "token_tis" or algo.mismatch_threshold > 0):
         what = (f"'algo.rollout_correction' is {mode}" if mode != "token_tis" else
                 f"'algo.mismatch_threshold' is {algo.mismatch_threshold}")
