@@ -74,6 +74,11 @@ def env_name(default: str = "") -> Any:
                 shape="name an environment variable (letters, digits, _) or be empty")
 
 
+def directory(default: str) -> Any:
+    """A directory the command writes into: not empty, which would write into the current directory."""
+    return rule(default, pattern=r".*\S.*", shape="name a directory (empty would write into the current directory)")
+
+
 def rule_of(spec: dataclasses.Field) -> Rule | None:
     return spec.metadata.get(_KEY)
 

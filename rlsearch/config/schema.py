@@ -7,7 +7,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from .rules import Needs, env_name, rule, url
+from .rules import Needs, directory, env_name, rule, url
 
 # why a trajectory was cut (Trajectory.truncations):
 # - response_budget: rollout.max_response_tokens (model and observation tokens over all segments) ran out;
@@ -684,7 +684,8 @@ class CriticConfig:
 @dataclass
 class TrainerConfig:
     total_steps: int = rule(10, gt=0)  # GRPO steps of the run
-    output_dir: str = "outputs/search_grpo_tiny"  # checkpoints, TensorBoard logs, trajectories and eval results
+    # checkpoints, TensorBoard logs, trajectories and eval results
+    output_dir: str = directory("outputs/search_grpo_tiny")
     save_interval: int = rule(0, ge=0)  # checkpoint every N steps (0: only at the end)
     # keep the newest N checkpoints under output_dir/checkpoints (0: keep all)
     keep_checkpoints: int = rule(3, ge=0, note="0: keep all")
@@ -776,7 +777,7 @@ class EvalConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     # summary.json, trajectories.jsonl and eval_config.json; re-running with the same dir resumes
-    output_dir: str = "outputs/search_eval_tiny"
+    output_dir: str = directory("outputs/search_eval_tiny")
     log_dir: str = ""  # TensorBoard scalars go to {log_dir}/tensorboard (the trainer's layout); empty: none
     log_step: int = rule(0, ge=0)  # TensorBoard step of those scalars, e.g. the evaluated checkpoint's training step
 
@@ -802,7 +803,7 @@ class SFTConfig:
     # the same actor as training (any TP/PP/DP); warm starts of a small model take a larger learning rate
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-3))
     # HF model dir at output_dir/hf (model.path for `rlsearch train`), TensorBoard logs and curves.png
-    output_dir: str = "outputs/sft_tiny"
+    output_dir: str = directory("outputs/sft_tiny")
     seed: int = 1  # data order
     # a checkpoint (weights, Adam's state, the data position) every N steps under output_dir/checkpoints, only the
     # newest kept; 0: none (a stopped run starts over)

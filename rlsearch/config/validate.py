@@ -200,8 +200,6 @@ def validate_eval_config(config: EvalConfig) -> EvalConfig:
             f"'eval.n_samples'={config.eval.n_samples} with greedy decoding (rollout.temperature=0) draws identical "
             "samples; set rollout.temperature > 0 or eval.n_samples=1"
         )
-    if not config.output_dir:
-        raise ConfigError("'output_dir' is empty: give the directory for the results")
     check_model_dir(config.model.path)
     if not config.eval.files:
         raise ConfigError("'eval.files' is empty: give at least one JSONL or parquet file")
