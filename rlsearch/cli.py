@@ -62,19 +62,27 @@ def _logs_hint(log_dir) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from .checkpoint import CheckpointError
-    from .config import ConfigError, load_train_config
+    from .config import ConfigError, TrainConfig, load_train_config
     from .memory import check_train_memory
     from .ray_setup import ray_cpus
     from .supervisor import supervise_train, supervised
     from .trainer import GRPOTrainer, NonFiniteStepsError, RolloutMismatchError, WorkerDiedError
+    from .trainer.checkpoints import check_fresh_output_dir
 
     if args.restarts < 0:
         print(f"rlsearch train: --restarts must be >= 0; got {args.restarts}", file=sys.stderr)
         return 2
+    def load(path: str | None, overrides: list[str]) -> TrainConfig:  # before the run's logs go into output_dir
+        config = load_train_config(path, overrides)
+        check_fresh_output_dir(config, Path(config.trainer.output_dir))
+        return config
+
     if args.restarts and not supervised():
         try:  # bad input and a memory plan that does not fit stop here, before any driver or Ray starts
-            config = load_train_config(args.config, args.overrides)
+            config = load(args.config, args.overrides)
             print(check_train_memory(config), flush=True)
         except ConfigError as err:
             print(f"rlsearch train: {err}", file=sys.stderr)
@@ -85,7 +93,7 @@ def _train(args: argparse.Namespace) -> int:
                                ray_cpus=cpus)
 
     # train() also reports bad input as ConfigError: tool set-up, a checkpoint that does not fit the config
-    return _run_summarised("train", load_train_config, lambda config: GRPOTrainer(config).train(),
+    return _run_summarised("train", load, lambda config: GRPOTrainer(config).train(),
                            lambda config: config.trainer.output_dir, args,
                            (WorkerDiedError, NonFiniteStepsError, RolloutMismatchError, CheckpointError))
 

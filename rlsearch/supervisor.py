@@ -32,6 +32,11 @@ def supervised() -> bool:
     return ATTEMPT_VARIABLE in os.environ
 
 
+def restarted() -> bool:
+    """Whether this process is a driver the supervisor runs again after one died: its output dir holds its own run."""
+    return os.environ.get(ATTEMPT_VARIABLE, "0") != "0"
+
+
 def _describe(returncode: int) -> str:
     if returncode < 0:
         return f"killed by {signal.Signals(-returncode).name}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -62,8 +63,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: invalid YAML: {err}") from err
-    if data is None:
-        return {}
+    if data is None:  # the same as no file, so more likely the wrong file than a wish for the defaults
+        raise ConfigError(f"{path}: the config file is empty: every key would take its default; give the keys to "
+                          "set, or leave the file out to run on the defaults")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return data
@@ -125,14 +127,17 @@ def _coerce_scalar(hint: Any, value: Any, key: str) -> Any:
             return value
         raise ConfigError(f"'{key}' must be an integer, got {value!r}")
     if hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads exponents without a dot (2e-4) as strings
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads exponents without a dot (2e-4) as strings
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"'{key}' must be a number, got {value!r}")
+        if number is None or math.isnan(number):  # NaN is false in every comparison: a check "< 0" lets it through
+            raise ConfigError(f"'{key}' must be a number, got {value!r}")
+        return number
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

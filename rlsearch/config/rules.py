@@ -5,6 +5,7 @@ dotted key), `describe` renders them for the configuration reference. Rules betw
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,11 @@ def env_name(default: str = "") -> Any:
     """The name of an environment variable, or empty (none)."""
     return rule(default, pattern=f"(?:{ENV_NAME})?",
                 shape="name an environment variable (letters, digits, _) or be empty")
+
+
+def directory(default: str) -> Any:
+    """A directory the command writes into: not empty, which would write into the current directory."""
+    return rule(default, pattern=r".*\S.*", shape="name a directory (empty would write into the current directory)")
 
 
 def rule_of(spec: dataclasses.Field) -> Rule | None:
@@ -140,7 +146,10 @@ _SIDES = ((">=", "ge", float.__ge__), (">", "gt", float.__gt__), ("<=", "le", fl
 
 
 def _broken_bound(declared: Rule, value: float) -> str | None:
-    """The bound `value` breaks, in words ("> 0", "in (0, 1]", "0 (off) or >= 2"); None when it keeps them all."""
+    """The bound `value` breaks, in words ("> 0", "in (0, 1]", "0 (off) or >= 2"); None when it keeps them all. NaN
+    and infinities break every bound: NaN compares false with all of them, and no bounded key means anything by inf."""
+    if bounded(declared) and not math.isfinite(value):
+        return f"{_bounds(declared)} and finite"
     if declared.off and value == 0:
         return None
     if declared.within:
@@ -153,6 +162,11 @@ def _broken_bound(declared: Rule, value: float) -> str | None:
         if bound is not None and not holds(float(value), float(bound)):
             return declared.says or (f"0 ({declared.off}) or {sign} {bound}" if declared.off else f"{sign} {bound}")
     return None
+
+
+def bounded(declared: Rule) -> bool:
+    """Whether the rule declares a range (ge, gt, le or within)."""
+    return bool(declared.within) or any(getattr(declared, name) is not None for _, name, _ in _SIDES)
 
 
 def _bounds(declared: Rule) -> str:
@@ -207,7 +221,7 @@ def describe(spec: dataclasses.Field) -> str:
         parts.append("not empty")
     if declared.pattern:
         parts.append(f"must {declared.shape}")
-    if declared.within or declared.ge is not None or declared.gt is not None or declared.le is not None:
+    if bounded(declared):
         parts.append(_bounds(declared))
     parts += [f"needs `{need.other}`" + (f" {' or '.join(map(str, need.wanted))}" if need.wanted else "")
               + (f" when {_show(need.when)}" if need.when is not None else "") for need in declared.needs]

@@ -7,7 +7,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from .rules import Needs, env_name, rule, url
+from .rules import Needs, directory, env_name, rule, url
 
 # why a trajectory was cut (Trajectory.truncations):
 # - response_budget: rollout.max_response_tokens (model and observation tokens over all segments) ran out;
@@ -77,14 +77,14 @@ class ActorConfig:
     backend: str = rule("auto", choices=("auto", "gloo", "nccl"))
     # the layer spec: auto is transformer_engine where the rank has a GPU and Transformer Engine imports, else local
     transformer_impl: str = rule("auto", choices=("auto", "local", "transformer_engine"))
-    lr: float = 1e-5  # Adam learning rate (peak, after warm-up)
-    min_lr: float = 0.0  # the learning rate linear/cosine decay ends at
-    lr_warmup_steps: int = 0  # optimizer steps of linear warm-up from 0
+    lr: float = rule(1e-5, gt=0)  # Adam learning rate (peak, after warm-up)
+    min_lr: float = rule(0.0, ge=0)  # the learning rate linear/cosine decay ends at
+    lr_warmup_steps: int = rule(0, ge=0)  # optimizer steps of linear warm-up from 0
     lr_decay_style: str = rule("constant", choices=("constant", "linear", "cosine"))  # the LR schedule after warm-up
-    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
-    adam_beta1: float = 0.9  # Adam's first-moment decay
-    adam_beta2: float = 0.999  # Adam's second-moment decay
-    clip_grad: float = 1.0  # global grad-norm clip; 0 disables
+    weight_decay: float = rule(0.0, ge=0)  # decoupled (AdamW) weight decay
+    adam_beta1: float = rule(0.9, within="[0, 1)")  # Adam's first-moment decay
+    adam_beta2: float = rule(0.999, within="[0, 1)")  # Adam's second-moment decay
+    clip_grad: float = rule(1.0, ge=0, note="0: off")  # global grad-norm clip; 0 disables
     # sequences are packed back to back into micro-batches of at most this many tokens (no padding); must hold
     # the longest segment (the context window: rollout.context_window, else rollout.max_prompt_tokens +
     # rollout.max_response_tokens). Counted before a
@@ -97,7 +97,8 @@ class ActorConfig:
     # train the samples that share a token prefix as one prefix tree: a GRPO group's (one prompt; a group over the
     # micro-batch size goes as its trajectories) and one trajectory's segments (an agent that re-renders its history
     # every turn). The prefix is computed once, each branch attends to its own ancestors only. Local layer spec
-    # only: with Transformer Engine the samples train one by one (said at start-up); not with cp > 1
+    # only: with Transformer Engine the samples train one by one (said at start-up). With cp > 1 a tree is split over
+    # the context-parallel ranks as one sequence (padded to a multiple of 2 x cp)
     merge_prefixes: bool = True
     # > 1: interleaved pipeline schedule with this many model chunks per stage
     virtual_pipeline_stages: int = rule(0, ge=2, off="off")
@@ -131,7 +132,8 @@ class ActorConfig:
         0.0, within="[0, 1]", says="between 0 (off) and 1 (every state)", needs=Needs(
             "use_distributed_optimizer", "'{key}' is {value} but '{other}' is false: Megatron offloads the states of "
             "its distributed optimizer; set {other}=true"))
-    num_threads: int = 0  # torch intra-op threads per rank; 0 = cores / ranks (cores: RLSEARCH_CPU_CORES or all)
+    # torch intra-op threads per rank; 0 = cores / ranks (cores: RLSEARCH_CPU_CORES or all)
+    num_threads: int = rule(0, ge=0, note="0: cores / ranks")
 
     @property
     def world_size(self) -> int:
@@ -147,9 +149,10 @@ class ActorConfig:
 
 @dataclass
 class AlgoConfig:
-    clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - clip_ratio_low
-    clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + clip_ratio_high
-    kl_coef: float = 0.0  # KL penalty to the frozen reference (0 disables the reference model)
+    clip_ratio_low: float = rule(0.2, within="[0, 1)")  # PPO clip: ratio >= 1 - clip_ratio_low
+    clip_ratio_high: float = rule(0.2, ge=0)  # PPO clip: ratio <= 1 + clip_ratio_high
+    # KL penalty to the frozen reference (0 disables the reference model)
+    kl_coef: float = rule(0.0, ge=0, note="0: no reference model")
     kl_estimator: str = rule("k3", choices=("k1", "k2", "k3"))  # Schulman's estimator of the KL to the reference
     # token_mean: the loss averages over every trained token; seq_mean_token_mean: over each sequence's tokens, then
     # over sequences; seq_mean_token_sum: summed over each sequence's tokens, then averaged over sequences (MiniRL's
@@ -172,7 +175,7 @@ class AlgoConfig:
     # carries the engine's numerics and staleness and algo.rollout_correction has nothing left to correct)
     ratio_against: str = rule("old", choices=("old", "rollout"), either=True)
     norm_adv_by_std: bool = True  # GRPO: (r - mean) / (std + eps); false gives Dr. GRPO's r - mean
-    adv_eps: float = 1e-6  # added to the group std before dividing
+    adv_eps: float = rule(1e-6, gt=0)  # added to the group std before dividing (a group of equal rewards has std 0)
     # how the policy gradient corrects for tokens the engine sampled under older weights (rollout.async_steps) or
     # other numerics (bf16 engine kernels) than the actor's, from r = pi_old / pi_rollout per sampled token (pi_old:
     # the actor before the step's first update; r is about 1 on-policy in fp32):
@@ -185,10 +188,11 @@ class AlgoConfig:
     # A sequence is one trained sample: a trajectory, or one segment of it under rollout.context fold or
     # drop_observations. Masked tokens keep their place in the loss's normaliser. seq_tis and seq_mis need actor.cp 1
     rollout_correction: str = rule("token_tis", choices=("token_tis", "seq_tis", "token_mis", "seq_mis", "icepop"))
-    # token_tis and seq_tis: the cap of the importance weight; 0 turns token_tis off (every weight 1)
-    tis_cap: float = rule(2.0, ge=0, note="0: token_tis off")
-    mis_low: float = 0.5  # token_mis and seq_mis: the band's lower end, < 1
-    mis_high: float = 2.0  # token_mis and seq_mis: the band's upper end, > 1
+    # token_tis and seq_tis: the cap of the importance weight; 0 turns token_tis off (every weight 1). A cap below 1
+    # would scale every on-policy token's gradient down (r is about 1), so it is refused
+    tis_cap: float = rule(2.0, ge=1, off="token_tis off")
+    mis_low: float = rule(0.5, within="(0, 1)")  # token_mis and seq_mis: the band's lower end, < 1
+    mis_high: float = rule(2.0, gt=1)  # token_mis and seq_mis: the band's upper end, > 1
     # icepop: tokens with r outside [1 / beta, beta] are masked out; > 1
     icepop_beta: float = rule(2.0, gt=1, note="ratios inside [1/beta, beta] are kept")
     # stop (or warn) after a step whose engine-vs-actor mismatch, rollout/actor_logprob_diff_mean (the mean over
@@ -276,10 +280,10 @@ class RolloutConfig:
     group_size: int = rule(4, gt=0)  # samples per prompt (the GRPO group)
     # sampling temperature. The engine reports, and the actor trains against, the logprobs of the distribution each
     # token was drawn from: log_softmax((logits + logit_bias) / temperature). Training needs > 0
-    temperature: float = 1.0
+    temperature: float = rule(1.0, ge=0, note="0: greedy, eval only")
     # nucleus sampling; 1.0 samples the full distribution. Eval only: training refuses < 1, since the actor does not
     # reproduce the nucleus mask (its importance weights and KL would compare different distributions)
-    top_p: float = 1.0
+    top_p: float = rule(1.0, within="(0, 1]")
     max_turns: int = rule(4, gt=0)  # model turns per trajectory (tool calls + final answer)
     max_prompt_tokens: int = rule(512, gt=0)  # longer prompts are an error naming the row
     max_response_tokens: int = rule(512, gt=0)  # budget for everything after the prompt: model + observation tokens
@@ -470,9 +474,9 @@ class RetrieverConfig:
     # GPU the run leaves free (numbered within CUDA_VISIBLE_DEVICES); auto: a GPU whenever one is visible
     encoder_device: str = rule("cpu", pattern=ENCODER_DEVICE.pattern, shape="be auto, cpu, cuda or cuda:N")
     topk: int = rule(3, gt=0, le=RETRIEVER_MAX_TOPK, note="the retrieval server's limit")  # passages per search
-    timeout_s: float = 10.0  # per request, its response read whole (a server trickling bytes is cut off)
-    max_retries: int = 3  # retries of a failed request (transport errors, 429, 5xx)
-    backoff_s: float = 0.5  # first retry delay; doubles each retry
+    timeout_s: float = rule(10.0, gt=0)  # per request, its response read whole (a server trickling bytes is cut off)
+    max_retries: int = rule(3, ge=0)  # retries of a failed request (transport errors, 429, 5xx)
+    backoff_s: float = rule(0.5, ge=0)  # first retry delay; doubles each retry
     # client: queries per /retrieve request (at most 512, the server's default max_queries)
     batch_size: int = rule(64, gt=0, le=RETRIEVER_MAX_QUERIES,
                            note="the retrieval server's limit of queries per request")
@@ -502,7 +506,7 @@ class MCPConfig:
     start_local: bool = False
     timeout_s: float = rule(30.0, gt=0)  # per call (and per connection attempt)
     max_retries: int = rule(2, ge=0)  # after a transport failure, with exponential backoff from backoff_s
-    backoff_s: float = 0.5  # first retry delay; doubles each retry
+    backoff_s: float = rule(0.5, ge=0)  # first retry delay; doubles each retry
     max_concurrency: int = rule(8, gt=0)  # calls in flight at once per rollout worker
 
 
@@ -526,7 +530,7 @@ class SummariserConfig:
     max_tokens: int = rule(256, gt=0)  # of the summary
     timeout_s: float = rule(60.0, gt=0)  # per request, its response read whole (a server trickling bytes is cut off)
     max_retries: int = rule(1, ge=0)  # more rounds over the endpoints after every one failed
-    backoff_s: float = 1.0  # wait before round k (1, 2, ...): backoff_s * 2**(k-1)
+    backoff_s: float = rule(1.0, ge=0)  # wait before round k (1, 2, ...): backoff_s * 2**(k-1)
     cooldown_s: float = rule(30.0, ge=0)  # a failed endpoint is skipped for this long, then tried again
     # the whole call, over every endpoint, retry and backoff wait: each request gets what is left of it, and a call
     # still failing then ends with its last error. 0: none beyond the attempts' own bound (one per endpoint and one
@@ -541,8 +545,8 @@ class BrowseConfig:
     allow_networks: list[str] = field(default_factory=list)
     timeout_s: float = rule(10.0, gt=0)  # whole fetch, redirects included
     max_bytes: int = rule(2_000_000, gt=0)  # response bytes read; the rest is dropped
-    max_redirects: int = 3  # redirects followed (each target checked again)
-    max_chars: int = 8000  # page text given to the model (without a summariser)
+    max_redirects: int = rule(3, ge=0)  # redirects followed (each target checked again)
+    max_chars: int = rule(8000, gt=0)  # page text given to the model (without a summariser)
     max_concurrency: int = rule(4, gt=0)  # fetches in flight at once
     # a browse agent: each fetched page goes to this summariser with the question and the URL, and its summary is
     # the observation (cached and replayed as the tool's result). No endpoints and no engine: the page itself
@@ -579,7 +583,7 @@ class JinaConfig(WebAPIConfig):
     api_key_env: str = env_name("JINA_API_KEY")  # environment variable holding the key; web_browse refuses to start
     url: str = url("https://r.jina.ai/")  # the page URL is appended
     timeout_s: float = rule(30.0, gt=0)  # per request, its response read whole (a server trickling bytes is cut off)
-    max_chars: int = 8000  # page text kept per fetch
+    max_chars: int = rule(8000, gt=0)  # page text kept per fetch
 
 
 @dataclass
@@ -680,7 +684,8 @@ class CriticConfig:
 @dataclass
 class TrainerConfig:
     total_steps: int = rule(10, gt=0)  # GRPO steps of the run
-    output_dir: str = "outputs/search_grpo_tiny"  # checkpoints, TensorBoard logs, trajectories and eval results
+    # checkpoints, TensorBoard logs, trajectories and eval results
+    output_dir: str = directory("outputs/search_grpo_tiny")
     save_interval: int = rule(0, ge=0)  # checkpoint every N steps (0: only at the end)
     # keep the newest N checkpoints under output_dir/checkpoints (0: keep all)
     keep_checkpoints: int = rule(3, ge=0, note="0: keep all")
@@ -772,9 +777,9 @@ class EvalConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     # summary.json, trajectories.jsonl and eval_config.json; re-running with the same dir resumes
-    output_dir: str = "outputs/search_eval_tiny"
+    output_dir: str = directory("outputs/search_eval_tiny")
     log_dir: str = ""  # TensorBoard scalars go to {log_dir}/tensorboard (the trainer's layout); empty: none
-    log_step: int = 0  # TensorBoard step of those scalars, e.g. the evaluated checkpoint's training step
+    log_step: int = rule(0, ge=0)  # TensorBoard step of those scalars, e.g. the evaluated checkpoint's training step
 
 
 @dataclass
@@ -783,7 +788,7 @@ class SFTDataConfig:
     train_files: list[str] = rule(factory=lambda: ["outputs/assets/toy/sft.jsonl"],
                                  nonempty="give at least one JSONL chat file")
     batch_size: int = rule(16, gt=0)  # sequences per optimizer step
-    epochs: int = 1  # passes over the data (data.max_steps, when > 0, stops earlier or goes on for more)
+    epochs: int = rule(1, ge=0)  # passes over the data (data.max_steps, when > 0, stops earlier or goes on for more)
     max_steps: int = rule(0, ge=0, note="0: data.epochs decide")  # optimizer steps; 0: as many as data.epochs take
     shuffle: bool = True  # reshuffled every epoch from seed
     max_tokens: int = rule(2048, gt=0)  # a longer row (prompt + response) is an error naming its file and line
@@ -798,7 +803,7 @@ class SFTConfig:
     # the same actor as training (any TP/PP/DP); warm starts of a small model take a larger learning rate
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-3))
     # HF model dir at output_dir/hf (model.path for `rlsearch train`), TensorBoard logs and curves.png
-    output_dir: str = "outputs/sft_tiny"
+    output_dir: str = directory("outputs/sft_tiny")
     seed: int = 1  # data order
     # a checkpoint (weights, Adam's state, the data position) every N steps under output_dir/checkpoints, only the
     # newest kept; 0: none (a stopped run starts over)

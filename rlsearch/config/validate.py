@@ -54,9 +54,6 @@ def _check_rollout_correction(config: TrainConfig) -> None:
     if mode == "seq_tis" and algo.tis_cap <= 0:
         raise ConfigError("'algo.tis_cap' must be > 0 with algo.rollout_correction=seq_tis: it caps each "
                           f"sequence's importance weight; got {algo.tis_cap}")
-    if not algo.mis_low < 1.0 < algo.mis_high or algo.mis_low <= 0:
-        raise ConfigError(f"'algo.mis_low' and 'algo.mis_high' must hold 0 < mis_low < 1 < mis_high (the band of "
-                          f"ratios kept); got {algo.mis_low} and {algo.mis_high}")
     if not algo.mask_observations and (mode != "token_tis" or algo.mismatch_threshold > 0):
         what = (f"'algo.rollout_correction' is {mode}" if mode != "token_tis" else
                 f"'algo.mismatch_threshold' is {algo.mismatch_threshold}")
@@ -90,6 +87,12 @@ def _check_objective(config: TrainConfig) -> None:
             "trained as if sampled has no engine logprobs" if not algo.mask_observations else "")
         if problem:
             raise ConfigError(f"'algo.kl_penalty' is reward with {problem}; change that, or set algo.kl_penalty=loss")
+    if algo.advantage in ("turn_returns", "gigpo") and config.rollout.agent != "builtin":
+        raise ConfigError(
+            f"'algo.advantage' is {algo.advantage} with rollout.agent={config.rollout.agent}: turn credit scores each "
+            "turn by what its tool calls returned, and a user agent's session records no tool outputs per turn, so "
+            "every turn would score 0; use algo.advantage=outcome (or another trajectory-level estimator), or "
+            "rollout.agent=builtin")
     if algo.advantage != "gae":
         if critic.model.path:
             raise ConfigError(f"'critic.model.path' is set but algo.advantage is {algo.advantage}: the critic "
@@ -197,8 +200,6 @@ def validate_eval_config(config: EvalConfig) -> EvalConfig:
             f"'eval.n_samples'={config.eval.n_samples} with greedy decoding (rollout.temperature=0) draws identical "
             "samples; set rollout.temperature > 0 or eval.n_samples=1"
         )
-    if not config.output_dir:
-        raise ConfigError("'output_dir' is empty: give the directory for the results")
     check_model_dir(config.model.path)
     if not config.eval.files:
         raise ConfigError("'eval.files' is empty: give at least one JSONL or parquet file")

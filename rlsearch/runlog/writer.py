@@ -116,6 +116,9 @@ def _wait_for_a_second_after_the_event_files_in(tensorboard_dir: Path) -> None:
         time.sleep(0.02)
 
 
+TRAJECTORY_DIR = "trajectories"  # a run's step_N.jsonl files, under its output dir
+
+
 class RunLogger:
     def __init__(
         self, output_dir: str | Path, log_trajectories: bool = True, resumed_step: int | None = None,
@@ -131,7 +134,7 @@ class RunLogger:
 
         self.output_dir = Path(output_dir)
         self.tensorboard_dir = self.output_dir / "tensorboard"
-        self.trajectory_dir = self.output_dir / "trajectories"
+        self.trajectory_dir = self.output_dir / TRAJECTORY_DIR
         self.write_trajectories = log_trajectories
         self.tensorboard_dir.mkdir(parents=True, exist_ok=True)
         if self.write_trajectories:

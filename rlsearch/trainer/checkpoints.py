@@ -1,5 +1,6 @@
 """A GRPO run's checkpoints: the one a run resumes (trainer.resume: auto, none or a checkpoint dir), refused when it
-was trained with another trainer.seed or the other actor.use_distributed_optimizer; the newest one this process
+was trained with another trainer.seed or the other actor.use_distributed_optimizer, and a fresh run (none) refused
+where another run's files are; the newest one this process
 saved or resumed from (where dead actor ranks rewind to); a run checkpoint saved with the trainer state and the
 manifest info; and the actor state loaded from one.
 
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING
 from ..checkpoint import CheckpointError, CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import CRITIC_DIR, MODEL_DIR
 from ..config import ConfigError, TrainConfig, to_dict
+from ..runlog import TRAJECTORY_DIR
+from ..supervisor import restarted
 from .sampler import SamplerState
 
 if TYPE_CHECKING:
@@ -36,6 +39,7 @@ def checkpoint_to_resume(config: TrainConfig, store: CheckpointStore) -> ResumeP
     a warning per damaged one skipped), or the dir it names (ConfigError when that is no complete run checkpoint)."""
     resume = config.trainer.resume
     if resume == "none":
+        check_fresh_output_dir(config, store.root.parent)
         return None
     if resume == "auto":
         path, skipped = store.newest_complete()
@@ -51,6 +55,24 @@ def checkpoint_to_resume(config: TrainConfig, store: CheckpointStore) -> ResumeP
         except CheckpointError as error:
             raise ConfigError(f"'trainer.resume' (auto, none or a checkpoint dir): {error}") from error
     return _resume_point(config, path, manifest, state)
+
+
+def check_fresh_output_dir(config: TrainConfig, run_dir: Path) -> None:
+    """trainer.resume=none starts a run from step 1: refused (ConfigError) where `run_dir` holds another run's
+    trajectories or checkpoints, which it would overwrite step by step and mix with its own. A driver the supervisor
+    restarts before the first checkpoint finds its own run there."""
+    if config.trainer.resume != "none" or restarted():
+        return
+    trajectories = sorted((run_dir / TRAJECTORY_DIR).glob("*.jsonl"))
+    root = CheckpointStore(run_dir).root
+    checkpoints = sorted(root.glob("*step_*"))  # half-written ones (.incomplete_step_N) too
+    held = [f"{len(found)} {what} ({found[0].parent.name}/{found[0].name}, ...)" for found, what in (
+        (trajectories, "trajectory file(s)"), (checkpoints, "checkpoint(s)")) if found]
+    if held:
+        raise ConfigError(
+            f"'trainer.output_dir' ({run_dir}) holds another run: {' and '.join(held)}. trainer.resume=none would "
+            "overwrite its files step by step and leave the two runs mixed; give another trainer.output_dir, delete "
+            "the dir, or continue that run with trainer.resume=auto")
 
 
 def newest_own_checkpoint(config: TrainConfig, saved: dict[int, Path]) -> ResumePoint | None:

@@ -379,12 +379,13 @@ def test_recompute_and_offload_keys_are_checked_at_start_up_naming_the_key(tmp_p
     [
         (["algo.rollout_correction=seq"], r"'algo\.rollout_correction' must be one of token_tis, seq_tis, token_mis, "
                                           r"seq_mis, icepop; got 'seq'"),
-        (["algo.tis_cap=-1"], r"'algo\.tis_cap' must be >= 0 \(0: token_tis off\); got -1\.0"),
+        (["algo.tis_cap=-1"], r"'algo\.tis_cap' must be 0 \(token_tis off\) or >= 1; got -1\.0"),
+        (["algo.tis_cap=0.5"], r"'algo\.tis_cap' must be 0 \(token_tis off\) or >= 1; got 0\.5"),
         (["algo.rollout_correction=seq_tis", "algo.tis_cap=0"], r"'algo\.tis_cap' must be > 0 with "
                                                                   r"algo\.rollout_correction=seq_tis"),
-        (["algo.mis_low=1.2"], r"'algo\.mis_low' and 'algo\.mis_high' must hold 0 < mis_low < 1 < mis_high"),
-        (["algo.mis_high=0.9"], r"must hold 0 < mis_low < 1 < mis_high .*; got 0\.5 and 0\.9"),
-        (["algo.mis_low=0"], r"must hold 0 < mis_low < 1 < mis_high"),
+        (["algo.mis_low=1.2"], r"'algo\.mis_low' must be in \(0, 1\); got 1\.2"),
+        (["algo.mis_high=0.9"], r"'algo\.mis_high' must be > 1; got 0\.9"),
+        (["algo.mis_low=0"], r"'algo\.mis_low' must be in \(0, 1\); got 0\.0"),
         (["algo.icepop_beta=1"], r"'algo\.icepop_beta' must be > 1 \(ratios inside \[1/beta, beta\] are kept\)"),
         (["algo.mismatch_threshold=-0.1"], r"'algo\.mismatch_threshold' must be >= 0 \(0: no check\)"),
         (["algo.mismatch_action=abort"], r"'algo\.mismatch_action' must be one of warn, stop; got 'abort'"),
@@ -398,6 +399,11 @@ def test_recompute_and_offload_keys_are_checked_at_start_up_naming_the_key(tmp_p
         (["algo.turn_gamma=1.5"], r"'algo\.turn_gamma' must be in \[0, 1\] \(1: no discount\); got 1\.5"),
         (["algo.turn_gamma=-0.1"], r"'algo\.turn_gamma' must be in \[0, 1\]"),
         (["algo.turn_weight=0"], r"'algo\.turn_weight' must be > 0"),
+        (["algo.advantage=gigpo", "rollout.agent=my_agents:agent"],
+         r"'algo\.advantage' is gigpo with rollout\.agent=my_agents:agent: turn credit scores each turn by what its "
+         r"tool calls returned, and a user agent's session records no tool outputs per turn"),
+        (["algo.advantage=turn_returns", "rollout.agent=my_agents:agent"],
+         r"'algo\.advantage' is turn_returns with rollout\.agent=my_agents:agent"),
         (["algo.rollout_correction=seq_mis", "actor.cp=2"],
          r"'algo\.rollout_correction' is seq_mis with actor\.cp=2: a sequence-level correction needs the product of "
          r"a sequence's token ratios"),
@@ -473,3 +479,74 @@ def test_field_rules_are_checked_on_any_config_and_shown_in_the_reference():
         with pytest.raises(ConfigError, match=message):
             load_train_config(None, [override])
     assert "| `model.dtype` | `auto` | `auto` \\| `float32` \\| `bfloat16` |" in render_reference()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("actor.lr=-1", r"'actor\.lr' must be > 0; got -1\.0"),
+        ("actor.lr=.nan", r"'actor\.lr' must be a number, got nan"),
+        ("actor.lr=.inf", r"'actor\.lr' must be > 0 and finite; got inf"),
+        ("algo.kl_coef=-1", r"'algo\.kl_coef' must be >= 0 \(0: no reference model\); got -1\.0"),
+        ("algo.clip_ratio_low=-0.5", r"'algo\.clip_ratio_low' must be in \[0, 1\); got -0\.5"),
+        ("algo.clip_ratio_low=1", r"'algo\.clip_ratio_low' must be in \[0, 1\); got 1\.0"),
+        ("actor.clip_grad=-1", r"'actor\.clip_grad' must be >= 0 \(0: off\); got -1\.0"),
+        ("actor.weight_decay=-0.1", r"'actor\.weight_decay' must be >= 0; got -0\.1"),
+        ("actor.adam_beta2=1", r"'actor\.adam_beta2' must be in \[0, 1\); got 1\.0"),
+        ("rollout.top_p=0", r"'rollout\.top_p' must be in \(0, 1\]; got 0\.0"),
+        ("reward.format_score=nan", r"'reward\.format_score' must be a number, got 'nan'"),
+        ("rollout.logit_bias={x: .nan}", r"'rollout\.logit_bias\.x' must be a number, got nan"),
+    ],
+)
+def test_numbers_out_of_their_range_or_nan_are_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(None, [override])
+
+
+def test_nan_breaks_every_declared_bound_in_a_config_built_in_code():
+    from rlsearch.config import ActorConfig, validate_train_config
+
+    for value in (float("nan"), float("-inf")):
+        with pytest.raises(ConfigError, match=rf"'actor\.lr' must be > 0 and finite; got {value}"):
+            validate_train_config(TrainConfig(actor=ActorConfig(lr=value)))
+
+
+def test_every_numeric_key_declares_its_range():
+    """A new numeric key without a rule's range (rule(..., ge=/gt=/le=/within=)) fails here: add one, or add the key
+    below when every value means something."""
+    import dataclasses
+    import typing
+
+    from rlsearch.config import EvalConfig, SFTConfig
+    from rlsearch.config.rules import bounded, rule_of
+
+    def unbounded(schema: type, prefix: str) -> list[str]:
+        keys = []
+        hints = typing.get_type_hints(schema)
+        for spec in dataclasses.fields(schema):
+            hint, key = hints[spec.name], f"{prefix}{spec.name}"
+            args = typing.get_args(hint)
+            kinds = {args[-1]} if typing.get_origin(hint) in (list, dict) else {hint, *args}  # an item's, a value's
+            inner = next(iter(kinds)) if len(kinds) == 1 else None
+            if dataclasses.is_dataclass(inner):
+                keys += unbounded(inner, f"{key}.")
+            elif kinds & {int, float} and not kinds & {bool, str}:
+                declared = rule_of(spec)
+                keys += [] if declared and bounded(declared) else [key]
+        return keys
+
+    found = {key for schema in (TrainConfig, SFTConfig, EvalConfig) for key in unbounded(schema, "")}
+    anything_goes = {
+        "seed", "trainer.seed", "eval.seed",  # any integer seeds the generators
+        "reward.format_score", "reward.search_score",  # a bonus or, negative, a penalty
+        "rollout.logit_bias",  # a bias either way
+    }
+    assert found == anything_goes
+
+
+def test_an_empty_config_file_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("# nothing set yet\n")
+    with pytest.raises(ConfigError, match=rf"{path}: the config file is empty: every key would take its default; "
+                                          r"give the keys to set, or leave the file out"):
+        load_train_config(str(path))

@@ -152,7 +152,34 @@ def test_resume_auto_without_a_checkpoint_starts_fresh_and_with_one_resumes_the_
     _save(store, 4, seed, tmp_path)
     assert checkpoint_to_resume(config, store) == ResumePoint(
         store.root / "step_000004", {"tp": 1, "pp": 1, "dp": 1}, 4, SamplerState(0, 16))
-    assert checkpoint_to_resume(load_train_config(None, ["trainer.resume=none"]), store) is None
+    assert checkpoint_to_resume(load_train_config(None, ["trainer.resume=none"]), CheckpointStore(tmp_path / "new")) \
+        is None
+
+
+def test_a_fresh_run_into_another_runs_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch) -> None:
+    from rlsearch.supervisor import ATTEMPT_VARIABLE
+
+    run = tmp_path / "run"
+    (run / "trajectories").mkdir(parents=True)
+    (run / "trajectories" / "step_000001.jsonl").write_text("{}\n")
+    before = sorted(path for path in run.rglob("*"))
+    fresh = load_train_config(None, ["trainer.resume=none", f"trainer.output_dir={run}"])
+    with pytest.raises(ConfigError) as refused:
+        checkpoint_to_resume(fresh, CheckpointStore(run))
+    assert str(refused.value) == (
+        f"'trainer.output_dir' ({run}) holds another run: 1 trajectory file(s) (trajectories/step_000001.jsonl, ...). "
+        "trainer.resume=none would overwrite its files step by step and leave the two runs mixed; give another "
+        "trainer.output_dir, delete the dir, or continue that run with trainer.resume=auto")
+    assert sorted(path for path in run.rglob("*")) == before
+    _save(CheckpointStore(run), 2, fresh.trainer.seed, tmp_path)
+    with pytest.raises(ConfigError, match=r"holds another run: 1 trajectory file\(s\) .* and 1 checkpoint\(s\) "
+                                          r"\(checkpoints/step_000002, \.\.\.\)"):
+        checkpoint_to_resume(fresh, CheckpointStore(run))
+    monkeypatch.setenv(ATTEMPT_VARIABLE, "1")  # the supervisor's restart before the first checkpoint: its own run
+    assert checkpoint_to_resume(fresh, CheckpointStore(run)) is None
+    with pytest.raises(ConfigError, match=r"'trainer\.output_dir' must name a directory \(empty would write into "
+                                          r"the current directory\); got ''"):
+        load_train_config(None, ["trainer.output_dir="])
 
 
 def test_a_checkpoint_of_another_seed_is_refused(tmp_path) -> None:
