@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,7 @@ def run_default(out: Path, seed: int, sft_dir: Path, sft_steps: int, *overrides:
     env = {**os.environ, "RLSEARCH_WARM_START": "sft", "RLSEARCH_SFT_DIR": str(sft_dir),
            "RLSEARCH_SFT_OVERRIDES": f"seed={seed}" + (f" data.max_steps={sft_steps}" if sft_steps else "")}
     started = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)  # an unfinished run's: trainer.resume=none refuses another run's dir
     with log.open("w") as terminal:
         code = subprocess.call(
             ["bash", "examples/run_search_grpo.sh", f"trainer.output_dir={out}", f"trainer.seed={seed}",

@@ -205,6 +205,7 @@ def _grpo(model: Path, data: Path, out: Path, seed: int, args: argparse.Namespac
     summary = _final_eval(out, args) / "summary.json"
     if (reused := _reused_em(summary, "train")) is not None:
         return reused
+    shutil.rmtree(out, ignore_errors=True)  # an unfinished run's: trainer.resume=none refuses another run's dir
     _rlsearch(out.parent / f"{out.name}.log", *_grpo_arguments(
         model, data, out, seed, args, f"trainer.eval_interval={args.grpo_steps}", "trainer.resume=none",
         f"trainer.log_trajectories={str(args.task == 'multihop').lower()}"), *extra)

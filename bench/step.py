@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> dict[str, list[tuple[int, float]]]:
     model = build_model(args.shape, out, vocab_ranks=args.vocab_ranks)
     toy = make_toy_data(out / "toy", seed=0)
     run_dir = out / f"step-{args.shape}-tp{args.tp}pp{args.pp}-async{args.async_steps}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # the last measurement's: trainer.resume=none refuses another run's dir
     config = load_train_config(str(TINY_CONFIG), [
         f"model.path={model}", f"data.train_files=[{toy.train}]", f"tools.retriever.corpus={toy.corpus}",
         f"tools.retriever.index_cache_dir={out / 'bm25_cache'}", f"data.batch_size={args.batch_size}",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -220,6 +221,7 @@ def train_config(args):
     from rlsearch.data import make_toy_data
 
     out = Path(args.out)
+    shutil.rmtree(out / "rlsearch", ignore_errors=True)  # the last measurement's: resume=none refuses another run's dir
     overrides = [f"trainer.total_steps={args.steps}", f"trainer.output_dir={out / 'rlsearch'}", "trainer.resume=none",
                  "trainer.save_interval=0", "trainer.log_trajectories=false", *args.override]
     if args.model == "tiny":

@@ -77,7 +77,8 @@ class ActorConfig:
     backend: str = rule("auto", choices=("auto", "gloo", "nccl"))
     # the layer spec: auto is transformer_engine where the rank has a GPU and Transformer Engine imports, else local
     transformer_impl: str = rule("auto", choices=("auto", "local", "transformer_engine"))
-    lr: float = rule(1e-5, gt=0)  # Adam learning rate (peak, after warm-up)
+    # Adam learning rate (peak, after warm-up); 0 keeps the weights as they are (a frozen control run)
+    lr: float = rule(1e-5, ge=0)
     min_lr: float = rule(0.0, ge=0)  # the learning rate linear/cosine decay ends at
     lr_warmup_steps: int = rule(0, ge=0)  # optimizer steps of linear warm-up from 0
     lr_decay_style: str = rule("constant", choices=("constant", "linear", "cosine"))  # the LR schedule after warm-up

@@ -484,9 +484,9 @@ def test_field_rules_are_checked_on_any_config_and_shown_in_the_reference():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("actor.lr=-1", r"'actor\.lr' must be > 0; got -1\.0"),
+        ("actor.lr=-1", r"'actor\.lr' must be >= 0; got -1\.0"),
         ("actor.lr=.nan", r"'actor\.lr' must be a number, got nan"),
-        ("actor.lr=.inf", r"'actor\.lr' must be > 0 and finite; got inf"),
+        ("actor.lr=.inf", r"'actor\.lr' must be >= 0 and finite; got inf"),
         ("algo.kl_coef=-1", r"'algo\.kl_coef' must be >= 0 \(0: no reference model\); got -1\.0"),
         ("algo.clip_ratio_low=-0.5", r"'algo\.clip_ratio_low' must be in \[0, 1\); got -0\.5"),
         ("algo.clip_ratio_low=1", r"'algo\.clip_ratio_low' must be in \[0, 1\); got 1\.0"),
@@ -507,7 +507,7 @@ def test_nan_breaks_every_declared_bound_in_a_config_built_in_code():
     from rlsearch.config import ActorConfig, validate_train_config
 
     for value in (float("nan"), float("-inf")):
-        with pytest.raises(ConfigError, match=rf"'actor\.lr' must be > 0 and finite; got {value}"):
+        with pytest.raises(ConfigError, match=rf"'actor\.lr' must be >= 0 and finite; got {value}"):
             validate_train_config(TrainConfig(actor=ActorConfig(lr=value)))
 
 
