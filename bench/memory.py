@@ -1,4 +1,5 @@
-"""One GRPO step's memory per recomputation / offloading configuration, beside the memory plan's prediction.
+"""One GRPO step's memory per recomputation / offloading configuration, beside the memory plan's prediction; with
+--critic also one PPO step's (algo.advantage=gae) on its actor rank and its critic rank.
 
 See docs/benchmarks.md#memory."""
 
@@ -31,6 +32,9 @@ CONFIGURATIONS = {
     "full + optimizer offload": {**FULL, "use_distributed_optimizer": True, "optimizer_offload_fraction": 1.0},
     "activation offload": {"activation_offload": "fine_grained"},
 }
+# PPO with a learned critic (--critic): one PPO step's work of each of its ranks, the actor's keys none's, each rank
+# in a process of its own as in a run; the critic's row first (its values are the actor's GAE's). name -> its side
+PPO = {"ppo: critic rank": "critic", "ppo: actor rank": "actor"}
 WARMUP_TOKENS = 64
 RESULT = "RESULT "  # a child's result line
 # the shapes --fit measures: each changes one width of the tiny shape (hidden, heads, kv heads, head size, FFN)
@@ -68,19 +72,19 @@ def _first_line(error: BaseException) -> str:
 
 def run_child(job: dict) -> None:
     """Every configuration of `job` in turn in this process (one, except in smoke mode): a result line each."""
-    from functools import partial
-
     from megatron.core import parallel_state as ps
 
-    from bench.gpu_actor_check import start_single_rank_worker
     from bench.long_sequences import single_trajectory, warmup_sample
-    from rlsearch.algo import grpo_objective
-    from rlsearch.config import ActorConfig, AlgoConfig, check_actor_devices
+    from rlsearch.config import ActorConfig, check_actor_devices
 
     torch.set_num_threads(job["threads"])
     on_gpu = torch.cuda.is_available()
+    if any(name in PPO for name in job["configurations"]):
+        # what PPO's work imports (Ray's package, no instance), before the idle baseline as the GRPO rows' imports
+        import rlsearch.actor.critic  # noqa: F401
+        import rlsearch.trainer.update  # noqa: F401
     for name in job["configurations"]:
-        configuration = CONFIGURATIONS[name]
+        configuration = CONFIGURATIONS.get(name, {})
         # the idle process: imports done, nothing built (after an earlier configuration of a smoke run: its memory
         # handed back to the system first)
         baseline = 0 if on_gpu else _idle_rss()
@@ -90,21 +94,20 @@ def run_child(job: dict) -> None:
             actor = ActorConfig(max_tokens_per_microbatch=job["tokens"] + 8, logits_chunk_tokens=job["chunk"],
                                 num_threads=job["threads"], **configuration)
             check_actor_devices(actor, on_gpu, job["dtype"])  # what `rlsearch train` refuses at start-up
-            worker = start_single_rank_worker(Path(job["model"]), job["dtype"], actor, AlgoConfig(), 4)
+            worker, step = _start(name, actor, job)
             result["refused"] = _not_applied(configuration, worker)
             if not result["refused"]:
-                step = partial(worker.train_step, dp_size=1, objective=partial(grpo_objective, algo=worker.spec.algo))
                 step(warmup_sample(0, job["vocab_ranks"]))
                 samples = single_trajectory(job["tokens"], 0, job["vocab_ranks"])
                 meter = PeakMeter(on_gpu)
                 meter.start()
                 started = time.perf_counter()
-                stats = step(samples)
+                grad_norm = step(samples)
                 if on_gpu:
                     torch.cuda.synchronize()
                 result["seconds"] = time.perf_counter() - started
                 result["peak"] = meter.stop() - baseline
-                result["grad_norm"] = stats["grad_norm"]
+                result["grad_norm"] = grad_norm
         except Exception as error:  # a refusal at start-up (ours or Megatron's) or a failed step: in the table
             result["refused"] = _first_line(error)
         finally:
@@ -116,6 +119,87 @@ def run_child(job: dict) -> None:
                 torch.distributed.destroy_process_group()
             del worker
         print(RESULT + json.dumps(result), flush=True)
+
+
+def _start(name: str, actor, job: dict):
+    """The single-rank worker of configuration `name` (a critic's for PPO's critic rank), and its step's work on a
+    batch of samples, which returns the step's grad norm."""
+    from functools import partial
+
+    from bench.gpu_actor_check import start_single_rank_worker
+    from rlsearch.algo import grpo_objective
+    from rlsearch.config import AlgoConfig, CriticConfig
+
+    side = PPO.get(name)
+    if side is None:
+        worker = start_single_rank_worker(Path(job["model"]), job["dtype"], actor, AlgoConfig(), 4)
+        objective = partial(grpo_objective, algo=worker.spec.algo)
+        return worker, lambda samples: worker.train_step(samples, dp_size=1, objective=objective)["grad_norm"]
+    algo, critic = AlgoConfig(advantage="gae"), CriticConfig()
+    if side == "actor":
+        worker = start_single_rank_worker(Path(job["model"]), job["dtype"], actor, algo, 4)
+    else:
+        worker = _start_critic(Path(job["model"]), job["dtype"], critic.ranks_config(actor), algo)
+    return worker, PPOSide(side, worker, algo, critic, Path(job["values"]))
+
+
+def _start_critic(model_path: Path, dtype: str, actor, algo):
+    """A critic's `MegatronActorWorker` (the policy's transformer, a value head for its output layer) at world size 1
+    in this process, as bench/gpu_actor_check.py starts the actor's."""
+    from rlsearch.actor import MODEL_DISTRIBUTION, ActorWorkerSpec, MegatronActorWorker
+
+    os.environ.setdefault("RLSEARCH_NODE_IP", "127.0.0.1")
+    spec = ActorWorkerSpec(str(model_path), dtype, actor, algo, MODEL_DISTRIBUTION, 4, 0, value_model=True)
+    worker = MegatronActorWorker(spec, rank=0, world_size=1)
+    worker.initialize(worker.open_rendezvous("actor", 60.0))
+    return worker
+
+
+def _in_process_ranks(worker):
+    """`worker`, one rank in this process, behind the ranks' methods the trainer's updates call (no Ray instance:
+    CriticRanks is an ActorRanks, whose calls on its ranks all go through `_on_every_rank`)."""
+    from rlsearch.actor import CriticRanks
+
+    class InProcessRanks(CriticRanks):
+        def __init__(self) -> None:  # the state of ActorRanks that those methods read
+            self.spec, self.workers, self.infos = worker.spec, [worker], [worker.info]
+            self.world_size = self.dp_size = 1
+            self.last_tokens_per_expert = None
+
+        def _on_every_rank(self, method: str, samples, *args, **kwargs) -> list:
+            return [getattr(worker, method)(list(samples), *args, **kwargs)]
+
+    return InProcessRanks()
+
+
+class PPOSide:
+    """One PPO step's work of one of its ranks on a batch of samples, as GRPOTrainer.grpo_step runs it: the critic
+    rank's values, GAE (`token_estimates`) and `critic_update`; the actor rank's GAE from those values and
+    `policy_update`. The critic's process hands its values over in `values_path`, every call's in order (the
+    warm-up's, then the step's), and the actor's process, started after it, takes them in that order."""
+
+    def __init__(self, side: str, worker, algo, critic, values_path: Path) -> None:
+        self.side, self.algo, self.critic, self.values_path = side, algo, critic, values_path
+        self.ranks = _in_process_ranks(worker)
+        self.values = [] if side == "critic" else json.loads(values_path.read_text())
+
+    def __call__(self, samples: list) -> float:
+        from rlsearch.trainer.estimates import token_estimates
+        from rlsearch.trainer.update import critic_update, policy_update
+        from rlsearch.trajectory import Trajectory
+
+        trajectories = [Trajectory("bench", 0, 0, s.token_ids[:s.response_start], loss_mask=list(s.loss_mask),
+                                   response_ids=s.token_ids[s.response_start:], reward=1.0) for s in samples]
+        if self.side == "critic":
+            values = self.ranks.compute_values(samples)
+            self.values.append(values)
+            self.values_path.write_text(json.dumps(self.values))
+        else:
+            values = self.values.pop(0)
+        token_estimates(trajectories, samples, self.algo, values)
+        if self.side == "critic":
+            return critic_update(self.ranks, samples, self.algo, self.critic)["critic/grad_norm"]
+        return policy_update(self.ranks, samples, self.algo).metrics["actor/grad_norm"]
 
 
 def _idle_rss() -> int:
@@ -214,9 +298,19 @@ def _child(flag: str, job: dict, timeout: float) -> list[dict]:
     return results
 
 
-def _prediction(model_path: Path, tokens: int, dtype: str, chunk: int, configuration: dict, on_gpu: bool) -> float:
-    """The plan's step memory (bytes) of a single rank training one trajectory of `tokens`."""
-    from rlsearch.memory import ActorMemorySettings, Device, MemoryInputs, ModelShape, plan_memory
+def _plan(model_path: Path, tokens: int, dtype: str, chunk: int, name: str, on_gpu: bool):
+    """The memory plan of a single rank training one trajectory of `tokens` in configuration `name` (a PPO row's:
+    with a critic rank beside it, the critic section's defaults)."""
+    from rlsearch.memory import (
+        ActorMemorySettings,
+        CriticMemorySettings,
+        Device,
+        MemoryInputs,
+        ModelShape,
+        plan_memory,
+    )
+
+    configuration = CONFIGURATIONS.get(name, {})
 
     settings = ActorMemorySettings(
         tokens=tokens, dtype=dtype, logits_chunk_tokens=chunk,
@@ -229,7 +323,14 @@ def _prediction(model_path: Path, tokens: int, dtype: str, chunk: int, configura
         distributed_optimizer=configuration.get("use_distributed_optimizer", False),
     )
     device = Device("gpu" if on_gpu else "cpu", float("inf"), "bench")
-    return plan_memory(MemoryInputs(ModelShape.from_model_dir(model_path), settings, device)).worst.step
+    shape = ModelShape.from_model_dir(model_path)
+    critic = CriticMemorySettings(shape) if name in PPO else None
+    return plan_memory(MemoryInputs(shape, settings, device, critic=critic))
+
+
+def _planned_step(plan, name: str) -> float:
+    """The plan's step memory (bytes) of the rank a row measures: what bench/memory.py's peak is."""
+    return plan.worst_device.critic.step if PPO.get(name) == "critic" else plan.worst_device.actor.step
 
 
 def run_table(args: argparse.Namespace) -> list[dict]:
@@ -238,17 +339,50 @@ def run_table(args: argparse.Namespace) -> list[dict]:
     for shape in args.shapes:
         model = build_model(shape, Path(args.out), max(args.lengths) + WARMUP_TOKENS, args.vocab_ranks)
         for tokens in args.lengths:
-            jobs = [args.configurations] if args.smoke else [[name] for name in args.configurations]
+            # a smoke run's GRPO rows in one process; a PPO row's rank always in its own, as in a run
+            grpo = [name for name in args.configurations if name not in PPO]
+            jobs = [[name] for name in args.configurations if name in PPO or not args.smoke]
+            if args.smoke and grpo:
+                jobs.insert(0, grpo)
+            values = Path(args.out) / f"ppo-values-{shape}-{tokens}.json"  # the critic's, for the actor's GAE
+            values.unlink(missing_ok=True)
             for configurations in jobs:
                 job = dict(model=str(model), tokens=tokens, dtype=args.dtype, chunk=args.chunk, threads=args.threads,
-                           configurations=configurations, vocab_ranks=args.vocab_ranks)
+                           configurations=configurations, vocab_ranks=args.vocab_ranks, values=str(values))
                 for result in _child("--child", job, args.timeout):
-                    configuration = CONFIGURATIONS[result["configuration"]]
-                    result.update(shape=shape, tokens=tokens, plan=_prediction(
-                        model, tokens, args.dtype, args.chunk, configuration, on_gpu))
+                    plan = _plan(model, tokens, args.dtype, args.chunk, result["configuration"], on_gpu)
+                    result.update(shape=shape, tokens=tokens, plan=_planned_step(plan, result["configuration"]))
                     rows.append(result)
                     print(_row(result, rows), flush=True)
+            values.unlink(missing_ok=True)
+            if args.critic:
+                ppo = [row for row in rows if row["configuration"] in PPO and (row["shape"], row["tokens"]) == (
+                    shape, tokens)]
+                plan = _plan(model, tokens, args.dtype, args.chunk, next(iter(PPO)), on_gpu)
+                print(_ppo_lines(ppo, plan, on_gpu), flush=True)
     return rows
+
+
+def _ppo_lines(rows: list[dict], plan, on_gpu: bool) -> str:
+    """PPO's rows of one shape and length against the plan, measured / plan: its actor rank's and critic rank's step
+    peaks, and the device's total, both processes' peaks (on CPU with their idle RSS, against the plan's totals with
+    their runtimes; on GPU CUDA's allocated, against the steps: a context is outside torch's figures)."""
+    head = f"ppo {rows[0]['shape']} {rows[0]['tokens']} tokens, measured / plan:"
+    refused = [f"{row['configuration']}: {row['refused']}" for row in rows if row.get("refused")]
+    if refused:
+        return f"{head} not measured ({'; '.join(refused)})"
+    by_side = {PPO[row["configuration"]]: row for row in rows}
+    device = plan.worst_device
+    parts = [("actor rank", by_side["actor"]["peak"], device.actor.step),
+             ("critic rank", by_side["critic"]["peak"], device.critic.step),
+             ("device total", sum(row["peak"] + row["baseline"] for row in rows),
+              device.actor.step + device.critic.step if on_gpu else device.total)]
+    lines = [head] + [f"ppo {part:<13}{measured / GB:>8.3f} / {planned / GB:>7.3f} GB = {measured / planned:.3f}"
+                      for part, measured, planned in parts]
+    if not on_gpu:
+        lines.append(f"(the plan's host total adds Ray's processes and the driver, which the bench does not start: "
+                     f"{plan.host_total / GB:.2f} GB)")
+    return "\n".join(lines)
 
 
 def _row(result: dict, rows: list[dict]) -> str:
@@ -347,8 +481,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk", type=int, default=1024, help="actor.logits_chunk_tokens")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core, or RLSEARCH_CPU_CORES)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
+    parser.add_argument("--critic", action="store_true", help="also one PPO step (algo.advantage=gae, the critic "
+                        "section's defaults): its actor rank's and its critic rank's peaks, each in a process of its "
+                        "own, and the device's total against the plan's")
     parser.add_argument("--smoke", action="store_true", help=f"tiny shape, --vocab-ranks {SMOKE_VOCAB_RANKS}, 256 "
-                        "tokens, every configuration in one process (seconds)")
+                        "tokens, every GRPO configuration in one process, and --critic (seconds)")
     parser.add_argument("--fit", action="store_true", help="measure the per-part activation coefficients instead")
     parser.add_argument("--out", default="outputs/bench", help="where the random models are cached")
     add_vocab_ranks_argument(parser)
@@ -363,6 +500,7 @@ def _settle(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gpu: b
     args.threads = args.threads or cpu_cores()
     if args.smoke:
         args.shapes, args.lengths, args.chunk, args.vocab_ranks = "tiny", "256", 64, SMOKE_VOCAB_RANKS
+        args.critic = True
     args.shapes = [s for s in (args.shapes or ("tiny,0.5b" if on_gpu else "tiny")).split(",") if s]
     args.lengths = [int(n) for n in (args.lengths or ("16384,65536" if on_gpu else "8192,32768")).split(",") if n]
     args.configurations = [c.strip() for c in args.configurations.split(",") if c.strip()]
@@ -370,6 +508,8 @@ def _settle(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gpu: b
                                                                              if s not in SHAPES]
     if unknown:
         parser.error(f"unknown configuration or shape: {', '.join(unknown)}")
+    if args.critic:  # the critic's row first: its values are the actor's GAE's
+        args.configurations += list(PPO)
 
 
 def main() -> None:
