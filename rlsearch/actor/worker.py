@@ -333,16 +333,28 @@ class MegatronActorWorker:
         model = self.reference if reference else self.model
         if model is None:
             raise RuntimeError("reference logprobs requested but algo.kl_coef is 0 (no reference model)")
+        return self._forward_per_token(
+            model, samples, lambda hidden, head, mb: self._token_logprobs(hidden, head, mb.labels, distribution)[0])
+
+    def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]] | None:
+        """A critic's values at every response token of each sample (the value of the state before the token is
+        generated). None off the output ranks."""
+        if not self.spec.value_model:
+            raise RuntimeError("values are a critic's (ActorWorkerSpec.value_model); this rank is the policy's")
+        return self._forward_per_token(self.model, samples, lambda hidden, head, mb: self._values(hidden, head))
+
+    def _forward_per_token(self, model, samples: Sequence[TrainSample], per_position) -> list[list[float]] | None:
+        """A forward pass of `model` over `samples`: per sample, `per_position(hidden, head, mb)`'s figure at each of
+        its response tokens (logprobs, a critic's values), in order. None off the output ranks."""
         if not samples and self.spec.actor.ep == 1:
             # an empty data-parallel shard: a forward pass has no collectives across replicas (with expert
             # parallelism it has: the shard runs idle micro-batches)
             return [] if self.info.is_output_rank else None
 
         def loss_fn(mb: MicroBatch, _num_micro_batches: int, head: tuple, hidden: torch.Tensor):
-            logprobs, _ = self._token_logprobs(hidden, head, mb.labels, distribution)
-            logprobs = self._whole_selection(logprobs.detach(), mb)
-            per_sample = [chunk.tolist() for chunk in logprobs.split(mb.response_lens)]
-            return logprobs.new_zeros(()), {"logprobs": per_sample, "indices": mb.sample_indices}
+            figures = self._whole_selection(per_position(hidden, head, mb).detach(), mb)
+            per_sample = [chunk.tolist() for chunk in figures.split(mb.response_lens)]
+            return figures.new_zeros(()), {"per_sample": per_sample, "indices": mb.sample_indices}
 
         for chunk in model:
             chunk.eval()
@@ -350,29 +362,7 @@ class MegatronActorWorker:
             outputs = self._run_pipeline(model, samples, loss_fn, forward_only=True)
         if not self.info.is_output_rank:
             return None
-        by_index = {index: row for out in outputs for index, row in zip(out["indices"], out["logprobs"])}
-        return [by_index[index] for index in range(len(samples))]
-
-    def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]] | None:
-        """A critic's values at every response token of each sample (the value of the state before the token is
-        generated). None off the output ranks."""
-        if not self.spec.value_model:
-            raise RuntimeError("values are a critic's (ActorWorkerSpec.value_model); this rank is the policy's")
-        if not samples and self.spec.actor.ep == 1:
-            return [] if self.info.is_output_rank else None
-
-        def loss_fn(mb: MicroBatch, _num_micro_batches: int, head: tuple, hidden: torch.Tensor):
-            values = self._whole_selection(self._values(hidden, head).detach(), mb)
-            per_sample = [chunk.tolist() for chunk in values.split(mb.response_lens)]
-            return values.new_zeros(()), {"values": per_sample, "indices": mb.sample_indices}
-
-        for chunk in self.model:
-            chunk.eval()
-        with torch.no_grad():
-            outputs = self._run_pipeline(self.model, samples, loss_fn, forward_only=True)
-        if not self.info.is_output_rank:
-            return None
-        by_index = {index: row for out in outputs for index, row in zip(out["indices"], out["values"])}
+        by_index = {index: row for out in outputs for index, row in zip(out["indices"], out["per_sample"])}
         return [by_index[index] for index in range(len(samples))]
 
     @staticmethod

@@ -48,7 +48,7 @@ from .objectives import (
     sft_objective,
     value_metrics,
 )
-from .returns import explained_variance, gae, reward_to_go, trajectory_gae, whiten
+from .returns import explained_variance, gae, reward_to_go, sampled_entries, trajectory_gae, whiten
 
 __all__ = [
     "LOG_RATIO_BINS", "POLICY_LOSSES", "ROLLOUT_CORRECTIONS", "SEQUENCE_CORRECTIONS", "GRPOSettings", "Objective",
@@ -57,6 +57,6 @@ __all__ = [
     "group_mean_baseline", "grpo_advantages", "grpo_objective", "groups_with_signal", "gspo_terms",
     "histogram_quantile", "kl_estimate", "log_ratio_histogram", "loss_token_weights", "minibatch_bounds",
     "minirl_terms", "policy_loss_terms", "ppo_clip_terms", "ratio_base", "reward_to_go", "rloo_advantages",
-    "rollout_correction", "sft_objective", "trajectory_gae", "truncated_importance_weights",
+    "rollout_correction", "sampled_entries", "sft_objective", "trajectory_gae", "truncated_importance_weights",
     "turn_return_advantages", "value_loss_terms", "value_metrics", "whiten",
 ]

@@ -53,7 +53,7 @@ def trajectory_gae(
     an ended trajectory, and for one cut by a budget too (rlsearch treats a cut as the end). Masked positions get 0.0;
     a trajectory without a sampled token gets zeros."""
     step_rewards = _step_rewards(masks, reward, token_rewards)
-    step_values = _steps(values, masks)
+    step_values = sampled_entries(values, masks)
     advantages, returns = gae(step_rewards, step_values, gamma, lam, bootstrap)
     if value_lam is not None and value_lam != lam:
         returns = gae(step_rewards, step_values, gamma, value_lam, bootstrap)[1]
@@ -73,7 +73,7 @@ def whiten(per_token: PerToken, masks: Masks, eps: float = 1e-8, shift_mean: boo
     """(x - mean) / (std + eps) over every mask-1 entry of the batch; masked entries stay 0.0. The std is the unbiased
     one (Bessel's n - 1, as verl's masked_whiten), 0 for a single entry. shift_mean=False adds the mean back,
     (x - mean) / (std + eps) + mean (verl's and TRL's masked_whiten): the scale is normalised, not the sign."""
-    flat = torch.tensor(_steps(per_token, masks), dtype=torch.float64)
+    flat = torch.tensor(sampled_entries(per_token, masks), dtype=torch.float64)
     if flat.numel() == 0:
         return _scatter([], masks)
     mean = flat.mean()
@@ -98,8 +98,8 @@ def explained_variance(values: Sequence[float] | torch.Tensor, returns: Sequence
     return float(1.0 - (returns - values).var(unbiased=False) / return_variance)
 
 
-def _steps(per_token: PerToken, masks: Masks) -> list[float]:
-    """The entries at mask-1 positions, in order over the lists."""
+def sampled_entries(per_token: PerToken, masks: Masks) -> list[float]:
+    """The entries at mask-1 positions (the sampled tokens: the steps), in order over the lists."""
     if [len(row) for row in per_token] != [len(mask) for mask in masks]:
         raise ValueError("per-token values and masks differ in shape")
     return [value for row, mask in zip(per_token, masks) for value, m in zip(row, mask) if m]
@@ -107,7 +107,8 @@ def _steps(per_token: PerToken, masks: Masks) -> list[float]:
 
 def _step_rewards(masks: Masks, reward: float, token_rewards: PerToken | None) -> list[float]:
     """Each step's reward: its token reward (0 without), plus `reward` on the last step."""
-    rewards = _steps(token_rewards if token_rewards is not None else [[0.0] * len(mask) for mask in masks], masks)
+    zeros = [[0.0] * len(mask) for mask in masks]
+    rewards = sampled_entries(token_rewards if token_rewards is not None else zeros, masks)
     if rewards:
         rewards[-1] += reward
     return rewards

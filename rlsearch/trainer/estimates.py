@@ -15,6 +15,7 @@ from ..algo import (
     kl_estimate,
     reward_to_go,
     rloo_advantages,
+    sampled_entries,
     trajectory_gae,
     whiten,
 )
@@ -75,7 +76,7 @@ def token_estimates(trajectories: list[Trajectory], samples: list[TrainSample], 
         start = end
     if start != len(samples):
         raise ValueError(f"{len(samples)} samples for the {start} segments of the step's trajectories")
-    raw = [a for row, mask in zip(advantages, masks) for a, m in zip(row, mask) if m]
+    raw = sampled_entries(advantages, masks)
     if algo.advantage != "gae" or algo.whiten_advantages:
         advantages = whiten(advantages, masks)
     for index, sample in enumerate(samples):
@@ -106,8 +107,7 @@ def _distribution(name: str, values: list[float]) -> dict[str, float]:
 def _critic_figures(returns: list[list[float]], values: list[list[float]], masks: list[list[int]]
                     ) -> dict[str, float]:
     """How well the critic's values (before this step's update) predicted the step's returns, over trained tokens."""
-    trained_values = [v for row, mask in zip(values, masks) for v, m in zip(row, mask) if m]
-    trained_returns = [r for row, mask in zip(returns, masks) for r, m in zip(row, mask) if m]
+    trained_values, trained_returns = sampled_entries(values, masks), sampled_entries(returns, masks)
     if not trained_values:
         return {}
     return {
