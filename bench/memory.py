@@ -393,7 +393,7 @@ def _row(result: dict, rows: list[dict]) -> str:
     none = next((row for row in rows if row["shape"] == result["shape"] and row["tokens"] == result["tokens"]
                  and row["configuration"] == "none" and not row.get("refused")), None)
     versus = f"{result['seconds'] / none['seconds']:.2f}x none" if none else ""
-    return (f"{head} {result['seconds']:>8.1f} {result['peak'] / GB:>9.2f} {plan} "
+    return (f"{head} {result['seconds']:>8.3f} {result['peak'] / GB:>9.2f} {plan} "
             f"{result['plan'] / result['peak']:>6.2f} {result['baseline'] / GB:>7.2f}  {versus}")
 
 

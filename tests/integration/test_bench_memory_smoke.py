@@ -30,7 +30,7 @@ def test_bench_memory_smoke_has_a_row_with_a_prediction_per_configuration(tmp_pa
     for name, fields in rows.items():
         if fields[0] == "-":  # refused: "- - PLAN - - refused: why"
             assert float(fields[2]) > 0 and fields[5] == "refused:" and len(fields) > 6, (name, fields)
-        else:  # seconds, peak GB, plan GB, plan/peak, idle GB
+        else:  # seconds (to 0.001: a tiny critic step takes ms on a fast CPU), peak GB, plan GB, plan/peak, idle GB
             seconds, peak, plan, ratio, idle = map(float, fields[:5])
             # the ratio is of the unrounded figures: each GB figure is printed to 0.005, the ratio to 0.005
             rounding = plan / peak * (0.005 / peak + 0.005 / plan) + 0.005
