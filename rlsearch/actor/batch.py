@@ -86,10 +86,29 @@ class MicroBatch:
     routed_experts: torch.Tensor | None = None  # [rows, layers, top-k]: the samples' routing to replay, per row
     returns: torch.Tensor | None = None  # the critic's value targets
     old_values: torch.Tensor | None = None  # the critic's values the advantages came from
+    # where selected positions repeat a (row, label) pair (samples of a merged group sharing a response prefix): the
+    # first position of each distinct pair, the only ones the output layer projects, and each position's pair among
+    # them; None when every pair is distinct. So a micro-batch never projects more positions than it has rows
+    distinct_positions: torch.Tensor | None = None  # [u]
+    pair_of_position: torch.Tensor | None = None  # [n]
 
     @property
     def num_tokens(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def projected_rows(self) -> torch.Tensor:
+        """The rows the output layer projects: one per distinct (row, label) pair of the selected positions."""
+        return self.logit_index if self.distinct_positions is None else self.logit_index[self.distinct_positions]
+
+    @property
+    def projected_labels(self) -> torch.Tensor:
+        """The label of each projected row's pair."""
+        return self.labels if self.distinct_positions is None else self.labels[self.distinct_positions]
+
+    def per_position(self, figures: torch.Tensor) -> torch.Tensor:
+        """Figures of the projected pairs (logprobs, entropies, values) laid out per selected position."""
+        return figures if self.pair_of_position is None else figures[self.pair_of_position]
 
     def to(self, device: torch.device) -> MicroBatch:
         """This micro-batch with every tensor on `device`."""
@@ -292,6 +311,7 @@ def collate(
         per_token = {k: v[selection] if v is not None else None for k, v in per_token.items()}
         row_tokens, row_positions = row_tokens[rows], row_positions[rows]
         layout = RowLayout(row_positions, cp_blocks, torch.argsort(torch.cat([shard[0] for shard in shards])))
+    distinct_positions, pair_of_position = _distinct_pairs(index, per_token["labels"])
     int32 = dict(dtype=torch.int32)
     return MicroBatch(
         sample_indices=list(sample_indices),
@@ -306,8 +326,21 @@ def collate(
         sample_rows=sample_rows,
         selection=selection,
         routed_experts=routed_experts,
+        distinct_positions=distinct_positions,
+        pair_of_position=pair_of_position,
         **per_token,
     )
+
+
+def _distinct_pairs(rows: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the first position of each distinct (row, label) pair, each position's pair), or (None, None) when no pair
+    repeats. A prefix tree has one pair per edge, so the distinct pairs never outnumber its rows."""
+    pairs, pair_of_position = torch.unique(torch.stack([rows, labels], dim=1), dim=0, return_inverse=True)
+    if pairs.shape[0] == rows.shape[0]:
+        return None, None
+    first = torch.full((pairs.shape[0],), rows.shape[0], dtype=torch.long)
+    first.scatter_reduce_(0, pair_of_position, torch.arange(rows.shape[0]), reduce="amin")
+    return first, pair_of_position
 
 
 def _routed_rows(samples: Sequence[TrainSample], sample_rows: Sequence[torch.Tensor], rows: int) -> torch.Tensor | None:

@@ -267,7 +267,7 @@ class MegatronActorWorker:
                 mb.layout.rotary = rotary_table(_unwrap(chunk), mb.layout.positions)
             if routed:
                 self.routers.route(chunk, record=self._recorded_routing is not None, replay=mb.routed_experts)
-            self._logit_index = mb.logit_index
+            self._logit_index = mb.projected_rows
             try:
                 with self.routers.forward_pass() if routed else contextlib.nullcontext():
                     output = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
@@ -334,7 +334,8 @@ class MegatronActorWorker:
         if model is None:
             raise RuntimeError("reference logprobs requested but algo.kl_coef is 0 (no reference model)")
         return self._forward_per_token(
-            model, samples, lambda hidden, head, mb: self._token_logprobs(hidden, head, mb.labels, distribution)[0])
+            model, samples, lambda hidden, head, mb: self._token_logprobs(hidden, head, mb.projected_labels,
+                                                                          distribution)[0])
 
     def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]] | None:
         """A critic's values at every response token of each sample (the value of the state before the token is
@@ -343,16 +344,17 @@ class MegatronActorWorker:
             raise RuntimeError("values are a critic's (ActorWorkerSpec.value_model); this rank is the policy's")
         return self._forward_per_token(self.model, samples, lambda hidden, head, mb: self._values(hidden, head))
 
-    def _forward_per_token(self, model, samples: Sequence[TrainSample], per_position) -> list[list[float]] | None:
-        """A forward pass of `model` over `samples`: per sample, `per_position(hidden, head, mb)`'s figure at each of
-        its response tokens (logprobs, a critic's values), in order. None off the output ranks."""
+    def _forward_per_token(self, model, samples: Sequence[TrainSample], per_pair) -> list[list[float]] | None:
+        """A forward pass of `model` over `samples`: per sample, the figure at each of its response tokens (logprobs,
+        a critic's values), in order, from `per_pair(hidden, head, mb)`'s figure of each projected (row, label) pair.
+        None off the output ranks."""
         if not samples and self.spec.actor.ep == 1:
             # an empty data-parallel shard: a forward pass has no collectives across replicas (with expert
             # parallelism it has: the shard runs idle micro-batches)
             return [] if self.info.is_output_rank else None
 
         def loss_fn(mb: MicroBatch, _num_micro_batches: int, head: tuple, hidden: torch.Tensor):
-            figures = self._whole_selection(per_position(hidden, head, mb).detach(), mb)
+            figures = self._whole_selection(mb.per_position(per_pair(hidden, head, mb)).detach(), mb)
             per_sample = [chunk.tolist() for chunk in figures.split(mb.response_lens)]
             return figures.new_zeros(()), {"per_sample": per_sample, "indices": mb.sample_indices}
 
@@ -403,11 +405,12 @@ class MegatronActorWorker:
 
         def loss_fn(mb: MicroBatch, num_micro_batches: int, head: tuple, hidden: torch.Tensor):
             if self.spec.value_model:  # a critic: the objective of its values
-                loss, stats = objective(self._values(hidden, head), mb)
+                loss, stats = objective(mb.per_position(self._values(hidden, head)), mb)
             else:
-                logprobs, entropy = self._token_logprobs(hidden, head, mb.labels, distribution, with_entropy=True)
-                loss, stats = objective(logprobs, mb)
-                stats["entropy_sum"] = (entropy * mb.loss_mask).sum()
+                logprobs, entropy = self._token_logprobs(hidden, head, mb.projected_labels, distribution,
+                                                         with_entropy=True)
+                loss, stats = objective(mb.per_position(logprobs), mb)
+                stats["entropy_sum"] = (mb.per_position(entropy) * mb.loss_mask).sum()
             # the schedule divides by the number of micro-batches and DDP averages over DP ranks; the token
             # weights already normalise over the whole global batch, so undo both. (With context parallelism the
             # schedule multiplies by the CP size and DDP averages over it too: the CP ranks' gradients add up.)

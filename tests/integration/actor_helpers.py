@@ -77,6 +77,11 @@ def long_sequence_batch(model_dir) -> tuple[list[TrainSample], list[torch.Tensor
     for length in (9, 14, 6):  # a GRPO group: one prompt, trained once where merged
         response = torch.randint(0, TEST_VOCAB_RANKS, (length,), generator=generator).tolist()
         samples.append(TrainSample(prompt + response, len(prompt), [1] * length, prompt_group=0))
+    # two more of the group: the first's twin, and one branching after its 4th token (merged, their shared rows are
+    # projected once and each position still gets its own logprob and gradient)
+    first = samples[-3].token_ids
+    samples.append(TrainSample(list(first), len(prompt), [1] * 9, prompt_group=0))
+    samples.append(TrainSample(first[:len(prompt) + 4] + [1, 2, 3], len(prompt), [1] * 7, prompt_group=0))
     reference = hf_logprobs(model_dir, samples)
     weights = loss_token_weights([s.loss_mask for s in samples], "token_mean")
     for index, (sample, logprobs, w) in enumerate(zip(samples, reference, weights)):

@@ -93,6 +93,30 @@ def test_a_grpo_groups_samples_train_their_shared_prompt_once():
     assert twins[0].logit_index.tolist()[:10] == [*range(9, 14)] * 2
 
 
+def test_a_merged_group_of_identical_samples_projects_each_row_once():
+    from rlsearch.actor.batch import Packing
+
+    prompt = list(range(100, 110))
+    response = [5, 6, 7, 8, 9, 10]
+    # 8 identical samples, and one that shares 3 response tokens with them and then branches
+    group = [TrainSample(prompt + response, 10, [1] * 6, prompt_group=0) for _ in range(8)]
+    group.append(TrainSample(prompt + response[:3] + [40, 41, 42], 10, [1] * 6, prompt_group=0))
+    merged = pack_micro_batches(group, max_tokens=64, packing=Packing(merge_prefixes=True))[0]
+    assert merged.num_tokens == 10 + 6 + 3
+    # 54 selected positions, one projection per edge of the tree: 6 of the twins' path and the branch's last 3,
+    # fewer than the micro-batch's 19 rows (the memory plan's bound)
+    assert len(merged.labels) == 9 * 6
+    assert len(merged.projected_rows) == 6 + 3 <= merged.num_tokens
+    assert merged.projected_rows.tolist().count(12) == 2  # the branch point's row predicts 8 and 40
+    assert torch.equal(merged.tokens[0, merged.projected_rows + 1], merged.projected_labels) is False
+    # laid out per position, the projected pairs give each position its own (row, label)
+    assert torch.equal(merged.per_position(merged.projected_rows), merged.logit_index)
+    assert torch.equal(merged.per_position(merged.projected_labels), merged.labels)
+    assert merged.labels.tolist() == [token for i in merged.sample_indices for token in group[i].token_ids[10:]]
+    apart = pack_micro_batches(group, max_tokens=64)  # no row shared: every position its own projection
+    assert all(mb.distinct_positions is None and mb.projected_rows is mb.logit_index for mb in apart)
+
+
 def test_a_grpo_group_over_the_micro_batch_size_trains_as_its_trajectories_trees():
     from rlsearch.actor.batch import Packing
 
