@@ -4,9 +4,12 @@
 r = pi_old / pi_rollout per sampled token. Token-level corrections act on each token's r; sequence-level ones on the
 product of r over a sequence's trained tokens, one figure per sequence for all its tokens. A "sequence" is one trained
 sample: a whole trajectory, or one segment of it when rollout.context folds or drops observations (each segment is a
-sample of its own). Importance sampling (TIS) reweights and truncates at a cap; masked importance sampling (MIS,
-IcePop) keeps the tokens or sequences whose ratio lies inside a band with weight 1 and masks the others out (weight
-0; they keep their place in the loss normaliser).
+sample of its own). Three kinds:
+- truncated importance sampling (token_tis, seq_tis): weight min(r, cap);
+- masked importance sampling (token_mis, seq_mis, icepop): weight r inside a band, 0 outside (token and
+  sequence MIS; IcePop, from the Ring-1T report and INTELLECT-3 eq. 1: M(k) = k for k in [alpha, beta]);
+- rejection (token_rs, seq_rs; verl's rollout_rs): weight 1 inside the band, 0 outside, r itself unused.
+A masked token (weight 0) keeps its place in the loss normaliser.
 
 The ratio's distribution is logged through counts of trained tokens per fixed bin of log r (`LOG_RATIO_EDGES`):
 counts add up over micro-batches and ranks, quantiles do not; `histogram_quantile` reads approximate quantiles back.
@@ -25,8 +28,10 @@ import torch
 from .loss import truncated_importance_weights
 from .sequences import sequence_index, sequence_sums
 
-ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mis", "seq_mis", "icepop")
-SEQUENCE_CORRECTIONS = ("seq_tis", "seq_mis")
+ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mis", "seq_mis", "icepop", "token_rs", "seq_rs")
+SEQUENCE_CORRECTIONS = ("seq_tis", "seq_mis", "seq_rs")
+# weighted by r inside their band (masked importance sampling); the other band corrections reject with weight 1
+IMPORTANCE_BANDS = ("token_mis", "seq_mis", "icepop")
 # bin edges of log(pi_old / pi_rollout): fine near 0, where a healthy run's tokens are (a tiny fp32 model's mean
 # |log r| was 4e-7 on CPU, the warm-started one's 6e-5; bf16 engines ~1e-2)
 LOG_RATIO_EDGES = (-2.0, -1.0, -0.5, -0.2, -0.1, -0.05, -0.01, -1e-3, -1e-4, -1e-5, -1e-6,
@@ -49,7 +54,8 @@ class CorrectionSettings(Protocol):
     tis_cap: float
     mis_low: float
     mis_high: float
-    icepop_beta: float
+    icepop_low: float
+    icepop_high: float
 
 
 @dataclass
@@ -80,11 +86,12 @@ def rollout_correction(old_logprobs: torch.Tensor, batch: CorrectedBatch, settin
         weights = truncated_importance_weights(old_logprobs, rollout_logprobs, cap)
         return RolloutCorrection(weights, weights >= cap, none, zero, zero, zero)
     log_ratio = old_logprobs.detach() - rollout_logprobs
-    if mode in ("token_mis", "icepop"):
-        low, high = (settings.mis_low, settings.mis_high) if mode == "token_mis" else (
-            1.0 / settings.icepop_beta, settings.icepop_beta)
+    importance = mode in IMPORTANCE_BANDS
+    if mode not in SEQUENCE_CORRECTIONS:
+        low, high = (settings.icepop_low, settings.icepop_high) if mode == "icepop" else (
+            settings.mis_low, settings.mis_high)
         kept = inside_band(log_ratio, low, high)
-        return RolloutCorrection(kept.to(ones.dtype), none, ~kept, zero, zero, zero)
+        return RolloutCorrection(_band_weights(log_ratio, kept, importance), none, ~kept, zero, zero, zero)
     lens = batch.response_lens
     sequence = sequence_index(lens, old_logprobs.numel(), old_logprobs.device)
     totals = sequence_sums(log_ratio * loss_mask, sequence, len(lens))
@@ -95,8 +102,8 @@ def rollout_correction(old_logprobs: torch.Tensor, batch: CorrectedBatch, settin
         return RolloutCorrection(sequence_weights[sequence], capped[sequence], none, _count(trained, zero),
                                  _count(capped & trained, zero), zero)
     kept = inside_band(totals, settings.mis_low, settings.mis_high)
-    return RolloutCorrection(kept.to(ones.dtype)[sequence], none, ~kept[sequence], _count(trained, zero), zero,
-                             _count(~kept & trained, zero))
+    return RolloutCorrection(_band_weights(totals, kept, importance)[sequence], none, ~kept[sequence],
+                             _count(trained, zero), zero, _count(~kept & trained, zero))
 
 
 def _count(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -106,6 +113,13 @@ def _count(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def inside_band(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """low <= exp(log_ratio) <= high, compared in log space (no overflow)."""
     return (log_ratio >= math.log(low)) & (log_ratio <= math.log(high))
+
+
+def _band_weights(log_ratio: torch.Tensor, kept: torch.Tensor, importance: bool) -> torch.Tensor:
+    """r where `kept` and 0 elsewhere (masked importance sampling), or 1 and 0 (rejection: r unused)."""
+    if not importance:
+        return kept.to(log_ratio.dtype)
+    return torch.exp(log_ratio.masked_fill(~kept, -math.inf))
 
 
 def log_ratio_histogram(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -57,7 +57,8 @@ class GRPOSettings(Protocol):
     tis_cap: float
     mis_low: float
     mis_high: float
-    icepop_beta: float
+    icepop_low: float
+    icepop_high: float
 
 
 class Objective(Protocol):

@@ -13,8 +13,8 @@ def sequence_index(response_lens: Sequence[int], positions: int, device: torch.d
     sequence's positions must be there: with context parallelism a rank holds only some of them."""
     if sum(response_lens) != positions:
         raise ValueError(f"{positions} positions for sequences of {sum(response_lens)}: sequence-level ratios "
-                         "(seq_tis, seq_mis, gspo) need every position of a sequence in one micro-batch (not with "
-                         "context parallelism)")
+                         "(seq_tis, seq_mis, seq_rs, gspo) need every position of a sequence in one micro-batch (not "
+                         "with context parallelism)")
     return torch.repeat_interleave(torch.arange(len(response_lens), device=device),
                                    torch.tensor(list(response_lens), dtype=torch.long, device=device))
 

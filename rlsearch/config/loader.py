@@ -16,6 +16,12 @@ T = TypeVar("T")
 
 # sections renamed since a release: the old name is refused with the new one, not silently dropped
 RENAMED_SECTIONS = {"bridge": "weights"}
+# keys removed since a release, with what to write instead: refused with that, not guessed at
+REMOVED_KEYS = {
+    "algo.icepop_beta": "IcePop's band is now [algo.icepop_low, algo.icepop_high] (the paper's 0.5 and 5), inside "
+                        "which algo.rollout_correction=icepop weights each token by r; the old band [1/beta, beta] "
+                        "with weight 1 is algo.rollout_correction=token_rs algo.mis_low=1/beta algo.mis_high=beta",
+}
 
 
 class ConfigError(ValueError):
@@ -45,9 +51,12 @@ def from_dict(schema: type[T], raw: dict[str, Any], prefix: str = "") -> T:
             first = next(iter(raw[key]), None) if isinstance(raw[key], dict) else None
             example = f": write '{new}.{first}' for '{key}.{first}'" if first else ""
             raise ConfigError(f"the config section '{key}' is now '{new}'{example}")
+        dotted = f"{prefix}{key}"
+        if dotted in REMOVED_KEYS:
+            raise ConfigError(f"the config key '{dotted}' was removed: {REMOVED_KEYS[dotted]}")
         close = difflib.get_close_matches(str(key), fields, n=1)
         hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(fields)}"
-        raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+        raise ConfigError(f"unknown config key '{dotted}'{hint}")
     values = {name: _coerce(hints[name], raw[name], f"{prefix}{name}") for name in fields if name in raw}
     return schema(**values)
 

@@ -182,20 +182,27 @@ class AlgoConfig:
     # the actor before the step's first update; r is about 1 on-policy in fp32):
     # token_tis: each token's policy-gradient term weighted by min(r, algo.tis_cap) (truncated importance sampling);
     # seq_tis: every token of a sequence by min(product of its tokens' r, algo.tis_cap);
-    # token_mis: tokens whose r lies outside [algo.mis_low, algo.mis_high] masked out of the loss, the others kept
-    #   with weight 1 (masked importance sampling);
-    # seq_mis: whole sequences whose product of r lies outside [algo.mis_low, algo.mis_high] masked out;
-    # icepop: tokens whose r lies outside [1 / algo.icepop_beta, algo.icepop_beta] masked out (IcePop).
+    # token_mis: weighted by r when r lies in [algo.mis_low, algo.mis_high], masked out (0) outside (masked
+    #   importance sampling);
+    # seq_mis: every token of a sequence by the product of its tokens' r when that lies in [algo.mis_low,
+    #   algo.mis_high], the whole sequence masked out outside;
+    # icepop: weighted by r when r lies in [algo.icepop_low, algo.icepop_high], masked out outside (IcePop, Ring-1T);
+    # token_rs: rejection (verl's rollout_rs): weight 1 when r lies in [algo.mis_low, algo.mis_high], masked out
+    #   outside;
+    # seq_rs: rejection of whole sequences: weight 1 when the product of r lies in the band, masked out outside.
     # A sequence is one trained sample: a trajectory, or one segment of it under rollout.context fold or
-    # drop_observations. Masked tokens keep their place in the loss's normaliser. seq_tis and seq_mis need actor.cp 1
-    rollout_correction: str = rule("token_tis", choices=("token_tis", "seq_tis", "token_mis", "seq_mis", "icepop"))
+    # drop_observations. Masked tokens keep their place in the loss's normaliser. Sequence-level ones need actor.cp 1
+    rollout_correction: str = rule("token_tis", choices=("token_tis", "seq_tis", "token_mis", "seq_mis", "icepop",
+                                                         "token_rs", "seq_rs"))
     # token_tis and seq_tis: the cap of the importance weight; 0 turns token_tis off (every weight 1). A cap below 1
     # would scale every on-policy token's gradient down (r is about 1), so it is refused
     tis_cap: float = rule(2.0, ge=1, off="token_tis off")
-    mis_low: float = rule(0.5, within="(0, 1)")  # token_mis and seq_mis: the band's lower end, < 1
-    mis_high: float = rule(2.0, gt=1)  # token_mis and seq_mis: the band's upper end, > 1
-    # icepop: tokens with r outside [1 / beta, beta] are masked out; > 1
-    icepop_beta: float = rule(2.0, gt=1, note="ratios inside [1/beta, beta] are kept")
+    mis_low: float = rule(0.5, within="(0, 1)")  # token_mis, seq_mis, token_rs and seq_rs: the band's lower end, < 1
+    mis_high: float = rule(2.0, gt=1)  # token_mis, seq_mis, token_rs and seq_rs: the band's upper end, > 1
+    # icepop: the band's lower end (IcePop's alpha; the paper's 0.5), < 1. A token whose r lies in [algo.icepop_low,
+    # algo.icepop_high] keeps weight r, outside it 0
+    icepop_low: float = rule(0.5, within="(0, 1)")
+    icepop_high: float = rule(5.0, gt=1)  # icepop: the band's upper end (IcePop's beta; the paper's 5), > 1
     # stop (or warn) after a step whose engine-vs-actor mismatch, rollout/actor_logprob_diff_mean (the mean over
     # trained tokens of |log pi_old - log pi_rollout|), is above this; 0: no check
     mismatch_threshold: float = rule(0.0, ge=0, note="0: no check")

@@ -60,11 +60,11 @@ def _check_rollout_correction(config: TrainConfig) -> None:
         raise ConfigError(f"{what} with algo.mask_observations=false: tool output trained as if sampled has no "
                           "engine logprobs, so the step has no ratio to correct or check; set "
                           "algo.mask_observations=true, or drop the option")
-    if mode in ("seq_tis", "seq_mis") and config.actor.cp > 1:
+    if mode in ("seq_tis", "seq_mis", "seq_rs") and config.actor.cp > 1:
         raise ConfigError(
             f"'algo.rollout_correction' is {mode} with actor.cp={config.actor.cp}: a sequence-level correction needs "
             "the product of a sequence's token ratios, and context parallelism splits a sequence's tokens over "
-            "ranks; use actor.cp=1 or a token-level correction (token_tis, token_mis, icepop)"
+            "ranks; use actor.cp=1 or a token-level correction (token_tis, token_mis, icepop, token_rs)"
         )
 
 

@@ -1,7 +1,9 @@
 """The policy losses (algo.policy_loss gspo, cispo, minirl; algo.ratio_against rollout; algo.loss_agg
 seq_mean_token_sum) as the Megatron actor trains them: its loss on a packed, off-policy batch equals the
 rlsearch.algo objective applied to HF transformers' logprobs of the same samples, on the trained positions the actor
-selects, at TP1, and GSPO at TP2 x PP2's four ranks too (its sequence ratio needs each sequence whole on a rank)."""
+selects, at TP1, and GSPO at TP2 x PP2's four ranks too (its sequence ratio needs each sequence whole on a rank).
+The masked importance sampling corrections (algo.rollout_correction icepop, seq_mis) on an engine whose logprobs are
+off the old policy's by known amounts: the tokens masked and the weights the actor applies."""
 
 from __future__ import annotations
 
@@ -53,3 +55,41 @@ def test_actor_trains_each_policy_loss_as_the_algo_objective(rank_pool, tiny_mod
     assert metrics["actor/policy_loss"] == pytest.approx(expected_loss(samples, reference, algo), abs=1e-5)
     assert metrics["actor/clip_fraction"] > 0  # the band acts on this off-policy batch
     assert metrics["actor/grad_norm"] > 0
+
+
+# log(pi_old / pi_rollout) of each response position in turn: IcePop's [0.5, 5] masks -1 and 2 (log 0.5 = -0.69,
+# log 5 = 1.61) and weights the others by e^-0.4, 1, e^0.4, e^1
+TOKEN_LOG_RATIOS = (-1.0, -0.4, 0.0, 0.4, 1.0, 2.0)
+# per sequence, the sum of log r over its trained tokens: seq_mis's [0.5, 2] masks -1, 1 and -0.8 (|x| > 0.69)
+SEQUENCE_LOG_RATIOS = (-1.0, -0.3, 0.0, 0.3, 0.6, 1.0, -0.8, 0.5)
+
+
+def _token_log_ratios(samples) -> list[torch.Tensor]:
+    return [torch.tensor([TOKEN_LOG_RATIOS[i % len(TOKEN_LOG_RATIOS)] for i in range(len(s.loss_mask))])
+            for s in samples]
+
+
+def _sequence_log_ratios(samples) -> list[torch.Tensor]:
+    return [torch.full((len(s.loss_mask),), total / sum(s.loss_mask)) for s, total in zip(samples, SEQUENCE_LOG_RATIOS)]
+
+
+# 312 trained tokens, 8 sequences (scored_batch). icepop masks 2 of every 6 positions: 104 tokens, the others' mean
+# weight (e^-0.4 + 1 + e^0.4 + e^1) x 52 / 312 = 0.98007. seq_mis masks sequences 0, 5 and 6 (24 + 54 + 60 response
+# tokens, less 6 observation tokens each: 120) and weights the others' tokens by e^(their sequence's sum): 0.87124
+@pytest.mark.parametrize("correction, log_ratios, masked_tokens, masked_sequences, weight_mean", [
+    ("icepop", _token_log_ratios, 104 / 312, 0.0, 0.9800711),
+    ("seq_mis", _sequence_log_ratios, 120 / 312, 3 / 8, 0.8712398),
+], ids=["icepop", "seq_mis"])
+def test_actor_weights_and_masks_by_the_engines_ratio(rank_pool, tiny_model_dir, batch, correction, log_ratios,
+                                                       masked_tokens, masked_sequences, weight_mean):
+    samples, reference = batch
+    algo = AlgoConfig(rollout_correction=correction)
+    engine = [dataclasses.replace(s, rollout_logprobs=(torch.tensor(s.old_logprobs) - offsets).tolist())
+              for s, offsets in zip(samples, log_ratios(samples))]
+    spec = dataclasses.replace(actor_spec(tiny_model_dir, 1, 1, 1, {}), algo=algo)
+    with rank_pool.group(spec) as group:
+        metrics = group.train_step(engine)
+    assert metrics["actor/correction_masked_fraction"] == pytest.approx(masked_tokens, abs=1e-6)
+    assert metrics["actor/seq_masked_fraction"] == pytest.approx(masked_sequences, abs=1e-6)
+    assert metrics["actor/tis_weight_mean"] == pytest.approx(weight_mean, abs=1e-6)
+    assert metrics["actor/policy_loss"] == pytest.approx(expected_loss(engine, reference, algo), abs=1e-5)

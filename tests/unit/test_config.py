@@ -33,6 +33,15 @@ def test_a_renamed_section_names_its_new_key(tmp_path):
     assert load_config(TrainConfig, None, ["weights.bucket_mb=64"]).weights.bucket_mb == 64
 
 
+def test_icepop_beta_is_refused_naming_icepops_band_and_the_rejection_that_was_its_meaning():
+    with pytest.raises(ConfigError, match=r"the config key 'algo\.icepop_beta' was removed: IcePop's band is now "
+                                          r"\[algo\.icepop_low, algo\.icepop_high\] \(the paper's 0\.5 and 5\), "
+                                          r"inside which algo\.rollout_correction=icepop weights each token by r; the "
+                                          r"old band \[1/beta, beta\] with weight 1 is algo\.rollout_correction="
+                                          r"token_rs algo\.mis_low=1/beta algo\.mis_high=beta"):
+        load_config(TrainConfig, None, ["algo.icepop_beta=1.5"])
+
+
 def test_unknown_key_in_yaml(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("rollout:\n  max_turn: 3\n")
@@ -378,7 +387,7 @@ def test_recompute_and_offload_keys_are_checked_at_start_up_naming_the_key(tmp_p
     ("overrides", "message"),
     [
         (["algo.rollout_correction=seq"], r"'algo\.rollout_correction' must be one of token_tis, seq_tis, token_mis, "
-                                          r"seq_mis, icepop; got 'seq'"),
+                                          r"seq_mis, icepop, token_rs, seq_rs; got 'seq'"),
         (["algo.tis_cap=-1"], r"'algo\.tis_cap' must be 0 \(token_tis off\) or >= 1; got -1\.0"),
         (["algo.tis_cap=0.5"], r"'algo\.tis_cap' must be 0 \(token_tis off\) or >= 1; got 0\.5"),
         (["algo.rollout_correction=seq_tis", "algo.tis_cap=0"], r"'algo\.tis_cap' must be > 0 with "
@@ -386,7 +395,8 @@ def test_recompute_and_offload_keys_are_checked_at_start_up_naming_the_key(tmp_p
         (["algo.mis_low=1.2"], r"'algo\.mis_low' must be in \(0, 1\); got 1\.2"),
         (["algo.mis_high=0.9"], r"'algo\.mis_high' must be > 1; got 0\.9"),
         (["algo.mis_low=0"], r"'algo\.mis_low' must be in \(0, 1\); got 0\.0"),
-        (["algo.icepop_beta=1"], r"'algo\.icepop_beta' must be > 1 \(ratios inside \[1/beta, beta\] are kept\)"),
+        (["algo.icepop_low=1"], r"'algo\.icepop_low' must be in \(0, 1\); got 1\.0"),
+        (["algo.icepop_high=0.8"], r"'algo\.icepop_high' must be > 1; got 0\.8"),
         (["algo.mismatch_threshold=-0.1"], r"'algo\.mismatch_threshold' must be >= 0 \(0: no check\)"),
         (["algo.mismatch_action=abort"], r"'algo\.mismatch_action' must be one of warn, stop; got 'abort'"),
         (["algo.rollout_correction=icepop", "algo.mask_observations=false"],
@@ -407,6 +417,9 @@ def test_recompute_and_offload_keys_are_checked_at_start_up_naming_the_key(tmp_p
         (["algo.rollout_correction=seq_mis", "actor.cp=2"],
          r"'algo\.rollout_correction' is seq_mis with actor\.cp=2: a sequence-level correction needs the product of "
          r"a sequence's token ratios"),
+        (["algo.rollout_correction=seq_rs", "actor.cp=2"],
+         r"'algo\.rollout_correction' is seq_rs with actor\.cp=2: .* use actor\.cp=1 or a token-level correction "
+         r"\(token_tis, token_mis, icepop, token_rs\)"),
     ],
 )
 def test_rollout_correction_and_turn_credit_keys_are_checked_naming_the_key(overrides, message):
@@ -459,7 +472,8 @@ def test_a_critic_of_another_tokenizer_is_refused_naming_both(tmp_path):
 
 
 def test_rollout_corrections_that_need_nothing_else_load():
-    for overrides in (["algo.rollout_correction=icepop", "algo.icepop_beta=1.5", "actor.cp=2"],
+    for overrides in (["algo.rollout_correction=icepop", "algo.icepop_low=0.8", "algo.icepop_high=1.5", "actor.cp=2"],
+                      ["algo.rollout_correction=token_rs", "algo.mis_low=0.4", "actor.cp=2"],
                       ["algo.rollout_correction=seq_tis", "algo.mismatch_threshold=0.02", "algo.mismatch_action=warn"],
                       ["algo.tis_cap=0", "algo.mask_observations=false"]):
         load_train_config(None, overrides)

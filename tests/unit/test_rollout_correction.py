@@ -79,8 +79,52 @@ def test_seq_tis_weights_every_token_by_its_sequences_capped_product():
     assert stats["tis_capped_tokens"] == 2.0  # the capped sequence's two tokens
 
 
-def test_token_mis_masks_the_tokens_outside_the_band():
+def test_token_mis_weights_the_tokens_inside_the_band_by_their_ratio_and_masks_the_others():
     loss, grad, stats = _objective(rollout_correction="token_mis", mis_low=0.5, mis_high=2.0)
+    # r = e^0.75 = 2.117 lies above 2: that token trains no more; the others are weighted by their own r
+    assert loss == pytest.approx(0.25 * (-R[0] - R[1] + 0 + R[3]), abs=1e-6)
+    assert loss == pytest.approx(-0.3182485, abs=1e-6)
+    assert grad == pytest.approx([-0.25 * R[0], 0.0, -0.25 * R[1], 0.0, 0.25 * R[3]], abs=1e-6)
+    assert stats["correction_masked_tokens"] == 1.0
+    assert stats["tis_weight_sum"] == pytest.approx(R[0] + R[1] + R[3], abs=1e-6)
+    assert stats["tis_weight_sum"] == pytest.approx(3.4019828, abs=1e-6)
+    assert stats["tis_capped_tokens"] == 0.0
+
+
+def test_icepop_weights_the_tokens_inside_its_band_by_their_ratio_and_masks_the_others():
+    loss, grad, stats = _objective(rollout_correction="icepop", icepop_low=0.9, icepop_high=2.0)
+    # [0.9, 2] keeps e^0.375 = 1.455 and e^0.0625 = 1.065 (weighted by them), masks e^-0.125 = 0.882 and e^0.75 = 2.117
+    assert loss == pytest.approx(0.25 * (-R[0] + R[3]), abs=1e-6)
+    assert loss == pytest.approx(-0.0976242, abs=1e-6)
+    assert grad == pytest.approx([-0.25 * R[0], 0.0, 0.0, 0.0, 0.25 * R[3]], abs=1e-6)
+    assert stats["correction_masked_tokens"] == 2.0
+    assert stats["tis_weight_sum"] == pytest.approx(R[0] + R[3], abs=1e-6)
+
+
+def test_icepops_default_band_is_the_papers_half_to_five():
+    assert (AlgoConfig().icepop_low, AlgoConfig().icepop_high) == (0.5, 5.0)
+    loss, grad, stats = _objective(rollout_correction="icepop")
+    # every ratio lies in [0.5, 5], e^0.75 = 2.117 too (a band of [1/2, 2] would have masked it): weighted by r
+    assert loss == pytest.approx(0.25 * (-R[0] - R[1] + R[2] + R[3]), abs=1e-6)
+    assert grad == pytest.approx([-0.25 * R[0], 0.0, -0.25 * R[1], 0.25 * R[2], 0.25 * R[3]], abs=1e-6)
+    assert stats["correction_masked_tokens"] == 0.0
+    assert stats["tis_weight_sum"] == pytest.approx(5.5189828, abs=1e-6)
+
+
+def test_seq_mis_weights_the_sequences_inside_the_band_by_their_product_and_masks_the_others():
+    loss, grad, stats = _objective(rollout_correction="seq_mis", mis_low=0.5, mis_high=2.0)
+    # e^0.25 = 1.284 is kept and weights both its tokens, e^0.8125 = 2.25 masks the second sequence whole
+    first = math.exp(0.25)
+    assert loss == pytest.approx(0.25 * (-2 * first), abs=1e-6)
+    assert loss == pytest.approx(-0.6420127, abs=1e-6)
+    assert grad == pytest.approx([-0.25 * first, 0.0, -0.25 * first, 0.0, 0.0], abs=1e-6)
+    assert stats["sequences"] == 2.0 and stats["masked_sequences"] == 1.0
+    assert stats["correction_masked_tokens"] == 2.0
+    assert stats["tis_weight_sum"] == pytest.approx(2 * first, abs=1e-6)
+
+
+def test_token_rs_rejects_the_tokens_outside_the_band_and_keeps_the_others_with_weight_one():
+    loss, grad, stats = _objective(rollout_correction="token_rs", mis_low=0.5, mis_high=2.0)
     # r = e^0.75 = 2.117 lies above 2: that token trains no more; the others keep weight 1
     assert loss == pytest.approx(0.25 * (-1 - 1 + 0 + 1), abs=1e-6)
     assert grad == pytest.approx([-0.25, 0.0, -0.25, 0.0, 0.25], abs=1e-6)
@@ -88,21 +132,13 @@ def test_token_mis_masks_the_tokens_outside_the_band():
     assert stats["tis_capped_tokens"] == 0.0
 
 
-def test_icepop_masks_the_tokens_outside_one_over_beta_to_beta():
-    loss, grad, stats = _objective(rollout_correction="icepop", icepop_beta=1.25)
-    # [0.8, 1.25] keeps e^-0.125 = 0.882 and e^0.0625 = 1.065, masks e^0.375 = 1.455 and e^0.75 = 2.117
-    assert loss == pytest.approx(0.25 * (-1 + 1), abs=1e-6)
-    assert grad == pytest.approx([0.0, 0.0, -0.25, 0.0, 0.25], abs=1e-6)
-    assert stats["correction_masked_tokens"] == 2.0
-
-
-def test_seq_mis_masks_the_sequences_whose_product_is_outside_the_band():
-    loss, grad, stats = _objective(rollout_correction="seq_mis", mis_low=0.5, mis_high=2.0)
-    # e^0.25 = 1.28 is kept, e^0.8125 = 2.25 masks the second sequence whole
+def test_seq_rs_rejects_the_sequences_whose_product_is_outside_the_band():
+    loss, grad, stats = _objective(rollout_correction="seq_rs", mis_low=0.5, mis_high=2.0)
+    # e^0.25 = 1.28 is kept with weight 1, e^0.8125 = 2.25 masks the second sequence whole
     assert loss == pytest.approx(-0.5, abs=1e-6)
     assert grad == pytest.approx([-0.25, 0.0, -0.25, 0.0, 0.0], abs=1e-6)
     assert stats["sequences"] == 2.0 and stats["masked_sequences"] == 1.0
-    assert stats["correction_masked_tokens"] == 2.0
+    assert stats["correction_masked_tokens"] == 2.0 and stats["tis_weight_sum"] == 2.0
 
 
 def test_corrections_use_the_old_policy_not_the_current_one():
@@ -113,6 +149,7 @@ def test_corrections_use_the_old_policy_not_the_current_one():
     batch = _batch(old_logprobs=old)
     _, stats = grpo_objective(current, batch, AlgoConfig(rollout_correction="token_mis", clip_ratio_high=100.0))
     assert stats["correction_masked_tokens"] == 1.0
+    assert stats["tis_weight_sum"].item() == pytest.approx(R[0] + R[1] + R[3], abs=1e-6)  # e^0.0625, not e^1.0625
 
 
 def test_no_rollout_logprobs_means_no_correction():
