@@ -30,7 +30,7 @@ class TrainSample:
     token_weights: list[float] | None = None  # loss aggregation weights (algo.loss_token_weights)
     old_logprobs: list[float] | None = None  # None: on-policy, the current logprobs (ratio 1)
     ref_logprobs: list[float] | None = None
-    rollout_logprobs: list[float] | None = None  # the engine's, only for the drift metric
+    rollout_logprobs: list[float] | None = None  # the engine's: rollout corrections, the ratio, the drift metric
     # segments of one trajectory share a group: with actor.merge_prefixes they train as one prefix tree
     prefix_group: int | None = None
     # MoE routing to replay (algo.routing_replay): [len(token_ids), layers, top-k] expert ids per token and layer
