@@ -18,10 +18,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model, parse_args  # noqa: E402
 from bench.common.table import print_table  # noqa: E402
 
-# --try NAME=VALUE: an engine setting rlsearch controls, as the environment or the EngineSpec field it sets
-ENVIRONMENT_SETTINGS = {"threads": "OMP_NUM_THREADS", "bind": "VLLM_CPU_OMP_THREADS_BIND",
-                        "kvspace": "VLLM_CPU_KVCACHE_SPACE"}
-SPEC_SETTINGS = {"eager": lambda value: value.lower() in ("1", "true", "yes"), "dtype": str, "kv_cache_gib": float}
+# --try NAME=VALUE: an engine setting rlsearch controls, as the environment or the EngineSpec field it sets. Threads
+# and binding are the spec's: the engine writes OMP_NUM_THREADS and the binding from its spec, over the environment
+ENVIRONMENT_SETTINGS = {"kvspace": "VLLM_CPU_KVCACHE_SPACE"}
+SPEC_SETTINGS = {"eager": ("enforce_eager", lambda value: value.lower() in ("1", "true", "yes")),
+                 "dtype": ("dtype", str), "kv_cache_gib": ("kv_cache_gib", float), "threads": ("cpu_threads", int),
+                 "bind": ("cpu_threads_bind", str)}
 
 
 def make_prompts(count: int, length: int, vocab_ranks: int, seed: int = 0) -> list[list[int]]:
@@ -79,7 +81,8 @@ def apply_setting(setting: str, spec_fields: dict) -> None:
     if name in ENVIRONMENT_SETTINGS:
         os.environ[ENVIRONMENT_SETTINGS[name]] = value
     elif name in SPEC_SETTINGS:
-        spec_fields["enforce_eager" if name == "eager" else name] = SPEC_SETTINGS[name](value)
+        field, parse = SPEC_SETTINGS[name]
+        spec_fields[field] = parse(value)
     else:
         raise SystemExit(f"--try {setting}: NAME is one of {', '.join([*ENVIRONMENT_SETTINGS, *SPEC_SETTINGS])}")
 
@@ -156,8 +159,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per measurement; the best counts")
     parser.add_argument("--try", dest="tries", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
-                        help="an engine again under these settings: threads (OMP_NUM_THREADS), bind "
-                        "(VLLM_CPU_OMP_THREADS_BIND), kvspace (VLLM_CPU_KVCACHE_SPACE, GiB), eager, dtype, "
+                        help="an engine again under these settings: threads (its EngineSpec.cpu_threads: "
+                        "OMP_NUM_THREADS of its workers), bind (EngineSpec.cpu_threads_bind: "
+                        "VLLM_CPU_OMP_THREADS_BIND), kvspace (VLLM_CPU_KVCACHE_SPACE, GiB), eager, dtype, "
                         "kv_cache_gib")
     parser.add_argument("--out", default="outputs/bench", help="where the random model is kept")
     add_vocab_ranks_argument(parser)

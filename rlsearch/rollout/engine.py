@@ -40,9 +40,9 @@ def configure_vllm_environment(spec: EngineSpec) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     on_cpu = local_gpu_index() is None
     cores_shared = bool(os.environ.get(CPU_CORES_VARIABLE))
-    if on_cpu and (spec.tensor_parallel_size > 1 or cores_shared):
+    if on_cpu and (spec.cpu_threads_bind or spec.tensor_parallel_size > 1 or cores_shared):
         # vLLM's default binding wants a NUMA node per worker and asserts on a machine with one; a binding to the
-        # machine's cores would take all of them from the runs beside this one
+        # machine's cores would take all of them from the runs beside this one. An explicit binding always applies
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_threads_bind or "nobind"
     if on_cpu and not spec.cpu_threads_bind:
         # an unbound worker runs OMP_NUM_THREADS threads, and a Ray actor's is its num_cpus (one per TP worker): a

@@ -13,7 +13,7 @@ from rlsearch.devices import CPU_CORES_VARIABLE, cpu_cores, cpu_threads_each, us
 from rlsearch.rollout.engine import EngineSpec, configure_vllm_environment
 
 VLLM_THREAD_VARIABLES = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING",
-                         "VLLM_HOST_IP", "VLLM_PORT")
+                         "VLLM_HOST_IP", "VLLM_PORT", "VLLM_CPU_KVCACHE_SPACE")
 
 
 @pytest.fixture
@@ -105,3 +105,26 @@ def test_the_cli_refuses_a_bad_value_before_it_starts_anything(environment, caps
     environment.setenv(CPU_CORES_VARIABLE, "all")
     assert main(["train", "--config", "examples/configs/search_grpo_tiny.yaml"]) == 2
     assert f"rlsearch: {CPU_CORES_VARIABLE}='all': set it to a whole number of cores" in capsys.readouterr().err
+
+
+def test_an_explicit_binding_applies_to_a_tp1_engine_on_the_whole_machine(environment):
+    configure_vllm_environment(EngineSpec("model", cpu_threads_bind="0"))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+def test_decode_step_tries_threads_and_binding_through_the_engines_spec(environment):
+    """bench/decode_step.py --try threads=1: the engine's spec, which sets its workers' threads (an environment
+    variable would be overwritten by the engine's own)."""
+    from bench.decode_step import apply_setting
+
+    environment.setenv("OMP_NUM_THREADS", "2")  # what the bench's environment said, to no effect
+    fields = {}
+    for setting in ("threads=1", "eager=true", "kvspace=2"):
+        apply_setting(setting, fields)
+    assert fields == {"cpu_threads": 1, "enforce_eager": True}
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    configure_vllm_environment(EngineSpec("model", **fields))
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    bound = {}
+    apply_setting("bind=0", bound)
+    assert bound == {"cpu_threads_bind": "0"}
