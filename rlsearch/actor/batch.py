@@ -215,17 +215,46 @@ def _grouped(samples: Sequence[TrainSample], indices, by_prompt: bool) -> list[l
 
 def _fitting_units(samples: Sequence[TrainSample], unit: list[int], packing: Packing, max_tokens: int
                    ) -> list[tuple[list[int], int]]:
-    """(unit, its rows): `unit` where its tree fits `max_tokens`; else a prompt group's trajectories' trees (prefix
-    groups), and a tree that still does not fit (a folded trajectory's segments share little) as its separate
-    samples."""
+    """(unit, its rows): `unit` where its tree fits `max_tokens`; else sub-trees that fit: a prompt group's
+    trajectories' trees (prefix groups), a tree that does not fit (a folded trajectory's segments) by its samples,
+    neighbours joined again while their tree fits, so a group one token over keeps most of its sharing."""
     length = unit_length([samples[i] for i in unit], packing)
     if len(unit) == 1 or length <= max_tokens:
         return [(unit, length)]
+    parts = [fitted for part in _parts(samples, unit) for fitted in _fitting_units(samples, part, packing, max_tokens)]
+    joined: list[tuple[list[int], int]] = []
+    for part, part_length in parts:
+        if joined:
+            together = joined[-1][0] + part
+            together_length = unit_length([samples[i] for i in together], packing)
+            if together_length <= max_tokens:
+                joined[-1] = (together, together_length)
+                continue
+        joined.append((part, part_length))
+    return joined
+
+
+def _parts(samples: Sequence[TrainSample], unit: list[int]) -> list[list[int]]:
+    """What a unit splits into first: a prompt group into its trajectories' trees, a tree into its samples."""
     if samples[unit[0]].prompt_group is not None:
         trees = _grouped(samples, unit, by_prompt=False)
         if len(trees) > 1:
-            return [part for tree in trees for part in _fitting_units(samples, tree, packing, max_tokens)]
-    return [([i], unit_length([samples[i]], packing)) for i in unit]
+            return trees
+    return [[i] for i in unit]
+
+
+def _at_least(samples: Sequence[TrainSample], fitted: list[tuple[list[int], int]], count: int, packing: Packing
+              ) -> list[tuple[list[int], int]]:
+    """`fitted` with its largest merged units split in halves (of their `_parts`) until there are `count` units or
+    none is left to split: every pipeline stage gets a micro-batch."""
+    fitted = list(fitted)
+    while len(fitted) < count and any(len(unit) > 1 for unit, _ in fitted):
+        largest = max((i for i, (unit, _) in enumerate(fitted) if len(unit) > 1), key=lambda i: fitted[i][1])
+        parts = _parts(samples, fitted.pop(largest)[0])
+        halves = ([i for part in parts[:len(parts) // 2] for i in part],
+                  [i for part in parts[len(parts) // 2:] for i in part])
+        fitted[largest:largest] = [(half, unit_length([samples[i] for i in half], packing)) for half in halves]
+    return fitted
 
 
 def _unit_rows(samples: Sequence[TrainSample]) -> tuple[list[int], list[int], list[AttentionBlock], list[list[int]]]:
@@ -361,11 +390,13 @@ def pack_micro_batches(
     packing: Packing = Packing(),
 ) -> list[MicroBatch]:
     """Packed micro-batches on the rank's device (where its model is): its GPU when it has one, else CPU.
-    `trained_only`: logits only where the loss mask is set (a training step). A prefix tree is never split; one
-    larger than `max_tokens` goes apart (`_fitting_units`)."""
+    `trained_only`: logits only where the loss mask is set (a training step). A prefix tree larger than
+    `max_tokens` goes apart into sub-trees that fit (`_fitting_units`); merged units split further where there would
+    be fewer than `min_micro_batches` (`_at_least`)."""
     device = local_device()
     fitted = [part for unit in _units(samples, packing.merge_prefixes)
               for part in _fitting_units(samples, unit, packing, max_tokens)]
+    fitted = _at_least(samples, fitted, min_micro_batches, packing)
     units, lengths = [unit for unit, _ in fitted], [length for _, length in fitted]
     batches = []
     for unit_bin in pack_indices(lengths, max_tokens, min_micro_batches):

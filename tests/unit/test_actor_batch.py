@@ -69,8 +69,9 @@ def test_a_prefix_tree_over_the_micro_batch_size_trains_as_its_segments():
     micro_batches = pack_micro_batches(folded + short, max_tokens=30, packing=Packing(merge_prefixes=True))
     assert all(mb.num_tokens <= 30 for mb in micro_batches)
     assert sorted(i for mb in micro_batches for i in mb.sample_indices) == list(range(5))
-    # the folded segments go apart (20 tokens each); the short tree stays one unit of 13 tokens
-    assert sum(mb.num_tokens for mb in micro_batches) == 3 * 20 + 13
+    # the folded segments go apart into sub-trees that fit (two sharing the prompt, 30 tokens, and one of 20); the
+    # short tree stays one unit of 13 tokens
+    assert sum(mb.num_tokens for mb in micro_batches) == 30 + 20 + 13
 
 
 def test_a_grpo_groups_samples_train_their_shared_prompt_once():
@@ -128,6 +129,34 @@ def test_a_grpo_group_over_the_micro_batch_size_trains_as_its_trajectories_trees
     assert all(mb.num_tokens <= 30 for mb in micro_batches)
     assert sorted(mb.num_tokens for mb in micro_batches) == [20, 26]  # the group's 36-token tree went apart
     assert sorted(i for mb in micro_batches for i in mb.sample_indices) == [0, 1, 2]
+
+
+def test_a_grpo_group_one_token_over_the_micro_batch_size_keeps_its_prompt_shared_in_sub_groups():
+    from rlsearch.actor.batch import Packing
+
+    prompt = list(range(100, 110))
+    group = [TrainSample(prompt + list(range(k * 10, k * 10 + 5)), 10, [1] * 5, prompt_group=0) for k in range(4)]
+    # the group's tree is 10 + 4 x 5 = 30 rows: at 29 it was four samples apart (60 rows), now sub-groups of 3 and 1
+    micro_batches = pack_micro_batches(group, max_tokens=29, packing=Packing(merge_prefixes=True))
+    assert sorted(mb.num_tokens for mb in micro_batches) == [15, 25]
+    assert sorted(i for mb in micro_batches for i in mb.sample_indices) == list(range(4))
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_merged_groups_give_every_pipeline_stage_a_micro_batch(stages):
+    from rlsearch.actor.batch import Packing
+
+    prompt = list(range(100, 110))
+    group = [TrainSample(prompt + list(range(k * 10, k * 10 + 5)), 10, [1] * 5, prompt_group=0) for k in range(4)]
+    micro_batches = pack_micro_batches(group, max_tokens=64, min_micro_batches=stages,
+                                       packing=Packing(merge_prefixes=True))
+    assert len(micro_batches) == stages  # one merged unit gave one micro-batch for every number of stages
+    assert sorted(i for mb in micro_batches for i in mb.sample_indices) == list(range(4))
+    # each micro-batch still shares the prompt among its samples
+    assert sum(mb.num_tokens for mb in micro_batches) == 10 * stages + 4 * 5
+    labels = {i: labels.tolist() for mb in micro_batches
+              for i, labels in zip(mb.sample_indices, mb.labels.split(mb.response_lens))}
+    assert labels == {k: list(range(k * 10, k * 10 + 5)) for k in range(4)}
 
 
 def test_trained_only_takes_logits_where_the_loss_mask_is_set():
