@@ -194,6 +194,19 @@ def test_a_checkpoint_of_another_seed_is_refused(tmp_path) -> None:
         "trainer.resume=none")
 
 
+def test_a_checkpoint_of_the_other_optimizer_layout_is_refused(tmp_path) -> None:
+    store = CheckpointStore(tmp_path / "run")
+    _save(store, 2, load_train_config(None, []).trainer.seed, tmp_path)
+    config = load_train_config(None, ["trainer.resume=auto", "actor.use_distributed_optimizer=true"])
+    with pytest.raises(ConfigError) as refused:
+        checkpoint_to_resume(config, store)
+    assert str(refused.value) == (
+        f"'actor.use_distributed_optimizer' is true but the checkpoint {store.root / 'step_000002'} was written with "
+        "false: the two keep Adam's states in different checkpoint layouts. Resume with "
+        "actor.use_distributed_optimizer=false (any actor.dp, tp or pp), or start a fresh run from its weights "
+        "(rlsearch convert mcore-to-hf, then model.path)")
+
+
 def test_resume_names_a_dir_that_is_no_checkpoint(tmp_path) -> None:
     config = load_train_config(None, [f"trainer.resume={tmp_path}"])
     with pytest.raises(ConfigError) as refused:
