@@ -1,7 +1,9 @@
-"""Files that readers never see half-written: written under a staging name, then renamed into place."""
+"""Files that readers never see half-written (written under a staging name, then renamed into place), and a file's
+content hash."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections.abc import Iterator
@@ -19,3 +21,12 @@ def atomic_path(path: Path) -> Iterator[Path]:
         os.replace(staging, path)
     finally:
         staging.unlink(missing_ok=True)
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read a MiB at a time (any size)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -13,7 +13,6 @@ equal, bit for bit (a difference fails the conversion). Nothing is downloaded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections import Counter
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..files import file_sha256
 from .convert import VERIFY_BATCH_SHAPE, ConversionError, _publish, _staged
 
 # GGUF general.architecture -> the HF model_type it loads as
@@ -185,15 +185,6 @@ def _check_model_fields(reader, architecture: str, gguf_file: Path) -> None:
         values = ", ".join(f"{key} = {_field(reader, key)!r}" for key in unread)
         raise GGUFError(f"{gguf_file} sets {values}, which transformers' GGUF loader does not read, so the converted "
                         "model would not compute what the GGUF does; convert the model's HuggingFace release instead")
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ---- loading, writing, checking ------------------------------------------------------------------------------

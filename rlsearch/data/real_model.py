@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.convert import ConversionError
-from ..checkpoint.gguf import CONVERSION_RECORD, GGUFConversion, file_sha256, gguf_to_hf, quiet_transformers
+from ..checkpoint.gguf import CONVERSION_RECORD, GGUFConversion, gguf_to_hf, quiet_transformers
+from ..files import file_sha256
 
 
 @dataclass(frozen=True)

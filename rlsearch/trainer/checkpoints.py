@@ -1,8 +1,8 @@
 """A GRPO run's checkpoints: the one a run resumes (trainer.resume: auto, none or a checkpoint dir), refused when it
-was trained with another trainer.seed or the other actor.use_distributed_optimizer, and a fresh run (none) refused
-where another run's files are; the newest one this process
-saved or resumed from (where dead actor ranks rewind to); a run checkpoint saved with the trainer state and the
-manifest info; and the actor state loaded from one.
+was trained with another trainer.seed or the other actor.use_distributed_optimizer (a refusal SFT's resume makes
+too), and a fresh run (none) refused where another run's files are; the newest one this process saved or resumed
+from (where dead actor ranks rewind to); a run checkpoint saved with the trainer state and the manifest info; and
+the actor state loaded from one.
 
 It may call the checkpoint store (rlsearch.checkpoint) and the actor ranks' save and load; when to save is the loop's
 (grpo.py), and what a resume does to the run's progress and the engines' weights actor_side.py's."""
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..checkpoint import CheckpointError, CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import CRITIC_DIR, MODEL_DIR
-from ..config import ConfigError, TrainConfig, to_dict
+from ..config import ActorConfig, ConfigError, TrainConfig, to_dict
 from ..runlog import TRAJECTORY_DIR
 from ..supervisor import restarted
 from .sampler import SamplerState
@@ -93,16 +93,21 @@ def _resume_point(config: TrainConfig, path: Path, manifest: dict, state: dict) 
             f"{state['seed']}; a resumed run keeps its seed so the data order and sampling continue. Drop the "
             f"override, or start a fresh run with trainer.resume=none"
         )
-    saved = state["config"]["actor"].get("use_distributed_optimizer", False)
-    if saved != config.actor.use_distributed_optimizer:
+    check_optimizer_layout(path, state["config"]["actor"].get("use_distributed_optimizer", False), config.actor,
+                           "start a fresh run from its weights (rlsearch convert mcore-to-hf, then model.path)")
+    return ResumePoint(path, manifest["layout"], state["step"], SamplerState(**state["sampler"]),
+                       manifest.get("critic_layout"))
+
+
+def check_optimizer_layout(path: Path, saved: bool, actor: ActorConfig, start_over: str) -> None:
+    """A resume from the checkpoint `path`, saved with actor.use_distributed_optimizer `saved`, refused (ConfigError
+    naming the key) when `actor` switches it; `start_over` says how to begin a fresh run instead."""
+    if saved != actor.use_distributed_optimizer:
         raise ConfigError(
             f"'actor.use_distributed_optimizer' is {str(not saved).lower()} but the checkpoint {path} was written "
             f"with {str(saved).lower()}: the two keep Adam's states in different checkpoint layouts. Resume with "
-            f"actor.use_distributed_optimizer={str(saved).lower()} (any actor.dp, tp or pp), or start a fresh run "
-            "from its weights (rlsearch convert mcore-to-hf, then model.path)"
+            f"actor.use_distributed_optimizer={str(saved).lower()} (any actor.dp, tp or pp), or {start_over}"
         )
-    return ResumePoint(path, manifest["layout"], state["step"], SamplerState(**state["sampler"]),
-                       manifest.get("critic_layout"))
 
 
 def save_run_checkpoint(config: TrainConfig, actor: ActorRanks, store: CheckpointStore, step: int,

@@ -4,7 +4,8 @@ The same actor group, model code and packed micro-batches as GRPO training; the 
 log-likelihood of the assistant tokens (tool tokens are context only), token-weighted over each batch. With
 save_interval, run checkpoints (weights, Adam's state, RNG, data position) go under output_dir/checkpoints as GRPO's
 do, and a run started again on the same output_dir (resume=auto) continues from the newest to the weights of the run
-that was never stopped.
+that was never stopped. One started with anything that would end it elsewhere (a data file's contents, Adam's
+settings, the schedule, ...) is refused naming it, before anything is written.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,9 +32,10 @@ from ..config import (
     to_dict,
 )
 from ..data.chat import ChatExample, load_chat_dataset
+from ..files import file_sha256
 from ..ray_setup import cluster_has_gpus, init_ray
 from ..runlog import RunLogger, plot_run
-from .checkpoints import ResumePoint, load_actor_state
+from .checkpoints import ResumePoint, check_optimizer_layout, load_actor_state
 from .sampler import EpochSampler, SamplerState
 
 HF_OUTPUT = "hf"
@@ -83,17 +86,32 @@ def _train_samples(examples: list[ChatExample]) -> list[TrainSample]:
     ]
 
 
-def _schedule(config: SFTConfig, total_steps: int) -> dict[str, Any]:
+# the actor keys that change the weights a run ends with (its parallel layout does not: a resume reshards; Adam's eps
+# is Megatron's default, no key), and the distributed optimizer, which lays its checkpoints out otherwise
+_ACTOR_SETTINGS = ("lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2",
+                   "clip_grad", "moe_aux_loss_coef", "moe_z_loss_coef", "use_distributed_optimizer")
+_START_OVER = "start over with resume=none or another output_dir"
+
+
+def _settings(config: SFTConfig, total_steps: int) -> dict[str, Any]:
     """What a resumed run must share with the run that saved the checkpoint for the two to end with the same
-    weights: the data, its order and the learning-rate schedule."""
-    return {"train_files": [str(Path(path).resolve()) for path in config.data.train_files],
-            "batch_size": config.data.batch_size, "shuffle": config.data.shuffle, "seed": config.seed,
-            "total_steps": total_steps, "lr": config.actor.lr, "model": str(Path(config.model.path).resolve())}
+    weights, by name: the model, the data (each file's contents too: one written again under its name holds other
+    rows at the saved position), their order, the step count, the learning-rate schedule and Adam's settings (a
+    resumed Adam keeps the saved betas whatever the config says)."""
+    files = [Path(path).resolve() for path in config.data.train_files]
+    return {
+        "model.path": str(Path(config.model.path).resolve()), "model.dtype": config.model.dtype,
+        "data.train_files": [str(path) for path in files],
+        **{f"the contents (sha256) of {path}": file_sha256(path) for path in files},
+        "data.batch_size": config.data.batch_size, "data.shuffle": config.data.shuffle, "seed": config.seed,
+        "the step count (data.max_steps, data.epochs)": total_steps,
+        **{f"actor.{key}": getattr(config.actor, key) for key in _ACTOR_SETTINGS},
+    }
 
 
-def _checkpoint_to_resume(config: SFTConfig, store: CheckpointStore, schedule: dict) -> tuple[ResumePoint, dict] | None:
-    """The newest complete checkpoint of this run (resume=auto), or None; a checkpoint of another schedule is
-    refused naming the setting that differs."""
+def _checkpoint_to_resume(config: SFTConfig, store: CheckpointStore, settings: dict) -> tuple[ResumePoint, dict] | None:
+    """The newest complete checkpoint of this run (resume=auto), or None; a checkpoint saved with other `settings` is
+    refused (ConfigError) naming each one that differs, before anything is written."""
     if config.resume == "none":
         return None
     path, skipped = store.newest_complete()
@@ -105,13 +123,26 @@ def _checkpoint_to_resume(config: SFTConfig, store: CheckpointStore, schedule: d
         manifest, state = load_run_checkpoint(path)
     except CheckpointError as error:
         raise ConfigError(f"'resume' auto: {error}") from error
-    saved = state.get("schedule", {})
-    changed = [key for key in schedule if saved.get(key) != schedule[key]]
+    saved = state.get("settings", {})
+    check_optimizer_layout(path, saved.get("actor.use_distributed_optimizer", False), config.actor, _START_OVER)
+    changed = [key for key in settings if saved.get(key) != settings[key]]
     if changed:
-        differences = ", ".join(f"{key} {saved.get(key)!r} there, {schedule[key]!r} here" for key in changed)
-        raise ConfigError(f"the checkpoint {path} is of another SFT run ({differences}); resume with the same "
-                          "settings, or start over with resume=none or another output_dir")
+        differences = "; ".join(
+            f"{key} {repr(saved[key]) if key in saved else 'not recorded'} there, {settings[key]!r} here"
+            for key in changed)
+        raise ConfigError(f"the checkpoint {path} is of another SFT run ({differences}): a resumed run continues at "
+                          "its data position with its Adam state, so each must be as it was when it was saved. Give "
+                          f"them as they were (a data file: its contents then), or {_START_OVER}")
     return ResumePoint(path, manifest["layout"], state["step"], SamplerState(**state["sampler"])), state
+
+
+def _save_checkpoint(store: CheckpointStore, step: int, write_model: Callable[[str], None], config: SFTConfig,
+                     sampler: SamplerState, settings: dict, first_loss: float) -> Path:
+    """The actor state (`write_model(dir)`) as the checkpoint of `step`, with the data position and the `settings`
+    a resume compares."""
+    state = {"sampler": asdict(sampler), "settings": settings, "first_loss": first_loss}
+    info = {"layout": config.actor.layout, "contents": ["model", "optimizer", "scheduler", "rng"]}
+    return store.save(step, write_model, state, config.model.path, info)
 
 
 def run_sft(config: SFTConfig) -> SFTSummary:
@@ -128,8 +159,8 @@ def run_sft(config: SFTConfig) -> SFTSummary:
     steps_per_epoch = math.ceil(len(examples) / data.batch_size)
     total_steps = data.max_steps or steps_per_epoch * data.epochs
     store = CheckpointStore(output_dir, keep=1)
-    schedule = _schedule(config, total_steps)
-    resume = _checkpoint_to_resume(config, store, schedule)  # a checkpoint of another run stops it before Ray starts
+    settings = _settings(config, total_steps)
+    resume = _checkpoint_to_resume(config, store, settings)  # a checkpoint of another run stops it before Ray starts
     output_dir.mkdir(parents=True, exist_ok=True)
     world = config.actor.world_size
     init_ray(config.ray_address, num_cpus=world)
@@ -167,10 +198,8 @@ def run_sft(config: SFTConfig) -> SFTSummary:
                       f"grad norm {metrics['actor/grad_norm']:.3f} | epoch {metrics['sft/epoch']:.2f} | "
                       f"{elapsed:.0f} s", flush=True)
             if config.save_interval and step % config.save_interval == 0 and step < total_steps:
-                state = {"sampler": asdict(sampler.state), "schedule": schedule, "first_loss": first_loss}
-                saved = store.save(step, actor.save_checkpoint, state, config.model.path,
-                                   {"layout": config.actor.layout, "contents": ["model", "optimizer", "scheduler",
-                                                                               "rng"]})
+                saved = _save_checkpoint(store, step, actor.save_checkpoint, config, sampler.state, settings,
+                                         first_loss)
                 print(f"[rlsearch sft] checkpoint saved: {saved}", flush=True)
         written = write_hf_model(actor.hf_state_dict().items(), model_dir, config.model.path)
     finally:

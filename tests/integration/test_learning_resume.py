@@ -1,12 +1,15 @@
 """Stopped runs continue to what runs never stopped end with:
 - `rlsearch sft` killed (SIGKILL) after a checkpoint and started again ends with the weights and the per-step losses of
   the run that was never stopped (within 1e-6; the same machine gives the same sums);
+- one started again after its data file was written again under its name is refused naming the file, before Ray
+  starts and without writing anything (the other settings' refusals: tests/unit/test_sft_checkpoints.py);
 - bench/learning.py killed during its SFT and started again continues that SFT from its checkpoint and runs the
   stages after it; started a third time it reuses every stage and runs nothing (this is the bench's smoke run).
 A GRPO run killed mid-way that resumes to the uninterrupted run's steps is tests/e2e/test_train_resume.py."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -94,19 +97,27 @@ def test_an_sft_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights(r
     assert sorted(path.name for path in (killed_dir / "checkpoints").iterdir()) == ["latest", "step_000004"]
 
 
-def test_an_sft_refuses_a_checkpoint_of_another_schedule(tiny_model_dir, toy_data, tmp_path):
+def test_an_sft_refuses_a_checkpoint_whose_data_file_was_written_again(tiny_model_dir, tmp_path):
     from rlsearch.checkpoint import CheckpointStore
     from rlsearch.config import ConfigError, load_sft_config
     from rlsearch.trainer import run_sft
+    from rlsearch.trainer.sampler import SamplerState
+    from rlsearch.trainer.sft import _save_checkpoint, _settings
 
-    out = tmp_path / "sft"
-    # a complete checkpoint of a run with another batch size (its model is never read: the refusal comes first)
-    CheckpointStore(out).save(2, lambda model_dir: None, {"schedule": {"batch_size": BATCH * 2}}, tiny_model_dir,
-                              {"layout": {}})
-    demos = tmp_path / "sft.jsonl"
-    demos.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n')
-    with pytest.raises(ConfigError, match=r"is of another SFT run \(.*batch_size 8 there, 4 here"):
-        run_sft(load_sft_config(SFT_CONFIG, _sft_overrides(tiny_model_dir, demos, out)))
+    out, demos = tmp_path / "sft", tmp_path / "sft.jsonl"
+    row = '{"messages": [{"role": "user", "content": "%s"}, {"role": "assistant", "content": "a"}]}\n'
+    demos.write_text(row % "q")
+    config = load_sft_config(SFT_CONFIG, _sft_overrides(tiny_model_dir, demos, out))
+    # this run's complete checkpoint after step 2 (its model is never read: the refusal comes first)
+    _save_checkpoint(CheckpointStore(out, keep=1), 2, lambda model_dir: None, config, SamplerState(0, 2 * BATCH),
+                     _settings(config, STEPS), 1.0)
+    demos.write_text(row % "another question")  # regenerated under the same name: other rows at the saved position
+    before = sorted(out.rglob("*"))
+    named = re.escape(f"is of another SFT run (the contents (sha256) of {demos} ")
+    with pytest.raises(ConfigError, match=named + r"'[0-9a-f]{64}' there, '[0-9a-f]{64}' here\): .* or start over "
+                                                  r"with resume=none or another output_dir$"):
+        run_sft(config)
+    assert sorted(out.rglob("*")) == before  # stopped before Ray: no sft_config.json, no logs
 
 
 def test_a_bench_killed_during_its_sft_continues_it_and_then_reuses_every_stage(tmp_path):

@@ -182,16 +182,22 @@ def test_a_fresh_run_into_another_runs_dir_is_refused_before_anything_is_written
         load_train_config(None, ["trainer.output_dir="])
 
 
-def test_a_checkpoint_of_another_seed_is_refused(tmp_path) -> None:
+@pytest.mark.parametrize("override, refusal", [
+    ("trainer.seed=7", "'trainer.seed' is 7 but the checkpoint {checkpoint} was trained with seed 11; a resumed run "
+     "keeps its seed so the data order and sampling continue. Drop the override, or start a fresh run with "
+     "trainer.resume=none"),
+    ("actor.use_distributed_optimizer=true", "'actor.use_distributed_optimizer' is true but the checkpoint "
+     "{checkpoint} was written with false: the two keep Adam's states in different checkpoint layouts. Resume with "
+     "actor.use_distributed_optimizer=false (any actor.dp, tp or pp), or start a fresh run from its weights (rlsearch "
+     "convert mcore-to-hf, then model.path)"),
+])
+def test_a_checkpoint_of_another_seed_or_optimizer_layout_is_refused(tmp_path, override, refusal) -> None:
     store = CheckpointStore(tmp_path / "run")
     _save(store, 2, 11, tmp_path)
-    config = load_train_config(None, ["trainer.resume=auto", "trainer.seed=7"])
+    config = load_train_config(None, ["trainer.resume=auto", "trainer.seed=11", override])
     with pytest.raises(ConfigError) as refused:
         checkpoint_to_resume(config, store)
-    assert str(refused.value) == (
-        f"'trainer.seed' is 7 but the checkpoint {store.root / 'step_000002'} was trained with seed 11; a resumed "
-        "run keeps its seed so the data order and sampling continue. Drop the override, or start a fresh run with "
-        "trainer.resume=none")
+    assert str(refused.value) == refusal.format(checkpoint=store.root / "step_000002")
 
 
 def test_resume_names_a_dir_that_is_no_checkpoint(tmp_path) -> None:
