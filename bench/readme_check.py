@@ -21,8 +21,9 @@ import re
 from pathlib import Path
 
 COMMAND = "$ bash examples/run_search_grpo.sh"
-# what a run prints before the README's block starts: the set-up of a fresh clone and the assets it builds once
-NOT_SHOWN = ("[setup]", "[rlsearch] building")
+# what a run prints before the README's block starts: the set-up of a fresh clone and the assets it builds once; and
+# the progress lines of a long step (scripts/common.sh's quietly), as many as the CPU takes time
+NOT_SHOWN = ("[setup]", "[rlsearch] building", "[rlsearch]   ... ")
 TIMES = (
     (re.compile(r"\btime [\d.]+s\b"), "time *s"),
     (re.compile(r"\bin [\d.]+ s\b"), "in * s"),

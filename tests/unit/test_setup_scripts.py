@@ -6,6 +6,7 @@ install takes minutes and a registry."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -53,6 +54,22 @@ def test_quietly_shows_a_failed_commands_log_end_and_path_and_stops(tmp_path):
     lines = result.stderr.splitlines()
     assert lines[:40] == [str(n) for n in range(21, 61)]  # the log's last 40 lines
     assert lines[40:] == [f"bash: failed: sh -c seq 1 60; exit 3; the whole log: {log}"]
+
+
+def test_quietly_prints_a_progress_line_with_the_time_left_while_a_long_step_runs(tmp_path):
+    log = tmp_path / "sft.log"
+    steps = tmp_path / "steps.sh"  # an SFT's step lines, one every 0.6 s; a progress line every second
+    steps.write_text('for i in 1 2 3 4 5 6; do echo "[rlsearch sft] step $i/6 | loss 0.5"; sleep 0.6; done\n')
+    result = bash(f"source scripts/common.sh; quietly {log} bash {steps}; echo after", RLSEARCH_PROGRESS_S="1")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "after" and len(lines) >= 3, lines
+    progress = [re.fullmatch(rf"\[rlsearch\]   \.\.\. (\d+) s: step (\d)/6(, about (\d+) s left)? \(log: {log}\)", line)
+                for line in lines[:-1]]
+    assert all(progress), lines
+    assert [int(match[1]) for match in progress] == sorted(int(match[1]) for match in progress)
+    assert progress[-1][3], lines  # by then a rate: the time left
+    assert log.read_text().count("[rlsearch sft] step") == 6
 
 
 def test_setup_prints_two_lines_and_logs_the_installers(stand_in_venv):
