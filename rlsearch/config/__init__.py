@@ -10,6 +10,7 @@ from .model_checks import (
     check_model_layout,
     check_same_tokenizer,
     check_train_model_files,
+    dropout_turned_off,
     read_hf_config,
 )
 from .schema import (
@@ -66,7 +67,7 @@ __all__ = [
     "auto_dtype", "from_dict", "load_config", "load_eval_config", "load_sft_config", "load_train_config",
     "resolve_auto_keys", "resolve_store_dirs", "store_dir", "to_dict",
     "check_actor_devices", "check_model_dir", "check_model_files", "check_model_layout", "check_same_tokenizer",
-    "check_train_model_files", "read_hf_config",
+    "check_train_model_files", "dropout_turned_off", "read_hf_config",
     "validate_eval_config", "validate_sft_config",
     "validate_train_config",
 ]

@@ -10,6 +10,8 @@ from pathlib import Path
 from .loader import ConfigError
 from .schema import ActorConfig, TrainConfig
 
+# config.json's dropout probabilities that mbridge maps to Megatron's attention_dropout and hidden_dropout
+MEGATRON_DROPOUT_KEYS = ("attention_dropout", "hidden_dropout")
 # the files a HuggingFace tokenizer of the supported models is built from: one of these sets (transformers builds an
 # empty tokenizer from a dir without any, and every prompt comes out empty)
 TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
@@ -137,6 +139,26 @@ def check_train_model_files(config: TrainConfig) -> None:
     check_model_files(config.model.path)
     if config.algo.advantage == "gae" and config.critic.model.path:
         check_model_files(config.critic.model.path, "critic.model.path")
+
+
+def dropout_turned_off(config: TrainConfig) -> str:
+    """The start-up line saying that actor.dropout=off trains without the dropout the config.json of the model (or of
+    the critic's) has; empty where it has none, or with actor.dropout=model."""
+    if config.actor.dropout == "model":
+        return ""
+    dirs = [config.model.path]
+    if config.algo.advantage == "gae" and config.critic.model.path not in ("", config.model.path):
+        dirs.append(config.critic.model.path)
+    found = []
+    for model_dir in dirs:
+        hf_config = read_hf_config(model_dir)
+        dropout = [f"{key} {hf_config[key]}" for key in MEGATRON_DROPOUT_KEYS if hf_config.get(key)]
+        if dropout:
+            found.append(f"{Path(model_dir) / 'config.json'} ({', '.join(dropout)})")
+    if not found:
+        return ""
+    return (f"[rlsearch] actor.dropout=off: training without the dropout of {' and '.join(found)}, as the logprob "
+            "passes and the engines run; actor.dropout=model trains with it")
 
 
 def _check_tokenizer_files(model_dir: Path, key: str) -> None:
