@@ -65,7 +65,7 @@ def _train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .checkpoint import CheckpointError
-    from .config import ConfigError, TrainConfig, load_train_config
+    from .config import ConfigError, TrainConfig, check_train_model_files, load_train_config
     from .memory import check_train_memory
     from .ray_setup import ray_cpus
     from .supervisor import supervise_train, supervised
@@ -78,6 +78,7 @@ def _train(args: argparse.Namespace) -> int:
     def load(path: str | None, overrides: list[str]) -> TrainConfig:  # before the run's logs go into output_dir
         config = load_train_config(path, overrides)
         check_fresh_output_dir(config, Path(config.trainer.output_dir))
+        check_train_model_files(config)
         return config
 
     if args.restarts and not supervised():
@@ -170,12 +171,17 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .config import load_eval_config
+    from .config import EvalConfig, check_model_files, load_eval_config
     from .eval import run_eval
     from .rollout import fork_vllm_processes_in_this_process
 
+    def load(path: str | None, overrides: list[str]) -> EvalConfig:  # before the run's logs go into output_dir
+        config = load_eval_config(path, overrides)
+        check_model_files(config.model.path)
+        return config
+
     fork_vllm_processes_in_this_process()  # the in-process engine's: this process holds nothing but the eval
-    return _run_summarised("eval", load_eval_config, run_eval, lambda config: config.output_dir, args)
+    return _run_summarised("eval", load, run_eval, lambda config: config.output_dir, args)
 
 
 def _convert(args: argparse.Namespace) -> int:

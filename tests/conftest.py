@@ -12,6 +12,7 @@ import pytest
 pytest.register_assert_rewrite("tests.plugins")  # imported below, before pytest_plugins registers them
 
 from tests.constants import REPO_ROOT  # noqa: E402
+from tests.drivers import Started  # noqa: E402
 from tests.models import shared_test_model  # noqa: E402
 from tests.plugins.shared_engines import RANK_POOL, stop_what_drivers_left  # noqa: E402
 
@@ -82,6 +83,22 @@ def toy_data(tmp_path_factory):
     from rlsearch.data import make_toy_data
 
     return make_toy_data(tmp_path_factory.mktemp("toy"), seed=0, num_entities=60)
+
+
+@pytest.fixture
+def nothing_may_start(monkeypatch):
+    """Ray, the tool servers (training's and eval's) and the supervisor's driver raise Started if anything calls
+    them: a run of `rlsearch train` or `rlsearch eval` in this process stops at its start-up checks or there."""
+    import rlsearch.eval.runner
+    import rlsearch.supervisor
+    import rlsearch.trainer.startup
+
+    def started(*_args, **_kwargs):
+        raise Started
+
+    for module, name in ((rlsearch.trainer.startup, "init_ray"), (rlsearch.trainer.startup, "start_tool_servers"),
+                         (rlsearch.supervisor, "supervise_train"), (rlsearch.eval.runner, "start_tool_servers")):
+        monkeypatch.setattr(module, name, started)
 
 
 @pytest.fixture(scope="session")

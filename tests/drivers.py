@@ -10,6 +10,11 @@ import sys
 from tests.constants import REPO_ROOT, SHORT_TURNS
 
 
+class Started(Exception):
+    """Something of a run started (Ray, a tool server, the supervisor's driver): a start-up check did not stop it
+    first (the `nothing_may_start` fixture raises it)."""
+
+
 def run_from_repo(args, timeout, warm_start="none", **env):
     """`args` run from the repository root; `env` on top of this process's (the `driver_ray` fixture's environment: a
     driver that joins the session's Ray and takes over the engines of the run before it)."""

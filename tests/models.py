@@ -37,6 +37,16 @@ def make_test_model(out: str | os.PathLike, **fields) -> Path:
     return make_tiny_model(out, model_spec(**fields))
 
 
+def linked_model(model: Path, out: Path, but: tuple[str, ...] = ()) -> Path:
+    """A model dir at `out` of symbolic links to the files of `model`, but those named in `but` (the caller writes
+    its own: writing through a link would change `model`)."""
+    out.mkdir()
+    for path in model.iterdir():
+        if path.name not in but:
+            os.symlink(path, out / path.name)
+    return out
+
+
 def shared_test_model(**fields) -> Path:
     """The model of `model_spec(**fields)`, built once in the temporary directory (the suite's scratch: test.sh sets
     TMPDIR) and shared by the lanes and the training drivers they run."""

@@ -150,7 +150,7 @@ class MegatronActorWorker:
             offload=actor.activation_offload,
         )
         self.mbridge = make_bridge(self.spec.model_path, dtype, self.transformer_impl, not cuda_available(), moe,
-                                   activations, value_model=value_model)
+                                   activations, value_model=value_model, model_dropout=actor.dropout == "model")
         chunks = self._build_chunks()
         self.training = build_training_model(chunks, self.spec.actor, self.spec.total_steps)
         self.model = self.training.chunks

@@ -3,7 +3,16 @@
 from .auto import auto_dtype, resolve_auto_keys, resolve_store_dirs, store_dir
 from .defaults import EngineSpec, default_encoder_path
 from .loader import ConfigError, from_dict, load_config, to_dict
-from .model_checks import check_actor_devices, check_model_dir, check_model_layout, check_same_tokenizer
+from .model_checks import (
+    check_actor_devices,
+    check_model_dir,
+    check_model_files,
+    check_model_layout,
+    check_same_tokenizer,
+    check_train_model_files,
+    dropout_turned_off,
+    read_hf_config,
+)
 from .schema import (
     TRUNCATION_REASONS,
     ActorConfig,
@@ -57,7 +66,8 @@ __all__ = [
     "default_encoder_path",
     "auto_dtype", "from_dict", "load_config", "load_eval_config", "load_sft_config", "load_train_config",
     "resolve_auto_keys", "resolve_store_dirs", "store_dir", "to_dict",
-    "check_actor_devices", "check_model_dir", "check_model_layout", "check_same_tokenizer",
+    "check_actor_devices", "check_model_dir", "check_model_files", "check_model_layout", "check_same_tokenizer",
+    "check_train_model_files", "dropout_turned_off", "read_hf_config",
     "validate_eval_config", "validate_sft_config",
     "validate_train_config",
 ]

@@ -135,6 +135,12 @@ class ActorConfig:
             "its distributed optimizer; set {other}=true"))
     # torch intra-op threads per rank; 0 = cores / ranks (cores: RLSEARCH_CPU_CORES or all)
     num_threads: int = rule(0, ge=0, note="0: cores / ranks")
+    # dropout in the training passes (the critic's too). off: none, whatever the model's config.json says
+    # (attention_dropout, hidden_dropout; start-up says when it had some). The logprob passes and the rollout
+    # engines run without dropout, so dropout in the update alone makes the on-policy ratio differ from 1 and feeds
+    # its noise to algo.rollout_correction and algo.mismatch_threshold. model: config.json's (SFT's default: a warm
+    # start takes no ratio)
+    dropout: str = rule("off", choices=("off", "model"))
 
     @property
     def world_size(self) -> int:
@@ -809,7 +815,7 @@ class SFTConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     # the same actor as training (any TP/PP/DP); warm starts of a small model take a larger learning rate
-    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-3))
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-3, dropout="model"))
     # HF model dir at output_dir/hf (model.path for `rlsearch train`), TensorBoard logs and curves.png
     output_dir: str = directory("outputs/sft_tiny")
     seed: int = 1  # data order

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import ConfigError, EvalConfig, resolve_store_dirs, to_dict
+from ..config import ConfigError, EvalConfig, check_model_files, resolve_store_dirs, to_dict
 from ..data import DatasetError, QAExample, load_qa_dataset
 from ..files import atomic_path
 from ..reward import check_scorers, score_trajectories, trajectory_answer
@@ -222,6 +222,7 @@ def evaluate(generate: GenerateFn, config: EvalConfig) -> EvalSummary:
 
 def run_eval(config: EvalConfig) -> EvalSummary:
     """`rlsearch eval`: the tools and the engines start only when some trajectories are still missing."""
+    check_model_files(config.model.path)  # before output_dir is written to
     run = EvalRun(config)
     if run.pending:
         with rollout_engines(run.config) as (generate, tokenizer):

@@ -101,10 +101,11 @@ def check_architecture(model_type: str | None, hf_dir: str) -> None:
 
 def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: bool,
                 moe: MoESettings = MoESettings(), activations: ActivationMemory = ActivationMemory(),
-                value_model: bool = False):
+                value_model: bool = False, model_dropout: bool = False):
     """An mbridge Bridge for the HF model at `hf_dir`, configured for our runtime (call after parallel init).
     `value_model`: for a critic (`build_model_chunks(..., value_head_seed=...)`): its output layer is the value head,
-    never tied to the embedding, exported under VALUE_HEAD's names."""
+    never tied to the embedding, exported under VALUE_HEAD's names. `model_dropout` (actor.dropout=model): the
+    training passes apply config.json's attention_dropout and hidden_dropout, which mbridge maps; else none."""
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -132,8 +133,6 @@ def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: 
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        # dropout is the model's own: mbridge maps config.json's attention_dropout and hidden_dropout (0 in Qwen2,
-        # Qwen3 and Llama), applied in training passes only (logprob passes run in eval mode)
         batch_p2p_sync=False,
         # batched send/recv on gloo is matched out of order with interleaved stages (silently wrong losses), and
         # mbridge's overlapped p2p for virtual stages needs it off on nccl as well
@@ -151,6 +150,8 @@ def make_bridge(hf_dir: str, dtype: torch.dtype, transformer_impl: str, on_cpu: 
         )
     if on_cpu:
         runtime_args.update(use_cpu_initialization=True)
+    if not model_dropout:
+        runtime_args.update(attention_dropout=0.0, hidden_dropout=0.0)
     if is_moe:
         runtime_args.update(_moe_runtime_args(hf_config.model_type, transformer_impl, moe))
     runtime_args.update(activations.megatron_args(hf_config.num_hidden_layers, transformer_impl, is_moe))

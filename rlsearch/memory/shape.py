@@ -3,9 +3,10 @@ pipeline stage of a Megatron layout holds on one rank."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..config import read_hf_config
 
 # HF model types whose attention projections have biases (the others read `attention_bias`)
 _QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
@@ -53,7 +54,7 @@ class ModelShape:
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ModelShape:
-        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+        return cls.from_hf_config(read_hf_config(path))
 
     def describe(self) -> str:
         experts = (f", {self.experts} experts ({self.experts_per_token} per token, FFN {self.expert_ffn})"

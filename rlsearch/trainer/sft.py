@@ -26,7 +26,7 @@ from ..config import (
     ConfigError,
     SFTConfig,
     check_actor_devices,
-    check_model_dir,
+    check_model_files,
     check_model_layout,
     resolve_auto_keys,
     to_dict,
@@ -70,7 +70,7 @@ class SFTSummary:
 def _load_examples(config: SFTConfig) -> list[ChatExample]:
     from transformers import AutoTokenizer
 
-    check_model_dir(config.model.path)
+    check_model_files(config.model.path)
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     examples: list[ChatExample] = []
     for path in config.data.train_files:

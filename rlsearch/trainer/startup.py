@@ -24,9 +24,10 @@ from ..config import (
     ToolsConfig,
     TrainConfig,
     check_actor_devices,
-    check_model_dir,
     check_model_layout,
     check_same_tokenizer,
+    check_train_model_files,
+    dropout_turned_off,
     resolve_auto_keys,
     to_dict,
 )
@@ -54,7 +55,9 @@ class StartedRun:
 
 def load_and_check(config: TrainConfig) -> list[QAExample]:
     """The run's examples, once the checks that need nothing started have passed."""
-    check_model_dir(config.model.path)
+    check_train_model_files(config)
+    if dropout_line := dropout_turned_off(config):
+        print(dropout_line, flush=True)
     examples = []
     for path in config.data.train_files:
         examples.extend(load_qa_dataset(path))

@@ -27,27 +27,10 @@ from rlsearch.memory import (
     waits_for_cluster,
 )
 from tests.constants import REPO_ROOT
+from tests.drivers import Started
 
 EXAMPLE = str(REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml")
 LONG = 131_072  # a context window whose activations do not fit the memory the tests give
-
-
-class Started(Exception):
-    """Something of the run started: the check did not stop it first."""
-
-
-@pytest.fixture
-def nothing_may_start(monkeypatch):
-    """Ray, the tool servers and the supervisor's driver raise Started if anything calls them."""
-    import rlsearch.supervisor
-    import rlsearch.trainer.startup
-
-    def started(*_args, **_kwargs):
-        raise Started
-
-    for module, name in ((rlsearch.trainer.startup, "init_ray"), (rlsearch.trainer.startup, "start_tool_servers"),
-                         (rlsearch.supervisor, "supervise_train")):
-        monkeypatch.setattr(module, name, started)
 
 
 def _overrides(tiny_model_dir, toy_data, tmp_path) -> list[str]:

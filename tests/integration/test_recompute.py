@@ -128,6 +128,7 @@ def _rank_main(rank: int, rendezvous: str, out_dir: str) -> None:
         actor = ActorConfig(
             tp=layout.tp, pp=layout.pp, cp=layout.cp, dp=layout.dp, ep=layout.ep, lr=1e-5,
             max_tokens_per_microbatch=200, logits_chunk_tokens=16, merge_prefixes=True, **_settings(layout, mode),
+            dropout="model",  # the dropout model's config.json values (RL's default trains without them)
         )
         spec = ActorWorkerSpec(case["model_dir"], "float32", actor, algo, MODEL_DISTRIBUTION, total_steps=4, seed=1)
         first = worker is None
