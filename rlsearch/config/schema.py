@@ -96,8 +96,8 @@ class ActorConfig:
     # never exist for a whole sequence. 0: one chunk, no recomputation (fastest while it fits)
     logits_chunk_tokens: int = rule(1024, ge=0, note="0: one chunk")
     # train the samples that share a token prefix as one prefix tree: a GRPO group's (one prompt; a group over the
-    # micro-batch size goes as its trajectories) and one trajectory's segments (an agent that re-renders its history
-    # every turn). The prefix is computed once, each branch attends to its own ancestors only. Local layer spec
+    # micro-batch size goes as sub-groups that fit, and split further to give every pipeline stage a micro-batch) and
+    # one trajectory's segments (an agent that re-renders its history every turn). The prefix is computed once, each branch attends to its own ancestors only. Local layer spec
     # only: with Transformer Engine the samples train one by one (said at start-up). With cp > 1 a tree is split over
     # the context-parallel ranks as one sequence (padded to a multiple of 2 x cp)
     merge_prefixes: bool = True
