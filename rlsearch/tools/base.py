@@ -51,6 +51,9 @@ class ErrorKind(str, Enum):
     OVER_LIMIT = "over_limit"  # rollout.max_tool_calls or rollout.max_calls_per_tool reached
     TIMEOUT = "timeout"
     TOOL_ERROR = "tool_error"  # the tool ran and failed (server down, rejected arguments, blocked URL, ...)
+    # the trajectory ended before the call ran (the turn was its last: rollout.max_turns, the response budget, the
+    # context window); no observation shows it
+    NOT_RUN = "not_run"
 
 
 @dataclass(frozen=True)
