@@ -16,6 +16,9 @@ class ToolCallRecord:
     cached: bool = False  # answered from tools.cache_dir
     arguments: dict | None = None  # typed JSON arguments (a native tool call, a JSON <call_tool> body)
     error_kind: str | None = None  # why it was not answered (tools.ErrorKind); None when it was
+    # the tool's service failed, not the call (unreachable, retries exhausted, a malformed reply): an eval does not
+    # resume a trajectory that holds such a call
+    unavailable: bool = False
 
 
 @dataclass

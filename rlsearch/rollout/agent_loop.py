@@ -391,6 +391,7 @@ class AgentLoop:
         record = turn.tool_calls[index]
         record.latency_s = result.latency_s
         record.cached = result.cached
+        record.unavailable = result.unavailable
         if result.ok:
             fitted = fitted_observation(
                 self.protocol, result.documents, self.config.max_observation_tokens, self.tokenizer

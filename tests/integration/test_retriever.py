@@ -7,8 +7,19 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
+from threaded_server import scripted_retriever
 
-from rlsearch.tools import BM25Retriever, ErrorKind, RetrievalClient, RetrieverProcess, SearchTool, ToolCall, ToolError
+from rlsearch.config import RetrieverConfig, ToolsConfig
+from rlsearch.tools import (
+    BM25Retriever,
+    ErrorKind,
+    RetrievalClient,
+    RetrieverProcess,
+    SearchTool,
+    ToolCall,
+    ToolError,
+    build_registry,
+)
 
 UNIQUE_PASSAGES = {
     "quokkafish": {"id": "unique-0", "contents": '"Quokkafish"\nThe quokkafish is a reef fish that smiles.'},
@@ -209,3 +220,16 @@ def test_search_tool_honours_topk_and_rejects_unknown_attributes(server: Retriev
     assert "no parameter 'k'" in results[4].error
     assert tool.stats() == {"requests": 2, "retries": 0, "failures": 0}  # one request per topk
     tool.close()
+
+
+MALFORMED_REPLY = (200, {"result": [[{"id": "7", "contents": 12345}]]})
+
+
+def test_a_malformed_reply_is_a_failure_of_the_server_naming_the_field() -> None:
+    with scripted_retriever([MALFORMED_REPLY]) as url:
+        registry = build_registry(ToolsConfig(), RetrieverConfig(max_retries=0), url)
+        (result,) = registry.run([ToolCall("search", "river")])
+        registry.close()
+    assert result.error_kind is ErrorKind.TOOL_ERROR and result.unavailable
+    assert result.error.startswith(f"{url}/retrieve returned a malformed reply: result[0][0].contents is 12345, not "
+                                   "text; Search-R1's /retrieve API answers")
