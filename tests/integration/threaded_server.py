@@ -3,6 +3,7 @@ responses an app sent (`ResponseLog`), and a retriever answering what a test scr
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -49,6 +50,13 @@ def serve_in_thread(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (a dead server's)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @contextmanager
