@@ -9,13 +9,16 @@ from dataclasses import asdict, dataclass, field
 class ToolCallRecord:
     name: str
     query: str
-    ok: bool  # False: not answered (tool failed or timed out, unknown tool, over a limit); see error_kind
+    ok: bool  # False: not answered (tool failed or timed out, unknown tool, over a limit, not run); see error_kind
     error: str | None = None
     latency_s: float = 0.0
     attrs: dict[str, str] = field(default_factory=dict)  # extra attributes of a <call_tool> tag
     cached: bool = False  # answered from tools.cache_dir
     arguments: dict | None = None  # typed JSON arguments (a native tool call, a JSON <call_tool> body)
     error_kind: str | None = None  # why it was not answered (tools.ErrorKind); None when it was
+    # the tool's service failed, not the call (unreachable, retries exhausted, a malformed reply): an eval does not
+    # resume a trajectory that holds such a call
+    unavailable: bool = False
 
 
 @dataclass
@@ -139,8 +142,8 @@ class Trajectory:
 
     @property
     def dispatched_calls(self) -> list[ToolCallRecord]:
-        """Calls that reached their tool (not refused as unknown or over a limit)."""
-        refused = ("unknown_tool", "over_limit")
+        """Calls that reached their tool (not refused as unknown or over a limit, not cut with their trajectory)."""
+        refused = ("unknown_tool", "over_limit", "not_run")
         return [call for call in self.tool_calls if call.error_kind not in refused]
 
     @property

@@ -8,6 +8,10 @@ from collections.abc import Mapping, Sequence
 
 OVERALL = "overall"
 
+# the error kinds of a call that reached its tool and failed there; refused or never run, a call reached none
+_FAILED_THERE = ("timeout", "tool_error")
+_REACHED_NONE = ("unknown_tool", "over_limit", "not_run")
+
 # (column header, metric key, format) of the terminal table; pass@k / mean@k columns are added for k > 1
 _TABLE_COLUMNS = (
     ("questions", "questions", "{:.0f}"),
@@ -18,6 +22,7 @@ _TABLE_COLUMNS = (
     ("answer", "answer_rate", "{:.3f}"),
     ("turns", "turns", "{:.2f}"),
     ("calls", "tool_calls", "{:.2f}"),
+    ("tool_fail", "tool_failures", "{:.0f}"),
     ("invalid", "invalid_call_rate", "{:.3f}"),
     ("tokens", "response_tokens", "{:.1f}"),
     ("time_s", "time_s", "{:.1f}"),
@@ -30,7 +35,8 @@ def summarize(records: Sequence[Mapping], n_samples: int) -> dict[str, dict[str,
 
     em / f1 / substring_em / answer_rate, turns, tool_calls and response_tokens are means over trajectories
     (with k samples per question, em is mean@k); invalid_call_rate is invalid calls over all call attempts
-    (valid tool calls + invalid calls); time_s adds up each trajectory's share of its batch's wall time.
+    (valid tool calls + invalid calls); tool_failures counts the calls that reached their tool and failed there
+    (timed out, a tool error); time_s adds up each trajectory's share of its batch's wall time.
     """
     by_source: dict[str, list[Mapping]] = defaultdict(list)
     for record in records:
@@ -55,6 +61,7 @@ def _group_metrics(records: Sequence[Mapping], n_samples: int) -> dict[str, floa
         "answer_rate": _mean(record["scores"]["has_answer"] for record in records),
         "turns": _mean(len(record["turns"]) for record in records),
         "tool_calls": tool_calls / len(records) if records else 0.0,
+        "tool_failures": float(sum(call.get("error_kind") in _FAILED_THERE for call in _calls(records))),
         "invalid_call_rate": invalid_calls / (tool_calls + invalid_calls) if invalid_calls else 0.0,
         "response_tokens": _mean(len(record["response_ids"]) for record in records),
         "time_s": sum(record["time_s"] for record in records),
@@ -86,6 +93,29 @@ def summarize_by_hops(records: Sequence[Mapping]) -> dict[str, dict[str, dict[st
             "searches": _mean(_num_searches(record) for record in group),
         }
     return by_hops
+
+
+def tool_failure_warning(records: Sequence[Mapping]) -> str:
+    """A warning when most calls that reached a tool failed there ("" otherwise): the scores then measure the tools,
+    not the model."""
+    reached = [call for call in _calls(records) if call.get("error_kind") not in _REACHED_NONE]
+    failed = [call for call in reached if call.get("error_kind") in _FAILED_THERE]
+    if 2 * len(failed) <= len(reached):
+        return ""
+    again = sum(tool_was_unavailable(record) for record in records)
+    return (f"WARNING: {len(failed)} of {len(reached)} tool calls failed (first: {failed[0]['name']}: "
+            f"{failed[0]['error']}); the scores measure the tools, not the model. Fix the tool ('tools.retriever.url' "
+            "for search) and run again into the same output_dir"
+            + (f": it generates again the {again} trajectories whose tool was unavailable" if again else ""))
+
+
+def tool_was_unavailable(record: Mapping) -> bool:
+    """Whether a call of the trajectory failed for its tool's service (unreachable, a malformed reply, ...)."""
+    return any(call.get("unavailable") for call in _calls([record]))
+
+
+def _calls(records: Sequence[Mapping]):
+    return (call for record in records for turn in record["turns"] for call in turn["tool_calls"])
 
 
 def _num_searches(record: Mapping) -> int:

@@ -1,4 +1,5 @@
-"""The append-only results file of an eval run: one scored trajectory per JSONL line, safe to kill at any time."""
+"""The results file of an eval run: one scored trajectory per JSONL line, appended batch by batch, safe to kill at any
+time."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..data import DatasetError
+from ..files import atomic_path
 
 ResultKey = tuple[str, str, int]  # (eval_file, example_id, sample_index)
 
@@ -17,7 +19,7 @@ def result_key(record: dict) -> ResultKey:
 
 
 class ResultsFile:
-    """Records are appended in whole lines and synced to disk after each batch.
+    """Records are appended in whole lines and synced to disk after each batch (or the file rewritten whole).
 
     A run killed while writing leaves at most a torn last line (no newline yet): `load` drops it and cuts it off
     the file, so the next append starts on a fresh line.
@@ -46,8 +48,18 @@ class ResultsFile:
         return records
 
     def append(self, records: Iterable[dict]) -> None:
-        text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
         with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(text)
+            handle.write(_lines(records))
             handle.flush()
             os.fsync(handle.fileno())
+
+    def rewrite(self, records: Iterable[dict]) -> None:
+        """The file holds just ``records`` (replaced in one rename: a kill leaves the old file or the new one)."""
+        with atomic_path(self.path) as staging, staging.open("w", encoding="utf-8") as handle:
+            handle.write(_lines(records))
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def _lines(records: Iterable[dict]) -> str:
+    return "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)

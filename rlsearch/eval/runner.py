@@ -22,7 +22,15 @@ from ..data import DatasetError, QAExample, load_qa_dataset
 from ..files import atomic_path
 from ..reward import check_scorers, score_trajectories, trajectory_answer
 from ..rollout import EngineSpec, PromptItem, Trajectory, new_rollout_worker, start_engines, start_tool_servers
-from .metrics import OVERALL, render_hops_table, render_table, summarize, summarize_by_hops
+from .metrics import (
+    OVERALL,
+    render_hops_table,
+    render_table,
+    summarize,
+    summarize_by_hops,
+    tool_failure_warning,
+    tool_was_unavailable,
+)
 from .results import ResultKey, ResultsFile, result_key
 
 if TYPE_CHECKING:
@@ -93,6 +101,7 @@ class EvalSummary:
     # data_source -> hop count -> em, f1, searches, ... of the rows with metadata.hops (summarize_by_hops)
     by_hops: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     tensorboard_dir: Path | None = None
+    warning: str = ""  # most tool calls failed (metrics.tool_failure_warning)
 
     def to_json(self) -> dict:
         summary = {
@@ -121,6 +130,7 @@ class EvalSummary:
             f"({self.generated} trajectories generated, {self.resumed} resumed)",
             f"  summary      : {self.output_dir / SUMMARY_FILE}",
             f"  trajectories : {self.output_dir / TRAJECTORIES_FILE}",
+            *([f"rlsearch: {self.warning}"] if self.warning else []),
         ]
         if self.tensorboard_dir:
             lines.append(f"  TensorBoard  : {self.tensorboard_dir}")
@@ -139,10 +149,20 @@ class EvalRun:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         _claim_output_dir(self.output_dir, config)
         self.results = ResultsFile(self.output_dir / TRAJECTORIES_FILE)
-        self.records = {result_key(record): record for record in self.results.load()}
+        self.records = {result_key(record): record for record in self._resumable(self.results.load())}
         wanted = [(question, sample) for question in self.questions for sample in range(config.eval.n_samples)]
         self.pending = [(question, sample) for question, sample in wanted if question.key(sample) not in self.records]
         self.resumed = len(wanted) - len(self.pending)
+
+    def _resumable(self, records: list[dict]) -> list[dict]:
+        """The earlier run's records less those a tool's service failed (a dead retriever): the results file keeps
+        only the others, and those trajectories are generated again."""
+        kept = [record for record in records if not tool_was_unavailable(record)]
+        if len(kept) < len(records):
+            self.results.rewrite(kept)
+            print(f"[rlsearch eval] {len(records) - len(kept)} trajectories of an earlier run met an unavailable tool "
+                  "(a call failed for its server): they are generated again", flush=True)
+        return kept
 
     def generate_pending(self, generate: GenerateFn, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         """Generate and score the missing trajectories batch by batch, appending each batch to the results.
@@ -184,7 +204,7 @@ class EvalRun:
             output_dir=self.output_dir, model_path=self.config.model.path, files=list(self.config.eval.files),
             n_samples=n_samples, generated=len(records) - self.resumed, resumed=self.resumed,
             wall_s=time.perf_counter() - self.started, metrics=summarize(records, n_samples),
-            by_hops=summarize_by_hops(records),
+            by_hops=summarize_by_hops(records), warning=tool_failure_warning(records),
         )
         _write_json_atomically(self.output_dir / SUMMARY_FILE, summary.to_json())
         if self.config.log_dir:

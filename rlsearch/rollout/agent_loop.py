@@ -240,10 +240,12 @@ class AgentLoop:
         """Record a generated turn and decide what follows: returns the turn if any of its tool calls is to run;
         otherwise the trajectory is finished or the turn already holds its (error) observation."""
         turn = self._record_turn(trajectory, generated)
-        if trajectory.finish_reason:
-            return None
-        if turn_index == self.config.max_turns - 1:
+        if not trajectory.finish_reason and turn_index == self.config.max_turns - 1:
             trajectory.cut("max_turns")
+        if trajectory.finish_reason:
+            for record in turn.tool_calls:  # only a cut ends a trajectory on a turn with calls: they never run
+                record.ok, record.error_kind = False, ErrorKind.NOT_RUN.value
+                record.error = f"not run: the trajectory was cut after this turn ({trajectory.truncations[-1]})"
             return None
         if turn.kind != TurnKind.TOOL_CALL.value:
             turn.tool_outputs = [self.protocol.error_observation(turn.error or "invalid tool call")]
@@ -389,6 +391,7 @@ class AgentLoop:
         record = turn.tool_calls[index]
         record.latency_s = result.latency_s
         record.cached = result.cached
+        record.unavailable = result.unavailable
         if result.ok:
             fitted = fitted_observation(
                 self.protocol, result.documents, self.config.max_observation_tokens, self.tokenizer

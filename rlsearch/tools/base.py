@@ -12,7 +12,13 @@ MAX_ERROR_CHARS = 300  # error text shown to the model is cut to this length
 
 
 class ToolError(RuntimeError):
-    """A tool call failed for good: a rejected request, or retries exhausted."""
+    """A tool call failed for good: a rejected request, or retries exhausted. ``unavailable``: the tool's service
+    failed, not the call (unreachable, retries exhausted, a refused token, a malformed reply): the same call may
+    succeed once the service is fixed."""
+
+    def __init__(self, message: str, unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.unavailable = unavailable
 
 
 class ToolTimeout(ToolError):
@@ -51,6 +57,9 @@ class ErrorKind(str, Enum):
     OVER_LIMIT = "over_limit"  # rollout.max_tool_calls or rollout.max_calls_per_tool reached
     TIMEOUT = "timeout"
     TOOL_ERROR = "tool_error"  # the tool ran and failed (server down, rejected arguments, blocked URL, ...)
+    # the trajectory ended before the call ran (the turn was its last: rollout.max_turns, the response budget, the
+    # context window); no observation shows it
+    NOT_RUN = "not_run"
 
 
 @dataclass(frozen=True)
@@ -104,22 +113,23 @@ class ToolResult:
     error_kind: ErrorKind | None = None
     latency_s: float = 0.0
     cached: bool = False
+    unavailable: bool = False  # the tool's service failed, not the call (ToolError.unavailable)
 
     @property
     def ok(self) -> bool:
         return self.error_kind is None
 
     @classmethod
-    def failure(cls, kind: ErrorKind, message: str) -> ToolResult:
-        return cls(error=message[:MAX_ERROR_CHARS], error_kind=kind)
+    def failure(cls, kind: ErrorKind, message: str, unavailable: bool = False) -> ToolResult:
+        return cls(error=message[:MAX_ERROR_CHARS], error_kind=kind, unavailable=unavailable)
 
     @classmethod
     def from_exception(cls, error: BaseException) -> ToolResult:
         """A tool failure as the model will see it; an unexpected exception is a tool error, never a crash."""
         if isinstance(error, ToolTimeout):
-            return cls.failure(ErrorKind.TIMEOUT, str(error))
+            return cls.failure(ErrorKind.TIMEOUT, str(error), error.unavailable)
         if isinstance(error, ToolError):
-            return cls.failure(ErrorKind.TOOL_ERROR, str(error))
+            return cls.failure(ErrorKind.TOOL_ERROR, str(error), error.unavailable)
         return cls.failure(ErrorKind.TOOL_ERROR, f"{type(error).__name__}: {error}")
 
 

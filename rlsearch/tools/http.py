@@ -69,7 +69,8 @@ def send_with_failover(
     Transport errors, timeouts, 429 and 5xx put the endpoint in cool-down and the next attempt goes to the next
     endpoint (`Failover`), with exponential backoff between rounds. Raises ToolError naming ``what`` for a rejection
     (4xx other than 429, not retried; a 401/403 message ends with ``auth_hint``, e.g. which variable holds the token)
-    or when the attempts run out; ToolTimeout instead when the last attempt timed out or the deadline passed.
+    or when the attempts run out; ToolTimeout instead when the last attempt timed out or the deadline passed. Both
+    are ``unavailable`` (the service's failure, not the request's) but for a rejection other than 401/403.
     ``on_retry`` is called before every attempt after the first.
     """
     last_error, timed_out = "", False
@@ -98,7 +99,7 @@ def send_with_failover(
             continue
         endpoints.succeeded(attempt.endpoint, attempt.issued_at)
         if response.status_code in (401, 403) and auth_hint:
-            raise ToolError(f"{what} rejected: HTTP {response.status_code}: {auth_hint}")
+            raise ToolError(f"{what} rejected: HTTP {response.status_code}: {auth_hint}", unavailable=True)
         if response.status_code >= 400:
             raise ToolError(f"{what} rejected: HTTP {response.status_code} {response.text[:500]}")
         return response
@@ -106,7 +107,8 @@ def send_with_failover(
     error_type = ToolTimeout if timed_out or call.out_of_time else ToolError
     where = f" over {len(endpoints.endpoints)} endpoints" if len(endpoints.endpoints) > 1 else ""
     deadline = f" and its deadline of {deadline_s:g} s passed" if call.out_of_time else ""
-    raise error_type(f"{what} failed after {call.sent} attempts{where}{deadline}; last error: {last_error}")
+    raise error_type(f"{what} failed after {call.sent} attempts{where}{deadline}; last error: {last_error}",
+                     unavailable=True)
 
 
 def send_within(client: httpx.Client, request: httpx.Request, timeout_s: float) -> httpx.Response:

@@ -31,7 +31,8 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "rollout/model_tokens_mean": _mean([sum(t.loss_mask) for t in trajectories]),
         "rollout/turns_mean": _mean([len(t.turns) for t in trajectories]),
         "rollout/tool_calls_mean": _mean([len(calls) for calls in tool_calls]),
-        "rollout/tool_errors": float(sum(not call.ok for calls in tool_calls for call in calls)),
+        "rollout/tool_errors": float(sum(not call.ok and call.error_kind != ErrorKind.NOT_RUN.value
+                                         for calls in tool_calls for call in calls)),
         "rollout/invalid_calls_mean": _mean([t.num_invalid_calls for t in trajectories]),
         # where a trajectory's rollout time went: waiting on the engine vs on its tool calls
         "time/generate_s_mean": _mean([t.generate_s for t in trajectories]),

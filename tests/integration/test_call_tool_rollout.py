@@ -176,6 +176,6 @@ def test_call_tool_limits_and_errors_become_observations_counted_per_kind(mcp_se
     assert (metrics["rollout/tool_calls/search"], metrics["rollout/tool_calls/browse"]) == (3.0, 1.0)
     assert {kind.value: metrics[f"rollout/errors/{kind.value}"] for kind in ErrorKind} == {
         "unparseable": 1.0, "empty_query": 1.0, "unknown_tool": 1.0, "over_limit": 2.0, "timeout": 0.0,
-        "tool_error": 1.0,
+        "tool_error": 1.0, "not_run": 0.0,
     }
     registry.close()

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pyarrow
 import pyarrow.parquet
 import pytest
+from threaded_server import closed_port, scripted_retriever
 from transformers import AutoTokenizer
 
 from rlsearch.config import (
@@ -96,7 +97,7 @@ def _config(oracle, tiny_model_dir, retriever, output_dir, max_turns=3, scorers=
         eval=EvalSettings(files=oracle.files, batch_size=4, **eval_settings),
         model=ModelConfig(path=str(tiny_model_dir)),
         rollout=RolloutConfig(temperature=1.0, max_turns=max_turns, max_response_tokens=512),
-        tools=ToolsConfig(retriever=RetrieverConfig(url=retriever.url, topk=3)),
+        tools=ToolsConfig(retriever=RetrieverConfig(url=retriever.url, topk=3, max_retries=1, backoff_s=0.01)),
         output_dir=str(output_dir),
     ))
 
@@ -143,3 +144,30 @@ def test_rerun_generates_only_what_is_missing(oracle, tiny_model_dir, retriever,
 
     with pytest.raises(ConfigError, match=r"holds results of another eval: 'rollout\.max_turns' was 3, now 2"):
         run_eval(_config(oracle, tiny_model_dir, retriever, tmp_path / "out", max_turns=2, max_examples=3))
+
+
+def test_a_dead_retriever_stops_the_eval_and_what_a_failing_one_spoiled_is_generated_again(
+        oracle, tiny_model_dir, retriever, tmp_path, capsys):
+    dead = SimpleNamespace(url=f"http://127.0.0.1:{closed_port()}")
+    with pytest.raises(ConfigError, match=rf"^'tools\.retriever\.url' is {dead.url}, but a test search there failed: "):
+        run_eval(_config(oracle, tiny_model_dir, dead, tmp_path / "out"))
+    assert oracle.engines == []
+
+    # up for the start-up search, then every search is answered 503: the scores are the retriever's
+    with scripted_retriever([(200, {"result": [[]]}), (503, {"detail": "overloaded"})]) as url:
+        spoiled = run_eval(_config(oracle, tiny_model_dir, SimpleNamespace(url=url), tmp_path / "out", max_examples=2))
+    overall = spoiled.metrics[OVERALL]
+    assert (overall["samples"], overall["em"], overall["tool_calls"], overall["tool_failures"]) == (4, 0.0, 1.0, 4)
+    assert spoiled.warning == (
+        f"WARNING: 4 of 4 tool calls failed (first: search: {url}/retrieve failed after 2 attempts; last error: HTTP "
+        '503: {"detail":"overloaded"}); the scores measure the tools, not the model. Fix the tool '
+        "('tools.retriever.url' for search) and run again into the same output_dir: it generates again the 4 "
+        "trajectories whose tool was unavailable")
+    assert spoiled.render().endswith(f"rlsearch: {spoiled.warning}")
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["metrics"][OVERALL]["tool_failures"] == 4
+
+    fixed = run_eval(_config(oracle, tiny_model_dir, retriever, tmp_path / "out", max_examples=2))
+    assert (fixed.generated, fixed.resumed, fixed.warning) == (4, 0, "")
+    assert (fixed.metrics[OVERALL]["em"], fixed.metrics[OVERALL]["tool_failures"]) == (1.0, 0)
+    assert "4 trajectories of an earlier run met an unavailable tool" in capsys.readouterr().out
+    assert len((tmp_path / "out" / "trajectories.jsonl").read_text().splitlines()) == 4

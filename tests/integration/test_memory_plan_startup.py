@@ -3,7 +3,8 @@ code 2 and what would fit, before Ray, the tool servers or any actor start; trai
 `rlsearch plan` prints the plan and proposes layouts. Each part the run starts is planned where it runs: on a GPU
 host (its GPU faked where the driver reads it, NVML) the ranks, the engines and the summariser's frozen engine on
 GPUs, and their processes, a prebuilt index and its encoder, the driver and Ray in the host's memory; a CPU cluster
-joined with trainer.ray_address once Ray has joined it (its devices unknown before)."""
+joined with trainer.ray_address once Ray has joined it (its devices unknown before). A remote retriever that does
+not answer stops the run before Ray too."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from rlsearch.memory import (
 )
 from tests.constants import REPO_ROOT
 from tests.drivers import Started
+from tests.integration.threaded_server import closed_port
 
 EXAMPLE = str(REPO_ROOT / "examples" / "configs" / "search_grpo_tiny.yaml")
 LONG = 131_072  # a context window whose activations do not fit the memory the tests give
@@ -37,6 +39,23 @@ def _overrides(tiny_model_dir, toy_data, tmp_path) -> list[str]:
     return [f"model.path={tiny_model_dir}", f"data.train_files=[{toy_data.train}]",
             f"tools.retriever.corpus={toy_data.corpus}", f"trainer.output_dir={tmp_path / 'run'}",
             f"rollout.context_window={LONG}", f"actor.max_tokens_per_microbatch={LONG}"]
+
+
+def test_a_dead_remote_retriever_stops_the_run_before_ray(tiny_model_dir, toy_data, tmp_path, capsys, monkeypatch):
+    """tools.retriever.url that nothing answers: exit code 2 naming the key and what to do, before Ray starts."""
+    import rlsearch.trainer.startup
+
+    def started(*_args, **_kwargs):
+        raise Started
+
+    monkeypatch.setattr(rlsearch.trainer.startup, "init_ray", started)
+    dead = f"http://127.0.0.1:{closed_port()}"
+    code = main(["train", "--config", EXAMPLE, "--verbose", f"model.path={tiny_model_dir}",
+                 f"data.train_files=[{toy_data.train}]", f"trainer.output_dir={tmp_path / 'run'}",
+                 f"tools.retriever.url={dead}", "tools.retriever.max_retries=0"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"'tools.retriever.url' is {dead}, but a test search there failed: {dead}/retrieve failed after 1 " in err
 
 
 def _memory_between_full_and_the_rest(overrides: list[str]) -> float:

@@ -1,14 +1,26 @@
 import json
 import re
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
 import pytest
+from threaded_server import closed_port, scripted_retriever
 
-from rlsearch.tools import BM25Retriever, ErrorKind, RetrievalClient, RetrieverProcess, SearchTool, ToolCall, ToolError
+from rlsearch.config import RetrieverConfig, ToolsConfig
+from rlsearch.tools import (
+    BM25Retriever,
+    ErrorKind,
+    RetrievalClient,
+    RetrieverProcess,
+    SearchTool,
+    ToolCall,
+    ToolError,
+    ToolServers,
+    ToolSetupError,
+    build_registry,
+)
 
 UNIQUE_PASSAGES = {
     "quokkafish": {"id": "unique-0", "contents": '"Quokkafish"\nThe quokkafish is a reef fish that smiles.'},
@@ -44,12 +56,6 @@ def server(corpus_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def post_retrieve(server: RetrieverProcess, body: dict) -> httpx.Response:
     return httpx.post(f"{server.url}/retrieve", json=body, timeout=10.0)
-
-
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_server_binds_loopback_on_a_chosen_port(server: RetrieverProcess) -> None:
@@ -209,3 +215,41 @@ def test_search_tool_honours_topk_and_rejects_unknown_attributes(server: Retriev
     assert "no parameter 'k'" in results[4].error
     assert tool.stats() == {"requests": 2, "retries": 0, "failures": 0}  # one request per topk
     tool.close()
+
+
+GOOD_REPLY = (200, {"result": [[{"id": "7", "contents": '"Title"\nbody'}]]})
+MALFORMED_REPLY = (200, {"result": [[{"id": "7", "contents": 12345}]]})
+
+
+def remote_search(url: str, enabled: tuple[str, ...] = ("search",)) -> ToolsConfig:
+    return ToolsConfig(enabled=list(enabled), retriever=RetrieverConfig(url=url, max_retries=1, backoff_s=0.01))
+
+
+def test_a_malformed_reply_is_a_failure_of_the_server_naming_the_field() -> None:
+    with scripted_retriever([MALFORMED_REPLY]) as url:
+        registry = build_registry(ToolsConfig(), RetrieverConfig(max_retries=0), url)
+        (result,) = registry.run([ToolCall("search", "river")])
+        registry.close()
+    assert result.error_kind is ErrorKind.TOOL_ERROR and result.unavailable
+    assert result.error.startswith(f"{url}/retrieve returned a malformed reply: result[0][0].contents is 12345, not "
+                                   "text; Search-R1's /retrieve API answers")
+
+
+def test_a_remote_retriever_must_answer_a_search_at_start_up() -> None:
+    dead = f"http://127.0.0.1:{closed_port()}"
+    with pytest.raises(ToolSetupError) as stopped:
+        ToolServers(remote_search(dead)).start()
+    assert str(stopped.value).startswith(
+        f"'tools.retriever.url' is {dead}, but a test search there failed: {dead}/retrieve failed after 2 attempts; "
+        "last error: ConnectError")
+    assert str(stopped.value).endswith(
+        "Start the retriever (rlsearch serve-retriever --corpus CORPUS --port PORT), fix tools.retriever.url, or leave "
+        "it empty for the run to start one over tools.retriever.corpus")
+    with scripted_retriever([MALFORMED_REPLY]) as url, pytest.raises(ToolSetupError, match="malformed reply"):
+        ToolServers(remote_search(url)).start()
+    with ToolServers(remote_search(dead, enabled=())):  # a run without search does not need it
+        pass
+    # a server just starting (503 first), without /health: the retries reach it
+    with scripted_retriever([(503, {"detail": "starting"}), GOOD_REPLY]) as url, \
+            ToolServers(remote_search(url)) as servers:
+        assert servers.tools.retriever.url == url and servers.retriever is None

@@ -1,8 +1,9 @@
-"""A real HTTP server on 127.0.0.1 (uvicorn in a thread) for tests that need one speaking a given API, and a log of
-the responses an app sent (`ResponseLog`)."""
+"""A real HTTP server on 127.0.0.1 (uvicorn in a thread) for tests that need one speaking a given API, a log of the
+responses an app sent (`ResponseLog`), and a retriever answering what a test scripts (`scripted_retriever`)."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -49,3 +50,29 @@ def serve_in_thread(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (a dead server's)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def scripted_retriever(replies: list[tuple[int, object]]) -> Iterator[str]:
+    """A server answering the n-th ``POST /retrieve`` with the n-th (status, JSON body) of ``replies`` (the last one
+    from then on); no /health, as Search-R1's own retrieval_server.py. Yields its base URL."""
+    import fastapi
+
+    app = fastapi.FastAPI()
+    answered = []
+
+    @app.post("/retrieve")
+    def retrieve() -> fastapi.responses.JSONResponse:
+        status, body = replies[min(len(answered), len(replies) - 1)]
+        answered.append(status)
+        return fastapi.responses.JSONResponse(body, status_code=status)
+
+    with serve_in_thread(app) as url:
+        yield url

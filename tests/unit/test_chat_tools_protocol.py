@@ -430,6 +430,24 @@ def test_agent_loop_limits_errors_and_cut_turns_with_several_calls(tokenizer) ->
     assert (metrics["rollout/tool_calls_mean"], metrics["rollout/invalid_calls_mean"]) == (7.0, 1.0)
     assert {kind.value: metrics[f"rollout/errors/{kind.value}"] for kind in ErrorKind} == {
         "unparseable": 1.0, "empty_query": 0.0, "unknown_tool": 1.0, "over_limit": 2.0, "timeout": 0.0,
-        "tool_error": 0.0,
+        "tool_error": 0.0, "not_run": 0.0,
     }
+    registry.close()
+
+
+def test_calls_of_a_turn_cut_by_max_turns_are_recorded_as_not_run(tokenizer) -> None:
+    search = QueryTool("search")
+    registry = ToolRegistry([search])
+    two_calls = block("search", {"query": "beta"}) + block("search", {"query": "gamma"})
+    _, (trajectory,) = run_scripted(tokenizer, registry, RolloutConfig(protocol="chat_tools", max_turns=2), {
+        "Who founded Velmora?": [(block("search", {"query": "alpha"}), True), (two_calls, True)],
+    })
+    assert trajectory.finish_reason == "max_turns" and [call.query for call in search.calls] == ["alpha"]
+    last = trajectory.turns[-1]
+    assert [(call.ok, call.error_kind, call.error) for call in last.tool_calls] == [
+        (False, "not_run", "not run: the trajectory was cut after this turn (max_turns)")] * 2
+    assert last.error_kind is None and last.observation is None
+    metrics = trajectory_metrics([trajectory])
+    assert (metrics["rollout/errors/not_run"], metrics["rollout/tool_errors"]) == (2.0, 0.0)
+    assert (metrics["rollout/tool_calls/search"], metrics["rollout/tool_calls_mean"]) == (1.0, 3.0)
     registry.close()

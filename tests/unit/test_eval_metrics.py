@@ -1,9 +1,13 @@
 """Eval metrics over trajectory records, the table, and the append-only results file."""
 
+import json
+
 import pytest
 
+from rlsearch.config import EvalConfig, EvalSettings, ModelConfig
 from rlsearch.data import DatasetError
-from rlsearch.eval import OVERALL, ResultsFile, render_table, summarize
+from rlsearch.eval import OVERALL, EvalRun, ResultsFile, render_table, summarize
+from rlsearch.eval.metrics import tool_failure_warning
 
 
 def _record(source, example_id, sample=0, em=0.0, kinds=("tool_call", "answer"), tokens=10, time_s=1.0):
@@ -76,3 +80,43 @@ def test_results_file_names_a_corrupt_line(tmp_path):
     path.write_text('{"id": 1}\nnot json\n')
     with pytest.raises(DatasetError, match=r"trajectories\.jsonl:2: not a JSON record"):
         ResultsFile(path).load()
+
+
+def _with_calls(record, *calls):
+    """The record with one tool-call turn holding ``calls`` (name, error_kind, unavailable) before its answer."""
+    tool_calls = [{"name": name, "error_kind": kind, "error": kind and f"{name} broke", "unavailable": unavailable}
+                  for name, kind, unavailable in calls]
+    return {**record, "turns": [{"kind": "tool_call", "tool_calls": tool_calls}, *record["turns"][1:]]}
+
+
+def test_tool_failures_are_counted_and_a_line_says_when_most_calls_failed():
+    healthy = _with_calls(_record("nq", "a", em=1.0), ("search", None, False), ("search", "not_run", False))
+    dead = [_with_calls(_record("nq", example_id), ("search", "tool_error", True), ("browse", "unknown_tool", False))
+            for example_id in ("b", "c")]
+    metrics = summarize([healthy, *dead], n_samples=1)
+    assert metrics[OVERALL]["tool_failures"] == 2.0  # neither a call refused nor one never run reached a tool
+    table = render_table(metrics, n_samples=1).splitlines()
+    assert table[0].split()[9] == "tool_fail" and table[-1].split()[9] == "2"
+    assert tool_failure_warning([healthy, *dead]) == (
+        "WARNING: 2 of 3 tool calls failed (first: search: search broke); the scores measure the tools, not the model. "
+        "Fix the tool ('tools.retriever.url' for search) and run again into the same output_dir: it generates again "
+        "the 2 trajectories whose tool was unavailable")
+    assert tool_failure_warning([healthy, dead[0]]) == ""  # half failed: not most
+
+
+def test_a_rerun_generates_again_the_trajectories_an_unavailable_tool_spoiled(tmp_path, capsys):
+    questions = tmp_path / "toy.jsonl"
+    questions.write_text("".join(json.dumps({"id": example_id, "question": f"q {example_id}?", "golden_answers": ["x"],
+                                             "data_source": "toy"}) + "\n" for example_id in "abc"))
+    config = EvalConfig(model=ModelConfig(path="unused"), eval=EvalSettings(files=[str(questions)]),
+                        output_dir=str(tmp_path / "out"))
+    earlier = [_with_calls({**_record("toy", "a"), "eval_file": str(questions)}, ("search", None, False)),
+               _with_calls({**_record("toy", "b"), "eval_file": str(questions)}, ("search", "timeout", True)),
+               _with_calls({**_record("toy", "c"), "eval_file": str(questions)}, ("search", "tool_error", False))]
+    EvalRun(config).results.append(earlier)
+
+    rerun = EvalRun(config)
+    assert [(question.example.id, sample) for question, sample in rerun.pending] == [("b", 0)]
+    assert rerun.resumed == 2  # a tool error of the call itself (an empty query, ...) stays: it would come again
+    assert [record["example_id"] for record in rerun.results.load()] == ["a", "c"]
+    assert "1 trajectories of an earlier run met an unavailable tool" in capsys.readouterr().out

@@ -114,7 +114,8 @@ class AgentSession:
         records = [
             ToolCallRecord(name=call.name, query=call.query, ok=result.ok, error=result.error,
                            latency_s=result.latency_s, attrs=dict(call.attrs), cached=result.cached,
-                           arguments=call.arguments, error_kind=result.error_kind.value if result.error_kind else None)
+                           arguments=call.arguments, error_kind=result.error_kind.value if result.error_kind else None,
+                           unavailable=result.unavailable)
             for call, result in zip(calls, results)
         ]
         if self.calls:

@@ -290,7 +290,8 @@ class MCPToolset:
                         counters["failures"] += 1
                         what = "cannot be started" if connection.server.command else "refused the request"
                         return ToolResult.failure(
-                            ErrorKind.TOOL_ERROR, f"MCP server {connection.label} {what}: {connection.refusal}"
+                            ErrorKind.TOOL_ERROR, f"MCP server {connection.label} {what}: {connection.refusal}",
+                            unavailable=True,
                         )
                     last_error = _describe(error)
                     continue
@@ -299,6 +300,7 @@ class MCPToolset:
             return ToolResult.failure(
                 ErrorKind.TOOL_ERROR,
                 f"MCP server {connection.label} unreachable after {self.max_retries + 1} attempts: {last_error}",
+                unavailable=True,
             )
 
     @staticmethod

@@ -96,19 +96,35 @@ class RetrievalClient:
         try:
             return response.json()
         except ValueError as error:
-            raise ToolError(f"{endpoint} returned invalid JSON: {error}") from error
+            raise ToolError(f"{endpoint} returned invalid JSON: {error}", unavailable=True) from error
 
 
 def _documents_per_query(body: Any, num_queries: int, endpoint: str) -> list[list[dict]]:
-    try:
-        documents = [
-            [{"id": doc.get("id", ""), "contents": doc["contents"]} for doc in docs] for docs in body["result"]
-        ]
-    except (KeyError, TypeError, AttributeError) as error:
-        raise ToolError(f"{endpoint} returned an unexpected body: {error!r}") from error
-    if len(documents) != num_queries:
-        raise ToolError(f"{endpoint} returned {len(documents)} results for {num_queries} queries")
+    """The ``{"id", "contents"}`` documents of each query in a /retrieve reply; a reply of another shape is the
+    server's failure (ToolError, ``unavailable``), never a crash further on."""
+    results = body.get("result") if isinstance(body, dict) else None
+    if not isinstance(results, list):
+        raise _malformed(endpoint, f"a {type(body).__name__} without a 'result' list")
+    if len(results) != num_queries:
+        raise _malformed(endpoint, f"{len(results)} results for {num_queries} queries")
+    documents = []
+    for query_index, docs in enumerate(results):
+        if not isinstance(docs, list):
+            raise _malformed(endpoint, f"result[{query_index}] is a {type(docs).__name__}, not a list")
+        for doc_index, doc in enumerate(docs):
+            where = f"result[{query_index}][{doc_index}]"
+            if not isinstance(doc, dict) or not isinstance(doc.get("contents"), str):
+                contents = doc.get("contents") if isinstance(doc, dict) else doc
+                raise _malformed(endpoint, f"{where}.contents is {contents!r:.60}, not text")
+            if not isinstance(doc.get("id", ""), (str, int)):
+                raise _malformed(endpoint, f"{where}.id is {doc['id']!r:.60}, not text or a number")
+        documents.append([{"id": doc.get("id", ""), "contents": doc["contents"]} for doc in docs])
     return documents
+
+
+def _malformed(endpoint: str, what: str) -> ToolError:
+    return ToolError(f"{endpoint} returned a malformed reply: {what}; Search-R1's /retrieve API answers "
+                     '{"result": [[{"id": ..., "contents": "..."}, ...] per query]}', unavailable=True)
 
 
 class SearchTool(Tool):

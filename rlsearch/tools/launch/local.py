@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...config import MCPServerConfig, RetrieverConfig, ToolsConfig
-from ..base import ToolSetupError
+from ..base import ToolError, ToolSetupError
+from ..clients import RetrievalClient
 from .process import MCPServerProcess, RetrieverProcess
 
 if TYPE_CHECKING:
@@ -17,7 +18,8 @@ if TYPE_CHECKING:
 class ToolServers:
     """The local servers a run needs: the retriever (for ``search`` when ``tools.retriever.url`` is empty) and
     ``rlsearch serve-mcp`` (when ``tools.mcp.start_local``); none under ``tools.replay``. ``tools`` is the config
-    with their URLs filled in.
+    with their URLs filled in. A retriever the run does not start (``tools.retriever.url``) must answer a search
+    first (`check_remote_retriever`).
 
     Both bind 127.0.0.1 and inherit this process's environment: the retriever requires the token in
     ``tools.retriever.token_env`` when that variable is set, the MCP server the one in RLSEARCH_MCP_TOKEN."""
@@ -36,6 +38,8 @@ class ToolServers:
         if self.config.replay:  # every call is answered from the recorded store
             return self
         retriever = self.config.retriever
+        if "search" in self.config.enabled and retriever.url:
+            check_remote_retriever(retriever)
         needs_retriever = "search" in self.config.enabled and not retriever.url
         if needs_retriever or self.config.mcp.start_local:
             if not Path(retriever.corpus).is_file():
@@ -83,6 +87,24 @@ class ToolServers:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def check_remote_retriever(retriever: RetrieverConfig) -> None:
+    """A search of one query on ``tools.retriever.url``, with the retries every search of the run gets (a server
+    just starting): a run against a retriever that is down, refuses the token or answers in another shape stops
+    here, before Ray, with what to do. A search rather than ``/health``: Search-R1's own server has no /health."""
+    client = RetrievalClient(retriever.url, topk=1, timeout_s=retriever.timeout_s, max_retries=retriever.max_retries,
+                             backoff_s=retriever.backoff_s, token_env=retriever.token_env)
+    try:
+        client.search(["health check"])
+    except ToolError as error:
+        raise ToolSetupError(
+            f"'tools.retriever.url' is {retriever.url}, but a test search there failed: {error}. Start the retriever "
+            "(rlsearch serve-retriever --corpus CORPUS --port PORT), fix tools.retriever.url, or leave it empty for "
+            "the run to start one over tools.retriever.corpus"
+        ) from error
+    finally:
+        client.close()
 
 
 def _server_options(retriever: RetrieverConfig) -> dict:
