@@ -97,9 +97,10 @@ class ActorConfig:
     logits_chunk_tokens: int = rule(1024, ge=0, note="0: one chunk")
     # train the samples that share a token prefix as one prefix tree: a GRPO group's (one prompt; a group over the
     # micro-batch size goes as sub-groups that fit, and split further to give every pipeline stage a micro-batch) and
-    # one trajectory's segments (an agent that re-renders its history every turn). The prefix is computed once, each branch attends to its own ancestors only. Local layer spec
-    # only: with Transformer Engine the samples train one by one (said at start-up). With cp > 1 a tree is split over
-    # the context-parallel ranks as one sequence (padded to a multiple of 2 x cp)
+    # one trajectory's segments (an agent that re-renders its history every turn). The prefix is computed once, each
+    # branch attends to its own ancestors only. Local layer spec only: with Transformer Engine the samples train one by
+    # one (said at start-up). With cp > 1 a tree is split over the context-parallel ranks as one sequence (padded to a
+    # multiple of 2 x cp)
     merge_prefixes: bool = True
     # > 1: interleaved pipeline schedule with this many model chunks per stage
     virtual_pipeline_stages: int = rule(0, ge=2, off="off")
