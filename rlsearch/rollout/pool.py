@@ -22,7 +22,7 @@ from functools import partial
 from typing import Any
 
 from ..config import RolloutConfig, ToolsConfig
-from ..ray_setup import cluster_has_gpus, start_named_actor, stop_named_actors
+from ..ray_setup import UNAVAILABLE_RETRIES, cluster_has_gpus, start_named_actor, stop_named_actors
 from ..trajectory import Trajectory
 from .agent_loop import PromptItem
 from .engine import EngineSpec
@@ -65,8 +65,9 @@ class DispatchResult:
     groups: dict[int, int] = field(default_factory=dict)  # engine -> groups it finished
     busy_s: dict[int, float] = field(default_factory=dict)  # engine -> seconds with at least one group in flight
     wall_s: float = 0.0
-    redispatched: int = 0  # groups sent again after their engine died
+    redispatched: int = 0  # groups sent again after their engine died or could not be reached
     died: list[int] = field(default_factory=list)  # engines that died during the dispatch
+    unavailable: int = 0  # calls Ray could not deliver for the moment (ActorUnavailableError), sent again
 
 
 def dispatch_groups(
@@ -75,9 +76,11 @@ def dispatch_groups(
 ) -> DispatchResult:
     """Run `items` group by group on `engines` (engine ids; `submit(engine, group_items)` starts one generate call
     and returns its future). An engine whose call fails with Ray's RayActorError is dead: its unfinished groups go
-    to the others. Raises NoEngineLeftError when none is left, TimeoutError when no group finishes in `timeout_s`;
-    any other error of a call is raised as it is."""
-    from ray.exceptions import RayActorError
+    to the others. One Ray cannot reach for the moment (ActorUnavailableError: a dropped connection) gets the group
+    again, and is dead only when unreachable more than `UNAVAILABLE_RETRIES` times in a row. Raises
+    NoEngineLeftError when none is left, TimeoutError when no group finishes in `timeout_s`; any other error of a
+    call is raised as it is."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
 
     started = time.perf_counter()
     positions: dict[int, list[int]] = {}  # group_id -> item positions, groups in order of first appearance
@@ -87,6 +90,7 @@ def dispatch_groups(
     live = list(engines)
     limit = groups_per_engine if groups_per_engine > 0 else SPREAD_LIMIT
     load = dict.fromkeys(live, 0)
+    unreachable = dict.fromkeys(live, 0)  # engine -> its calls unavailable in a row
     in_flight: dict[Future, tuple[int, int, float]] = {}  # future -> (engine, group_id, submitted at)
     finished_at: dict[Future, float] = {}
     spans: dict[int, list[tuple[float, float]]] = {engine: [] for engine in live}
@@ -127,13 +131,20 @@ def dispatch_groups(
             spans[engine].append((submitted, finished_at.get(future, time.perf_counter())))
             try:
                 trajectories = future.result()
-            except RayActorError:
+            except RayActorError as error:
+                if isinstance(error, ActorUnavailableError) and unreachable[engine] < UNAVAILABLE_RETRIES:
+                    unreachable[engine] += 1
+                    result.unavailable += 1
+                    queue.appendleft(group_id)
+                    result.redispatched += 1
+                    continue
                 if engine in live:
                     live.remove(engine)
                     result.died.append(engine)
                 queue.appendleft(group_id)
                 result.redispatched += 1
                 continue
+            unreachable[engine] = 0
             _place(result.trajectories, positions[group_id], trajectories, items, engine)
             result.groups[engine] += 1
         if queue and not live:
@@ -381,7 +392,8 @@ class EnginePool:
         self._dead.update(result.died)
         for engine in result.died:
             print(f"[rlsearch] warning: rollout engine {engine} died; its groups ran on the others", flush=True)
-        metrics = {"rollout/redispatched_groups": float(result.redispatched)}
+        metrics = {"rollout/redispatched_groups": float(result.redispatched),
+                   "rollout/unavailable_calls": float(result.unavailable)}
         for engine in range(len(self.engines)):
             ran = [t for t in result.trajectories if t.engine == engine]
             metrics[f"rollout/engine{engine}/groups"] = float(result.groups.get(engine, 0))

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from rlsearch.rollout import NoEngineLeftError, PromptItem, Trajectory, dispatch_groups
 from tests.concurrency import HANG_GUARD_S
@@ -19,8 +19,10 @@ class FakeEngine:
     """Sleeps `delay_s` per generate call, after `held_until()` is true when given (polled; a call still held after
     the hang guard raises TimeoutError saying so); from call `dies_at` on (1-based) it raises Ray's ActorDiedError."""
 
-    def __init__(self, delay_s: float, dies_at: int = 0, held_until: Callable[[], bool] | None = None) -> None:
+    def __init__(self, delay_s: float, dies_at: int = 0, held_until: Callable[[], bool] | None = None,
+                 unreachable_calls: tuple[int, ...] = ()) -> None:
         self.delay_s, self.dies_at, self.held_until = delay_s, dies_at, held_until
+        self.unreachable_calls = unreachable_calls  # calls (1-based) that fail as Ray's ActorUnavailableError
         self.calls: list[list[int]] = []  # group ids of each call
         self.finished = 0  # calls that returned or raised
         self.lock = threading.Lock()
@@ -37,6 +39,8 @@ class FakeEngine:
                 self.finished += 1
         if self.dies_at and call >= self.dies_at:
             raise ActorDiedError()
+        if call in self.unreachable_calls:
+            raise ActorUnavailableError("the connection to the actor dropped", None)
         return [Trajectory(item.example_id, item.group_id, item.sample_index, [step]) for item in items]
 
     def _hold(self) -> None:
@@ -107,6 +111,21 @@ def test_a_dying_engine_hands_its_groups_to_the_survivor():
         assert {t.engine for t in result.trajectories if t.group_id == group} == {1}
         assert [group] in healthy.calls
     assert result.groups[0] == 1 and result.groups[1] == 7
+
+
+def test_an_engine_unreachable_for_a_moment_gets_its_group_again_and_stays():
+    flaky, healthy = FakeEngine(0.02, unreachable_calls=(1, 2)), FakeEngine(0.05)
+    result = _run([flaky, healthy], _items(groups=6), groups_per_engine=1)
+    assert result.died == [] and result.unavailable == 2 and result.redispatched == 2
+    assert all(t is not None for t in result.trajectories)
+    assert result.groups[0] >= 1 and result.groups[0] + result.groups[1] == 6  # it went on running groups
+
+
+def test_an_engine_unreachable_call_after_call_is_dead():
+    gone, healthy = FakeEngine(0.01, unreachable_calls=tuple(range(1, 100))), FakeEngine(0.05)
+    result = _run([gone, healthy], _items(groups=6), groups_per_engine=1)
+    assert result.died == [0] and result.unavailable == 3  # UNAVAILABLE_RETRIES, then the 4th call's error is death
+    assert len(gone.calls) == 4 and result.groups == {0: 0, 1: 6}
 
 
 def test_no_engine_left_is_a_clear_error():
