@@ -65,9 +65,27 @@ def get_turn_scorer(name: str) -> TurnScorer:
     return scorer if scorer is not None else load_function(name, "turn scorer", list(TURN_SCORERS))
 
 
+def probe_trajectory() -> Trajectory:
+    """Three turns as a rollout records them: a search that returned the golden answer ("probe answer"), a failed
+    search, and an answer without a call: what the start-up check scores each turn scorer on."""
+    from rlsearch.trajectory import ToolCallRecord, Trajectory, Turn
+
+    found = Turn("<search>probe</search>", 5, "tool_call", [ToolCallRecord("search", "probe", ok=True)],
+                 observation="Doc 1: the probe answer", tool_outputs=["Doc 1: the probe answer"])
+    failed = Turn("<search>probe again</search>", 6, "tool_call",
+                  [ToolCallRecord("search", "probe again", ok=False, error="timed out", error_kind="timeout")],
+                  observation="error: timed out", tool_outputs=["error: timed out"])
+    answer = Turn("<answer>probe answer</answer>", 6, "answer")
+    return Trajectory("probe", 0, 0, [1], turns=[found, failed, answer], finish_reason="answer")
+
+
 def check_turn_scorers(examples: Sequence[QAExample], config: RewardConfig) -> None:
-    """The start-up check: every turn scorer the config and the rows name is known or loads (`ScorerError` naming
-    the key, or the row's file:line)."""
+    """The start-up check: every turn scorer the config and the rows name is known or loads, and gives one finite
+    reward per turn of a probe trajectory (`ScorerError` naming the key, or the row's file:line), rather than after
+    the first rollout."""
+    import math
+
+    probe = probe_trajectory()
     named = [("'reward.turn_scorer'", config.turn_scorer),
              *((f"'reward.turn_scorers.{source}'", name) for source, name in config.turn_scorers.items()),
              *((example.location or f"row {example.id!r}", example.turn_scorer) for example in examples
@@ -77,9 +95,17 @@ def check_turn_scorers(examples: Sequence[QAExample], config: RewardConfig) -> N
         if name in checked:
             continue
         try:
-            get_turn_scorer(name)
+            scorer = get_turn_scorer(name)
         except ScorerError as error:
             raise ScorerError(f"{where}: {error}") from None
+        try:
+            rewards = [float(reward) for reward in scorer(probe, ["probe answer"])]
+        except Exception as error:  # a user's function: whatever it raises is its defect, named here
+            raise ScorerError(f"{where}: the turn scorer {name!r} failed on a probe trajectory of 3 turns: "
+                              f"{type(error).__name__}: {error}") from error
+        if len(rewards) != len(probe.turns) or not all(map(math.isfinite, rewards)):
+            raise ScorerError(f"{where}: the turn scorer {name!r} gave {rewards} for a probe trajectory of 3 turns; "
+                              "it must give one finite reward per turn")
         checked.add(name)
 
 

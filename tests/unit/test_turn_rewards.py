@@ -81,6 +81,31 @@ def test_the_start_up_check_names_the_key_or_the_row_of_an_unknown_turn_scorer()
         check_turn_scorers(bad_row, RewardConfig())
 
 
+def one_reward_for_the_whole_trajectory(trajectory, golden_answers):
+    return [1.0]
+
+
+def reads_a_field_turns_lack(trajectory, golden_answers):
+    return [turn.answer_score for turn in trajectory.turns]
+
+
+def test_the_start_up_check_scores_a_probe_and_names_a_scorer_of_the_wrong_length_or_that_fails():
+    from rlsearch.reward.turns import probe_trajectory
+
+    probe = probe_trajectory()
+    assert retrieved_answer(probe, ["probe answer"]) == [1.0, 0.0, 0.0]
+    assert new_information(probe, ["probe answer"]) == [1.0, 0.0, 0.0]
+    rows = [QAExample("a", "q", ("x",), "nq", location="train.jsonl:1")]
+    short = f"{__name__}:one_reward_for_the_whole_trajectory"
+    with pytest.raises(ScorerError, match=rf"^'reward\.turn_scorer': the turn scorer '{short}' gave \[1\.0\] for a "
+                                          r"probe trajectory of 3 turns; it must give one finite reward per turn$"):
+        check_turn_scorers(rows, RewardConfig(turn_scorer=short))
+    broken = f"{__name__}:reads_a_field_turns_lack"
+    with pytest.raises(ScorerError, match=rf"^'reward\.turn_scorers\.nq': the turn scorer '{broken}' failed on a probe "
+                                          r"trajectory of 3 turns: AttributeError: 'Turn' object has no attribute"):
+        check_turn_scorers(rows, RewardConfig(turn_scorers={"nq": broken}))
+
+
 def test_score_turns_sets_each_turns_reward_and_reports_their_mean():
     found = _trajectory(_search(FIRST), _search(SECOND), _answer())
     missed = _trajectory(_search(FIRST), _answer())
