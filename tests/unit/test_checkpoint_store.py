@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -114,3 +115,35 @@ def test_a_checkpoint_resumes_only_with_the_optimizer_kind_that_wrote_it(tmp_pat
     with pytest.raises(ConfigError, match=r"'actor\.use_distributed_optimizer' is false but the checkpoint .* was "
                                           r"written with true: .* Resume with actor\.use_distributed_optimizer=true"):
         GRPOTrainer(load_train_config(config, [f"trainer.resume={path}"]))
+
+
+def _zero(path) -> None:
+    """Overwrite a file with as many zero bytes: its size still matches the manifest."""
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+def test_a_zeroed_shard_of_the_same_size_is_told_by_its_sha256_and_resume_takes_the_checkpoint_before(tmp_path):
+    store = _save_steps(tmp_path, [2, 4])
+    manifest = read_manifest(store.root / "step_000004")
+    assert manifest["sha256"]["megatron/__0_0.distcp"] == hashlib.sha256(b"x" * 1000).hexdigest()
+    assert manifest["model_shape"] == {"model_type": "qwen2"}
+    _zero(store.root / "step_000004" / "megatron" / "__0_0.distcp")
+    assert store.newest_complete() == (store.root / "step_000004", [])  # sizes only: cheap, for the died message
+    path, skipped = store.newest_complete(check_contents=True)
+    assert path == store.root / "step_000002"
+    assert skipped == [
+        f"skipping checkpoint step_000004: {store.root / 'step_000004'} is damaged: megatron/__0_0.distcp no longer "
+        "holds the bytes it was saved with (its sha256 differs from the manifest's); use an earlier checkpoint (a "
+        "step_* dir beside it)"]
+    with pytest.raises(CheckpointError, match=r"step_000004 is damaged: megatron/__0_0\.distcp no longer holds"):
+        load_run_checkpoint(store.root / "step_000004", check_contents=True)
+
+
+def test_a_checkpoint_from_before_the_sha256_were_recorded_is_checked_by_size(tmp_path):
+    store = _save_steps(tmp_path, [2])
+    manifest_path = store.root / "step_000002" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["sha256"], manifest["model_shape"]
+    manifest_path.write_text(json.dumps(manifest))
+    _zero(store.root / "step_000002" / "megatron" / "__0_0.distcp")
+    assert store.newest_complete(check_contents=True) == (store.root / "step_000002", [])
