@@ -38,8 +38,11 @@ from .layout import (
     MODEL_DIR,
     TRAINER_STATE,
     CheckpointError,
+    checkpoint_model_shape,
     copy_hf_metadata,
+    model_shape,
     read_manifest,
+    shape_differences,
     write_manifest,
 )
 
@@ -119,7 +122,7 @@ def mcore_to_hf(
     model of one label that transformers loads with the critic's values and a run takes as critic.model.path; its
     config and tokenizer from the model it started from (`_critic_base`; `base_hf_dir` when given)."""
     ckpt, out = Path(ckpt_dir), Path(out_dir)
-    manifest = read_manifest(ckpt)
+    manifest = read_manifest(ckpt, check_contents=True)
     contents = manifest.get("contents", [])
     if critic and "critic" not in contents:
         raise CheckpointError(f"{ckpt} holds no critic (contents: {contents}): only a run with algo.advantage=gae "
@@ -135,10 +138,14 @@ def mcore_to_hf(
     policy_metadata = ckpt / HF_DIR
     metadata_dir = Path(base_hf_dir) if base_hf_dir else _critic_base(ckpt) if critic else policy_metadata
     config = _read_hf_config(metadata_dir)
-    # the manifest names the policy's architecture: a critic started from a model of its own is checked on load
-    if (not critic or metadata_dir == policy_metadata) and manifest.get("architecture") != config["model_type"]:
-        raise CheckpointError(f"{ckpt} holds a '{manifest.get('architecture')}' model but {metadata_dir} describes "
-                              f"a '{config['model_type']}' one; pass the base model the run was trained from")
+    # the policy's architecture and shape are the checkpoint's: a critic started from a model of its own is checked
+    # on load
+    if not critic or metadata_dir == policy_metadata:
+        differences = shape_differences(checkpoint_model_shape(ckpt, manifest), model_shape(metadata_dir))
+        if differences:
+            raise CheckpointError(f"{ckpt} holds another model than {metadata_dir} describes ({'; '.join(differences)})"
+                                  "; pass the base model the run was trained from as --base-hf-dir, or leave it out "
+                                  "to take the checkpoint's own hf/ copy")
     with _staged(out) as staging:
         copy_hf_metadata(metadata_dir, staging)
         config["dtype"] = out_dtype
@@ -151,6 +158,7 @@ def mcore_to_hf(
         (written,) = _spawn(_export_model, (1, 1, 1), (
             str(metadata_dir), str(ckpt / (CRITIC_DIR if critic else MODEL_DIR)), str(staging), checkpoint_dtype,
             manifest.get("transformer_impl", "auto"), out_dtype, max_shard_bytes, verify, critic,
+            _load_remedy(base_hf_dir is not None),
         ))
         return HFExport(out_dir=_publish(staging, out), dtype=out_dtype, **written)
 
@@ -207,6 +215,14 @@ def _critic_base(ckpt: Path) -> Path:
         raise CheckpointError(f"the critic of {ckpt} started from critic.model.path {path}, which is not here (no "
                               "config.json); pass that model's dir (its config and tokenizer) as --base-hf-dir")
     return Path(path)
+
+
+def _load_remedy(base_given: bool) -> str:
+    """What to do about a checkpoint the conversion rank cannot load (its sha256 and shape were checked before)."""
+    if base_given:
+        return "--base-hf-dir must be the model the run started from, and the checkpoint intact"
+    return ("the checkpoint is damaged (it predates the sha256 in manifest.json that tell it) or not of the model its "
+            "hf/ dir describes: convert an earlier checkpoint (a step_* dir beside it)")
 
 
 def _value_model_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -362,26 +378,20 @@ def _save_model_shard(hf_dir: str, megatron_dir: str, dtype: str) -> str:
 
 def _export_model(
     hf_dir: str, megatron_dir: str, out_dir: str, checkpoint_dtype: str, transformer_impl: str, out_dtype: str,
-    max_shard_bytes: int, verify: bool, value_model: bool,
+    max_shard_bytes: int, verify: bool, value_model: bool, load_remedy: str,
 ) -> dict[str, Any]:
     """Rank job of mcore_to_hf (a single rank): load the checkpoint's model (`value_model`: its critic), write
     safetensors, optionally verify."""
     import torch
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-    from torch.distributed.checkpoint.api import CheckpointException
 
     from ..megatron.model import export_hf_named
-    from ..megatron.parallel import model_sharded_state
+    from ..megatron.parallel import CheckpointLoadError, load_sharded, model_sharded_state
 
     bridge, (model,), _ = _build(hf_dir, checkpoint_dtype, transformer_impl, value_model)
     try:
-        state = dist_checkpointing.load({"model": model_sharded_state([model])}, megatron_dir)
-    except (CheckpointingException, CheckpointException) as error:
-        causes = [cause for cause, _ in error.failures.values()] if isinstance(error, CheckpointException) else [error]
-        raise CheckpointError(f"cannot load the model in {megatron_dir} as the one {hf_dir}/config.json describes ("
-                              f"{'; '.join(map(str, causes))}); --base-hf-dir must be the model the run started "
-                              "from") from error
+        state = load_sharded({"model": model_sharded_state([model])}, megatron_dir, load_remedy)
+    except CheckpointLoadError as error:
+        raise CheckpointError(str(error)) from None
     model.load_state_dict(state["model"])
     written = _write_safetensors(export_hf_named(bridge, [model]), Path(out_dir), getattr(torch, out_dtype),
                                  max_shard_bytes)

@@ -77,13 +77,14 @@ class CheckpointStore:
                 if path != keep_also:
                     shutil.rmtree(path, ignore_errors=True)
 
-    def newest_complete(self) -> tuple[Path | None, list[str]]:
-        """The newest checkpoint that passes its manifest check, and a warning for each newer one skipped
-        (damaged, truncated, or still being written when the run stopped)."""
+    def newest_complete(self, check_contents: bool = False) -> tuple[Path | None, list[str]]:
+        """The newest checkpoint that passes its manifest check (`check_contents`: its files' sha256 too, for one
+        about to be loaded), and a warning for each newer one skipped (damaged, truncated, or still being written
+        when the run stopped)."""
         skipped = []
         for path in self._step_dirs():
             try:
-                read_manifest(path)
+                read_manifest(path, check_contents)
             except CheckpointError as error:
                 skipped.append(f"skipping checkpoint {path.name}: {error}")
                 continue
@@ -91,10 +92,11 @@ class CheckpointStore:
         return None, skipped
 
 
-def load_run_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(manifest, trainer state) of a complete run checkpoint; CheckpointError saying what is wrong otherwise."""
+def load_run_checkpoint(path: str | Path, check_contents: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(manifest, trainer state) of a complete run checkpoint (`check_contents`: its files' sha256 checked too);
+    CheckpointError saying what is wrong otherwise."""
     path = Path(path)
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, check_contents)
     if manifest.get("kind") != "run":
         raise CheckpointError(
             f"{path} holds model weights only (no optimizer or trainer state), so a run cannot resume from it; "

@@ -54,6 +54,44 @@ def init_megatron_parallel(
     return backend
 
 
+_UNPICKLER_MARKER = "WeightsUnpickler error:"
+
+
+class CheckpointLoadError(RuntimeError):
+    """A Megatron checkpoint that could not be loaded; the message names the checkpoint and each rank's error."""
+
+
+def load_sharded(state: dict, path: str, remedy: str) -> dict:
+    """Megatron's `dist_checkpointing.load` of `state` from `path`. A collective. torch reports a failed load as
+    `CheckpointException ranks:dict_keys([0])`, its causes in a dict: they are told in a CheckpointLoadError, with
+    `remedy` (what to do)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return dist_checkpointing.load(state, path)
+    except (CheckpointingException, CheckpointException) as error:
+        raise CheckpointLoadError(f"cannot load the checkpoint {path} ({load_failures(error)}); {remedy}") from None
+
+
+def load_failures(error: BaseException) -> str:
+    """'rank R: Type: message' for each rank's root error in a torch CheckpointException (its `failures`: rank ->
+    (exception, traceback)), else the error's own; torch's advice to load with weights_only=False is left out."""
+    failures = getattr(error, "failures", None) or {None: error}
+    told = []
+    for rank, failure in sorted(failures.items(), key=lambda item: -1 if item[0] is None else item[0]):
+        root = failure[0] if isinstance(failure, tuple) else failure
+        while root.__cause__ is not None:
+            root = root.__cause__
+        message = str(root)
+        # torch.load's weights_only refusal: its cause sits between this marker and the link to the docs
+        unpickled = message.partition(_UNPICKLER_MARKER)[2].partition("Check the documentation")[0]
+        message = next((line.strip() for line in (unpickled or message).splitlines() if line.strip()), "")
+        told.append(("" if rank is None else f"rank {rank}: ") + f"{type(root).__name__}: {message}")
+    return "; ".join(told)
+
+
 def model_sharded_state(chunks: list[torch.nn.Module]) -> dict:
     """Megatron's sharded state dict of a rank's model chunks (bare GPTModels or DDP-wrapped). Tensor keys are
     global, so a checkpoint written from one TP/PP/VPP layout loads into any other."""

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..config import ActorConfig
 from .cpu_compat import cuda_available
-from .parallel import model_sharded_state, save_sharded
+from .parallel import load_sharded, model_sharded_state, save_sharded
 
 
 @dataclass
@@ -89,13 +89,15 @@ def save_training_state(training: TrainingModel, path: str) -> None:
     dist.barrier()
 
 
+_LOAD_REMEDY = ("its files are damaged, or it holds another model than the one built from model.path: resume from an "
+                "intact checkpoint of this model (resume=auto checks every file's sha256 and skips a damaged one)")
+
+
 def load_training_state(training: TrainingModel, path: str, restore_rng: bool) -> int:
     """Load a checkpoint written by `save_training_state` from any TP/PP/DP layout (Megatron reshards on load). RNG
     states are per rank, so they are restored only into the layout that saved them. Returns the scheduler's step
     count. A collective."""
-    from megatron.core import dist_checkpointing
-
-    state = dist_checkpointing.load(_sharded_state(training, is_loading=True, with_rng=restore_rng), path)
+    state = load_sharded(_sharded_state(training, is_loading=True, with_rng=restore_rng), path, _LOAD_REMEDY)
     with torch.no_grad():
         if len(training.chunks) == 1:
             training.chunks[0].module.load_state_dict(state["model"])

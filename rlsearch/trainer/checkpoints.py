@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint import CheckpointError, CheckpointStore, load_run_checkpoint
-from ..checkpoint.layout import CRITIC_DIR, MODEL_DIR
+from ..checkpoint.layout import CRITIC_DIR, MODEL_DIR, checkpoint_model_shape, model_shape, shape_differences
 from ..config import ActorConfig, ConfigError, TrainConfig, to_dict
 from ..runlog import TRAJECTORY_DIR
 from ..supervisor import restarted
@@ -36,22 +36,26 @@ class ResumePoint:
 
 def checkpoint_to_resume(config: TrainConfig, store: CheckpointStore) -> ResumePoint | None:
     """trainer.resume's checkpoint: none, the newest complete one in the store (auto; None when there is none, with
-    a warning per damaged one skipped), or the dir it names (ConfigError when that is no complete run checkpoint)."""
+    a warning per damaged one skipped: its files are checked against their sha256), or the dir it names (ConfigError
+    when that is no complete run checkpoint, its files damaged included). A checkpoint of another model than
+    model.path is refused (ConfigError) before anything starts."""
     resume = config.trainer.resume
     if resume == "none":
         check_fresh_output_dir(config, store.root.parent)
         return None
     if resume == "auto":
-        path, skipped = store.newest_complete()
+        path, skipped = store.newest_complete(check_contents=True)
         for warning in skipped:
             print(f"[rlsearch] warning: {warning}", flush=True)
         if path is None:
             return None
+        if skipped:
+            print(f"[rlsearch] resuming from {path}, the newest checkpoint that passed its checks", flush=True)
         manifest, state = load_run_checkpoint(path)
     else:
         path = Path(resume)
         try:
-            manifest, state = load_run_checkpoint(path)
+            manifest, state = load_run_checkpoint(path, check_contents=True)
         except CheckpointError as error:
             raise ConfigError(f"'trainer.resume' (auto, none or a checkpoint dir): {error}") from error
     return _resume_point(config, path, manifest, state)
@@ -95,6 +99,14 @@ def _resume_point(config: TrainConfig, path: Path, manifest: dict, state: dict) 
         )
     check_optimizer_layout(path, state["config"]["actor"].get("use_distributed_optimizer", False), config.actor,
                            "start a fresh run from its weights (rlsearch convert mcore-to-hf, then model.path)")
+    differences = shape_differences(checkpoint_model_shape(path, manifest), model_shape(config.model.path))
+    if differences:
+        raise ConfigError(
+            f"'model.path' ({config.model.path}) is another model than the one the checkpoint {path} holds "
+            f"({'; '.join(differences)}): a resumed run builds model.path's model and loads the checkpoint into it. "
+            f"Set model.path to the model that run trained ({state['config']['model']['path']}), or start a fresh run "
+            f"with trainer.resume=none"
+        )
     return ResumePoint(path, manifest["layout"], state["step"], SamplerState(**state["sampler"]),
                        manifest.get("critic_layout"))
 

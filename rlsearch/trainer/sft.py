@@ -114,7 +114,7 @@ def _checkpoint_to_resume(config: SFTConfig, store: CheckpointStore, settings: d
     refused (ConfigError) naming each one that differs, before anything is written."""
     if config.resume == "none":
         return None
-    path, skipped = store.newest_complete()
+    path, skipped = store.newest_complete(check_contents=True)
     for warning in skipped:
         print(f"[rlsearch sft] {warning}", flush=True)
     if path is None:

@@ -114,6 +114,16 @@ def _truncated(tmp_path: Path, checkpoint: Path) -> tuple[list[str], str]:
     return ["mcore-to-hf", "--ckpt", str(damaged)], f"{damaged} is damaged: megatron/__2_0.distcp has"
 
 
+def _zeroed(tmp_path: Path, checkpoint: Path) -> tuple[list[str], str]:
+    damaged = tmp_path / "step_000006"
+    shutil.copytree(checkpoint, damaged)
+    shard = damaged / "megatron" / "__2_0.distcp"
+    shard.write_bytes(bytes(shard.stat().st_size))  # the size it was saved with
+    return ["mcore-to-hf", "--ckpt", str(damaged)], (
+        f"{damaged} is damaged: megatron/__2_0.distcp no longer holds the bytes it was saved with (its sha256 differs "
+        "from the manifest's); use an earlier checkpoint (a step_* dir beside it)")
+
+
 def _unsupported_architecture(tmp_path: Path, _checkpoint: Path) -> tuple[list[str], str]:
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
@@ -128,9 +138,10 @@ def _no_critic(_tmp_path: Path, checkpoint: Path) -> tuple[list[str], str]:
         f"{checkpoint} holds no critic (contents: ['model']): only a run with algo.advantage=gae trains one")
 
 
-@pytest.mark.parametrize("make_case", [_not_a_checkpoint, _incomplete, _truncated, _unsupported_architecture,
+@pytest.mark.parametrize("make_case", [_not_a_checkpoint, _incomplete, _truncated, _zeroed, _unsupported_architecture,
                                        _no_critic],
-                         ids=["not-a-checkpoint", "incomplete", "truncated", "unsupported-architecture", "no-critic"])
+                         ids=["not-a-checkpoint", "incomplete", "truncated", "zeroed", "unsupported-architecture",
+                              "no-critic"])
 def test_convert_cli_rejects_bad_input(make_case, tp2pp2_checkpoint, tmp_path):
     args, message = make_case(tmp_path, tp2pp2_checkpoint)
     run = convert_cli(*args, "--out", str(tmp_path / "out"))
@@ -141,11 +152,21 @@ def test_convert_cli_rejects_bad_input(make_case, tp2pp2_checkpoint, tmp_path):
 
 
 def test_convert_reports_a_rank_error_in_the_caller(tp2pp2_checkpoint, tmp_path):
-    """A base model that does not match the checkpoint fails inside the conversion rank; the caller gets its message."""
-    base = tmp_path / "base"
-    shutil.copytree(tp2pp2_checkpoint / "hf", base)
-    config = json.loads((base / "config.json").read_text())
-    (base / "config.json").write_text(json.dumps({**config, "intermediate_size": 384}))
-    with pytest.raises(CheckpointError, match=r"Global shape mismatch .* decoder\.layers\.mlp\.linear_fc1\.weight"):
-        mcore_to_hf(tp2pp2_checkpoint, tmp_path / "out", base_hf_dir=base)
+    """A damaged checkpoint from before the manifest's sha256 fails inside the conversion rank; the caller gets each
+    rank's error, not torch's 'CheckpointException ranks:dict_keys([0])', and is told it is the checkpoint's."""
+    damaged = tmp_path / "step_000002"
+    shutil.copytree(tp2pp2_checkpoint, damaged)
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    del manifest["sha256"]
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    for shard in (damaged / "megatron").glob("*.distcp"):
+        shard.write_bytes(bytes(shard.stat().st_size))
+    with pytest.raises(CheckpointError) as refused:
+        mcore_to_hf(damaged, tmp_path / "out")
+    message = str(refused.value)
+    assert message == (
+        f"cannot load the checkpoint {damaged / 'megatron'} (rank 0: UnpicklingError: Unsupported operand 0); the "
+        "checkpoint is damaged (it predates the sha256 in manifest.json that tell it) or not of the model its hf/ dir "
+        "describes: convert an earlier checkpoint (a step_* dir beside it)")
+    assert "weights_only" not in message and "CheckpointException" not in message
     assert not list(tmp_path.glob("*out*"))

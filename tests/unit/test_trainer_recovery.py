@@ -130,10 +130,10 @@ def test_the_died_message_names_the_dead_how_and_the_way_on(tmp_path) -> None:
 # ---- the checkpoint a run resumes ---------------------------------------------------------------------
 
 
-def _save(store: CheckpointStore, step: int, seed: int, tmp_path) -> None:
+def _save(store: CheckpointStore, step: int, seed: int, tmp_path, hf_config: str = '{"model_type": "qwen2"}') -> None:
     hf = tmp_path / "hf"
     hf.mkdir(exist_ok=True)
-    (hf / "config.json").write_text('{"model_type": "qwen2"}')
+    (hf / "config.json").write_text(hf_config)
 
     def write_model(directory: str) -> None:
         (Path(directory) / "__0_0.distcp").write_bytes(b"x")
@@ -216,3 +216,56 @@ def test_the_newest_own_checkpoint_skips_one_that_was_removed(tmp_path) -> None:
     saved = {2: store.root / "step_000002", 4: store.root / "step_000004"}  # step 4's was pruned
     assert newest_own_checkpoint(config, saved).step == 2
     assert newest_own_checkpoint(config, {}) is None
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(path): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def test_resume_auto_skips_a_zeroed_checkpoint_and_says_which_it_takes(tmp_path, capsys) -> None:
+    store = CheckpointStore(tmp_path / "run")
+    seed = load_train_config(None, []).trainer.seed
+    _save(store, 2, seed, tmp_path)
+    _save(store, 4, seed, tmp_path)
+    damaged = store.root / "step_000004"
+    (damaged / "megatron" / "__0_0.distcp").write_bytes(b"\0")  # as many bytes as it was saved with
+    point = checkpoint_to_resume(load_train_config(None, ["trainer.resume=auto"]), store)
+    assert point.path == store.root / "step_000002"
+    assert capsys.readouterr().out.splitlines() == [
+        f"[rlsearch] warning: skipping checkpoint step_000004: {damaged} is damaged: megatron/__0_0.distcp no longer "
+        "holds the bytes it was saved with (its sha256 differs from the manifest's); use an earlier checkpoint (a "
+        "step_* dir beside it)",
+        f"[rlsearch] resuming from {store.root / 'step_000002'}, the newest checkpoint that passed its checks"]
+    before = _files(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        checkpoint_to_resume(load_train_config(None, [f"trainer.resume={damaged}"]), store)
+    assert str(refused.value) == (
+        f"'trainer.resume' (auto, none or a checkpoint dir): {damaged} is damaged: megatron/__0_0.distcp no longer "
+        "holds the bytes it was saved with (its sha256 differs from the manifest's); use an earlier checkpoint (a "
+        "step_* dir beside it)")
+    assert _files(tmp_path) == before
+
+
+def test_a_checkpoint_of_another_model_than_model_path_is_refused_naming_both(tmp_path) -> None:
+    store = CheckpointStore(tmp_path / "run")
+    seed = load_train_config(None, []).trainer.seed
+    _save(store, 2, seed, tmp_path, '{"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2}')
+    moe = tmp_path / "tiny-qwen3-moe"
+    moe.mkdir()
+    (moe / "config.json").write_text('{"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 4, '
+                                     '"num_experts": 8}')
+    before = _files(tmp_path)
+    checkpoint = store.root / "step_000002"
+    for resume in ("auto", str(checkpoint)):
+        with pytest.raises(ConfigError) as refused:
+            checkpoint_to_resume(load_train_config(None, [f"trainer.resume={resume}", f"model.path={moe}"]), store)
+        assert str(refused.value) == (
+            f"'model.path' ({moe}) is another model than the one the checkpoint {checkpoint} holds (model_type "
+            "'qwen2' there, 'qwen3_moe' here; num_hidden_layers 2 there, 4 here): a resumed run builds model.path's "
+            "model and loads the checkpoint into it. Set model.path to the model that run trained "
+            "(outputs/assets/tiny-qwen2), or start a fresh run with trainer.resume=none")
+    assert _files(tmp_path) == before
+    old_manifest = checkpoint / "manifest.json"  # from before the shape was recorded: its hf/config.json tells it
+    old_manifest.write_text(old_manifest.read_text().replace('"model_shape"', '"unrecorded"'))
+    with pytest.raises(ConfigError, match=r"model_type 'qwen2' there, 'qwen3_moe' here; num_hidden_layers 2"):
+        checkpoint_to_resume(load_train_config(None, ["trainer.resume=auto", f"model.path={moe}"]), store)
