@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from rlsearch.config import ConfigError, load_train_config
 from rlsearch.data import Rubric
 from rlsearch.reward.evolving import EvolvingRubric, FilterResult, RubricBuffer
 from rlsearch.reward.rubric import dr_tulu_rubric_score
@@ -102,3 +103,24 @@ def test_max_active_below_one_is_refused() -> None:
 def test_dr_tulu_rubric_score(weights, scores, expected) -> None:
     rubrics = [Rubric(f"r{index}", weight) for index, weight in enumerate(weights)]
     assert dr_tulu_rubric_score(rubrics, scores) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["reward.rubric.evolve.enabled=true"],
+     r"'reward\.rubric\.evolve\.enabled' needs a generator model: list it in 'reward\.rubric\.evolve\.endpoints'"),
+    (["reward.rubric.evolve.endpoints=[{url: 'http://a/v1'}]"],
+     r"'reward\.rubric\.evolve\.endpoints\[0\]\.model' is empty"),
+    (["reward.rubric.evolve.max_active_rubrics=0"], r"'reward\.rubric\.evolve\.max_active_rubrics' must be > 0"),
+])
+def test_bad_evolving_rubric_keys_stop_the_start_naming_the_key(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(None, overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["reward.rubric.evolve.enabled=true", "reward.judge.base_url=http://j/v1", "reward.judge.model=m"],
+    ["reward.rubric.evolve.enabled=true", "reward.rubric.evolve.endpoints=[{url: 'http://g/v1', model: g}]"],
+])
+def test_evolving_rubrics_with_a_generator_model_load(overrides) -> None:
+    evolve = load_train_config(None, overrides).reward.rubric.evolve
+    assert evolve.enabled and evolve.max_active_rubrics == 5 and evolve.use_static_rubrics_as_persistent_rubrics
