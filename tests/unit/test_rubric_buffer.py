@@ -121,6 +121,13 @@ def test_bad_evolving_rubric_keys_stop_the_start_naming_the_key(overrides, messa
     ["reward.rubric.evolve.enabled=true", "reward.judge.base_url=http://j/v1", "reward.judge.model=m"],
     ["reward.rubric.evolve.enabled=true", "reward.rubric.evolve.endpoints=[{url: 'http://g/v1', model: g}]"],
 ])
-def test_evolving_rubrics_with_a_generator_model_load(overrides) -> None:
-    evolve = load_train_config(None, overrides).reward.rubric.evolve
-    assert evolve.enabled and evolve.max_active_rubrics == 5 and evolve.use_static_rubrics_as_persistent_rubrics
+def test_evolving_rubrics_with_a_generator_model_stop_at_start_up_until_they_are_wired(overrides) -> None:
+    with pytest.raises(ConfigError, match=r"'reward\.rubric\.evolve\.enabled': evolving rubrics are not wired into "
+                                          r"training yet \(issue 76\); set it to false"):
+        load_train_config(None, overrides)
+
+
+def test_evolving_rubric_options_load_with_dr_tulus_defaults() -> None:
+    evolve = load_train_config(None, ["reward.rubric.evolve.max_active_rubrics=3"]).reward.rubric.evolve
+    assert (evolve.enabled, evolve.max_active_rubrics, evolve.use_full_responses_for_adaptive_rubric,
+            evolve.use_static_rubrics_as_persistent_rubrics, evolve.max_tokens) == (False, 3, True, True, 2048)
