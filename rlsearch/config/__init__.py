@@ -24,6 +24,7 @@ from .schema import (
     EndpointConfig,
     EvalConfig,
     EvalSettings,
+    EvolveConfig,
     JinaConfig,
     JudgeConfig,
     MCPConfig,
@@ -59,7 +60,7 @@ def load_eval_config(path: str | None, overrides: list[str] | None = None) -> Ev
 
 __all__ = [
     "ActorConfig", "AlgoConfig", "WeightsConfig", "BrowseConfig", "ConfigError", "CriticConfig", "CriticModelConfig",
-    "DataConfig", "EndpointConfig",
+    "DataConfig", "EndpointConfig", "EvolveConfig",
     "EvalConfig", "EvalSettings", "JinaConfig", "JudgeConfig", "MCPConfig", "MCPServerConfig", "ModelConfig",
     "RetrieverConfig", "RewardConfig", "RolloutConfig", "RubricConfig", "SerperConfig", "SFTConfig", "SFTDataConfig",
     "SummariserConfig", "ToolsConfig", "TrainConfig", "TrainerConfig", "TRUNCATION_REASONS", "EngineSpec",

@@ -421,6 +421,30 @@ class JudgeConfig:
 
 
 @dataclass
+class EvolveConfig:
+    """Evolving rubrics (DR Tulu's RLER): each step a generator model writes new rubrics per prompt group from its
+    rollouts, and rubrics that no longer tell the group's answers apart are dropped (docs/rewards.md)."""
+
+    # grow the rubrics of the rows the rubric scorer scores as the policy trains (training only). Not wired into the
+    # step yet: true is a start-up error (issue 76)
+    enabled: bool = False
+    max_active_rubrics: int = rule(5, gt=0)  # evolving rubrics kept active per question after the std filter
+    # the generator sees each rollout whole, tool calls and tool outputs included (how search results reach it);
+    # false: only the <answer> blocks
+    use_full_responses_for_adaptive_rubric: bool = True
+    # the dataset's rubrics are persistent (judged every step, never pruned); false: they start as active evolving
+    # rubrics, which the std filter and the cap may drop
+    use_static_rubrics_as_persistent_rubrics: bool = True
+    # generator models tried in order ({url, model, api_key_env} each), with reward.judge's failover, timeouts,
+    # retries, deadline, cache_dir and replay; empty: the judge's endpoints
+    endpoints: list[EndpointConfig] = field(default_factory=list)
+    max_tokens: int = rule(2048, gt=0)  # of the generator's reply
+    # template with {question}, {responses} and {existing_rubrics} placeholders; empty: the shipped default
+    # (rlsearch/reward/prompts/rubric_generation.txt)
+    prompt_file: str = ""
+
+
+@dataclass
 class RubricConfig:
     """Extra terms of the rubric scorer's reward: weighted rubric mean + the weights below times their terms."""
 
@@ -429,6 +453,7 @@ class RubricConfig:
     citation_weight: float = rule(0.0, ge=0)
     search_weight: float = rule(0.0, ge=0)  # term: min(tool calls, max_searches) / max_searches
     max_searches: int = rule(3, gt=0)  # tool calls that earn the full search term
+    evolve: EvolveConfig = field(default_factory=EvolveConfig)
 
 
 @dataclass

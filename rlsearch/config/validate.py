@@ -281,3 +281,12 @@ def _check_reward(config: TrainConfig | EvalConfig) -> None:
         raise ConfigError("'reward.judge.endpoints' lists the judges; base_url, model and api_key_env are the "
                           "shorthand for one: give one form, not both")
     _check_replay_store("reward.judge", judge.replay, judge.cache_dir, "judge_cache")
+    evolve = config.reward.rubric.evolve
+    _check_endpoint_models("reward.rubric.evolve", evolve.endpoints)
+    if evolve.enabled and not (evolve.endpoints or judge.endpoints or (judge.base_url and judge.model)):
+        raise ConfigError("'reward.rubric.evolve.enabled' needs a generator model: list it in "
+                          "'reward.rubric.evolve.endpoints' ([{url, model}]), or set the judge's "
+                          "(reward.judge.base_url and model, or reward.judge.endpoints), which it then uses")
+    if evolve.enabled:  # rather than train on the static rubrics while the config says evolving ones
+        raise ConfigError("'reward.rubric.evolve.enabled': evolving rubrics are not wired into training yet "
+                          "(issue 76); set it to false to train with the rows' static rubrics")

@@ -9,6 +9,7 @@ from rlsearch.reward.qa import (
     normalize_answer,
     score_response,
     substring_match,
+    trajectory_answer,
 )
 from rlsearch.reward.registry import (
     DEFAULT_SCORERS,
@@ -26,7 +27,6 @@ from rlsearch.reward.score import (
     check_scorers,
     reward_scorer,
     score_trajectories,
-    trajectory_answer,
 )
 from rlsearch.reward.turns import TURN_SCORERS, check_turn_scorers, get_turn_scorer, score_turns
 from rlsearch.reward.verdict import parse_verdict

@@ -104,12 +104,15 @@ class RateLimiter:
 class Judge:
     """Asks the judge model one prompt at a time (many in flight); every coroutine runs on the loop that made it."""
 
-    def __init__(self, config: JudgeConfig) -> None:
+    def __init__(self, config: JudgeConfig, key: str = "reward.judge") -> None:
+        """``key``: the config section whose endpoints ``config`` holds (errors name it); the rubric generator's
+        is reward.rubric.evolve."""
         endpoints = judge_endpoints(config)
         if not all(endpoint.url and endpoint.model for endpoint in endpoints):
             raise ConfigError("'reward.judge.base_url' and 'reward.judge.model' are needed by the judge and rubric "
                               "scorers (or a list of judges in 'reward.judge.endpoints')")
         self.config = config
+        self.key = key
         self.model = endpoints[0].model  # replies are cached under the first judge's name, whichever answered
         self.endpoints = Failover([self._endpoint(index, endpoint) for index, endpoint in enumerate(endpoints)],
                                   config.cooldown_s)
@@ -124,8 +127,8 @@ class Judge:
         if endpoint.api_key_env:
             api_key = os.environ.get(endpoint.api_key_env, "")
             if not api_key:
-                key = f"reward.judge.endpoints[{index}].api_key_env" if self.config.endpoints else \
-                    "reward.judge.api_key_env"
+                key = f"{self.key}.endpoints[{index}].api_key_env" if self.config.endpoints else \
+                    f"{self.key}.api_key_env"
                 raise ConfigError(f"'{key}' names {endpoint.api_key_env}, which is not set")
         client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=api_key, timeout=self.config.timeout_s,
                                     max_retries=0)

@@ -7,6 +7,10 @@ import string
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlsearch.trajectory import Trajectory
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -86,3 +90,10 @@ def score_response(
     em = exact_match(answer, golden_answers)
     reward = 1.0 if em else format_score
     return RewardResult(reward=reward, em=em, f1=f1_score(answer, golden_answers), has_answer=True)
+
+
+def trajectory_answer(trajectory: Trajectory) -> str | None:
+    """What a trajectory answered: a user agent's returned answer, else the model's last <answer> block."""
+    if trajectory.agent_answer is not None:
+        return trajectory.agent_answer
+    return extract_answer(trajectory.model_text)

@@ -24,6 +24,13 @@ def weighted_rubric_mean(rubrics: Sequence[Rubric], scores: Sequence[float]) -> 
         rubric.weight for rubric in rubrics)
 
 
+def dr_tulu_rubric_score(rubrics: Sequence[Rubric], scores: Sequence[float]) -> float:
+    """DR Tulu's rubric reward: sum(weight * score) / max(sum of the positive weights, 1). A negative rubric (weight
+    -1: a mistake the answer makes) subtracts, so the score can be below 0."""
+    positive = sum(rubric.weight for rubric in rubrics if rubric.weight > 0)
+    return sum(rubric.weight * score for rubric, score in zip(rubrics, scores, strict=True)) / max(positive, 1.0)
+
+
 def rubric_terms(response_text: str, trajectory: Trajectory, config: RubricConfig) -> dict[str, float]:
     """format: a non-empty <answer> block is present; citation: the answer (the whole response without a block)
     cites with ``<cite id="a,b">`` at least one id a tool showed; search: min(tool calls, max_searches) /

@@ -170,13 +170,6 @@ class RewardScorer:
         trajectory.reward = rubric_reward(mean, terms, self.config.rubric)
 
 
-def trajectory_answer(trajectory: Trajectory) -> str | None:
-    """What a trajectory answered: a user agent's returned answer, else the model's last <answer> block."""
-    if trajectory.agent_answer is not None:
-        return trajectory.agent_answer
-    return extract_answer(trajectory.model_text)
-
-
 def _response_text(trajectory: Trajectory) -> str:
     """What is scored: the model's text, or a user agent's returned answer as an answer block."""
     if trajectory.agent_answer is None:

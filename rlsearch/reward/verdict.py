@@ -37,7 +37,7 @@ _WORDS = {
 
 def parse_verdict(reply: str, scale: float | None = None) -> float | None:
     """The judge's score in [0, 1] (see the module doc for what is accepted), or None."""
-    text = _THINKING.sub("", reply).strip()
+    text = without_thinking(reply).strip()
     for candidate in _JSON_OBJECT.findall(text):
         try:
             obj = json.loads(candidate)
@@ -48,6 +48,11 @@ def parse_verdict(reply: str, scale: float | None = None) -> float | None:
                 return _value(obj[key], scale)
     labelled = _LABELLED.findall(text)
     return _phrase(labelled[-1] if labelled else text, scale)
+
+
+def without_thinking(reply: str) -> str:
+    """``reply`` less its ``<think>...</think>`` reasoning (or all before a lone ``</think>``)."""
+    return _THINKING.sub("", reply)
 
 
 def _value(value: object, scale: float | None) -> float | None:
