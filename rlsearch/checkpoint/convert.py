@@ -151,6 +151,7 @@ def mcore_to_hf(
         (written,) = _spawn(_export_model, (1, 1, 1), (
             str(metadata_dir), str(ckpt / (CRITIC_DIR if critic else MODEL_DIR)), str(staging), checkpoint_dtype,
             manifest.get("transformer_impl", "auto"), out_dtype, max_shard_bytes, verify, critic,
+            None if critic else manifest.get("lora"),
         ))
         return HFExport(out_dir=_publish(staging, out), dtype=out_dtype, **written)
 
@@ -362,19 +363,23 @@ def _save_model_shard(hf_dir: str, megatron_dir: str, dtype: str) -> str:
 
 def _export_model(
     hf_dir: str, megatron_dir: str, out_dir: str, checkpoint_dtype: str, transformer_impl: str, out_dtype: str,
-    max_shard_bytes: int, verify: bool, value_model: bool,
+    max_shard_bytes: int, verify: bool, value_model: bool, lora: dict | None,
 ) -> dict[str, Any]:
-    """Rank job of mcore_to_hf (a single rank): load the checkpoint's model (`value_model`: its critic), write
-    safetensors, optionally verify."""
+    """Rank job of mcore_to_hf (a single rank): load the checkpoint's model (`value_model`: its critic; `lora`: the
+    run's actor.lora, whose adapters the model holds and the export merges), write safetensors, optionally verify."""
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from ..config.schema import LoRAConfig
+    from ..megatron.lora import install_adapters
     from ..megatron.model import export_hf_named
     from ..megatron.parallel import model_sharded_state
 
     bridge, (model,), _ = _build(hf_dir, checkpoint_dtype, transformer_impl, value_model)
+    if lora:
+        install_adapters(model, LoRAConfig(**lora), seed=0)  # their values come from the checkpoint
     try:
         state = dist_checkpointing.load({"model": model_sharded_state([model])}, megatron_dir)
     except (CheckpointingException, CheckpointException) as error:

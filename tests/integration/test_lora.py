@@ -10,16 +10,19 @@ no second model built. Layout runs are cached per module: each group of ranks st
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import pytest
 import ray
 import torch
 from safetensors.torch import load_file
 
+from rlsearch.checkpoint import CheckpointStore, mcore_to_hf
+from rlsearch.checkpoint.layout import MODEL_DIR
 from rlsearch.config import AlgoConfig
 from rlsearch.config.schema import LoRAConfig
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, max_diff, scored_batch, sent_tensors
+from tests.integration.convert_checks import converted_tensors
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
 SCALE = LORA.alpha / LORA.rank
@@ -230,22 +233,24 @@ def test_lora_exports_the_merged_weights(run_lora, tiny_model_dir):
     assert len(adapted) == 7 * config["num_hidden_layers"]  # q, k, v, o, gate, up, down of every layer
 
 
-def test_lora_checkpoint_from_tp1_resumes_at_tp2(rank_pool, tiny_model_dir, batch, tmp_path):
+def test_lora_checkpoint_from_tp1_resumes_at_tp2_and_converts_merged(rank_pool, tiny_model_dir, batch, tmp_path):
     """A checkpoint holds the adapters, split as each layout splits them, and their Adam state: saved at TP1 after a
-    step, loaded at TP2, the next step is TP1's (the base weights are the model file's: frozen)."""
+    step, loaded at TP2, the next step is TP1's (the base weights are the model file's: frozen). `rlsearch convert
+    mcore-to-hf` writes its merged weights, the HF model's logits those of the Megatron model with its adapters."""
     samples, _ = batch
-    checkpoint = tmp_path / "megatron"
-    checkpoint.mkdir()
+    store = CheckpointStore(tmp_path / "run")
+    info = {"layout": {"tp": 1, "pp": 1, "dp": 1}, "architecture": "qwen2", "dtype": "float32",
+            "transformer_impl": "local", "contents": ["model", "optimizer", "scheduler", "rng"], "lora": asdict(LORA)}
     # the second step pushes the other way: only with Adam's first moment restored do the two gradients mostly cancel
     reversed_samples = [replace(sample, advantage=-sample.advantage) for sample in samples]
     with rank_pool.group(actor_spec(tiny_model_dir, 1, 1, 1, SETTINGS)) as source:
         source.train_step(samples)
-        source.save_checkpoint(str(checkpoint))
+        checkpoint = store.save(1, source.save_checkpoint, {}, tiny_model_dir, info)
         saved = source.hf_state_dict()
         second = source.train_step(reversed_samples)
         uninterrupted = source.hf_state_dict()
     with rank_pool.group(actor_spec(tiny_model_dir, 2, 1, 1, SETTINGS)) as resumed:
-        assert resumed.load_checkpoint(str(checkpoint), restore_rng=False) == 1
+        assert resumed.load_checkpoint(str(checkpoint / MODEL_DIR), restore_rng=False) == 1
         loaded = resumed.hf_state_dict()
         second_resumed = resumed.train_step(reversed_samples)
         resumed_weights = resumed.hf_state_dict()
@@ -253,3 +258,7 @@ def test_lora_checkpoint_from_tp1_resumes_at_tp2(rank_pool, tiny_model_dir, batc
     assert second_resumed["actor/grad_norm"] == pytest.approx(second["actor/grad_norm"], abs=1e-6)
     assert max_diff(resumed_weights, uninterrupted) < 1e-6
     assert max_diff(uninterrupted, saved) > 1e-5  # the second step moved the merged weights
+    converted = mcore_to_hf(checkpoint, tmp_path / "hf", verify=True)
+    assert converted.max_logit_diff < 1e-5
+    merged = converted_tensors(converted.out_dir)
+    assert set(merged) == set(saved) and all(torch.equal(merged[name], saved[name]) for name in saved)
