@@ -155,7 +155,9 @@ def test_lora_step_zero_is_the_base_model(run_lora, batch):
     _, hf_reference = batch
     result = run_lora("tp1")
     # B is zero: the adapted model scores as its base (the reference policy: adapters off) and as HF transformers
-    assert _max_logprob_diff(result.logprobs_before, result.reference_before) <= 1e-6
+    identity = _max_logprob_diff(result.logprobs_before, result.reference_before)
+    print(f"\nstep 0, adapters on vs off: max |logprob diff| {identity:.1e}")
+    assert identity <= 1e-6
     assert max((torch.tensor(a) - b).abs().max().item() for a, b in zip(result.logprobs_before, hf_reference)) < 1e-5
     assert all(torch.count_nonzero(t) == 0 for k, t in result.ranks_before[0]["factors"].items() if k.endswith(".b"))
     assert all(torch.count_nonzero(t) > 0 for k, t in result.ranks_before[0]["factors"].items() if k.endswith(".a"))
@@ -181,6 +183,11 @@ def test_lora_trains_only_the_adapters(run_lora, layout):
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_lora_layouts_give_tp1s_logprobs_gradients_and_adapters(run_lora, layout):
     baseline, result = run_lora("tp1"), run_lora(layout)
+    grads, factors = (max_diff(_whole(result.ranks_after, part), _whole(baseline.ranks_after, part))
+                      for part in ("grads", "factors"))
+    print(f"\n{layout} vs tp1, max |diff|: logprobs "
+          f"{_max_logprob_diff(result.logprobs_after, baseline.logprobs_after):.1e} after the steps, gradients "
+          f"{grads:.1e}, adapters {factors:.1e}, merged weights {max_diff(result.exported, baseline.exported):.1e}")
     assert _max_logprob_diff(result.logprobs_before, baseline.logprobs_before) < TOLERANCE
     assert _max_logprob_diff(result.logprobs_after, baseline.logprobs_after) < TOLERANCE
     for step, (ours, theirs) in enumerate(zip(result.metrics, baseline.metrics)):
