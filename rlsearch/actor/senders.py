@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from ..megatron.lora import is_adapter
 from ..weights import broadcast, shm
 from ..weights.bucket import WeightBucket
 from ..weights.clock import PhaseClock
@@ -36,6 +37,8 @@ def export_bytes(chunks: Sequence[torch.nn.Module], in_sender_replica: bool, is_
     total = 0
     for chunk in chunks:
         for parameter in chunk.parameters():
+            if is_adapter(parameter):  # folded into its layer's weight (LoRA), not sent itself
+                continue
             expert = not getattr(parameter, "allreduce", True)  # megatron's mark of an expert parameter
             sharded = in_sender_replica and getattr(parameter, "tensor_model_parallel", False)
             if expert or sharded or is_stage_sender:

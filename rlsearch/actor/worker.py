@@ -23,6 +23,7 @@ from ..config import ActorConfig, AlgoConfig
 from ..devices import cpu_threads_each, local_device
 from ..lifetime import forked_children_die_with_this_process
 from ..megatron.cpu_compat import cuda_available
+from ..megatron.lora import adapters_off, install_adapters
 from ..megatron.model import (
     ActivationMemory,
     MoESettings,
@@ -156,7 +157,8 @@ class MegatronActorWorker:
         self.model = self.training.chunks
         self._host_copies: list | None = None  # what `offload` released, until the next use restores it
         self.reference = None
-        if self.spec.algo.kl_coef > 0 and not value_model:
+        # with actor.lora the reference policy is the trained model with its adapters off (`compute_logprobs`)
+        if self.spec.algo.kl_coef > 0 and not value_model and not actor.lora.rank:
             self.reference = self._build_chunks()
             for chunk in self.reference:
                 chunk.requires_grad_(False)
@@ -188,7 +190,8 @@ class MegatronActorWorker:
 
     def _build_chunks(self) -> list[torch.nn.Module]:
         """This rank's model chunks with the HF weights; on the local spec its attention applies the rotary
-        embeddings (rlsearch.megatron.attention)."""
+        embeddings (rlsearch.megatron.attention). With actor.lora the policy's weights are frozen under adapters
+        (rlsearch.megatron.lora)."""
         from ..megatron.attention import take_over_rotary
 
         stages = self.spec.actor.virtual_pipeline_stages
@@ -201,6 +204,10 @@ class MegatronActorWorker:
         if self.transformer_impl == "local":
             for chunk in chunks:
                 take_over_rotary(chunk)
+        lora = self.spec.actor.lora
+        if lora.rank and not self.spec.value_model:
+            for chunk in chunks:
+                install_adapters(chunk, lora, self.spec.seed)
         return chunks
 
     # ---- forward passes -------------------------------------------------------------------------------
@@ -242,10 +249,12 @@ class MegatronActorWorker:
         tied = module.share_embeddings_and_output_weights
         return module.output_layer.project, module.shared_embedding_or_output_weight() if tied else None
 
-    def _run_pipeline(self, model, samples: Sequence[TrainSample], loss_fn, forward_only: bool) -> list[dict]:
+    def _run_pipeline(self, model, samples: Sequence[TrainSample], loss_fn, forward_only: bool, routed: bool = True
+                      ) -> list[dict]:
         """Megatron's pipeline schedule over packed micro-batches; the loss dicts of the last stage, in order. A
         training pass (not `forward_only`) takes logits only at trained positions, whose weights are the only
-        non-zero ones; a forward pass gives every response token its logprob."""
+        non-zero ones; a forward pass gives every response token its logprob. `routed`: the trained model's MoE
+        routers count and replay (not in a reference pass)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from ..megatron.attention import rotary_table
@@ -259,7 +268,7 @@ class MegatronActorWorker:
         # the interleaved schedule reads micro-batches once per model chunk
         batches = iter(micro_batches) if len(model) == 1 else [iter(micro_batches) for _ in model]
 
-        routed = self.routers is not None and model is self.model
+        routed = routed and self.routers is not None and model is self.model
 
         def forward_step(data_iterator, chunk):
             mb: MicroBatch = next(data_iterator)
@@ -328,14 +337,20 @@ class MegatronActorWorker:
     def compute_logprobs(
         self, samples: Sequence[TrainSample], reference: bool = False, distribution: SamplingDistribution | None = None,
     ) -> list[list[float]] | None:
-        """Per-sample logprobs of the response tokens (under the rollout's sampled distribution unless given). None
-        off the output ranks."""
-        model = self.reference if reference else self.model
-        if model is None:
+        """Per-sample logprobs of the response tokens (under the rollout's sampled distribution unless given), of the
+        reference policy with `reference`. None off the output ranks."""
+
+        def logprobs(hidden, head, mb):
+            return self._token_logprobs(hidden, head, mb.projected_labels, distribution)[0]
+
+        if not reference:
+            return self._forward_per_token(self.model, samples, logprobs)
+        if self.spec.algo.kl_coef == 0:
             raise RuntimeError("reference logprobs requested but algo.kl_coef is 0 (no reference model)")
-        return self._forward_per_token(
-            model, samples, lambda hidden, head, mb: self._token_logprobs(hidden, head, mb.projected_labels,
-                                                                          distribution)[0])
+        if self.reference is not None:
+            return self._forward_per_token(self.reference, samples, logprobs)
+        with adapters_off(self.model):  # actor.lora: the base model under the adapters
+            return self._forward_per_token(self.model, samples, logprobs, routed=False)
 
     def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]] | None:
         """A critic's values at every response token of each sample (the value of the state before the token is
@@ -344,7 +359,8 @@ class MegatronActorWorker:
             raise RuntimeError("values are a critic's (ActorWorkerSpec.value_model); this rank is the policy's")
         return self._forward_per_token(self.model, samples, lambda hidden, head, mb: self._values(hidden, head))
 
-    def _forward_per_token(self, model, samples: Sequence[TrainSample], per_pair) -> list[list[float]] | None:
+    def _forward_per_token(self, model, samples: Sequence[TrainSample], per_pair, routed: bool = True
+                           ) -> list[list[float]] | None:
         """A forward pass of `model` over `samples`: per sample, the figure at each of its response tokens (logprobs,
         a critic's values), in order, from `per_pair(hidden, head, mb)`'s figure of each projected (row, label) pair.
         None off the output ranks."""
@@ -361,7 +377,7 @@ class MegatronActorWorker:
         for chunk in model:
             chunk.eval()
         with torch.no_grad():
-            outputs = self._run_pipeline(model, samples, loss_fn, forward_only=True)
+            outputs = self._run_pipeline(model, samples, loss_fn, forward_only=True, routed=routed)
         if not self.info.is_output_rank:
             return None
         by_index = {index: row for out in outputs for index, row in zip(out["indices"], out["per_sample"])}

@@ -159,6 +159,7 @@ def mcore_to_hf(
             str(metadata_dir), str(ckpt / (CRITIC_DIR if critic else MODEL_DIR)), str(staging), checkpoint_dtype,
             manifest.get("transformer_impl", "auto"), out_dtype, max_shard_bytes, verify, critic,
             _load_remedy(base_hf_dir is not None),
+            None if critic else manifest.get("lora"),
         ))
         return HFExport(out_dir=_publish(staging, out), dtype=out_dtype, **written)
 
@@ -378,16 +379,20 @@ def _save_model_shard(hf_dir: str, megatron_dir: str, dtype: str) -> str:
 
 def _export_model(
     hf_dir: str, megatron_dir: str, out_dir: str, checkpoint_dtype: str, transformer_impl: str, out_dtype: str,
-    max_shard_bytes: int, verify: bool, value_model: bool, load_remedy: str,
+    max_shard_bytes: int, verify: bool, value_model: bool, load_remedy: str, lora: dict | None,
 ) -> dict[str, Any]:
-    """Rank job of mcore_to_hf (a single rank): load the checkpoint's model (`value_model`: its critic), write
-    safetensors, optionally verify."""
+    """Rank job of mcore_to_hf (a single rank): load the checkpoint's model (`value_model`: its critic; `lora`: the
+    run's actor.lora, whose adapters the model holds and the export merges), write safetensors, optionally verify."""
     import torch
 
+    from ..config.schema import LoRAConfig
+    from ..megatron.lora import install_adapters
     from ..megatron.model import export_hf_named
     from ..megatron.parallel import CheckpointLoadError, load_sharded, model_sharded_state
 
     bridge, (model,), _ = _build(hf_dir, checkpoint_dtype, transformer_impl, value_model)
+    if lora:
+        install_adapters(model, LoRAConfig(**lora), seed=0)  # their values come from the checkpoint
     try:
         state = load_sharded({"model": model_sharded_state([model])}, megatron_dir, load_remedy)
     except CheckpointLoadError as error:

@@ -32,6 +32,11 @@ def check_actor_devices(actor: ActorConfig, has_gpus: bool, dtype: str) -> None:
     (`dtype`, model.dtype resolved: auto follows the devices). Checked by the driver once it knows whether the cluster
     has GPUs, before any rank starts."""
     check_optimizer_offload_dtype(actor, dtype)
+    if has_gpus and actor.lora.rank and actor.transformer_impl == "auto":
+        raise ConfigError(
+            f"'actor.lora.rank' is {actor.lora.rank} with actor.transformer_impl=auto on a cluster with GPUs: auto "
+            "builds Transformer Engine's layer spec there, whose fused linear layers the adapters do not wrap yet; set "
+            "actor.transformer_impl=local")
     if has_gpus:
         return
     if actor.activation_offload != "none":
@@ -243,7 +248,7 @@ def check_model_layout(model_dir: str | Path, actor: ActorConfig, routing_replay
     if routing_replay != "none" and not _num_experts(read_hf_config(model_dir)):
         raise ConfigError(f"'algo.routing_replay' is {routing_replay} but {model_dir} is a dense model (no experts "
                           "to route); use algo.routing_replay=none")
-    problem = _memory_settings_problem(model_dir, actor)
+    problem = _memory_settings_problem(model_dir, actor) or _lora_problem(model_dir, actor)
     if problem:
         raise ConfigError(problem)
 
@@ -278,4 +283,15 @@ def _memory_settings_problem(model_dir: str | Path, actor: ActorConfig) -> str |
     if actor.activation_offload == "layer" and layers < 2:
         return (f"'actor.activation_offload' is layer but {model_dir} has {layers} layer: the layer offload keeps the "
                 "last layer's activations on the device, so it needs at least two")
+    return None
+
+
+def _lora_problem(model_dir: str | Path, actor: ActorConfig) -> str | None:
+    """Why actor.lora's targets do not fit the model at `model_dir` (None: they do): a MoE model's MLPs are experts,
+    which the adapters do not wrap."""
+    mlp_targets = [target for target in ("fc1", "fc2") if target in actor.lora.targets]
+    if actor.lora.rank and mlp_targets and _num_experts(read_hf_config(model_dir)):
+        return (f"'actor.lora.targets' has {' and '.join(mlp_targets)} but the MLPs of {model_dir} are "
+                "mixture-of-experts layers: adapters on experts are not supported (vLLM has no expert LoRA on CPU "
+                "either); adapt the attention only (actor.lora.targets=[qkv,proj])")
     return None

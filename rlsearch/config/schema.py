@@ -54,6 +54,29 @@ class DataConfig:
     oversample: float = rule(1.0, ge=1, note="1: no extra prompts")
 
 
+# the linear layers of a transformer layer that actor.lora adapts (Megatron's linear_qkv, linear_proj, linear_fc1,
+# linear_fc2)
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+
+
+@dataclass
+class LoRAConfig:
+    # rank of the low-rank adapters trained instead of the model's weights (0: off, every weight trains). Each target
+    # layer W gets W + (alpha / rank) x B x A, B zero at the start (step 0 is the model itself); the model's own
+    # weights stay frozen (no gradients, no Adam state) and the weight sync sends the merged W + (alpha / rank) x B x A
+    rank: int = rule(0, ge=1, off="off")
+    alpha: float = rule(16.0, gt=0)  # the adapters' scale is alpha / rank
+    # the linear layers adapted in every transformer layer: qkv (the attention's query, key and value projection),
+    # proj (its output projection), fc1 and fc2 (the MLP's first and second layer; dense MLPs only)
+    targets: list[str] = rule(
+        factory=lambda: list(LORA_TARGETS), items=LORA_TARGETS, items_are="the targets",
+        nonempty="name the linear layers to adapt (qkv, proj, fc1, fc2), or set actor.lora.rank=0",
+        note="the embedding and output layer are never adapted: Qwen2's are one tied matrix, and vLLM leaves an "
+             "output-layer adapter out of prompt logprobs")
+    # dropout on the adapters' input in training passes (0: none)
+    dropout: float = rule(0.0, within="[0, 1)")
+
+
 @dataclass
 class ActorConfig:
     tp: int = rule(1, gt=0)  # tensor-parallel size
@@ -142,6 +165,8 @@ class ActorConfig:
     # its noise to algo.rollout_correction and algo.mismatch_threshold. model: config.json's (SFT's default: a warm
     # start takes no ratio)
     dropout: str = rule("off", choices=("off", "model"))
+    # low-rank adapters (LoRA) trained instead of the model's weights; actor.lora.rank 0: off
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @property
     def world_size(self) -> int:
@@ -712,12 +737,12 @@ class CriticConfig:
 
     def ranks_config(self, actor: ActorConfig) -> ActorConfig:
         """The critic ranks' settings: the actor's, with this section's layout (0: the actor's) and optimizer (a
-        constant learning rate after its warm-up)."""
+        constant learning rate after its warm-up); no adapters (actor.lora): the critic trains all its weights."""
         return dataclasses.replace(
             actor, tp=self.tp or actor.tp, pp=self.pp or actor.pp, cp=self.cp or actor.cp, dp=self.dp or actor.dp,
             virtual_pipeline_stages=actor.virtual_pipeline_stages if not self.pp else 0,
             lr=self.lr, min_lr=0.0, lr_warmup_steps=self.lr_warmup_steps, lr_decay_style="constant",
-            weight_decay=self.weight_decay, clip_grad=self.clip_grad,
+            weight_decay=self.weight_decay, clip_grad=self.clip_grad, lora=LoRAConfig(),
         )
 
 

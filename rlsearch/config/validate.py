@@ -159,6 +159,11 @@ def _check_actor(actor: ActorConfig, dtype: str) -> None:
             "recomputed group's input, so the modules fine_grained offloads keep nothing to offload; use one of them, "
             "or actor.recompute=selective"
         )
+    if actor.lora.rank and actor.transformer_impl == "transformer_engine":
+        raise ConfigError(
+            f"'actor.lora.rank' is {actor.lora.rank} with actor.transformer_impl=transformer_engine: the adapters wrap "
+            "the local layer spec's linear layers, not Transformer Engine's fused ones yet; set "
+            "actor.transformer_impl=local or actor.lora.rank=0")
     if dtype != "auto":
         check_optimizer_offload_dtype(actor, dtype)
 

@@ -368,9 +368,13 @@ def export_hf_named(bridge, chunks: list[torch.nn.Module]) -> Iterator[tuple[str
 
     With tied embeddings split over pipeline stages, mbridge exports the shared matrix from both the first stage
     (embedding) and the last (output layer) under the same HF name; the copies are identical (Megatron keeps them
-    in sync), so the second is dropped instead of moving it twice."""
+    in sync), so the second is dropped instead of moving it twice. Layers with LoRA adapters (rlsearch.megatron.lora)
+    export their merged weights, the adapters themselves nothing."""
+    from .lora import merged_adapters
+
     exported: set[str] = set()
-    for name, tensor in bridge.export_weights(chunks):
-        if name not in exported:
-            exported.add(name)
-            yield name, tensor.detach()
+    with merged_adapters(chunks):
+        for name, tensor in bridge.export_weights(chunks):
+            if name not in exported:
+                exported.add(name)
+                yield name, tensor.detach()

@@ -1,8 +1,8 @@
 """A GRPO run's checkpoints: the one a run resumes (trainer.resume: auto, none or a checkpoint dir), refused when it
-was trained with another trainer.seed or the other actor.use_distributed_optimizer (a refusal SFT's resume makes
-too), and a fresh run (none) refused where another run's files are; the newest one this process saved or resumed
-from (where dead actor ranks rewind to); a run checkpoint saved with the trainer state and the manifest info; and
-the actor state loaded from one.
+was trained with another trainer.seed, the other actor.use_distributed_optimizer (a refusal SFT's resume makes
+too), another model than model.path or other adapters (actor.lora), and a fresh run (none) refused where another
+run's files are; the newest one this process saved or resumed from (where dead actor ranks rewind to); a run
+checkpoint saved with the trainer state and the manifest info; and the actor state loaded from one.
 
 It may call the checkpoint store (rlsearch.checkpoint) and the actor ranks' save and load; when to save is the loop's
 (grpo.py), and what a resume does to the run's progress and the engines' weights actor_side.py's."""
@@ -107,6 +107,13 @@ def _resume_point(config: TrainConfig, path: Path, manifest: dict, state: dict) 
             f"Set model.path to the model that run trained ({state['config']['model']['path']}), or start a fresh run "
             f"with trainer.resume=none"
         )
+    saved_lora = _lora_shape(state["config"]["actor"].get("lora") or {})
+    if saved_lora != _lora_shape(asdict(config.actor.lora)):
+        raise ConfigError(
+            f"'actor.lora' is {_lora_shape(asdict(config.actor.lora))} but the checkpoint {path} was trained with "
+            f"{saved_lora}: the adapters are part of its model and of Adam's state. Resume with the same "
+            "actor.lora rank, alpha and targets, or start a fresh run from its merged weights (rlsearch convert "
+            "mcore-to-hf, then model.path)")
     return ResumePoint(path, manifest["layout"], state["step"], SamplerState(**state["sampler"]),
                        manifest.get("critic_layout"))
 
@@ -120,6 +127,13 @@ def check_optimizer_layout(path: Path, saved: bool, actor: ActorConfig, start_ov
             f"with {str(saved).lower()}: the two keep Adam's states in different checkpoint layouts. Resume with "
             f"actor.use_distributed_optimizer={str(saved).lower()} (any actor.dp, tp or pp), or {start_over}"
         )
+
+
+def _lora_shape(lora: dict) -> str:
+    """What of actor.lora a checkpoint's model is made of: "off", or its rank, alpha and targets."""
+    if not lora.get("rank"):
+        return "off"
+    return f"rank {lora['rank']}, alpha {lora['alpha']}, targets {','.join(sorted(lora['targets']))}"
 
 
 def save_run_checkpoint(config: TrainConfig, actor: ActorRanks, store: CheckpointStore, step: int,
@@ -141,6 +155,8 @@ def save_run_checkpoint(config: TrainConfig, actor: ActorRanks, store: Checkpoin
         "transformer_impl": actor.infos[0].transformer_impl,
         "contents": ["model", "optimizer", "scheduler", "rng"],
     }
+    if config.actor.lora.rank:  # the converter builds the adapters the model holds, and merges them
+        info["lora"] = asdict(config.actor.lora)
     timeout_s = config.trainer.checkpoint_timeout_s
     if critic is not None:
         info.update(critic_layout=critic.spec.actor.layout, contents=[*info["contents"], "critic"])

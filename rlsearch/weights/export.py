@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..megatron.lora import adapted_layers, is_adapter, merged_weight
 from .gather import ShardGather, ShardGathers
 
 # a routed expert's weight under mbridge's global names (`...mlp.experts.linear_fc1.weight<expert>`)
@@ -38,7 +39,9 @@ def export_stage_weights(mbridge, chunks: list[torch.nn.Module], gathers: ShardG
     in_sender_replica = ps.get_data_parallel_rank() == 0
     is_sender = ps.get_tensor_model_parallel_rank() == 0 and in_sender_replica
     chunks = unwrap_model(list(chunks))
-    parameters = [p for chunk in chunks for p in chunk.parameters()]
+    # LoRA: an adapted layer sends its merged weight shard (no other rank's factors needed), its adapter nothing
+    adapted = {id(linear.weight): linear for linear in adapted_layers(chunks)}
+    parameters = [p for chunk in chunks for p in chunk.parameters() if not is_adapter(p)]
     # megatron marks an expert parameter allreduce=False; with expert parallelism experts gather over their own group
     experts = {id(p): p for p in parameters if ep_size > 1 and not getattr(p, "allreduce", True)}
     sharded = [p for p in parameters if getattr(p, "tensor_model_parallel", False) and id(p) not in experts]
@@ -53,8 +56,10 @@ def export_stage_weights(mbridge, chunks: list[torch.nn.Module], gathers: ShardG
         for name, parameter in chunk.named_parameters():
             if tied_copy and name == "output_layer.weight":
                 continue  # the first stage sends the shared matrix as the embedding
+            if is_adapter(parameter):
+                continue
             global_name = local_to_global[name]
-            tensor = parameter.detach()
+            tensor = merged_weight(adapted[id(parameter)]) if id(parameter) in adapted else parameter.detach()
             if id(parameter) in experts:
                 yield from _gathered_experts(mbridge, global_name, tensor, ep_gather, is_sender)
                 continue

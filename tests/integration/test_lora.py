@@ -1,0 +1,271 @@
+"""LoRA adapters on the Megatron actor (actor.lora, rlsearch.megatron.lora) on the tiny Qwen2 at TP1, TP2 and PP2.
+
+Each layout scores a packed batch, takes two GRPO steps (the first moves only B, which starts at zero; the second
+gives A a gradient too) and exports its weights. The checks: at step 0 the adapted model is the base model; only the
+adapters train (no gradient or optimizer state for the base, its weights bit-identical after the steps); TP2 and PP2
+give TP1's logprobs, gradients and trained adapters; the exported weights are W + (alpha / rank) B A in fp32 under the
+HF names, the adapters themselves not exported; and the reference policy (algo.kl_coef > 0) is the base model, with
+no second model built. Layout runs are cached per module: each group of ranks starts once."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from rlsearch.checkpoint import CheckpointStore, mcore_to_hf
+from rlsearch.checkpoint.layout import MODEL_DIR
+from rlsearch.config import AlgoConfig
+from rlsearch.config.schema import LoRAConfig
+from tests.integration.actor_helpers import actor_spec, hf_logprobs, max_diff, scored_batch, sent_tensors
+from tests.integration.convert_checks import converted_tensors
+
+LORA = LoRAConfig(rank=4, alpha=8.0)
+SCALE = LORA.alpha / LORA.rank
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}  # name -> (tp, pp)
+# Adam's first steps move each adapter element by about lr: large enough that the trained adapters change the
+# logprobs visibly (the parity checks then compare something)
+SETTINGS = {"lora": LORA, "lr": 1e-3}
+TOLERANCE = 1e-5  # layouts against TP1: logprobs, gradients, adapters, merged weights (float32 sums in other orders)
+
+
+@dataclass
+class LoRARun:
+    logprobs_before: list[list[float]]
+    reference_before: list[list[float]]  # the reference policy (the base model) at step 0
+    logprobs_after: list[list[float]]
+    reference_after: list[list[float]]
+    metrics: list[dict[str, float]]  # of the two steps
+    ranks_before: list[dict]  # `_rank_states`
+    ranks_after: list[dict]
+    exported: dict[str, torch.Tensor]  # hf_state_dict after the steps (mbridge's export)
+    sent: dict[str, torch.Tensor]  # what the weight sync sends after the steps (the rank-local export)
+
+
+def _rank_states(group) -> list[dict]:
+    """Per rank, in rank order: its adapter factors and their gradients by global layer and target, its base weights,
+    and what is trained."""
+
+    def rank_state(worker) -> dict:  # run inside the rank (a nested function: Ray sends its code, not its name)
+        from megatron.core import parallel_state as ps
+
+        from rlsearch.megatron.lora import TARGET_MODULES, is_adapter
+
+        factors, grads, base = {}, {}, {}
+        for index, chunk in enumerate(worker.model):
+            for layer in chunk.module.decoder.layers:
+                for target, (parent, name) in TARGET_MODULES.items():
+                    adapter = getattr(getattr(layer, parent), name).lora
+                    for factor in ("a", "b"):
+                        parameter = getattr(adapter, factor)
+                        key = f"{layer.layer_number}.{target}.{factor}"
+                        factors[key] = parameter.detach().clone()
+                        if getattr(parameter, "main_grad", None) is not None:
+                            grads[key] = parameter.main_grad.detach().clone()
+            base.update({f"{index}.{name}": p.detach().clone() for name, p in chunk.module.named_parameters()
+                         if not is_adapter(p)})
+        parameters = [p for chunk in worker.model for p in chunk.module.parameters()]
+        optimizers = getattr(worker.training.optimizer, "chained_optimizers", [worker.training.optimizer])
+        optimized = [p for part in optimizers for param_group in part.optimizer.param_groups
+                     for p in param_group["params"]]
+        with_state = [p for part in optimizers for p in part.optimizer.state]
+        adapter_ids = {id(p) for p in parameters if is_adapter(p)}
+        return {
+            "tp_rank": ps.get_tensor_model_parallel_rank(), "factors": factors, "grads": grads, "base": base,
+            "trainable_base": [name for chunk in worker.model for name, p in chunk.module.named_parameters()
+                               if not is_adapter(p) and (p.requires_grad or p.grad is not None
+                                                         or getattr(p, "main_grad", None) is not None)],
+            "optimized_is_adapters": {id(p) for p in optimized} == adapter_ids,
+            "state_only_adapters": {id(p) for p in with_state} <= adapter_ids,
+            "second_model": worker.reference is not None,
+        }
+
+    return ray.get([worker.__ray_call__.remote(rank_state) for worker in group.workers])
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_dir):
+    samples, reference = scored_batch(lambda s: hf_logprobs(tiny_model_dir, s))
+    return samples, reference
+
+
+@pytest.fixture(scope="module")
+def run_lora(rank_pool, tiny_model_dir, batch):
+    samples, _ = batch
+    cache: dict[str, LoRARun] = {}
+
+    def run(name: str) -> LoRARun:
+        if name in cache:
+            return cache[name]
+        tp, pp = LAYOUTS[name]
+        spec = replace(actor_spec(tiny_model_dir, tp, pp, 1, SETTINGS), algo=AlgoConfig(kl_coef=0.01))
+        with rank_pool.group(spec) as group:
+            reference_before = group.compute_logprobs(samples, reference=True)
+            trained = [replace(s, ref_logprobs=r) for s, r in zip(samples, reference_before)]
+            logprobs_before = group.compute_logprobs(samples)
+            ranks_before = _rank_states(group)
+            metrics = [group.train_step(trained) for _ in range(2)]
+            ranks_after = _rank_states(group)
+            logprobs_after = group.compute_logprobs(samples)
+            reference_after = group.compute_logprobs(samples, reference=True)
+            exported = group.hf_state_dict()
+            sent = sent_tensors(group, 64)
+        cache[name] = LoRARun(logprobs_before, reference_before, logprobs_after, reference_after, metrics,
+                              ranks_before, ranks_after, exported, sent)
+        return cache[name]
+
+    return run
+
+
+def _max_logprob_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max((torch.tensor(x) - torch.tensor(y)).abs().max().item() for x, y in zip(a, b))
+
+
+def _whole(ranks: list[dict], part: str) -> dict[str, torch.Tensor]:
+    """The layout's adapters (`part`: factors or grads) as TP1 holds them: TP shards joined as Megatron splits them
+    (a column-parallel B on its rows, a gated fc1's as gate and up halves; a row-parallel A on its columns), the
+    copies every TP rank holds checked equal; pipeline stages' layers merged."""
+    by_key: dict[str, dict[int, torch.Tensor]] = {}
+    for rank in ranks:
+        for key, tensor in rank[part].items():
+            by_key.setdefault(key, {})[rank["tp_rank"]] = tensor
+    whole = {}
+    for key, shards in by_key.items():
+        shards = [shards[tp] for tp in sorted(shards)]
+        _, target, factor = key.split(".")
+        if (factor, target) in (("b", "qkv"), ("b", "fc1")):
+            if target == "fc1":
+                halves = [shard.chunk(2) for shard in shards]
+                whole[key] = torch.cat([gate for gate, _ in halves] + [up for _, up in halves])
+            else:
+                whole[key] = torch.cat(shards)
+        elif (factor, target) in (("a", "proj"), ("a", "fc2")):
+            whole[key] = torch.cat(shards, dim=1)
+        else:
+            assert all(torch.equal(shard, shards[0]) for shard in shards), f"{key} differs between TP ranks"
+            whole[key] = shards[0]
+    return whole
+
+
+def test_lora_step_zero_is_the_base_model(run_lora, batch):
+    _, hf_reference = batch
+    result = run_lora("tp1")
+    # B is zero: the adapted model scores as its base (the reference policy: adapters off) and as HF transformers
+    identity = _max_logprob_diff(result.logprobs_before, result.reference_before)
+    print(f"\nstep 0, adapters on vs off: max |logprob diff| {identity:.1e}")
+    assert identity <= 1e-6
+    assert max((torch.tensor(a) - b).abs().max().item() for a, b in zip(result.logprobs_before, hf_reference)) < 1e-5
+    assert all(torch.count_nonzero(t) == 0 for k, t in result.ranks_before[0]["factors"].items() if k.endswith(".b"))
+    assert all(torch.count_nonzero(t) > 0 for k, t in result.ranks_before[0]["factors"].items() if k.endswith(".a"))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_trains_only_the_adapters(run_lora, layout):
+    result = run_lora(layout)
+    assert [m["actor/update_ok"] for m in result.metrics] == [1.0, 1.0]
+    for before, after in zip(result.ranks_before, result.ranks_after):
+        assert after["trainable_base"] == []  # no gradient of the base anywhere
+        assert after["optimized_is_adapters"] and after["state_only_adapters"]  # Adam holds the adapters only
+        assert after["second_model"] is False  # algo.kl_coef > 0 built no reference model
+        assert set(after["base"]) == set(before["base"])
+        assert all(torch.equal(after["base"][name], before["base"][name]) for name in before["base"])
+        moved = max((after["factors"][k] - before["factors"][k]).abs().max().item() for k in before["factors"])
+        assert moved > 1e-4
+    # the trained policy moved; the reference (its base) did not
+    assert _max_logprob_diff(result.logprobs_after, result.logprobs_before) > 1e-3
+    assert _max_logprob_diff(result.reference_after, result.reference_before) == 0.0
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_lora_layouts_give_tp1s_logprobs_gradients_and_adapters(run_lora, layout):
+    baseline, result = run_lora("tp1"), run_lora(layout)
+    grads, factors = (max_diff(_whole(result.ranks_after, part), _whole(baseline.ranks_after, part))
+                      for part in ("grads", "factors"))
+    print(f"\n{layout} vs tp1, max |diff|: logprobs "
+          f"{_max_logprob_diff(result.logprobs_after, baseline.logprobs_after):.1e} after the steps, gradients "
+          f"{grads:.1e}, adapters {factors:.1e}, merged weights {max_diff(result.exported, baseline.exported):.1e}")
+    assert _max_logprob_diff(result.logprobs_before, baseline.logprobs_before) < TOLERANCE
+    assert _max_logprob_diff(result.logprobs_after, baseline.logprobs_after) < TOLERANCE
+    for step, (ours, theirs) in enumerate(zip(result.metrics, baseline.metrics)):
+        for key in ("actor/policy_loss", "actor/kl_loss", "actor/grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], abs=TOLERANCE), (step, key)
+    for part in ("grads", "factors"):
+        ours, theirs = _whole(result.ranks_after, part), _whole(baseline.ranks_after, part)
+        assert set(ours) == set(theirs) and len(theirs) == 2 * 4 * 2  # layers x targets x (A, B)
+        assert max_diff(ours, theirs) < TOLERANCE, part
+    grads = _whole(baseline.ranks_after, "grads")
+    assert min(g.abs().max().item() for g in grads.values()) > 1e-6  # the second step: A's gradients too
+    assert max_diff(result.exported, baseline.exported) < TOLERANCE
+
+
+def test_lora_exports_the_merged_weights(run_lora, tiny_model_dir):
+    """TP1's export after the steps: every HF weight of the model file and no other name, the adapted ones
+    W + (alpha / rank) B A computed in fp32 from the rank's own adapters, bit for bit, the rest untouched; the weight
+    sync sends the same tensors."""
+    result = run_lora("tp1")
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    factors = result.ranks_after[0]["factors"]
+    heads, groups = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config["hidden_size"] // heads
+    expected = dict(original)
+    for layer in range(config["num_hidden_layers"]):
+        def delta(target: str, layer=layer) -> torch.Tensor:
+            return SCALE * (factors[f"{layer + 1}.{target}.b"].float() @ factors[f"{layer + 1}.{target}.a"].float())
+
+        prefix = f"model.layers.{layer}"
+        # Megatron's fused qkv rows: per query group its query heads, then its key head, then its value head
+        qkv = delta("qkv").view(groups, heads // groups + 2, head_dim, -1)
+        fc1 = delta("fc1").chunk(2)  # gate rows, then up rows
+        deltas = {
+            "self_attn.q_proj": qkv[:, :-2].reshape(-1, qkv.shape[-1]),
+            "self_attn.k_proj": qkv[:, -2].reshape(-1, qkv.shape[-1]),
+            "self_attn.v_proj": qkv[:, -1].reshape(-1, qkv.shape[-1]),
+            "self_attn.o_proj": delta("proj"), "mlp.gate_proj": fc1[0], "mlp.up_proj": fc1[1],
+            "mlp.down_proj": delta("fc2"),
+        }
+        for module, change in deltas.items():
+            name = f"{prefix}.{module}.weight"
+            expected[name] = original[name].float() + change
+    assert set(result.exported) == set(original)
+    mismatched = [name for name in original if not torch.equal(result.exported[name], expected[name])]
+    assert mismatched == []
+    assert set(result.sent) == set(original)
+    assert [name for name in original if not torch.equal(result.sent[name], result.exported[name])] == []
+    adapted = [name for name in original if not torch.equal(result.exported[name], original[name])]
+    assert len(adapted) == 7 * config["num_hidden_layers"]  # q, k, v, o, gate, up, down of every layer
+
+
+def test_lora_checkpoint_from_tp1_resumes_at_tp2_and_converts_merged(rank_pool, tiny_model_dir, batch, tmp_path):
+    """A checkpoint holds the adapters, split as each layout splits them, and their Adam state: saved at TP1 after a
+    step, loaded at TP2, the next step is TP1's (the base weights are the model file's: frozen). `rlsearch convert
+    mcore-to-hf` writes its merged weights, the HF model's logits those of the Megatron model with its adapters."""
+    samples, _ = batch
+    store = CheckpointStore(tmp_path / "run")
+    info = {"layout": {"tp": 1, "pp": 1, "dp": 1}, "architecture": "qwen2", "dtype": "float32",
+            "transformer_impl": "local", "contents": ["model", "optimizer", "scheduler", "rng"], "lora": asdict(LORA)}
+    # the second step pushes the other way: only with Adam's first moment restored do the two gradients mostly cancel
+    reversed_samples = [replace(sample, advantage=-sample.advantage) for sample in samples]
+    with rank_pool.group(actor_spec(tiny_model_dir, 1, 1, 1, SETTINGS)) as source:
+        source.train_step(samples)
+        checkpoint = store.save(1, source.save_checkpoint, {}, tiny_model_dir, info)
+        saved = source.hf_state_dict()
+        second = source.train_step(reversed_samples)
+        uninterrupted = source.hf_state_dict()
+    with rank_pool.group(actor_spec(tiny_model_dir, 2, 1, 1, SETTINGS)) as resumed:
+        assert resumed.load_checkpoint(str(checkpoint / MODEL_DIR), restore_rng=False) == 1
+        loaded = resumed.hf_state_dict()
+        second_resumed = resumed.train_step(reversed_samples)
+        resumed_weights = resumed.hf_state_dict()
+    assert max_diff(loaded, saved) < 1e-6
+    assert second_resumed["actor/grad_norm"] == pytest.approx(second["actor/grad_norm"], abs=1e-6)
+    assert max_diff(resumed_weights, uninterrupted) < 1e-6
+    assert max_diff(uninterrupted, saved) > 1e-5  # the second step moved the merged weights
+    converted = mcore_to_hf(checkpoint, tmp_path / "hf", verify=True)
+    assert converted.max_logit_diff < 1e-5
+    merged = converted_tensors(converted.out_dir)
+    assert set(merged) == set(saved) and all(torch.equal(merged[name], saved[name]) for name in saved)
