@@ -28,9 +28,11 @@ class CheckpointStore:
         trainer_state: dict[str, Any],
         hf_dir: str | Path,
         info: dict[str, Any],
+        state_files: dict[str, Any] | None = None,
     ) -> Path:
         """`write_model(dir)` writes the Megatron checkpoint into an existing empty dir; `hf_dir` gives the config
-        and tokenizer files kept beside it; `info` goes into the manifest. A failed write (a full disk, say) removes
+        and tokenizer files kept beside it; `info` goes into the manifest; `state_files` (name -> JSON data) are
+        more of the run's state, each a JSON file beside the trainer state. A failed write (a full disk, say) removes
         what it staged and raises CheckpointError naming the checkpoint that is still intact."""
         final = self.root / f"step_{step:06d}"
         staging = self.root / f".incomplete_step_{step:06d}"
@@ -41,6 +43,8 @@ class CheckpointStore:
             write_model(str(staging / MODEL_DIR))
             copy_hf_metadata(hf_dir, staging / HF_DIR)
             (staging / TRAINER_STATE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+            for name, data in (state_files or {}).items():
+                (staging / name).write_text(json.dumps(data, ensure_ascii=False))
             write_manifest(staging, {"kind": "run", "step": step, **info})
         except Exception as error:
             shutil.rmtree(staging, ignore_errors=True)

@@ -450,8 +450,8 @@ class EvolveConfig:
     """Evolving rubrics (DR Tulu's RLER): each step a generator model writes new rubrics per prompt group from its
     rollouts, and rubrics that no longer tell the group's answers apart are dropped (docs/rewards.md)."""
 
-    # grow the rubrics of the rows the rubric scorer scores as the policy trains (training only). Not wired into the
-    # step yet: true is a start-up error (issue 76)
+    # grow the rubrics of the rows the rubric scorer scores as the policy trains (training only: eval scores them on
+    # the static rubrics); the buffer is saved with every checkpoint
     enabled: bool = False
     max_active_rubrics: int = rule(5, gt=0)  # evolving rubrics kept active per question after the std filter
     # the generator sees each rollout whole, tool calls and tool outputs included (how search results reach it);

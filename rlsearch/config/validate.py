@@ -292,6 +292,3 @@ def _check_reward(config: TrainConfig | EvalConfig) -> None:
         raise ConfigError("'reward.rubric.evolve.enabled' needs a generator model: list it in "
                           "'reward.rubric.evolve.endpoints' ([{url, model}]), or set the judge's "
                           "(reward.judge.base_url and model, or reward.judge.endpoints), which it then uses")
-    if evolve.enabled:  # rather than train on the static rubrics while the config says evolving ones
-        raise ConfigError("'reward.rubric.evolve.enabled': evolving rubrics are not wired into training yet "
-                          "(issue 76); set it to false to train with the rows' static rubrics")

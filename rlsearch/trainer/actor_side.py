@@ -42,7 +42,7 @@ class ActorSide:
         step = self.progress.step if step is None else step
         sampler = self.progress.trained_sampler_state if sampler is None else sampler
         path = save_run_checkpoint(self.config, self.parts.actor, self.parts.checkpoints, step, sampler,
-                                   self.parts.critic)
+                                   self.parts.critic, self.progress.rubrics)
         self.progress.saved_checkpoints[step] = path
         return path
 
@@ -94,7 +94,7 @@ class ActorSide:
         resharded = load_actor_state(self.parts.actor, point, self.config.actor.layout)
         if self.parts.critic is not None:
             resharded += load_critic_state(self.parts.critic, point)
-        self.progress.rewind(point.step, point.sampler)
+        self.progress.rewind(point.step, point.sampler, point.rubrics)
         self.progress.weights_updated = True
         self.progress.saved_checkpoints[point.step] = point.path
         sync = self.rollout_side.sync(version)

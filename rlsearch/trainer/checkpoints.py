@@ -17,12 +17,15 @@ from typing import TYPE_CHECKING
 from ..checkpoint import CheckpointError, CheckpointStore, load_run_checkpoint
 from ..checkpoint.layout import CRITIC_DIR, MODEL_DIR, checkpoint_model_shape, model_shape, shape_differences
 from ..config import ActorConfig, ConfigError, TrainConfig, to_dict
+from ..reward.evolving import RubricBuffer
 from ..runlog import TRAJECTORY_DIR
 from ..supervisor import restarted
 from .sampler import SamplerState
 
 if TYPE_CHECKING:
     from ..actor import ActorRanks, CriticRanks
+
+RUBRIC_BUFFER = "rubric_buffer.json"  # the evolving rubrics (reward.rubric.evolve), beside the trainer state
 
 
 @dataclass
@@ -32,6 +35,7 @@ class ResumePoint:
     step: int
     sampler: SamplerState
     critic_layout: dict[str, int] | None = None  # the critic's layout that saved its state (None: no critic in it)
+    rubrics: dict | None = None  # the evolving rubrics' buffer (`RubricBuffer.to_state`; None: not in it)
 
 
 def checkpoint_to_resume(config: TrainConfig, store: CheckpointStore) -> ResumePoint | None:
@@ -114,8 +118,9 @@ def _resume_point(config: TrainConfig, path: Path, manifest: dict, state: dict) 
             f"{saved_lora}: the adapters are part of its model and of Adam's state. Resume with the same "
             "actor.lora rank, alpha and targets, or start a fresh run from its merged weights (rlsearch convert "
             "mcore-to-hf, then model.path)")
+    rubrics = json.loads((path / RUBRIC_BUFFER).read_text()) if (path / RUBRIC_BUFFER).is_file() else None
     return ResumePoint(path, manifest["layout"], state["step"], SamplerState(**state["sampler"]),
-                       manifest.get("critic_layout"))
+                       manifest.get("critic_layout"), rubrics)
 
 
 def check_optimizer_layout(path: Path, saved: bool, actor: ActorConfig, start_over: str) -> None:
@@ -137,9 +142,10 @@ def _lora_shape(lora: dict) -> str:
 
 
 def save_run_checkpoint(config: TrainConfig, actor: ActorRanks, store: CheckpointStore, step: int,
-                        sampler: SamplerState, critic: CriticRanks | None = None) -> Path:
+                        sampler: SamplerState, critic: CriticRanks | None = None,
+                        rubrics: RubricBuffer | None = None) -> Path:
     """The actor state (and the critic's, in CRITIC_DIR beside it) as the checkpoint of `step` with the data position
-    `sampler`."""
+    `sampler` (and the evolving rubrics `rubrics` in RUBRIC_BUFFER)."""
     state = {
         # where the data stood after the last trained batch (batches already drawn for later steps are drawn
         # again after a resume)
@@ -167,7 +173,8 @@ def save_run_checkpoint(config: TrainConfig, actor: ActorRanks, store: Checkpoin
             critic_dir = Path(model_dir).parent / CRITIC_DIR
             critic_dir.mkdir()
             critic.save_checkpoint(str(critic_dir), timeout_s=timeout_s)
-    path = store.save(step, save, state, config.model.path, info)
+    state_files = {RUBRIC_BUFFER: rubrics.to_state()} if rubrics is not None else {}
+    path = store.save(step, save, state, config.model.path, info, state_files)
     print(f"[rlsearch] checkpoint saved: {path}", flush=True)
     return path
 

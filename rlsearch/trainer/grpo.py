@@ -15,6 +15,7 @@ from ..config import EvalConfig, TrainConfig, resolve_store_dirs
 from ..data import QAExample
 from ..eval import evaluate
 from ..reward import score_trajectories, score_turns
+from ..reward.evolving import RubricBuffer
 from ..rollout import NoEngineLeftError, Trajectory
 from ..runlog import RunSummary, format_step_line, plot_run
 from .actor_side import ActorSide
@@ -46,6 +47,10 @@ class GRPOTrainer:
         self.rollouts = RolloutQueue(self.sampler)
         # the step, the data position, the steps skipped for a NaN/inf loss or grad norm, the restart counters
         self.progress = RunProgress(sampler=self.sampler, skip_guard=SkipGuard(config.trainer.max_consecutive_skips))
+        evolve = config.reward.rubric.evolve
+        if evolve.enabled:
+            self.progress.rubrics = RubricBuffer(evolve.max_active_rubrics,
+                                                 evolve.use_static_rubrics_as_persistent_rubrics)
         self._start_actor = None  # new actor ranks, once the run started
         self._start_critic = None  # and new critic ranks beside them (algo.advantage=gae)
 
@@ -220,9 +225,11 @@ class GRPOTrainer:
 
     def _score(self, trajectories: list[Trajectory], group_examples: list[QAExample]) -> dict[str, float]:
         """Rewards of the trajectories (and, with turn-level credit, of every model turn) against their examples
-        (`group_examples[group_id]`); returns the reward stats."""
+        (`group_examples[group_id]`), the evolving rubrics grown with them (reward.rubric.evolve); returns the reward
+        stats."""
         examples = [group_examples[t.group_id] for t in trajectories]
-        reward_stats = score_trajectories(trajectories, examples, self.config.reward)
+        reward_stats = score_trajectories(trajectories, examples, self.config.reward, self.progress.rubrics,
+                                          self.progress.step)
         if self.config.algo.advantage in TURN_CREDIT:  # turn-level credit: a reward for every model turn
             reward_stats.update(score_turns(trajectories, examples, self.config.reward))
         return reward_stats

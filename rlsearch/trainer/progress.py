@@ -1,5 +1,6 @@
 """A training run's two kinds of state: the parts it started (`RunParts`) and where it stands (`RunProgress`: the
-step, the data position with the sampler that holds it, the skip guard and the counters; `rewind` sets it back)."""
+step, the data position with the sampler that holds it, the evolving rubrics, the skip guard and the counters;
+`rewind` sets it back)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint import CheckpointStore
+from ..reward.evolving import RubricBuffer
 from .sampler import EpochSampler, SamplerState
 from .skip_guard import SkipGuard
 
@@ -41,11 +43,17 @@ class RunProgress:
     actor_restarts: int = 0  # times the actor ranks were replaced after one died (trainer.max_actor_restarts)
     sampler: EpochSampler | None = None  # the prompt order (None: a run state without data, in unit tests)
     skip_guard: SkipGuard = field(default_factory=lambda: SkipGuard(0))
+    # each question's evolving rubrics (reward.rubric.evolve; None: off), saved with every checkpoint
+    rubrics: RubricBuffer | None = None
 
-    def rewind(self, step: int, sampler: SamplerState) -> None:
-        """The run stands after `step` with the data position `sampler`: the next rollout is `step + 1`'s, and the
-        skip guard counts afresh from `step`, its last good one."""
+    def rewind(self, step: int, sampler: SamplerState, rubrics: dict | None = None) -> None:
+        """The run stands after `step` with the data position `sampler` and the evolving rubrics `rubrics` (a
+        buffer's `to_state`; None: none yet): the next rollout is `step + 1`'s, and the skip guard counts afresh
+        from `step`, its last good one."""
         self.step = step
+        if self.rubrics is not None:
+            self.rubrics = RubricBuffer.from_state(rubrics or {"questions": {}}, self.rubrics.max_active,
+                                                   self.rubrics.persistent)
         self.next_rollout_step = step + 1
         if self.sampler is not None:
             self.sampler.restore(sampler)

@@ -121,10 +121,8 @@ def test_bad_evolving_rubric_keys_stop_the_start_naming_the_key(overrides, messa
     ["reward.rubric.evolve.enabled=true", "reward.judge.base_url=http://j/v1", "reward.judge.model=m"],
     ["reward.rubric.evolve.enabled=true", "reward.rubric.evolve.endpoints=[{url: 'http://g/v1', model: g}]"],
 ])
-def test_evolving_rubrics_with_a_generator_model_stop_at_start_up_until_they_are_wired(overrides) -> None:
-    with pytest.raises(ConfigError, match=r"'reward\.rubric\.evolve\.enabled': evolving rubrics are not wired into "
-                                          r"training yet \(issue 76\); set it to false"):
-        load_train_config(None, overrides)
+def test_evolving_rubrics_with_a_generator_model_load(overrides) -> None:
+    assert load_train_config(None, overrides).reward.rubric.evolve.enabled
 
 
 def test_evolving_rubric_options_load_with_dr_tulus_defaults() -> None:
