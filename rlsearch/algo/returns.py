@@ -86,14 +86,15 @@ def whiten(per_token: PerToken, masks: Masks, eps: float = 1e-8, shift_mean: boo
 
 def explained_variance(values: Sequence[float] | torch.Tensor, returns: Sequence[float] | torch.Tensor) -> float:
     """1 - Var(R - V) / Var(R) of a critic's values V against its targets R (flat, population variances): 1 for a
-    perfect critic, 0 for one that predicts the mean return, below 0 for worse. NaN when Var(R) is 0 (nothing to
-    explain) or there are no values."""
+    perfect critic, 0 for one that predicts the mean return, below 0 for worse. NaN when the returns do not vary
+    (nothing to explain: Var(R) at most 1e-12 E[R^2], what float32 rounding of equal returns leaves, which would
+    otherwise give -1e31) or there are no values."""
     values = torch.as_tensor(values, dtype=torch.float64).flatten()
     returns = torch.as_tensor(returns, dtype=torch.float64).flatten()
     if returns.numel() == 0:
         return math.nan
     return_variance = returns.var(unbiased=False)
-    if return_variance == 0:
+    if return_variance <= 1e-12 * returns.square().mean():
         return math.nan
     return float(1.0 - (returns - values).var(unbiased=False) / return_variance)
 

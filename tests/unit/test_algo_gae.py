@@ -147,6 +147,12 @@ def test_explained_variance():
     assert explained_variance([1.0, 2.0, 3.0], [1.0, 2.0, 4.0]) == pytest.approx(6 / 7, abs=1e-9)
     assert explained_variance(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])) == 1.0
     assert math.isnan(explained_variance([1.0, 2.0], [3.0, 3.0]))
+    # equal returns as GAE gives them in float32 (A + V, rounded): no variance to explain, not -1e31 (a PPO run's
+    # step where every trajectory got reward 0.2 printed EV -2.5e31)
+    values = torch.tensor([0.1234567, -0.3141592, 0.5772156], dtype=torch.float32)
+    returns = (0.2 - values) + values
+    assert returns.var(unbiased=False) > 0
+    assert math.isnan(explained_variance(values, returns))
     assert math.isnan(explained_variance([], []))
 
 
