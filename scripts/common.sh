@@ -29,7 +29,8 @@ quietly() {
     sleep 0.2
     if (( SECONDS < next )) || ! kill -0 "$pid" 2>/dev/null; then continue; fi
     next=$(( SECONDS + every ))
-    progress="$(grep -aoE '(step [0-9]+/[0-9]+|[0-9]+/[0-9]+ trajectories)' "$log" | tail -n 1)"
+    # none yet is no error (the scripts run under set -e and pipefail)
+    progress="$(grep -aoE '(step [0-9]+/[0-9]+|[0-9]+/[0-9]+ trajectories)' "$log" | tail -n 1 || true)"
     line="[rlsearch]   ... $(( SECONDS - started )) s"
     if [[ "$progress" =~ ([0-9]+)/([0-9]+) ]]; then
       line+=": $progress"

@@ -119,6 +119,9 @@ def _recompute(records):
                (("em", "em"), ("f1", "f1"), ("substring_em", "substring_em"), ("answer_rate", "has_answer"))},
             "turns": len(kinds) / count,
             "tool_calls": kinds.count("tool_call") / count,
+            # calls that reached their tool and failed there (timed out, a tool error)
+            "tool_failures": sum(call["error_kind"] in ("timeout", "tool_error") for record, _ in members
+                                 for turn in record["turns"] for call in turn["tool_calls"]),
             "invalid_call_rate": kinds.count("invalid_call") / max(1, kinds.count("tool_call") + kinds.count(
                 "invalid_call")),
             "response_tokens": sum(len(record["response_ids"]) for record, _ in members) / count,
