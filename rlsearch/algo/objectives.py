@@ -25,6 +25,7 @@ from .loss import (
     ppo_clip_terms,
     value_loss_terms,
 )
+from .returns import explained_from_moments
 
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "minirl")
 
@@ -213,10 +214,8 @@ def value_metrics(summed: Mapping[str, float]) -> dict[str, float]:
     return_mean = summed["return_sum"] / per_token
     return_variance = summed["return_sq_sum"] / per_token - return_mean**2
     error_variance = summed["error_sq_sum"] / per_token - (summed["error_sum"] / per_token) ** 2
-    # the sums' rounding leaves a tiny variance where the returns are all equal
-    explained = math.nan
-    if tokens > 0 and return_variance > 1e-12 * summed["return_sq_sum"] / per_token:
-        explained = 1.0 - error_variance / return_variance
+    explained = explained_from_moments(error_variance, return_variance, summed["return_sq_sum"] / per_token) \
+        if tokens > 0 else math.nan
     return {
         "critic/value_loss": summed["value_loss"],
         "critic/value_clip_fraction": summed["value_clip_tokens"] / per_token,

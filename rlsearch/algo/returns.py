@@ -93,10 +93,16 @@ def explained_variance(values: Sequence[float] | torch.Tensor, returns: Sequence
     returns = torch.as_tensor(returns, dtype=torch.float64).flatten()
     if returns.numel() == 0:
         return math.nan
-    return_variance = returns.var(unbiased=False)
-    if return_variance <= 1e-12 * returns.square().mean():
+    return explained_from_moments(float((returns - values).var(unbiased=False)), float(returns.var(unbiased=False)),
+                                  float(returns.square().mean()))
+
+
+def explained_from_moments(error_variance: float, return_variance: float, return_mean_square: float) -> float:
+    """1 - Var(R - V) / Var(R) from the variances, NaN where the returns do not vary beyond rounding (Var(R) at
+    most 1e-12 E[R^2])."""
+    if return_variance <= 1e-12 * return_mean_square:
         return math.nan
-    return float(1.0 - (returns - values).var(unbiased=False) / return_variance)
+    return 1.0 - error_variance / return_variance
 
 
 def sampled_entries(per_token: PerToken, masks: Masks) -> list[float]:
