@@ -12,9 +12,10 @@ else
 fi
 
 # quietly LOG COMMAND...: run COMMAND with its output appended to LOG (after a "$ COMMAND" line); when it fails, print
-# LOG's end and its path and stop the script. While it runs, a line every RLSEARCH_PROGRESS_S seconds (30): the time
-# so far and COMMAND's last "N/M" progress in LOG (SFT and training steps, eval trajectories) with the time left at
-# the rate since the first one seen
+# LOG's end and its path and stop the script. While it runs, a progress line after RLSEARCH_PROGRESS_S seconds (30),
+# then at twice the previous gap (30, 90, 210, 450 s...: a slow CPU adds a line, not a screenful): the time so far and
+# COMMAND's last "N/M" progress in LOG (SFT and training steps, eval trajectories) with the time left at the rate since
+# the first one seen
 quietly() {
   local log="$1"; shift
   mkdir -p "$(dirname "$log")"
@@ -28,7 +29,7 @@ quietly() {
   while kill -0 "$pid" 2>/dev/null; do
     sleep 0.2
     if (( SECONDS < next )) || ! kill -0 "$pid" 2>/dev/null; then continue; fi
-    next=$(( SECONDS + every ))
+    every=$(( every * 2 )) next=$(( SECONDS + every ))
     # none yet is no error (the scripts run under set -e and pipefail)
     progress="$(grep -aoE '(step [0-9]+/[0-9]+|[0-9]+/[0-9]+ trajectories)' "$log" | tail -n 1 || true)"
     line="[rlsearch]   ... $(( SECONDS - started )) s"

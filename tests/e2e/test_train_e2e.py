@@ -22,7 +22,8 @@ REQUIRED_SCALARS = (
 
 def test_default_run_is_quiet_names_its_logs_and_trains_from_step_1(default_run):
     """The default run: the SFT warm start (made once), then 30 GRPO steps. At most 30 terminal lines and none from a
-    library; vLLM, Ray and Megatron write into a file per process under output_dir/logs. The reward varies within
+    library, besides the warm start's progress lines (at doubling gaps: a slow CPU adds one, 5 cover 15 minutes);
+    vLLM, Ray and Megatron write into a file per process under output_dir/logs. The reward varies within
     groups from step 1 (format and search terms), so the first step already has a non-zero gradient. Every step is
     logged (TensorBoard scalars, trajectories) and the last one checkpointed."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -30,7 +31,8 @@ def test_default_run_is_quiet_names_its_logs_and_trains_from_step_1(default_run)
     out, result, _ = default_run
     terminal = (result.stdout + result.stderr).splitlines()
     print("\n".join(terminal))
-    assert len(terminal) <= 30, len(terminal)
+    progress = [line for line in terminal if line.startswith("[rlsearch]   ... ")]
+    assert len(terminal) - len(progress) <= 30 and len(progress) <= 5, terminal
     assert f"library logs     : {out / 'logs'}" in result.stdout
     assert not [line for line in terminal if re.search(r"WARNING|INFO|pid=|Loading|it/s", line)]
     logs = {re.sub(r"-\w+\.log$", "", path.name) for path in (out / "logs").iterdir()}
