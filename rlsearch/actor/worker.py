@@ -41,7 +41,7 @@ from ..runlog import redirect_worker_output
 from ..weights import shm
 from ..weights.bucket import WeightBucket
 from ..weights.delta import DeltaBucket
-from ..weights.export import export_stage_weights
+from ..weights.export import export_stage_adapters, export_stage_weights
 from ..weights.gather import ShardGathers
 from .batch import MicroBatch, Packing, TrainSample, collate, pack_micro_batches
 from .distribution import SamplingDistribution
@@ -535,6 +535,13 @@ class MegatronActorWorker:
         TP rank 0; its TP peers take part in the gathers). A collective over the stage's TP group."""
         self._on_device()
         return export_stage_weights(self.mbridge, self.model, self._shard_gathers)
+
+    def stage_adapters(self) -> dict[str, torch.Tensor]:
+        """actor.lora.sync=adapter: this pipeline stage's adapters, whole, under PEFT's names (on the stage's sender;
+        {} on its TP peers, which send it their shards). A collective over the stage's TP group."""
+        self._on_device()
+        return {name: tensor.cpu() for name, tensor in
+                export_stage_adapters(self.mbridge, self.model, self._shard_gathers).items()}
 
     def export_weight_buckets(self, plan: shm.ExportPlan) -> Iterator[WeightBucket | DeltaBucket | dict]:
         """This pipeline stage's weights in buckets (shm transport, `ShmSender`), yielded by the stage's sender; its

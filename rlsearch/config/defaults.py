@@ -24,9 +24,11 @@ class EngineSpec:
     # unbound, on CPU: OpenMP threads of each of the engine's workers; 0: the run's cores over its tensor_parallel_size
     cpu_threads: int = 0
     vllm_port: int = 0  # base of the ports vLLM's internal groups take (VLLM_PORT); 0: vLLM's default
+    # actor.lora.sync=adapter: vLLM's LoRA enabled for one adapter of this rank, which the weight sync loads (0: off)
+    lora_rank: int = 0
 
     @classmethod
-    def from_config(cls, model: ModelConfig, rollout: RolloutConfig, seed: int) -> EngineSpec:
+    def from_config(cls, model: ModelConfig, rollout: RolloutConfig, seed: int, lora_rank: int = 0) -> EngineSpec:
         return cls(
             model_path=model.path, dtype=model.dtype, seed=seed,
             max_model_len=rollout.window, kv_cache_gib=rollout.kv_cache_gib,
@@ -36,6 +38,7 @@ class EngineSpec:
             # async_steps the ranks train beside them, on the other half
             cpu_threads=cpu_threads_each(
                 rollout.num_engines * rollout.tensor_parallel_size * (2 if rollout.async_steps else 1)),
+            lora_rank=lora_rank,
         )
 
 

@@ -57,6 +57,8 @@ class DataConfig:
 # the linear layers of a transformer layer that actor.lora adapts (Megatron's linear_qkv, linear_proj, linear_fc1,
 # linear_fc2)
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+# vLLM 0.32's choices of max_lora_rank: an engine of actor.lora.sync=adapter takes the least at or above the rank
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass
@@ -75,6 +77,13 @@ class LoRAConfig:
              "output-layer adapter out of prompt logprobs")
     # dropout on the adapters' input in training passes (0: none)
     dropout: float = rule(0.0, within="[0, 1)")
+    # what the weight sync sends the engines. merged: W + (alpha / rank) x B x A of every adapted layer, through
+    # weights.transport as a full-weight run syncs (the engines run the base model's kernels as ever). adapter: the
+    # engines serve the base model with vLLM's LoRA enabled, load it once at start and get only the adapters (A and B
+    # of each layer, a few MB) each step, as a PEFT adapter loaded in place; each engine checks that the adapter
+    # bound to its layers, and the probe check compares its logprobs with the actor's as ever. vLLM's LoRA kernels
+    # cost decode time (bench/decode_step.py measures it); ranks up to 512
+    sync: str = rule("merged", choices=("merged", "adapter"))
 
 
 @dataclass

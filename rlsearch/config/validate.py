@@ -11,7 +11,15 @@ from .model_checks import check_model_dir, check_optimizer_offload_dtype
 from .rules import check_fields, choices_by_key
 from .schema import BUILTIN_TOOLS as BUILTIN_TOOLS
 from .schema import ENCODER_DEVICE as ENCODER_DEVICE
-from .schema import RECOMPUTE_MODULES, ActorConfig, EvalConfig, RolloutConfig, SFTConfig, TrainConfig
+from .schema import (
+    RECOMPUTE_MODULES,
+    VLLM_LORA_RANKS,
+    ActorConfig,
+    EvalConfig,
+    RolloutConfig,
+    SFTConfig,
+    TrainConfig,
+)
 from .schema import RETRIEVER_MAX_QUERIES as RETRIEVER_MAX_QUERIES
 from .schema import RETRIEVER_MAX_TOPK as RETRIEVER_MAX_TOPK
 
@@ -33,6 +41,7 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
             f"segment: {where} = {longest}"
         )
     _check_actor(config.actor, config.model.dtype)
+    _check_adapter_sync(config)
     if config.algo.routing_replay == "rollout":
         raise ConfigError(
             "'algo.routing_replay' is rollout: replaying the engine's routing needs vLLM's per-token routed experts, "
@@ -45,6 +54,24 @@ def validate_train_config(config: TrainConfig) -> TrainConfig:
     if config.trainer.eval_interval and not config.eval.files:
         raise ConfigError("'trainer.eval_interval' is set but 'eval.files' is empty")
     return config
+
+
+def _check_adapter_sync(config: TrainConfig) -> None:
+    """actor.lora.sync=adapter: the engines must be able to serve the adapter, and the weights.* bucket options
+    that apply to whole weights only are refused rather than ignored."""
+    lora = config.actor.lora
+    if lora.sync != "adapter":
+        return
+    if not lora.rank:
+        raise ConfigError("'actor.lora.sync' is adapter but actor.lora.rank is 0 (no adapters to send); set "
+                          "actor.lora.rank or leave actor.lora.sync at merged")
+    if lora.rank > VLLM_LORA_RANKS[-1]:
+        raise ConfigError(
+            f"'actor.lora.rank' is {lora.rank} with actor.lora.sync=adapter: vLLM serves adapters of rank up to "
+            f"{VLLM_LORA_RANKS[-1]}; lower it, or use actor.lora.sync=merged (any rank)")
+    if config.weights.delta:
+        raise ConfigError("'weights.delta' is true with actor.lora.sync=adapter: an adapter sync sends the adapters "
+                          "whole (a few MB), never the weights; set weights.delta=false")
 
 
 def _check_rollout_correction(config: TrainConfig) -> None:

@@ -202,3 +202,42 @@ def adapters_off(chunks: list[torch.nn.Module]):
     finally:
         for adapter in adapters:
             adapter.enabled = True
+
+
+PEFT_PREFIX = "base_model.model."  # PEFT's prefix of the HF model's names in a saved adapter
+
+
+def peft_factors(bridge, weight_name: str, a: torch.Tensor, b: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The whole factors `a` [r, in] and `b` [out, r] of the adapter on Megatron weight `weight_name` (global, as
+    mbridge names it) under PEFT's names for the HF model: `base_model.model.<HF module>.lora_A.weight` and
+    `.lora_B.weight`. A fused layer's adapter becomes one per HF module it fuses, its rows of B split as mbridge splits
+    the weight's: linear_qkv's are, per query group, its query heads, then its key head, then its value head;
+    linear_fc1's the gate's, then the up projection's. A acts on the input, which the fused modules share: each gets
+    the same A and its own rows of B, so s B_i A is the module's rows of s B A."""
+    hf_names = bridge._weight_name_mapping_mcore_to_hf(weight_name)
+    if len(hf_names) == 3:  # linear_qkv: q, k, v
+        config = bridge.hf_config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        query_rows = head_dim * config.num_attention_heads // config.num_key_value_heads
+        groups = b.reshape(config.num_key_value_heads, -1, b.shape[1])
+        b_parts = [part.reshape(-1, b.shape[1]) for part in (
+            groups[:, :query_rows], groups[:, query_rows:query_rows + head_dim], groups[:, query_rows + head_dim:])]
+    else:  # linear_fc1 of a gated MLP: gate, up; the other layers one module
+        b_parts = list(b.chunk(len(hf_names)))
+    named = []
+    for hf_name, b_part in zip(hf_names, b_parts, strict=True):
+        module = PEFT_PREFIX + hf_name.removesuffix(".weight")
+        named += [(f"{module}.lora_A.weight", a), (f"{module}.lora_B.weight", b_part.contiguous())]
+    return named
+
+
+def adapter_of(linear: torch.nn.Module) -> LoRAAdapter:
+    return linear._modules[_ADAPTER]
+
+
+def peft_config(rank: int, alpha: float, peft_names) -> dict:
+    """adapter_config.json's fields for the adapter whose factors are named `peft_names` (`peft_factors`' names):
+    PEFT's LoRA of rank `rank` and scale alpha / rank on the HF modules they name."""
+    modules = sorted({name.split(".lora_")[0].rpartition(".")[2] for name in peft_names})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+            "target_modules": modules, "bias": "none", "use_rslora": False}

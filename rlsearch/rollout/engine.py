@@ -25,6 +25,7 @@ import threading
 import time
 
 from ..config import EngineSpec, auto_dtype
+from ..config.schema import VLLM_LORA_RANKS
 from ..devices import CPU_CORES_VARIABLE, cpu_threads_each, local_gpu_index
 from ..lifetime import SegmentRecord
 from ..runlog import in_ray_actor
@@ -168,6 +169,9 @@ class VLLMEngine:
             # vLLM's whole-GiB setting, still wins where it is set)
             extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(2048, spec.max_model_len),
                      "kv_cache_memory_bytes": int((spec.kv_cache_gib or 1.0) * 2**30)}
+        if spec.lora_rank:  # actor.lora.sync=adapter: one adapter, the policy's, loaded by the weight sync
+            max_rank = next(rank for rank in VLLM_LORA_RANKS if rank >= spec.lora_rank)
+            extra.update(enable_lora=True, max_lora_rank=max_rank, max_loras=1, max_cpu_loras=1)
         SegmentRecord.remove_orphans()  # of engines on this host that were killed
         self._segments = SegmentRecord()
         engine_args = AsyncEngineArgs(
@@ -215,7 +219,8 @@ class VLLMEngine:
         final = None
         # vLLM keeps a reference to the id list it is given: hand it a copy
         request = TokensPrompt(prompt_token_ids=list(prompt_ids))
-        async for output in self.llm.generate(request, sampling_params, request_id=f"r{next(self._request_ids)}"):
+        async for output in self.llm.generate(request, sampling_params, request_id=f"r{next(self._request_ids)}",
+                                              lora_request=self.weights.lora_request):
             final = output
         return final
 

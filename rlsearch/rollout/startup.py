@@ -21,16 +21,17 @@ def start_tool_servers(tools: ToolsConfig) -> ToolServers:
         raise ConfigError(str(error)) from error
 
 
-def start_engines(model: ModelConfig, rollout: RolloutConfig, tools: ToolsConfig, seed: int,
+def start_engines(model: ModelConfig, rollout: RolloutConfig, tools: ToolsConfig, seed: int, lora_rank: int = 0,
                   **pool_options: Any) -> EnginePool:
     """`rollout.num_engines` engines of `model` as Ray actors (Ray already running), with the tools of `tools` (the
-    started servers' config); `pool_options` place them (trainer.placement). The frozen engine of the browse
+    started servers' config) and, with `lora_rank`, vLLM's LoRA on (actor.lora.sync=adapter); `pool_options` place
+    them (trainer.placement). The frozen engine of the browse
     summariser (tools.browse.summariser.engine) starts first, and stops with the pool."""
     from ..ray_setup import cluster_has_gpus
 
     tools, frozen = start_frozen_summariser(tools, seed, gpus=1 if cluster_has_gpus() else 0)
     try:
-        pool = EnginePool(EngineSpec.from_config(model, rollout, seed), rollout, tools, seed, **pool_options)
+        pool = EnginePool(EngineSpec.from_config(model, rollout, seed, lora_rank), rollout, tools, seed, **pool_options)
     except BaseException:
         if frozen is not None:
             import ray

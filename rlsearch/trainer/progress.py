@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..rollout import EnginePool
     from ..runlog import RunLogger
     from ..tools import ToolServers
-    from ..weights import WeightSync
+    from ..weights import AdapterSync, WeightSync
 
 
 @dataclass
@@ -70,7 +70,7 @@ class RunParts:
     pool: EnginePool | None = None
     actor: ActorRanks | None = None
     critic: CriticRanks | None = None  # algo.advantage=gae: on the actor ranks' devices
-    weight_sync: WeightSync | None = None
+    weight_sync: WeightSync | AdapterSync | None = None
     probe_ids: list[int] = field(default_factory=list)  # the probe check's sequence (weights.check_engines_match_actor)
     logger: RunLogger | None = None
 

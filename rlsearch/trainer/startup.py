@@ -36,7 +36,7 @@ from ..memory import check_train_memory, waits_for_cluster
 from ..ray_setup import cluster_has_gpus, init_ray, ray_cpus, supervisor_ray_address
 from ..reward import check_scorers, check_turn_scorers
 from ..rollout import EnginePool, start_engines, start_tool_servers, token_logit_bias
-from ..weights import WeightSync
+from ..weights import AdapterSync, WeightSync
 from .placement import Placement, check_retriever_reachable, describe_placement, plan_placement
 from .progress import RunParts
 from .timing import timed
@@ -133,7 +133,9 @@ def _start_engines_and_ranks(
     def start_pool() -> EnginePool:
         with timed(seconds, "rollout engines"):
             # under the supervisor the engines outlive this driver, and a restarted one takes them over
+            lora = config.actor.lora
             return start_engines(config.model, config.rollout, tools, config.trainer.seed,
+                                 lora_rank=lora.rank if lora.sync == "adapter" else 0,
                                  detached=bool(supervisor_ray_address()), **placement.pool_options)
 
     # the engines and the actor ranks start side by side (each is mostly one process importing and loading); the
@@ -175,8 +177,10 @@ def _critic_spec(config: TrainConfig, actor_spec: ActorWorkerSpec) -> ActorWorke
                    actor=config.critic.ranks_config(config.actor))
 
 
-def _weight_sync(config: TrainConfig, actor: ActorRanks) -> WeightSync:
-    weights = config.weights
+def _weight_sync(config: TrainConfig, actor: ActorRanks) -> WeightSync | AdapterSync:
+    weights, lora = config.weights, config.actor.lora
+    if lora.sync == "adapter":
+        return AdapterSync(actor, lora.rank, lora.alpha, weights.timeout_s)
     return WeightSync(
         actor, weights.bucket_mb, weights.transport, weights.timeout_s, config.rollout.tensor_parallel_size,
         delta=weights.delta, delta_full_every=weights.delta_full_every,

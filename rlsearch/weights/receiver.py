@@ -24,6 +24,8 @@ from .delta import DeltaBase, DeltaBucket
 from .shm import STAGING_DIR
 
 VLLM_WORKER_EXTENSION = "rlsearch.weights.vllm_extension.WeightLoaderExtension"
+# the policy's adapter in an engine of actor.lora.sync=adapter: vLLM's lora_int_id, the same on every load
+POLICY_ADAPTER_ID = 1
 
 
 class EngineWeightReceiver:
@@ -38,6 +40,8 @@ class EngineWeightReceiver:
         self.timeline: dict[str, float] = {}  # wall-clock times of the current sync: opened, paused, resumed
         self._paused_at = 0.0
         self._staged: list[dict] = []  # bucket files this engine staged itself (path, layout), in arrival order
+        # actor.lora.sync=adapter: the policy's adapter once a sync loaded it, which every request then carries
+        self.lora_request = None
 
     async def open_sync(self) -> str | None:
         """A sync starts (the engine still generating): drop what a failed sync left staged; returns the id of the
@@ -48,10 +52,14 @@ class EngineWeightReceiver:
         return self.delta.start()
 
     async def begin(self) -> None:
+        await self.begin_pause()
+        await self.llm.collective_rpc("rlsearch_begin_weight_update")
+
+    async def begin_pause(self) -> None:
+        """Pause scheduling, the requests kept (a sync's first step)."""
         self._paused_at = time.perf_counter()
         self.timeline["paused"] = time.time()
         await self.llm.pause_generation(mode="keep", clear_cache=False)
-        await self.llm.collective_rpc("rlsearch_begin_weight_update")
 
     async def stage_bucket(self, bucket: WeightBucket | DeltaBucket) -> tuple[int, int, int]:
         """Write an object-store bucket (a delta applied to the base first) to a shared-memory file in the flat
@@ -138,6 +146,44 @@ class EngineWeightReceiver:
         self.timeline["resumed"] = time.time()
         return dict(self.clock.seconds)
 
+    async def load_adapter(self, tensors: dict, peft_config: dict, version: int | None = None) -> dict[str, float]:
+        """actor.lora.sync=adapter: the policy's adapter (`tensors`: PEFT-named whole factors; `peft_config`: its
+        adapter_config.json fields) in place of the one every TP worker holds, loaded from one shared-memory file
+        while the engine is paused; requests carry it from now on. Every worker must bind each module of the adapter
+        to a layer of its model: vLLM skips what matches nothing, and an adapter bound to nothing would serve the
+        base model (verl 7495). Running requests are recomputed and the prefix cache emptied, as after a weight sync.
+        Returns the seconds of its phases, as `finish`."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        self.clock = PhaseClock()
+        self.timeline = {"opened": time.time()}
+        descriptor, path = tempfile.mkstemp(prefix="rlsearch-adapter-", suffix=".safetensors", dir=STAGING_DIR)
+        os.close(descriptor)
+        try:
+            with self.clock.phase("stage"):
+                await asyncio.to_thread(save_file, tensors, path)
+            await self.begin_pause()
+            with self.clock.phase("load"):
+                bound = await self.llm.collective_rpc("rlsearch_load_adapter",
+                                                      args=(path, peft_config, POLICY_ADAPTER_ID))
+        finally:
+            os.unlink(path)
+        problems = [f"TP worker {rank}: {len(modules)} of the adapter's modules matched no layer of the model "
+                    f"({', '.join(modules[:3])}...)" if modules else f"TP worker {rank}: the adapter bound to no layer"
+                    for rank, (count, modules) in enumerate(bound) if modules or not count]
+        if problems:
+            raise RuntimeError("adapter load failed (the engine stays paused): " + "; ".join(problems))
+        with self.clock.phase("finish"):
+            await self.llm.reset_prefix_cache(reset_running_requests=True)
+            self.lora_request = LoRARequest("rlsearch-policy", POLICY_ADAPTER_ID, path)
+            self.version = self.version + 1 if version is None else version
+            self.syncs += 1
+            await self.llm.resume_generation()
+        self.clock.seconds["pause"] = time.perf_counter() - self._paused_at
+        self.timeline["resumed"] = time.time()
+        return dict(self.clock.seconds)
+
     async def finished_syncs(self) -> int:
         return self.syncs
 
@@ -196,6 +242,9 @@ class WeightEndpoint:
 
     def finish_weight_sync(self, sync_id: str | None = None, version: int | None = None) -> dict[str, float]:
         return self._run(self.weight_receiver.finish(sync_id, version))
+
+    def load_policy_adapter(self, tensors: dict, peft_config: dict, version: int | None = None) -> dict[str, float]:
+        return self._run(self.weight_receiver.load_adapter(tensors, peft_config, version))
 
     def finished_weight_syncs(self) -> int:
         return self._run(self.weight_receiver.finished_syncs())

@@ -125,6 +125,33 @@ class WeightLoaderExtension:
                 self._rlsearch_load_named((name, tensors.get_tensor(name)) for name in tensors.keys())
         return self.rlsearch_finish_weight_update()
 
+    def rlsearch_load_adapter(self, path: str, peft_config: dict, adapter_id: int) -> tuple[int, list[str]]:
+        """The adapter in the safetensors file `path` (PEFT names, whole factors; vLLM's LoRA layers keep this
+        worker's TP slices) as adapter `adapter_id`, replacing the one loaded under that id. Returns how many modules
+        it has and those that match no LoRA layer of the model (vLLM would leave them out silently)."""
+        from safetensors.torch import load_file
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        manager = self.model_runner.lora_manager
+        adapters = manager._adapter_manager
+        peft_helper = PEFTHelper.from_dict(peft_config)
+        peft_helper.validate_legal(manager.lora_config)
+        lora = LoRAModel.from_lora_tensors(adapter_id, load_file(path), peft_helper, device="cpu",
+                                           dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size)
+        # the fused layers' modules (q, k, v; gate, up) join under the layer's name (qkv_proj, gate_up_proj) as
+        # they are added: read the names before
+        modules = sorted(lora.loras)
+        manager.remove_adapter(adapter_id)
+        adapters.add_adapter(lora)
+        packed = {part: fused for fused, parts in adapters.packed_modules_mapping.items() for part in parts}
+
+        def layer_of(module: str) -> str:  # model.layers.0.self_attn.q_proj -> model.layers.0.self_attn.qkv_proj
+            parent, _, name = module.rpartition(".")
+            return f"{parent}.{packed.get(name, name)}"
+
+        return len(modules), [module for module in modules if layer_of(module) not in adapters.modules]
+
     def rlsearch_weight_digest(self) -> str:
         """A hash of every parameter of this worker (its TP shard), in name order: equal digests, equal weights."""
         digest = hashlib.blake2b(digest_size=16)

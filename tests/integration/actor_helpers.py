@@ -122,3 +122,14 @@ def sent_tensors(group, bucket_mb: int) -> dict[str, torch.Tensor]:
     tensors = dict(received)
     assert len(tensors) == len(received), "a tensor was sent twice"
     return tensors
+
+
+def sent_adapters(group) -> dict[str, torch.Tensor]:
+    """What an adapter sync sends (every stage's `stage_adapters`); asserts that each stage's sender alone sent and
+    no name came twice."""
+    stages = group.stage_workers()
+    exported = ray.get([worker.stage_adapters.remote() for workers in stages for worker in workers])
+    assert sum(bool(part) for part in exported) == len(stages), "a rank other than a stage's sender sent adapters"
+    adapters = {name: tensor for part in exported for name, tensor in part.items()}
+    assert len(adapters) == sum(len(part) for part in exported), "an adapter factor was sent twice"
+    return adapters

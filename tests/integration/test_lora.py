@@ -21,7 +21,14 @@ from rlsearch.checkpoint import CheckpointStore, mcore_to_hf
 from rlsearch.checkpoint.layout import MODEL_DIR
 from rlsearch.config import AlgoConfig
 from rlsearch.config.schema import LoRAConfig
-from tests.integration.actor_helpers import actor_spec, hf_logprobs, max_diff, scored_batch, sent_tensors
+from tests.integration.actor_helpers import (
+    actor_spec,
+    hf_logprobs,
+    max_diff,
+    scored_batch,
+    sent_adapters,
+    sent_tensors,
+)
 from tests.integration.convert_checks import converted_tensors
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
@@ -44,6 +51,7 @@ class LoRARun:
     ranks_after: list[dict]
     exported: dict[str, torch.Tensor]  # hf_state_dict after the steps (mbridge's export)
     sent: dict[str, torch.Tensor]  # what the weight sync sends after the steps (the rank-local export)
+    adapters: dict[str, torch.Tensor]  # what an adapter sync sends after the steps (actor.lora.sync=adapter)
 
 
 def _rank_states(group) -> list[dict]:
@@ -114,8 +122,9 @@ def run_lora(rank_pool, tiny_model_dir, batch):
             reference_after = group.compute_logprobs(samples, reference=True)
             exported = group.hf_state_dict()
             sent = sent_tensors(group, 64)
+            adapters = sent_adapters(group)
         cache[name] = LoRARun(logprobs_before, reference_before, logprobs_after, reference_after, metrics,
-                              ranks_before, ranks_after, exported, sent)
+                              ranks_before, ranks_after, exported, sent, adapters)
         return cache[name]
 
     return run
@@ -238,6 +247,31 @@ def test_lora_exports_the_merged_weights(run_lora, tiny_model_dir):
     assert [name for name in original if not torch.equal(result.sent[name], result.exported[name])] == []
     adapted = [name for name in original if not torch.equal(result.exported[name], original[name])]
     assert len(adapted) == 7 * config["num_hidden_layers"]  # q, k, v, o, gate, up, down of every layer
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_adapter_sync_sends_peft_factors_whose_product_is_the_merged_change(run_lora, tiny_model_dir, layout):
+    """actor.lora.sync=adapter sends, per HF module, lora_A and lora_B under PEFT's names, whole whatever the layout
+    (TP shards gathered, PP stages joined), and (alpha / rank) lora_B lora_A is exactly what the merged sync adds to
+    that module's weight (the q/k/v split of the fused qkv rows, the gate/up split of fc1), within fp32 rounding;
+    TP2's and PP2's factors are TP1's; the adapters are ~1/20 of the model's bytes or less."""
+    result = run_lora(layout)
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    modules = {name.removeprefix("base_model.model.").split(".lora_")[0] for name in result.adapters}
+    assert len(modules) == 7 * config["num_hidden_layers"]  # q, k, v, o, gate, up, down of every layer
+    assert set(result.adapters) == {f"base_model.model.{m}.lora_{f}.weight" for m in modules for f in "AB"}
+    worst = 0.0
+    for module in modules:
+        a, b = (result.adapters[f"base_model.model.{module}.lora_{f}.weight"] for f in "AB")
+        assert a.shape[0] == b.shape[1] == LORA.rank
+        change = result.sent[f"{module}.weight"].float() - original[f"{module}.weight"].float()
+        worst = max(worst, (SCALE * (b.float() @ a.float()) - change).abs().max().item())
+    assert worst < 1e-6, worst
+    if layout != "tp1":
+        assert max_diff(result.adapters, run_lora("tp1").adapters) < TOLERANCE
+    model_bytes = sum(tensor.nbytes for tensor in original.values())
+    assert sum(tensor.nbytes for tensor in result.adapters.values()) * 20 <= model_bytes
 
 
 def test_lora_checkpoint_from_tp1_resumes_at_tp2_and_converts_merged(rank_pool, tiny_model_dir, batch, tmp_path):
