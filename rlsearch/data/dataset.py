@@ -123,8 +123,8 @@ def _parse_row(
     if not isinstance(row, dict):
         raise DatasetError(f"{location}: expected a JSON object, got {type(row).__name__}")
     row_id = row.get("id")
-    data_source = row.get("data_source", row.get("source"))  # DR Tulu's rows name their dataset `source`
     rubrics = _row_rubrics(row, location)
+    data_source = row.get("data_source", rubrics.data_source)
     return QAExample(
         id=fallback_id if row_id is None else str(row_id),
         question=_parse_question(row, location, max_question_chars, rubrics.question),
@@ -157,6 +157,7 @@ class _RowRubrics:
     rubrics: tuple[Rubric, ...] = ()
     question: str | None = None  # DR Tulu's ground_truth query
     scorer: str = ""  # the scorer the row's form implies (DR Tulu's and RaR's: rubric)
+    data_source: Any = None  # DR Tulu's name of the row's dataset, `source`
 
 
 def _row_rubrics(row: dict[str, Any], location: str) -> _RowRubrics:
@@ -173,7 +174,7 @@ def _row_rubrics(row: dict[str, Any], location: str) -> _RowRubrics:
     if ground_truth is not None:
         query = ground_truth.get("query", ground_truth.get("Question"))
         rubrics = _parse_rubrics(ground_truth.get("rubrics"), f"{location}: ground_truth.rubrics", "description")
-        return _RowRubrics(rubrics, query if isinstance(query, str) else None, RUBRIC_SCORER)
+        return _RowRubrics(rubrics, query if isinstance(query, str) else None, RUBRIC_SCORER, row.get("source"))
     return _RowRubrics()
 
 

@@ -58,7 +58,7 @@ def test_dr_tulu_rows_are_read_as_they_are(tmp_path: Path) -> None:
 
 
 def test_rar_rows_are_read_as_they_are(tmp_path: Path) -> None:
-    path = write_rows(tmp_path / "rar.jsonl", [rar_row()])
+    path = write_rows(tmp_path / "rar.jsonl", [{**rar_row(), "source": "only DR Tulu's rows name it so"}])
     assert load_qa_dataset(path, default_data_source="rar") == [QAExample(
         id="rar-0", question=QUESTION, golden_answers=(), data_source="rar", scorer="rubric", rubrics=PARSED)]
 
