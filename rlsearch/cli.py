@@ -277,14 +277,26 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _make_toy_data(args: argparse.Namespace) -> int:
-    from .data import make_multihop_data, make_toy_data
+    from .data import make_longform_data, make_multihop_data, make_toy_data
     from .data.demos import write_toy_demonstrations
     from .data.multihop import parse_hops
 
-    wrong_task = _options_of_other_task(args)
-    if wrong_task:
-        print(f"rlsearch make-toy-data: {wrong_task}", file=sys.stderr)
+    not_taken = _options_not_taken(args)
+    if not_taken:
+        print(f"rlsearch make-toy-data: {not_taken}", file=sys.stderr)
         return 2
+    if args.task == "longform":
+        try:
+            paths = make_longform_data(
+                args.out, seed=args.seed, num_questions=_or_default(args.num_questions, 60),
+                facts_per_question=_or_default(args.facts_per_question, 3), test_fraction=args.test_fraction,
+                distractors_per_entity=_or_default(args.distractors_per_entity, 1))
+        except ValueError as err:
+            print(f"rlsearch make-toy-data: {err}", file=sys.stderr)
+            return 2
+        print(f"longform corpus: {paths.corpus}\ntrain: {paths.train}\ntest: {paths.test}\n(rows with rubrics, "
+              "scored by the rubric scorer; no demonstrations)")
+        return 0
     if args.task == "multihop":
         try:
             hops = parse_hops(args.hops or "2,3,4")
@@ -316,19 +328,26 @@ def _make_toy_data(args: argparse.Namespace) -> int:
     return 0
 
 
-# make-toy-data options that belong to one task only (None / 0: not given)
-_TOY_ONLY_OPTIONS = (("num_entities", "--num-entities"), ("name_pool", "--name-pool"), ("answer_pool", "--answer-pool"))
-_MULTIHOP_ONLY_OPTIONS = (("hops", "--hops"), ("num_chains", "--num-chains"), ("passage_words", "--passage-words"),
-                          ("fold_fraction", "--fold-fraction"))
+# make-toy-data options that belong to some tasks only (None / 0 / empty: not given)
+_TASK_OPTIONS = {
+    "toy": (("num_entities", "--num-entities"), ("name_pool", "--name-pool"), ("answer_pool", "--answer-pool")),
+    "multihop": (("hops", "--hops"), ("num_chains", "--num-chains"), ("passage_words", "--passage-words"),
+                 ("fold_fraction", "--fold-fraction")),
+    "longform": (("num_questions", "--num-questions"), ("facts_per_question", "--facts-per-question")),
+}
+# options of the toy and multihop tasks' names and demonstrations (the long-form task writes none)
+_NOT_LONGFORM_OPTIONS = (("learnable", "--learnable"), ("demo_corpora", "--demo-corpora"),
+                         ("prompt_file", "--prompt-file"))
 
 
-def _options_of_other_task(args: argparse.Namespace) -> str:
-    """What is wrong when an option of the other task is given, else an empty string."""
-    other_task, other = ("multihop", _MULTIHOP_ONLY_OPTIONS) if args.task == "toy" else ("toy", _TOY_ONLY_OPTIONS)
-    given = [flag for name, flag in other if getattr(args, name) not in (None, 0)]
-    if not given:
-        return ""
-    return f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --task {other_task} only"
+def _options_not_taken(args: argparse.Namespace) -> str:
+    """What is wrong when an option of another task is given, else an empty string."""
+    wrong = [f"{flag} is for --task {task} only" for task, options in _TASK_OPTIONS.items() if task != args.task
+             for name, flag in options if getattr(args, name) not in (None, 0, "")]
+    if args.task == "longform":
+        wrong += [f"{flag} is for --task toy and multihop only" for name, flag in _NOT_LONGFORM_OPTIONS
+                  if getattr(args, name) not in (None, 0, "", False)]
+    return "; ".join(wrong)
 
 
 def _or_default(value, default):
@@ -384,6 +403,7 @@ examples:
   rlsearch make-toy-data --out outputs/assets/toy                      # the embedded default
   rlsearch make-toy-data --out outputs/assets/multihop --task multihop --learnable   # hops 2,3,4
   rlsearch make-toy-data --out /tmp/multihop_long --task multihop --hops 4,8 --passage-words 400 --demo-topk 3
+  rlsearch make-toy-data --out outputs/assets/longform --task longform    # rubric rows for reward.rubric.evolve
 """
 
 
@@ -628,18 +648,26 @@ def build_parser() -> argparse.ArgumentParser:
     real.set_defaults(func=_make_real_model)
 
     toy = commands.add_parser(
-        "make-toy-data", help="generate a corpus about invented entities, a QA set over it and demonstrations",
+        "make-toy-data", help="generate a corpus about invented entities, a QA set over it and demonstrations (or "
+        "long-form questions with rubrics)",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=MAKE_TOY_DATA_EPILOG,
         description="Write corpus.jsonl, train.jsonl, test.jsonl and sft.jsonl: a demonstration per train question "
         "(search, read the local BM25 results, answer) for `rlsearch sft`, of which --flawed-fraction answer wrongly. "
         "--task toy (default): passages about invented towns, inventors, rivers and inventions, one question per "
         "entity, answered in exactly one passage. --task multihop: questions that chain --hops lookups (\"Who is the "
         "mentor of the rival of X?\"); each passage names only the next entity of its chain, so a question of k hops "
-        "takes exactly k searches, and test rows carry metadata.hops, which `rlsearch eval` breaks its table down by.",
+        "takes exactly k searches, and test rows carry metadata.hops, which `rlsearch eval` breaks its table down by. "
+        "--task longform: the toy corpus with questions that ask for a short report on --facts-per-question entities, "
+        "one fact of each from its own passage, cited as <cite id=\"ID\"> (the ids the call_tool protocol shows); "
+        "each row carries rubrics in rlsearch's form, checkable by an LLM judge: per fact one of weight 1 (the fact "
+        "and its citation) and, with look-alike passages, a pitfall of weight -1 (the look-alike's fact given "
+        "instead). Its data source 'longform' is scored by the rubric scorer, so a run with reward.rubric.evolve "
+        "grows these rubrics (docs/rewards.md); it writes no sft.jsonl.",
     )
     toy.add_argument("--out", required=True, help="output dir (corpus.jsonl, train.jsonl, test.jsonl)")
-    toy.add_argument("--task", choices=("toy", "multihop"), default="toy", help="toy: one search per question "
-                     "(default); multihop: k searches per question, one per entity of a chain (see below)")
+    toy.add_argument("--task", choices=("toy", "multihop", "longform"), default="toy", help="toy: one search per "
+                     "question (default); multihop: k searches per question, one per entity of a chain; longform: "
+                     "reports on several entities, scored by rubrics (see above)")
     toy.add_argument("--seed", type=int, default=0)
     toy.add_argument("--num-entities", type=int, default=None, help="toy: questions (one per entity; default 200); "
                      "with --learnable each passage takes 3 different names (1 with --answer-pool), so entities * "
@@ -652,10 +680,14 @@ def build_parser() -> argparse.ArgumentParser:
                      "many words of filler sentences (default 0), with the fact at a random place among them: with "
                      "the retriever's topk passages per search, a question of k hops reads about k * topk * N words, "
                      "so N in the hundreds gives 8k-32k-token trajectories")
+    toy.add_argument("--num-questions", type=int, default=None, help="longform: questions (default 60), each on "
+                     "its own --facts-per-question entities")
+    toy.add_argument("--facts-per-question", type=int, default=None, help="longform: facts a report gathers, one "
+                     "per entity and passage, with one rubric each (default 3)")
     toy.add_argument("--test-fraction", type=float, default=0.2, help="share of the questions in test.jsonl")
     toy.add_argument("--distractors-per-entity", type=int, default=None, help="look-alike passages per question "
                      "entity (multihop: per chain entity) that mention it without giving its facts (default: toy 2, "
-                     "multihop 1)")
+                     "multihop 1, longform 1: each gives its fact a pitfall rubric)")
     toy.add_argument("--learnable", action="store_true", help="names are single-token words and no question asks "
                      "for a year, so searching and answering each copy one token (a simpler task for small models)")
     toy.add_argument("--name-pool", type=int, default=0, help="toy, with --learnable: draw names from this many fixed "

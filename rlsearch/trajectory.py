@@ -45,6 +45,15 @@ class Turn:
 
 
 @dataclass
+class RubricScore:
+    """The rubric scorer's judgement of a trajectory on one rubric (reward.scorers X=rubric)."""
+
+    text: str
+    weight: float  # negative: a pitfall, which subtracts when met
+    score: float  # the judge's 0-2 read as 0, 0.5 or 1
+
+
+@dataclass
 class Segment:
     """Tokens of one prompt-extending run of model calls. A user agent that rewrites its history (drops or edits
     turns) starts a new segment; every segment of a trajectory is trained with that trajectory's advantage."""
@@ -73,6 +82,9 @@ class Trajectory:
     truncations: list[str] = field(default_factory=list)
     reward: float = 0.0
     scores: dict[str, float] = field(default_factory=dict)
+    # the rubric scorer's score per rubric the trajectory was judged on, in order (the row's rubrics; with
+    # reward.rubric.evolve the question's persistent then active ones); empty for other scorers
+    rubric_scores: list[RubricScore] = field(default_factory=list)
     generate_s: float = 0.0  # seconds this trajectory waited on the engine, summed over its turns
     tool_s: float = 0.0  # seconds it waited on its tool calls
     # the engine's weight versions in effect while it generated (two or more: a weight update landed mid-rollout)

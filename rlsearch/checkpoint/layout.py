@@ -27,6 +27,7 @@ MODEL_DIR = "megatron"
 CRITIC_DIR = "critic"
 HF_DIR = "hf"
 TRAINER_STATE = "trainer_state.json"
+RUBRIC_BUFFER = "rubric_buffer.json"  # a run's evolving rubrics (reward.rubric.evolve), beside the trainer state
 MANIFEST = "manifest.json"
 FORMAT = "rlsearch-checkpoint/1"
 _USE_ANOTHER = "use an earlier checkpoint (a step_* dir beside it)"

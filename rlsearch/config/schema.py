@@ -44,7 +44,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # Search-R1 rows (question, golden_answers, data_source) as JSONL or parquet
+    # Search-R1 rows (question, golden_answers, data_source) or rubric rows (rlsearch's, DR Tulu's, RaR's: docs/data.md)
+    # as JSONL or parquet
     train_files: list[str] = rule(factory=lambda: ["outputs/assets/toy/train.jsonl"],
                                  nonempty="give at least one JSONL or parquet file")
     batch_size: int = rule(4, gt=0)  # prompts per step; each is sampled rollout.group_size times

@@ -1,8 +1,10 @@
-"""Loading QA datasets (Search-R1 raw or processed rows) from JSONL or Parquet files."""
+"""Loading QA datasets from JSONL or Parquet files: Search-R1 raw or processed rows, and long-form rows whose rubrics
+come in rlsearch's own ``rubrics``, DR Tulu's ``ground_truth`` or RaR's ``rubric`` form (docs/data.md)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,11 +18,14 @@ ACCEPTED_SUFFIXES = (".jsonl", ".parquet")
 # (a document pasted into the question field) stops the run at once instead of when its batch comes up; questions
 # under it whose prompt is still over rollout.max_prompt_tokens are reported when the prompt is built.
 MAX_QUESTION_CHARS = 32_768
+GENERAL_RUBRIC = "general_rubric"  # DR Tulu's `dataset` (its verifier) of a rubric row
+RUBRIC_SCORER = "rubric"  # the scorer DR Tulu's and RaR's rows imply
 
 
 @dataclass(frozen=True)
 class Rubric:
-    """One criterion of a long-form answer (the rubric scorer): judged on its own, weighted in the mean."""
+    """One criterion of a long-form answer (the rubric scorer): judged on its own, weighted in the score. A negative
+    weight marks a pitfall: meeting it subtracts."""
 
     text: str
     weight: float = 1.0
@@ -50,8 +55,11 @@ def load_qa_dataset(
 
     Rows are either raw Search-R1 rows (``question``, ``golden_answers``) or processed ones whose answers
     live in ``reward_model.ground_truth.target`` and whose question may be in ``extra_info.question``. Optional:
-    ``scorer`` (a scorer name for this row), ``turn_scorer`` (its turn scorer, for turn-level credit) and
-    ``rubrics`` (``[{"text": ..., "weight": ...}]``; a row with rubrics needs no golden answers).
+    ``scorer`` (a scorer name for this row), ``turn_scorer`` (its turn scorer, for turn-level credit) and rubrics
+    in one of three forms (a row with rubrics needs no golden answers): rlsearch's ``rubrics`` (``[{"text",
+    "weight"}]``), DR Tulu's ``ground_truth`` (JSON ``{"query", "rubrics": [{"description", "title", "weight"}]}``;
+    its question is ``query`` when the row has no ``question``) or RaR's ``rubric`` (``[{"description", "title",
+    "weight"}]``). DR Tulu's and RaR's rows are scored by the rubric scorer unless they name a ``scorer``.
     An empty file, a malformed row, bytes that are not UTF-8 and a question over ``max_question_chars`` characters
     are `DatasetError`s naming the file (and line or row).
     """
@@ -115,16 +123,16 @@ def _parse_row(
     if not isinstance(row, dict):
         raise DatasetError(f"{location}: expected a JSON object, got {type(row).__name__}")
     row_id = row.get("id")
-    data_source = row.get("data_source")
-    rubrics = _parse_rubrics(row.get("rubrics"), location)
+    rubrics = _row_rubrics(row, location)
+    data_source = row.get("data_source", rubrics.data_source)
     return QAExample(
         id=fallback_id if row_id is None else str(row_id),
-        question=_parse_question(row, location, max_question_chars),
-        golden_answers=_parse_golden_answers(row, location, required=not rubrics),
+        question=_parse_question(row, location, max_question_chars, rubrics.question),
+        golden_answers=_parse_golden_answers(row, location, required=not rubrics.rubrics),
         data_source=default_data_source if data_source is None else str(data_source),
-        scorer=_parse_scorer(row.get("scorer"), location),
+        scorer=_parse_scorer(row.get("scorer"), location) or rubrics.scorer,
         turn_scorer=_parse_scorer(row.get("turn_scorer"), location, "turn_scorer", "retrieved_answer, new_information"),
-        rubrics=rubrics,
+        rubrics=rubrics.rubrics,
         hops=_parse_hops(row.get("metadata")),
         location=location,
     )
@@ -144,37 +152,102 @@ def _parse_scorer(scorer: Any, location: str, key: str = "scorer", examples: str
     return scorer.strip()
 
 
-def _parse_rubrics(rubrics: Any, location: str) -> tuple[Rubric, ...]:
-    if rubrics is None:
-        return ()
+@dataclass(frozen=True)
+class _RowRubrics:
+    rubrics: tuple[Rubric, ...] = ()
+    question: str | None = None  # DR Tulu's ground_truth query
+    scorer: str = ""  # the scorer the row's form implies (DR Tulu's and RaR's: rubric)
+    data_source: Any = None  # DR Tulu's name of the row's dataset, `source`
+
+
+def _row_rubrics(row: dict[str, Any], location: str) -> _RowRubrics:
+    """The row's rubrics in whichever of the three forms it gives (more than one is an error)."""
+    ground_truth = _dr_tulu_ground_truth(row, location)
+    given = [key for key in ("rubrics", "rubric") if row.get(key) is not None]
+    given += ["ground_truth"] if ground_truth is not None else []
+    if len(given) > 1:
+        raise DatasetError(f"{location}: the row gives rubrics as {' and '.join(map(repr, given))}; keep one")
+    if row.get("rubrics") is not None:
+        return _RowRubrics(_parse_rubrics(row["rubrics"], f"{location}: rubrics", "text"))
+    if row.get("rubric") is not None:  # RaR
+        return _RowRubrics(_parse_rubrics(row["rubric"], f"{location}: rubric", "description"), scorer=RUBRIC_SCORER)
+    if ground_truth is not None:
+        query = ground_truth.get("query", ground_truth.get("Question"))
+        rubrics = _parse_rubrics(ground_truth.get("rubrics"), f"{location}: ground_truth.rubrics", "description")
+        return _RowRubrics(rubrics, query if isinstance(query, str) else None, RUBRIC_SCORER, row.get("source"))
+    return _RowRubrics()
+
+
+def _dr_tulu_ground_truth(row: dict[str, Any], location: str) -> dict[str, Any] | None:
+    """DR Tulu's rubric ground truth: ``ground_truth`` as a JSON string (as DR Tulu writes it; open-instruct may wrap
+    it in a one-item list) or an object, holding ``rubrics``. None for a row without one; a ``general_rubric`` row
+    whose ground truth holds no rubrics is an error."""
+    value = row.get("ground_truth")
+    if value is None:
+        return None
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+    if isinstance(value, dict) and "rubrics" in value:
+        return value
+    if row.get("dataset") == GENERAL_RUBRIC:
+        raise DatasetError(
+            f"{location}: 'ground_truth' of a {GENERAL_RUBRIC} row must be a JSON object with 'query' and 'rubrics' "
+            f"(as DR Tulu writes it: json.dumps({{\"query\": ..., \"rubrics\": [...]}})); got {_short(value)}"
+        )
+    return None
+
+
+def _parse_rubrics(rubrics: Any, where: str, text_key: str) -> tuple[Rubric, ...]:
+    """A non-empty list of objects with the criterion under ``text_key`` (rlsearch's "text"; DR Tulu's and RaR's
+    "description", where "title" and any other key are left out) and a "weight"; at least one weight > 0."""
+    shape = f'{{"{text_key}", "weight"}}'
     if not isinstance(rubrics, (list, tuple)) or not rubrics:
-        raise DatasetError(f"{location}: 'rubrics' must be a non-empty list of {{\"text\", \"weight\"}} objects")
-    return tuple(_parse_rubric(rubric, f"{location}: rubrics[{index}]") for index, rubric in enumerate(rubrics))
+        raise DatasetError(f"{where}: must be a non-empty list of {shape} objects; got {_short(rubrics)}")
+    parsed = tuple(_parse_rubric(rubric, f"{where}[{index}]", text_key) for index, rubric in enumerate(rubrics))
+    if not any(rubric.weight > 0 for rubric in parsed):
+        raise DatasetError(f"{where}: no rubric has a positive weight; give at least one (the score is divided by "
+                           "the sum of the positive weights)")
+    return parsed
 
 
-def _parse_rubric(rubric: Any, where: str) -> Rubric:
+def _parse_rubric(rubric: Any, where: str, text_key: str) -> Rubric:
     if not isinstance(rubric, dict):
-        raise DatasetError(f"{where}: expected an object {{\"text\": ..., \"weight\": ...}}, got {rubric!r}")
-    unknown = sorted(set(rubric) - {"text", "weight"})
-    if unknown:
-        raise DatasetError(f"{where}: unknown key {unknown[0]!r}; a rubric has 'text' and 'weight'")
-    text = rubric.get("text")
+        raise DatasetError(f'{where}: expected an object {{"{text_key}": ..., "weight": ...}}, got {_short(rubric)}')
+    if text_key == "text":
+        unknown = sorted(set(rubric) - {"text", "weight"})
+        if unknown:
+            raise DatasetError(f"{where}: unknown key {unknown[0]!r}; a rubric has 'text' and 'weight'")
+    text = rubric.get(text_key)
     if not isinstance(text, str) or not text.strip():
-        raise DatasetError(f"{where}: missing or empty 'text'; give the criterion as a non-empty string")
+        raise DatasetError(f"{where}: missing or empty '{text_key}'; give the criterion as a non-empty string")
     weight = rubric.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-        raise DatasetError(f"{where}: 'weight' must be a number > 0; got {weight!r}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight == 0:
+        raise DatasetError(f"{where}: 'weight' must be a number other than 0 (a negative one marks a pitfall, which "
+                           f"subtracts when the answer meets it); got {weight!r}")
     return Rubric(text=text.strip(), weight=float(weight))
 
 
-def _parse_question(row: dict[str, Any], location: str, max_chars: int) -> str:
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _parse_question(row: dict[str, Any], location: str, max_chars: int, ground_truth_query: str | None) -> str:
     question = row.get("question")
     extra_info = row.get("extra_info")
     if question is None and isinstance(extra_info, dict):
         question = extra_info.get("question")
+    if question is None:
+        question = ground_truth_query
     if not isinstance(question, str) or not question.strip():
         raise DatasetError(
-            f"{location}: missing or empty 'question' (or 'extra_info.question'); give a non-empty string"
+            f"{location}: missing or empty 'question' (or 'extra_info.question', or the 'query' of DR Tulu's "
+            "'ground_truth'); give a non-empty string"
         )
     question = question.strip()
     if len(question) > max_chars:
@@ -195,7 +268,7 @@ def _parse_golden_answers(row: dict[str, Any], location: str, required: bool) ->
     if answers is None:
         raise DatasetError(
             f"{location}: missing golden answers; give 'golden_answers' or 'reward_model.ground_truth.target' "
-            "(or 'rubrics', for the rubric scorer)"
+            "(or rubrics, for the rubric scorer: see docs/data.md)"
         )
     if isinstance(answers, str):
         return (answers,)

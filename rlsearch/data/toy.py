@@ -41,15 +41,15 @@ class Passage:
 
 
 @dataclass(frozen=True)
-class _Question:
+class Question:
     question: str
     golden_answers: tuple[str, ...]
 
 
 @dataclass(frozen=True)
-class _Entity:
+class Entity:
     passage: Passage
-    questions: tuple[_Question, ...]
+    questions: tuple[Question, ...]  # one per fact of its passage, the same for every entity of its kind
 
 
 class NameMaker:
@@ -114,17 +114,17 @@ class _PooledNames:
 _FactNames = NameMaker | _PooledNames
 # Each kind builds an entity from (names of the title, names of facts, rng, year, name of the question entity it
 # distracts from or None). The title is drawn first, so that with one NameMaker for all the names stay the same.
-_EntityBuilder = Callable[[NameMaker, _FactNames, random.Random, int, str | None], _Entity]
+_EntityBuilder = Callable[[NameMaker, _FactNames, random.Random, int, str | None], Entity]
 
 
-def _entity(title: str, text: str, rival: str | None, rival_text: str, questions: tuple[tuple, ...]) -> _Entity:
+def _entity(title: str, text: str, rival: str | None, rival_text: str, questions: tuple[tuple, ...]) -> Entity:
     """The passage about `title` (with `rival_text` in a distractor) and its (question, answers)."""
     if rival:
         text += rival_text
-    return _Entity(Passage(title, text), tuple(_Question(question, answers) for question, answers in questions))
+    return Entity(Passage(title, text), tuple(Question(question, answers) for question, answers in questions))
 
 
-def _town(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
+def _town(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> Entity:
     town = names.word()
     river, mayor = facts.word(), facts.person()
     return _entity(
@@ -138,7 +138,7 @@ def _town(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, ri
     )
 
 
-def _inventor(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
+def _inventor(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> Entity:
     inventor = names.person()
     birthplace, machine = facts.word(), facts.word()
     text = (
@@ -155,7 +155,7 @@ def _inventor(names: NameMaker, facts: _FactNames, rng: random.Random, year: int
     )
 
 
-def _river(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
+def _river(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> Entity:
     river = names.word()
     mountain, lake = facts.word(), facts.word()
     text = (
@@ -172,7 +172,7 @@ def _river(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, r
     )
 
 
-def _invention(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> _Entity:
+def _invention(names: NameMaker, facts: _FactNames, rng: random.Random, year: int, rival: str | None) -> Entity:
     invention = names.word()
     inventor, workshop_town = facts.person(), facts.word()
     text = (
@@ -265,11 +265,12 @@ def answer_names(answer_pool: int) -> list[str]:
     return sorted(names[len(names) - answer_pool:])
 
 
-def _generate(
-    rng: random.Random, num_entities: int, distractors_per_entity: int, learnable: bool, name_pool: int,
-    answer_pool: int,
-) -> tuple[list[Passage], list[tuple[Passage, _Question]]]:
-    """All passages, and for each question entity its passage and the one question asked about it."""
+def generate_entities(
+    rng: random.Random, num_entities: int, distractors_per_entity: int, learnable: bool = False, name_pool: int = 0,
+    answer_pool: int = 0,
+) -> tuple[list[Passage], list[tuple[Entity, Question, list[Entity]]]]:
+    """All passages (each entity's, with its distractors' after it), and for each question entity: the entity, the
+    question asked about it and its distractors (entities of its kind that mention it, with facts of their own)."""
     names = NameMaker(rng, template_words(), learnable_names(name_pool, answer_pool) if learnable else ())
     facts: _FactNames = _PooledNames(rng, answer_names(answer_pool)) if answer_pool else names
     num_passages = num_entities * (1 + distractors_per_entity)
@@ -277,18 +278,18 @@ def _generate(
     last_year = max(_FIRST_YEAR + 999, _FIRST_YEAR + num_passages - 1)
     years = iter(rng.sample(range(_FIRST_YEAR, last_year + 1), num_passages))
     passages: list[Passage] = []
-    asked: list[tuple[Passage, _Question]] = []
+    asked: list[tuple[Entity, Question, list[Entity]]] = []
     for _ in range(num_entities):
         kind = rng.choice(_KINDS)
         entity = kind(names, facts, rng, next(years), None)
         # the learnable variant asks only for names (one token each), never for a year (four digit tokens)
         questions = [q for q in entity.questions if not (learnable and q.golden_answers[0].isdigit())]
-        asked.append((entity.passage, rng.choice(questions)))
+        question = rng.choice(questions)
+        distractors = [kind(names, facts, rng, next(years), entity.passage.title)
+                       for _ in range(distractors_per_entity)]
+        asked.append((entity, question, distractors))
         passages.append(entity.passage)
-        passages.extend(
-            kind(names, facts, rng, next(years), entity.passage.title).passage
-            for _ in range(distractors_per_entity)
-        )
+        passages.extend(distractor.passage for distractor in distractors)
     return passages, asked
 
 
@@ -319,7 +320,7 @@ def make_toy_data(
             raise ValueError(f"{pool_name} applies to the learnable variant only (learnable=True)")
     _check_arguments(num_entities, test_fraction, distractors_per_entity)
     rng = random.Random(seed)
-    passages, asked = _generate(rng, num_entities, distractors_per_entity, learnable, name_pool, answer_pool)
+    passages, asked = generate_entities(rng, num_entities, distractors_per_entity, learnable, name_pool, answer_pool)
     rng.shuffle(passages)
     passage_ids = {passage.title: str(index) for index, passage in enumerate(passages)}
     qa_rows = [
@@ -329,9 +330,9 @@ def make_toy_data(
             "golden_answers": list(question.golden_answers),
             "data_source": "toy",
             # the entity asked about: the passage's title, and the query a demonstration searches for
-            "metadata": {"passage_id": passage_ids[passage.title], "entity": passage.title},
+            "metadata": {"passage_id": passage_ids[entity.passage.title], "entity": entity.passage.title},
         }
-        for entity_index, (passage, question) in enumerate(asked)
+        for entity_index, (entity, question, _) in enumerate(asked)
     ]
     rng.shuffle(qa_rows)
     num_test = min(num_entities - 1, max(1, round(num_entities * test_fraction)))

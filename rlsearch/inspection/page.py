@@ -17,6 +17,7 @@ from html import escape
 from pathlib import Path
 
 from .index import EVAL, answer_of
+from .rubrics import RubricHistory, history_html, load_rubric_history, scores_html
 
 MAX_PAGE_TRAJECTORIES = 200  # a page with every step of a long run would not open; --step picks others
 # marker classes of a sampled token by its engine-vs-actor |logprob gap|, largest first
@@ -28,7 +29,8 @@ h1 { font-size: 1.4em; } h2 { font-size: 1.1em; margin: 0 0 .4em; }
 .note { background: #fff8c5; padding: .4em .7em; border-radius: 4px; }
 table { border-collapse: collapse; } td, th { padding: 2px 8px; text-align: left; vertical-align: top; }
 table.index td, table.index th { border-bottom: 1px solid #d0d7de; }
-section.trajectory { border: 1px solid #d0d7de; border-radius: 6px; padding: .8em 1em; margin: 1.2em 0; }
+section.trajectory, section.rubrics { border: 1px solid #d0d7de; border-radius: 6px; padding: .8em 1em;
+    margin: 1.2em 0; }
 table.facts th { color: #57606a; font-weight: normal; white-space: nowrap; }
 .turn { border-left: 3px solid #8c959f; padding: .2em .8em; margin: .6em 0; }
 .turn-head { color: #57606a; font-size: .9em; }
@@ -114,12 +116,14 @@ def write_page(db: sqlite3.Connection, run_dir: Path, source: str, step: int | N
     records = [{**_read_record(run_dir / file, offset), "step": step} for file, offset, step in rows]
     detokenizer, tokenizer_note = load_detokenizer(run_dir)
     notes.append(tokenizer_note)
+    history, history_note = load_rubric_history(run_dir)
+    notes += [history_note] if history_note else []
     prefix = "eval_" if source == EVAL else ""
     name = f"step_{chosen[0]:06d}" if len(chosen) == 1 else f"steps_{chosen[0]:06d}-{chosen[-1]:06d}"
     path = Path(out) if out else run_dir / "inspect" / f"{prefix}{name}.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     title = f"{run_dir.name}: {source} trajectories, step(s) {', '.join(map(str, chosen))}"
-    path.write_text(render_page(records, title, detokenizer, notes), encoding="utf-8")
+    path.write_text(render_page(records, title, detokenizer, notes, history), encoding="utf-8")
     return WrittenPage(path, chosen, len(records), notes)
 
 
@@ -172,8 +176,10 @@ def load_detokenizer(run_dir: Path) -> tuple[Detokenizer | None, str]:
                   "instead of its tokens")
 
 
-def render_page(records: list[dict], title: str, detokenizer: Detokenizer | None, notes: list[str]) -> str:
-    """The whole page: notes, a legend, an index linking each trajectory, then the trajectories."""
+def render_page(records: list[dict], title: str, detokenizer: Detokenizer | None, notes: list[str],
+                rubric_history: RubricHistory | None) -> str:
+    """The whole page: notes, a legend, an index linking each trajectory, the rubric history of the page's
+    questions (evolving rubrics), then the trajectories."""
     index_rows = "".join(
         f'<tr><td><a href="#traj-{number}">{number}</a></td>{_cells(record["step"])}'
         f'{_cells(record["example_id"], record["group_id"], record["sample_index"], _number(record["reward"]))}'
@@ -182,6 +188,7 @@ def render_page(records: list[dict], title: str, detokenizer: Detokenizer | None
         for number, record in enumerate(records, start=1))
     sections = "".join(_trajectory(record, number, detokenizer) for number, record in enumerate(records, start=1))
     notes_html = "".join(f'<p class="note">{escape(note)}</p>' for note in notes)
+    rubrics = history_html(rubric_history, (record["example_id"] for record in records)) if rubric_history else ""
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
         f"<style>{STYLE}</style></head>\n<body><h1>{escape(title)}</h1>{notes_html}"
@@ -192,7 +199,7 @@ def render_page(records: list[dict], title: str, detokenizer: Detokenizer | None
         "value</p>"
         '<table class="index"><tr><th>#</th><th>step</th><th>example</th><th>group</th><th>sample</th>'
         f"<th>reward</th><th>turns</th><th>tool calls</th><th>failed</th></tr>{index_rows}</table>\n"
-        f"{sections}</body></html>\n"
+        f"{rubrics}{sections}</body></html>\n"
     )
 
 
@@ -210,7 +217,7 @@ def _trajectory(record: dict, number: int, detokenizer: Detokenizer | None) -> s
                f'sample {record["sample_index"]} · reward {_number(record["reward"])}')
     body = _turns_with_tokens(record, tokens, detokenizer) if detokenizer else _turns_as_text(record)
     return (f'<section class="trajectory" id="traj-{number}"><h2>{escape(heading)}</h2>'
-            f"{_facts(record, tokens)}{_prompt(record, detokenizer)}{body}</section>\n")
+            f"{_facts(record, tokens)}{scores_html(record)}{_prompt(record, detokenizer)}{body}</section>\n")
 
 
 def _facts(record: dict, tokens: list[Token]) -> str:

@@ -23,7 +23,7 @@ SEARCH_R1_DATA_SOURCES = (
     "toy",
 )
 # the embedded tasks' sources (rlsearch make-toy-data --task toy | multihop) are scored like Search-R1's
-DEFAULT_SCORERS = dict.fromkeys((*SEARCH_R1_DATA_SOURCES, "multihop"), "em")
+DEFAULT_SCORERS = {**dict.fromkeys((*SEARCH_R1_DATA_SOURCES, "multihop"), "em"), "longform": "rubric"}
 JUDGED_SCORERS = ("judge", "rubric")  # scored by an LLM judge (rlsearch.reward.score), not by a RuleScorer
 
 

@@ -1,5 +1,5 @@
-"""The rubric scorer's reward (DR Tulu style long-form answers): the weighted mean of per-rubric judge scores plus
-weighted format, citation and search terms, each in [0, 1]."""
+"""The rubric scorer's reward (DR Tulu style long-form answers): the weighted per-rubric judge scores plus weighted
+format, citation and search terms, each in [0, 1]."""
 
 from __future__ import annotations
 
@@ -20,15 +20,23 @@ _CITED_IDS = re.compile(r"<cite\s+id=[\"']?([^\"'>]+)[\"']?\s*>")
 
 
 def weighted_rubric_mean(rubrics: Sequence[Rubric], scores: Sequence[float]) -> float:
-    return sum(rubric.weight * score for rubric, score in zip(rubrics, scores, strict=True)) / sum(
-        rubric.weight for rubric in rubrics)
+    """The static rubrics' score: sum(weight * score) / the sum of the positive weights, the weighted mean when no
+    weight is negative; a negative rubric (a pitfall, RaR's rows) subtracts when the answer meets it."""
+    return _weighted_sum(rubrics, scores) / _positive_weight(rubrics)
 
 
 def dr_tulu_rubric_score(rubrics: Sequence[Rubric], scores: Sequence[float]) -> float:
     """DR Tulu's rubric reward: sum(weight * score) / max(sum of the positive weights, 1). A negative rubric (weight
     -1: a mistake the answer makes) subtracts, so the score can be below 0."""
-    positive = sum(rubric.weight for rubric in rubrics if rubric.weight > 0)
-    return sum(rubric.weight * score for rubric, score in zip(rubrics, scores, strict=True)) / max(positive, 1.0)
+    return _weighted_sum(rubrics, scores) / max(_positive_weight(rubrics), 1.0)
+
+
+def _weighted_sum(rubrics: Sequence[Rubric], scores: Sequence[float]) -> float:
+    return sum(rubric.weight * score for rubric, score in zip(rubrics, scores, strict=True))
+
+
+def _positive_weight(rubrics: Sequence[Rubric]) -> float:
+    return sum(rubric.weight for rubric in rubrics if rubric.weight > 0)
 
 
 def rubric_terms(response_text: str, trajectory: Trajectory, config: RubricConfig) -> dict[str, float]:

@@ -34,6 +34,7 @@ from rlsearch.reward.registry import (
 from rlsearch.reward.rubric import dr_tulu_rubric_score, rubric_reward, rubric_terms, weighted_rubric_mean
 from rlsearch.reward.rubric_generator import RubricGenerator
 from rlsearch.reward.rubric_step import RubricStepStats, evolve_question, groups_by_question
+from rlsearch.trajectory import RubricScore
 
 if TYPE_CHECKING:
     from rlsearch.data import Rubric
@@ -69,11 +70,11 @@ class RewardScorer:
     def score(self, trajectories: Sequence[Trajectory], examples: Sequence[QAExample],
               rubrics: RubricBuffer | None = None, step: int = 0) -> dict[str, float]:
         """Set each trajectory's reward and scores (em, f1, substring_em, has_answer; correct for the judge;
-        rubric, format, citation, search for rubrics). ``examples[i]`` is the row of ``trajectories[i]``.
-        Returns reward/judged, reward/judge_requests, reward/judge_cache_hits, reward/judge_failures and
-        reward/judge_failovers. With ``rubrics`` (training step ``step`` under reward.rubric.evolve) the rubric
-        scorer's rows evolve their question's rubrics in it (`evolve_question`), and the reward/rubrics_* stats
-        come too."""
+        rubric, format, citation, search for rubrics, and the score per rubric in ``rubric_scores``).
+        ``examples[i]`` is the row of ``trajectories[i]``. Returns reward/judged, reward/judge_requests,
+        reward/judge_cache_hits, reward/judge_failures and reward/judge_failovers. With ``rubrics`` (training step
+        ``step`` under reward.rubric.evolve) the rubric scorer's rows evolve their question's rubrics in it
+        (`evolve_question`), and the reward/rubrics_* stats come too."""
         if len(trajectories) != len(examples):
             raise ValueError(f"{len(trajectories)} trajectories but {len(examples)} examples; give one per trajectory")
         names = self._scorer_names(examples)  # every row's scorer is known before anything is scored
@@ -202,6 +203,8 @@ class RewardScorer:
         mean = combine(rubrics, results)
         terms = rubric_terms(text, trajectory, self.config.rubric)
         trajectory.scores.update(rubric=mean, **terms)
+        trajectory.rubric_scores = [RubricScore(rubric.text, rubric.weight, score)
+                                    for rubric, score in zip(rubrics, results, strict=True)]
         trajectory.reward = rubric_reward(mean, terms, self.config.rubric)
         return results
 

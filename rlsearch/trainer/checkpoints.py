@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint import CheckpointError, CheckpointStore, load_run_checkpoint
-from ..checkpoint.layout import CRITIC_DIR, MODEL_DIR, checkpoint_model_shape, model_shape, shape_differences
+from ..checkpoint.layout import (
+    CRITIC_DIR,
+    MODEL_DIR,
+    RUBRIC_BUFFER,
+    checkpoint_model_shape,
+    model_shape,
+    shape_differences,
+)
 from ..config import ActorConfig, ConfigError, TrainConfig, to_dict
 from ..reward.evolving import RubricBuffer
 from ..runlog import TRAJECTORY_DIR
@@ -24,8 +31,6 @@ from .sampler import SamplerState
 
 if TYPE_CHECKING:
     from ..actor import ActorRanks, CriticRanks
-
-RUBRIC_BUFFER = "rubric_buffer.json"  # the evolving rubrics (reward.rubric.evolve), beside the trainer state
 
 
 @dataclass

@@ -88,6 +88,11 @@ def test_a_step_generates_judges_with_dr_tulus_score_and_filters_and_the_next_st
     # sum(w s) / max(sum of positive w, 1): (2 * 0.5 + 1 * 1 - 1 * 0) / 3 and (2 * 0.5 + 0 - 1 * 1) / 3
     assert [t.scores["rubric"] for t in first] == [pytest.approx(2 / 3), 0.0]
     assert [t.reward for t in first] == [pytest.approx(2 / 3), 0.0]
+    # each answer's score per rubric, in the order judged, kept in its trajectory record
+    assert [[(s.text, s.weight, s.score) for s in t.rubric_scores] for t in first] == [
+        [("cites a primary source", 2.0, 0.5), (CAUSE, 1.0, 1.0), (DATE, -1.0, 0.0)],
+        [("cites a primary source", 2.0, 0.5), (CAUSE, 1.0, 0.0), (DATE, -1.0, 1.0)]]
+    assert first[0].to_json()["rubric_scores"][1] == {"text": CAUSE, "weight": 1.0, "score": 1.0}
     assert stats == {
         "reward/rubrics_generated": 2.0, "reward/rubrics_activated": 2.0, "reward/rubrics_deactivated": 0.0,
         "reward/rubrics_active_per_question": 2.0, "reward/rubrics_generator_calls": 1.0,

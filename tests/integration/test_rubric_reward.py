@@ -12,6 +12,7 @@ from rlsearch.config import JudgeConfig, RewardConfig, RubricConfig
 from rlsearch.data import DatasetError, Rubric, load_qa_dataset
 from rlsearch.reward import RewardScorer
 from rlsearch.rollout import ToolCallRecord, Turn
+from rlsearch.trajectory import RubricScore
 from tests.integration.judge_stub import Scripted, answered, stub_judge
 
 _CRITERION = re.compile(r"Criterion: (.*)")
@@ -65,6 +66,9 @@ def test_weighted_mean_and_extra_terms(tmp_path) -> None:
         scorer.close()
 
     assert searched.scores["rubric"] == pytest.approx(WEIGHTED_MEAN)
+    assert searched.rubric_scores == [RubricScore("names the capital", 2.0, 1.0),
+                                      RubricScore("gives the population", 1.0, 0.5),
+                                      RubricScore("cites a census", 1.0, 0.0)]
     assert {key: searched.scores[key] for key in ("format", "citation", "search")} == {
         "format": 1.0, "citation": 1.0, "search": 1.0}  # 3 calls, capped at max_searches 2
     assert searched.reward == pytest.approx(0.625 + 0.1 + 0.2 + 0.3)
@@ -72,7 +76,7 @@ def test_weighted_mean_and_extra_terms(tmp_path) -> None:
         "format": 0.0, "citation": 0.0, "search": 0.0}
     assert unsupported.reward == pytest.approx(0.625)
     assert garbage.failed.startswith("judge: rubric 3: no verdict in the reply 'I refuse to grade.'")
-    assert "rubric" not in garbage.scores
+    assert "rubric" not in garbage.scores and garbage.rubric_scores == []
     # 3 + 3 + 4 criteria
     assert stats == {"reward/judged": 3, "reward/judge_requests": 10, "reward/judge_cache_hits": 0,
                      "reward/judge_failures": 1, "reward/judge_failovers": 0}
@@ -94,11 +98,12 @@ def test_search_term_is_a_fraction_of_max_searches() -> None:
 @pytest.mark.parametrize(
     ("rubrics", "message"),
     [
-        ([{"text": "ok"}, {"text": "bad", "weight": 0}], r":3: rubrics\[1\]: 'weight' must be a number > 0; got 0"),
+        ([{"text": "ok"}, {"text": "bad", "weight": 0}],
+         r":3: rubrics\[1\]: 'weight' must be a number other than 0 \(.*\); got 0"),
         ([{"weight": 1}], r":3: rubrics\[0\]: missing or empty 'text'"),
         (["just a string"], r":3: rubrics\[0\]: expected an object"),
         ([{"text": "ok", "points": 2}], r":3: rubrics\[0\]: unknown key 'points'"),
-        ([], r":3: 'rubrics' must be a non-empty list"),
+        ([], r":3: rubrics: must be a non-empty list"),
     ],
 )
 def test_malformed_rubric_row_names_file_and_line(tmp_path, rubrics, message) -> None:

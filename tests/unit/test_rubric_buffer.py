@@ -9,7 +9,7 @@ import pytest
 from rlsearch.config import ConfigError, load_train_config
 from rlsearch.data import Rubric
 from rlsearch.reward.evolving import EvolvingRubric, FilterResult, RubricBuffer
-from rlsearch.reward.rubric import dr_tulu_rubric_score
+from rlsearch.reward.rubric import dr_tulu_rubric_score, weighted_rubric_mean
 
 DATASET = (Rubric("names the three causes", 2.0), Rubric("cites a primary source", 1.0))
 
@@ -103,6 +103,17 @@ def test_max_active_below_one_is_refused() -> None:
 def test_dr_tulu_rubric_score(weights, scores, expected) -> None:
     rubrics = [Rubric(f"r{index}", weight) for index, weight in enumerate(weights)]
     assert dr_tulu_rubric_score(rubrics, scores) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("weights", "scores", "expected"), [
+    ((2.0, 1.0), (1.0, 0.5), (2 * 1.0 + 1 * 0.5) / 3),  # the weighted mean
+    ((5.0, 3.0, -1.0), (1.0, 0.5, 1.0), (5 + 1.5 - 1) / 8),  # 0.6875: RaR's pitfall met subtracts
+    ((5.0, -2.0), (0.0, 1.0), -2 / 5),  # below 0
+    ((0.5,), (1.0,), 1.0),  # no floor of 1 on the denominator (DR Tulu's score says 0.5)
+])
+def test_the_static_rubric_score_divides_by_the_positive_weights(weights, scores, expected) -> None:
+    rubrics = [Rubric(f"r{index}", weight) for index, weight in enumerate(weights)]
+    assert weighted_rubric_mean(rubrics, scores) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
