@@ -202,3 +202,39 @@ def adapters_off(chunks: list[torch.nn.Module]):
     finally:
         for adapter in adapters:
             adapter.enabled = True
+
+
+PEFT_PREFIX = "base_model.model."  # PEFT's prefix of the HF model's names in a saved adapter
+
+
+def peft_named_factors(bridge, chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapters of a model held whole by one rank (TP1 PP1, as the conversion loads it) under PEFT's names for
+    the HF model: `base_model.model.<HF module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]. An adapter of a
+    fused layer becomes one per HF module it fuses, split as mbridge splits the layer's weight (`bridge` names them):
+    linear_qkv's rows are, per query group, its query heads, then its key head, then its value head; linear_fc1's the
+    gate's, then the up projection's. A acts on the input, which the fused modules share: each gets the same A and its
+    own rows of B, so s B_i A is the module's rows of s B A."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("peft_named_factors needs every layer's whole adapters on this rank (TP1 PP1)")
+    config = bridge.hf_config
+    for name, linear in chunk.named_modules():
+        adapter = linear._modules.get(_ADAPTER)
+        if not isinstance(adapter, LoRAAdapter):
+            continue
+        hf_names = bridge._weight_name_mapping_mcore_to_hf(f"{name}.weight")
+        b = adapter.b.detach()
+        if len(hf_names) == 3:  # linear_qkv: q, k, v
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            query_rows = head_dim * config.num_attention_heads // config.num_key_value_heads
+            groups = b.view(config.num_key_value_heads, -1, b.shape[1])
+            rows = [groups[:, :query_rows], groups[:, query_rows:query_rows + head_dim],
+                    groups[:, query_rows + head_dim:]]
+            b_parts = [part.reshape(-1, b.shape[1]) for part in rows]
+        else:  # linear_fc1: gate, up; the others one module
+            b_parts = b.chunk(len(hf_names))
+        for hf_name, b_part in zip(hf_names, b_parts, strict=True):
+            module = PEFT_PREFIX + hf_name.removesuffix(".weight")
+            yield f"{module}.lora_A.weight", adapter.a.detach()
+            yield f"{module}.lora_B.weight", b_part
