@@ -24,6 +24,8 @@ from rlsearch.checkpoint import CheckpointStore, HFExport, mcore_to_hf
 from rlsearch.checkpoint.layout import MODEL_DIR
 from rlsearch.config import AlgoConfig
 from rlsearch.config.schema import LoRAConfig
+from rlsearch.memory import ModelShape
+from rlsearch.memory.shape import LORA_TARGETS, adapter_parameters
 from tests.integration.actor_helpers import actor_spec, hf_logprobs, max_diff, scored_batch, sent_tensors
 from tests.integration.convert_checks import converted_tensors
 
@@ -167,13 +169,17 @@ def test_lora_step_zero_is_the_base_model(run_lora, batch):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_lora_trains_only_the_adapters(run_lora, layout):
+def test_lora_trains_only_the_adapters(run_lora, tiny_model_dir, layout):
     result = run_lora(layout)
+    shape, (tp, pp) = ModelShape.from_model_dir(tiny_model_dir), LAYOUTS[layout]
     assert [m["actor/update_ok"] for m in result.metrics] == [1.0, 1.0]
     for before, after in zip(result.ranks_before, result.ranks_after):
         assert after["trainable_base"] == []  # no gradient of the base anywhere
         assert after["optimized_is_adapters"] and after["state_only_adapters"]  # Adam holds the adapters only
         assert after["second_model"] is False  # algo.kl_coef > 0 built no reference model
+        # the memory plan counts the rank's adapters as it holds them
+        assert sum(f.numel() for f in after["factors"].values()) == adapter_parameters(shape, tp, pp, LORA.rank,
+                                                                                        LORA_TARGETS)
         assert set(after["base"]) == set(before["base"])
         assert all(torch.equal(after["base"][name], before["base"][name]) for name in before["base"])
         moved = max((after["factors"][k] - before["factors"][k]).abs().max().item() for k in before["factors"])
