@@ -436,8 +436,8 @@ def add_convert_parser(commands) -> None:
                        "as a PEFT adapter dir (adapter_config.json + adapter_model.safetensors, lora_alpha / r the "
                        "run's alpha / rank; Megatron's fused qkv and fc1 adapters split into q/k/v_proj and "
                        "gate/up_proj), which peft.PeftModel.from_pretrained(base, DIR) loads onto the model the run "
-                       "started from and vLLM serves as a LoRA adapter; with or without --out (must not exist or be "
-                       "empty)")
+                       "started from (the format peft's save_pretrained writes); with or without --out (must not exist "
+                       "or be empty)")
 
     to_mcore = add_direction(
         "hf-to-mcore", _hf_to_mcore, help="HuggingFace model dir -> Megatron checkpoint for a TP x PP x EP layout",

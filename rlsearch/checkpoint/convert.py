@@ -141,7 +141,7 @@ def mcore_to_hf(
 
     `peft_adapter_dir`: also (or, with `out_dir` None, only) write a LoRA checkpoint's adapters as a PEFT adapter dir
     (adapter_config.json, adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads onto the base model
-    the run started from, and vLLM serves as a LoRA adapter (`rlsearch.megatron.lora.peft_named_factors`)."""
+    the run started from (`rlsearch.megatron.lora.peft_named_factors`)."""
     ckpt = Path(ckpt_dir)
     out = Path(out_dir) if out_dir is not None else None
     adapter = Path(peft_adapter_dir) if peft_adapter_dir is not None else None
