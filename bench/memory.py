@@ -6,6 +6,7 @@ See docs/benchmarks.md#memory."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ import torch  # noqa: E402
 
 from bench.common import SHAPES, SMOKE_VOCAB_RANKS, add_vocab_ranks_argument, build_model  # noqa: E402
 from bench.common.memory import PeakMeter, proc_status  # noqa: E402
+from rlsearch.config.schema import LoRAConfig  # noqa: E402
 from rlsearch.devices import cpu_cores  # noqa: E402
 
 GB = 1e9
@@ -31,6 +33,10 @@ CONFIGURATIONS = {
     "full": FULL,
     "full + optimizer offload": {**FULL, "use_distributed_optimizer": True, "optimizer_offload_fraction": 1.0},
     "activation offload": {"activation_offload": "fine_grained"},
+    # actor.lora: the base frozen, rank-16 adapters on every linear layer, or on the attention's only (the MLP's
+    # frozen linear layers keep no input)
+    "lora": {"lora": LoRAConfig(rank=16, alpha=32.0)},
+    "lora attention": {"lora": LoRAConfig(rank=16, alpha=32.0, targets=["qkv", "proj"])},
 }
 # PPO with a learned critic (--critic): one PPO step's work of each of its ranks, the actor's keys none's, each rank
 # in a process of its own as in a run; the critic's row first (its values are the actor's GAE's). name -> its side
@@ -57,6 +63,13 @@ def _not_applied(configuration: dict, worker) -> str:
                "fine_grained": getattr(config, "fine_grained_activation_offloading", False)}
     if offload != "none" and not applied[offload]:
         return f"actor.activation_offload={offload} is not in Megatron's config"
+    if "lora" in configuration:
+        from rlsearch.megatron.lora import adapted_layers
+
+        adapted = len(list(adapted_layers(worker.model)))
+        expected = len(configuration["lora"].targets) * config.num_layers
+        if adapted != expected:
+            return f"actor.lora: {adapted} adapted layers, not {expected}"
     if configuration.get("optimizer_offload_fraction"):
         optimizer = worker.training.optimizer
         configs = [getattr(inner, "config", None) for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
@@ -322,6 +335,10 @@ def _plan(model_path: Path, tokens: int, dtype: str, chunk: int, name: str, on_g
         optimizer_offload_fraction=configuration.get("optimizer_offload_fraction", 0.0),
         distributed_optimizer=configuration.get("use_distributed_optimizer", False),
     )
+    if "lora" in configuration:
+        lora = configuration["lora"]
+        settings = dataclasses.replace(settings, lora_rank=lora.rank, lora_targets=tuple(lora.targets),
+                                       lora_dropout=lora.dropout)
     device = Device("gpu" if on_gpu else "cpu", float("inf"), "bench")
     shape = ModelShape.from_model_dir(model_path)
     critic = CriticMemorySettings(shape) if name in PPO else None

@@ -204,14 +204,20 @@ def _mcore_to_hf(args: argparse.Namespace) -> str:
     from .checkpoint.convert import mcore_to_hf
 
     result = mcore_to_hf(args.ckpt, args.out, dtype=args.dtype, base_hf_dir=args.base_hf_dir, verify=args.verify,
-                         critic=args.critic)
-    what = "critic (token classification, one label)" if args.critic else "model"
-    summary = (f"wrote HuggingFace {what} {result.out_dir}: {result.num_tensors} tensors, "
-               f"{result.num_bytes / 2**20:.1f} MiB {result.dtype} in {result.num_shards} safetensors shard(s)")
+                         critic=args.critic, peft_adapter_dir=args.peft_adapter)
+    parts = []
+    if result.out_dir is not None:
+        what = "critic (token classification, one label)" if args.critic else "model"
+        parts.append(f"wrote HuggingFace {what} {result.out_dir}: {result.num_tensors} tensors, "
+                     f"{result.num_bytes / 2**20:.1f} MiB {result.dtype} in {result.num_shards} safetensors shard(s)")
     if result.max_logit_diff is not None:
-        summary += (f"; verify: max |{'value' if args.critic else 'logit'} diff| vs Megatron "
-                    f"{result.max_logit_diff:.3g}")
-    return summary
+        parts[-1] += (f"; verify: max |{'value' if args.critic else 'logit'} diff| vs Megatron "
+                      f"{result.max_logit_diff:.3g}")
+    if result.peft is not None:
+        peft = result.peft
+        parts.append(f"wrote PEFT LoRA adapter {peft.adapter_dir}: {peft.num_tensors} tensors, "
+                     f"{peft.num_bytes / 2**20:.2f} MiB {result.dtype} on {', '.join(peft.modules)}")
+    return "; ".join(parts)
 
 
 def _hf_to_mcore(args: argparse.Namespace) -> str:
@@ -392,6 +398,7 @@ examples:
   rlsearch convert mcore-to-hf --ckpt outputs/run/checkpoints/step_000010 --out outputs/run/hf_step_10
   rlsearch convert mcore-to-hf --ckpt RUN/checkpoints/step_000010 --out /models/step_10 --dtype bf16 --verify
   rlsearch convert mcore-to-hf --ckpt RUN/checkpoints/step_000010 --out /models/critic_10 --critic --verify
+  rlsearch convert mcore-to-hf --ckpt RUN/checkpoints/step_000010 --peft-adapter /adapters/step_10   # LoRA runs
   rlsearch convert hf-to-mcore --hf-dir outputs/assets/tiny-qwen2 --out /ckpt/tiny-tp2pp2 --tp 2 --pp 2
   rlsearch convert hf-to-mcore --hf-dir /models/Qwen3-30B-A3B --out /ckpt/qwen3-moe-ep4 --ep 4
   rlsearch convert gguf-to-hf --gguf /models/Qwen2.5-0.5B-Instruct-Q8_0.gguf --out /models/qwen2.5-0.5b-instruct
@@ -430,10 +437,12 @@ def add_convert_parser(commands) -> None:
     to_hf = add_direction(
         "mcore-to-hf", _mcore_to_hf, help="Megatron checkpoint -> HuggingFace model dir",
         description="Write the model of a checkpoint as safetensors shards + index, config, generation config\n"
-        "and tokenizer. Tensor names and shapes are those of the original HF model.",
+        "and tokenizer. Tensor names and shapes are those of the original HF model. A LoRA run's (actor.lora)\n"
+        "model is its merged weights, W + (alpha / rank) B A; --peft-adapter writes its adapters instead or too.",
     )
     to_hf.add_argument("--ckpt", required=True, help="checkpoint dir: RUN/checkpoints/step_N, or hf-to-mcore output")
-    to_hf.add_argument("--out", required=True, help="output HuggingFace dir (must not exist or be empty)")
+    to_hf.add_argument("--out", help="output HuggingFace dir (must not exist or be empty); may be left out with "
+                       "--peft-adapter")
     to_hf.add_argument("--dtype", choices=["bf16", "fp32"], help="weights dtype (default: the checkpoint's)")
     to_hf.add_argument("--base-hf-dir", help="take config and tokenizer from this HF dir instead of the checkpoint's "
                        "hf/ copy (e.g. the base model the run started from)")
@@ -443,6 +452,12 @@ def add_convert_parser(commands) -> None:
                        "instead of the policy: a <Arch>ForTokenClassification model of one label (its values), which "
                        "critic.model.path takes; config and tokenizer from the model the critic started from "
                        "(critic.model.path of the run, else hf/; --base-hf-dir overrides)")
+    to_hf.add_argument("--peft-adapter", metavar="DIR", help="a LoRA run's checkpoint (actor.lora): write its adapters "
+                       "as a PEFT adapter dir (adapter_config.json + adapter_model.safetensors, lora_alpha / r the "
+                       "run's alpha / rank; Megatron's fused qkv and fc1 adapters split into q/k/v_proj and "
+                       "gate/up_proj), which peft.PeftModel.from_pretrained(base, DIR) loads onto the model the run "
+                       "started from (the format peft's save_pretrained writes); with or without --out (must not exist "
+                       "or be empty)")
 
     to_mcore = add_direction(
         "hf-to-mcore", _hf_to_mcore, help="HuggingFace model dir -> Megatron checkpoint for a TP x PP x EP layout",

@@ -9,6 +9,8 @@
   and writes safetensors shards with their index, config and tokenizer; `verify` compares the logits of the written
   dir (HF transformers) with the Megatron model's. With `critic` it writes a gae run's critic (CRITIC_DIR) the same
   way, as a token-classification model of one label (its value head as `score`), and `verify` compares its values.
+  With `peft_adapter_dir` it writes a LoRA run's adapters (actor.lora) as a PEFT adapter of the HF model, beside
+  the merged model or alone.
 
 Ranks are processes on gloo over 127.0.0.1 (one GPU each when there are enough GPUs, else CPU), started by
 rlsearch.megatron.processes (on CPU forked from a server that imports Megatron once). An error in a rank surfaces in
@@ -48,22 +50,36 @@ from .layout import (
 
 # --dtype names -> HF config / manifest names
 OUTPUT_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 VERIFY_BATCH_SHAPE = (2, 32)  # sequences x tokens of random ids
 
 
 @dataclass
-class HFExport:
-    """What `mcore_to_hf` wrote."""
+class PeftExport:
+    """The PEFT adapter `mcore_to_hf` wrote (`peft_adapter_dir`)."""
 
-    out_dir: Path
+    adapter_dir: Path
+    num_tensors: int  # lora_A and lora_B of each HF module adapted
+    num_bytes: int
+    modules: list[str]  # the HF modules' own names (adapter_config.json's target_modules)
+
+
+@dataclass
+class HFExport:
+    """What `mcore_to_hf` wrote: the HF model (none when only a PEFT adapter was asked for: `out_dir` None, counts 0)
+    and the PEFT adapter, if asked for."""
+
+    out_dir: Path | None
     num_tensors: int
     num_bytes: int  # tensor data
     num_shards: int
     dtype: str  # float32 | bfloat16
     # verify only: max |logits of the written HF model - Megatron model's| (a critic's: its values)
     max_logit_diff: float | None
+    peft: PeftExport | None = None
 
 
 class ConversionError(RuntimeError):
@@ -106,12 +122,13 @@ def hf_to_mcore(
 
 def mcore_to_hf(
     ckpt_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
+    out_dir: str | os.PathLike | None,
     dtype: str | None = None,
     base_hf_dir: str | os.PathLike | None = None,
     verify: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     critic: bool = False,
+    peft_adapter_dir: str | os.PathLike | None = None,
 ) -> HFExport:
     """Write the model of the checkpoint `ckpt_dir` (any layout) as a HuggingFace model dir `out_dir` (new or empty)
     loadable by transformers and vLLM. `dtype`: "bf16" or "fp32" (None: the checkpoint's). Config and tokenizer come
@@ -120,10 +137,31 @@ def mcore_to_hf(
 
     `critic`: write the run's critic instead (algo.advantage=gae checkpoints), as an `<Arch>ForTokenClassification`
     model of one label that transformers loads with the critic's values and a run takes as critic.model.path; its
-    config and tokenizer from the model it started from (`_critic_base`; `base_hf_dir` when given)."""
-    ckpt, out = Path(ckpt_dir), Path(out_dir)
+    config and tokenizer from the model it started from (`_critic_base`; `base_hf_dir` when given).
+
+    `peft_adapter_dir`: also (or, with `out_dir` None, only) write a LoRA checkpoint's adapters as a PEFT adapter dir
+    (adapter_config.json, adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads onto the base model
+    the run started from (`rlsearch.megatron.lora.peft_named_factors`)."""
+    ckpt = Path(ckpt_dir)
+    out = Path(out_dir) if out_dir is not None else None
+    adapter = Path(peft_adapter_dir) if peft_adapter_dir is not None else None
+    if out is None and adapter is None:
+        raise ValueError("nothing to write: give the HF model's output dir (--out), a PEFT adapter dir "
+                         "(--peft-adapter), or both")
+    if out is None and verify:
+        raise ValueError("--verify compares the logits of the written HF model with the checkpoint's: give --out")
+    if out is not None and adapter is not None and out.resolve() == adapter.resolve():
+        raise ValueError(f"--out and --peft-adapter are both {out}: write the model and the adapter to two dirs")
     manifest = read_manifest(ckpt, check_contents=True)
     contents = manifest.get("contents", [])
+    lora = None if critic else manifest.get("lora")
+    if adapter is not None and critic:
+        raise ValueError("--peft-adapter with --critic: the critic trains all its weights (actor.lora adapts the "
+                         "policy only); convert the critic without --peft-adapter")
+    if adapter is not None and not lora:
+        raise CheckpointError(f"{ckpt} holds no LoRA adapters (its manifest.json has no actor.lora: the run trained "
+                              "every weight), so there is no PEFT adapter to write; convert its weights with --out "
+                              "alone")
     if critic and "critic" not in contents:
         raise CheckpointError(f"{ckpt} holds no critic (contents: {contents}): only a run with algo.advantage=gae "
                               "trains one; convert its policy without --critic")
@@ -146,22 +184,28 @@ def mcore_to_hf(
             raise CheckpointError(f"{ckpt} holds another model than {metadata_dir} describes ({'; '.join(differences)})"
                                   "; pass the base model the run was trained from as --base-hf-dir, or leave it out "
                                   "to take the checkpoint's own hf/ copy")
-    with _staged(out) as staging:
-        copy_hf_metadata(metadata_dir, staging)
-        config["dtype"] = out_dtype
-        config.pop("torch_dtype", None)  # the transformers 4 name of the same field
-        if critic:
-            config.update(_value_model_config(config))
-            for name in ("id2label", "label2id"):  # num_labels is the one that counts: a label per value
-                config.pop(name, None)
-        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with _staged(out) as staging, _staged(adapter) as adapter_staging:
+        if staging is not None:
+            copy_hf_metadata(metadata_dir, staging)
+            config["dtype"] = out_dtype
+            config.pop("torch_dtype", None)  # the transformers 4 name of the same field
+            if critic:
+                config.update(_value_model_config(config))
+                for name in ("id2label", "label2id"):  # num_labels is the one that counts: a label per value
+                    config.pop(name, None)
+            (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (written,) = _spawn(_export_model, (1, 1, 1), (
-            str(metadata_dir), str(ckpt / (CRITIC_DIR if critic else MODEL_DIR)), str(staging), checkpoint_dtype,
+            str(metadata_dir), str(ckpt / (CRITIC_DIR if critic else MODEL_DIR)),
+            None if staging is None else str(staging), checkpoint_dtype,
             manifest.get("transformer_impl", "auto"), out_dtype, max_shard_bytes, verify, critic,
-            _load_remedy(base_hf_dir is not None),
-            None if critic else manifest.get("lora"),
+            _load_remedy(base_hf_dir is not None), lora,
+            None if adapter_staging is None else str(adapter_staging), _run_model_path(ckpt),
         ))
-        return HFExport(out_dir=_publish(staging, out), dtype=out_dtype, **written)
+        peft = written.pop("peft")
+        if peft is not None:
+            peft = PeftExport(adapter_dir=_publish(adapter_staging, adapter), **peft)
+        return HFExport(out_dir=None if staging is None else _publish(staging, out), dtype=out_dtype, peft=peft,
+                        **written)
 
 
 def write_hf_model(
@@ -204,12 +248,21 @@ def _checkpoint_dtype(config: dict[str, Any]) -> str:
     return "bfloat16" if (config.get("dtype") or config.get("torch_dtype")) == "bfloat16" else "float32"
 
 
+def _run_config(ckpt: Path) -> dict[str, Any]:
+    """The run config a run checkpoint's trainer state holds ({} for a converted checkpoint)."""
+    state_path = ckpt / TRAINER_STATE
+    return json.loads(state_path.read_text()).get("config", {}) if state_path.is_file() else {}
+
+
+def _run_model_path(ckpt: Path) -> str | None:
+    """The model.path the run of a checkpoint started from (None when its trainer state does not tell)."""
+    return _run_config(ckpt).get("model", {}).get("path") or None
+
+
 def _critic_base(ckpt: Path) -> Path:
     """The HF dir a run checkpoint's critic was built from: the run's critic.model.path (the config in its trainer
     state), else the policy's model (the checkpoint's hf/ copy)."""
-    state_path = ckpt / TRAINER_STATE
-    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
-    path = state.get("config", {}).get("critic", {}).get("model", {}).get("path") or ""
+    path = _run_config(ckpt).get("critic", {}).get("model", {}).get("path") or ""
     if not path:
         return ckpt / HF_DIR
     if not (Path(path) / "config.json").is_file():
@@ -248,8 +301,12 @@ def _staging_dir(out: Path) -> Path:
 
 
 @contextmanager
-def _staged(out: Path) -> Iterator[Path]:
-    """A fresh staging dir beside `out` (see `_staging_dir`), removed when the block fails; the block publishes it."""
+def _staged(out: Path | None) -> Iterator[Path | None]:
+    """A fresh staging dir beside `out` (see `_staging_dir`), removed when the block fails; the block publishes it.
+    None for no `out` (nothing of that kind to write)."""
+    if out is None:
+        yield None
+        return
     staging = _staging_dir(out)
     try:
         yield staging
@@ -378,15 +435,17 @@ def _save_model_shard(hf_dir: str, megatron_dir: str, dtype: str) -> str:
 
 
 def _export_model(
-    hf_dir: str, megatron_dir: str, out_dir: str, checkpoint_dtype: str, transformer_impl: str, out_dtype: str,
+    hf_dir: str, megatron_dir: str, out_dir: str | None, checkpoint_dtype: str, transformer_impl: str, out_dtype: str,
     max_shard_bytes: int, verify: bool, value_model: bool, load_remedy: str, lora: dict | None,
+    adapter_dir: str | None, base_model: str | None,
 ) -> dict[str, Any]:
     """Rank job of mcore_to_hf (a single rank): load the checkpoint's model (`value_model`: its critic; `lora`: the
-    run's actor.lora, whose adapters the model holds and the export merges), write safetensors, optionally verify."""
+    run's actor.lora, whose adapters the model holds and the export merges), write safetensors to `out_dir`
+    (optionally verified) and the adapters as a PEFT adapter to `adapter_dir` (`base_model`: the run's model.path)."""
     import torch
 
     from ..config.schema import LoRAConfig
-    from ..megatron.lora import install_adapters
+    from ..megatron.lora import install_adapters, peft_named_factors
     from ..megatron.model import export_hf_named
     from ..megatron.parallel import CheckpointLoadError, load_sharded, model_sharded_state
 
@@ -398,11 +457,35 @@ def _export_model(
     except CheckpointLoadError as error:
         raise CheckpointError(str(error)) from None
     model.load_state_dict(state["model"])
-    written = _write_safetensors(export_hf_named(bridge, [model]), Path(out_dir), getattr(torch, out_dtype),
-                                 max_shard_bytes)
-    written["max_logit_diff"] = (_max_logit_diff(model, out_dir, bridge.hf_config.vocab_size, value_model) if verify
-                                 else None)
+    written: dict[str, Any] = {"num_tensors": 0, "num_bytes": 0, "num_shards": 0, "max_logit_diff": None}
+    if out_dir is not None:
+        written.update(_write_safetensors(export_hf_named(bridge, [model]), Path(out_dir), getattr(torch, out_dtype),
+                                          max_shard_bytes))
+        if verify:
+            written["max_logit_diff"] = _max_logit_diff(model, out_dir, bridge.hf_config.vocab_size, value_model)
+    written["peft"] = None if adapter_dir is None else _write_peft_adapter(
+        peft_named_factors(bridge, model), Path(adapter_dir), getattr(torch, out_dtype), LoRAConfig(**lora),
+        base_model)
     return written
+
+
+def _write_peft_adapter(named: Iterable[tuple[str, Any]], out: Path, dtype, lora, base_model: str | None
+                        ) -> dict[str, Any]:
+    """adapter_config.json and adapter_model.safetensors of a PEFT LoRA adapter: the factors `named` (PEFT's names)
+    and the config PEFT and vLLM read, whose lora_alpha / r is actor.lora's scale."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ..megatron.lora import peft_config
+
+    tensors = {name: tensor.to("cpu", dtype, copy=True, memory_format=torch.contiguous_format)
+               for name, tensor in named}
+    save_file(tensors, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
+    config = {**peft_config(lora.rank, lora.alpha, tensors, lora.dropout), "base_model_name_or_path": base_model}
+    modules = config["target_modules"]
+    (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return {"num_tensors": len(tensors), "num_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+            "modules": modules}
 
 
 def _write_safetensors(named: Iterable[tuple[str, Any]], out: Path, dtype, max_shard_bytes: int) -> dict[str, int]:

@@ -235,9 +235,28 @@ def adapter_of(linear: torch.nn.Module) -> LoRAAdapter:
     return linear._modules[_ADAPTER]
 
 
-def peft_config(rank: int, alpha: float, peft_names) -> dict:
+def peft_config(rank: int, alpha: float, peft_names, dropout: float = 0.0) -> dict:
     """adapter_config.json's fields for the adapter whose factors are named `peft_names` (`peft_factors`' names):
-    PEFT's LoRA of rank `rank` and scale alpha / rank on the HF modules they name."""
+    PEFT's LoRA of rank `rank` and scale alpha / rank on the HF modules they name, as PEFT and vLLM read it."""
     modules = sorted({name.split(".lora_")[0].rpartition(".")[2] for name in peft_names})
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
-            "target_modules": modules, "bias": "none", "use_rslora": False}
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
+        # PEFT types lora_alpha an int; the scale is lora_alpha / r either way
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "lora_dropout": dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": False, "use_dora": False, "modules_to_save": None, "inference_mode": True,
+    }
+
+
+def peft_named_factors(bridge, chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapters of a model held whole by one rank (TP1 PP1, as the conversion loads it) under PEFT's names for
+    the HF model (`peft_factors`)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("peft_named_factors needs every layer's whole adapters on this rank (TP1 PP1)")
+    for name, linear in chunk.named_modules():
+        adapter = linear._modules.get(_ADAPTER)
+        if isinstance(adapter, LoRAAdapter):
+            yield from peft_factors(bridge, f"{name}.weight", adapter.a.detach(), adapter.b.detach())
+

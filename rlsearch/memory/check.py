@@ -246,6 +246,7 @@ def train_memory_inputs(config: TrainConfig, device: Device, host: Device | None
         optimizer_offload_fraction=getattr(actor, "optimizer_offload_fraction", 0.0),
         distributed_optimizer=actor.use_distributed_optimizer,
         reference_model=config.algo.kl_coef > 0,
+        lora_rank=actor.lora.rank, lora_targets=tuple(actor.lora.targets), lora_dropout=actor.lora.dropout,
     )
     engines = EngineMemorySettings(
         count=rollout.num_engines, tp=rollout.tensor_parallel_size, kv_cache_gib=rollout.kv_cache_gib,

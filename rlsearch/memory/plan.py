@@ -11,7 +11,11 @@ processes, the driver, Ray and the tool servers hold in host memory is added up 
 
 With a critic (algo.advantage=gae) its ranks are planned as the actor's are, for its model with a value head and its
 own layout, and its rank r shares actor rank r's device: a device holds both processes' peaks (each process's caching
-allocator keeps what it freed for itself), or with critic.offload one model's tensors at a time."""
+allocator keeps what it freed for itself), or with critic.offload one model's tensors at a time.
+
+With LoRA (actor.lora) the rank holds the model's weights frozen (no gradients, no optimizer states) and the adapters,
+which alone have gradients and Adam's states; the reference policy of algo.kl_coef > 0 is the actor with its adapters
+off (no frozen copy); a linear layer keeps its input for the backward pass only where an adapter needs it."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from .coefficients import ActivationCoefficients, coefficients_for
-from .shape import ModelShape, stage_parameters
+from .shape import LORA_TARGETS, ModelShape, adapter_parameters, stage_parameters
 
 GB = 1e9
 GIB = 2**30
@@ -72,7 +76,11 @@ class ActorMemorySettings:
     activation_offload: str = "none"
     optimizer_offload_fraction: float = 0.0
     distributed_optimizer: bool = False
-    reference_model: bool = False  # algo.kl_coef > 0: a frozen copy of the weights
+    # algo.kl_coef > 0: a frozen copy of the weights (none with LoRA: the reference is the actor, its adapters off)
+    reference_model: bool = False
+    lora_rank: int = 0  # actor.lora.rank (0: every weight trains)
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    lora_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         checks = (("dtype", self.dtype, DTYPE_BYTES), ("recompute", self.recompute, RECOMPUTE),
@@ -86,6 +94,10 @@ class ActorMemorySettings:
             raise ValueError(f"recompute_modules: unknown {sorted(unknown)}; known: {', '.join(RECOMPUTE_MODULES)}")
         if self.tokens < 1 or self.recompute_num_layers < 1 or not 0 <= self.optimizer_offload_fraction <= 1:
             raise ValueError("tokens and recompute_num_layers must be >= 1, optimizer_offload_fraction in [0, 1]")
+        unknown = set(self.lora_targets) - set(LORA_TARGETS)
+        if self.lora_rank < 0 or unknown or (self.lora_rank and not self.lora_targets):
+            raise ValueError(f"lora_rank must be >= 0 and lora_targets some of {', '.join(LORA_TARGETS)}; got "
+                             f"{self.lora_rank} and {list(self.lora_targets)}")
 
     def describe(self) -> str:
         recompute = self.recompute
@@ -100,6 +112,8 @@ class ActorMemorySettings:
             text += f", optimizer offload {self.optimizer_offload_fraction:g}"
         if self.distributed_optimizer:
             text += ", distributed optimizer"
+        if self.lora_rank:
+            text += f", LoRA rank {self.lora_rank} on {','.join(self.lora_targets)}"
         return text
 
 
@@ -107,7 +121,8 @@ class ActorMemorySettings:
 class CriticMemorySettings:
     """The critic of algo.advantage=gae (the critic section): its model, its layout and critic.offload. Its ranks'
     other settings are the actor's (the tokens of a micro-batch, dtype, recomputation, optimizer), as
-    CriticConfig.ranks_config gives them, without a reference model; its rank r shares actor rank r's device."""
+    CriticConfig.ranks_config gives them, without a reference model or adapters; its rank r shares actor rank r's
+    device."""
 
     shape: ModelShape  # critic.model.path's (default the policy's); planned with a value head for its output layer
     tp: int = 0  # 0: the actor's, as are pp, cp and dp
@@ -120,7 +135,7 @@ class CriticMemorySettings:
         """The critic ranks' settings beside `actor`'s (CriticConfig.ranks_config's layout: virtual stages only with
         the actor's pipeline)."""
         layout = actor.layout
-        return dataclasses.replace(actor, reference_model=False, layout=Layout(
+        return dataclasses.replace(actor, reference_model=False, lora_rank=0, layout=Layout(
             tp=self.tp or layout.tp, pp=self.pp or layout.pp, cp=self.cp or layout.cp, dp=self.dp or layout.dp,
             ep=layout.ep, virtual_stages=0 if self.pp else layout.virtual_stages))
 
@@ -193,7 +208,7 @@ class RankMemory:
     """One actor rank of a pipeline stage, in bytes."""
 
     stage: int
-    parameters: int  # on this rank (dense and expert)
+    parameters: int  # on this rank (dense and expert); with LoRA frozen
     weights: float
     gradients: float
     optimizer: float  # on the device; the offloaded share is in `host`
@@ -206,6 +221,7 @@ class RankMemory:
     workspace: float  # what the process holds beyond the tensors above once built (buffers, caches)
     runtime: float  # the process beyond its tensors (CPU: the interpreter and libraries; GPU: CUDA context)
     host: float  # offloaded to host memory (optimizer states, activations)
+    adapters: int = 0  # actor.lora's adapter parameters on this rank: the only ones trained
 
     @property
     def static(self) -> float:
@@ -362,13 +378,20 @@ class MemoryPlan:
         if actor.optimizer_offload_fraction:
             optimizer += f"; {actor.optimizer_offload_fraction:.0%} on the host ({_gb(rank.host)})"
         positions = _logit_positions(actor)
+        trained = ""
+        weights = f"{rank.parameters / 1e6:,.1f}M parameters in {dtype}"
+        if rank.adapters:
+            weights += f", frozen, and {rank.adapters:,} of LoRA adapters (rank {actor.lora_rank})"
+            trained = " of the adapters only"
         rows = [
-            ("weights", rank.weights, f"{rank.parameters / 1e6:,.1f}M parameters in {dtype}"),
-            ("gradients", rank.gradients, "fp32 (Megatron's gradient buffer)"),
-            ("optimizer states", rank.optimizer, optimizer),
+            ("weights", rank.weights, weights),
+            ("gradients", rank.gradients, "fp32 (Megatron's gradient buffer)" + trained),
+            ("optimizer states", rank.optimizer, optimizer + trained),
         ]
         if rank.reference:
             rows.append(("reference model", rank.reference, "frozen weights for the KL term (algo.kl_coef > 0)"))
+        elif actor.reference_model:
+            rows.append(("reference model", 0.0, "none: the KL term's reference is the actor with its adapters off"))
         layers = shape.layers // actor.layout.pp
         rows += [
             ("activations", rank.activations,
@@ -510,14 +533,29 @@ def layer_activation_bytes(shape: ModelShape, actor: ActorMemorySettings, coeffi
     dispatch = coefficients.dispatch * shape.experts_per_token * h if shape.experts else 0.0
     parts = {
         "norms": coefficients.norms * h,
-        "linear_inputs": 2 * h + query + ffn,  # the inputs of linear_qkv, fc1 (h each), linear_proj and fc2
         "core_attn": coefficients.core_query * query + coefficients.core_kv * key_value
         + coefficients.core_rotary * shape.head_dim
         # the local spec's context parallelism gathers every rank's keys and values before attending
         + coefficients.core_kv * key_value * (cp - 1),
         "mlp": coefficients.mlp * ffn + dispatch,
     }
-    return {name: value * size for name, value in parts.items()}
+    parts = {name: value * size for name, value in parts.items()}
+    parts["linear_inputs"] = sum(_linear_saved(shape, actor).values())
+    return parts
+
+
+def _linear_saved(shape: ModelShape, actor: ActorMemorySettings) -> dict[str, float]:
+    """Bytes per token that each linear layer of a transformer layer keeps for its backward pass: its input, which
+    its weight's gradient needs. With LoRA only the adapted layers keep it (Megatron's linear_with_frozen_weight
+    keeps no input; the adapter's A needs it), with the adapter's rank-wide product A x for B's gradient, and with
+    dropout the dropped copy in place of the input and its mask (a byte an element)."""
+    size = DTYPE_BYTES[actor.dtype]
+    h, tp = shape.hidden, actor.layout.tp
+    inputs = {"qkv": h, "proj": shape.heads * shape.head_dim / tp, "fc1": h, "fc2": _ffn_width(shape, tp)}
+    if not actor.lora_rank:
+        return {target: width * size for target, width in inputs.items()}
+    mask = 1 if actor.lora_dropout else 0
+    return {target: inputs[target] * (size + mask) + actor.lora_rank * size for target in actor.lora_targets}
 
 
 def _selective_savings(parts: dict[str, float], shape: ModelShape, actor: ActorMemorySettings) -> float:
@@ -534,8 +572,9 @@ def _selective_savings(parts: dict[str, float], shape: ModelShape, actor: ActorM
         saved += parts["norms"]
     mlp_modules = {"mlp"} if not shape.experts else {"moe"}
     if modules & mlp_modules:
-        ffn_inputs = parts["linear_inputs"] - (2 * shape.hidden + shape.heads * shape.head_dim / tp) * size
-        saved += parts["mlp"] + ffn_inputs  # fc1's input stays as the checkpoint's
+        linear = _linear_saved(shape, actor)
+        # fc1's input stays as the checkpoint's
+        saved += parts["mlp"] + linear.get("fc2", 0.0) + max(linear.get("fc1", 0.0) - shape.hidden * size, 0.0)
     elif shape.experts and "moe_act" in modules:
         saved += parts["mlp"] * 0.5  # the activation's half of the experts' saved tensors
     return saved
@@ -592,15 +631,18 @@ def _rank(shape: ModelShape, actor: ActorMemorySettings, device: Device, coeffic
     layout = actor.layout
     parameters = stage_parameters(shape, layout.tp, layout.pp, layout.ep, stage)
     count = parameters.dense + parameters.expert
+    adapters = adapter_parameters(shape, layout.tp, layout.pp, actor.lora_rank, actor.lora_targets)
+    # what trains: every parameter, or (LoRA) only the adapters, all dense
+    dense, expert = (parameters.dense, parameters.expert) if not actor.lora_rank else (adapters, 0)
     size = DTYPE_BYTES[actor.dtype]
     # Adam's two fp32 moments, and Megatron's fp32 master copy of 16-bit weights; the distributed optimizer shards
     # them over the data-parallel ranks (experts over the expert-data-parallel ones)
     per_parameter = 8 + (4 if size < 4 else 0)
     if actor.distributed_optimizer:
         expert_shards = max(layout.dp * layout.cp // layout.ep, 1)
-        optimizer = per_parameter * (parameters.dense / _optimizer_shards(layout) + parameters.expert / expert_shards)
+        optimizer = per_parameter * (dense / _optimizer_shards(layout) + expert / expert_shards)
     else:
-        optimizer = per_parameter * count
+        optimizer = per_parameter * (dense + expert)
     offloaded = optimizer * actor.optimizer_offload_fraction if device.kind == "gpu" else 0.0
     activations, per_token_layer, backward, activation_host = _activations(shape, actor, coefficients, stage)
     if device.kind == "cpu":  # offloading moves nothing off a CPU rank: the host is its device
@@ -611,11 +653,13 @@ def _rank(shape: ModelShape, actor: ActorMemorySettings, device: Device, coeffic
     logits = coefficients.logits * positions * (shape.vocab // layout.tp) * 4 if (
         last_stage and not shape.value_head) else 0.0
     return RankMemory(
-        stage=stage, parameters=count, weights=count * size, gradients=count * 4.0,
-        optimizer=optimizer - offloaded, reference=count * size if actor.reference_model else 0.0,
+        stage=stage, parameters=count, weights=(count + adapters) * size, gradients=(dense + expert) * 4.0,
+        optimizer=optimizer - offloaded,
+        reference=count * size if actor.reference_model and not actor.lora_rank else 0.0,
         activations=activations, activations_per_token_layer=per_token_layer, backward=backward, logits=logits,
         optimizer_step=coefficients.optimizer_step * (optimizer - offloaded) / per_parameter * 4,
         workspace=coefficients.workspace, runtime=coefficients.runtime, host=offloaded + activation_host,
+        adapters=adapters,
     )
 
 

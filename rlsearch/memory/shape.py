@@ -112,3 +112,32 @@ def stage_parameters(shape: ModelShape, tp: int, pp: int, ep: int, stage: int) -
         elif not shape.tied_embeddings or pp > 1:
             dense += embedding  # the output layer
     return StageParameters(dense=dense, expert=layers * expert_per_layer)
+
+
+# actor.lora.targets, the linear layers of a transformer layer (Megatron's linear_qkv, linear_proj, linear_fc1,
+# linear_fc2); a MoE model's MLPs are experts, which take no adapters
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+DENSE_MLP_TARGETS = ("fc1", "fc2")
+
+
+def lora_targets_of(shape: ModelShape) -> tuple[str, ...]:
+    """The targets actor.lora can adapt in `shape`: all four, or a MoE model's attention only."""
+    return tuple(t for t in LORA_TARGETS if not (shape.experts and t in DENSE_MLP_TARGETS))
+
+
+def adapter_parameters(shape: ModelShape, tp: int, pp: int, rank: int, targets: tuple[str, ...]) -> int:
+    """actor.lora's adapter parameters on one rank of a pipeline stage (each holds layers / pp layers): for every
+    adapted linear layer A [rank, input] and B [output, rank], split over the tensor-parallel ranks as
+    rlsearch.megatron.lora lays them out: a column-parallel layer's (qkv, fc1) B on its output like the weight, A
+    whole; a row-parallel layer's (proj, fc2) A on its input like the weight, B whole."""
+    if not rank:
+        return 0
+    h, query, key_value = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_target = {"qkv": h + (query + 2 * key_value) // tp, "proj": query // tp + h, "fc1": h + 2 * shape.ffn // tp,
+                  "fc2": shape.ffn // tp + h}
+    refused = set(targets) - set(lora_targets_of(shape))
+    if refused:
+        raise ValueError(f"actor.lora.targets has {', '.join(sorted(refused))}: the model's MLPs are "
+                         "mixture-of-experts layers, which take no adapters; adapt the attention only "
+                         "(actor.lora.targets=[qkv,proj])")
+    return shape.layers // pp * rank * sum(per_target[target] for target in targets)

@@ -1,5 +1,5 @@
-"""What would fit: the cheapest change of the actor's keys that makes a plan fit, the longest micro-batch that fits,
-and layouts for a number of GPUs."""
+"""What would fit: the cheapest change of the actor's keys that makes a plan fit, LoRA adapters in place of training
+every weight, the longest micro-batch that fits, and layouts for a number of GPUs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .plan import Device, Layout, MemoryInputs, MemoryPlan, plan_memory
-from .shape import ModelShape
+from .shape import ModelShape, lora_targets_of
 
 # the config key of each ActorMemorySettings field and Layout field a suggestion may change
 _SETTING_KEYS = {
@@ -16,11 +16,15 @@ _SETTING_KEYS = {
     "recompute_num_layers": "actor.recompute_num_layers", "activation_offload": "actor.activation_offload",
     "optimizer_offload_fraction": "actor.optimizer_offload_fraction",
     "distributed_optimizer": "actor.use_distributed_optimizer",
+    "lora_rank": "actor.lora.rank", "lora_targets": "actor.lora.targets",
 }
 _LAYOUT_KEYS = {"tp": "actor.tp", "pp": "actor.pp", "cp": "actor.cp", "dp": "actor.dp", "ep": "actor.ep"}
 # relative step time of each recomputation mode (the issue's H200 0.5B rows at 64k: selective 1.19x, full 1.24x)
 _RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}
 SMALL_LOGITS_CHUNK = 256
+# the rank a LoRA suggestion names: "LoRA Without Regret" (Schulman et al., 2025) finds ranks this small match full
+# fine-tuning in policy-gradient RL
+SUGGESTED_LORA_RANK = 16
 TOKEN_STEP = 256  # the longest fitting micro-batch is searched in these steps
 MAX_MODEL_PARALLEL = 16
 
@@ -41,6 +45,8 @@ class Change:
 
 
 def _value(value: object) -> str:
+    if isinstance(value, tuple):
+        return f"[{','.join(map(str, value))}]"
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -131,6 +137,21 @@ def fitting_change(inputs: MemoryInputs, window: int = 0) -> Change | None:
     return None
 
 
+def lora_change(inputs: MemoryInputs, window: int = 0) -> Change | None:
+    """For an actor that trains every weight: LoRA adapters of rank SUGGESTED_LORA_RANK on every linear layer the model
+    can adapt (a MoE model's attention only), alone or with the first of `fitting_change`'s changes on the same ranks
+    whose plan fits; None when the actor trains adapters already or none fits."""
+    if inputs.actor.lora_rank:
+        return None
+    adapted, overrides = _changed(inputs, lora_rank=SUGGESTED_LORA_RANK, lora_targets=lora_targets_of(inputs.shape))
+    host_short = _host_short(inputs)
+    for changed, more, factor in [(adapted, {}, 1), *_candidates(adapted, window)]:
+        plan = plan_memory(changed)
+        if factor == 1 and _actor_fits(plan, host_short):
+            return Change({**overrides, **more}, plan)
+    return None
+
+
 def longest_fitting_tokens(inputs: MemoryInputs) -> int:
     """The most tokens per micro-batch that fit with full recomputation (and, on GPU, the optimizer offloaded); 0 when
     not even a short one does."""
@@ -173,6 +194,10 @@ def not_fitting_message(plan: MemoryPlan, window: int = 0) -> str:
         text += (f"; no change of recomputation, offloading or up to {MAX_MODEL_PARALLEL} model-parallel ranks fits; "
                  + (f"at most {tokens:,} tokens per micro-batch fit, with full recomputation" if tokens else
                     "nothing fits on this device, not even a short micro-batch with full recomputation"))
+    adapters = lora_change(plan.inputs, window)
+    if adapters is not None:
+        text += (f"; or train LoRA adapters instead of every weight: with {adapters.describe()}, "
+                 f"{_gb(adapters.plan.needed)} (a learning rate about 10x full fine-tuning's: docs/training.md)")
     return "; ".join([text, *others])
 
 

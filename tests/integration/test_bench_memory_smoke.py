@@ -35,7 +35,7 @@ def test_bench_memory_smoke_has_a_row_with_a_prediction_per_configuration(tmp_pa
             # the ratio is of the unrounded figures: each GB figure is printed to 0.005, the ratio to 0.005
             rounding = plan / peak * (0.005 / peak + 0.005 / plan) + 0.005
             assert min(seconds, peak, plan, idle) > 0 and abs(ratio - plan / peak) <= rounding, (name, fields)
-    for name in ("none", "selective", "full", *PPO):
+    for name in ("none", "selective", "full", "lora", "lora attention", *PPO):
         assert rows[name][0] != "-", (name, rows[name])
     # the smoke runs float32 on CPU, where `rlsearch train` refuses both offloads at start-up: the bench says so too
     assert "ConfigError: 'actor.optimizer_offload_fraction' is 1.0 with float32" in " ".join(

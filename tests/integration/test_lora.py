@@ -5,22 +5,27 @@ gives A a gradient too) and exports its weights. The checks: at step 0 the adapt
 adapters train (no gradient or optimizer state for the base, its weights bit-identical after the steps); TP2 and PP2
 give TP1's logprobs, gradients and trained adapters; the exported weights are W + (alpha / rank) B A in fp32 under the
 HF names, the adapters themselves not exported; and the reference policy (algo.kl_coef > 0) is the base model, with
-no second model built. Layout runs are cached per module: each group of ranks starts once."""
+no second model built. A checkpoint saved at TP1 resumes at TP2; both layouts' checkpoints convert to the merged HF
+model and to a PEFT adapter that peft loads onto the base model with the same logits. Layout runs are cached per
+module: each group of ranks starts once."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 from safetensors.torch import load_file
 
-from rlsearch.checkpoint import CheckpointStore, mcore_to_hf
+from rlsearch.checkpoint import CheckpointStore, HFExport, mcore_to_hf
 from rlsearch.checkpoint.layout import MODEL_DIR
 from rlsearch.config import AlgoConfig
 from rlsearch.config.schema import LoRAConfig
+from rlsearch.memory import ModelShape
+from rlsearch.memory.shape import LORA_TARGETS, adapter_parameters
 from tests.integration.actor_helpers import (
     actor_spec,
     hf_logprobs,
@@ -173,13 +178,17 @@ def test_lora_step_zero_is_the_base_model(run_lora, batch):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_lora_trains_only_the_adapters(run_lora, layout):
+def test_lora_trains_only_the_adapters(run_lora, tiny_model_dir, layout):
     result = run_lora(layout)
+    shape, (tp, pp) = ModelShape.from_model_dir(tiny_model_dir), LAYOUTS[layout]
     assert [m["actor/update_ok"] for m in result.metrics] == [1.0, 1.0]
     for before, after in zip(result.ranks_before, result.ranks_after):
         assert after["trainable_base"] == []  # no gradient of the base anywhere
         assert after["optimized_is_adapters"] and after["state_only_adapters"]  # Adam holds the adapters only
         assert after["second_model"] is False  # algo.kl_coef > 0 built no reference model
+        # the memory plan counts the rank's adapters as it holds them
+        assert sum(f.numel() for f in after["factors"].values()) == adapter_parameters(shape, tp, pp, LORA.rank,
+                                                                                        LORA_TARGETS)
         assert set(after["base"]) == set(before["base"])
         assert all(torch.equal(after["base"][name], before["base"][name]) for name in before["base"])
         moved = max((after["factors"][k] - before["factors"][k]).abs().max().item() for k in before["factors"])
@@ -274,32 +283,149 @@ def test_lora_adapter_sync_sends_peft_factors_whose_product_is_the_merged_change
     assert sum(tensor.nbytes for tensor in result.adapters.values()) * 20 <= model_bytes
 
 
-def test_lora_checkpoint_from_tp1_resumes_at_tp2_and_converts_merged(rank_pool, tiny_model_dir, batch, tmp_path):
-    """A checkpoint holds the adapters, split as each layout splits them, and their Adam state: saved at TP1 after a
-    step, loaded at TP2, the next step is TP1's (the base weights are the model file's: frozen). `rlsearch convert
-    mcore-to-hf` writes its merged weights, the HF model's logits those of the Megatron model with its adapters."""
+@dataclass
+class LoRACheckpoint:
+    path: Path
+    weights: dict[str, torch.Tensor]  # the saving group's merged export (hf_state_dict) at the checkpoint
+    logprobs: list[list[float]]  # the saving group's logprobs of the batch at the checkpoint
+
+
+@dataclass
+class LoRAResume:
+    checkpoints: dict[str, LoRACheckpoint]  # tp1: saved after a step; tp2: the resumed run's after its next step
+    loaded: dict[str, torch.Tensor]  # TP2's merged export right after loading the TP1 checkpoint
+    second: dict[str, float]  # TP1's next step's metrics
+    second_resumed: dict[str, float]  # TP2's, resumed
+    uninterrupted: dict[str, torch.Tensor]  # TP1's merged export after its next step
+
+
+@pytest.fixture(scope="module")
+def lora_resume(rank_pool, tiny_model_dir, batch, module_tmp) -> LoRAResume:
+    """A TP1 run's checkpoint after a step, resumed at TP2 for the next step, which TP1 also takes uninterrupted; the
+    TP2 run saves a checkpoint after it. The checkpoints hold the adapters, split as each layout splits them, and
+    their Adam state."""
     samples, _ = batch
-    store = CheckpointStore(tmp_path / "run")
-    info = {"layout": {"tp": 1, "pp": 1, "dp": 1}, "architecture": "qwen2", "dtype": "float32",
-            "transformer_impl": "local", "contents": ["model", "optimizer", "scheduler", "rng"], "lora": asdict(LORA)}
+    store = CheckpointStore(module_tmp.mktemp("lora_run"))
+    state = {"config": {"model": {"path": str(tiny_model_dir)}}}
+
+    def info(tp: int) -> dict:
+        return {"layout": {"tp": tp, "pp": 1, "dp": 1}, "architecture": "qwen2", "dtype": "float32",
+                "transformer_impl": "local", "contents": ["model", "optimizer", "scheduler", "rng"],
+                "lora": asdict(LORA)}
+
     # the second step pushes the other way: only with Adam's first moment restored do the two gradients mostly cancel
     reversed_samples = [replace(sample, advantage=-sample.advantage) for sample in samples]
     with rank_pool.group(actor_spec(tiny_model_dir, 1, 1, 1, SETTINGS)) as source:
         source.train_step(samples)
-        checkpoint = store.save(1, source.save_checkpoint, {}, tiny_model_dir, info)
-        saved = source.hf_state_dict()
+        tp1 = LoRACheckpoint(store.save(1, source.save_checkpoint, state, tiny_model_dir, info(1)),
+                             source.hf_state_dict(), source.compute_logprobs(samples))
         second = source.train_step(reversed_samples)
         uninterrupted = source.hf_state_dict()
     with rank_pool.group(actor_spec(tiny_model_dir, 2, 1, 1, SETTINGS)) as resumed:
-        assert resumed.load_checkpoint(str(checkpoint / MODEL_DIR), restore_rng=False) == 1
+        assert resumed.load_checkpoint(str(tp1.path / MODEL_DIR), restore_rng=False) == 1
         loaded = resumed.hf_state_dict()
         second_resumed = resumed.train_step(reversed_samples)
-        resumed_weights = resumed.hf_state_dict()
-    assert max_diff(loaded, saved) < 1e-6
-    assert second_resumed["actor/grad_norm"] == pytest.approx(second["actor/grad_norm"], abs=1e-6)
-    assert max_diff(resumed_weights, uninterrupted) < 1e-6
-    assert max_diff(uninterrupted, saved) > 1e-5  # the second step moved the merged weights
-    converted = mcore_to_hf(checkpoint, tmp_path / "hf", verify=True)
+        tp2 = LoRACheckpoint(store.save(2, resumed.save_checkpoint, state, tiny_model_dir, info(2)),
+                             resumed.hf_state_dict(), resumed.compute_logprobs(samples))
+    return LoRAResume({"tp1": tp1, "tp2": tp2}, loaded, second, second_resumed, uninterrupted)
+
+
+@pytest.fixture(scope="module")
+def lora_converted(lora_resume, module_tmp):
+    """`rlsearch convert mcore-to-hf` of a layout's checkpoint (cached): the merged HF model, verified against the
+    Megatron model, and the PEFT adapter, in one conversion."""
+    root = module_tmp.mktemp("lora_converted")
+    cache: dict[str, HFExport] = {}
+
+    def convert(layout: str) -> HFExport:
+        if layout not in cache:
+            cache[layout] = mcore_to_hf(lora_resume.checkpoints[layout].path, root / f"{layout}_hf", verify=True,
+                                        peft_adapter_dir=root / f"{layout}_peft")
+        return cache[layout]
+
+    return convert
+
+
+def test_lora_checkpoint_from_tp1_resumes_at_tp2(lora_resume):
+    """Saved at TP1 after a step, loaded at TP2, the next step is TP1's (the base weights are the model file's:
+    frozen)."""
+    saved = lora_resume.checkpoints["tp1"].weights
+    assert max_diff(lora_resume.loaded, saved) < 1e-6
+    assert lora_resume.second_resumed["actor/grad_norm"] == pytest.approx(lora_resume.second["actor/grad_norm"],
+                                                                          abs=1e-6)
+    assert max_diff(lora_resume.checkpoints["tp2"].weights, lora_resume.uninterrupted) < 1e-6
+    assert max_diff(lora_resume.uninterrupted, saved) > 1e-5  # the second step moved the merged weights
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2"])
+def test_lora_checkpoint_converts_merged(lora_resume, lora_converted, layout):
+    """`rlsearch convert mcore-to-hf` writes the merged weights the saving group exported (TP2's shards gathered on
+    load), the HF model's logits those of the Megatron model with its adapters."""
+    converted, saved = lora_converted(layout), lora_resume.checkpoints[layout].weights
     assert converted.max_logit_diff < 1e-5
     merged = converted_tensors(converted.out_dir)
-    assert set(merged) == set(saved) and all(torch.equal(merged[name], saved[name]) for name in saved)
+    assert set(merged) == set(saved)
+    if layout == "tp1":
+        assert all(torch.equal(merged[name], saved[name]) for name in saved)
+    else:  # B A of the whole factors against the sum of TP2's shards' products: float32 sums in other orders
+        assert max_diff(merged, saved) < 1e-6
+
+
+def _causal_lm_logits(model, samples) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [model(torch.tensor([sample.token_ids])).logits[0].float() for sample in samples]
+
+
+def _logprobs_of(logits: list[torch.Tensor], samples) -> list[list[float]]:
+    return [torch.log_softmax(row, -1)[sample.response_start - 1:-1].gather(
+        1, torch.tensor(sample.token_ids[sample.response_start:])[:, None])[:, 0].tolist()
+        for row, sample in zip(logits, samples)]
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2"])
+def test_lora_checkpoint_exports_a_peft_adapter(lora_resume, lora_converted, tiny_model_dir, batch, layout):
+    """--peft-adapter writes the adapters under PEFT's names for the HF model, the fused qkv and fc1 adapters split
+    into q/k/v_proj and gate/up_proj (each the shared A and its rows of B; TP2's B shards gathered), lora_alpha / r the
+    run's scale. peft loads it onto the base model with the merged model's logits and the actor's logprobs."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    samples, _ = batch
+    converted = lora_converted(layout)
+    peft_dir = converted.peft.adapter_dir
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    modules = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert (config["peft_type"], config["r"], config["lora_alpha"] / config["r"]) == ("LORA", LORA.rank, SCALE)
+    assert config["target_modules"] == converted.peft.modules == modules
+    assert config["base_model_name_or_path"] == str(tiny_model_dir)
+    factors = load_file(str(peft_dir / "adapter_model.safetensors"))
+    hf_config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert converted.peft.num_tensors == len(factors) == 2 * len(modules) * hf_config["num_hidden_layers"]
+    # W + s B_i A of each HF module is the merged export's weight; the fused modules' A is one
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    merged = converted_tensors(converted.out_dir)
+    worst = 0.0
+    for layer in range(hf_config["num_hidden_layers"]):
+        for module in modules:
+            parent = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"model.layers.{layer}.{parent}.{module}"
+            a, b = (factors[f"base_model.model.{name}.lora_{factor}.weight"] for factor in "AB")
+            assert a.shape[0] == b.shape[1] == LORA.rank and torch.count_nonzero(b) > 0
+            weight = original[f"{name}.weight"].float() + SCALE * (b.float() @ a.float())
+            worst = max(worst, (weight - merged[f"{name}.weight"]).abs().max().item())
+        shared = [factors[f"base_model.model.model.layers.{layer}.{parent}.{module}.lora_A.weight"] for parent, module
+                  in (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"))]
+        assert torch.equal(shared[0], shared[1]) and torch.equal(shared[0], shared[2])
+    assert worst < 1e-6
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    base_logits = _causal_lm_logits(base, samples)
+    adapted = _causal_lm_logits(PeftModel.from_pretrained(base, str(peft_dir)).eval(), samples)
+    merged_logits = _causal_lm_logits(
+        AutoModelForCausalLM.from_pretrained(converted.out_dir, dtype=torch.float32).eval(), samples)
+    versus_merged = max((x - y).abs().max().item() for x, y in zip(adapted, merged_logits))
+    versus_actor = _max_logprob_diff(_logprobs_of(adapted, samples), lora_resume.checkpoints[layout].logprobs)
+    moved = max((x - y).abs().max().item() for x, y in zip(adapted, base_logits))
+    print(f"\n{layout} PEFT adapter on the base model, max |diff|: logits vs the merged export {versus_merged:.1e}, "
+          f"logprobs vs the actor {versus_actor:.1e}; logits moved {moved:.1e} from the base model's")
+    assert versus_merged < 1e-5 and versus_actor < 1e-5
+    assert moved > 1e-3  # the adapters change the model: the parity compares something

@@ -1,5 +1,5 @@
 """A run checkpoint resumes only with the actor.lora it was trained with: its adapters (or their absence) are part of
-its model and of Adam's state."""
+its model and of Adam's state; one trained without adapters has no PEFT adapter to export."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlsearch.checkpoint import CheckpointStore
+from rlsearch.checkpoint import CheckpointError, CheckpointStore, mcore_to_hf
+from rlsearch.cli import main
 from rlsearch.config import ConfigError, load_train_config, to_dict
 from rlsearch.trainer.checkpoints import checkpoint_to_resume
 
@@ -20,7 +21,8 @@ def _saved_run(tmp_path: Path, overrides: list[str]) -> CheckpointStore:
     state = {"sampler": {"epoch": 0, "position": 4}, "seed": config.trainer.seed, "config": to_dict(config)}
     store = CheckpointStore(tmp_path / "run")
     store.save(1, lambda directory: (Path(directory) / "__0_0.distcp").write_bytes(b"x"), state, hf,
-               {"layout": {"tp": 1, "pp": 1, "dp": 1}, "architecture": "qwen2", "transformer_impl": "local"})
+               {"layout": {"tp": 1, "pp": 1, "dp": 1}, "architecture": "qwen2", "transformer_impl": "local",
+                "dtype": "float32", "contents": ["model"]})
     return store
 
 
@@ -44,3 +46,17 @@ def test_a_full_weight_checkpoint_does_not_resume_under_adapters(tmp_path):
     with pytest.raises(ConfigError, match=r"'actor\.lora' is rank 4, alpha 16\.0, targets fc1,fc2,proj,qkv but the "
                                           r"checkpoint .* was trained with off"):
         checkpoint_to_resume(load_train_config(None, ["trainer.resume=auto", "actor.lora.rank=4"]), store)
+
+
+def test_a_full_weight_checkpoint_has_no_peft_adapter_to_export(tmp_path, capsys):
+    store = _saved_run(tmp_path, [])
+    path = store.root / "step_000001"
+    adapter = tmp_path / "adapter"
+    message = (f"{path} holds no LoRA adapters (its manifest.json has no actor.lora: the run trained every weight), "
+               "so there is no PEFT adapter to write; convert its weights with --out alone")
+    with pytest.raises(CheckpointError) as refused:
+        mcore_to_hf(path, None, peft_adapter_dir=adapter)
+    assert str(refused.value) == message
+    assert main(["convert", "mcore-to-hf", "--ckpt", str(path), "--peft-adapter", str(adapter)]) == 2
+    assert capsys.readouterr().err == f"rlsearch convert: {message}\n"
+    assert not adapter.exists() and not (tmp_path / ".incomplete_adapter").exists()

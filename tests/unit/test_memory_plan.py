@@ -1,7 +1,7 @@
 """The memory plan's arithmetic: parameters, gradients and Adam's states per rank counted by hand for a small model
 at TP2/PP2/DP2 (with and without the distributed optimizer), the measured peaks it must predict (the issue's H200
-table, bench/memory.py's CPU rows), what it says would fit, the layouts it proposes, and a critic's ranks beside the
-actor's (algo.advantage=gae)."""
+table, bench/memory.py's CPU rows), what it says would fit, the layouts it proposes, a critic's ranks beside the
+actor's (algo.advantage=gae), and a LoRA actor's ranks (actor.lora: the base frozen, only the adapters trained)."""
 
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def test_a_7b_model_at_32k_tokens_does_not_fit_an_80gb_gpu_and_the_plan_says_wha
     assert not plan.fits and plan.worst.activations > 150 * GB  # the issue's ~7 MB a token
     message = not_fitting_message(plan)
     match = re.fullmatch(r"needs ([\d,.]+) GB per rank at 32,768 tokens of 80\.00 GB \(an 80 GB GPU\); with "
-                         r"(actor\.\S+=\S+(?: actor\.\S+=\S+)*), ([\d.]+) GB", message)
+                         r"(actor\.\S+=\S+(?: actor\.\S+=\S+)*), ([\d.]+) GB; or train LoRA adapters .*", message)
     assert match, message
     change = fitting_change(plan.inputs)
     assert match.group(2) == change.describe() and "actor.recompute=full" in change.describe()
@@ -290,3 +290,108 @@ def test_a_gae_configs_plan_has_the_critic_of_its_layout(tiny_model_dir):
         (0, 0, 1), (0, 1, 1), (1, None, 2)]
     config.algo.advantage = "grpo"
     assert train_memory_inputs(config, GPU_80GB).critic is None
+
+
+# actor.lora rank 4 on one layer of TINY on one of two tensor-parallel ranks, factor by factor (rlsearch.megatron.lora)
+TINY_ADAPTERS_TP2 = {
+    "qkv": 4 * 128 + (4 + 2 + 2) * 32 // 2 * 4,  # A [4, 128] whole (column-parallel), B [256 / 2, 4]: 1,024
+    "proj": 4 * (4 * 32) // 2 + 128 * 4,  # A [4, 128 / 2] split like the weight's columns (row-parallel), B whole: 768
+    "fc1": 4 * 128 + (2 * 256) // 2 * 4,  # gate and up rows of B split: 1,536
+    "fc2": 4 * 256 // 2 + 128 * 4,  # 1,024
+}
+
+
+def test_lora_adapters_per_rank_at_tp2_pp2_are_counted_by_hand():
+    from rlsearch.memory.shape import LORA_TARGETS, adapter_parameters
+
+    assert adapter_parameters(TINY, tp=2, pp=2, rank=4, targets=LORA_TARGETS) == sum(TINY_ADAPTERS_TP2.values()) == 4352
+    assert adapter_parameters(TINY, tp=2, pp=2, rank=4, targets=("qkv", "proj")) == 1024 + 768
+    assert adapter_parameters(TINY, tp=1, pp=1, rank=0, targets=LORA_TARGETS) == 0
+    moe = dataclasses.replace(TINY, experts=8, experts_per_token=2, expert_ffn=128)
+    with pytest.raises(ValueError, match=r"actor\.lora\.targets has fc1, fc2: the model's MLPs are mixture-of-experts "
+                                         r"layers, which take no adapters; adapt the attention only"):
+        adapter_parameters(moe, tp=1, pp=1, rank=4, targets=LORA_TARGETS)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "distributed", "adam"),
+    [("float32", False, 8), ("bfloat16", False, 12), ("bfloat16", True, 12 / 2)],  # Adam's moments (+ fp32 master)
+)
+def test_a_lora_rank_holds_the_base_frozen_and_trains_only_its_adapters(dtype, distributed, adam):
+    """The base weights stay, with no gradient or optimizer state; the adapters add their weights, fp32 gradients and
+    Adam's states; algo.kl_coef > 0 adds no reference model (the actor with its adapters off)."""
+    layout = Layout(tp=2, pp=2, dp=2)
+    size = {"float32": 4, "bfloat16": 2}[dtype]
+    settings = dict(layout=layout, dtype=dtype, distributed_optimizer=distributed, reference_model=True)
+    full, lora = _plan(TINY, **settings), _plan(TINY, lora_rank=4, **settings)
+    adapters = sum(TINY_ADAPTERS_TP2.values())
+    for stage, rank in enumerate(lora.ranks):
+        count = TINY_STAGE_TP2[stage]
+        assert (rank.parameters, rank.adapters) == (count, adapters)
+        assert (rank.weights, rank.gradients, rank.reference) == ((count + adapters) * size, adapters * 4, 0)
+        assert rank.optimizer == pytest.approx(adam * adapters, rel=1e-12)
+        assert full.ranks[stage].reference == count * size
+        # all four linear layers adapted: each keeps its input as in full training, and the rank-wide A x
+        assert rank.activations_per_token_layer == full.ranks[stage].activations_per_token_layer + 4 * 4 * size
+    text = lora.render()
+    assert f"parameters in {dtype}, frozen, and 4,352 of LoRA adapters (rank 4)" in text
+    assert "none: the KL term's reference is the actor with its adapters off" in text
+
+
+@pytest.mark.parametrize(("targets", "dropout", "linear_inputs"), [
+    (None, 0.0, (128 + 128 + 128 + 256) * 4),  # full training: the inputs of qkv, proj (heads x dim), fc1, fc2
+    (("qkv", "proj", "fc1", "fc2"), 0.0, (128 + 128 + 128 + 256) * 4 + 4 * 4 * 4),  # + each adapter's A x (rank 4)
+    (("qkv", "proj"), 0.0, (128 + 128) * 4 + 2 * 4 * 4),  # the MLP's frozen linear layers keep no input
+    (("qkv", "proj"), 0.1, (128 + 128) * (4 + 1) + 2 * 4 * 4),  # the dropped copy and a byte of mask an element
+])
+def test_a_lora_layer_keeps_the_inputs_of_its_adapted_linear_layers_only(targets, dropout, linear_inputs):
+    from rlsearch.memory import coefficients_for
+    from rlsearch.memory.plan import layer_activation_bytes
+
+    coefficients = coefficients_for("cpu", "float32")
+    full = layer_activation_bytes(TINY, ActorMemorySettings(tokens=1024), coefficients)
+    lora = {} if targets is None else dict(lora_rank=4, lora_targets=targets, lora_dropout=dropout)
+    parts = layer_activation_bytes(TINY, ActorMemorySettings(tokens=1024, **lora), coefficients)
+    assert parts["linear_inputs"] == linear_inputs
+    assert {name: value for name, value in parts.items() if name != "linear_inputs"} == {
+        name: value for name, value in full.items() if name != "linear_inputs"}
+
+
+def test_a_7b_model_that_trains_every_weight_does_not_fit_and_the_plan_suggests_lora():
+    """Qwen2.5-7B in bf16 at 4,096 tokens with a KL term: 185 GB with every weight trained; rank-16 adapters on its
+    linear layers (35.6M parameters) fit as they are, which the refusal says beside the full-weight change."""
+    plan = _plan(SEVEN_B, dtype="bfloat16", reference_model=True)
+    assert not plan.fits
+    adapters = 28 * 16 * ((3584 + (28 + 2 * 4) * 128) + (28 * 128 + 3584) + (3584 + 2 * 18944) + (18944 + 3584))
+    adapted = _plan(SEVEN_B, dtype="bfloat16", reference_model=True, lora_rank=16)
+    rank, full = adapted.worst, plan.worst
+    assert (rank.adapters, adapters) == (adapters, 35_553_280)
+    assert rank.static == (full.parameters + adapters) * 2 + adapters * (4 + 12)  # no reference model
+    assert adapted.fits and rank.total < 0.3 * full.total
+    message = not_fitting_message(plan)
+    assert message.endswith(f"; or train LoRA adapters instead of every weight: with actor.lora.rank=16, "
+                            f"{adapted.needed / GB:,.2f} GB (a learning rate about 10x full fine-tuning's: "
+                            "docs/training.md)")
+    # at 32k tokens the adapters fit only with recomputation too; a LoRA actor is not told to train adapters
+    long = _plan(SEVEN_B, tokens=32_768, dtype="bfloat16", lora_rank=16)
+    assert not long.fits
+    assert "or train LoRA adapters" not in not_fitting_message(long)
+    assert "with actor.lora.rank=16 actor.recompute=full" in not_fitting_message(_plan(SEVEN_B, tokens=32_768,
+                                                                                       dtype="bfloat16"))
+
+
+def test_a_lora_configs_plan_counts_its_adapters_and_no_reference_model(tiny_model_dir):
+    from rlsearch.config import TrainConfig
+    from rlsearch.memory import train_memory_inputs
+
+    config = TrainConfig()
+    config.model.path, config.algo.kl_coef = str(tiny_model_dir), 0.01
+    config.actor.tp, config.actor.pp = 2, 2
+    config.actor.lora.rank, config.actor.lora.targets, config.actor.lora.dropout = 4, ["qkv", "fc2"], 0.05
+    inputs = train_memory_inputs(config, GPU_80GB)
+    assert (inputs.actor.lora_rank, inputs.actor.lora_targets, inputs.actor.lora_dropout) == (4, ("qkv", "fc2"), 0.05)
+    plan = plan_memory(inputs)
+    for rank in plan.ranks:
+        assert (rank.adapters, rank.reference) == (TINY_ADAPTERS_TP2["qkv"] + TINY_ADAPTERS_TP2["fc2"], 0)
+    config.actor.lora.rank = 0
+    assert plan_memory(train_memory_inputs(config, GPU_80GB)).ranks[0].reference > 0

@@ -58,9 +58,10 @@ def test_quietly_shows_a_failed_commands_log_end_and_path_and_stops(tmp_path):
 
 def test_quietly_prints_a_progress_line_with_the_time_left_while_a_long_step_runs(tmp_path):
     log = tmp_path / "sft.log"
-    # an SFT: nothing for 2.5 s, then a step line every 1.2 s; progress after 1 s, then at gaps of 2 and 4 s
+    # an SFT: nothing for 1.5 s, then a step line every 1.3 s for 15.6 s; progress after 1 s, then at gaps of 2, 4
+    # and 8 s: by the third line (7 s) a step has been seen on any machine, and the fourth (15 s) has a rate
     steps = tmp_path / "steps.sh"
-    steps.write_text('sleep 2.5; for i in 1 2 3 4 5 6; do echo "[rlsearch sft] step $i/6 | loss 0.5"; sleep 1.2; '
+    steps.write_text('sleep 1.5; for i in $(seq 1 12); do echo "[rlsearch sft] step $i/12 | loss 0.5"; sleep 1.3; '
                      'done\n')
     # as the scripts run it: under set -e and pipefail, where a log without a step line yet must not stop the script
     result = bash(f"set -euo pipefail; source scripts/common.sh; quietly {log} bash {steps}; echo after",
@@ -69,7 +70,7 @@ def test_quietly_prints_a_progress_line_with_the_time_left_while_a_long_step_run
     lines = result.stdout.splitlines()
     assert lines[-1] == "after" and len(lines) >= 4, lines
     # the time so far, then (once the log has one) the last step and the time left
-    progress = [re.fullmatch(rf"\[rlsearch\]   \.\.\. (\d+) s(: step (\d)/6(, about (\d+) s left)?)? \(log: {log}\)",
+    progress = [re.fullmatch(rf"\[rlsearch\]   \.\.\. (\d+) s(: step (\d+)/12(, about (\d+) s left)?)? \(log: {log}\)",
                              line) for line in lines[:-1]]
     assert all(progress), lines
     seconds = [int(match[1]) for match in progress]
@@ -77,7 +78,7 @@ def test_quietly_prints_a_progress_line_with_the_time_left_while_a_long_step_run
     assert all(later - earlier >= 2 ** k for k, (earlier, later) in enumerate(zip([0, *seconds], seconds))), seconds
     assert progress[0][2] is None, lines  # no step in the log yet: a line all the same, and the script went on
     assert progress[-1][4], lines  # by then a rate: the time left
-    assert log.read_text().count("[rlsearch sft] step") == 6
+    assert log.read_text().count("[rlsearch sft] step") == 12
 
 
 def test_setup_prints_two_lines_and_logs_the_installers(stand_in_venv):
