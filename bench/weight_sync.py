@@ -1,4 +1,5 @@
-"""Weight sync from Megatron layouts into N vLLM engines against vLLM reloading the weights from files.
+"""Weight sync from Megatron layouts into N vLLM engines against vLLM reloading the weights from files; with
+--lora-rank, a LoRA actor's merged syncs against its adapter syncs (actor.lora.sync=adapter, transport `adapter`).
 
 See docs/benchmarks.md#weight_sync."""
 
@@ -92,10 +93,11 @@ SYNC_COLUMNS = [("layout", "<8"), ("engines", ">7"), ("transport", "<10"), ("syn
                 ("pause s", ">7.2f"), ("MiB/eng", ">8.0f"), ("MiB wire", ">8.1f"), ("peak MiB", ">9.0f"),
                 ("shm MiB", ">8.0f"), ("buckets", ">7.2f"), ("probe gap", ">9.1e")]
 
-# bench transport -> (weights.transport, WeightSync options)
+# bench transport -> (weights.transport, WeightSync options); `adapter` is AdapterSync (--lora-rank)
 TRANSPORTS = {
     "shm": ("shm", {}), "broadcast": ("broadcast", {}),
     "shm-staged": ("shm", {"stage_while_generating": True}), "shm-delta": ("shm", {"delta": True}),
+    "adapter": ("adapter", {}),
 }
 
 
@@ -124,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--bucket-mb", type=float, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="timed repetitions (the best is reported)")
     parser.add_argument("--out", default="outputs/bench", help="where the random model is cached")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="a LoRA actor of this rank (alpha 2x rank, one step taken before the syncs) and engines "
+                             "with vLLM's LoRA on: its merged syncs (shm, broadcast) against transport adapter")
     add_vocab_ranks_argument(parser)
     return parser
 
@@ -144,6 +149,13 @@ def report(args: argparse.Namespace, engine_counts: list[int], seconds: dict, be
             print(f"whole / delta bytes at lr {args.lr:g} (goal >= 20): {layout.upper()}, {count} engine(s): "
                   f"{stats.num_bytes / max(stats.wire_bytes, 1):.1f}x ({stats.wire_bytes / 2**20:.1f} of "
                   f"{stats.num_bytes / 2**20:.0f} MiB)")
+    for (layout, count, transport), stats in bests.items():
+        merged = bests.get((layout, count, "shm"))
+        if transport == "adapter" and merged is not None:
+            print(f"adapter / merged sync (goals bytes <= 0.05, seconds <= 0.3): {layout.upper()}, {count} engine(s): "
+                  f"bytes {stats.num_bytes / merged.num_bytes:.4f} ({stats.num_bytes / 2**20:.2f} of "
+                  f"{merged.num_bytes / 2**20:.0f} MiB), seconds {stats.seconds / merged.seconds:.2f} "
+                  f"({stats.seconds:.3f} of {merged.seconds:.3f} s)")
     # a delta sync trades the senders' and engines' time for bytes on the wire: it is not a way to sync faster
     timed = {key: value for key, value in seconds.items() if key[2] != "shm-delta"}
     if timed:
@@ -152,8 +164,9 @@ def report(args: argparse.Namespace, engine_counts: list[int], seconds: dict, be
               f"({worst[0].upper()}, {worst[1]} engine(s), {worst[2]}; goals TP1PP1 <= 1.3, TP2PP2 <= 1.5)")
 
 
-def start_pool(args: argparse.Namespace, model_path: Path, engine_counts: list[int]):
-    """The rollout engines the syncs go to: as many as the largest count of --engines."""
+def start_pool(args: argparse.Namespace, model_path: Path, engine_counts: list[int], lora_rank: int = 0):
+    """The rollout engines the syncs go to: as many as the largest count of --engines; with `lora_rank`, vLLM's LoRA
+    on (an adapter sync's engines: their LoRA-wrapped layers take no whole weights)."""
     from rlsearch.config import RolloutConfig, ToolsConfig
     from rlsearch.rollout import EnginePool, EngineSpec
 
@@ -162,7 +175,7 @@ def start_pool(args: argparse.Namespace, model_path: Path, engine_counts: list[i
     tools = ToolsConfig()
     tools.retriever.url = "http://127.0.0.1:9"  # the agent's search client is built but never called here
     return EnginePool(EngineSpec(str(model_path), dtype=args.dtype, max_model_len=256,
-                                 tensor_parallel_size=args.engine_tp), rollout, tools, seed=1)
+                                 tensor_parallel_size=args.engine_tp, lora_rank=lora_rank), rollout, tools, seed=1)
 
 
 def reload_seconds(pool, model_path: Path) -> float:
@@ -174,31 +187,40 @@ def reload_seconds(pool, model_path: Path) -> float:
     return time.perf_counter() - started
 
 
-def measure_layout(args: argparse.Namespace, layout: str, model_path: Path, pool, engine_counts: list[int],
+def measure_layout(args: argparse.Namespace, layout: str, model_path: Path, pools: dict, engine_counts: list[int],
                    baseline: float, bucket_bytes: int, seconds: dict, phases: dict, bests: dict) -> None:
     """Every engine count and transport of one actor layout: a row each (the best of --repeats syncs), into
-    `seconds`, `phases` and `bests`."""
+    `seconds`, `phases` and `bests`. `pools`: the engines of whole-weight syncs ("weights") and of adapter ones."""
     import ray
 
     from rlsearch.actor import MODEL_DISTRIBUTION, ActorRanks, ActorWorkerSpec
     from rlsearch.config import ActorConfig, AlgoConfig
+    from rlsearch.config.schema import LoRAConfig
     from rlsearch.ray_setup import cluster_has_gpus
-    from rlsearch.weights import WeightSync, check_engines_match_actor
+    from rlsearch.weights import AdapterSync, WeightSync, check_engines_match_actor
 
     probe_ids = list(range(1000, 1064))
     tp, pp = (int(part) for part in layout.removeprefix("tp").split("pp"))
-    spec = ActorWorkerSpec(str(model_path), args.dtype, ActorConfig(tp=tp, pp=pp, lr=args.lr), AlgoConfig(),
-                           MODEL_DISTRIBUTION, 100, 1)
+    lora = LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else LoRAConfig()
+    # LoRA: a 10x learning rate, as LoRA runs take (the step before the syncs makes the adapters non-zero)
+    actor = ActorConfig(tp=tp, pp=pp, lr=args.lr * (10 if args.lora_rank else 1), lora=lora,
+                        transformer_impl="local" if args.lora_rank else "auto")
+    spec = ActorWorkerSpec(str(model_path), args.dtype, actor, AlgoConfig(), MODEL_DISTRIBUTION, 100, 1)
     group = ActorRanks(spec, num_gpus_per_rank=1 if cluster_has_gpus() else 0)
     try:
+        if args.lora_rank:
+            group.train_step([train_sample(group)])
         senders = [workers[0] for workers in group.stage_workers()]
         pids = ray.get([sender.__ray_call__.remote(lambda worker: os.getpid()) for sender in senders])
         for count in engine_counts:
-            engines = pool.engines[:count]
             for transport in args.transports.split(","):
+                engines = pools["adapter" if transport == "adapter" else "weights"].engines[:count]
                 bridge_transport, options = TRANSPORTS[transport]
-                sync = WeightSync(group, args.bucket_mb, bridge_transport, timeout_s=600.0,
-                                  engine_tp=args.engine_tp, **options)
+                if transport == "adapter":
+                    sync = AdapterSync(group, lora.rank, lora.alpha, timeout_s=600.0)
+                else:
+                    sync = WeightSync(group, args.bucket_mb, bridge_transport, timeout_s=600.0,
+                                      engine_tp=args.engine_tp, **options)
                 if options.get("delta"):
                     sync.sync(engines)  # the first is whole
                     sample = train_sample(group)
@@ -227,8 +249,10 @@ def measure_layout(args: argparse.Namespace, layout: str, model_path: Path, pool
 
 
 def main() -> None:
-    args = parse_args(_parser(), dict(shape="tiny", layouts="tp1pp1", engines="1", transports="shm", repeats=1,
-                                   vocab_ranks=SMOKE_VOCAB_RANKS))
+    args = parse_args(_parser(), dict(shape="tiny", layouts="tp1pp1", engines="1", transports="shm,adapter", repeats=1,
+                                   vocab_ranks=SMOKE_VOCAB_RANKS, lora_rank=8))
+    if "adapter" in args.transports.split(",") and not args.lora_rank:
+        raise SystemExit("weight_sync.py: transport adapter syncs a LoRA actor's adapters: give --lora-rank")
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from rlsearch.ray_setup import init_ray
@@ -242,7 +266,10 @@ def main() -> None:
     phases: dict[tuple[str, int, str], dict[str, float]] = {}
     bests: dict = {}  # the fastest sync's SyncStats per run
     pool = start_pool(args, model_path, engine_counts)
+    pools = {"weights": pool}
     try:
+        if "adapter" in args.transports.split(","):
+            pools["adapter"] = start_pool(args, model_path, engine_counts, args.lora_rank)
         # the best of several reloads, before the syncs and again after them (the machine's noise moves it)
         baseline = min(reload_seconds(pool, model_path) for _ in range(args.repeats + 1))
         print(f"model: {args.shape} shape in {args.dtype}; engines TP{args.engine_tp}; buckets of "
@@ -250,14 +277,15 @@ def main() -> None:
         print(f"baseline: vLLM reload_weights from the safetensors files (page cache), one engine: {baseline:.2f} s")
         print("\n".join(header_lines(SYNC_COLUMNS, rule=False)))
         for layout in args.layouts.split(","):
-            measure_layout(args, layout, model_path, pool, engine_counts, baseline, bucket_bytes, seconds, phases,
+            measure_layout(args, layout, model_path, pools, engine_counts, baseline, bucket_bytes, seconds, phases,
                            bests)
         after = min(reload_seconds(pool, model_path) for _ in range(args.repeats + 1))
         if after < baseline:
             print(f"baseline measured again after the syncs: {after:.2f} s (the ratios above used {baseline:.2f} s)")
             baseline = after
     finally:
-        pool.shutdown()
+        for started in pools.values():
+            started.shutdown()
         print_phases(phases, seconds)  # also when a run failed part-way (e.g. out of memory): what was measured
     report(args, engine_counts, seconds, bests, baseline)
 
