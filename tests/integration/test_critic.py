@@ -1,7 +1,7 @@
 """The critic (algo.advantage=gae): Megatron ranks of the policy's transformer with a value head, against HF
-transformers' token-classification model of the same weights, across TP x PP x DP layouts, exported as an HF
-token-classification dir that transformers loads with the same values, saved and resumed across layouts, and converted
-from a run checkpoint (`rlsearch convert mcore-to-hf --critic`).
+transformers' token-classification model of the same weights, across TP x PP x DP x CP layouts and recomputation,
+exported as an HF token-classification dir that transformers loads with the same values, saved and resumed across
+layouts, and converted from a run checkpoint (`rlsearch convert mcore-to-hf --critic`).
 
 Every layout starts from the same HF weights and head (its own seed), scores the same packed batch and takes one
 value-loss step on it. Layout runs are cached per module: each group of ranks starts once (the lane's rank pool)."""
@@ -29,6 +29,8 @@ LAYOUTS = {
     "tp2": (2, 1, 1, {}),
     "pp2": (1, 2, 1, {}),
     "dp2": (1, 1, 2, {"use_distributed_optimizer": True}),
+    "cp2": (1, 1, 1, {"cp": 2}),  # each sequence split over two ranks: its values gathered back in token order
+    "recompute": (1, 1, 1, {"recompute": "full"}),  # the value loss's backward through recomputed layers
 }
 
 
