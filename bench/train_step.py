@@ -264,6 +264,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--hf-layout", choices=("trl", "right"), default="trl",
                      help="trl: left-padded prompts, logits only for response columns; right: right-padded, all logits")
     run.add_argument("--ep", default="1", help="expert-parallel sizes to time the Megatron actor at, e.g. 1,2 (MoE)")
+    run.add_argument("--lora-rank", type=int, default=0,
+                     help="also time a Megatron actor training rank-R LoRA adapters on every linear layer (alpha 2R, "
+                          "10x the learning rate) on the same batch: its step against full training's")
     run.add_argument("--out", default="outputs/bench", help="where the random model is cached")
     return parser
 
@@ -284,6 +287,11 @@ def report(args: argparse.Namespace, on_gpu: bool, tokens: int, sides: dict, sec
         print(
             f"{name} / hf training tokens/s (all {tokens} prompt + response tokens per step, padding excluded; "
             f"goal >= 1.0): {rates[name] / rates['hf']:.2f}x"
+        )
+    if "mg-lora" in groups and "megatron" in groups:
+        print(
+            f"mg-lora / megatron step time (goal <= 0.8): {rates['megatron'] / rates['mg-lora']:.2f}x; peak {unit} "
+            f"{peaks['mg-lora']:.0f} vs {peaks['megatron']:.0f} MiB ({peaks['mg-lora'] / peaks['megatron']:.2f}x)"
         )
 
 
@@ -331,6 +339,7 @@ def start_actors(args: argparse.Namespace, model_path: Path, expert_parallel: li
 
     from rlsearch.actor import ActorRanks, ActorWorkerSpec, SamplingDistribution
     from rlsearch.config import ActorConfig, AlgoConfig
+    from rlsearch.config.schema import LoRAConfig
 
     algo = AlgoConfig(clip_ratio_low=CLIP_RATIO, clip_ratio_high=CLIP_RATIO)
     for ep in expert_parallel:
@@ -341,6 +350,14 @@ def start_actors(args: argparse.Namespace, model_path: Path, expert_parallel: li
         spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, SamplingDistribution(TEMPERATURE),
                                args.warmup + args.steps, args.seed)
         groups[name] = ActorRanks(spec, num_gpus_per_rank=gpu_share / ep)
+    if args.lora_rank:
+        print(f"starting the Megatron actor mg-lora (TP1PP1, rank-{args.lora_rank} adapters) ...", flush=True)
+        actor = ActorConfig(num_threads=threads, lr=10 * LR, clip_grad=CLIP_GRAD, transformer_impl="local",
+                            lora=LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
+                            max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+        spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, SamplingDistribution(TEMPERATURE),
+                               args.warmup + args.steps, args.seed)
+        groups["mg-lora"] = ActorRanks(spec, num_gpus_per_rank=gpu_share)
     first_ranks = {name: group.workers[0] for name, group in groups.items()}
     hf_threads = ray.get(hf.threads.remote())
     hf_batches, hf_slots, hf_rows = ray.get(hf.padding.remote(samples))
@@ -400,7 +417,7 @@ def uses_gpu(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
 def main() -> None:
     parser = _parser()
     args = parse_args(parser, dict(hidden=128, layers=1, heads=4, kv_heads=2, sequences=2, min_len=40, max_len=80,
-                                   group_size=2, steps=1, warmup=0, vocab_ranks=SMOKE_VOCAB_RANKS))
+                                   group_size=2, steps=1, warmup=0, vocab_ranks=SMOKE_VOCAB_RANKS, lora_rank=4))
 
     on_gpu = uses_gpu(parser, args)
     threads = args.threads or cpu_cores()
@@ -414,7 +431,9 @@ def main() -> None:
     expert_parallel = [int(k) for k in args.ep.split(",")]
     if (args.model or args.architecture == "qwen2") and expert_parallel != [1]:
         parser.error("--ep needs an MoE --architecture")
-    init_ray(num_cpus=max(4, 1 + sum(expert_parallel)))
+    if args.lora_rank and (args.architecture != "qwen2" or expert_parallel != [1]):
+        parser.error("--lora-rank times a dense model's adapters: with --architecture qwen2 and --ep 1")
+    init_ray(num_cpus=max(4, 2 + sum(expert_parallel)))
     pickle_by_value_for_ray()
     gpu_share = 0.5 if on_gpu else 0.0
     hf = ray.remote(HFTrainer).options(num_cpus=1, num_gpus=gpu_share).remote(
