@@ -1,10 +1,10 @@
-"""LoRA adapters on the Megatron actor (actor.lora, rlsearch.megatron.lora) on the tiny Qwen2 at TP1, TP2 and PP2.
+"""LoRA adapters on the Megatron actor (actor.lora, rlsearch.megatron.lora) on the tiny Qwen2 at TP1, TP2, PP2, CP2.
 
 Each layout scores a packed batch, takes two GRPO steps (the first moves only B, which starts at zero; the second
 gives A a gradient too) and exports its weights. The checks: at step 0 the adapted model is the base model; only the
-adapters train (no gradient or optimizer state for the base, its weights bit-identical after the steps); TP2 and PP2
-give TP1's logprobs, gradients and trained adapters; the exported weights are W + (alpha / rank) B A in fp32 under the
-HF names, the adapters themselves not exported; and the reference policy (algo.kl_coef > 0) is the base model, with
+adapters train (no gradient or optimizer state for the base, its weights bit-identical after the steps); TP2, PP2 and
+CP2 give TP1's logprobs, gradients and trained adapters; the exported weights are W + (alpha / rank) B A in fp32 under
+the HF names, the adapters themselves not exported; and the reference policy (algo.kl_coef > 0) is the base model, with
 no second model built. A checkpoint saved at TP1 resumes at TP2; both layouts' checkpoints convert to the merged HF
 model and to a PEFT adapter that peft loads onto the base model with the same logits. Layout runs are cached per
 module: each group of ranks starts once."""
@@ -38,7 +38,8 @@ from tests.integration.convert_checks import converted_tensors
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
 SCALE = LORA.alpha / LORA.rank
-LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}  # name -> (tp, pp)
+# name -> (tp, pp, other actor settings); cp2 splits each sequence over two ranks
+LAYOUTS = {"tp1": (1, 1, {}), "tp2": (2, 1, {}), "pp2": (1, 2, {}), "cp2": (1, 1, {"cp": 2})}
 # Adam's first steps move each adapter element by about lr: large enough that the trained adapters change the
 # logprobs visibly (the parity checks then compare something)
 SETTINGS = {"lora": LORA, "lr": 1e-3}
@@ -114,8 +115,8 @@ def run_lora(rank_pool, tiny_model_dir, batch):
     def run(name: str) -> LoRARun:
         if name in cache:
             return cache[name]
-        tp, pp = LAYOUTS[name]
-        spec = replace(actor_spec(tiny_model_dir, tp, pp, 1, SETTINGS), algo=AlgoConfig(kl_coef=0.01))
+        tp, pp, extra = LAYOUTS[name]
+        spec = replace(actor_spec(tiny_model_dir, tp, pp, 1, {**SETTINGS, **extra}), algo=AlgoConfig(kl_coef=0.01))
         with rank_pool.group(spec) as group:
             reference_before = group.compute_logprobs(samples, reference=True)
             trained = [replace(s, ref_logprobs=r) for s, r in zip(samples, reference_before)]
@@ -180,7 +181,7 @@ def test_lora_step_zero_is_the_base_model(run_lora, batch):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_lora_trains_only_the_adapters(run_lora, tiny_model_dir, layout):
     result = run_lora(layout)
-    shape, (tp, pp) = ModelShape.from_model_dir(tiny_model_dir), LAYOUTS[layout]
+    shape, (tp, pp, _) = ModelShape.from_model_dir(tiny_model_dir), LAYOUTS[layout]
     assert [m["actor/update_ok"] for m in result.metrics] == [1.0, 1.0]
     for before, after in zip(result.ranks_before, result.ranks_after):
         assert after["trainable_base"] == []  # no gradient of the base anywhere
@@ -198,7 +199,7 @@ def test_lora_trains_only_the_adapters(run_lora, tiny_model_dir, layout):
     assert _max_logprob_diff(result.reference_after, result.reference_before) == 0.0
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "cp2"])
 def test_lora_layouts_give_tp1s_logprobs_gradients_and_adapters(run_lora, layout):
     baseline, result = run_lora("tp1"), run_lora(layout)
     grads, factors = (max_diff(_whole(result.ranks_after, part), _whole(baseline.ranks_after, part))
