@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import os
 import random
-from pathlib import Path
 
-from .toy import Entity, Question, ToyDataPaths, generate_entities, passage_row, write_jsonl
+from .toy import Entity, Question, ToyDataPaths, generate_entities, write_toy_data
 
 DATA_SOURCE = "longform"  # scored by the rubric scorer by default (rlsearch.reward.registry.DEFAULT_SCORERS)
 FACT_WEIGHT, PITFALL_WEIGHT = 1.0, -1.0
@@ -50,16 +49,8 @@ def make_longform_data(
                  passage_ids) for index in range(num_questions)]
     rng.shuffle(rows)
     num_test = min(num_questions - 1, max(1, round(num_questions * test_fraction)))
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = ToyDataPaths(corpus=out / "corpus.jsonl", train=out / "train.jsonl", test=out / "test.jsonl")
-    write_jsonl(paths.corpus, [passage_row(passage_ids[passage.title], passage) for passage in passages])
-    write_jsonl(paths.train, rows[num_test:])
-    write_jsonl(paths.test, rows[:num_test])
     readme = _readme(seed, num_questions, facts_per_question, len(passages), num_test, distractors_per_entity)
-    (out / "README.txt").write_text(readme, encoding="utf-8")
-    return paths
+    return write_toy_data(out_dir, passages, passage_ids, rows, num_test, readme)
 
 
 def _row(row_id: str, facts: list[tuple[Entity, Question, list[Entity]]], passage_ids: dict[str, str]) -> dict:

@@ -336,14 +336,19 @@ def make_toy_data(
     ]
     rng.shuffle(qa_rows)
     num_test = min(num_entities - 1, max(1, round(num_entities * test_fraction)))
+    readme = _readme(seed, num_entities, len(passages), num_test, answer_pool)
+    return write_toy_data(out_dir, passages, passage_ids, qa_rows, num_test, readme)
 
+
+def write_toy_data(out_dir: str | os.PathLike, passages: list[Passage], passage_ids: dict[str, str],
+                   qa_rows: list[dict], num_test: int, readme: str) -> ToyDataPaths:
+    """The corpus, the first num_test rows as test and the remaining ones as train, and the README, in out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = ToyDataPaths(corpus=out / "corpus.jsonl", train=out / "train.jsonl", test=out / "test.jsonl")
     write_jsonl(paths.corpus, [passage_row(passage_ids[passage.title], passage) for passage in passages])
     write_jsonl(paths.train, qa_rows[num_test:])
     write_jsonl(paths.test, qa_rows[:num_test])
-    readme = _readme(seed, num_entities, len(passages), num_test, answer_pool)
     (out / "README.txt").write_text(readme, encoding="utf-8")
     return paths
 
