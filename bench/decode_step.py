@@ -23,7 +23,11 @@ from bench.common.table import print_table  # noqa: E402
 ENVIRONMENT_SETTINGS = {"kvspace": "VLLM_CPU_KVCACHE_SPACE"}
 SPEC_SETTINGS = {"eager": ("enforce_eager", lambda value: value.lower() in ("1", "true", "yes")),
                  "dtype": ("dtype", str), "kv_cache_gib": ("kv_cache_gib", float), "threads": ("cpu_threads", int),
-                 "bind": ("cpu_threads_bind", str)}
+                 "bind": ("cpu_threads_bind", str),
+                 # vLLM's LoRA on, a random adapter of this rank on every linear layer loaded as an adapter sync does
+                 # it (actor.lora.sync=adapter): every request then runs through the LoRA kernels
+                 "lora": ("lora_rank", int)}
+ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def make_prompts(count: int, length: int, vocab_ranks: int, seed: int = 0) -> list[list[int]]:
@@ -87,6 +91,28 @@ def apply_setting(setting: str, spec_fields: dict) -> None:
         raise SystemExit(f"--try {setting}: NAME is one of {', '.join([*ENVIRONMENT_SETTINGS, *SPEC_SETTINGS])}")
 
 
+def random_adapter(model_path: Path, rank: int) -> tuple[dict, dict]:
+    """PEFT-named factors of rank `rank` (N(0, 0.01) each) on every linear layer of the model's transformer layers,
+    and their adapter config."""
+    import torch
+    from safetensors import safe_open
+
+    from rlsearch.megatron.lora import PEFT_PREFIX, peft_config
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for path in sorted(model_path.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as weights:
+            for name in weights.keys():
+                module = name.removesuffix(".weight")
+                if module.rpartition(".")[2] in ADAPTED and name.endswith(".weight"):
+                    out, width = weights.get_slice(name).get_shape()
+                    for factor, shape in (("A", (rank, width)), ("B", (out, rank))):
+                        tensors[f"{PEFT_PREFIX}{module}.lora_{factor}.weight"] = torch.randn(
+                            shape, generator=generator) * 0.01
+    return tensors, peft_config(rank, 2.0 * rank, tensors)
+
+
 def engine_steps(args, model_path: Path, settings: list[str], seqs: list[list[list[int]]]) -> list[float]:
     """The engine's decode step (ms) at each batch of `seqs`, under `settings` (the environment restored after)."""
     from rlsearch.loop_thread import LoopThread
@@ -105,6 +131,8 @@ def engine_steps(args, model_path: Path, settings: list[str], seqs: list[list[li
 
     engine = events.run(start())
     try:
+        if fields.get("lora_rank"):
+            events.run(engine.weights.load_adapter(*random_adapter(model_path, fields["lora_rank"])))
         return [engine_step_ms(engine, events, prompts, args.tokens, args.repeats) for prompts in seqs]
     finally:
         events.run(engine.shutdown())
@@ -162,7 +190,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="an engine again under these settings: threads (its EngineSpec.cpu_threads: "
                         "OMP_NUM_THREADS of its workers), bind (EngineSpec.cpu_threads_bind: "
                         "VLLM_CPU_OMP_THREADS_BIND), kvspace (VLLM_CPU_KVCACHE_SPACE, GiB), eager, dtype, "
-                        "kv_cache_gib")
+                        "kv_cache_gib, lora (vLLM's LoRA on and a random adapter of this rank loaded: an adapter "
+                        "sync's engine)")
     parser.add_argument("--out", default="outputs/bench", help="where the random model is kept")
     add_vocab_ranks_argument(parser)
     return parser
@@ -170,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parse_args(_parser(), dict(seqs=[1, 2], tokens=8, prompt_tokens=8, repeats=1,
-                                      vocab_ranks=SMOKE_VOCAB_RANKS))
+                                      vocab_ranks=SMOKE_VOCAB_RANKS, tries=["lora=8"]))
     model_path = Path(args.model) if args.model else build_model(args.shape, Path(args.out),
                                                                  vocab_ranks=args.vocab_ranks)
     seqs = [make_prompts(n, args.prompt_tokens, args.vocab_ranks) for n in args.seqs]
