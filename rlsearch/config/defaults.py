@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..devices import cpu_threads_each
-from .schema import ModelConfig, RolloutConfig
+from .schema import VLLM_LORA_RANKS, ModelConfig, RolloutConfig
 
 
 @dataclass
@@ -26,6 +26,11 @@ class EngineSpec:
     vllm_port: int = 0  # base of the ports vLLM's internal groups take (VLLM_PORT); 0: vLLM's default
     # actor.lora.sync=adapter: vLLM's LoRA enabled for one adapter of this rank, which the weight sync loads (0: off)
     lora_rank: int = 0
+
+    @property
+    def max_lora_rank(self) -> int:
+        """vLLM's max_lora_rank for `lora_rank`: the least of its choices at or above it."""
+        return next(rank for rank in VLLM_LORA_RANKS if rank >= self.lora_rank)
 
     @classmethod
     def from_config(cls, model: ModelConfig, rollout: RolloutConfig, seed: int, lora_rank: int = 0) -> EngineSpec:

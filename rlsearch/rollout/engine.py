@@ -25,7 +25,6 @@ import threading
 import time
 
 from ..config import EngineSpec, auto_dtype
-from ..config.schema import VLLM_LORA_RANKS
 from ..devices import CPU_CORES_VARIABLE, cpu_threads_each, local_gpu_index
 from ..lifetime import SegmentRecord
 from ..runlog import in_ray_actor
@@ -170,8 +169,7 @@ class VLLMEngine:
             extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(2048, spec.max_model_len),
                      "kv_cache_memory_bytes": int((spec.kv_cache_gib or 1.0) * 2**30)}
         if spec.lora_rank:  # actor.lora.sync=adapter: one adapter, the policy's, loaded by the weight sync
-            max_rank = next(rank for rank in VLLM_LORA_RANKS if rank >= spec.lora_rank)
-            extra.update(enable_lora=True, max_lora_rank=max_rank, max_loras=1, max_cpu_loras=1)
+            extra.update(enable_lora=True, max_lora_rank=spec.max_lora_rank, max_loras=1, max_cpu_loras=1)
         SegmentRecord.remove_orphans()  # of engines on this host that were killed
         self._segments = SegmentRecord()
         engine_args = AsyncEngineArgs(

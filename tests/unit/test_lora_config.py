@@ -40,6 +40,28 @@ def test_bad_lora_settings_are_refused_naming_the_key(override, message):
         load(None, ["actor.lora.rank=4", override])
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["actor.lora.sync=adapter"], r"'actor\.lora\.sync' is adapter but actor\.lora\.rank is 0 \(no adapters to send\)"),
+    (["actor.lora.rank=640", "actor.lora.sync=adapter"],
+     r"'actor\.lora\.rank' is 640 with actor\.lora\.sync=adapter: vLLM serves adapters of rank up to 512"),
+    (["actor.lora.rank=8", "actor.lora.sync=adapter", "weights.delta=true"],
+     r"'weights\.delta' is true with actor\.lora\.sync=adapter: an adapter sync sends the adapters whole"),
+    (["actor.lora.rank=8", "actor.lora.sync=both"], r"'actor\.lora\.sync' must be one of merged, adapter; got 'both'"),
+])
+def test_an_adapter_sync_the_engines_cannot_serve_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load(None, overrides)
+
+
+@pytest.mark.parametrize("rank, served", [(1, 1), (4, 8), (12, 16), (16, 16), (400, 512)])
+def test_an_adapter_syncs_engines_take_vllms_least_max_lora_rank_at_or_above_the_rank(rank, served):
+    from rlsearch.config import EngineSpec
+
+    config = load(None, [f"actor.lora.rank={rank}", "actor.lora.sync=adapter"])
+    spec = EngineSpec.from_config(config.model, config.rollout, 1, lora_rank=config.actor.lora.rank)
+    assert (spec.lora_rank, spec.max_lora_rank) == (rank, served)
+
+
 def test_lora_on_transformer_engines_layers_is_refused_at_start_up():
     with pytest.raises(ConfigError, match=r"'actor\.lora\.rank' is 4 with actor\.transformer_impl=transformer_engine: "
                                           r"the adapters wrap the local layer spec's linear layers"):
