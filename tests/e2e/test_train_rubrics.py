@@ -3,8 +3,9 @@ call_tool protocol, the judge and the rubric generator being a scripted OpenAI-c
 (tests/integration/judge_stub.py) that the driver reaches on 127.0.0.1: 2 steps with a checkpoint after each, then a
 second invocation with trainer.total_steps=3 that resumes from step 2's checkpoint. Read back: the reward/rubrics_*
 TensorBoard scalars of every step against the checkpoints' rubric_buffer.json and the trajectory records, each
-answer's `rubric_scores` against the stub's scripted scores and its reward against DR Tulu's rule, and the resumed
-step's generator prompts holding the rubrics the saved buffer had active."""
+answer's `rubric_scores` against the stub's scripted scores and its reward against DR Tulu's rule, the resumed
+step's generator prompts holding the rubrics the saved buffer had active, and a rerun of the first 2 steps with
+reward.judge.replay from the run's judge cache, the stub gone: the same rewards and buffers bit for bit."""
 
 from __future__ import annotations
 
@@ -91,23 +92,29 @@ def rubric_run(module_tmp, tiny_model_dir, driver_ray):
 
     base = module_tmp.mktemp("rubric_run")
     data = make_longform_data(base / "longform", seed=0, num_questions=5, facts_per_question=2)
-    run_dir, script = base / "run", Script()
-    with stub_judge(script) as (stub, url):
-        def train(total_steps: int):
-            command = train_command(
-                tiny_model_dir, data, base / "bm25", run_dir, f"trainer.total_steps={total_steps}", *CALL_TOOL,
-                f"reward.judge.base_url={url}", "reward.judge.model=stub-judge", "reward.rubric.evolve.enabled=true",
-                f"reward.rubric.format_weight={FORMAT_WEIGHT}", f"reward.rubric.citation_weight={CITATION_WEIGHT}",
-                f"reward.rubric.search_weight={SEARCH_WEIGHT}", f"reward.rubric.max_searches={MAX_SEARCHES}")
-            result = run_from_repo(command, timeout=900, **driver_ray)
-            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-            return result.stdout, list(stub.prompts)
+    run_dir, replay_dir, script = base / "run", base / "replay", Script()
 
-        first_output, first_prompts = train(FIRST_STEPS)
-        resumed_output, _ = train(TOTAL_STEPS)
+    def train(out, url: str, total_steps: int, *overrides: str) -> str:
+        command = train_command(
+            tiny_model_dir, data, base / "bm25", out, f"trainer.total_steps={total_steps}", *CALL_TOOL,
+            f"reward.judge.base_url={url}", "reward.judge.model=stub-judge", "reward.rubric.evolve.enabled=true",
+            f"reward.rubric.format_weight={FORMAT_WEIGHT}", f"reward.rubric.citation_weight={CITATION_WEIGHT}",
+            f"reward.rubric.search_weight={SEARCH_WEIGHT}", f"reward.rubric.max_searches={MAX_SEARCHES}", *overrides)
+        result = run_from_repo(command, timeout=900, **driver_ray)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return result.stdout
+
+    with stub_judge(script) as (stub, url):
+        first_output = train(run_dir, url, FIRST_STEPS)
+        first_prompts = list(stub.prompts)
+        resumed_output = train(run_dir, url, TOTAL_STEPS)
+    # the judge's and the generator's replies from the run's cache alone: the stub's port is closed now
+    replay_output = train(replay_dir, url, FIRST_STEPS, "reward.judge.replay=true",
+                          f"reward.judge.cache_dir={run_dir / 'judge_cache'}")
     rows = {example.id: example for example in load_qa_dataset(str(data.train))}
     return SimpleNamespace(dir=run_dir, stub=stub, script=script, rows=rows, first_output=first_output,
-                           first_prompts=first_prompts, resumed_output=resumed_output)
+                           first_prompts=first_prompts, resumed_output=resumed_output, replay_dir=replay_dir,
+                           replay_output=replay_output)
 
 
 def test_every_step_reports_its_rubrics_as_its_checkpoint_and_records_hold_them(rubric_run):
@@ -203,3 +210,23 @@ def test_the_resumed_run_continues_with_the_saved_buffer(rubric_run):
     assert restored == GROUPS
     # a generator call per group per step, never repeated for a step the resume had done
     assert sum(p.startswith(GENERATOR_PROMPT) for p in rubric_run.stub.prompts) == TOTAL_STEPS * GROUPS
+
+
+def test_a_replay_from_the_runs_judge_cache_gives_its_rewards_and_buffers_without_a_server(rubric_run):
+    """The first 2 steps again with reward.judge.replay, the stub's port closed: the same tokens, rewards, per-rubric
+    scores and rubric buffers bit for bit, no request sent; the share of each step's time spent in reward printed
+    (the issue's goal: <= 5% with a warm cache)."""
+    original, replayed = _scalars(rubric_run.dir), _scalars(rubric_run.replay_dir)
+    for step in range(1, FIRST_STEPS + 1):
+        ours, theirs = _records(rubric_run.replay_dir, step), _records(rubric_run.dir, step)
+        assert [r["response_ids"] for r in ours] == [r["response_ids"] for r in theirs], step
+        assert [(r["reward"], r["rubric_scores"]) for r in ours] == [(r["reward"], r["rubric_scores"])
+                                                                   for r in theirs], step
+        assert _buffer(rubric_run.replay_dir, step) == _buffer(rubric_run.dir, step), step
+        assert replayed["reward/rubrics_generator_failures"][step] == 0.0
+        for tag in ("reward/rubrics_generator_calls", "reward/rubrics_judge_calls"):
+            assert replayed[tag][step] == original[tag][step], (tag, step)
+        share = replayed["time/reward_s"][step] / replayed["time/step_s"][step]
+        print(f"\nreplayed step {step}: reward {replayed['time/reward_s'][step]:.3f} s of "
+              f"{replayed['time/step_s'][step]:.2f} s ({share:.1%}; the recorded run's "
+              f"{original['time/reward_s'][step]:.3f} s)")
