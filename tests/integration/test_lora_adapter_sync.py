@@ -34,12 +34,12 @@ LIMIT = 1e-4  # the probe check's fp32 limit (weights.max_logprob_mismatch's def
 def engines(ray_local, tiny_model_dir, retriever):
     handles = []
     try:
-        for index, tp in enumerate(ENGINE_TPS):
+        for index, tp in enumerate(ENGINE_TPS):  # side by side, as a run's pool starts them
             spec = EngineSpec(str(tiny_model_dir), kv_cache_gib=TEST_KV_CACHE_GIB, max_model_len=768, seed=index,
                               tensor_parallel_size=tp, vllm_port=29800 + 100 * index, lora_rank=LORA.rank)
             handles.append(ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=8).remote(
                 spec, RolloutConfig(**TEST_ROLLOUT), RetrieverConfig(topk=2), retriever.url, 1))
-            ray.get(handles[-1].__ray_ready__.remote())
+        ray.get([handle.__ray_ready__.remote() for handle in handles])
         yield handles
     finally:
         for handle in handles:
