@@ -334,7 +334,8 @@ def timed_steps(args: argparse.Namespace, hf, groups: dict, first_ranks: dict, s
 def start_actors(args: argparse.Namespace, model_path: Path, expert_parallel: list[int], threads: int,
                  gpu_share: float, groups: dict, hf, samples: list[TrainSample], tokens: int, response: int,
                  num_packed: int) -> dict:
-    """A Megatron actor per --ep into `groups`, each side's batch layout printed: the actors' first ranks."""
+    """A Megatron actor per --ep (and with --lora-rank the LoRA one) into `groups`, each side's batch layout printed:
+    the actors' first ranks."""
     import ray
 
     from rlsearch.actor import ActorRanks, ActorWorkerSpec, SamplingDistribution
@@ -342,22 +343,20 @@ def start_actors(args: argparse.Namespace, model_path: Path, expert_parallel: li
     from rlsearch.config.schema import LoRAConfig
 
     algo = AlgoConfig(clip_ratio_low=CLIP_RATIO, clip_ratio_high=CLIP_RATIO)
-    for ep in expert_parallel:
-        name = "megatron" if expert_parallel == [1] else f"mg-ep{ep}"
-        print(f"starting the Megatron actor {name} (TP1PP1, {ep} data- and expert-parallel ranks) ...", flush=True)
-        actor = ActorConfig(num_threads=max(1, threads // ep), lr=LR, clip_grad=CLIP_GRAD, dp=ep, ep=ep,
-                            max_tokens_per_microbatch=args.max_tokens_per_microbatch)
-        spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, SamplingDistribution(TEMPERATURE),
-                               args.warmup + args.steps, args.seed)
-        groups[name] = ActorRanks(spec, num_gpus_per_rank=gpu_share / ep)
+    full = ActorConfig(lr=LR, clip_grad=CLIP_GRAD, max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+    # name -> (what it is, its settings, its ranks)
+    actors = {("megatron" if expert_parallel == [1] else f"mg-ep{ep}"): (
+        f"{ep} data- and expert-parallel ranks",
+        dataclasses.replace(full, num_threads=max(1, threads // ep), dp=ep, ep=ep), ep) for ep in expert_parallel}
     if args.lora_rank:
-        print(f"starting the Megatron actor mg-lora (TP1PP1, rank-{args.lora_rank} adapters) ...", flush=True)
-        actor = ActorConfig(num_threads=threads, lr=10 * LR, clip_grad=CLIP_GRAD, transformer_impl="local",
-                            lora=LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
-                            max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+        actors["mg-lora"] = (f"rank-{args.lora_rank} adapters", dataclasses.replace(
+            full, num_threads=threads, lr=10 * LR, transformer_impl="local",
+            lora=LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)), 1)
+    for name, (what, actor, ranks) in actors.items():
+        print(f"starting the Megatron actor {name} (TP1PP1, {what}) ...", flush=True)
         spec = ActorWorkerSpec(str(model_path), args.dtype, actor, algo, SamplingDistribution(TEMPERATURE),
                                args.warmup + args.steps, args.seed)
-        groups["mg-lora"] = ActorRanks(spec, num_gpus_per_rank=gpu_share)
+        groups[name] = ActorRanks(spec, num_gpus_per_rank=gpu_share / ranks)
     first_ranks = {name: group.workers[0] for name, group in groups.items()}
     hf_threads = ray.get(hf.threads.remote())
     hf_batches, hf_slots, hf_rows = ray.get(hf.padding.remote(samples))

@@ -231,8 +231,14 @@ def peft_factors(bridge, weight_name: str, a: torch.Tensor, b: torch.Tensor) -> 
     return named
 
 
-def adapter_of(linear: torch.nn.Module) -> LoRAAdapter:
-    return linear._modules[_ADAPTER]
+def named_adapters(bridge, chunks: list[torch.nn.Module]) -> Iterator[tuple[str, LoRAAdapter]]:
+    """Each adapter of `chunks` (bare GPTModels) with the global name, as mbridge names it, of the weight it adapts."""
+    for chunk in chunks:
+        local_to_global = bridge._weight_name_mapping_mcore_local_to_global(chunk, consider_ep=False)
+        for name, linear in chunk.named_modules():
+            adapter = linear._modules.get(_ADAPTER)
+            if isinstance(adapter, LoRAAdapter):
+                yield local_to_global[f"{name}.weight"], adapter
 
 
 def peft_config(rank: int, alpha: float, peft_names, dropout: float = 0.0) -> dict:
@@ -255,8 +261,5 @@ def peft_named_factors(bridge, chunk: torch.nn.Module) -> Iterator[tuple[str, to
 
     if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError("peft_named_factors needs every layer's whole adapters on this rank (TP1 PP1)")
-    for name, linear in chunk.named_modules():
-        adapter = linear._modules.get(_ADAPTER)
-        if isinstance(adapter, LoRAAdapter):
-            yield from peft_factors(bridge, f"{name}.weight", adapter.a.detach(), adapter.b.detach())
-
+    for weight_name, adapter in named_adapters(bridge, [chunk]):
+        yield from peft_factors(bridge, weight_name, adapter.a.detach(), adapter.b.detach())

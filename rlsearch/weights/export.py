@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..megatron.lora import adapted_layers, adapter_of, is_adapter, merged_weight, peft_factors
+from ..megatron.lora import adapted_layers, is_adapter, merged_weight, named_adapters, peft_factors
 from .gather import ShardGather, ShardGathers
 
 # a routed expert's weight under mbridge's global names (`...mlp.experts.linear_fc1.weight<expert>`)
@@ -86,29 +86,21 @@ def export_stage_adapters(mbridge, chunks: list[torch.nn.Module], gathers: Shard
     from megatron.core import parallel_state as ps
 
     is_sender = ps.get_tensor_model_parallel_rank() == 0
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    chunks = unwrap_model(list(chunks))
-    layers = {id(linear): linear for linear in adapted_layers(chunks)}
+    adapters = list(named_adapters(mbridge, unwrap_model(list(chunks))))
     gather = None
-    if tp_size > 1 and layers:
-        largest = max(max(adapter_of(linear).a.nbytes, adapter_of(linear).b.nbytes) for linear in layers.values())
+    if ps.get_tensor_model_parallel_world_size() > 1 and adapters:
+        largest = max(max(adapter.a.nbytes, adapter.b.nbytes) for _, adapter in adapters)
         gather = gathers.of("tp-adapters", ps.get_tensor_model_parallel_group(), largest)
     named: dict[str, torch.Tensor] = {}
-    for chunk in chunks:
-        local_to_global = mbridge._weight_name_mapping_mcore_local_to_global(chunk, consider_ep=False)
-        for name, linear in chunk.named_modules():
-            if id(linear) not in layers:
+    for weight_name, adapter in adapters:
+        a, b = adapter.a.detach(), adapter.b.detach()
+        if gather is not None:
+            shards = gather.gather(b if adapter.column else a)
+            if not is_sender:
                 continue
-            adapter, weight_name = adapter_of(linear), local_to_global[f"{name}.weight"]
-            a, b = adapter.a.detach(), adapter.b.detach()
-            if gather is not None:
-                sharded = b if adapter.column else a
-                shards = gather.gather(sharded)
-                if not is_sender:
-                    continue
-                merged = _merge_tp_shards(mbridge, weight_name, shards, adapter.b if adapter.column else adapter.a)
-                a, b = (a, merged) if adapter.column else (merged, b)
-            named.update((peft_name, tensor.clone()) for peft_name, tensor in peft_factors(mbridge, weight_name, a, b))
+            merged = _merge_tp_shards(mbridge, weight_name, shards, adapter.b if adapter.column else adapter.a)
+            a, b = (a, merged) if adapter.column else (merged, b)
+        named.update((peft_name, tensor.clone()) for peft_name, tensor in peft_factors(mbridge, weight_name, a, b))
     return named if is_sender else {}
 
 

@@ -132,8 +132,14 @@ class EngineWeightReceiver:
         sampled from them records. Returns this sync's seconds of staging, loading, finishing and standing still."""
         with self.clock.phase("finish"):
             problems = _report_problems(await self.llm.collective_rpc("rlsearch_finish_weight_update"))
-            if problems:
-                raise RuntimeError("weight update failed (the engine stays paused): " + "; ".join(problems))
+        if problems:
+            raise RuntimeError("weight update failed (the engine stays paused): " + "; ".join(problems))
+        return await self._resume_with_new_weights(version, sync_id)
+
+    async def _resume_with_new_weights(self, version: int | None, sync_id: str | None = None) -> dict[str, float]:
+        """The paused engine's weights are complete: resume it as policy version `version` (`finish`'s); returns the
+        sync's seconds of its phases."""
+        with self.clock.phase("finish"):
             # KV blocks computed with the old weights, cached or held by running requests, would silently mix old
             # and new weights: running requests are preempted (recomputed on resume) and the prefix cache is emptied
             await self.llm.reset_prefix_cache(reset_running_requests=True)
@@ -151,8 +157,7 @@ class EngineWeightReceiver:
         adapter_config.json fields) in place of the one every TP worker holds, loaded from one shared-memory file
         while the engine is paused; requests carry it from now on. Every worker must bind each module of the adapter
         to a layer of its model: vLLM skips what matches nothing, and an adapter bound to nothing would serve the
-        base model (verl 7495). Running requests are recomputed and the prefix cache emptied, as after a weight sync.
-        Returns the seconds of its phases, as `finish`."""
+        base model (verl 7495). Then the engine resumes as after a weight sync (`_resume_with_new_weights`)."""
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
@@ -174,15 +179,8 @@ class EngineWeightReceiver:
                     for rank, (count, modules) in enumerate(bound) if modules or not count]
         if problems:
             raise RuntimeError("adapter load failed (the engine stays paused): " + "; ".join(problems))
-        with self.clock.phase("finish"):
-            await self.llm.reset_prefix_cache(reset_running_requests=True)
-            self.lora_request = LoRARequest("rlsearch-policy", POLICY_ADAPTER_ID, path)
-            self.version = self.version + 1 if version is None else version
-            self.syncs += 1
-            await self.llm.resume_generation()
-        self.clock.seconds["pause"] = time.perf_counter() - self._paused_at
-        self.timeline["resumed"] = time.time()
-        return dict(self.clock.seconds)
+        self.lora_request = LoRARequest("rlsearch-policy", POLICY_ADAPTER_ID, path)
+        return await self._resume_with_new_weights(version)
 
     async def finished_syncs(self) -> int:
         return self.syncs
