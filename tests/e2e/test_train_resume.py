@@ -1,13 +1,13 @@
 """A training run whose driver is killed with SIGKILL during step 3 is run again by its supervisor (`rlsearch train
 --restarts 1`), takes over the rollout engine the dead driver left under the supervisor's Ray, resumes from its
-step-2 checkpoint to exactly the run that was never interrupted, and its checkpoint converts to the trained HF
-model. An async run (rollout.async_steps=1) with two engines and a user agent (examples/agents/search_r1.py through
-the engines' endpoints), killed the same way with step 4's rollout in flight, takes both engines over, their
-endpoints included, and trains every prompt of the sampler's order exactly once. A rerun of the first 2 steps
-with tools.replay, from the uninterrupted run's tool store alone, samples the same tokens on the engine it takes
-over from the uninterrupted run (both drivers join the test session's Ray). Each run is a fixture of its own, run
-one after another. (Resuming into another layout is tests/integration/test_actor_resume.py: bit-exact weights and
-the same next step at TP2.)"""
+step-2 checkpoint to exactly the run that was never interrupted (PPO: a critic of full weights beside an actor that
+trains LoRA adapters), and its checkpoint converts to the trained HF model. An async run (rollout.async_steps=1) with
+two engines and a user agent (examples/agents/search_r1.py through the engines' endpoints), killed the same way with
+step 4's rollout in flight, takes both engines over, their endpoints included, and trains every prompt of the
+sampler's order exactly once. A rerun of the first 2 steps with tools.replay, from the uninterrupted run's tool store
+alone, samples the same tokens on the engine it takes over from the uninterrupted run (both drivers join the test
+session's Ray). Each run is a fixture of its own, run one after another. (Resuming into another layout is
+tests/integration/test_actor_resume.py: bit-exact weights and the same next step at TP2.)"""
 
 from __future__ import annotations
 
@@ -31,9 +31,11 @@ STEPS, SAVE_INTERVAL = 4, 2
 # from the first step on, so every step changes the weights and the optimizer state.
 COMPARED = ("actor/policy_loss", "actor/kl_loss", "actor/grad_norm", "actor/approx_kl", "reward/mean",
             "rollout/response_len_mean", "rollout/tool_calls_mean")
-# The uninterrupted, replayed and killed runs train PPO with the critic (its own ranks and checkpoint; the async run
-# trains GRPO): the resumed steps must give both models' figures of the uninterrupted run.
-PPO = ("algo.advantage=gae", "critic.lr=1e-4")
+# The uninterrupted, replayed and killed runs train PPO with the critic (its own ranks and checkpoint, every weight
+# trained) and an actor that trains rank-8 adapters (actor.lora: their Adam state in the checkpoint, the reference
+# policy the adapters off); the async run trains GRPO on every weight. The resumed steps must give both models'
+# figures of the uninterrupted run.
+PPO = ("algo.advantage=gae", "critic.lr=1e-4", "actor.lora.rank=8", "actor.lr=1e-3")
 CRITIC_COMPARED = ("critic/value_loss", "critic/grad_norm", "critic/value_mean")  # no reward: no return variance
 
 
@@ -227,12 +229,15 @@ def test_checkpoints_are_complete_and_nothing_was_left_running(killed, assets):
     assert state["step"] == 4 and state["sampler"] == {"epoch": 0, "position": 8}
     assert manifest["layout"] == {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "ep": 1, "virtual_pipeline_stages": 0}
     assert manifest["critic_layout"] == manifest["layout"] and "critic" in manifest["contents"]
+    assert manifest["lora"]["rank"] == 8
     assert (checkpoints / "step_000004" / "critic" / "metadata.json").is_file()  # the critic's torch_dist state
     leftovers = subprocess.run(["pgrep", "-f", str(assets.index_cache)], capture_output=True, text=True)
     assert leftovers.stdout == "", "a tool server of the killed run is still running"
 
 
 def test_convert_run_checkpoint_to_hf_gives_the_trained_model(reference, tiny_model_dir):
+    """The merged model: every matrix the adapters adapt changed, every other tensor is the base's bit for bit."""
+    import torch
     from safetensors.torch import load_file
 
     from rlsearch.checkpoint import mcore_to_hf
@@ -243,4 +248,7 @@ def test_convert_run_checkpoint_to_hf_gives_the_trained_model(reference, tiny_mo
     converted = {name: tensor for shard in out.glob("*.safetensors") for name, tensor in load_file(shard).items()}
     initial = load_file(tiny_model_dir / "model.safetensors")
     assert set(converted) == set(initial)
-    assert all(not (converted[name] == initial[name]).all() for name in initial)  # every tensor was trained
+    adapted = {name for name in initial if re.search(r"\.(q|k|v|o|gate|up|down)_proj\.weight$", name)}
+    assert len(adapted) == 7 * sum(1 for name in initial if name.endswith("input_layernorm.weight"))
+    assert all(not (converted[name] == initial[name]).all() for name in adapted)
+    assert all(torch.equal(converted[name], initial[name]) for name in set(initial) - adapted)

@@ -3,6 +3,8 @@ multi-segment trajectories (prefix trees) and plain samples, and an actor spec f
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ray
 import torch
 
@@ -133,3 +135,16 @@ def sent_adapters(group) -> dict[str, torch.Tensor]:
     adapters = {name: tensor for part in exported for name, tensor in part.items()}
     assert len(adapters) == sum(len(part) for part in exported), "an adapter factor was sent twice"
     return adapters
+
+
+def save_lora_checkpoint(run_dir, step: int, group, model_dir, tp: int, lora) -> Path:
+    """A run's checkpoint of a LoRA actor group (`group`, at TP `tp`, trained with `lora`): its adapters and their
+    Adam state, and the manifest `rlsearch convert` reads."""
+    from dataclasses import asdict
+
+    from rlsearch.checkpoint import CheckpointStore
+
+    info = {"layout": {"tp": tp, "pp": 1, "dp": 1}, "architecture": "qwen2", "dtype": "float32",
+            "transformer_impl": "local", "contents": ["model", "optimizer", "scheduler", "rng"], "lora": asdict(lora)}
+    state = {"config": {"model": {"path": str(model_dir)}}}
+    return CheckpointStore(run_dir).save(step, group.save_checkpoint, state, model_dir, info)

@@ -12,7 +12,7 @@ module: each group of ranks starts once."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from rlsearch.checkpoint import CheckpointStore, HFExport, mcore_to_hf
+from rlsearch.checkpoint import HFExport, mcore_to_hf
 from rlsearch.checkpoint.layout import MODEL_DIR
 from rlsearch.config import AlgoConfig
 from rlsearch.config.schema import LoRAConfig
@@ -30,6 +30,7 @@ from tests.integration.actor_helpers import (
     actor_spec,
     hf_logprobs,
     max_diff,
+    save_lora_checkpoint,
     scored_batch,
     sent_adapters,
     sent_tensors,
@@ -306,19 +307,13 @@ def lora_resume(rank_pool, tiny_model_dir, batch, module_tmp) -> LoRAResume:
     TP2 run saves a checkpoint after it. The checkpoints hold the adapters, split as each layout splits them, and
     their Adam state."""
     samples, _ = batch
-    store = CheckpointStore(module_tmp.mktemp("lora_run"))
-    state = {"config": {"model": {"path": str(tiny_model_dir)}}}
-
-    def info(tp: int) -> dict:
-        return {"layout": {"tp": tp, "pp": 1, "dp": 1}, "architecture": "qwen2", "dtype": "float32",
-                "transformer_impl": "local", "contents": ["model", "optimizer", "scheduler", "rng"],
-                "lora": asdict(LORA)}
+    run_dir = module_tmp.mktemp("lora_run")
 
     # the second step pushes the other way: only with Adam's first moment restored do the two gradients mostly cancel
     reversed_samples = [replace(sample, advantage=-sample.advantage) for sample in samples]
     with rank_pool.group(actor_spec(tiny_model_dir, 1, 1, 1, SETTINGS)) as source:
         source.train_step(samples)
-        tp1 = LoRACheckpoint(store.save(1, source.save_checkpoint, state, tiny_model_dir, info(1)),
+        tp1 = LoRACheckpoint(save_lora_checkpoint(run_dir, 1, source, tiny_model_dir, 1, LORA),
                              source.hf_state_dict(), source.compute_logprobs(samples))
         second = source.train_step(reversed_samples)
         uninterrupted = source.hf_state_dict()
@@ -326,7 +321,7 @@ def lora_resume(rank_pool, tiny_model_dir, batch, module_tmp) -> LoRAResume:
         assert resumed.load_checkpoint(str(tp1.path / MODEL_DIR), restore_rng=False) == 1
         loaded = resumed.hf_state_dict()
         second_resumed = resumed.train_step(reversed_samples)
-        tp2 = LoRACheckpoint(store.save(2, resumed.save_checkpoint, state, tiny_model_dir, info(2)),
+        tp2 = LoRACheckpoint(save_lora_checkpoint(run_dir, 2, resumed, tiny_model_dir, 2, LORA),
                              resumed.hf_state_dict(), resumed.compute_logprobs(samples))
     return LoRAResume({"tp1": tp1, "tp2": tp2}, loaded, second, second_resumed, uninterrupted)
 

@@ -5,22 +5,33 @@ A TP2 LoRA actor (rank 4: the engines take vLLM's max_lora_rank 8) trains, and e
 check the trainer runs: every engine samples from the adapted model and the actor scores its tokens. Before the first
 sync the actor and the engines agree (B starts at zero); after training and before a sync they do not (the probe
 would catch an adapter that did not apply); after it they do again, the second sync replacing the adapter the first
-loaded. An adapter whose modules match no layer of the model is refused by name (vLLM would skip them silently and
-serve the base model)."""
+loaded. The PEFT adapter `rlsearch convert --peft-adapter` writes from the step-1 checkpoint, its two files as they are
+on disk, serves the step-1 actor's logprobs from an engine that had step 2's. An adapter whose modules match no layer
+of the model is refused by name (vLLM would skip them silently and serve the base model)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import ray
+from safetensors.torch import load_file
 
 from rlsearch.actor import MODEL_DISTRIBUTION, SamplingDistribution, TrainSample
+from rlsearch.checkpoint import mcore_to_hf
 from rlsearch.config import RetrieverConfig, RolloutConfig
 from rlsearch.config.schema import LoRAConfig
 from rlsearch.megatron.lora import peft_config
 from rlsearch.rollout import EngineSpec, RolloutWorker
 from rlsearch.weights import AdapterSync, check_engines_match_actor, logprob_mismatch
 from tests.constants import TEST_KV_CACHE_GIB, TEST_ROLLOUT
-from tests.integration.actor_helpers import actor_spec, hf_logprobs, scored_batch, sent_adapters
+from tests.integration.actor_helpers import (
+    actor_spec,
+    hf_logprobs,
+    save_lora_checkpoint,
+    scored_batch,
+    sent_adapters,
+)
 
 pytestmark = pytest.mark.memory_heavy  # two engines (three vLLM workers) and two actor ranks at once
 
@@ -46,14 +57,18 @@ def engines(ray_local, tiny_model_dir, retriever):
             ray.kill(handle)
 
 
+def _actor_probe(group, probe_ids):
+    probe = TrainSample(probe_ids, 1, [1] * (len(probe_ids) - 1))
+    return group.compute_logprobs([probe], distribution=MODEL_DISTRIBUTION)[0]  # as `score` takes them
+
+
 def _engine_gaps(engines, group, probe_ids) -> list[float]:
     """Per engine, the largest gap between its teacher-forced logprobs of the probe and the actor's."""
-    probe = TrainSample(probe_ids, 1, [1] * (len(probe_ids) - 1))
-    actor = group.compute_logprobs([probe], distribution=MODEL_DISTRIBUTION)[0]  # as `score` takes them
+    actor = _actor_probe(group, probe_ids)
     return [logprob_mismatch(ray.get(engine.score.remote(probe_ids)), actor)[0] for engine in engines]
 
 
-def test_adapter_sync_into_two_engines_matches_the_actor_each_step(engines, tiny_model_dir, rank_pool):
+def test_adapter_sync_into_two_engines_matches_the_actor_each_step(engines, tiny_model_dir, rank_pool, tmp_path):
     probe_ids = ray.get(engines[0].probe_sequence.remote(*PROBE))
     sampling = SamplingDistribution(1.0, ray.get(engines[0].token_logit_bias.remote()))
     samples, _ = scored_batch(lambda s: hf_logprobs(tiny_model_dir, s))
@@ -68,7 +83,19 @@ def test_adapter_sync_into_two_engines_matches_the_actor_each_step(engines, tiny
             stats.append(sync.sync(engines, version))
             parity.append(check_engines_match_actor(group, engines, probe_ids, LIMIT, step=version))
             assert max(_engine_gaps(engines, group, probe_ids)) < LIMIT
+            if version == 1:
+                checkpoint = save_lora_checkpoint(tmp_path / "run", 1, group, tiny_model_dir, 2, LORA)
+                actor_at_step_1 = _actor_probe(group, probe_ids)
         model_bytes = sum(p.nbytes for p in _model_tensors(tiny_model_dir))
+
+        # the exported PEFT adapter of step 1, as a user serves it: the TP2 engine scores the step-1 actor's logprobs
+        peft_dir = tmp_path / "peft"
+        mcore_to_hf(checkpoint, None, peft_adapter_dir=peft_dir)
+        ray.get(engines[1].load_policy_adapter.remote(load_file(str(peft_dir / "adapter_model.safetensors")),
+                                                      json.loads((peft_dir / "adapter_config.json").read_text())))
+        served = ray.get(engines[1].score.remote(probe_ids))
+        assert logprob_mismatch(served, actor_at_step_1)[0] < LIMIT
+        assert logprob_mismatch(served, _actor_probe(group, probe_ids))[0] > 10 * LIMIT  # not step 2's any more
 
         # an adapter whose modules name no layer of the model: refused, naming them (the engine stays paused)
         adapters = sent_adapters(group)
@@ -80,7 +107,7 @@ def test_adapter_sync_into_two_engines_matches_the_actor_each_step(engines, tiny
     for sent in stats:
         assert sent.num_engines == len(ENGINE_TPS) and sent.num_tensors == len(adapters)
         assert sent.num_bytes * 20 <= model_bytes  # the issue's goal: <= 1/20 of a full sync's bytes
-    assert ray.get([engine.finished_weight_syncs.remote() for engine in engines[1:]]) == [2]
+    assert ray.get([engine.finished_weight_syncs.remote() for engine in engines[1:]]) == [3]  # the PEFT load too
 
 
 def _model_tensors(model_dir):
