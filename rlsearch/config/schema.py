@@ -430,6 +430,14 @@ class JudgeConfig:
     # refused connection, 429 or 5xx moves the request on to the next one, and the failed one is skipped for
     # cooldown_s (counted in reward/judge_failovers). Replies are cached under the first one's model
     endpoints: list[EndpointConfig] = field(default_factory=list)
+    # or beside them, first: a HuggingFace model dir that a frozen vLLM engine of the training run serves as the
+    # judge (a Ray actor beside the rollout engines, never trained; OpenAI-compatible on its node, greedy), and as the
+    # rubric generator when reward.rubric.evolve.endpoints is empty. Replies are cached under this path as the model
+    # name, so reward.judge.replay reruns without starting it
+    engine: str = ""
+    engine_max_model_len: int = rule(4096, gt=0)  # the frozen judge engine's context: a prompt plus its max_tokens
+    # set by the run when the engine serves: its base URL (leave empty)
+    engine_url: str = ""
     cooldown_s: float = rule(30.0, ge=0)  # a failed endpoint is skipped for this long, then tried again
     # templates with {question}, {golden_answers}, {response} (judge) and {question}, {response}, {rubric} (rubric)
     # placeholders; other braces are kept as written. Empty: the defaults in rlsearch/reward/prompts/

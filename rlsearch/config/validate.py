@@ -313,9 +313,20 @@ def _check_reward(config: TrainConfig | EvalConfig) -> None:
         raise ConfigError("'reward.judge.endpoints' lists the judges; base_url, model and api_key_env are the "
                           "shorthand for one: give one form, not both")
     _check_replay_store("reward.judge", judge.replay, judge.cache_dir, "judge_cache")
+    if judge.engine_url:
+        raise ConfigError("'reward.judge.engine_url' is set by the run when the engine of reward.judge.engine "
+                          "serves: leave it empty (a server of your own goes in reward.judge.base_url)")
+    if judge.engine and isinstance(config, EvalConfig):
+        raise ConfigError(f"'reward.judge.engine' starts a frozen judge engine in training runs only; for an eval, "
+                          f"serve the model (vllm serve {judge.engine}) and set reward.judge.base_url and model")
+    if judge.engine and not (Path(judge.engine) / "config.json").is_file():
+        raise ConfigError(f"'reward.judge.engine' is {judge.engine}, which is not a HuggingFace model dir (no "
+                          "config.json)")
     evolve = config.reward.rubric.evolve
     _check_endpoint_models("reward.rubric.evolve", evolve.endpoints)
-    if evolve.enabled and not (evolve.endpoints or judge.endpoints or (judge.base_url and judge.model)):
+    if evolve.enabled and not (evolve.endpoints or judge.endpoints or (judge.base_url and judge.model)
+                               or judge.engine):
         raise ConfigError("'reward.rubric.evolve.enabled' needs a generator model: list it in "
                           "'reward.rubric.evolve.endpoints' ([{url, model}]), or set the judge's "
-                          "(reward.judge.base_url and model, or reward.judge.endpoints), which it then uses")
+                          "(reward.judge.base_url and model, reward.judge.endpoints or reward.judge.engine), which it "
+                          "then uses")

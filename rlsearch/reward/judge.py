@@ -48,9 +48,18 @@ class JudgeEndpoint:
     client: openai.AsyncOpenAI
 
 
+# the frozen judge engine's URL before the run has started it (a replay, which sends nothing, never does)
+FROZEN_JUDGE_NOT_STARTED = "http://frozen-judge-engine.invalid/v1"
+
+
 def judge_endpoints(config: JudgeConfig) -> list[EndpointConfig]:
-    """reward.judge.endpoints, or the one endpoint of base_url, model and api_key_env."""
-    return list(config.endpoints) or [EndpointConfig(config.base_url, config.model, config.api_key_env)]
+    """reward.judge.endpoints, or the one endpoint of base_url, model and api_key_env; the frozen engine of
+    reward.judge.engine first."""
+    given = list(config.endpoints) or [EndpointConfig(config.base_url, config.model, config.api_key_env)]
+    if not config.engine:
+        return given
+    frozen = EndpointConfig(config.engine_url or FROZEN_JUDGE_NOT_STARTED, config.engine)
+    return [frozen, *(endpoint for endpoint in given if endpoint.url)]
 
 
 class ReplyCache:
@@ -127,6 +136,7 @@ class Judge:
         if endpoint.api_key_env:
             api_key = os.environ.get(endpoint.api_key_env, "")
             if not api_key:
+                index -= bool(self.config.engine)  # the frozen engine's comes first, and has no key
                 key = f"{self.key}.endpoints[{index}].api_key_env" if self.config.endpoints else \
                     f"{self.key}.api_key_env"
                 raise ConfigError(f"'{key}' names {endpoint.api_key_env}, which is not set")

@@ -45,8 +45,8 @@ def generator_config(reward: RewardConfig) -> tuple[JudgeConfig, str]:
     judge = dataclasses.replace(reward.judge, max_tokens=evolve.max_tokens)
     if not evolve.endpoints:
         return judge, "reward.judge"
-    return dataclasses.replace(judge, base_url="", model="", api_key_env="", endpoints=list(evolve.endpoints)), \
-        "reward.rubric.evolve"
+    return dataclasses.replace(judge, base_url="", model="", api_key_env="", engine="",
+                               endpoints=list(evolve.endpoints)), "reward.rubric.evolve"
 
 
 def rollout_text(trajectory: Trajectory, full_response: bool) -> str:

@@ -35,7 +35,7 @@ from ..data import QAExample, load_qa_dataset
 from ..memory import check_train_memory, waits_for_cluster
 from ..ray_setup import cluster_has_gpus, init_ray, ray_cpus, supervisor_ray_address
 from ..reward import check_scorers, check_turn_scorers
-from ..rollout import EnginePool, start_engines, start_tool_servers, token_logit_bias
+from ..rollout import EnginePool, start_engines, start_frozen_judge, start_tool_servers, token_logit_bias
 from ..weights import AdapterSync, WeightSync
 from .placement import Placement, check_retriever_reachable, describe_placement, plan_placement
 from .progress import RunParts
@@ -91,7 +91,19 @@ def start_run(config: TrainConfig, examples: list[QAExample], parts: RunParts, o
     gpus, rollout = 1 if has_gpus else 0, config.rollout
     placement = plan_placement(config.trainer.placement, config.actor.world_size, gpus, config.trainer.ray_address,
                                rollout.num_engines, rollout.tensor_parallel_size)
-    start_actor, start_critic, logit_bias = _start_engines_and_ranks(config, tools, placement, gpus, parts, seconds)
+    # reward.judge.engine: the frozen judge engine starts beside the rest, and stops with the engine pool
+    frozen_judge = start_frozen_judge(config.reward.judge, config.trainer.seed, gpus)
+    try:
+        start_actor, start_critic, logit_bias = _start_engines_and_ranks(config, tools, placement, gpus, parts,
+                                                                         seconds)
+    finally:
+        if frozen_judge is not None and parts.pool is not None:
+            parts.pool.helpers.append(frozen_judge.actor)
+        elif frozen_judge is not None:
+            ray.kill(frozen_judge.actor)
+    if frozen_judge is not None:
+        with timed(seconds, "frozen judge"):
+            config = replace(config, reward=replace(config.reward, judge=frozen_judge.ready()))
     engine_bias = ray.get(parts.pool.engines[0].token_logit_bias.remote(), timeout=60)
     if engine_bias != logit_bias:
         raise RuntimeError(f"the engine's token logit bias {engine_bias} differs from the actor's {logit_bias}: "
@@ -218,7 +230,9 @@ def startup_line(seconds: dict[str, float]) -> str:
     phases.append(f"rollout engines {seconds.get('rollout engines', 0.0):.1f} and actor ranks "
                   f"{seconds.get('actor ranks', 0.0):.1f}{critic} side by side "
                   f"({seconds.get('side by side', 0.0):.1f})")
-    if "resume" in seconds:
-        phases.append(f"resume {seconds['resume']:.1f}")
-    rest = total - sum(seconds.get(name, 0.0) for name in ("tool servers", "Ray", "side by side", "resume"))
+    for name in ("frozen judge", "resume"):  # the judge engine: what it took past the side-by-side start
+        if name in seconds:
+            phases.append(f"{name} {seconds[name]:.1f}")
+    rest = total - sum(seconds.get(name, 0.0) for name in ("tool servers", "Ray", "side by side", "frozen judge",
+                                                           "resume"))
     return f"[rlsearch] started in {total:.1f} s: {', '.join(phases)}, the rest (imports, data, checks) {rest:.1f}"

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -24,7 +23,6 @@ from tests.constants import REPO_ROOT
 # a 135M-parameter engine beside an actor rank with its Adam state: ~5 GB at once
 pytestmark = pytest.mark.memory_heavy
 
-SMOLLM2_ASSET = REPO_ROOT / "outputs" / "assets" / "smollm2-135m-instruct"
 STEPS = 2
 # one question, two samples: a search turn (prefilled <search>, a query, </search>: its tokens' logits raised a
 # little, as the model at temperature 1 often wanders past 16 tokens), its observation, one more turn
@@ -40,17 +38,6 @@ SCALARS = (
 )
 # fp32 engine and actor: the probe's gap measured 2.9e-5 on this model; a wrong layer or weight is off by far more
 LOGPROB_GAP_LIMIT = 1e-3
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir(request) -> Path:
-    """The converted model: the run scripts' asset when built, else one built once in pytest's cache."""
-    if (SMOLLM2_ASSET / "gguf_conversion.json").is_file():
-        return SMOLLM2_ASSET
-    from rlsearch.data.real_model import make_real_model
-
-    cache = Path(request.config.cache.mkdir("rlsearch-real-model"))
-    return make_real_model(cache / "smollm2-135m-instruct", cache_dir=cache).out_dir
 
 
 @pytest.fixture(scope="module")

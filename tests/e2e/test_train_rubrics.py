@@ -14,6 +14,7 @@ import json
 import re
 import statistics
 import zlib
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -85,24 +86,38 @@ def _generator_prompts(stub, question: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def rubric_run(module_tmp, tiny_model_dir, driver_ray):
-    """The 2-step run and its resumed third step, the stub's prompts after each."""
-    from rlsearch.data import load_qa_dataset
+def longform(module_tmp):
+    """5 long-form questions of 2 facts each, and the dir their BM25 index is cached in."""
     from rlsearch.data.longform import make_longform_data
 
+    base = module_tmp.mktemp("longform")
+    return SimpleNamespace(data=make_longform_data(base / "data", seed=0, num_questions=5, facts_per_question=2),
+                           index_cache=base / "bm25")
+
+
+def _train(tiny_model_dir, longform, out, driver_ray, total_steps: int, *overrides: str) -> str:
+    """`rlsearch train` with evolving rubrics on `longform` and DR Tulu's terms; its output, once it succeeded."""
+    command = train_command(
+        tiny_model_dir, longform.data, longform.index_cache, out, f"trainer.total_steps={total_steps}", *CALL_TOOL,
+        "reward.rubric.evolve.enabled=true", f"reward.rubric.format_weight={FORMAT_WEIGHT}",
+        f"reward.rubric.citation_weight={CITATION_WEIGHT}", f"reward.rubric.search_weight={SEARCH_WEIGHT}",
+        f"reward.rubric.max_searches={MAX_SEARCHES}", *overrides)
+    result = run_from_repo(command, timeout=900, **driver_ray)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def rubric_run(module_tmp, tiny_model_dir, longform, driver_ray):
+    """The 2-step run and its resumed third step, the stub's prompts after each."""
+    from rlsearch.data import load_qa_dataset
+
     base = module_tmp.mktemp("rubric_run")
-    data = make_longform_data(base / "longform", seed=0, num_questions=5, facts_per_question=2)
     run_dir, replay_dir, script = base / "run", base / "replay", Script()
 
     def train(out, url: str, total_steps: int, *overrides: str) -> str:
-        command = train_command(
-            tiny_model_dir, data, base / "bm25", out, f"trainer.total_steps={total_steps}", *CALL_TOOL,
-            f"reward.judge.base_url={url}", "reward.judge.model=stub-judge", "reward.rubric.evolve.enabled=true",
-            f"reward.rubric.format_weight={FORMAT_WEIGHT}", f"reward.rubric.citation_weight={CITATION_WEIGHT}",
-            f"reward.rubric.search_weight={SEARCH_WEIGHT}", f"reward.rubric.max_searches={MAX_SEARCHES}", *overrides)
-        result = run_from_repo(command, timeout=900, **driver_ray)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        return result.stdout
+        return _train(tiny_model_dir, longform, out, driver_ray, total_steps, f"reward.judge.base_url={url}",
+                      "reward.judge.model=stub-judge", *overrides)
 
     with stub_judge(script) as (stub, url):
         first_output = train(run_dir, url, FIRST_STEPS)
@@ -111,7 +126,7 @@ def rubric_run(module_tmp, tiny_model_dir, driver_ray):
     # the judge's and the generator's replies from the run's cache alone: the stub's port is closed now
     replay_output = train(replay_dir, url, FIRST_STEPS, "reward.judge.replay=true",
                           f"reward.judge.cache_dir={run_dir / 'judge_cache'}")
-    rows = {example.id: example for example in load_qa_dataset(str(data.train))}
+    rows = {example.id: example for example in load_qa_dataset(str(longform.data.train))}
     return SimpleNamespace(dir=run_dir, stub=stub, script=script, rows=rows, first_output=first_output,
                            first_prompts=first_prompts, resumed_output=resumed_output, replay_dir=replay_dir,
                            replay_output=replay_output)
@@ -230,3 +245,66 @@ def test_a_replay_from_the_runs_judge_cache_gives_its_rewards_and_buffers_withou
         print(f"\nreplayed step {step}: reward {replayed['time/reward_s'][step]:.3f} s of "
               f"{replayed['time/step_s'][step]:.2f} s ({share:.1%}; the recorded run's "
               f"{original['time/reward_s'][step]:.3f} s)")
+
+
+@pytest.fixture(scope="module")
+def frozen_judge_run(module_tmp, tiny_model_dir, smollm2_dir, longform, driver_ray):
+    """A step whose judge and rubric generator are SmolLM2-135M-Instruct, served by a frozen engine of the run
+    (reward.judge.engine), then the step replayed from the run's judge cache, which starts no engine."""
+    base = module_tmp.mktemp("frozen_judge")
+    (base / "rubric.txt").write_text(YES_NO_RUBRIC_PROMPT)
+    settings = (f"reward.judge.engine={smollm2_dir}", f"reward.judge.rubric_prompt_file={base / 'rubric.txt'}",
+                f"reward.judge.max_tokens={JUDGE_MAX_TOKENS}",
+                f"reward.rubric.evolve.max_tokens={GENERATOR_MAX_TOKENS}")
+    output = _train(tiny_model_dir, longform, base / "run", driver_ray, 1, *settings)
+    replay_output = _train(tiny_model_dir, longform, base / "replay", driver_ray, 1, *settings,
+                           "reward.judge.replay=true", f"reward.judge.cache_dir={base / 'run' / 'judge_cache'}")
+    return SimpleNamespace(dir=base / "run", output=output, replay_dir=base / "replay", replay_output=replay_output)
+
+
+# SmolLM2-135M-Instruct answers the shipped rubric prompt ("Score: 0", "Score: 1" or "Score: 2") with prose and no
+# score; asked for one word, yes or no, its first token is one
+YES_NO_RUBRIC_PROMPT = ("Question: {question}\nAnswer: {response}\n\nDoes the answer satisfy this criterion: {rubric}\n"
+                        "Reply with one word: yes or no.")
+JUDGE_MAX_TOKENS, GENERATOR_MAX_TOKENS = 1, 192
+
+
+@pytest.mark.memory_heavy  # the tiny policy's engine and rank, and SmolLM2's engine
+def test_a_frozen_engine_of_the_run_judges_and_writes_rubrics_and_a_replay_needs_none(frozen_judge_run, smollm2_dir):
+    """Every reply the step used came from the frozen SmolLM2 engine (cached under its path as the model name); what
+    the parser made of each of its replies is what the records and metrics say: a verdict where it found one (the
+    records' scores), a failed trajectory where it found none, a generator failure for a reply that is no rubric
+    JSON. The replay gives the same rewards, scores and buffer, its start-up without the engine."""
+    from rlsearch.reward.rubric_generator import parse_generated
+    from rlsearch.reward.verdict import parse_verdict
+
+    assert "step 1/1 | reward" in frozen_judge_run.output and "frozen judge" in frozen_judge_run.output
+    replies = [json.loads(path.read_text()) for path in (frozen_judge_run.dir / "judge_cache").rglob("*.json")]
+    assert replies and all(r["model"] == r["answered_by"] == str(smollm2_dir) for r in replies)
+    generated = [r for r in replies if r["prompt"].startswith(GENERATOR_PROMPT)]
+    judged = [r for r in replies if not r["prompt"].startswith(GENERATOR_PROMPT)]
+    scalars = {tag: values[1] for tag, values in _scalars(frozen_judge_run.dir).items()}
+    assert scalars["reward/rubrics_generator_requests"] == scalars["reward/rubrics_generator_calls"] == len(
+        generated) == GROUPS
+    assert scalars["reward/rubrics_generator_failures"] == sum(parse_generated(r["reply"]) is None for r in generated)
+    assert scalars["reward/judge_requests"] == len(judged)
+    verdicts = [parse_verdict(r["reply"], 2) for r in judged]
+    records = _records(frozen_judge_run.dir, 1)
+    scored = [score["score"] for record in records if not record["failed"] for score in record["rubric_scores"]]
+    assert not Counter(scored) - Counter(v for v in verdicts if v is not None)  # each score is one of its verdicts
+    assert all(record["failed"].startswith("judge:") for record in records if record["failed"])
+    assert sum(bool(record["failed"]) for record in records) <= verdicts.count(None)
+    for record in records:
+        if not record["failed"]:
+            weighted = sum(score["weight"] * score["score"] for score in record["rubric_scores"])
+            positive = sum(score["weight"] for score in record["rubric_scores"] if score["weight"] > 0)
+            assert record["scores"]["rubric"] == pytest.approx(weighted / max(positive, 1.0))
+    print(f"\nSmolLM2 as the judge: {len(judged)} replies, {verdicts.count(None)} without a verdict, e.g. "
+          f"{[r['reply'] for r in judged[:3]]}; as the generator: {len(generated)} replies, "
+          f"{scalars['reward/rubrics_generator_failures']:g} not rubric JSON, e.g. {generated[0]['reply'][:200]!r}")
+
+    assert "frozen judge" not in frozen_judge_run.replay_output  # no engine: every reply came from the cache
+    replayed = _records(frozen_judge_run.replay_dir, 1)
+    assert [(r["response_ids"], r["reward"], r["rubric_scores"], r["failed"]) for r in replayed] == [
+        (r["response_ids"], r["reward"], r["rubric_scores"], r["failed"]) for r in records]
+    assert _buffer(frozen_judge_run.replay_dir, 1) == _buffer(frozen_judge_run.dir, 1)

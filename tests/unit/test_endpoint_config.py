@@ -3,9 +3,12 @@ start-up, naming the key."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rlsearch.config import ConfigError, load_train_config
+from rlsearch.config.schema import EndpointConfig
 
 
 @pytest.mark.parametrize(
@@ -17,6 +20,9 @@ from rlsearch.config import ConfigError, load_train_config
         (["reward.judge.endpoints=[{url: 'ftp://a', model: m}]"],
          r"'reward\.judge\.endpoints\[0\]\.url' must be an http\(s\) URL"),
         (["reward.judge.cooldown_s=-1"], r"'reward\.judge\.cooldown_s' must be >= 0"),
+        (["reward.judge.engine=/no/such/model"],
+         r"'reward\.judge\.engine' is /no/such/model, which is not a HuggingFace model dir \(no config\.json\)"),
+        (["reward.judge.engine_url=http://a/v1"], r"'reward\.judge\.engine_url' is set by the run .* leave it empty"),
         (["tools.browse.summariser.deadline_s=-5"], r"'tools\.browse\.summariser\.deadline_s' must be >= 0"),
         (["tools.serper.endpoints=[{url: 'http://s', api_key_env: 'BAD-NAME'}]"],
          r"'tools\.serper\.endpoints\[0\]\.api_key_env' must name an environment variable"),
@@ -52,3 +58,32 @@ def test_good_endpoint_browse_index_and_logger_keys_load():
     assert [endpoint.model for endpoint in config.reward.judge.endpoints] == ["m", "n"]
     assert config.tools.browse.summariser.engine == "/models/summariser"
     assert config.trainer.loggers == ["tensorboard", "wandb"]
+
+
+def test_the_frozen_judge_engine_is_the_first_endpoint_and_names_the_cache_model(tiny_model_dir):
+    """reward.judge.engine goes before the judges the config lists (their failover behind it), under its path as the
+    model name (the cache key a replay reads), and the rubric generator uses it unless evolve lists its own."""
+    from rlsearch.reward.judge import FROZEN_JUDGE_NOT_STARTED, judge_endpoints
+    from rlsearch.reward.rubric_generator import generator_config
+
+    engine = str(tiny_model_dir)
+    listed = load_train_config(None, [f"reward.judge.engine={engine}",
+                                      "reward.judge.endpoints=[{url: 'http://a/v1', model: m}]"]).reward
+    assert [(e.url, e.model) for e in judge_endpoints(listed.judge)] == [
+        (FROZEN_JUDGE_NOT_STARTED, engine), ("http://a/v1", "m")]
+    started = dataclasses.replace(listed.judge, engine_url="http://10.0.0.2:4321/v1")
+    assert judge_endpoints(started)[0].url == "http://10.0.0.2:4321/v1"
+    alone = load_train_config(None, [f"reward.judge.engine={engine}", "reward.rubric.evolve.enabled=true"]).reward
+    assert [e.model for e in judge_endpoints(alone.judge)] == [engine]
+    assert [e.model for e in judge_endpoints(generator_config(alone)[0])] == [engine]
+    own = dataclasses.replace(alone, rubric=dataclasses.replace(alone.rubric, evolve=dataclasses.replace(
+        alone.rubric.evolve, endpoints=[EndpointConfig("http://g/v1", "g")])))
+    assert [e.model for e in judge_endpoints(generator_config(own)[0])] == ["g"]
+
+
+def test_an_eval_refuses_the_frozen_judge_engine(tiny_model_dir):
+    from rlsearch.config import load_eval_config
+
+    with pytest.raises(ConfigError, match=r"'reward\.judge\.engine' starts a frozen judge engine in training runs "
+                                          r"only; for an eval, serve the model \(vllm serve"):
+        load_eval_config(None, [f"reward.judge.engine={tiny_model_dir}"])

@@ -72,21 +72,12 @@ class SessionEndpoint:
         return self.base_url
 
     async def _start(self, timeout_s: float) -> None:
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._serving = asyncio.get_running_loop().create_task(self._server.serve())
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if self._serving.done() or time.monotonic() > deadline:
-                raise RuntimeError("the agent session endpoint did not start on 127.0.0.1")
-            await asyncio.sleep(0.01)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{port}"
+        self._server, self._serving, self.base_url = await serve_app(
+            self.app, "127.0.0.1", timeout_s, "the agent session endpoint")
 
     async def stop(self) -> None:
         if self._serving is not None:
-            self._server.should_exit = True
-            await asyncio.wait_for(self._serving, timeout=10)
+            await stop_app(self._server, self._serving)
             self._serving = None
 
     def open(self, item: PromptItem, step: int) -> AgentSession:
@@ -282,6 +273,25 @@ class SessionEndpoint:
             return JSONResponse({"object": "list", "data": [model]})
 
         return app
+
+
+async def serve_app(app, host: str, timeout_s: float, what: str) -> tuple[uvicorn.Server, asyncio.Task, str]:
+    """`app` served by uvicorn on `host` (a free port) on the running event loop, once it listens: the server, its
+    task and its base URL; RuntimeError naming `what` when it does not start within `timeout_s`."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning", lifespan="off"))
+    serving = asyncio.get_running_loop().create_task(server.serve())
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if serving.done() or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start on {host}")
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, serving, f"http://{host}:{port}"
+
+
+async def stop_app(server: uvicorn.Server, serving: asyncio.Task) -> None:
+    server.should_exit = True
+    await asyncio.wait_for(serving, timeout=10)
 
 
 def _check_single_choice(body: dict) -> None:
