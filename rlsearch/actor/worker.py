@@ -87,6 +87,9 @@ class ActorWorkerSpec:
     seed: int
     # a critic's rank (algo.advantage=gae): model_path's transformer with a value head instead of the output layer
     value_model: bool = False
+    # rollout.async_steps > 0: the engines roll out while the ranks train, so the ranks take half of their node's
+    # cores (the engines the other half) where actor.num_threads does not say
+    trains_beside_rollout: bool = False
 
 
 class MegatronActorWorker:
@@ -124,7 +127,8 @@ class MegatronActorWorker:
     def initialize(self, rendezvous: str) -> RankInfo:
         """Join the ranks' process group at `rendezvous`, then `build` this rank's part of the actor."""
         actor = self.spec.actor
-        torch.set_num_threads(actor.num_threads or cpu_threads_each(self.world_size))
+        torch.set_num_threads(actor.num_threads or cpu_threads_each(
+            self.world_size * (2 if self.spec.trains_beside_rollout else 1)))
         init_megatron_parallel(
             self.rank, self.world_size, rendezvous, tp=actor.tp, pp=actor.pp, cp=actor.cp, ep=actor.ep,
             virtual_pipeline_stages=actor.virtual_pipeline_stages, backend=actor.backend, seed=self.spec.seed,

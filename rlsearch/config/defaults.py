@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..devices import cpu_threads_each
 from .schema import VLLM_LORA_RANKS, ModelConfig, RolloutConfig
 
 
@@ -21,8 +20,12 @@ class EngineSpec:
     enforce_eager: bool | str = "auto"  # auto: eager on CPU, CUDA graphs on GPU
     tensor_parallel_size: int = 1
     cpu_threads_bind: str = ""  # VLLM_CPU_OMP_THREADS_BIND for tensor_parallel_size > 1 on CPU; empty: nobind
-    # unbound, on CPU: OpenMP threads of each of the engine's workers; 0: the run's cores over its tensor_parallel_size
+    # unbound, on CPU: OpenMP threads of each of the engine's workers; 0: the cores of the engine's own process (its
+    # node, its container) over cpu_processes, counted where the engine runs, not where the spec was made
     cpu_threads: int = 0
+    # the processes that compute side by side on those cores (the run's engine workers, and under async_steps as many
+    # again for the actor ranks that train meanwhile); 0: the engine's tensor_parallel_size
+    cpu_processes: int = 0
     vllm_port: int = 0  # base of the ports vLLM's internal groups take (VLLM_PORT); 0: vLLM's default
     # actor.lora.sync=adapter: vLLM's LoRA enabled for one adapter of this rank, which the weight sync loads (0: off)
     lora_rank: int = 0
@@ -41,8 +44,7 @@ class EngineSpec:
             tensor_parallel_size=rollout.tensor_parallel_size, cpu_threads_bind=rollout.cpu_threads_bind,
             # the run's engines roll out side by side on its cores while the actor ranks wait for their batch; with
             # async_steps the ranks train beside them, on the other half
-            cpu_threads=cpu_threads_each(
-                rollout.num_engines * rollout.tensor_parallel_size * (2 if rollout.async_steps else 1)),
+            cpu_processes=rollout.num_engines * rollout.tensor_parallel_size * (2 if rollout.async_steps else 1),
             lora_rank=lora_rank,
         )
 

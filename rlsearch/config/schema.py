@@ -167,8 +167,9 @@ class ActorConfig:
         0.0, within="[0, 1]", says="between 0 (off) and 1 (every state)", needs=Needs(
             "use_distributed_optimizer", "'{key}' is {value} but '{other}' is false: Megatron offloads the states of "
             "its distributed optimizer; set {other}=true"))
-    # torch intra-op threads per rank; 0 = cores / ranks (cores: RLSEARCH_CPU_CORES or all)
-    num_threads: int = rule(0, ge=0, note="0: cores / ranks")
+    # torch intra-op threads per rank; 0 = cores / ranks, halved with rollout.async_steps (cores: RLSEARCH_CPU_CORES, or
+    # those the rank may use on its node)
+    num_threads: int = rule(0, ge=0, note="0: cores / ranks (half that with rollout.async_steps)")
     # dropout in the training passes (the critic's too). off: none, whatever the model's config.json says
     # (attention_dropout, hidden_dropout; start-up says when it had some). The logprob passes and the rollout
     # engines run without dropout, so dropout in the update alone makes the on-policy ratio differ from 1 and feeds

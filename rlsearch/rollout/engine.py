@@ -48,7 +48,8 @@ def configure_vllm_environment(spec: EngineSpec) -> None:
         # an unbound worker runs OMP_NUM_THREADS threads, and a Ray actor's is its num_cpus (one per TP worker): a
         # TP1 engine would decode on one thread of any machine. The workers share the run's cores instead of each
         # taking all of them (measured on 2 cores, TP2: 5x faster)
-        os.environ["OMP_NUM_THREADS"] = str(spec.cpu_threads or cpu_threads_each(spec.tensor_parallel_size))
+        os.environ["OMP_NUM_THREADS"] = str(
+            spec.cpu_threads or cpu_threads_each(spec.cpu_processes or spec.tensor_parallel_size))
     if spec.vllm_port:
         # engines on one node would otherwise race for the same internal ports (vLLM #39015)
         os.environ["VLLM_PORT"] = str(spec.vllm_port)

@@ -219,6 +219,7 @@ def _actor_spec(config: TrainConfig, logit_bias: dict[int, float]) -> ActorWorke
         sampling=SamplingDistribution(config.rollout.temperature, logit_bias), seed=config.trainer.seed,
         # the LR schedule counts optimizer updates
         total_steps=config.trainer.total_steps * config.algo.num_minibatches * config.algo.ppo_epochs,
+        trains_beside_rollout=config.rollout.async_steps > 0,
     )
 
 

@@ -83,12 +83,39 @@ def test_a_tp1_engine_on_the_whole_machine_decodes_on_all_its_cores_not_its_ray_
 def test_a_runs_engines_split_its_cores_between_their_workers(environment, cores, engines, tp, async_steps, threads):
     from rlsearch.config import ModelConfig, RolloutConfig
 
-    environment.setenv(CPU_CORES_VARIABLE, cores)
     rollout = RolloutConfig(num_engines=engines, tensor_parallel_size=tp, async_steps=async_steps)
+    # the spec is made by the driver, which has other cores than the engine's node or container: it counts none
+    environment.setenv(CPU_CORES_VARIABLE, "64")
     spec = EngineSpec.from_config(ModelConfig(path="model"), rollout, seed=1)
-    assert spec.cpu_threads == threads
+    assert spec.cpu_threads == 0 and spec.cpu_processes == engines * tp * (2 if async_steps else 1)
+    environment.setenv(CPU_CORES_VARIABLE, cores)  # the engine's own process counts its cores
     configure_vllm_environment(spec)
     assert os.environ["OMP_NUM_THREADS"] == str(threads)
+
+
+@pytest.mark.parametrize(("cores", "ranks", "async_steps", "threads"), [
+    ("8", 2, 0, 4), ("8", 2, 1, 2), ("2", 1, 1, 1), ("2", 2, 1, 1)])
+def test_actor_ranks_take_half_the_cores_while_the_engines_roll_out_beside_them(
+    environment, monkeypatch, cores, ranks, async_steps, threads
+):
+    """Under rollout.async_steps the ranks train while the engines (which take half) roll out: the other half."""
+    import torch
+
+    from rlsearch.actor import worker
+    from rlsearch.config import load_train_config
+    from rlsearch.trainer.startup import _actor_spec
+
+    config = load_train_config(None, [f"rollout.async_steps={async_steps}"])
+    spec = _actor_spec(config, {})
+    rank = worker.MegatronActorWorker.__new__(worker.MegatronActorWorker)
+    rank.spec, rank.rank, rank.world_size = spec, 0, ranks
+    monkeypatch.setattr(worker, "init_megatron_parallel", lambda *args, **kwargs: None)
+    monkeypatch.setattr(worker.MegatronActorWorker, "build", lambda self: None)
+    chosen = []
+    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    environment.setenv(CPU_CORES_VARIABLE, cores)
+    rank.initialize("tcp://127.0.0.1:1")
+    assert chosen == [threads]
 
 
 def test_an_explicit_binding_wins_over_the_shared_cores(environment):
