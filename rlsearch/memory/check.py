@@ -10,7 +10,6 @@ from ..config import (
     ConfigError,
     EngineSpec,
     RetrieverConfig,
-    SummariserConfig,
     TrainConfig,
     auto_dtype,
     check_model_dir,
@@ -195,24 +194,34 @@ def _retriever_server(what: str, retriever: RetrieverConfig, on_gpu: bool, notes
     return ServerMemory(f"{described}, {encoder_described}", encoder=True, files=files + encoder)
 
 
-def _summariser(summariser: SummariserConfig) -> FrozenEngineSettings | None:
-    """tools.browse.summariser.engine's frozen engine, started with the rollout engines (EngineSpec's defaults)."""
-    if not summariser.engine or summariser.engine_actor:
-        return None
-    if not (Path(summariser.engine) / "config.json").is_file():
-        raise ConfigError(f"'tools.browse.summariser.engine' is not a HuggingFace model dir (no config.json): "
-                          f"{summariser.engine}; give the summariser model's dir, or empty for no frozen engine")
-    spec = EngineSpec(summariser.engine, max_model_len=summariser.engine_max_model_len)
+def _frozen_engine(name: str, key: str, model: str, max_model_len: int) -> FrozenEngineSettings:
+    """The frozen engine of `key`.engine (`model`), started with the rollout engines (EngineSpec's defaults)."""
+    if not (Path(model) / "config.json").is_file():
+        raise ConfigError(f"'{key}.engine' is not a HuggingFace model dir (no config.json): {model}; give the "
+                          f"{name} model's dir, or empty for no frozen engine")
+    spec = EngineSpec(model, max_model_len=max_model_len)
     return FrozenEngineSettings(
-        ModelShape.from_model_dir(summariser.engine), spec.dtype,
+        name, key, ModelShape.from_model_dir(model), spec.dtype,
         EngineMemorySettings(count=1, tp=spec.tensor_parallel_size, kv_cache_gib=spec.kv_cache_gib,
                              gpu_memory_utilization=spec.gpu_memory_utilization, window=spec.max_model_len),
     )
 
 
+def _frozen_engines(config: TrainConfig) -> tuple[FrozenEngineSettings, ...]:
+    """The frozen engines the run starts: the browse summariser's and the reward judge's (not for a replay)."""
+    summariser, judge = config.tools.browse.summariser, config.reward.judge
+    engines = []
+    if summariser.engine and not summariser.engine_actor:
+        engines.append(_frozen_engine("summariser", "tools.browse.summariser", summariser.engine,
+                                      summariser.engine_max_model_len))
+    if judge.engine and not judge.replay:
+        engines.append(_frozen_engine("judge", "reward.judge", judge.engine, judge.engine_max_model_len))
+    return tuple(engines)
+
+
 def run_parts(config: TrainConfig, on_gpu: bool, local: bool = True) -> RunParts:
     """What the run starts beside its actor ranks and rollout engines: the local tool servers (as ToolServers starts
-    them) and the browse summariser's frozen engine."""
+    them) and the frozen engines (the browse summariser's, the reward judge's)."""
     tools, notes, servers = config.tools, [], []
     if not tools.replay:  # a replayed run starts no tool server
         retriever = tools.retriever
@@ -222,7 +231,7 @@ def run_parts(config: TrainConfig, on_gpu: bool, local: bool = True) -> RunParts
             servers.append(_retriever_server("MCP server", retriever, on_gpu, notes, prebuilt=False))
     if not local:
         notes.append("the cluster's nodes: the host memory of the actor ranks' and engines' processes is not planned")
-    return RunParts(tuple(servers), _summariser(tools.browse.summariser), local, tuple(notes))
+    return RunParts(tuple(servers), _frozen_engines(config), local, tuple(notes))
 
 
 def train_memory_inputs(config: TrainConfig, device: Device, host: Device | None = None,

@@ -6,8 +6,8 @@ the larger of the backward pass's peak and the optimizer step's workspace, plus 
 The backward pass holds the activations kept for it and, one at a time, either the logits chunk (first) or a layer's
 backward (what recomputation runs again and the gradients of that layer's activations). On CPU the actor ranks,
 the engines and every other process of the run share the host, so the plan adds them up against the host's memory;
-on GPUs each rank has its own, the engines and the browse summariser's frozen engine their own, and what their
-processes, the driver, Ray and the tool servers hold in host memory is added up against the host's.
+on GPUs each rank has its own, the engines and the frozen engines (the browse summariser's, the judge's) their own,
+and what their processes, the driver, Ray and the tool servers hold in host memory is added up against the host's.
 
 With a critic (algo.advantage=gae) its ranks are planned as the actor's are, for its model with a value head and its
 own layout, and its rank r shares actor rank r's device: a device holds both processes' peaks (each process's caching
@@ -171,8 +171,11 @@ class ServerMemory:
 
 @dataclass(frozen=True)
 class FrozenEngineSettings:
-    """The browse summariser's frozen vLLM engine (tools.browse.summariser.engine): one worker, never trained."""
+    """A frozen vLLM engine of the run (tools.browse.summariser.engine, reward.judge.engine): one worker, never
+    trained."""
 
+    name: str  # what the plan calls it: summariser, judge
+    key: str  # its config section, e.g. tools.browse.summariser
     shape: ModelShape
     dtype: str
     engine: EngineMemorySettings  # count 1, tp 1
@@ -183,7 +186,7 @@ class RunParts:
     """What the run starts beside the actor ranks and the rollout engines, and where."""
 
     servers: tuple[ServerMemory, ...] = ()
-    summariser: FrozenEngineSettings | None = None
+    frozen: tuple[FrozenEngineSettings, ...] = ()  # the frozen engines it starts
     # the actor ranks, the engines and Ray run on the host checked (a local Ray instance); False: on the nodes of a
     # cluster (trainer.ray_address), and the host checked is the driver's (its servers and itself)
     local: bool = True
@@ -295,7 +298,7 @@ class MemoryPlan:
     ranks: list[RankMemory]  # one per pipeline stage
     engine: EngineMemory | None
     coefficients: ActivationCoefficients
-    summariser: EngineMemory | None = None  # the browse summariser's frozen engine
+    frozen: tuple[EngineMemory, ...] = ()  # the frozen engines', as inputs.run.frozen lists them
     host_parts: list[HostPart] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     critic_ranks: list[RankMemory] = field(default_factory=list)  # one per pipeline stage of the critic's layout
@@ -345,12 +348,12 @@ class MemoryPlan:
         return self.engine is None or self.engine.fits
 
     @property
-    def summariser_fits(self) -> bool:
-        return self.summariser is None or self.summariser.fits
+    def frozen_fits(self) -> bool:
+        return all(engine.fits for engine in self.frozen)
 
     @property
     def fits(self) -> bool:
-        return self.actor_fits and self.host_fits and self.engine_fits and self.summariser_fits
+        return self.actor_fits and self.host_fits and self.engine_fits and self.frozen_fits
 
     def headline(self) -> str:
         """e.g. "225 GB per rank at 32,768 tokens" or "30.2 GB of host memory at 4,096 tokens"."""
@@ -417,8 +420,8 @@ class MemoryPlan:
         lines += [f"  {name:<17}{_gb(value):>11}  {what}" for name, value, what in rows]
         if self.engine is not None:
             lines.append(self._engine_line("engines ", self.engine, inputs.engines))
-        if self.summariser is not None:
-            lines.append(self._engine_line("summary ", self.summariser, inputs.run.summariser.engine))
+        for settings, engine in zip(inputs.run.frozen, self.frozen):
+            lines.append(self._engine_line(f"{settings.name:<8}", engine, settings.engine))
         if self.host is not None:
             lines.append("on the host (the device above):" if self.on_cpu
                          else f"on the host ({self.host.name}, {_gb(self.host.memory)}):")
@@ -426,7 +429,7 @@ class MemoryPlan:
             lines.append(f"  {'total':<17}{_gb(self.host_total):>11}")
         lines += [f"note    : {note}" for note in self.notes]
         verdict = "fits" if self.fits else "does NOT fit"
-        problems = [problem for problem in (self.host_problem(), self.engine_problem(), self.summariser_problem())
+        problems = [problem for problem in (self.host_problem(), self.engine_problem(), *self.frozen_problems())
                     if problem]
         lines.append(f"verdict : {verdict}: {self.headline()} of {_gb(device.memory)} ({device.name})"
                      + "".join(f"; {problem}" for problem in problems))
@@ -461,16 +464,20 @@ class MemoryPlan:
         return (f"the host's memory: the run's processes need {_gb(self.host_total)} of {_gb(self.host.memory)} "
                 f"({self.host.name}), the most {', '.join(f'{part.name} {_gb(part.memory)}' for part in largest)}")
 
-    def summariser_problem(self) -> str:
-        """Why the browse summariser's frozen engine cannot start (empty when it can)."""
-        if self.summariser_fits:
-            return ""
-        engine, window = self.summariser, self.inputs.run.summariser.engine.window
-        needed = f"one {window:,}-token summary prompt needs {_gb(engine.kv_needed)} of KV cache"
-        if self.on_cpu:
-            return f"the summariser engine: {needed}, and vLLM's default on CPU is {_gb(engine.kv_cache)}"
-        return (f"the summariser engine: {needed} beside its weights ({_gb(engine.weights)}) on one GPU: lower "
-                "tools.browse.summariser.engine_max_model_len, or give it a smaller model")
+    def frozen_problems(self) -> list[str]:
+        """Why each frozen engine that cannot start cannot (none when all can)."""
+        problems = []
+        for settings, engine in zip(self.inputs.run.frozen, self.frozen):
+            if engine.fits:
+                continue
+            needed = f"one {settings.engine.window:,}-token prompt needs {_gb(engine.kv_needed)} of KV cache"
+            if self.on_cpu:
+                problems.append(f"the {settings.name} engine: {needed}, and vLLM's default on CPU is "
+                                f"{_gb(engine.kv_cache)}")
+            else:
+                problems.append(f"the {settings.name} engine: {needed} beside its weights ({_gb(engine.weights)}) "
+                                f"on one GPU: lower {settings.key}.engine_max_model_len, or give it a smaller model")
+        return problems
 
     def engine_problem(self) -> str:
         """Why the engines cannot start, and what to do (empty when they can)."""
@@ -690,7 +697,7 @@ def _ranks_part(name: str, ranks: list[RankMemory], layout: Layout, on_cpu: bool
 
 
 def _host_parts(inputs: MemoryInputs, ranks: list[RankMemory], engine: EngineMemory | None,
-                summariser: EngineMemory | None, coefficients: ActivationCoefficients,
+                frozen: tuple[EngineMemory, ...], coefficients: ActivationCoefficients,
                 critic_ranks: list[RankMemory], devices: list[SharedDevice]) -> list[HostPart]:
     """What each kind of the run's processes holds in host memory. On CPU the actor ranks (and the critic's) and the
     engines hold everything there; on GPUs their processes' host side and what they offload (critic.offload: on each
@@ -714,11 +721,10 @@ def _host_parts(inputs: MemoryInputs, ranks: list[RankMemory], engine: EngineMem
                                f"{engines.count} x {engines.tp} worker(s) x {_gb(worker)}"),
                       HostPart("rollout workers", coefficients.engine_driver * engines.count,
                                f"{engines.count} x {_gb(coefficients.engine_driver)}: the Ray actor of each engine")]
-        if summariser is not None:
-            worker = summariser.total if on_cpu else coefficients.engine_host
-            parts.append(HostPart("summariser", worker + coefficients.engine_driver,
-                                  "the browse summariser's frozen engine (tools.browse.summariser.engine) and its "
-                                  "Ray actor"))
+        for settings, engine in zip(inputs.run.frozen, frozen):
+            worker = engine.total if on_cpu else coefficients.engine_host
+            parts.append(HostPart(settings.name, worker + coefficients.engine_driver,
+                                  f"the frozen engine of {settings.key}.engine and its Ray actor"))
         parts.append(HostPart("Ray", coefficients.ray, "Ray's own processes"))
     for server in run.servers:
         baseline = coefficients.encoder_server if server.encoder else coefficients.bm25_server
@@ -741,7 +747,7 @@ def _shared_devices(actor: Layout, ranks: list[RankMemory], critic: Layout | Non
 
 
 def plan_memory(inputs: MemoryInputs) -> MemoryPlan:
-    """Every pipeline stage's rank, one engine worker (an engine of TP n has n alike), the summariser's frozen engine
+    """Every pipeline stage's rank, one engine worker (an engine of TP n has n alike), the frozen engines
     and what the run's processes hold in host memory."""
     actor, shape, device, run = inputs.actor, inputs.shape, inputs.device, inputs.run
     coefficients = coefficients_for(device.kind, actor.dtype)
@@ -755,11 +761,8 @@ def plan_memory(inputs: MemoryInputs) -> MemoryPlan:
     devices = _shared_devices(actor.layout, ranks, critic_layout, critic_ranks,
                               inputs.critic is not None and inputs.critic.offload)
     engine = _engine(shape, actor.dtype, inputs.engines, device, coefficients)
-    summariser = None
-    if run.summariser is not None:
-        frozen = run.summariser
-        summariser = _engine(frozen.shape, frozen.dtype, frozen.engine, device,
-                             coefficients_for(device.kind, frozen.dtype))
+    frozen = tuple(_engine(settings.shape, settings.dtype, settings.engine, device,
+                           coefficients_for(device.kind, settings.dtype)) for settings in run.frozen)
     notes = list(run.notes)
     if actor.activation_offload != "none":
         notes.append("activation offloading: estimated (the layers on the GPU at once), not yet measured")
@@ -768,7 +771,7 @@ def plan_memory(inputs: MemoryInputs) -> MemoryPlan:
                                  or critic_offload):
         notes.append("offloading saves nothing on CPU: the host is the ranks' device")
     return MemoryPlan(
-        inputs=inputs, ranks=ranks, engine=engine, coefficients=coefficients, summariser=summariser,
-        host_parts=_host_parts(inputs, ranks, engine, summariser, coefficients, critic_ranks, devices), notes=notes,
+        inputs=inputs, ranks=ranks, engine=engine, coefficients=coefficients, frozen=frozen,
+        host_parts=_host_parts(inputs, ranks, engine, frozen, coefficients, critic_ranks, devices), notes=notes,
         critic_ranks=critic_ranks, devices=devices,
     )

@@ -178,10 +178,10 @@ def longest_fitting_tokens(inputs: MemoryInputs) -> int:
 
 def not_fitting_message(plan: MemoryPlan, window: int = 0) -> str:
     """What does not fit and what would, e.g. "needs 225 GB per rank at 32,768 tokens of 80.00 GB (NVIDIA H100);
-    with actor.recompute=full, 31.02 GB"; and the host's, the engines' and the summariser's problems, if any."""
+    with actor.recompute=full, 31.02 GB"; and the host's, the engines' and the frozen engines' problems, if any."""
     device = plan.inputs.device
     others = [plan.host_problem()] + ([f"the rollout engines: {plan.engine_problem()}"] if not plan.engine_fits
-                                      else []) + [plan.summariser_problem()]
+                                      else []) + plan.frozen_problems()
     others = [problem for problem in others if problem]
     if plan.actor_fits:
         return "; ".join(others)

@@ -185,26 +185,31 @@ def test_a_gpu_host_plans_each_part_of_the_run_where_it_runs(tiny_model_dir, toy
         f"tools.retriever.index={tmp_path / 'toy_Flat.index'}", "tools.retriever.backend=dense",
         f"tools.retriever.encoder={encoder}",
         "tools.enabled=[search,browse]", f"tools.browse.summariser.engine={tiny_model_dir}",
+        f"reward.judge.engine={tiny_model_dir}", "reward.judge.engine_max_model_len=2048",
     ])
     driver_host(H200, 2e12)
     plan = plan_train_config(config)
     coefficients = plan.coefficients
     assert plan.inputs.device == Device("gpu", H200[1], "NVIDIA H200")
     assert plan.host == Device("cpu", 2e12, "this machine")
-    # the GPUs: the rank and the engine worker each on its own, the summariser's frozen engine (float32) on its own
-    summariser = plan.summariser
-    assert summariser.weights == ModelShape.from_model_dir(tiny_model_dir).total_parameters() * 4
-    assert summariser.limit == 0.85 * H200[1]
-    assert summariser.kv_cache == summariser.limit - summariser.weights - summariser.runtime
-    assert summariser.kv_needed < summariser.kv_cache and plan.summariser_fits
+    # the GPUs: the rank and the engine worker each on its own, the summariser's and the judge's frozen engines
+    # (float32) each on its own, the judge's KV cache needed for its shorter window
+    summariser, judge = plan.frozen
+    for engine in (summariser, judge):
+        assert engine.weights == ModelShape.from_model_dir(tiny_model_dir).total_parameters() * 4
+        assert engine.limit == 0.85 * H200[1]
+        assert engine.kv_cache == engine.limit - engine.weights - engine.runtime
+    assert judge.kv_needed * 2 == summariser.kv_needed < summariser.kv_cache and plan.frozen_fits
+    assert [settings.name for settings in plan.inputs.run.frozen] == ["summariser", "judge"]
     # the host: every process's host side, the prebuilt index and the encoder by their size on disk
     parts = {part.name: part.memory for part in plan.host_parts}
-    assert list(parts) == ["actor ranks", "rollout engines", "rollout workers", "summariser", "Ray", "tool server",
-                           "driver"]
+    assert list(parts) == ["actor ranks", "rollout engines", "rollout workers", "summariser", "judge", "Ray",
+                           "tool server", "driver"]
     assert parts == {
         "actor ranks": coefficients.rank_host, "rollout engines": coefficients.engine_host,
         "rollout workers": coefficients.engine_driver,
-        "summariser": coefficients.engine_host + coefficients.engine_driver, "Ray": coefficients.ray,
+        "summariser": coefficients.engine_host + coefficients.engine_driver,
+        "judge": coefficients.engine_host + coefficients.engine_driver, "Ray": coefficients.ray,
         "tool server": coefficients.encoder_server + (index_bytes + encoder_bytes), "driver": coefficients.driver,
     }
     assert plan.host_total == sum(parts.values())
