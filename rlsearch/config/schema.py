@@ -431,7 +431,7 @@ class JudgeConfig:
     # refused connection, 429 or 5xx moves the request on to the next one, and the failed one is skipped for
     # cooldown_s (counted in reward/judge_failovers). Replies are cached under the first one's model
     endpoints: list[EndpointConfig] = field(default_factory=list)
-    # or beside them, first: a HuggingFace model dir that a frozen vLLM engine of the training run serves as the
+    # or beside them, first: a HuggingFace model dir that a frozen vLLM engine of the run (train or eval) serves as the
     # judge (a Ray actor beside the rollout engines, never trained; OpenAI-compatible on its node, greedy), and as the
     # rubric generator when reward.rubric.evolve.endpoints is empty. Replies are cached under this path as the model
     # name, so reward.judge.replay reruns without starting it

@@ -316,9 +316,6 @@ def _check_reward(config: TrainConfig | EvalConfig) -> None:
     if judge.engine_url:
         raise ConfigError("'reward.judge.engine_url' is set by the run when the engine of reward.judge.engine "
                           "serves: leave it empty (a server of your own goes in reward.judge.base_url)")
-    if judge.engine and isinstance(config, EvalConfig):
-        raise ConfigError(f"'reward.judge.engine' starts a frozen judge engine in training runs only; for an eval, "
-                          f"serve the model (vllm serve {judge.engine}) and set reward.judge.base_url and model")
     if judge.engine and not (Path(judge.engine) / "config.json").is_file():
         raise ConfigError(f"'reward.judge.engine' is {judge.engine}, which is not a HuggingFace model dir (no "
                           "config.json)")

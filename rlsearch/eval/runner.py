@@ -17,11 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import ConfigError, EvalConfig, check_model_files, resolve_store_dirs, to_dict
+from ..config import ConfigError, EvalConfig, RewardConfig, check_model_files, resolve_store_dirs, to_dict
 from ..data import DatasetError, QAExample, load_qa_dataset
 from ..files import atomic_path
 from ..reward import check_scorers, score_trajectories, trajectory_answer
-from ..rollout import EngineSpec, PromptItem, Trajectory, new_rollout_worker, start_engines, start_tool_servers
+from ..rollout import (
+    EngineSpec,
+    PromptItem,
+    Trajectory,
+    new_rollout_worker,
+    start_engines,
+    start_frozen_judge,
+    start_tool_servers,
+)
 from .metrics import (
     OVERALL,
     render_hops_table,
@@ -245,26 +253,31 @@ def run_eval(config: EvalConfig) -> EvalSummary:
     check_model_files(config.model.path)  # before output_dir is written to
     run = EvalRun(config)
     if run.pending:
-        with rollout_engines(run.config) as (generate, tokenizer):
+        with rollout_engines(run.config) as (generate, tokenizer, reward):
+            run.config = dataclasses.replace(run.config, reward=reward)  # a frozen judge engine's URL filled in
             run.generate_pending(generate, tokenizer)
     return run.finish()
 
 
 @contextmanager
-def rollout_engines(config: EvalConfig) -> Iterator[tuple[GenerateFn, PreTrainedTokenizerBase | None]]:
+def rollout_engines(
+    config: EvalConfig,
+) -> Iterator[tuple[GenerateFn, PreTrainedTokenizerBase | None, RewardConfig]]:
     """The rollout side of an eval run, built in this one place: tool servers, then one in-process vLLM engine
-    (rollout.num_engines 1, tensor_parallel_size 1, no frozen summariser engine), or a local Ray instance with an
-    EnginePool. Yields the generate function and the engine's tokenizer (None with a pool: `generate_pending` loads
-    it)."""
+    (rollout.num_engines 1, tensor_parallel_size 1, no frozen engine), or a local Ray instance with an EnginePool and
+    the frozen engines (the browse summariser's, the reward judge's: reward.judge.engine, stopped with the pool).
+    Yields the generate function, the engine's tokenizer (None with a pool: `generate_pending` loads it) and the
+    reward config to score with (the frozen judge's URL in it)."""
     servers = start_tool_servers(config.tools)
     try:
         tools = servers.tools  # the config with the started servers' URLs filled in
         one_engine = config.rollout.num_engines == 1 and config.rollout.tensor_parallel_size == 1
-        if one_engine and not tools.browse.summariser.engine:  # a frozen engine is a Ray actor: the pool path
+        frozen = tools.browse.summariser.engine or (config.reward.judge.engine and not config.reward.judge.replay)
+        if one_engine and not frozen:  # a frozen engine is a Ray actor: the pool path
             engine_spec = EngineSpec.from_config(config.model, config.rollout, config.eval.seed)
             worker = new_rollout_worker(engine_spec, config.rollout, tools, config.eval.seed)
             try:
-                yield worker.generate, worker.engine.tokenizer
+                yield worker.generate, worker.engine.tokenizer, config.reward
             finally:
                 worker.shutdown()
         else:
@@ -273,9 +286,21 @@ def rollout_engines(config: EvalConfig) -> Iterator[tuple[GenerateFn, PreTrained
             rollout = config.rollout
             own_ray = init_ray(num_cpus=rollout.num_engines * rollout.tensor_parallel_size + 1)
             try:
-                pool = start_engines(config.model, rollout, tools, config.eval.seed)
+                judge = start_frozen_judge(config.reward.judge, config.eval.seed)  # starting beside the engines
                 try:
-                    yield pool.generate, None
+                    pool = start_engines(config.model, rollout, tools, config.eval.seed)
+                except BaseException:
+                    if judge is not None:
+                        import ray
+
+                        ray.kill(judge.actor)
+                    raise
+                if judge is not None:
+                    pool.helpers.append(judge.actor)
+                try:
+                    reward = config.reward if judge is None else dataclasses.replace(config.reward,
+                                                                                      judge=judge.ready())
+                    yield pool.generate, None, reward
                 finally:
                     pool.shutdown()
             finally:

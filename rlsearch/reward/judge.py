@@ -70,12 +70,22 @@ class ReplyCache:
         self.write_failed = False
 
     def get(self, key: str) -> str | None:
+        """The reply kept under `key`; None when there is none (absent, damaged, or a recorded failure: asked again
+        and rewritten)."""
+        return self._field(key, "reply")
+
+    def failure(self, key: str) -> str | None:
+        """Why the request under `key` failed when it was last asked and got no reply (what a replay repeats)."""
+        return self._field(key, "failed")
+
+    def _field(self, key: str, name: str) -> str | None:
         if self.directory is None:
             return None
         try:
-            return json.loads((self.directory / key[:2] / f"{key}.json").read_text(encoding="utf-8"))["reply"]
+            value = json.loads((self.directory / key[:2] / f"{key}.json").read_text(encoding="utf-8"))[name]
         except (OSError, ValueError, KeyError, TypeError):
-            return None  # absent, or damaged: asked again and rewritten
+            return None
+        return value if isinstance(value, str) else None
 
     def put(self, key: str, record: dict) -> None:
         if self.directory is None:
@@ -157,17 +167,26 @@ class Judge:
         return score
 
     async def reply(self, prompt: str, counters: JudgeCounters) -> str:
-        """The judge's reply to ``prompt``, from the cache when it was asked before."""
+        """The judge's reply to ``prompt``, from the cache when it was asked before. A request that fails
+        (`JudgeError`: every endpoint and retry) is kept as a failure: asked again by a run, failed again the same
+        way by a replay, which so gives the recorded run's rewards even where its judge timed out."""
         key = hashlib.sha256(json.dumps([self.model, self.config.max_tokens, prompt]).encode()).hexdigest()
         cached = self.cache.get(key)
         if cached is not None:
             counters.cache_hits += 1
             return cached
         if self.config.replay:
+            if (failure := self.cache.failure(key)) is not None:
+                counters.cache_hits += 1
+                raise JudgeError(failure)
             raise JudgeReplayMissError(
                 f"reward.judge.replay: {self.config.cache_dir} has no reply of {self.model} to the prompt "
                 f"{prompt[:300]!r} (key {key}; the recorded run never asked it)")
-        reply, model = await self._ask_with_failover(prompt, counters)
+        try:
+            reply, model = await self._ask_with_failover(prompt, counters)
+        except JudgeError as error:
+            self.cache.put(key, {"model": self.model, "prompt": prompt, "failed": str(error)})
+            raise
         self.cache.put(key, {"model": self.model, "answered_by": model, "prompt": prompt, "reply": reply})
         return reply
 

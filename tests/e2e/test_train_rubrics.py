@@ -13,6 +13,7 @@ import itertools
 import json
 import re
 import statistics
+import sys
 import zlib
 from collections import Counter
 from types import SimpleNamespace
@@ -250,7 +251,8 @@ def test_a_replay_from_the_runs_judge_cache_gives_its_rewards_and_buffers_withou
 @pytest.fixture(scope="module")
 def frozen_judge_run(module_tmp, tiny_model_dir, smollm2_dir, longform, driver_ray):
     """A step whose judge and rubric generator are SmolLM2-135M-Instruct, served by a frozen engine of the run
-    (reward.judge.engine), then the step replayed from the run's judge cache, which starts no engine."""
+    (reward.judge.engine), then the step replayed from the run's judge cache, which starts no engine; and an
+    `rlsearch eval` of the test questions judged by a frozen engine of its own."""
     base = module_tmp.mktemp("frozen_judge")
     (base / "rubric.txt").write_text(YES_NO_RUBRIC_PROMPT)
     settings = (f"reward.judge.engine={smollm2_dir}", f"reward.judge.rubric_prompt_file={base / 'rubric.txt'}",
@@ -259,7 +261,14 @@ def frozen_judge_run(module_tmp, tiny_model_dir, smollm2_dir, longform, driver_r
     output = _train(tiny_model_dir, longform, base / "run", driver_ray, 1, *settings)
     replay_output = _train(tiny_model_dir, longform, base / "replay", driver_ray, 1, *settings,
                            "reward.judge.replay=true", f"reward.judge.cache_dir={base / 'run' / 'judge_cache'}")
-    return SimpleNamespace(dir=base / "run", output=output, replay_dir=base / "replay", replay_output=replay_output)
+    evaluation = run_from_repo([
+        sys.executable, "-m", "rlsearch", "eval", "--config", "examples/configs/eval_search.yaml", *CALL_TOOL,
+        f"model.path={tiny_model_dir}", f"eval.files=[{longform.data.test}]",
+        f"tools.retriever.corpus={longform.data.corpus}", f"tools.retriever.index_cache_dir={longform.index_cache}",
+        f"output_dir={base / 'eval'}", *settings[:3]], timeout=900)
+    assert evaluation.returncode == 0, evaluation.stdout[-3000:] + evaluation.stderr[-3000:]
+    return SimpleNamespace(dir=base / "run", output=output, replay_dir=base / "replay", replay_output=replay_output,
+                           eval_dir=base / "eval", eval_questions=len(longform.data.test.read_text().splitlines()))
 
 
 # SmolLM2-135M-Instruct answers the shipped rubric prompt ("Score: 0", "Score: 1" or "Score: 2") with prose and no
@@ -308,3 +317,19 @@ def test_a_frozen_engine_of_the_run_judges_and_writes_rubrics_and_a_replay_needs
     assert [(r["response_ids"], r["reward"], r["rubric_scores"], r["failed"]) for r in replayed] == [
         (r["response_ids"], r["reward"], r["rubric_scores"], r["failed"]) for r in records]
     assert _buffer(frozen_judge_run.replay_dir, 1) == _buffer(frozen_judge_run.dir, 1)
+
+
+@pytest.mark.memory_heavy
+def test_an_eval_is_judged_by_a_frozen_engine_of_its_own(frozen_judge_run, smollm2_dir):
+    """`rlsearch eval` with reward.judge.engine: every judgement of the eval's trajectories was asked of its frozen
+    SmolLM2 engine, and each record's rubric scores are verdicts parsed from those replies."""
+    from rlsearch.reward.verdict import parse_verdict
+
+    replies = [json.loads(path.read_text()) for path in (frozen_judge_run.eval_dir / "judge_cache").rglob("*.json")]
+    assert replies and all(r["model"] == r["answered_by"] == str(smollm2_dir) for r in replies)
+    records = [json.loads(line) for line in (frozen_judge_run.eval_dir / "trajectories.jsonl").open()]
+    assert len(records) == frozen_judge_run.eval_questions
+    verdicts = Counter(v for v in (parse_verdict(r["reply"], 2) for r in replies) if v is not None)
+    scored = Counter(score["score"] for record in records if not record["failed"]
+                     for score in record["rubric_scores"])
+    assert sum(scored.values()) > 0 and not scored - verdicts

@@ -75,6 +75,28 @@ def test_a_replay_scores_from_the_recorded_replies_alone_and_names_a_missing_pro
     replay.close()
 
 
+def test_a_replay_fails_a_trajectory_where_the_recorded_judge_failed_and_a_run_asks_again(tmp_path) -> None:
+    """A request that failed (every attempt: the judge was down, or too slow) is kept as a failure: the replay fails
+    the same trajectory with the same message and scores the others as recorded; a run asks it again."""
+    texts = ["<answer>a</answer>", "<answer>down</answer>"]
+    script = _by_answer({"a": "Verdict: correct"})
+    with stub_judge(lambda prompt, attempt: Scripted(status=503) if "down" in prompt else script(prompt, attempt)) \
+            as (_, url):
+        recorded = [answered(text, i) for i, text in enumerate(texts)]
+        _scorer(url, tmp_path / "judge_cache", max_retries=0).score(recorded, [row()] * 2)
+    assert recorded[1].failed == "judge: 1 attempt(s) failed, the last: HTTP 503"
+    replay = _scorer(url, tmp_path / "judge_cache", replay=True)
+    again = [answered(text, i) for i, text in enumerate(texts)]
+    stats = replay.score(again, [row()] * 2)
+    replay.close()
+    assert [(t.reward, t.failed) for t in again] == [(t.reward, t.failed) for t in recorded]
+    assert stats["reward/judge_requests"] == 0 and stats["reward/judge_failures"] == 1
+    with stub_judge(_by_answer({"a": "Verdict: correct", "down": "Verdict: correct"})) as (stub, url):
+        rerun = [answered(texts[1], 0)]
+        _scorer(url, tmp_path / "judge_cache").score(rerun, [row()])
+    assert not rerun[0].failed and rerun[0].reward == 1.0 and len(stub.prompts) == 1  # asked again, then kept
+
+
 def test_request_rate_is_held_at_the_judge() -> None:
     interval_s = 0.1
     with stub_judge(lambda prompt, attempt: Scripted("Verdict: correct")) as (stub, url):

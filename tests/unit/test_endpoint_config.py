@@ -79,11 +79,3 @@ def test_the_frozen_judge_engine_is_the_first_endpoint_and_names_the_cache_model
     own = dataclasses.replace(alone, rubric=dataclasses.replace(alone.rubric, evolve=dataclasses.replace(
         alone.rubric.evolve, endpoints=[EndpointConfig("http://g/v1", "g")])))
     assert [e.model for e in judge_endpoints(generator_config(own)[0])] == ["g"]
-
-
-def test_an_eval_refuses_the_frozen_judge_engine(tiny_model_dir):
-    from rlsearch.config import load_eval_config
-
-    with pytest.raises(ConfigError, match=r"'reward\.judge\.engine' starts a frozen judge engine in training runs "
-                                          r"only; for an eval, serve the model \(vllm serve"):
-        load_eval_config(None, [f"reward.judge.engine={tiny_model_dir}"])
