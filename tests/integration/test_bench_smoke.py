@@ -38,6 +38,8 @@ PRINTED = {
     # a LoRA actor's merged sync (shm) and its adapter sync, both checked by the probe
     "weight_sync.py": ("TP1PP1         1 shm", "TP1PP1         1 adapter", "adapter / merged sync"),
     "train_step.py": ("megatron / hf training tokens/s", "mg-lora / megatron step time"),
+    # a random judge: its replies are read (a verdict or none), each answer kind's perfect score beside them
+    "rubric_judge.py": ("judgements in", "rubric score, perfect judge", "-1.000"),
 }
 # figures a bench's smoke run prints (the pattern's group) with the least each may be (None: finite only). PPO's
 # step does GRPO's and the critic's work: its CPU seconds exceed GRPO's whatever the machine's load, its wall time
