@@ -287,16 +287,8 @@ def rollout_engines(
             own_ray = init_ray(num_cpus=rollout.num_engines * rollout.tensor_parallel_size + 1)
             try:
                 judge = start_frozen_judge(config.reward.judge, config.eval.seed)  # starting beside the engines
-                try:
-                    pool = start_engines(config.model, rollout, tools, config.eval.seed)
-                except BaseException:
-                    if judge is not None:
-                        import ray
-
-                        ray.kill(judge.actor)
-                    raise
-                if judge is not None:
-                    pool.helpers.append(judge.actor)
+                pool = start_engines(config.model, rollout, tools, config.eval.seed,
+                                     helpers=[judge.actor] if judge is not None else [])
                 try:
                     reward = config.reward if judge is None else dataclasses.replace(config.reward,
                                                                                       judge=judge.ready())

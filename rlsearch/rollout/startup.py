@@ -3,6 +3,7 @@ into the tools config the engines get), then the engines."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..config import ConfigError, ModelConfig, RolloutConfig, ToolsConfig
@@ -22,22 +23,24 @@ def start_tool_servers(tools: ToolsConfig) -> ToolServers:
 
 
 def start_engines(model: ModelConfig, rollout: RolloutConfig, tools: ToolsConfig, seed: int, lora_rank: int = 0,
-                  **pool_options: Any) -> EnginePool:
+                  helpers: Sequence[Any] = (), **pool_options: Any) -> EnginePool:
     """`rollout.num_engines` engines of `model` as Ray actors (Ray already running), with the tools of `tools` (the
     started servers' config) and, with `lora_rank`, vLLM's LoRA on (actor.lora.sync=adapter); `pool_options` place
-    them (trainer.placement). The frozen engine of the browse
-    summariser (tools.browse.summariser.engine) starts first, and stops with the pool."""
+    them (trainer.placement). The frozen engine of the browse summariser (tools.browse.summariser.engine) starts
+    first; it and `helpers` (frozen engines the caller started, e.g. `start_frozen_judge`'s) stop with the pool, or
+    are stopped here when the pool does not start."""
+    import ray
+
     from ..ray_setup import cluster_has_gpus
 
-    tools, frozen = start_frozen_summariser(tools, seed, gpus=1 if cluster_has_gpus() else 0)
+    frozen = list(helpers)
     try:
+        tools, summariser = start_frozen_summariser(tools, seed, gpus=1 if cluster_has_gpus() else 0)
+        frozen += [summariser] if summariser is not None else []
         pool = EnginePool(EngineSpec.from_config(model, rollout, seed, lora_rank), rollout, tools, seed, **pool_options)
     except BaseException:
-        if frozen is not None:
-            import ray
-
-            ray.kill(frozen)
+        for actor in frozen:
+            ray.kill(actor)
         raise
-    if frozen is not None:
-        pool.helpers.append(frozen)
+    pool.helpers += frozen
     return pool

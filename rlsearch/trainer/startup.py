@@ -93,14 +93,8 @@ def start_run(config: TrainConfig, examples: list[QAExample], parts: RunParts, o
                                rollout.num_engines, rollout.tensor_parallel_size)
     # reward.judge.engine: the frozen judge engine starts beside the rest, and stops with the engine pool
     frozen_judge = start_frozen_judge(config.reward.judge, config.trainer.seed, gpus)
-    try:
-        start_actor, start_critic, logit_bias = _start_engines_and_ranks(config, tools, placement, gpus, parts,
-                                                                         seconds)
-    finally:
-        if frozen_judge is not None and parts.pool is not None:
-            parts.pool.helpers.append(frozen_judge.actor)
-        elif frozen_judge is not None:
-            ray.kill(frozen_judge.actor)
+    start_actor, start_critic, logit_bias = _start_engines_and_ranks(
+        config, tools, placement, gpus, parts, seconds, [frozen_judge.actor] if frozen_judge is not None else [])
     if frozen_judge is not None:
         with timed(seconds, "frozen judge"):
             config = replace(config, reward=replace(config.reward, judge=frozen_judge.ready()))
@@ -137,17 +131,17 @@ def _join_ray(config: TrainConfig, output_dir: Path, seconds: dict[str, float]) 
 
 def _start_engines_and_ranks(
     config: TrainConfig, tools: ToolsConfig, placement: Placement, gpus: int, parts: RunParts,
-    seconds: dict[str, float],
+    seconds: dict[str, float], helpers: list,
 ) -> tuple[Callable[[], ActorRanks], Callable[[ActorRanks], CriticRanks] | None, dict[int, float]]:
-    """The engine pool, the actor ranks (`gpus` each) and the critic's beside them (algo.advantage=gae: half of each
-    rank's devices each) into `parts`; returns the actor and critic factories and the token logit bias the ranks
-    score under."""
+    """The engine pool (`helpers`: frozen engines started already, stopped with it), the actor ranks (`gpus` each)
+    and the critic's beside them (algo.advantage=gae: half of each rank's devices each) into `parts`; returns the
+    actor and critic factories and the token logit bias the ranks score under."""
     def start_pool() -> EnginePool:
         with timed(seconds, "rollout engines"):
             # under the supervisor the engines outlive this driver, and a restarted one takes them over
             lora = config.actor.lora
             return start_engines(config.model, config.rollout, tools, config.trainer.seed,
-                                 lora_rank=lora.rank if lora.sync == "adapter" else 0,
+                                 lora_rank=lora.rank if lora.sync == "adapter" else 0, helpers=helpers,
                                  detached=bool(supervisor_ray_address()), **placement.pool_options)
 
     # the engines and the actor ranks start side by side (each is mostly one process importing and loading); the
