@@ -23,9 +23,6 @@ from bench.common import SMOKE_VOCAB_RANKS, build_model, parse_args  # noqa: E40
 from bench.common.table import print_table  # noqa: E402
 
 SMOLLM2_DIR = Path("outputs/assets/smollm2-135m-instruct")
-# the yes/no template a 135M judge answers with a verdict in its first token (tests/e2e/test_train_rubrics.py's)
-YES_NO_PROMPT = ("Question: {question}\nAnswer: {response}\n\nDoes the answer satisfy this criterion: {rubric}\n"
-                 "Reply with one word: yes or no.")
 # the long-form rubrics as rlsearch.data.longform writes them: a fact with its citation, and a look-alike's fact
 FACT = re.compile(r'^Answers "(?P<question>.*)" with (?P<answer>.*) and cites the passage that says so, '
                   r'<cite id="(?P<passage>[^"]+)">\.$')
@@ -78,8 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--judge", default=str(SMOLLM2_DIR),
                         help="the judge's HF model dir (default SmolLM2-135M-Instruct: rlsearch make-real-model)")
-    parser.add_argument("--prompt", default="yes-no", help="yes-no, shipped (rlsearch/reward/prompts/rubric.txt), "
-                        "or a template file with {question}, {response} and {rubric}")
+    parser.add_argument("--prompt", default="yes-no", help="yes-no (rlsearch/reward/prompts/rubric_yes_no.txt), "
+                        "shipped (rubric.txt there, the default rubric prompt), or a template file with {question}, "
+                        "{response} and {rubric}")
     parser.add_argument("--max-tokens", type=int, default=0, help="of each reply; 0: 1 for yes-no, 8 otherwise")
     parser.add_argument("--questions", type=int, default=60, help="long-form questions made (20%% held out: judged)")
     parser.add_argument("--facts", type=int, default=2, help="facts per question")
@@ -98,8 +96,8 @@ def main() -> None:
 
     out = Path(args.out)
     judge_dir = Path(args.judge) if args.judge else build_model("tiny", out, vocab_ranks=SMOKE_VOCAB_RANKS)
-    template = {"yes-no": YES_NO_PROMPT, "shipped": (PROMPTS_DIR / "rubric.txt").read_text()}.get(args.prompt)
-    template = template or Path(args.prompt).read_text()
+    shipped = {"yes-no": PROMPTS_DIR / "rubric_yes_no.txt", "shipped": PROMPTS_DIR / "rubric.txt"}
+    template = shipped.get(args.prompt, Path(args.prompt)).read_text()
     max_tokens = args.max_tokens or (1 if args.prompt == "yes-no" else 8)
     data = make_longform_data(out / "longform", seed=0, num_questions=args.questions, facts_per_question=args.facts)
     examples = load_qa_dataset(data.test)

@@ -463,6 +463,11 @@ class JudgeConfig:
     # is not there stops the run, naming it
     replay: bool = False
 
+    @property
+    def starts_engine(self) -> bool:
+        """Whether the run starts the frozen engine of `engine` (a replay sends no request, so starts none)."""
+        return bool(self.engine) and not self.replay
+
 
 @dataclass
 class EvolveConfig:

@@ -272,7 +272,7 @@ def rollout_engines(
     try:
         tools = servers.tools  # the config with the started servers' URLs filled in
         one_engine = config.rollout.num_engines == 1 and config.rollout.tensor_parallel_size == 1
-        frozen = tools.browse.summariser.engine or (config.reward.judge.engine and not config.reward.judge.replay)
+        frozen = tools.browse.summariser.engine or config.reward.judge.starts_engine
         if one_engine and not frozen:  # a frozen engine is a Ray actor: the pool path
             engine_spec = EngineSpec.from_config(config.model, config.rollout, config.eval.seed)
             worker = new_rollout_worker(engine_spec, config.rollout, tools, config.eval.seed)

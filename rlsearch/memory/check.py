@@ -214,7 +214,7 @@ def _frozen_engines(config: TrainConfig) -> tuple[FrozenEngineSettings, ...]:
     if summariser.engine and not summariser.engine_actor:
         engines.append(_frozen_engine("summariser", "tools.browse.summariser", summariser.engine,
                                       summariser.engine_max_model_len))
-    if judge.engine and not judge.replay:
+    if judge.starts_engine:
         engines.append(_frozen_engine("judge", "reward.judge", judge.engine, judge.engine_max_model_len))
     return tuple(engines)
 

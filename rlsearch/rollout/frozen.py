@@ -184,7 +184,7 @@ class FrozenJudge:
 def start_frozen_judge(judge: JudgeConfig, seed: int, gpus: int = 0) -> FrozenJudge | None:
     """reward.judge.engine's frozen engine (Ray running), starting while the caller starts the rest; None when no
     engine is asked for, or a replay (reward.judge.replay) sends no request."""
-    if not judge.engine or judge.replay:
+    if not judge.starts_engine:
         return None
     return FrozenJudge(judge, seed, gpus)
 

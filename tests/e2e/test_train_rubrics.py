@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from rlsearch.reward.judge import PROMPTS_DIR
 from rlsearch.reward.qa import extract_answer
 from tests.drivers import run_from_repo, train_command
 from tests.integration.judge_stub import Scripted, stub_judge
@@ -31,6 +32,10 @@ CRITERION, MISTAKE = "Generated criterion", "Generated mistake"  # the stub's po
 FORMAT_WEIGHT, CITATION_WEIGHT, SEARCH_WEIGHT, MAX_SEARCHES = 0.2, 0.2, 0.1, 3
 CALL_TOOL = ("rollout.protocol=call_tool", 'rollout.assistant_prefix=<call_tool name="search">',
              'rollout.logit_bias={"</call_tool>": 16.0}')
+# SmolLM2-135M-Instruct answers the default rubric prompt ("Score: 0", "Score: 1" or "Score: 2") with prose and no
+# score; asked for one word, yes or no (the shipped yes/no prompt), its first token is one
+YES_NO_RUBRIC_PROMPT = PROMPTS_DIR / "rubric_yes_no.txt"
+JUDGE_MAX_TOKENS, GENERATOR_MAX_TOKENS = 1, 192
 _CRITERION = re.compile(r"\n\nCriterion: (.*)\n\nScore the answer", re.DOTALL)
 _QUESTION = re.compile(r"^Question: (.*)$", re.MULTILINE)
 
@@ -254,8 +259,7 @@ def frozen_judge_run(module_tmp, tiny_model_dir, smollm2_dir, longform, driver_r
     (reward.judge.engine), then the step replayed from the run's judge cache, which starts no engine; and an
     `rlsearch eval` of the test questions judged by a frozen engine of its own."""
     base = module_tmp.mktemp("frozen_judge")
-    (base / "rubric.txt").write_text(YES_NO_RUBRIC_PROMPT)
-    settings = (f"reward.judge.engine={smollm2_dir}", f"reward.judge.rubric_prompt_file={base / 'rubric.txt'}",
+    settings = (f"reward.judge.engine={smollm2_dir}", f"reward.judge.rubric_prompt_file={YES_NO_RUBRIC_PROMPT}",
                 f"reward.judge.max_tokens={JUDGE_MAX_TOKENS}",
                 f"reward.rubric.evolve.max_tokens={GENERATOR_MAX_TOKENS}")
     output = _train(tiny_model_dir, longform, base / "run", driver_ray, 1, *settings)
@@ -269,13 +273,6 @@ def frozen_judge_run(module_tmp, tiny_model_dir, smollm2_dir, longform, driver_r
     assert evaluation.returncode == 0, evaluation.stdout[-3000:] + evaluation.stderr[-3000:]
     return SimpleNamespace(dir=base / "run", output=output, replay_dir=base / "replay", replay_output=replay_output,
                            eval_dir=base / "eval", eval_questions=len(longform.data.test.read_text().splitlines()))
-
-
-# SmolLM2-135M-Instruct answers the shipped rubric prompt ("Score: 0", "Score: 1" or "Score: 2") with prose and no
-# score; asked for one word, yes or no, its first token is one
-YES_NO_RUBRIC_PROMPT = ("Question: {question}\nAnswer: {response}\n\nDoes the answer satisfy this criterion: {rubric}\n"
-                        "Reply with one word: yes or no.")
-JUDGE_MAX_TOKENS, GENERATOR_MAX_TOKENS = 1, 192
 
 
 @pytest.mark.memory_heavy  # the tiny policy's engine and rank, and SmolLM2's engine
